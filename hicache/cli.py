@@ -1,0 +1,68 @@
+"""``hicache`` command line: ``info`` (default), ``replay``, ``serve``."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from hicache.config import HiCacheConfig, parse_set_flags
+from hicache.errors import HiCacheError
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML configuration file (else $HICACHE_CONFIG)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one configuration value; repeatable")
+
+
+def _load(args: argparse.Namespace) -> HiCacheConfig:
+    cfg = HiCacheConfig.load(args.config, parse_set_flags(args.set))
+    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return cfg
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from hicache.pools import HostPool
+    cfg = _load(args)
+    layout = cfg.layout()
+    dev_bytes = layout.page_bytes * cfg.pool.device_pages
+    host_bytes = HostPool.nbytes_for(layout, cfg.pool.host_pages)
+    info = {
+        "config": cfg.model_dump(),
+        "layout": {"fingerprint": layout.fingerprint(), "planes": len(layout.planes),
+                   "page_bytes": layout.page_bytes, "token_bytes": layout.token_bytes},
+        "pools": {"device": cfg.resolved_device(),
+                  "L1": {"pages": cfg.pool.device_pages, "tokens": cfg.pool.device_pages * layout.page_size,
+                         "bytes": dev_bytes},
+                  "L2": {"pages": cfg.pool.host_pages, "tokens": cfg.pool.host_pages * layout.page_size,
+                         "bytes": host_bytes},
+                  "L3": cfg.storage.url or "(none)"},
+    }
+    print(json.dumps(info, indent=2, default=str))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hicache", description=__doc__)
+    sub = p.add_subparsers(dest="cmd")
+    info = sub.add_parser("info", help="print the resolved configuration and pool sizes")
+    _common(info)
+    info.set_defaults(fn=cmd_info)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "fn", None):
+        args = parser.parse_args(["info", *(argv or [])]) if argv is not None else parser.parse_args(["info"])
+    try:
+        return args.fn(args)
+    except HiCacheError as e:
+        print(f"hicache: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

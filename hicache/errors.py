@@ -1,0 +1,62 @@
+"""One exception tree for hicache.
+
+Boundaries (user input, another process, I/O) raise these with messages that
+name the values involved and what to do; internal invariants use ``assert``.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+
+class HiCacheError(Exception):
+    """Base of every error hicache raises on purpose."""
+
+
+class ConfigError(HiCacheError, ValueError):
+    """A configuration value is invalid; the message names the key and the fix."""
+
+
+class LayoutError(HiCacheError, ValueError):
+    """A ``KVLayout`` field is invalid; the message names the field and value."""
+
+
+class ContractMismatch(HiCacheError):
+    """Two sides disagree on the KV contract (layout, fingerprint, protocol).
+
+    ``differences`` lists ``(field, ours, theirs)`` for every differing field.
+    """
+
+    def __init__(self, what: str, differences: Sequence[tuple[str, Any, Any]]):
+        self.differences = list(differences)
+        lines = "; ".join(f"{f}: ours={a!r} theirs={b!r}" for f, a, b in self.differences)
+        super().__init__(
+            f"{what}: refusing to exchange KV, {len(self.differences)} field(s) differ: {lines}"
+        )
+
+
+class PoolError(HiCacheError):
+    """Misuse of a page pool or allocator."""
+
+
+class OutOfPages(PoolError):
+    """Not enough free pages; evict first or lower the demand."""
+
+
+class DoubleFree(PoolError):
+    """A page was freed that is not currently allocated."""
+
+
+class ForeignPage(PoolError):
+    """A page id does not belong to this pool."""
+
+
+class ProvenanceError(HiCacheError, ValueError):
+    """Row provenance does not explain the rows handed to a write."""
+
+
+class StorageError(HiCacheError):
+    """An L3 backend failed; callers turn this into a counted miss."""
+
+
+class IntegrityError(HiCacheError, AssertionError):
+    """``check_integrity()`` found a broken invariant."""

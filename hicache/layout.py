@@ -1,0 +1,260 @@
+"""``KVLayout``: everything that decides the bytes of a page, and its fingerprint.
+
+A page's payload is a list of *planes*, one entry per (plane name, layer):
+
+* MHA: ``k`` and ``v`` per layer, rows of ``[num_kv_heads, head_dim]``;
+* MLA: ``latent`` per layer, rows of ``[kv_lora_rank + rope_dim]``;
+* extra byte planes (e.g. an fp8 indexer key with its scale) per layer, rows
+  of ``[bytes_per_token]`` uint8;
+* draft planes: the same per-layer planes for ``draft_layers`` draft-model
+  (EAGLE / NextN) layers, named ``draft_k`` etc.; they share the target's page
+  ids, so a page is complete only when both are present.
+
+The canonical plane order (``KVLayout.planes``) is the order of bytes in an L3
+object and the order kernels walk.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Literal
+
+import torch
+
+from hicache.errors import ContractMismatch, LayoutError
+
+# Bump when the meaning of a page's bytes changes in a way no field captures.
+CONTRACT_VERSION = 1
+
+# Payload dtypes and how they are stored. fp8 travels as raw bytes: kernels
+# never convert a payload, so uint8 storage is exact.
+_DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "bfloat16": (torch.bfloat16, 2),
+    "float16": (torch.float16, 2),
+    "float32": (torch.float32, 4),
+    "float8_e4m3fn": (torch.uint8, 1),
+    "float8_e5m2": (torch.uint8, 1),
+    "uint8": (torch.uint8, 1),
+}
+
+Kind = Literal["mha", "mla"]
+HostLayout = Literal["layer_first", "page_first"]
+
+# Fields that do not change the bytes of any page: CP decides which rank holds
+# a page, never what the page contains, and the host memory layout is not part
+# of the canonical (plane-ordered) page encoding. A cp_size 2 prefill can
+# therefore hand pages to a cp_size 1 decode. Processes that share one L2
+# segment must also agree on host_layout; ``check_shared_l2`` compares it.
+_NOT_IN_FINGERPRINT = frozenset({"cp_rank", "cp_size", "host_layout"})
+
+
+@dataclass(frozen=True, slots=True)
+class BytePlane:
+    """An extra per-layer plane of raw bytes (e.g. fp8 indexer key + scale)."""
+
+    name: str
+    bytes_per_token: int
+
+
+@dataclass(frozen=True, slots=True)
+class PlaneSpec:
+    """One (plane, layer) component of a page. Derived from a ``KVLayout``."""
+
+    index: int  # position in KVLayout.planes
+    name: str  # "k", "v", "latent", a byte-plane name, or "draft_" + one of those
+    layer: int  # layer index within the target model or within the draft model
+    draft: bool
+    row_shape: tuple[int, ...]  # shape of one token's row
+    dtype: torch.dtype  # storage dtype (uint8 for fp8 and byte planes)
+    row_bytes: int
+    page_bytes: int  # page_size * row_bytes
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Frozen description of one process's KV bytes. Validated on construction.
+
+    ``num_kv_heads`` is the number of KV heads held by this TP rank.
+    """
+
+    model_id: str
+    num_layers: int
+    kind: Kind = "mha"
+    num_kv_heads: int = 0  # MHA only
+    head_dim: int = 0  # MHA only
+    kv_lora_rank: int = 0  # MLA only: latent dim
+    rope_dim: int = 0  # MLA only: decoupled rope key dim
+    dtype: str = "bfloat16"
+    page_size: int = 16
+    extra_planes: tuple[BytePlane, ...] = ()
+    draft_layers: int = 0
+    tp_rank: int = 0
+    tp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+    host_layout: HostLayout = "layer_first"
+    _planes: tuple[PlaneSpec, ...] = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "extra_planes", tuple(
+            p if isinstance(p, BytePlane) else BytePlane(*p) for p in self.extra_planes))
+        self._validate()
+        object.__setattr__(self, "_planes", self._build_planes())
+
+    # ---------------------------------------------------------------- validation
+    def _bad(self, name: str, why: str) -> LayoutError:
+        return LayoutError(f"KVLayout.{name}={getattr(self, name)!r}: {why}")
+
+    def _validate(self) -> None:
+        if not isinstance(self.model_id, str) or not self.model_id:
+            raise self._bad("model_id", "must be a non-empty string naming the model")
+        for name in ("num_layers", "page_size", "tp_size", "cp_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise self._bad(name, "must be an integer >= 1")
+        for name in ("draft_layers", "tp_rank", "cp_rank", "num_kv_heads", "head_dim",
+                     "kv_lora_rank", "rope_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise self._bad(name, "must be an integer >= 0")
+        if self.tp_rank >= self.tp_size:
+            raise self._bad("tp_rank", f"must be < tp_size={self.tp_size}")
+        if self.cp_rank >= self.cp_size:
+            raise self._bad("cp_rank", f"must be < cp_size={self.cp_size}")
+        if self.kind not in ("mha", "mla"):
+            raise self._bad("kind", "must be 'mha' or 'mla'")
+        if self.kind == "mha":
+            if self.num_kv_heads < 1 or self.head_dim < 1:
+                raise self._bad("kind", "MHA needs num_kv_heads >= 1 and head_dim >= 1")
+            if self.kv_lora_rank or self.rope_dim:
+                raise self._bad("kv_lora_rank", "is MLA-only; set kind='mla' or leave it 0")
+        else:
+            if self.kv_lora_rank < 1:
+                raise self._bad("kv_lora_rank", "MLA needs kv_lora_rank >= 1")
+            if self.num_kv_heads or self.head_dim:
+                raise self._bad("num_kv_heads", "is MHA-only; MLA uses kv_lora_rank/rope_dim")
+        if self.dtype not in _DTYPES:
+            raise self._bad("dtype", f"must be one of {sorted(_DTYPES)}")
+        if self.host_layout not in ("layer_first", "page_first"):
+            raise self._bad("host_layout", "must be 'layer_first' or 'page_first'")
+        names = {"k", "v", "latent"}
+        for p in self.extra_planes:
+            if not p.name or not p.name.isidentifier() or p.name in names or p.name.startswith("draft_"):
+                raise self._bad("extra_planes", f"plane name {p.name!r} must be a unique identifier, "
+                                "not k/v/latent and not starting with 'draft_'")
+            if not isinstance(p.bytes_per_token, int) or p.bytes_per_token < 1:
+                raise self._bad("extra_planes", f"plane {p.name!r} needs bytes_per_token >= 1, "
+                                f"got {p.bytes_per_token!r}")
+            names.add(p.name)
+
+    # ------------------------------------------------------------------ planes
+    def _layer_planes(self) -> list[tuple[str, tuple[int, ...], torch.dtype, int]]:
+        st, size = _DTYPES[self.dtype]
+        if self.kind == "mha":
+            row = (self.num_kv_heads, self.head_dim)
+            out = [("k", row, st, size * row[0] * row[1]), ("v", row, st, size * row[0] * row[1])]
+        else:
+            d = self.kv_lora_rank + self.rope_dim
+            out = [("latent", (d,), st, size * d)]
+        out += [(p.name, (p.bytes_per_token,), torch.uint8, p.bytes_per_token) for p in self.extra_planes]
+        return out
+
+    def _build_planes(self) -> tuple[PlaneSpec, ...]:
+        per_layer = self._layer_planes()
+        specs: list[PlaneSpec] = []
+        for draft, layers in ((False, self.num_layers), (True, self.draft_layers)):
+            for layer in range(layers):
+                for name, row, dt, rb in per_layer:
+                    specs.append(PlaneSpec(len(specs), ("draft_" if draft else "") + name, layer,
+                                           draft, row, dt, rb, rb * self.page_size))
+        return tuple(specs)
+
+    @property
+    def planes(self) -> tuple[PlaneSpec, ...]:
+        """Every (plane, layer) of a page, in canonical order: target then draft."""
+        return self._planes
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype][0]
+
+    @cached_property
+    def page_bytes(self) -> int:
+        """Bytes of one page across every plane (target and draft)."""
+        return sum(p.page_bytes for p in self._planes)
+
+    @cached_property
+    def token_bytes(self) -> int:
+        return sum(p.row_bytes for p in self._planes)
+
+    def planes_of_layer(self, layer: int, draft: bool = False) -> tuple[PlaneSpec, ...]:
+        return tuple(p for p in self._planes if p.layer == layer and p.draft == draft)
+
+    # ------------------------------------------------------------- fingerprint
+    def contract_fields(self) -> dict[str, object]:
+        """The fields that decide a page's bytes, JSON-ready, in a fixed order."""
+        out: dict[str, object] = {"contract_version": CONTRACT_VERSION}
+        for f in dataclasses.fields(self):
+            if f.name.startswith("_") or f.name in _NOT_IN_FINGERPRINT:
+                continue
+            v = getattr(self, f.name)
+            out[f.name] = [[p.name, p.bytes_per_token] for p in v] if f.name == "extra_planes" else v
+        return out
+
+    @cached_property
+    def _fingerprint(self) -> str:
+        blob = json.dumps(self.contract_fields(), sort_keys=True, separators=(",", ":"))
+        return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
+
+    def fingerprint(self) -> str:
+        """32 hex chars; stable across processes, machines and hash seeds."""
+        return self._fingerprint
+
+    def diff(self, other: "KVLayout", *, fields: str = "contract") -> list[tuple[str, object, object]]:
+        """``(field, ours, theirs)`` for each differing field.
+
+        ``fields="contract"`` compares what the fingerprint covers;
+        ``"shared_l2"`` also compares ``host_layout``; ``"all"`` everything.
+        """
+        out = []
+        for f in dataclasses.fields(self):
+            if f.name.startswith("_"):
+                continue
+            if fields == "contract" and f.name in _NOT_IN_FINGERPRINT:
+                continue
+            if fields == "shared_l2" and f.name in ("cp_rank", "cp_size"):
+                continue
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if a != b:
+                out.append((f.name, a, b))
+        return out
+
+    def check_compatible(self, other: "KVLayout", *, shared_l2: bool = False) -> None:
+        """Raise ``ContractMismatch`` naming every differing field, else return."""
+        d = self.diff(other, fields="shared_l2" if shared_l2 else "contract")
+        if d:
+            raise ContractMismatch(f"layout {self.model_id!r} vs {other.model_id!r}", d)
+
+    # ------------------------------------------------------------ (de)serialise
+    def to_dict(self) -> dict[str, object]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
+        d["extra_planes"] = [[p.name, p.bytes_per_token] for p in self.extra_planes]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVLayout":
+        known = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+        unknown = set(d) - known
+        if unknown:
+            raise LayoutError(f"unknown KVLayout field(s) {sorted(unknown)}; known: {sorted(known)}")
+        d = dict(d)
+        d["extra_planes"] = tuple(BytePlane(*p) for p in d.get("extra_planes", ()))
+        return cls(**d)
+
+    def replace(self, **changes) -> "KVLayout":
+        d = self.to_dict()
+        d.update(changes)
+        return KVLayout.from_dict(d)

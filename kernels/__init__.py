@@ -1,0 +1,1 @@
+"""Triton page-copy kernels (installed as ``hicache.kernels``)."""
