@@ -1,0 +1,46 @@
+"""Chained page hashes: the L3 key and the KV-event id of a page.
+
+``hash(page j) = blake2b-128(hash(page j-1) || uint32-LE token ids of page j)``
+with ``hash(page -1) = blake2b-128("hicache-ns\\0" || namespace)``, so the
+namespace (LoRA adapter, cache salt) is folded into every page's hash and two
+namespaces never share a key. Stable across processes and machines: no use of
+Python's ``hash()``.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+import numpy as np
+
+from hicache.types import PageHash
+
+HASH_BYTES = 16
+
+
+def namespace_root(namespace: str = "") -> PageHash:
+    return PageHash(hashlib.blake2b(b"hicache-ns\0" + namespace.encode(), digest_size=HASH_BYTES).digest())
+
+
+def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as uint32 little-endian bytes; raises on ids outside [0, 2**32)."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
+    if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
+        raise ValueError(f"token ids must be in [0, 2**32), got min {arr.min()} max {arr.max()}")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def page_hashes(tokens: Sequence[int] | np.ndarray, page_size: int, namespace: str = "",
+                parent: PageHash | None = None) -> list[PageHash]:
+    """Hashes of the whole pages of ``tokens`` (a trailing partial page is ignored)."""
+    raw = tokens_to_bytes(tokens)
+    step = 4 * page_size
+    h = namespace_root(namespace) if parent is None else parent
+    out: list[PageHash] = []
+    blake = hashlib.blake2b
+    for i in range(len(raw) // step):
+        h = PageHash(blake(h + raw[i * step:(i + 1) * step], digest_size=HASH_BYTES).digest())
+        out.append(h)
+    return out
