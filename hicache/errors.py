@@ -60,3 +60,16 @@ class StorageError(HiCacheError):
 
 class IntegrityError(HiCacheError, AssertionError):
     """``check_integrity()`` found a broken invariant."""
+
+
+class ServiceError(HiCacheError):
+    """The local engine service refused a request or the connection failed.
+
+    ``kind`` is the machine-readable reason the service sent in its error frame
+    (``bad_frame``, ``unknown_op``, ``bad_args``, ``not_reserved``, ...), or
+    ``closed`` when the connection ended.
+    """
+
+    def __init__(self, kind: str, message: str):
+        self.kind = kind
+        super().__init__(f"[{kind}] {message}")
