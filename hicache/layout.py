@@ -127,8 +127,9 @@ class KVLayout:
         if self.kind not in ("mha", "mla"):
             raise self._bad("kind", "must be 'mha' or 'mla'")
         if self.kind == "mha":
-            if self.num_kv_heads < 1 or self.head_dim < 1:
-                raise self._bad("kind", "MHA needs num_kv_heads >= 1 and head_dim >= 1")
+            for name in ("num_kv_heads", "head_dim"):
+                if getattr(self, name) < 1:
+                    raise self._bad(name, f"kind='mha' needs {name} >= 1")
             if self.kv_lora_rank or self.rope_dim:
                 raise self._bad("kv_lora_rank", "is MLA-only; set kind='mla' or leave it 0")
         else:
@@ -250,9 +251,7 @@ class KVLayout:
         unknown = set(d) - known
         if unknown:
             raise LayoutError(f"unknown KVLayout field(s) {sorted(unknown)}; known: {sorted(known)}")
-        d = dict(d)
-        d["extra_planes"] = tuple(BytePlane(*p) for p in d.get("extra_planes", ()))
-        return cls(**d)
+        return cls(**d)  # __post_init__ normalises extra_planes
 
     def replace(self, **changes) -> "KVLayout":
         d = self.to_dict()

@@ -1,0 +1,41 @@
+import pytest
+
+from hicache.cli import main
+from hicache.config import HiCacheConfig
+from hicache.errors import ConfigError
+
+
+def test_defaults_are_embedded():
+    cfg = HiCacheConfig.load(env={})
+    assert cfg.storage.url.startswith("file://")
+    assert cfg.layout().page_size == 16
+
+
+def test_precedence_file_env_override(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[pool]\nhost_pages = 10\ndevice_pages = 3\n[storage]\nurl = "memory://"\n')
+    env = {"HICACHE_POOL__HOST_PAGES": "20"}
+    cfg = HiCacheConfig.load(f, {"pool.device_pages": "7"}, env=env)
+    assert (cfg.pool.host_pages, cfg.pool.device_pages, cfg.storage.url) == (20, 7, "memory://")
+
+
+def test_bad_values_say_what_to_change(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        HiCacheConfig.load(overrides={"pool.host_pages": "0"}, env={})
+    assert "pool.host_pages='0'" in str(e.value) and "HICACHE_POOL__HOST_PAGES" in str(e.value)
+    with pytest.raises(ConfigError, match="policy.write_policy"):
+        HiCacheConfig.load(env={"HICACHE_POLICY__WRITE_POLICY": "sometimes"})
+    with pytest.raises(ConfigError, match=r"\[model\] KVLayout.page_size=0"):
+        HiCacheConfig.load(overrides={"model.page_size": 0}, env={})
+    with pytest.raises(ConfigError, match="does not exist"):
+        HiCacheConfig.load(tmp_path / "nope.toml", env={})
+    with pytest.raises(ConfigError, match="nonsense"):
+        HiCacheConfig.load(overrides={"pool.nonsense": 1}, env={})
+
+
+def test_cli_info_prints_pools(capsys):
+    assert main(["info", "--set", "pool.host_pages=8"]) == 0
+    out = capsys.readouterr().out
+    assert '"pages": 8' in out and "fingerprint" in out
+    assert main(["info", "--set", "pool.host_pages=x"]) == 2
+    assert "pool.host_pages='x'" in capsys.readouterr().err
