@@ -72,4 +72,5 @@ class ServiceError(HiCacheError):
 
     def __init__(self, kind: str, message: str):
         self.kind = kind
+        self.detail = message
         super().__init__(f"[{kind}] {message}")
