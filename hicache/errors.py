@@ -74,3 +74,12 @@ class ServiceError(HiCacheError):
         self.kind = kind
         self.detail = message
         super().__init__(f"[{kind}] {message}")
+
+
+class CacheStateError(HiCacheError, RuntimeError):
+    """A cache call does not fit the request's or node's current state
+    (e.g. ``lock`` on a request that already holds pages, ``alloc`` past its tokens)."""
+
+
+class StaleMatch(CacheStateError):
+    """A ``MatchResult`` was used after an eviction invalidated it; match again."""
