@@ -1,0 +1,135 @@
+"""Request handling of the local engine API: handshake and ops, no I/O.
+
+``Dispatcher`` turns one decoded request into one reply map. Every refusal is
+a reply with ``ok: False`` and an error kind (see ``hicache.protocol``);
+``Reply.close`` tells the connection to hang up after sending it. State is
+validated before it is mutated, so a refused request changes nothing.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any, Callable, NamedTuple
+
+from hicache.api.l2_index import L2Index
+from hicache.errors import (ContractMismatch, ForeignPage, IntegrityError, LayoutError, OutOfPages,
+                            ServiceError)
+from hicache.layout import KVLayout
+from hicache.protocol import PROTOCOL_VERSION, error_reply, plain
+
+log = logging.getLogger(__name__)
+
+
+class Reply(NamedTuple):
+    body: dict[str, Any]
+    close: bool = False  # hang up after sending
+
+
+class Dispatcher:
+    """Serves every connection of one server; ``owner`` is the connection id.
+
+    ``segment`` is the handshake's description of the shared L2 segment;
+    ``snapshot`` returns the service statistics as a plain dict.
+    """
+
+    def __init__(self, layout: KVLayout, index: L2Index, segment: dict[str, Any],
+                 snapshot: Callable[[], dict[str, Any]]):
+        self.layout = layout
+        self.index = index
+        self.segment = segment
+        self.snapshot = snapshot
+        self.errors: Counter[str] = Counter()
+        self._ops: dict[str, Callable[[int, dict], dict[str, Any]]] = {
+            "lookup": self._lookup, "reserve": self._reserve, "commit": self._commit,
+            "cancel": self._cancel, "acquire": self._acquire, "release": self._release,
+            "stats": lambda o, r: {"stats": self.snapshot()},
+            "check": self._check, "bye": lambda o, r: {},
+        }
+
+    def error(self, kind: str, message: str, close: bool = False, **extra: Any) -> Reply:
+        self.errors[kind] += 1
+        log.info("refused (%s): %s", kind, message)
+        return Reply(error_reply(kind, message, **extra), close)
+
+    # ------------------------------------------------------------- handshake
+    def hello(self, owner: int, req: dict[str, Any]) -> Reply:
+        """First request of a connection. On success ``owner`` is registered."""
+        if req.get("op") != "hello":
+            return self.error("not_handshaken", f"first request must be op 'hello' with protocol "
+                              f"{PROTOCOL_VERSION}, got op {req.get('op')!r}", close=True)
+        theirs = req.get("protocol")
+        if theirs != PROTOCOL_VERSION:
+            return self.error("version", f"protocol version: ours={PROTOCOL_VERSION} theirs={theirs!r}; "
+                              "upgrade the older side", close=True,
+                              differences=[["protocol", PROTOCOL_VERSION, plain(theirs)]])
+        try:
+            client = KVLayout.from_dict(req.get("layout"))
+        except (LayoutError, TypeError, ValueError, AttributeError) as e:
+            return self.error("bad_layout", f"hello carries no valid KVLayout.to_dict(): {e}", close=True)
+        diffs = [(f, plain(a), plain(b)) for f, a, b in self.layout.diff(client, fields="shared_l2")]
+        fp = req.get("fingerprint")
+        if fp != client.fingerprint() or self.layout.fingerprint() != client.fingerprint():
+            diffs.append(("fingerprint", self.layout.fingerprint(), plain(fp)))
+        if diffs:
+            e = ContractMismatch(f"shared L2 of service layout {self.layout.model_id!r} vs client "
+                                 f"{client.model_id!r}", diffs)
+            return self.error("contract", str(e), close=True, differences=[list(d) for d in diffs])
+        self.index.add_owner(owner)
+        return Reply({"ok": True, "protocol": PROTOCOL_VERSION, "client_id": owner,
+                      "fingerprint": self.layout.fingerprint(), **self.segment})
+
+    # ------------------------------------------------------------------- ops
+    def handle(self, owner: int, req: dict[str, Any]) -> Reply:
+        """One request after the handshake."""
+        op = req.get("op")
+        fn = self._ops.get(op) if isinstance(op, str) else None
+        if fn is None:
+            if op == "hello":
+                return self.error("bad_request", "hello was already done on this connection")
+            return self.error("unknown_op", f"unknown op {op!r}; known: {sorted(self._ops)}")
+        try:
+            body = fn(owner, req)
+        except ServiceError as e:
+            return self.error(e.kind, f"{op}: {e.detail}")
+        except OutOfPages as e:
+            return self.error("out_of_pages", f"{op}: {e}")
+        except ForeignPage as e:
+            return self.error("foreign_page", f"{op}: {e}")
+        except IntegrityError as e:
+            log.error("integrity check failed: %s", e)
+            return self.error("integrity", str(e))
+        except Exception as e:  # a bug: answer, log loudly, keep serving others
+            log.exception("op %r failed", op)
+            return self.error("internal", f"{op}: {type(e).__name__}: {e}")
+        return Reply({"ok": True, **body}, close=(op == "bye"))
+
+    def _lookup(self, owner: int, req: dict) -> dict:
+        return {"pages": self.index.lookup(_arg(req, "hashes"))}
+
+    def _reserve(self, owner: int, req: dict) -> dict:
+        return {"pages": self.index.reserve(owner, _arg(req, "n"))}
+
+    def _commit(self, owner: int, req: dict) -> dict:
+        r = self.index.commit(owner, _arg(req, "hashes"), _arg(req, "pages"))
+        return {"inserted": r.inserted, "duplicates": r.duplicates}
+
+    def _cancel(self, owner: int, req: dict) -> dict:
+        self.index.cancel(owner, _arg(req, "pages"))
+        return {}
+
+    def _acquire(self, owner: int, req: dict) -> dict:
+        return {"pages": self.index.acquire(owner, _arg(req, "hashes"))}
+
+    def _release(self, owner: int, req: dict) -> dict:
+        self.index.release(owner, _arg(req, "hashes"))
+        return {}
+
+    def _check(self, owner: int, req: dict) -> dict:
+        self.index.check_integrity()
+        return {}
+
+
+def _arg(req: dict, name: str) -> Any:
+    if name not in req:
+        raise ServiceError("bad_args", f"op {req.get('op')!r} needs field {name!r}")
+    return req[name]

@@ -1,0 +1,184 @@
+"""Engine-side client of the node-local service (``hicache.api.engine_server``).
+
+Synchronous: one blocking Unix socket, one request in flight. Not thread-safe;
+give each engine thread its own client (they are cheap).
+
+Typical write of new pages::
+
+    pages = c.reserve(len(hashes))
+    for p, payload in zip(pages, payloads):
+        c.pool.write_page(p, payload)        # or a GPU page-copy kernel
+    c.commit(hashes, pages)
+
+and read of a cached prefix::
+
+    pages = c.acquire(hashes)                # the leading present pages, locked
+    data = [c.pool.read_page(p) for p in pages]
+    c.release(hashes[:len(pages)])
+
+Everything a connection reserved and did not commit, and everything it
+acquired and did not release, is reclaimed by the server when it closes (even
+when the engine process dies).
+"""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, NamedTuple, Sequence
+
+from hicache.errors import ContractMismatch, ForeignPage, OutOfPages, ServiceError
+from hicache.layout import KVLayout
+from hicache.pools import HostPool
+from hicache.protocol import HEADER_BYTES, body_length, hello_request, pack, unpack
+from hicache.shm import SharedSegment
+from hicache.types import HostPageId, PageHash
+
+# Replies are small except ``lookup``/``acquire`` of long prompts; this bounds
+# what the client will accept from a confused peer.
+MAX_REPLY_BYTES = 64 << 20
+
+
+class LookupResult(NamedTuple):
+    num_pages: int  # leading pages of the query present in L2
+    host_page_ids: list[HostPageId]  # their pages, in query order (valid until evicted)
+
+
+class CommitResult(NamedTuple):
+    inserted: int  # pages that became lookup-able
+    duplicates: int  # pages already present; their reserved page was freed by the server
+
+
+class EngineClient:
+    """Connects, handshakes, maps the shared L2 segment. Use as a context manager.
+
+    ``pool`` is a ``HostPool`` view of the segment for ``write_page``/``read_page``
+    and kernels; page ids come from the server (``reserve``/``lookup``/``acquire``),
+    never from ``pool.allocator``, which is unused here. ``pool`` stays valid
+    until ``close()``. ``pin`` page-locks the mapping for GPU kernels (default:
+    when CUDA is available).
+
+    Raises ``ContractMismatch`` when the server refuses the layout (it names
+    every differing field), ``ServiceError`` for other refusals.
+    """
+
+    def __init__(self, socket_path: str, layout: KVLayout, *, timeout: float | None = 30.0,
+                 pin: bool | None = None):
+        self.layout = layout
+        self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._segment: SharedSegment | None = None
+        self.pool: HostPool | None = None
+        try:
+            self._sock.settimeout(timeout)
+            self._sock.connect(socket_path)
+            self._handshake()
+            if pin is None or pin:
+                pinned = self._segment.pin()
+                if pin and not pinned:
+                    raise ServiceError("bad_args", "pin=True but CUDA is not available")
+        except BaseException:
+            self.close(send_bye=False)
+            raise
+
+    def _handshake(self) -> None:
+        rep = self._call(hello_request(self.layout.to_dict(), self.layout.fingerprint(), os.getpid()))
+        self.client_id: int = rep["client_id"]
+        self.num_pages: int = rep["num_pages"]
+        size = HostPool.nbytes_for(self.layout, self.num_pages)
+        if rep["shm_size"] != size:
+            raise ServiceError("bad_layout", f"server segment holds {rep['shm_size']} bytes, this layout "
+                               f"needs {size} for {self.num_pages} pages")
+        self._segment = SharedSegment.attach(rep["shm_name"], size)
+        self.pool = HostPool(self.layout, self.num_pages, buffer=self._segment.tensor)
+
+    # ------------------------------------------------------------------- ops
+    def lookup(self, hashes: Sequence[PageHash]) -> LookupResult:
+        """How many leading pages of ``hashes`` L2 holds. Does not lock them."""
+        pages = self._call({"op": "lookup", "hashes": list(hashes)})["pages"]
+        return LookupResult(len(pages), [HostPageId(p) for p in pages])
+
+    def reserve(self, n: int) -> list[HostPageId]:
+        """``n`` pages to write into; raises ``OutOfPages`` if L2 cannot free them."""
+        return [HostPageId(p) for p in self._call({"op": "reserve", "n": n})["pages"]]
+
+    def commit(self, hashes: Sequence[PageHash], host_page_ids: Sequence[int]) -> CommitResult:
+        """Make written reserved pages lookup-able under ``hashes`` (same order)."""
+        rep = self._call({"op": "commit", "hashes": list(hashes), "pages": list(host_page_ids)})
+        return CommitResult(rep["inserted"], rep["duplicates"])
+
+    def cancel(self, host_page_ids: Sequence[int]) -> None:
+        """Give back reserved pages that will not be committed."""
+        self._call({"op": "cancel", "pages": list(host_page_ids)})
+
+    def acquire(self, hashes: Sequence[PageHash]) -> list[HostPageId]:
+        """Lock the leading present pages of ``hashes`` for reading; may return fewer.
+
+        Release exactly the returned prefix (``hashes[:len(result)]``).
+        """
+        return [HostPageId(p) for p in self._call({"op": "acquire", "hashes": list(hashes)})["pages"]]
+
+    def release(self, hashes: Sequence[PageHash]) -> None:
+        """Undo one ``acquire`` of each listed hash."""
+        self._call({"op": "release", "hashes": list(hashes)})
+
+    def stats(self) -> dict[str, Any]:
+        """The server's ``ServiceStats`` as a dict."""
+        return self._call({"op": "stats"})["stats"]
+
+    def check_integrity(self) -> None:
+        """Ask the server to run its ``check_integrity()``; raises ``ServiceError('integrity')``."""
+        self._call({"op": "check"})
+
+    # ------------------------------------------------------------ transport
+    def _call(self, req: dict[str, Any]) -> dict[str, Any]:
+        if self._sock is None:
+            raise ServiceError("closed", "client is closed")
+        try:
+            self._sock.sendall(pack(req))
+            n = body_length(self._recv(HEADER_BYTES), MAX_REPLY_BYTES)
+            rep = unpack(self._recv(n))
+        except OSError as e:
+            self.close(send_bye=False)
+            raise ServiceError("closed", f"connection to the engine server failed: {e}") from None
+        if rep.get("ok"):
+            return rep
+        kind, msg = rep.get("kind", "internal"), rep.get("message", repr(rep))
+        if kind == "contract":
+            # The server lists (field, server's, ours); report from this side.
+            raise ContractMismatch("engine server refused this client's layout (ours = client)",
+                                   [(d[0], d[2], d[1]) for d in rep.get("differences", [])])
+        if kind == "out_of_pages":
+            raise OutOfPages(msg)
+        if kind == "foreign_page":
+            raise ForeignPage(msg)
+        raise ServiceError(kind, msg)
+
+    def _recv(self, n: int) -> bytes:
+        assert self._sock is not None
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self._sock.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionResetError(f"server closed the connection after {len(buf)} of {n} bytes")
+            buf += chunk
+        return bytes(buf)
+
+    def close(self, send_bye: bool = True) -> None:
+        """Say bye (the server reclaims what this client still holds), unmap. Idempotent."""
+        if self._sock is not None and send_bye:
+            try:
+                self._call({"op": "bye"})
+            except (ServiceError, OSError):
+                pass  # already gone: the server reclaims on disconnect anyway
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self.pool = None
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+
+    def __enter__(self) -> "EngineClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

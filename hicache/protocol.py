@@ -1,0 +1,100 @@
+"""Frame format of the local engine API, shared by the server and the client.
+
+A frame is a 4-byte big-endian unsigned body length followed by a msgpack map.
+Requests carry ``op``; replies carry ``ok`` and either the op's result fields
+or ``kind`` + ``message`` (+ ``differences`` for a contract mismatch).
+
+The first request on a connection must be ``hello`` (see ``hello_request``);
+anything else is refused. Ops after the handshake, with their fields:
+
+=========  ==========================  ==========================================
+op         request fields              reply fields
+=========  ==========================  ==========================================
+lookup     hashes: [bin16]             pages: [int] (leading present pages)
+reserve    n: int                      pages: [int] (for the client to write)
+commit     hashes: [bin16], pages      inserted: int, duplicates: int
+cancel     pages: [int]                (reserved pages given back unwritten)
+acquire    hashes: [bin16]             pages: [int] (leading present, now locked)
+release    hashes: [bin16]             (undoes acquire, one count per hash)
+stats      -                           stats: map
+check      -                           (runs the server's check_integrity)
+bye        -                           (server closes after replying)
+=========  ==========================  ==========================================
+
+This module does no I/O: the server reads with asyncio, the client with a
+blocking socket, and both use these helpers for the bytes.
+"""
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgpack
+
+from hicache.errors import ServiceError
+
+# Bump on any incompatible change of frames, ops or their fields.
+PROTOCOL_VERSION = 1
+
+HEADER = struct.Struct(">I")
+HEADER_BYTES = HEADER.size
+
+OPS = frozenset({"lookup", "reserve", "commit", "cancel", "acquire", "release", "stats", "check", "bye"})
+
+# Error kinds a server may send (the client also uses ``closed``).
+ERROR_KINDS = ("bad_frame", "too_large", "bad_request", "unknown_op", "not_handshaken", "version",
+               "bad_layout", "contract", "bad_args", "foreign_page", "not_reserved", "not_acquired",
+               "out_of_pages", "integrity", "internal")
+
+
+def pack(obj: dict[str, Any]) -> bytes:
+    """One whole frame (header + body) for ``obj``."""
+    body = msgpack.packb(obj, use_bin_type=True)
+    return HEADER.pack(len(body)) + body
+
+
+def body_length(header: bytes, max_bytes: int) -> int:
+    """Length announced by a 4-byte header; raises ``ServiceError`` when out of range.
+
+    ``too_large`` when above ``max_bytes``; ``bad_frame`` for an empty body.
+    """
+    assert len(header) == HEADER_BYTES, len(header)
+    (n,) = HEADER.unpack(header)
+    if n > max_bytes:
+        raise ServiceError("too_large", f"frame body of {n} bytes exceeds the limit of {max_bytes} "
+                           "(service.max_request_bytes); split the request")
+    if n == 0:
+        raise ServiceError("bad_frame", "empty frame body; every frame carries a msgpack map")
+    return n
+
+
+def unpack(body: bytes) -> dict[str, Any]:
+    """Decode a frame body into a map with string keys; ``ServiceError`` otherwise."""
+    try:
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ServiceError("bad_frame", f"body is not valid msgpack ({type(e).__name__}: {e})") from None
+    if not isinstance(obj, dict):
+        raise ServiceError("bad_request", f"frame body must be a msgpack map, got {type(obj).__name__}")
+    return obj
+
+
+def hello_request(layout_dict: dict[str, Any], fingerprint: str, pid: int) -> dict[str, Any]:
+    return {"op": "hello", "protocol": PROTOCOL_VERSION, "layout": layout_dict,
+            "fingerprint": fingerprint, "pid": pid}
+
+
+def error_reply(kind: str, message: str, **extra: Any) -> dict[str, Any]:
+    assert kind in ERROR_KINDS, kind
+    return {"ok": False, "kind": kind, "message": message, **extra}
+
+
+def plain(value: Any) -> Any:
+    """``value`` made msgpack-safe for error details (tuples and dataclasses become lists)."""
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if hasattr(value, "__dataclass_fields__"):
+        return [plain(getattr(value, f)) for f in value.__dataclass_fields__]
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    return repr(value)
