@@ -43,12 +43,21 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    # Imported lazily: the core library must not need FastAPI/uvicorn.
+    from hicache.api.serve import serve
+    return serve(_load(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hicache", description=__doc__)
     sub = p.add_subparsers(dest="cmd")
     info = sub.add_parser("info", help="print the resolved configuration and pool sizes")
     _common(info)
     info.set_defaults(fn=cmd_info)
+    srv = sub.add_parser("serve", help="run the node-local service: REST statistics API + local engine API")
+    _common(srv)
+    srv.set_defaults(fn=cmd_serve)
     return p
 
 
