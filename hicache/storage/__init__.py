@@ -1,0 +1,9 @@
+"""L3 storage: page objects in memory, files, Redis or Redis Cluster, chosen by URL.
+
+Entry point: ``open_storage(url, fingerprint=layout.fingerprint())``.
+"""
+from hicache.storage.base import StorageBackend, StorageOptions, StorageStats
+from hicache.storage.registry import StorageRegistry, default_registry, open_storage
+
+__all__ = ["StorageBackend", "StorageOptions", "StorageStats", "StorageRegistry", "default_registry",
+           "open_storage"]

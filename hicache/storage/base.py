@@ -1,0 +1,384 @@
+"""``StorageBackend``: the L3 interface, with verification and failure handling
+done once here; a backend only implements a handful of raw batch primitives.
+
+Concurrency model: synchronous calls, safe to make from several threads (the
+tier controller calls from a worker thread). Counters and outage state sit
+behind one lock; raw I/O runs outside it.
+
+Failure model: L3 is a cache. Raw primitives raise the backend's
+``OUTAGE_ERRORS`` when L3 is unreachable or slow; the base turns that into
+misses / ``False`` / 0 and dropped writes, logs one warning per outage, and
+then answers at once (without touching the network) until a probe is due,
+probing with redis-py's ``ExponentialBackoff`` up to ``probe_max_ms`` apart.
+The first call after the probe time that succeeds ends the outage. Only
+misuse (a key that is not a 16-byte page hash, a payload that does not match
+its plane sizes) raises, as ``ValueError``.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterator, Sequence
+
+from redis.backoff import ExponentialBackoff
+
+from hicache.errors import ConfigError, IntegrityError
+from hicache.hashing import HASH_BYTES
+from hicache.storage import codec
+from hicache.storage.codec import Buffer, ReadStatus
+
+log = logging.getLogger(__name__)
+
+# A page put: (page hash, payload in canonical plane order, plane sizes).
+PutItem = tuple[bytes, Buffer, Sequence[int]]
+
+
+@dataclass(slots=True)
+class StorageStats:
+    """Counters since the backend was opened. ``stats()`` returns a copy.
+
+    Invariants: ``gets == hits + misses``; ``corrupt + fingerprint_mismatch
+    <= misses``; every put item is counted once in ``put_ok`` or ``put_dropped``.
+    """
+
+    gets: int = 0  # pages asked for by get()
+    hits: int = 0  # pages returned, verified
+    misses: int = 0  # pages not returned: absent, unreadable, L3 down, or rejected below
+    corrupt: int = 0  # rejected: framing, version, hash, sizes, length or checksum wrong
+    fingerprint_mismatch: int = 0  # rejected: a well-formed object of another layout
+    put_ok: int = 0  # pages stored
+    put_dropped: int = 0  # pages not stored (L3 down or a per-item error)
+    errors: int = 0  # failed raw calls and failed items
+    bytes_read: int = 0  # payload bytes returned by get()
+    bytes_written: int = 0  # payload bytes stored by put()
+    reconnects: int = 0  # outages that ended (L3 answered again after failing)
+
+    def check(self) -> None:
+        """Raise ``IntegrityError`` when the counters contradict each other."""
+        bad = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) < 0]
+        if bad:
+            raise IntegrityError(f"negative storage counters {bad}: {self}")
+        if self.gets != self.hits + self.misses:
+            raise IntegrityError(f"gets={self.gets} != hits={self.hits} + misses={self.misses}")
+        if self.corrupt + self.fingerprint_mismatch > self.misses:
+            raise IntegrityError(f"corrupt={self.corrupt} + fingerprint_mismatch="
+                                 f"{self.fingerprint_mismatch} > misses={self.misses}")
+
+
+@dataclass(frozen=True, slots=True)
+class StorageOptions:
+    """What every backend is opened with (see ``open_storage``)."""
+
+    fingerprint: str  # layout fingerprint; written into and checked on every object
+    timeout_ms: int = 50  # socket / connect timeout of one attempt
+    max_retries: int = 2  # retries of one call (redis-py Retry) before it counts as failed
+    key_prefix: bytes = b""  # b"" = b"hicache:" + fingerprint[:8] + b":"
+    probe_max_ms: int = 1000  # longest wait between probes while L3 is down
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fingerprint, str) or len(self.fingerprint) < 8:
+            raise ConfigError(f"storage fingerprint={self.fingerprint!r}: pass KVLayout.fingerprint() "
+                              "(a string of at least 8 characters)")
+        for name, low in (("timeout_ms", 1), ("max_retries", 0), ("probe_max_ms", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ConfigError(f"storage {name}={v!r}: must be an integer >= {low}")
+        prefix = self.key_prefix
+        if isinstance(prefix, str):
+            prefix = prefix.encode()
+        if not isinstance(prefix, bytes):
+            raise ConfigError(f"storage key_prefix={prefix!r}: must be str or bytes")
+        object.__setattr__(self, "key_prefix", prefix or f"hicache:{self.fingerprint[:8]}:".encode())
+
+    @property
+    def timeout_s(self) -> float:
+        return self.timeout_ms / 1000.0
+
+
+class _Health:
+    """Outage state: one warning per outage, probes spaced by a redis-py backoff."""
+
+    def __init__(self, name: str, options: StorageOptions, clock: Callable[[], float] = time.monotonic):
+        self.name = name
+        self.clock = clock
+        self.backoff = ExponentialBackoff(cap=options.probe_max_ms / 1000.0, base=options.timeout_s)
+        self.down = False
+        self.failures = 0  # consecutive failed calls in this outage
+        self.probe_at = 0.0
+
+    def allow(self) -> bool:
+        return not self.down or self.clock() >= self.probe_at
+
+    def failed(self, op: str, exc: BaseException) -> None:
+        self.failures += 1
+        wait = self.backoff.compute(self.failures)
+        self.probe_at = self.clock() + wait
+        if not self.down:
+            self.down = True
+            log.warning("L3 %s unreachable (%s failed: %s: %s); answering misses and dropping writes "
+                        "until it answers again", self.name, op, type(exc).__name__, exc)
+
+    def succeeded(self) -> bool:
+        """True when this success ends an outage."""
+        if not self.down:
+            return False
+        log.warning("L3 %s answers again after %d failed call(s)", self.name, self.failures)
+        self.down, self.failures = False, 0
+        return True
+
+
+_DOWN: Any = object()  # a raw call that was skipped or failed
+
+
+class StorageBackend(abc.ABC):
+    """One L3 store. Keys are 16-byte page hashes; values are verified page payloads.
+
+    Subclasses implement the ``_raw_*`` primitives on full keys
+    (``key_prefix + page hash``) and list the exceptions that mean "L3 is
+    down" in ``OUTAGE_ERRORS`` and those that fail only one call in
+    ``CALL_ERRORS``. A primitive may return an exception instance in place of
+    one item's result to fail that item only.
+    """
+
+    scheme: ClassVar[str] = ""
+    OUTAGE_ERRORS: ClassVar[tuple[type[BaseException], ...]] = (OSError,)
+    CALL_ERRORS: ClassVar[tuple[type[BaseException], ...]] = ()
+    PREFIX_CHUNK: ClassVar[int] = 8  # first prefix_hits() batch; grows 4x up to 256
+
+    def __init__(self, options: StorageOptions, name: str):
+        self.options = options
+        self.fingerprint = options.fingerprint
+        self.key_prefix = options.key_prefix
+        self.name = name
+        self._lock = threading.Lock()
+        self._stats = StorageStats()
+        self._health = _Health(name, options)
+        self._closed = False
+        self._warned: set[str] = set()  # one warning per kind of per-call problem
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, prefix={self.key_prefix!r})"
+
+    # ------------------------------------------------------------ primitives
+    @abc.abstractmethod
+    def _raw_get(self, keys: list[bytes]) -> list[Buffer | None | BaseException]: ...
+
+    @abc.abstractmethod
+    def _raw_put(self, items: list[tuple[bytes, bytes, memoryview]]) -> list[bool | BaseException]:
+        """Store ``header + payload`` under each full key; the payload must not be kept."""
+
+    @abc.abstractmethod
+    def _raw_exists(self, keys: list[bytes]) -> list[bool]: ...
+
+    @abc.abstractmethod
+    def _raw_delete(self, keys: list[bytes]) -> int: ...
+
+    @abc.abstractmethod
+    def _raw_ping(self) -> bool: ...
+
+    @abc.abstractmethod
+    def _raw_close(self) -> None: ...
+
+    def _raw_scan(self) -> Iterator[tuple[bytes, Buffer]] | None:
+        """Every stored (full key, object) under our prefix, or None if the backend cannot list."""
+        return None
+
+    # --------------------------------------------------------------- plumbing
+    def _full(self, key: bytes) -> bytes:
+        if type(key) is not bytes or len(key) != HASH_BYTES:
+            raise ValueError(f"L3 key {key!r}: must be a {HASH_BYTES}-byte page hash from hicache.hashing")
+        return self.key_prefix + key
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            s = self._stats
+            for k, v in deltas.items():
+                setattr(s, k, getattr(s, k) + v)
+
+    def _warn_once(self, kind: str, msg: str, *args: object) -> None:
+        with self._lock:
+            if kind in self._warned:
+                return
+            self._warned.add(kind)
+        log.warning(msg, *args)
+
+    def _call(self, op: str, fn: Callable[..., Any], *args: Any, probe: bool = False) -> Any:
+        """Run one raw primitive; ``_DOWN`` when skipped (outage) or failed."""
+        with self._lock:
+            if self._closed or (not probe and not self._health.allow()):
+                return _DOWN
+        try:
+            out = fn(*args)
+        except self.OUTAGE_ERRORS as e:
+            with self._lock:
+                self._stats.errors += 1
+                self._health.failed(op, e)
+            return _DOWN
+        except self.CALL_ERRORS as e:
+            self._count(errors=1)
+            self._warn_once(f"{op}:{type(e).__name__}", "L3 %s: %s failed: %s: %s (further such "
+                            "failures are only counted)", self.name, op, type(e).__name__, e)
+            return _DOWN
+        with self._lock:
+            if self._health.succeeded():
+                self._stats.reconnects += 1
+        return out
+
+    # ------------------------------------------------------------ public API
+    def get(self, keys: Sequence[bytes], plane_sizes: Sequence[int]) -> list[memoryview | None]:
+        """Verified payloads of ``keys`` (``None`` for a miss), in key order.
+
+        Does not mutate stored data except that objects found corrupt are
+        deleted. A returned memoryview is a read-only view the caller owns: it
+        stays valid for as long as it is referenced, whatever happens to L3.
+        """
+        full = [self._full(k) for k in keys]
+        if not full:
+            return []
+        raw = self._call("get", self._raw_get, full)
+        if raw is _DOWN:
+            self._count(gets=len(full), misses=len(full))
+            return [None] * len(full)
+        assert len(raw) == len(full), (self.name, len(raw), len(full))
+        sizes = list(plane_sizes)
+        out: list[memoryview | None] = []
+        c = dict(hits=0, misses=0, corrupt=0, fingerprint_mismatch=0, errors=0, bytes_read=0)
+        bad: list[bytes] = []
+        for key, fk, obj in zip(keys, full, raw):
+            if obj is None or isinstance(obj, BaseException):
+                c["errors"] += obj is not None
+                c["misses"] += 1
+                out.append(None)
+                continue
+            d = codec.decode(obj, key, self.fingerprint, sizes)
+            if d.status is ReadStatus.OK:
+                c["hits"] += 1
+                c["bytes_read"] += d.payload.nbytes
+                out.append(d.payload.toreadonly())
+                continue
+            c["misses"] += 1
+            out.append(None)
+            if d.status is ReadStatus.FINGERPRINT:
+                c["fingerprint_mismatch"] += 1
+                self._warn_once("fingerprint", "L3 %s: object %r belongs to another layout (%s); "
+                                "give each layout its own key_prefix", self.name, fk, d.why)
+            else:
+                c["corrupt"] += 1
+                bad.append(fk)
+                log.warning("L3 %s: corrupt object %r (%s); deleted, counted as a miss", self.name, fk, d.why)
+        self._count(gets=len(full), **c)
+        if bad:
+            self._call("delete", self._raw_delete, bad)
+        return out
+
+    def put(self, items: Sequence[PutItem]) -> int:
+        """Store pages ``(page hash, payload, plane sizes)``; returns how many were stored.
+
+        Overwrites existing objects. The payload is read during the call only.
+        Drops (and counts) what L3 cannot take; raises ``ValueError`` only for
+        a bad key or a payload whose length is not the sum of its plane sizes.
+        """
+        prepared = []
+        for key, payload, sizes in items:
+            mv = codec.as_bytes_view(payload)
+            prepared.append((self._full(key), codec.encode_header(self.fingerprint, key, sizes, mv), mv))
+        if not prepared:
+            return 0
+        res = self._call("put", self._raw_put, prepared)
+        if res is _DOWN:
+            self._count(put_dropped=len(prepared))
+            return 0
+        assert len(res) == len(prepared), (self.name, len(res), len(prepared))
+        ok = [r is True for r in res]
+        failed = [r for r in res if isinstance(r, BaseException)]
+        if failed:
+            self._warn_once(f"put:{type(failed[0]).__name__}", "L3 %s: put of a page failed: %r "
+                            "(further such failures are only counted)", self.name, failed[0])
+        stored = sum(ok)
+        self._count(put_ok=stored, put_dropped=len(ok) - stored, errors=len(failed),
+                    bytes_written=sum(p[2].nbytes for p, good in zip(prepared, ok) if good))
+        return stored
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is stored (not verified: ``get`` verifies). All False when L3 is down."""
+        full = [self._full(k) for k in keys]
+        if not full:
+            return []
+        res = self._call("exists", self._raw_exists, full)
+        return [False] * len(full) if res is _DOWN else [bool(r) for r in res]
+
+    def prefix_hits(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys are stored; stops at the first absent one.
+
+        Keys are chained page hashes, so the answer is the L3 prefix hit in
+        pages. Asks in growing batches so a short hit costs one round trip.
+        """
+        full = [self._full(k) for k in keys]
+        done, chunk = 0, self.PREFIX_CHUNK
+        while done < len(full):
+            res = self._call("exists", self._raw_exists, full[done:done + chunk])
+            if res is _DOWN:
+                return done
+            for r in res:
+                if not r:
+                    return done
+                done += 1
+            chunk = min(chunk * 4, 256)
+        return done
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Delete objects; returns how many existed (0 when L3 is down)."""
+        full = [self._full(k) for k in keys]
+        if not full:
+            return 0
+        res = self._call("delete", self._raw_delete, full)
+        return 0 if res is _DOWN else int(res)
+
+    def ping(self) -> bool:
+        """True when L3 answers now. Always tries (ignores the probe schedule)."""
+        return self._call("ping", self._raw_ping, probe=True) is True
+
+    @property
+    def down(self) -> bool:
+        """True while an outage is in progress (calls answer misses at once)."""
+        return self._health.down
+
+    def stats(self) -> StorageStats:
+        """A snapshot copy of the counters."""
+        with self._lock:
+            return dataclasses.replace(self._stats)
+
+    def close(self) -> None:
+        """Release connections / handles. Later calls answer misses; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._raw_close()
+
+    def check_integrity(self) -> None:
+        """Counters agree; where the backend can list its objects, every one
+        verifies (format, fingerprint, key, length, checksum). Raises ``IntegrityError``."""
+        self.stats().check()
+        scan = None if self._closed else self._raw_scan()
+        if scan is None:
+            return
+        bad = []
+        for fk, obj in scan:
+            assert fk.startswith(self.key_prefix), (fk, self.key_prefix)
+            d = codec.decode(obj, fk[len(self.key_prefix):], self.fingerprint, None)
+            if d.status is not ReadStatus.OK:
+                bad.append(f"{fk!r}: {d.status.value}: {d.why}")
+        if bad:
+            raise IntegrityError(f"L3 {self.name}: {len(bad)} stored object(s) fail verification: "
+                                 + "; ".join(bad[:5]))
+
+    def __enter__(self) -> "StorageBackend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,122 @@
+"""The L3 object format: one object per page, verified on every read.
+
+Layout of an object (all integers little-endian)::
+
+    magic      4 bytes  b"HCL3"
+    hdr_len    4 bytes  uint32, length of the msgpack header
+    header     hdr_len  msgpack map: version, fingerprint, hash, plane_sizes,
+                        length, checksum (xxh3_64 of the payload)
+    payload    length   the page's planes in canonical order, raw bytes
+
+The header and the payload travel as two buffers (``encode_header`` never
+copies the payload); ``decode`` slices a memoryview, so a verified payload is a
+zero-copy view of the object it came from.
+"""
+from __future__ import annotations
+
+import enum
+import struct
+from typing import NamedTuple, Sequence
+
+import msgpack
+import xxhash
+
+MAGIC = b"HCL3"
+# Bump when the object layout or the header's meaning changes; readers treat
+# any other version as corrupt (never as data).
+FORMAT_VERSION = 1
+_PREFIX = struct.Struct("<4sI")
+PREFIX_BYTES = _PREFIX.size
+# A header is ~100 bytes plus 1-5 per plane; anything far beyond is garbage.
+_MAX_HEADER = 1 << 20
+
+Buffer = bytes | bytearray | memoryview
+
+
+class ReadStatus(enum.Enum):
+    OK = "ok"
+    CORRUPT = "corrupt"  # framing, version, hash, sizes, length or checksum wrong
+    FINGERPRINT = "fingerprint_mismatch"  # a well-formed object of another layout
+
+
+class Decoded(NamedTuple):
+    status: ReadStatus
+    payload: memoryview | None  # set only when status is OK; a view of the object
+    why: str  # empty when OK; names the field and both values otherwise
+
+
+def checksum(payload: Buffer) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+def as_bytes_view(payload: Buffer) -> memoryview:
+    """A flat byte view of ``payload`` (no copy); raises if it is not contiguous."""
+    mv = memoryview(payload)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+def encode_header(fingerprint: str, page_hash: bytes, plane_sizes: Sequence[int], payload: Buffer) -> bytes:
+    """Magic, length prefix and msgpack header for ``payload``; the object is
+    this header followed by ``payload`` unchanged. Raises ``ValueError`` when
+    the payload length is not the sum of ``plane_sizes``."""
+    n = memoryview(payload).nbytes
+    sizes = [int(s) for s in plane_sizes]
+    if n != sum(sizes):
+        raise ValueError(f"payload of {n} bytes does not match plane sizes summing to {sum(sizes)} "
+                         f"({len(sizes)} planes); pass the page's canonical payload")
+    hdr = msgpack.packb({"version": FORMAT_VERSION, "fingerprint": fingerprint, "hash": bytes(page_hash),
+                         "plane_sizes": sizes, "length": n, "checksum": checksum(payload)})
+    return _PREFIX.pack(MAGIC, len(hdr)) + hdr
+
+
+def encode(fingerprint: str, page_hash: bytes, plane_sizes: Sequence[int], payload: Buffer) -> bytes:
+    """The whole object as one ``bytes`` (copies the payload; for in-memory stores and tests)."""
+    return encode_header(fingerprint, page_hash, plane_sizes, payload) + bytes(payload)
+
+
+def _bad(why: str) -> Decoded:
+    return Decoded(ReadStatus.CORRUPT, None, why)
+
+
+def decode(obj: Buffer, page_hash: bytes, fingerprint: str, plane_sizes: Sequence[int] | None) -> Decoded:
+    """Verify ``obj`` against what the reader expects; never raises on bad data.
+
+    ``plane_sizes=None`` checks only internal consistency (used by
+    ``check_integrity``, which does not know the layout's planes).
+    """
+    mv = as_bytes_view(obj)
+    if mv.nbytes < PREFIX_BYTES:
+        return _bad(f"object of {mv.nbytes} bytes is shorter than the {PREFIX_BYTES}-byte prefix")
+    magic, hlen = _PREFIX.unpack_from(mv)
+    if magic != MAGIC:
+        return _bad(f"magic {bytes(magic)!r} != {MAGIC!r}")
+    if hlen > _MAX_HEADER or PREFIX_BYTES + hlen > mv.nbytes:
+        return _bad(f"header length {hlen} overruns the {mv.nbytes}-byte object")
+    try:
+        hdr = msgpack.unpackb(mv[PREFIX_BYTES:PREFIX_BYTES + hlen])
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        return _bad(f"header does not parse: {e}")
+    if not isinstance(hdr, dict):
+        return _bad(f"header is a {type(hdr).__name__}, not a map")
+    if hdr.get("version") != FORMAT_VERSION:
+        return _bad(f"format version {hdr.get('version')!r} != {FORMAT_VERSION}")
+    if hdr.get("fingerprint") != fingerprint:
+        return Decoded(ReadStatus.FINGERPRINT, None,
+                       f"fingerprint {hdr.get('fingerprint')!r} != ours {fingerprint!r}")
+    if hdr.get("hash") != page_hash:
+        return _bad(f"page hash {hdr.get('hash')!r} != key {bytes(page_hash)!r}")
+    sizes = hdr.get("plane_sizes")
+    if (not isinstance(sizes, list) or not all(type(x) is int for x in sizes)
+            or (plane_sizes is not None and sizes != list(plane_sizes))):
+        return _bad(f"plane sizes {sizes!r} != expected {plane_sizes!r}")
+    payload = mv[PREFIX_BYTES + hlen:]
+    length = hdr.get("length")
+    if length != payload.nbytes or length != sum(sizes):
+        return _bad(f"payload length {payload.nbytes} / header length {length!r} / "
+                    f"plane sizes sum {sum(sizes)} disagree")
+    ck = checksum(payload)
+    if hdr.get("checksum") != ck:
+        return _bad(f"checksum {hdr.get('checksum')!r} != computed {ck}")
+    return Decoded(ReadStatus.OK, payload, "")

@@ -1,0 +1,165 @@
+"""``redis://``, ``rediss://`` (one server) and ``redis+cluster://`` /
+``rediss+cluster://`` (Redis Cluster through redis-py's ``RedisCluster``).
+
+Every batch is one non-transactional pipeline (one round trip per server).
+Timeouts: ``socket_timeout`` and ``socket_connect_timeout`` are
+``timeout_ms``; a failed attempt is retried ``max_retries`` times by redis-py's
+``Retry`` with ``EqualJitterBackoff`` (capped at ``timeout_ms``), so the worst
+case of one call while Redis is down is about ``(max_retries + 1) * 2 *
+timeout_ms``; after that the base class answers at once until its next probe.
+redis-py reconnects a dropped connection by itself on the next use.
+
+URL forms::
+
+    redis://[[user]:password@]host[:port][/db][?option=value]
+    rediss://...                                   (TLS)
+    redis+cluster://[[user]:password@]host:port[,host:port...]
+    rediss+cluster://...                           (TLS)
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+from urllib.parse import unquote
+
+import redis
+from redis.backoff import EqualJitterBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import ConnectionPool, SSLConnection, parse_url
+from redis.exceptions import ClusterDownError, RedisClusterException, RedisError
+from redis.retry import Retry
+
+from hicache.errors import ConfigError
+from hicache.storage.base import StorageBackend, StorageOptions
+from hicache.storage.codec import Buffer
+from hicache.storage.redis_wire import FramedConnection, FramedSSLConnection, FramedValue
+
+
+def _retry(options: StorageOptions) -> Retry:
+    t = options.timeout_s
+    return Retry(EqualJitterBackoff(cap=t, base=t / 4), retries=options.max_retries)
+
+
+class RedisBackend(StorageBackend):
+    """One Redis server, or a Redis Cluster when built with ``cluster(...)``.
+
+    ``make_client`` builds the redis-py client; it is called lazily (on the
+    first call, and again after a failed construction) so opening never
+    blocks on, or fails because of, an unreachable server.
+    """
+
+    scheme = "redis"
+    OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, RedisClusterException,
+                     OSError)
+    CALL_ERRORS = (RedisError,)
+
+    def __init__(self, options: StorageOptions, make_client: Callable[[], Any], name: str):
+        super().__init__(options, name)
+        self._make_client = make_client
+        self._client_obj: Any = None
+        self._mu = threading.Lock()
+
+    # --------------------------------------------------------------- building
+    @classmethod
+    def from_url(cls, url: str, options: StorageOptions, *, max_connections: int = 16,
+                 **redis_kwargs: Any) -> "RedisBackend":
+        """``redis://`` or ``rediss://``; ``redis_kwargs`` go to redis-py's ConnectionPool."""
+        try:
+            kw = parse_url(url)
+        except ValueError as e:
+            raise ConfigError(f"storage url {_redact(url)!r}: {e}") from None
+        ssl = kw.pop("connection_class", None) is SSLConnection
+        kw.update(redis_kwargs)
+        kw.update(socket_timeout=options.timeout_s, socket_connect_timeout=options.timeout_s,
+                  retry=_retry(options), max_connections=max_connections,
+                  connection_class=FramedSSLConnection if ssl else FramedConnection)
+
+        def make() -> redis.Redis:
+            return redis.Redis(connection_pool=ConnectionPool(**kw))
+        return cls(options, make, _redact(url))
+
+    @classmethod
+    def cluster_from_url(cls, url: str, options: StorageOptions, **cluster_kwargs: Any) -> "RedisBackend":
+        """``redis+cluster://`` or ``rediss+cluster://``; ``cluster_kwargs`` go to ``RedisCluster``."""
+        scheme, rest = url.split("://", 1)
+        userinfo, _, hosts = rest.rpartition("@")
+        hosts, _, path = hosts.partition("/")
+        if path not in ("", "0"):
+            raise ConfigError(f"storage url {_redact(url)!r}: a cluster has only db 0, got /{path}")
+        nodes = []
+        for hp in filter(None, hosts.split(",")):
+            host, sep, port = hp.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ConfigError(f"storage url {_redact(url)!r}: node {hp!r} must be host:port")
+            nodes.append(ClusterNode(host.strip("[]"), int(port)))
+        if not nodes:
+            raise ConfigError(f"storage url {_redact(url)!r}: list at least one host:port")
+        user, _, password = userinfo.partition(":")
+        kw: dict[str, Any] = dict(
+            startup_nodes=nodes, retry=_retry(options), socket_timeout=options.timeout_s,
+            socket_connect_timeout=options.timeout_s, require_full_coverage=False,
+            connection_class=FramedSSLConnection if scheme.startswith("rediss") else FramedConnection)
+        if password:
+            kw["password"] = unquote(password)
+        if user:
+            kw["username"] = unquote(user)
+        if scheme.startswith("rediss"):
+            kw["ssl"] = True
+        kw.update(cluster_kwargs)
+        return cls(options, lambda: RedisCluster(**kw), _redact(url))
+
+    def _client(self) -> Any:
+        c = self._client_obj
+        if c is None:
+            with self._mu:
+                if self._client_obj is None:
+                    self._client_obj = self._make_client()
+                c = self._client_obj
+        return c
+
+    def _pipe(self) -> Any:
+        return self._client().pipeline(transaction=False)
+
+    # ------------------------------------------------------------- primitives
+    def _raw_get(self, keys: list[bytes]) -> list[Buffer | None | BaseException]:
+        p = self._pipe()
+        for k in keys:
+            p.get(k)
+        return p.execute(raise_on_error=False)
+
+    def _raw_put(self, items: list[tuple[bytes, bytes, memoryview]]) -> list[bool | BaseException]:
+        p = self._pipe()
+        for k, hdr, payload in items:
+            p.set(k, FramedValue(hdr, payload))
+        return [r if isinstance(r, BaseException) else bool(r) for r in p.execute(raise_on_error=False)]
+
+    def _raw_exists(self, keys: list[bytes]) -> list[bool]:
+        p = self._pipe()
+        for k in keys:
+            p.exists(k)
+        return [r is not None and not isinstance(r, BaseException) and r > 0
+                for r in p.execute(raise_on_error=False)]
+
+    def _raw_delete(self, keys: list[bytes]) -> int:
+        p = self._pipe()
+        for k in keys:
+            p.unlink(k)
+        return sum(r for r in p.execute(raise_on_error=False) if isinstance(r, int))
+
+    def _raw_ping(self) -> bool:
+        return bool(self._client().ping())
+
+    def _raw_close(self) -> None:
+        with self._mu:
+            c, self._client_obj = self._client_obj, None
+        if c is not None:
+            c.close()
+
+
+def _redact(url: str) -> str:
+    """The URL with any password replaced by ``***`` (for names and logs)."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, hosts = rest.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    return f"{scheme}{sep}{userinfo.split(':', 1)[0]}:***@{hosts}"

@@ -1,0 +1,95 @@
+"""Backends registered by URL scheme, and ``open_storage``.
+
+A registry is an ordinary object: ``default_registry()`` builds a fresh one
+with the built-in schemes plus any installed plugin (entry point group
+``hicache.storage``, each entry a factory with the ``BackendFactory``
+signature). Add a backend with ``registry.register("s3", factory)`` and pass
+``registry=`` to ``open_storage``; nothing is kept in module state.
+"""
+from __future__ import annotations
+
+import logging
+from importlib.metadata import entry_points
+from typing import Any, Callable
+
+from hicache.errors import ConfigError
+from hicache.storage.base import StorageBackend, StorageOptions
+from hicache.storage.file import FileBackend
+from hicache.storage.memory import MemoryBackend
+from hicache.storage.redis_backend import RedisBackend
+
+log = logging.getLogger(__name__)
+
+# factory(url, options, **backend_opts) -> StorageBackend; raises ConfigError on a bad URL/option.
+BackendFactory = Callable[..., StorageBackend]
+
+ENTRY_POINT_GROUP = "hicache.storage"
+
+
+class StorageRegistry:
+    """Maps URL schemes (``redis``, ``file``, ...) to backend factories."""
+
+    def __init__(self) -> None:
+        self._factories: dict[str, BackendFactory] = {}
+
+    def register(self, scheme: str, factory: BackendFactory, *, replace: bool = False) -> None:
+        """Make ``scheme://...`` URLs open with ``factory``. Mutates this registry."""
+        scheme = scheme.lower()
+        if not scheme or "://" in scheme:
+            raise ConfigError(f"storage scheme {scheme!r}: give the bare scheme, e.g. 'memory'")
+        if scheme in self._factories and not replace:
+            raise ConfigError(f"storage scheme {scheme!r} is already registered; pass replace=True")
+        self._factories[scheme] = factory
+
+    def schemes(self) -> list[str]:
+        return sorted(self._factories)
+
+    def open(self, url: str, *, fingerprint: str, timeout_ms: int = 50, max_retries: int = 2,
+             key_prefix: str | bytes = b"", probe_max_ms: int = 1000, **opts: Any) -> StorageBackend:
+        """See ``open_storage``."""
+        scheme, sep, _ = url.partition("://")
+        if not sep:
+            raise ConfigError(f"storage url {url!r}: expected scheme://..., one of "
+                              f"{', '.join(s + '://' for s in self.schemes())}")
+        factory = self._factories.get(scheme.lower())
+        if factory is None:
+            raise ConfigError(f"storage url scheme {scheme!r} is not registered; known: "
+                              f"{', '.join(self.schemes())}")
+        options = StorageOptions(fingerprint=fingerprint, timeout_ms=timeout_ms, max_retries=max_retries,
+                                 key_prefix=key_prefix, probe_max_ms=probe_max_ms)
+        try:
+            return factory(url, options, **opts)
+        except TypeError as e:  # an option this backend does not take
+            raise ConfigError(f"storage url {scheme}://...: bad option(s) {sorted(opts)}: {e}") from None
+
+
+def default_registry() -> StorageRegistry:
+    """A new registry with memory, file, redis, rediss, redis+cluster, rediss+cluster and plugins."""
+    reg = StorageRegistry()
+    reg.register("memory", MemoryBackend.from_url)
+    reg.register("file", FileBackend.from_url)
+    for s in ("redis", "rediss"):
+        reg.register(s, RedisBackend.from_url)
+        reg.register(s + "+cluster", RedisBackend.cluster_from_url)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        reg.register(ep.name, ep.load(), replace=True)
+        log.info("L3 backend plugin %r from %s", ep.name, ep.value)
+    return reg
+
+
+def open_storage(url: str, *, fingerprint: str, timeout_ms: int = 50, max_retries: int = 2,
+                 registry: StorageRegistry | None = None, **opts: Any) -> StorageBackend:
+    """Open the L3 backend named by ``url`` for one layout.
+
+    ``fingerprint`` is ``KVLayout.fingerprint()``; it is written into every
+    object and checked on every read. Common options: ``key_prefix``
+    (default ``"hicache:" + fingerprint[:8] + ":"``), ``probe_max_ms``
+    (longest wait between probes while L3 is down). Backend options:
+    ``memory://`` ``max_bytes``; ``file://`` ``fsync``; ``redis://``
+    ``max_connections`` and redis-py ConnectionPool keywords;
+    ``redis+cluster://`` RedisCluster keywords. Does not connect: an
+    unreachable server makes the first calls miss, never this one raise.
+    Raises ``ConfigError`` for a bad URL or option.
+    """
+    reg = registry if registry is not None else default_registry()
+    return reg.open(url, fingerprint=fingerprint, timeout_ms=timeout_ms, max_retries=max_retries, **opts)
