@@ -28,13 +28,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 from hicache.api.engine_ops import Dispatcher
-from hicache.api.l2_index import L2Index
+from hicache.api.l2_index import L2Index, L2Listener
 from hicache.config import HiCacheConfig, parse_set_flags
 from hicache.errors import ConfigError, HiCacheError, ServiceError
 from hicache.layout import KVLayout
 from hicache.pools import HostPool
 from hicache.protocol import HEADER_BYTES, body_length, pack, unpack
 from hicache.shm import SharedSegment
+from hicache.types import PageHash
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -61,6 +62,8 @@ class ServiceStats:
     evictions: int
     reservations: int  # pages reserved since start
     commits: int  # pages inserted since start
+    acquired: int  # pages locked for reading by clients since start
+    flushed: int  # pages dropped by flush_l2() since start
     duplicates: int
     cancelled: int
     reclaimed: int  # reservations and acquisitions taken back from closed connections
@@ -76,10 +79,14 @@ class EngineServer:
     """The service. Build, ``start()`` (or ``run_forever()``), ``stop()``.
 
     Owns the shared segment and the socket file: both are removed on stop.
+    ``listener`` (optional) is told about pages entering and leaving L2, on
+    the server's loop thread (see ``L2Listener``).
     """
 
-    def __init__(self, config: HiCacheConfig, layout: KVLayout | None = None):
+    def __init__(self, config: HiCacheConfig, layout: KVLayout | None = None,
+                 listener: L2Listener | None = None):
         self.config = config
+        self.listener = listener
         self.layout = layout if layout is not None else config.layout()
         svc = config.service
         self.socket_path = svc.socket_path
@@ -170,7 +177,7 @@ class EngineServer:
         self.segment = SharedSegment.create(self.shm_name, size)
         try:
             self.pool = HostPool(self.layout, self.num_pages, buffer=self.segment.tensor)
-            self.index = L2Index(self.pool.allocator)
+            self.index = L2Index(self.pool.allocator, self.listener)
             info = {"shm_name": self.shm_name, "shm_size": size, "num_pages": self.num_pages}
             self.dispatcher = Dispatcher(self.layout, self.index, info, lambda: self._snapshot().to_dict())
         except BaseException:
@@ -266,6 +273,20 @@ class EngineServer:
         """A consistent snapshot; callable from any thread."""
         return self._on_loop(self._snapshot)
 
+    def peek_l2(self, hashes: list[PageHash]) -> int:
+        """Leading ``hashes`` present in L2, without touching recency or counters; any thread."""
+        def peek() -> int:
+            assert self.index is not None, "server not started"
+            return self.index.peek(hashes)
+        return self._on_loop(peek)
+
+    def flush_l2(self) -> int:
+        """Drop every unlocked committed L2 page; returns how many. Any thread."""
+        def flush() -> int:
+            assert self.index is not None, "server not started"
+            return self.index.flush()
+        return self._on_loop(flush)
+
     def check_integrity(self) -> None:
         """Index, allocator and pool invariants; callable from any thread."""
         def check() -> None:
@@ -284,7 +305,7 @@ class EngineServer:
             used_pages=a.num_used, free_pages=a.num_free, committed_pages=idx.num_committed,
             reserved_pages=idx.num_reserved, locked_pages=idx.num_locked, lookups=c.lookups,
             hits=c.hits, misses=c.misses, evictions=c.evictions, reservations=c.reservations,
-            commits=c.commits, duplicates=c.duplicates, cancelled=c.cancelled, reclaimed=c.reclaimed,
+            commits=c.commits, acquired=c.acquired, flushed=c.flushed, duplicates=c.duplicates, cancelled=c.cancelled, reclaimed=c.reclaimed,
             clients=idx.num_owners, clients_total=self._next_client, errors=dict(d.errors))
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 from hicache.allocator import PageAllocator
 from hicache.errors import ForeignPage, IntegrityError, OutOfPages, ServiceError
@@ -28,6 +28,24 @@ from hicache.hashing import HASH_BYTES
 from hicache.types import HostPageId, PageHash
 
 OwnerId = int
+
+
+class L2Listener(Protocol):
+    """Told about pages entering and leaving the index (KV events).
+
+    Called on the index's thread, synchronously: implementations must not
+    block and must not call back into the index.
+    """
+
+    def pages_stored(self, pages: Sequence[tuple[PageHash, PageHash | None]]) -> None:
+        """``(page hash, parent hash)`` of newly lookup-able pages, head first.
+
+        The parent is the previous hash of the same commit, or None for a
+        commit's first page (the service does not know what preceded it).
+        """
+
+    def pages_removed(self, hashes: Sequence[PageHash]) -> None:
+        """Pages that stopped being lookup-able (evicted or flushed)."""
 
 
 @dataclass(slots=True)
@@ -62,6 +80,8 @@ class IndexCounters:
     evictions: int = 0
     reservations: int = 0  # pages reserved
     commits: int = 0  # pages inserted by commits
+    acquired: int = 0  # pages locked by acquire calls (each one is read out of L2 by a client)
+    flushed: int = 0  # pages dropped by flush()
     duplicates: int = 0
     cancelled: int = 0
     reclaimed: int = 0  # reserved pages and acquisitions taken back from dead owners
@@ -70,8 +90,9 @@ class IndexCounters:
 class L2Index:
     """Page-hash index, LRU eviction and per-owner holdings over one allocator."""
 
-    def __init__(self, allocator: PageAllocator):
+    def __init__(self, allocator: PageAllocator, listener: L2Listener | None = None):
         self.allocator = allocator
+        self.listener = listener
         self._entries: dict[PageHash, _Entry] = {}
         self._hash_of: dict[int, PageHash] = {}  # committed page id -> its hash
         self._lru: OrderedDict[PageHash, None] = OrderedDict()  # unlocked committed, oldest first
@@ -112,6 +133,11 @@ class L2Index:
                 self._lru.move_to_end(h)
         return pages
 
+    def peek(self, hashes: Sequence[PageHash]) -> int:
+        """How many leading ``hashes`` are present. Mutates nothing (no recency, no counters)."""
+        _check_hashes(hashes)
+        return len(self._leading(hashes))
+
     def _leading(self, hashes: Sequence[PageHash]) -> list[HostPageId]:
         out = []
         for h in hashes:
@@ -144,11 +170,27 @@ class L2Index:
 
     def _evict_one(self) -> None:
         h, _ = self._lru.popitem(last=False)
+        self._drop_entry(h)
+        self.counters.evictions += 1
+        if self.listener is not None:
+            self.listener.pages_removed([h])
+
+    def _drop_entry(self, h: PageHash) -> None:
         e = self._entries.pop(h)
         assert e.refs == 0, (h, e)
         del self._hash_of[e.page]
         self.allocator.free([e.page])
-        self.counters.evictions += 1
+
+    def flush(self) -> int:
+        """Drop every unlocked committed page (acquired pages stay); returns how many."""
+        gone = list(self._lru)
+        self._lru.clear()
+        for h in gone:
+            self._drop_entry(h)
+        self.counters.flushed += len(gone)
+        if gone and self.listener is not None:
+            self.listener.pages_removed(gone)
+        return len(gone)
 
     def commit(self, owner: OwnerId, hashes: Sequence[PageHash], pages: Sequence[int]) -> CommitResult:
         """Index reserved ``pages`` under ``hashes`` (same order); all or nothing.
@@ -178,6 +220,11 @@ class L2Index:
         c = self.counters
         c.commits += len(inserted)
         c.duplicates += len(dup_pages)
+        if inserted and self.listener is not None:
+            prev: dict[PageHash, PageHash | None] = {}
+            for i, h in enumerate(hashes):
+                prev.setdefault(h, hashes[i - 1] if i else None)
+            self.listener.pages_stored([(h, prev[h]) for h in inserted])
         return CommitResult(len(inserted), len(dup_pages))
 
     def cancel(self, owner: OwnerId, pages: Sequence[int]) -> None:
@@ -217,6 +264,7 @@ class L2Index:
                 del self._lru[h]
             e.refs += 1
             o.acquired[h] += 1
+        self.counters.acquired += len(pages)
         return pages
 
     def release(self, owner: OwnerId, hashes: Sequence[PageHash]) -> None:
