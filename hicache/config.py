@@ -81,6 +81,7 @@ class ServiceConfig(_Section):
     port: int = Field(8177, ge=0, le=65535)
     socket_path: str = "/tmp/hicache.sock"
     admin_token: str = ""  # required when host is not loopback
+    admin_token_file: str = ""  # read the token from this file (Compose/K8s secret) when admin_token is ""
     shm_name: str = "hicache-l2"
     max_request_bytes: int = Field(8 << 20, ge=1024)
 
