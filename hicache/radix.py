@@ -1,0 +1,510 @@
+"""Page-granular radix tree: the index of every cached prefix and its tiers.
+
+Edges are whole pages. A node's ``key`` is the uint32-LE bytes of its tokens
+(``hicache.hashing.tokens_to_bytes``); children are keyed by the bytes of
+their first page, so a lookup is one dict probe per node plus one ``memcmp``
+of the edge (``bytes.startswith``). The first differing page inside an edge
+is found by bisection over byte slices. Token ints are never compared one by
+one and nothing is hashed on the match path; page hashes are computed lazily
+(``hashes``).
+
+Every namespace (LoRA adapter, cache salt) has its own root, so two
+namespaces never share a node or a page.
+
+Tiers per node: ``device_pages`` (L1 ids, ``None`` = not on L1) and
+``host_pages`` (L2 ids, ``None`` = not on L2); ``in_storage`` marks L3. Under
+context parallelism those lists hold only the pages this rank owns (see
+``hicache.cp``); ``[]`` means "on the tier, no page owned here". A non-root
+node is always on L1 or L2; L3-only prefixes live in the storage backend.
+
+The tree allocates and frees nothing: it records page ids and hands freed
+ids back to its caller (``hicache.cache.PrefixCache``). Not thread-safe.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, NamedTuple
+
+import numpy as np
+
+from hicache.cp import PageOwnership, RoundRobin
+from hicache.errors import CacheStateError, IntegrityError
+from hicache.eviction import EvictionPolicy, run_eviction
+from hicache.hashing import namespace_root, page_hashes
+from hicache.types import PageHash
+
+NodeHook = Callable[["Node"], None]
+
+
+@dataclass(slots=True, eq=False)
+class Node:
+    """One edge of the tree. Identity-hashed; fields are mutated only by ``RadixTree``."""
+
+    key: bytes  # token ids of the edge, uint32 LE, a whole number of pages
+    num_pages: int  # logical pages on the edge
+    start_page: int  # logical index of the edge's first page in its sequence
+    parent: "Node | None"  # None only for a namespace root
+    namespace: str
+    nid: int  # creation order; final tie-break of every eviction policy
+    children: dict[bytes, "Node"] = field(default_factory=dict)  # first page bytes -> child
+    device_pages: list[int] | None = None  # owned L1 page ids; None = not on L1
+    host_pages: list[int] | None = None  # owned L2 page ids; None = not on L2
+    hashes: list[PageHash] | None = None  # chained page hashes, computed lazily
+    in_storage: bool = False  # L3 holds every page of the edge
+    lock_ref: int = 0  # holders of this node or a descendant on L1 (pins L1)
+    host_lock_ref: int = 0  # holders of this node or a descendant on L2 (pins L2)
+    last_access: int = 0  # tree clock at the last lock/insert
+    hit_count: int = 0  # times a request locked this node or a descendant
+
+    @property
+    def tokens(self) -> list[int]:
+        """Token ids of the edge (a copy)."""
+        return np.frombuffer(self.key, dtype="<u4").tolist()
+
+    @property
+    def on_device(self) -> bool:
+        return self.device_pages is not None
+
+    @property
+    def on_host(self) -> bool:
+        return self.host_pages is not None
+
+    def __repr__(self) -> str:
+        return (f"Node(nid={self.nid}, pages=[{self.start_page}, {self.start_page + self.num_pages}), "
+                f"dev={self.device_pages}, host={self.host_pages}, lock={self.lock_ref}, "
+                f"hlock={self.host_lock_ref})")
+
+
+class Hit(NamedTuple):
+    """A prefix lookup. Page lists are fresh lists; nodes stay valid until evicted."""
+
+    device_pages: list[int]  # owned L1 ids of the device hit, in logical order
+    device_num_pages: int  # logical pages hit on L1
+    host_pages: list[int]  # owned L2 ids of the host hit that continues it
+    host_num_pages: int  # logical pages hit on L2 after the device hit
+    device_node: "Node | None"  # deepest node of the device hit (root if none; None: no root)
+    host_node: "Node | None"  # deepest node of the host hit (== device_node if none)
+
+
+class InsertResult(NamedTuple):
+    node: Node  # the node holding the key's last page
+    pages: list[int]  # the tree's owned L1 ids for the whole key (use these from now on)
+    duplicates: list[int]  # caller's ids the tree did not take (already cached): free them
+    new_pages: int  # logical pages that were not in the tree before
+
+
+class TreeCensus(NamedTuple):
+    """What ``check_integrity`` counted: every page id the tree holds."""
+
+    device_ids: set[int]
+    host_ids: set[int]
+    nodes: int
+
+
+class RadixTree:
+    """The index. ``page_size`` tokens per page; ``ownership``/``cp_rank`` pick owned pages.
+
+    ``on_insert(node)`` runs after a node gets L1 pages by insertion
+    (write-through hook); ``on_device_evict(node)`` runs before a node leaves
+    L1, while its device pages are still valid (write-back hook; it may call
+    ``set_host`` so the node stays on L2).
+    """
+
+    def __init__(self, page_size: int, ownership: PageOwnership | None = None, cp_rank: int = 0, *,
+                 on_insert: NodeHook | None = None, on_device_evict: NodeHook | None = None):
+        self.page_size = page_size
+        self.page_bytes = 4 * page_size
+        self.ownership = ownership or RoundRobin(1)
+        self.cp_rank = cp_rank
+        self.on_insert = on_insert
+        self.on_device_evict = on_device_evict
+        self.clock = 0  # logical time: bumps on every lock/insert
+        self.epoch = 0  # bumps whenever pages leave a tier: older Hits may be stale
+        self.device_ids_held = 0
+        self.host_ids_held = 0
+        self.num_nodes = 0
+        self._roots: dict[str, Node] = {}
+        self._next_nid = 0
+
+    # ------------------------------------------------------------------ helpers
+    def owned(self, start_page: int, num_pages: int) -> int:
+        """Owned pages among logical pages ``[start_page, start_page + num_pages)``."""
+        return self.ownership.count(start_page, start_page + num_pages, self.cp_rank)
+
+    def root(self, namespace: str = "") -> Node:
+        """The namespace's root (created on first use). Roots count as on L1 and L2."""
+        r = self._roots.get(namespace)
+        if r is None:
+            r = Node(b"", 0, 0, None, namespace, self._nid(), device_pages=[], host_pages=[])
+            self._roots[namespace] = r
+        return r
+
+    def _nid(self) -> int:
+        self._next_nid += 1
+        return self._next_nid
+
+    def _common_pages(self, key: bytes, pos: int, end: int, child: Node) -> int:
+        """Whole pages of ``child`` equal to ``key[pos:end]``; the first page is known equal."""
+        pb, ck = self.page_bytes, child.key
+        mv = memoryview(key)
+        lo, hi = 1, min(child.num_pages, (end - pos) // pb)
+        while lo < hi:  # pages [0, lo) match; is [lo, mid) a match too?
+            mid = (lo + hi + 1) // 2
+            if ck.startswith(mv[pos + lo * pb:pos + mid * pb], lo * pb):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    # -------------------------------------------------------------------- match
+    def match(self, key: bytes, namespace: str = "", max_pages: int | None = None) -> Hit:
+        """Longest cached whole-page prefix of ``key``: L1 hit, then the L2 hit continuing it.
+
+        Pure: mutates nothing (not even access times). The returned page ids
+        stay valid until the next eviction (``epoch`` changes) or, for pages a
+        caller has locked, until it unlocks.
+        """
+        node = self._roots.get(namespace)
+        if node is None:
+            return Hit([], 0, [], 0, None, None)
+        pb = self.page_bytes
+        end = len(key) - len(key) % pb
+        if max_pages is not None and max_pages * pb < end:
+            end = max(0, max_pages * pb)
+        dev: list[int] = []
+        pos = 0
+        children = node.children
+        nxt = None  # first node on the path that is not on L1
+        while pos < end:
+            child = children.get(key[pos:pos + pb])
+            if child is None:
+                break
+            if child.device_pages is None:
+                nxt = child
+                break
+            if pos + len(child.key) <= end and key.startswith(child.key, pos):
+                dev += child.device_pages
+                pos += len(child.key)
+                node, children = child, child.children
+                continue
+            p = self._common_pages(key, pos, end, child)
+            dev += child.device_pages[:self.owned(child.start_page, p)]
+            return Hit(dev, pos // pb + p, [], 0, child, child)
+        dev_pages = pos // pb
+        dev_node = node
+        host: list[int] = []
+        while nxt is not None and nxt.host_pages is not None:
+            child = nxt
+            if pos + len(child.key) <= end and key.startswith(child.key, pos):
+                host += child.host_pages
+                pos += len(child.key)
+                node = child
+                nxt = child.children.get(key[pos:pos + pb]) if pos < end else None
+                continue
+            p = self._common_pages(key, pos, end, child)
+            host += child.host_pages[:self.owned(child.start_page, p)]
+            pos += p * pb
+            node = child
+            break
+        return Hit(dev, dev_pages, host, pos // pb - dev_pages, dev_node, node)
+
+    # ------------------------------------------------------------------- insert
+    def insert(self, key: bytes, namespace: str, device_pages: list[int]) -> InsertResult:
+        """Insert whole pages ``key`` whose owned L1 ids are ``device_pages``.
+
+        Pages already on L1 keep the tree's ids (the caller's become
+        ``duplicates``); pages the tree holds only on L2 adopt the caller's
+        ids. Splits nodes as needed. Runs ``on_insert`` on each new node.
+        """
+        pb = self.page_bytes
+        n = len(key)
+        assert n % pb == 0, f"key of {n} bytes is not whole pages of {pb} bytes"
+        assert len(device_pages) == self.owned(0, n // pb), (len(device_pages), n // pb)
+        self.clock += 1
+        node = self.root(namespace)
+        pos = at = new = 0
+        pages: list[int] = []
+        dups: list[int] = []
+        created = None
+        while pos < n:
+            child = node.children.get(key[pos:pos + pb])
+            if child is None:
+                created = self._add_child(node, key[pos:], device_pages[at:])
+                pages += created.device_pages
+                new = (n - pos) // pb
+                node = created
+                break
+            if pos + len(child.key) <= n and key.startswith(child.key, pos):
+                p = child.num_pages
+            else:
+                p = self._common_pages(key, pos, n, child)
+                if p < child.num_pages:
+                    child = self._split(child, p)
+            cnt = self.owned(child.start_page, p)
+            mine = device_pages[at:at + cnt]
+            if child.device_pages is None:  # L2-only: the caller's pages bring it back to L1
+                child.device_pages = list(mine)
+                self.device_ids_held += cnt
+                pages += mine
+            else:
+                if mine != child.device_pages:
+                    dups += [a for a, b in zip(mine, child.device_pages) if a != b]
+                pages += child.device_pages
+            child.last_access = self.clock
+            at += cnt
+            pos += p * pb
+            node = child
+        if created is not None and self.on_insert is not None:
+            self.on_insert(created)
+        return InsertResult(node, pages, dups, new)
+
+    def _add_child(self, parent: Node, key: bytes, device_pages: list[int]) -> Node:
+        pb = self.page_bytes
+        start = parent.start_page + parent.num_pages
+        node = Node(key, len(key) // pb, start, parent, parent.namespace, self._nid(),
+                    device_pages=list(device_pages), last_access=self.clock)
+        assert len(device_pages) == self.owned(start, node.num_pages)
+        parent.children[key[:pb]] = node
+        self.device_ids_held += len(device_pages)
+        self.num_nodes += 1
+        return node
+
+    def _split(self, child: Node, p: int) -> Node:
+        """Cut ``child`` after ``p`` pages; return the new upper node (same locks)."""
+        pb = self.page_bytes
+        k = self.owned(child.start_page, p)
+        up = Node(child.key[:p * pb], p, child.start_page, child.parent, child.namespace, self._nid(),
+                  in_storage=child.in_storage, lock_ref=child.lock_ref,
+                  host_lock_ref=child.host_lock_ref, last_access=child.last_access,
+                  hit_count=child.hit_count)
+        if child.device_pages is not None:
+            up.device_pages, child.device_pages = child.device_pages[:k], child.device_pages[k:]
+        if child.host_pages is not None:
+            up.host_pages, child.host_pages = child.host_pages[:k], child.host_pages[k:]
+        if child.hashes is not None:
+            up.hashes, child.hashes = child.hashes[:p], child.hashes[p:]
+        child.parent.children[up.key[:pb]] = up
+        child.key = child.key[p * pb:]
+        child.num_pages -= p
+        child.start_page += p
+        child.parent = up
+        up.children[child.key[:pb]] = child
+        self.num_nodes += 1
+        return up
+
+    # -------------------------------------------------------------------- locks
+    def lock(self, node: Node) -> None:
+        """Pin ``node`` and its ancestors on L1 (``lock_ref += 1``)."""
+        if node.device_pages is None:
+            raise CacheStateError(f"cannot lock {node!r}: it is not on L1; load it back first")
+        while node.parent is not None:
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        while node.parent is not None:
+            assert node.lock_ref > 0, f"unlock of unlocked {node!r}"
+            node.lock_ref -= 1
+            node = node.parent
+
+    def host_lock(self, node: Node) -> None:
+        """Pin ``node`` and its ancestors on L2 (``host_lock_ref += 1``)."""
+        if node.host_pages is None:
+            raise CacheStateError(f"cannot host-lock {node!r}: it is not on L2")
+        while node.parent is not None:
+            node.host_lock_ref += 1
+            node = node.parent
+
+    def host_unlock(self, node: Node) -> None:
+        while node.parent is not None:
+            assert node.host_lock_ref > 0, f"host unlock of unlocked {node!r}"
+            node.host_lock_ref -= 1
+            node = node.parent
+
+    def touch(self, node: Node) -> None:
+        """Record a use of ``node``'s path: access time and hit count."""
+        self.clock += 1
+        t = self.clock
+        while node.parent is not None:
+            node.last_access = t
+            node.hit_count += 1
+            node = node.parent
+
+    # -------------------------------------------------------------- tier hooks
+    def set_host(self, node: Node, host_pages: list[int]) -> None:
+        """Attach L2 copies. Call only once every plane of every page is on L2."""
+        if node.host_pages is not None or (node.parent is not None and node.parent.host_pages is None):
+            raise CacheStateError(f"set_host on {node!r}: it already has host pages or its parent "
+                                  "is not on L2 (L2 must stay prefix-closed)")
+        want = self.owned(node.start_page, node.num_pages)
+        if len(host_pages) != want:
+            raise CacheStateError(f"set_host on {node!r}: got {len(host_pages)} host pages, "
+                                  f"this rank owns {want} of its pages")
+        node.host_pages = list(host_pages)
+        self.host_ids_held += want
+
+    def set_device(self, node: Node, device_pages: list[int]) -> None:
+        """Attach L1 pages to an L2-only node (after a load back completed)."""
+        if node.device_pages is not None or node.parent is None or node.parent.device_pages is None:
+            raise CacheStateError(f"set_device on {node!r}: it is already on L1 or its parent is "
+                                  "not (L1 must stay prefix-closed); load parents first")
+        want = self.owned(node.start_page, node.num_pages)
+        if len(device_pages) != want:
+            raise CacheStateError(f"set_device on {node!r}: got {len(device_pages)} pages, need {want}")
+        node.device_pages = list(device_pages)
+        self.device_ids_held += want
+
+    def set_stored(self, node: Node, stored: bool = True) -> None:
+        node.in_storage = stored
+
+    def split_at(self, node: Node, num_pages: int) -> Node:
+        """Make a node boundary ``num_pages`` into ``node``; returns the upper part."""
+        if not 0 < num_pages <= node.num_pages:
+            raise CacheStateError(f"split_at {num_pages} outside (0, {node.num_pages}] of {node!r}")
+        return node if num_pages == node.num_pages else self._split(node, num_pages)
+
+    def path(self, node: Node, stop: Node | None = None) -> list[Node]:
+        """Nodes from just below ``stop`` (default: the root) down to ``node``."""
+        out = []
+        while node is not None and node is not stop and node.parent is not None:
+            out.append(node)
+            node = node.parent
+        out.reverse()
+        return out
+
+    def hashes(self, node: Node) -> list[PageHash]:
+        """Chained page hashes of ``node`` (computed once, cached on the path)."""
+        todo = []
+        n = node
+        while n.parent is not None and n.hashes is None:
+            todo.append(n)
+            n = n.parent
+        prev = namespace_root(node.namespace) if n.parent is None else n.hashes[-1]
+        for n in reversed(todo):
+            n.hashes = page_hashes(np.frombuffer(n.key, dtype="<u4"), self.page_size, parent=prev)
+            prev = n.hashes[-1]
+        return node.hashes if node.parent is not None else []
+
+    # ----------------------------------------------------------------- eviction
+    def iter_nodes(self) -> Iterator[Node]:
+        """Every non-root node, parents before children. Do not mutate while iterating."""
+        stack = list(self._roots.values())
+        while stack:
+            n = stack.pop()
+            if n.parent is not None:
+                yield n
+            stack.extend(n.children.values())
+
+    def _device_evictable(self, n: Node) -> bool:
+        return (n.parent is not None and n.device_pages is not None and n.lock_ref == 0
+                and not any(c.device_pages is not None for c in n.children.values()))
+
+    def _host_evictable(self, n: Node) -> bool:
+        return (n.parent is not None and n.host_pages is not None and n.host_lock_ref == 0
+                and not any(c.host_pages is not None for c in n.children.values()))
+
+    def evict_device(self, num_pages: int, policy: EvictionPolicy) -> tuple[list[int], int]:
+        """Take at least ``num_pages`` logical pages off L1, unlocked L1 leaves first in
+        ``policy`` order. Nodes with L2 copies stay as L2-only nodes; others are
+        removed. Returns ``(freed L1 ids, logical pages evicted)``."""
+        freed: list[int] = []
+
+        def evict_one(n: Node) -> tuple[int, Node | None]:
+            if self.on_device_evict is not None:
+                self.on_device_evict(n)
+            freed.extend(n.device_pages)
+            self.device_ids_held -= len(n.device_pages)
+            n.device_pages = None
+            parent = n.parent
+            if n.host_pages is None:
+                self._remove(n)
+            return n.num_pages, (parent if self._device_evictable(parent) else None)
+
+        cands = [n for n in self.iter_nodes() if self._device_evictable(n)]
+        got = run_eviction(cands, policy, num_pages, evict_one)
+        if got:
+            self.epoch += 1
+        return freed, got
+
+    def evict_host(self, num_pages: int, policy: EvictionPolicy) -> tuple[list[int], int]:
+        """Drop at least ``num_pages`` logical pages from L2, L2 leaves with
+        ``host_lock_ref == 0`` first in ``policy`` order; L2 stays prefix-closed.
+        A node also on L1 keeps its L1 pages. Returns ``(freed L2 ids, pages)``."""
+        freed: list[int] = []
+
+        def evict_one(n: Node) -> tuple[int, Node | None]:
+            freed.extend(n.host_pages)
+            self.host_ids_held -= len(n.host_pages)
+            n.host_pages = None
+            parent = n.parent
+            if n.device_pages is None:
+                self._remove(n)
+            return n.num_pages, (parent if self._host_evictable(parent) else None)
+
+        cands = [n for n in self.iter_nodes() if self._host_evictable(n)]
+        got = run_eviction(cands, policy, num_pages, evict_one)
+        if got:
+            self.epoch += 1
+        return freed, got
+
+    def _remove(self, n: Node) -> None:
+        assert not n.children and n.lock_ref == 0 and n.host_lock_ref == 0, n
+        del n.parent.children[n.key[:self.page_bytes]]
+        self.num_nodes -= 1
+
+    # ---------------------------------------------------------------- integrity
+    def check_integrity(self) -> TreeCensus:
+        """Check invariants 1-3 and 5 of DESIGN.md and the tree's own bookkeeping;
+        return every page id held (the cache checks pool accounting, invariant 4)."""
+        pb = self.page_bytes
+        dev: set[int] = set()
+        host: set[int] = set()
+        nodes = dev_n = host_n = 0
+
+        def bad(n: Node, why: str) -> IntegrityError:
+            return IntegrityError(f"radix {n!r}: {why}")
+
+        for ns, r in self._roots.items():
+            if r.namespace != ns or r.key or r.device_pages != [] or r.host_pages != []:
+                raise bad(r, f"malformed root of namespace {ns!r}")
+        for n in self.iter_nodes():
+            p = n.parent
+            nodes += 1
+            if not n.key or len(n.key) % pb or n.num_pages != len(n.key) // pb:  # invariant 1
+                raise bad(n, f"key of {len(n.key)} bytes is not {n.num_pages} whole pages of {pb}")
+            if p.children.get(n.key[:pb]) is not n or n.namespace != p.namespace:
+                raise bad(n, "not reachable from its parent under its first page")
+            if n.start_page != p.start_page + p.num_pages:
+                raise bad(n, f"start_page {n.start_page} != parent end {p.start_page + p.num_pages}")
+            if n.device_pages is None and n.host_pages is None:
+                raise bad(n, "is on neither L1 nor L2")
+            if n.device_pages is not None and p.device_pages is None:  # invariant 2
+                raise bad(n, "on L1 but its parent is not (L1 not prefix-closed)")
+            if n.host_pages is not None and p.host_pages is None:
+                raise bad(n, "on L2 but its parent is not (L2 not prefix-closed)")
+            if n.lock_ref < sum(c.lock_ref for c in n.children.values()) or \
+                    n.host_lock_ref < sum(c.host_lock_ref for c in n.children.values()):
+                raise bad(n, "lock count below its children's (locks must cover ancestors)")
+            if n.lock_ref and n.device_pages is None:  # invariant 3
+                raise bad(n, "locked but evicted from L1")
+            if n.host_lock_ref and n.host_pages is None:
+                raise bad(n, "host-locked but evicted from L2")
+            want = self.owned(n.start_page, n.num_pages)  # invariant 5: no page missing on a tier
+            for ids, seen, tier in ((n.device_pages, dev, "L1"), (n.host_pages, host, "L2")):
+                if ids is None:
+                    continue
+                if len(ids) != want:
+                    raise bad(n, f"holds {len(ids)} {tier} pages, owns {want}")
+                for i in ids:
+                    if i in seen:
+                        raise bad(n, f"{tier} page {i} is held twice in the tree")
+                    seen.add(i)
+            dev_n += len(n.device_pages or ())
+            host_n += len(n.host_pages or ())
+            if n.hashes is not None and len(n.hashes) != n.num_pages:
+                raise bad(n, f"{len(n.hashes)} hashes for {n.num_pages} pages")
+        if (nodes, dev_n, host_n) != (self.num_nodes, self.device_ids_held, self.host_ids_held):
+            raise IntegrityError(f"radix counters (nodes, L1 ids, L2 ids) = "
+                                 f"{(self.num_nodes, self.device_ids_held, self.host_ids_held)}, "
+                                 f"counted {(nodes, dev_n, host_n)}")
+        return TreeCensus(dev, host, nodes)
