@@ -119,7 +119,7 @@ def test_client_vanishing_mid_frame_is_harmless(service, raw):
         s = healthy(service)
         if s["reserved_pages"] == 0:
             break
-    assert s["reserved_pages"] == 0 and s["clients"] == 0
+    assert s["reserved_pages"] == 0 and s["clients"] == 1  # just the checker
 
 
 _settings = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
