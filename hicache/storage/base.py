@@ -187,6 +187,15 @@ class StorageBackend(abc.ABC):
         """Every stored (full key, object) under our prefix, or None if the backend cannot list."""
         return None
 
+    def _raw_keys(self) -> Iterator[bytes] | None:
+        """Every stored full key under our prefix, or None if the backend cannot list.
+
+        The default walks ``_raw_scan``; backends that can list keys without
+        reading objects override it.
+        """
+        scan = self._raw_scan()
+        return None if scan is None else (k for k, _ in scan)
+
     # --------------------------------------------------------------- plumbing
     def _full(self, key: bytes) -> bytes:
         if type(key) is not bytes or len(key) != HASH_BYTES:
@@ -337,6 +346,23 @@ class StorageBackend(abc.ABC):
             return 0
         res = self._call("delete", self._raw_delete, full)
         return 0 if res is _DOWN else int(res)
+
+    def clear(self) -> int | None:
+        """Delete every object under this backend's key prefix (this layout's pages only).
+
+        Returns how many were deleted (0 when L3 is down), or None when the
+        backend cannot list its keys. Other layouts' objects are untouched.
+        """
+        keys = self._call("scan", lambda: None if (it := self._raw_keys()) is None else list(it), probe=True)
+        if keys is _DOWN:
+            return 0
+        if keys is None:
+            return None
+        n = 0
+        for i in range(0, len(keys), 512):
+            res = self._call("delete", self._raw_delete, keys[i:i + 512])
+            n += 0 if res is _DOWN else int(res)
+        return n
 
     def ping(self) -> bool:
         """True when L3 answers now. Always tries (ignores the probe schedule)."""
