@@ -21,8 +21,6 @@ from __future__ import annotations
 import re
 import threading
 from typing import Any, Callable, Iterator
-from urllib.parse import unquote
-
 import redis
 from redis.backoff import EqualJitterBackoff
 from redis.cluster import ClusterNode, RedisCluster
@@ -95,17 +93,15 @@ class RedisBackend(StorageBackend):
             nodes.append(ClusterNode(host.strip("[]"), int(port)))
         if not nodes:
             raise ConfigError(f"storage url {_redact(url)!r}: list at least one host:port")
-        user, _, password = userinfo.partition(":")
+        # Passing the first node as a redis:// URL makes RedisCluster build each
+        # node's ConnectionPool from the kwargs, which is what lets
+        # connection_class (the framed packer) reach the node connections.
+        tls = scheme.startswith("rediss")
+        first = f"redis://{userinfo + '@' if userinfo else ''}{hosts.split(',')[0]}"
         kw: dict[str, Any] = dict(
-            startup_nodes=nodes, retry=_retry(options), socket_timeout=options.timeout_s,
+            url=first, startup_nodes=nodes[1:], retry=_retry(options), socket_timeout=options.timeout_s,
             socket_connect_timeout=options.timeout_s, require_full_coverage=False,
-            connection_class=FramedSSLConnection if scheme.startswith("rediss") else FramedConnection)
-        if password:
-            kw["password"] = unquote(password)
-        if user:
-            kw["username"] = unquote(user)
-        if scheme.startswith("rediss"):
-            kw["ssl"] = True
+            connection_class=FramedSSLConnection if tls else FramedConnection)
         kw.update(cluster_kwargs)
         return cls(options, lambda: RedisCluster(**kw), _redact(url))
 
