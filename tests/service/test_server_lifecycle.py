@@ -1,0 +1,126 @@
+"""EngineServer in a thread: start/stop, leftovers, refusals at start; shm and frame helpers."""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import threading
+
+import pytest
+
+from hicache.api.engine_server import EngineServer
+from hicache.client import EngineClient
+from hicache.config import HiCacheConfig
+from hicache.errors import ConfigError, PoolError, ServiceError
+from hicache.hashing import page_hashes
+from hicache.protocol import HEADER, body_length, pack, unpack
+from hicache.shm import SharedSegment, shm_path
+
+
+@pytest.fixture
+def cfg():
+    d = tempfile.mkdtemp(prefix="hcl", dir="/tmp")
+    name = f"hicache-test-{os.getpid()}-{threading.get_ident() % 10000}-{os.urandom(4).hex()}"
+    c = HiCacheConfig.load(overrides={"service.socket_path": d + "/s.sock", "service.shm_name": name,
+                                      "pool.host_pages": 4}, env={})
+    yield c
+    if os.path.exists(shm_path(name)):
+        os.unlink(shm_path(name))
+    for f in os.listdir(d):
+        os.unlink(os.path.join(d, f))
+    os.rmdir(d)
+
+
+def test_start_serve_stop_removes_socket_and_segment(cfg):
+    srv = EngineServer(cfg)
+    srv.start()
+    try:
+        lay = cfg.layout()
+        assert os.path.exists(shm_path(cfg.service.shm_name))
+        with EngineClient(cfg.service.socket_path, lay) as c:
+            h = page_hashes(list(range(2 * lay.page_size)), lay.page_size)
+            p = c.reserve(2)
+            c.pool.write_page(p[1], bytes(range(256)) * (lay.page_bytes // 256))
+            c.commit(h, p)
+            assert srv.pool.read_page(p[1]) == bytes(range(256)) * (lay.page_bytes // 256)
+            st = srv.stats()  # from this (non-loop) thread
+            assert (st.committed_pages, st.clients, st.used_pages, st.free_pages) == (2, 1, 2, 2)
+            srv.check_integrity()
+    finally:
+        srv.stop()
+    assert not os.path.exists(shm_path(cfg.service.shm_name))
+    assert not os.path.exists(cfg.service.socket_path)
+
+
+def test_stop_disconnects_clients(cfg):
+    srv = EngineServer(cfg)
+    srv.start()
+    c = EngineClient(cfg.service.socket_path, cfg.layout())
+    srv.stop()
+    with pytest.raises(ServiceError) as e:
+        c.stats()
+    assert e.value.kind == "closed"
+    c.close()
+
+
+def test_stale_socket_is_replaced_live_one_is_refused(cfg):
+    path = cfg.service.socket_path
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(path)  # bound, never listening: a crashed server's leftover
+    s.close()
+    srv = EngineServer(cfg)
+    srv.start()
+    try:
+        other = cfg.model_copy(update={"service": cfg.service.model_copy(update={"shm_name": "x" + cfg.service.shm_name})})
+        with pytest.raises(ConfigError, match="already listens"):
+            EngineServer(other).start()
+        assert not os.path.exists(shm_path("x" + cfg.service.shm_name))
+    finally:
+        srv.stop()
+
+
+def test_existing_segment_name_is_refused(cfg):
+    with SharedSegment.create(cfg.service.shm_name, 64):
+        with pytest.raises(PoolError, match="already exists"):
+            EngineServer(cfg).start()
+        assert not os.path.exists(cfg.service.socket_path)
+
+
+def test_long_socket_path_is_refused(cfg):
+    bad = cfg.model_copy(update={"service": cfg.service.model_copy(update={"socket_path": "/tmp/" + "x" * 120})})
+    with pytest.raises(ConfigError, match="longer than 107 bytes"):
+        EngineServer(bad)
+
+
+def test_shared_segment_is_shared_and_unlinked_by_owner():
+    name = f"hicache-test-{os.getpid()}-{os.urandom(4).hex()}"
+    with SharedSegment.create(name, 100) as a:
+        b = SharedSegment.attach(name, 100)
+        a.tensor[7] = 42
+        assert int(b.tensor[7]) == 42 and b.tensor.numel() == 100
+        with pytest.raises(PoolError, match="holds 100 bytes, expected 200"):
+            SharedSegment.attach(name, 200)
+        b.close()
+        assert os.path.exists(shm_path(name))  # an attacher never unlinks
+    assert not os.path.exists(shm_path(name))
+    with pytest.raises(PoolError, match="does not exist"):
+        SharedSegment.attach(name, 100)
+    for bad in ("a/b", "", ".."):
+        with pytest.raises(PoolError, match="shm_name"):
+            shm_path(bad)
+
+
+def test_frame_helpers_round_trip_and_limits():
+    obj = {"op": "lookup", "hashes": [b"\0" * 16, b"\xff" * 16]}
+    frame = pack(obj)
+    assert body_length(frame[:4], 1024) == len(frame) - 4
+    assert unpack(frame[4:]) == obj
+    with pytest.raises(ServiceError) as e:
+        body_length(HEADER.pack(2000), 1024)
+    assert e.value.kind == "too_large" and "2000 bytes exceeds the limit of 1024" in str(e.value)
+    with pytest.raises(ServiceError) as e:
+        unpack(b"\x93\x01\x02\x03")  # a list, not a map
+    assert e.value.kind == "bad_request"
+    with pytest.raises(ServiceError) as e:
+        unpack(b"\x81\x01\x02")  # int map key
+    assert e.value.kind == "bad_frame"
