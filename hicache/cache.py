@@ -213,7 +213,7 @@ class Request:
             c._free_device(self._tail)
         self._tail, self._tail_tokens = [], 0
         self.allocated_tokens = self.computed_tokens
-        self.node = m.device_node if self.shared_pages else None
+        self.node = c._lock_target(m.device_node, self.shared_pages) if self.shared_pages else None
         if self.node is not None:
             c.tree.lock(self.node)
             c.tree.touch(self.node)
@@ -412,6 +412,13 @@ class PrefixCache:
             self.host_allocator.free(freed)
         self._stats.host_evicted_pages += got
         return freed
+
+    def _lock_target(self, node: Node, num_pages: int) -> Node:
+        """The node ending exactly at logical page ``num_pages`` on ``node``'s path,
+        split out if needed so a lock pins no page the holder does not use."""
+        while node.start_page >= num_pages:  # an insert split it after the match
+            node = node.parent
+        return self.tree.split_at(node, num_pages - node.start_page)
 
     def _alloc_device(self, n: int) -> list[int]:
         a = self.device_allocator
