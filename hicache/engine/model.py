@@ -1,0 +1,275 @@
+"""The reference decoder-only transformer that hicache's engine loop drives.
+
+It keeps its KV in a ``hicache.pools.DevicePool``: it writes the rows of the
+tokens it computes by slot id (``page_id * page_size + offset``, see
+``model_kv.write_kv``) and reads context K/V by gathering the request's page
+table (one slot id per context token) from the pool buffers.
+
+Bit-exact reuse (``attention="exact"``, the default)
+----------------------------------------------------
+A cache hit must reproduce recomputation bit for bit (float32, CPU). Float
+results depend on reduction order, which depends on tensor shapes, so every
+computation runs on one fixed shape:
+
+* rows are processed in *tiles* of exactly ``page_size`` rows aligned to
+  absolute positions ``[c * page_size, (c + 1) * page_size)``; rows of the
+  tile that this call does not compute are padding (``Row.STATIC_PAD``, token
+  0, never written to the pool); a decode step is a tile with one valid row;
+* every matmul and norm is row-local, so a row's result depends only on its
+  own inputs and the (fixed) tile shape;
+* a query at position ``p`` attends over exactly ``ceil_to_page(p + 1)`` keys
+  (causal mask), whose valid ones are read back from the pool after this
+  tile's rows were written and whose masked tail is zeros, so its reduction
+  length and inputs are the same whatever path produced the context.
+
+``attention="sdpa"`` computes a whole chunk at once with
+``scaled_dot_product_attention`` (GPU timing runs; equal within a tolerance).
+
+Draft (NextN / EAGLE) head
+--------------------------
+The draft row at position ``j`` fuses the target's final hidden state ``h_j``
+(before the final norm) with the embedding of the *next* token ``t_{j+1}``,
+runs one decoder layer whose KV lives in the layout's draft planes at slot
+``j`` (the target's page ids), and predicts ``t_{j+2}``. Row ``j`` therefore
+needs ``t_{j+1}``: the last row of a chunk is *pending* until the next token is
+known. Pass it as ``next_token`` (chunked prefill), or carry
+``ChunkOutput.hidden_last`` into the next call as ``pending_hidden`` (or into
+``speculate``, whose first step writes it). Consequence for reuse: the draft
+row of a page's last slot depends on the first token of the following page;
+a hit continued by a different token keeps a stale draft row there. Target
+logits never depend on the draft; draft proposals are exact when the
+continuation matches (e.g. a warm rerun of the same sequence).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal, NamedTuple, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from hicache.engine import model_layers as ml
+from hicache.engine.model_kv import gather_context, write_kv
+from hicache.engine.model_spec import ModelSpec
+from hicache.errors import PoolError
+from hicache.pools import DevicePool
+from hicache.provenance import Row
+
+Attention = Literal["exact", "sdpa"]
+
+
+class ChunkOutput(NamedTuple):
+    """Result of ``forward_chunk``; fresh tensors, valid until the caller drops them."""
+
+    logits_last: torch.Tensor  # [vocab] float32: predicts the token after the chunk
+    hidden_last: torch.Tensor  # [hidden]: target hidden of the chunk's last token (draft input)
+    hidden: torch.Tensor  # [n, hidden]: target hidden of every chunk token
+    logits: torch.Tensor | None  # [n, vocab] float32 when all_logits=True
+    draft_rows: int  # draft KV rows written by this call
+
+
+class Draft(NamedTuple):
+    tokens: list[int]  # k proposed tokens
+    logits: torch.Tensor  # [k, vocab] float32 draft logits
+    hidden_last: torch.Tensor  # [hidden] draft hidden of the last step
+
+
+class Verdict(NamedTuple):
+    accept_length: int  # how many drafted tokens the target accepts greedily
+    bonus_token: int  # the target's own token after the accepted drafts
+    tokens: list[int]  # accepted drafts followed by the bonus token (accept_length + 1)
+
+
+class Generation(NamedTuple):
+    tokens: list[int]  # generated tokens
+    logits: torch.Tensor  # [len(tokens), vocab]: the target logits each token was taken from
+    accept_lengths: list[int]  # per verify step (speculative decoding only)
+
+
+@dataclass(frozen=True, slots=True)
+class _Stack:
+    """A tower of decoder layers over one set of planes (target or draft)."""
+
+    embed: Callable[..., torch.Tensor]  # padded inputs -> [T, hidden]
+    layers: list[ml.LayerWeights]
+    final_norm: torch.Tensor
+    draft: bool
+
+
+def verify_greedy(logits: torch.Tensor, drafted: Sequence[int]) -> Verdict:
+    """Greedy acceptance: ``logits[i]`` (target, ``[k + 1, vocab]``) is the prediction
+    after the verify chunk's token ``i``, whose token ``i + 1`` is ``drafted[i]``."""
+    if logits.shape[0] != len(drafted) + 1:
+        raise ValueError(f"verify needs len(drafted) + 1 = {len(drafted) + 1} logits rows, got "
+                         f"{logits.shape[0]}; run the chunk [last token, *drafted] with all_logits=True")
+    target = logits.argmax(dim=-1).tolist()
+    a = 0
+    while a < len(drafted) and target[a] == int(drafted[a]):
+        a += 1
+    return Verdict(a, target[a], [int(t) for t in drafted[:a]] + [target[a]])
+
+
+class ReferenceModel:
+    """Seeded random-weight transformer (MHA/GQA or MLA) with an optional draft head.
+
+    Stateless between calls apart from the pool it is handed: every call
+    reads context from and writes new KV rows to ``pool`` (mutates it).
+    """
+
+    def __init__(self, spec: ModelSpec, *, device: str | torch.device = "cpu", attention: Attention = "exact",
+                 draft: bool = True):
+        if attention not in ("exact", "sdpa"):
+            raise ValueError(f"attention={attention!r}: use 'exact' (bit-reproducible) or 'sdpa' (fast)")
+        self.spec, self.attention, self.device = spec, attention, torch.device(device)
+        self.weights = ml.init_weights(spec, self.device, draft=draft)
+        w = self.weights
+        self._target = _Stack(lambda tok: w.embed[tok], w.layers, w.final_norm, False)
+        self._draft = None if w.draft is None else _Stack(self._draft_embed, [w.draft.layer],
+                                                          w.draft.final_norm, True)
+
+    @property
+    def has_draft(self) -> bool:
+        return self._draft is not None
+
+    def _draft_embed(self, tok: torch.Tensor, hid: torch.Tensor) -> torch.Tensor:
+        d, eps = self.weights.draft, self.spec.norm_eps
+        e = ml.rms_norm(self.weights.embed[tok], d.emb_norm, eps)
+        return F.linear(torch.cat((e, ml.rms_norm(hid, d.hid_norm, eps)), dim=-1), d.fc)
+
+    # ------------------------------------------------------------------ checks
+    def check_pool(self, pool: DevicePool, *, draft: bool = False) -> None:
+        """Raise ``PoolError`` unless ``pool`` has this model's planes (and draft planes if asked)."""
+        lay, s = pool.layout, self.spec
+        want = s.kv_layout(lay.page_size, lay.host_layout, draft_layers=lay.draft_layers, model_id=lay.model_id)
+        diff = lay.diff(want)
+        if diff:
+            raise PoolError(f"pool layout does not fit {s.model_id}: " +
+                            "; ".join(f"{f}: pool={a!r} model={b!r}" for f, a, b in diff))
+        if draft and (lay.draft_layers < 1 or not self.has_draft):
+            raise PoolError(f"draft=True needs a draft head (has_draft={self.has_draft}) and a layout with "
+                            f"draft_layers=1 (got {lay.draft_layers}); build it with spec.kv_layout(..., "
+                            "draft_layers=1) or pass draft=False")
+
+    def _check_slots(self, slot_ids: torch.Tensor, need: int) -> torch.Tensor:
+        if slot_ids.dim() != 1 or slot_ids.numel() < need:
+            raise PoolError(f"slot_ids must be 1-D with one slot per token up to position {need - 1} "
+                            f"({need} slots), got shape {tuple(slot_ids.shape)}")
+        if need > self.spec.max_seq_len:
+            raise PoolError(f"position {need - 1} is beyond the RoPE table (max_seq_len="
+                            f"{self.spec.max_seq_len}); raise ModelSpec.max_seq_len")
+        return slot_ids.to(device=self.device, dtype=torch.int64)
+
+    # ------------------------------------------------------------------ core
+    def _rows(self, pool: DevicePool, stack: _Stack, inputs: tuple[torch.Tensor, ...], lo: int, hi: int,
+              slots: torch.Tensor, want_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Compute rows for positions ``[lo, hi)`` of ``stack`` from ``inputs`` (each ``[hi - lo, ...]``)."""
+        if self.attention == "sdpa":
+            prov = torch.full((hi - lo,), int(Row.VALID), dtype=torch.int8, device=self.device)
+            return self._tile(pool, stack, inputs, lo, hi - lo, prov, slots[lo:hi], slots[:hi], want_logits)
+        ps = pool.page_size
+        hid, logit = [], []
+        for t0 in range(lo - lo % ps, hi, ps):
+            a, b = max(lo, t0), min(hi, t0 + ps)
+            padded = []
+            for x in inputs:
+                t = x.new_zeros((ps, *x.shape[1:]))
+                t[a - t0:b - t0] = x[a - lo:b - lo]
+                padded.append(t)
+            prov = torch.full((ps,), int(Row.STATIC_PAD), dtype=torch.int8, device=self.device)
+            prov[a - t0:b - t0] = int(Row.VALID)
+            tslots = torch.full((ps,), -1, dtype=torch.int64, device=self.device)
+            tslots[a - t0:b - t0] = slots[a:b]
+            h, lg = self._tile(pool, stack, tuple(padded), t0, ps, prov, tslots, slots[:b], want_logits)
+            hid.append(h[a - t0:b - t0])
+            if lg is not None:
+                logit.append(lg[a - t0:b - t0])
+        return torch.cat(hid), (torch.cat(logit) if want_logits else None)
+
+    def _tile(self, pool: DevicePool, stack: _Stack, inputs: tuple[torch.Tensor, ...], t0: int, T: int,
+              prov: torch.Tensor, tslots: torch.Tensor, ctx_slots: torch.Tensor,
+              want_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ``T`` rows at positions ``t0 ..`` through every layer of ``stack``; the
+        attention context is ``t0 + T`` keys (the valid ones are ``ctx_slots``)."""
+        s, w = self.spec, self.weights
+        pos = torch.arange(t0, t0 + T, device=self.device)
+        rpos = pos.clamp(max=s.max_seq_len - 1)  # padding rows may run past the table
+        cos, sin = w.rope_cos[rpos], w.rope_sin[rpos]
+        x = stack.embed(*inputs)
+        for i, lw in enumerate(stack.layers):
+            q, kv = ml.project(s, lw, ml.rms_norm(x, lw.attn_norm, s.norm_eps), cos, sin)
+            write_kv(pool, i, kv, tslots, prov, draft=stack.draft)
+            ctx = gather_context(pool, i, ctx_slots, t0 + T, x.dtype, draft=stack.draft)
+            k, v = ml.expand_kv(s, lw, ctx)
+            x = x + F.linear(ml.attend(q, k, v, pos, exact=self.attention == "exact"), lw.w_o)
+            x = x + ml.mlp(lw, ml.rms_norm(x, lw.mlp_norm, s.norm_eps))
+        if not want_logits:
+            return x, None
+        return x, F.linear(ml.rms_norm(x, stack.final_norm, s.norm_eps), w.lm_head).float()
+
+    # ------------------------------------------------------------------ API
+    def forward_chunk(self, pool: DevicePool, tokens: Sequence[int] | torch.Tensor, start_pos: int,
+                      slot_ids: torch.Tensor, *, draft: bool = True, pending_hidden: torch.Tensor | None = None,
+                      next_token: int | None = None, all_logits: bool = False) -> ChunkOutput:
+        """Compute tokens ``[start_pos, start_pos + n)`` of one request.
+
+        The KV of ``[0, start_pos)`` must already be in ``pool`` at
+        ``slot_ids[:start_pos]``; the new rows are written to
+        ``slot_ids[start_pos:start_pos + n]`` (target planes, and draft planes
+        when ``draft``). ``slot_ids`` may be longer than needed. Draft rows
+        written: ``[start_pos - 1 if pending_hidden is given else start_pos,
+        end if next_token is given else end - 1)`` (see the module docstring).
+        """
+        tok = torch.as_tensor(tokens, dtype=torch.int64, device=self.device).reshape(-1)
+        n = int(tok.numel())
+        if n < 1 or start_pos < 0:
+            raise ValueError(f"forward_chunk needs >= 1 token and start_pos >= 0, got n={n} start_pos={start_pos}")
+        end = start_pos + n
+        slots = self._check_slots(slot_ids, end)
+        self.check_pool(pool, draft=draft)
+        hidden, logits = self._rows(pool, self._target, (tok,), start_pos, end, slots, True)
+        rows = 0
+        if draft:
+            rows = self._draft_chunk(pool, tok, start_pos, hidden, slots, pending_hidden, next_token)
+        return ChunkOutput(logits[-1], hidden[-1], hidden, logits if all_logits else None, rows)
+
+    def _draft_chunk(self, pool: DevicePool, tok: torch.Tensor, start: int, hidden: torch.Tensor,
+                     slots: torch.Tensor, pending: torch.Tensor | None, next_token: int | None) -> int:
+        end = start + int(tok.numel())
+        if pending is not None and start == 0:
+            raise ValueError("pending_hidden given at start_pos=0: there is no previous token")
+        j0 = start - 1 if pending is not None else start
+        j1 = end if next_token is not None else end - 1
+        if j1 <= j0:
+            return 0
+        hid = hidden if pending is None else torch.cat((pending.reshape(1, -1).to(hidden), hidden))
+        nxt = tok if next_token is None else torch.cat((tok, tok.new_tensor([int(next_token)])))
+        self._rows(pool, self._draft, (nxt[j0 + 1 - start:j1 + 1 - start], hid[:j1 - j0]), j0, j1, slots, False)
+        return j1 - j0
+
+    def decode_step(self, pool: DevicePool, token: int, pos: int, slot_ids: torch.Tensor, *,
+                    draft: bool = True, pending_hidden: torch.Tensor | None = None) -> ChunkOutput:
+        """One token at ``pos``: ``forward_chunk`` of one token (same padded tile shape)."""
+        return self.forward_chunk(pool, [token], pos, slot_ids, draft=draft, pending_hidden=pending_hidden)
+
+    def speculate(self, pool: DevicePool, hidden_last: torch.Tensor, token: int, pos: int,
+                  slot_ids: torch.Tensor, k: int) -> Draft:
+        """Propose ``k`` tokens after ``token`` (the token sampled at ``pos + 1``).
+
+        ``hidden_last`` is the target hidden at ``pos``. Writes draft rows
+        ``pos .. pos + k - 1`` (row ``pos`` exact; later rows speculative until
+        the verify ``forward_chunk`` rewrites them); needs ``slot_ids`` up to
+        position ``pos + k - 1``.
+        """
+        if k < 1:
+            raise ValueError(f"speculate needs k >= 1, got {k}")
+        slots = self._check_slots(slot_ids, pos + k)
+        self.check_pool(pool, draft=True)
+        h, t = hidden_last.reshape(1, -1), int(token)
+        toks, logits = [], []
+        for j in range(pos, pos + k):
+            tt = torch.tensor([t], dtype=torch.int64, device=self.device)
+            h, lg = self._rows(pool, self._draft, (tt, h), j, j + 1, slots, True)
+            t = int(lg[0].argmax())
+            toks.append(t)
+            logits.append(lg[0])
+        return Draft(toks, torch.stack(logits), h[0])
