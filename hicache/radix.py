@@ -354,6 +354,45 @@ class RadixTree:
         node.device_pages = list(device_pages)
         self.device_ids_held += want
 
+    def insert_host(self, key: bytes, namespace: str, first_page: int,
+                    host_pages: list[int]) -> tuple[Node | None, list[int]]:
+        """Add pages ``[first_page, len(key) // page)`` of ``key`` as L2-only pages
+        (an L3 prefetch landing in L2), holding ``host_pages`` (cp_size 1 only).
+
+        Pages the tree already has keep the tree's copies; the walk stops where
+        the path is not on L2 (L2 must stay prefix-closed). Returns the deepest
+        node now covering the key on L2 (None if nothing new) and the host ids
+        the tree did not take, which the caller frees.
+        """
+        pb = self.page_bytes
+        n = len(key)
+        assert n % pb == 0 and len(host_pages) == n // pb - first_page, (n, first_page, len(host_pages))
+        node = self.root(namespace)
+        pos = 0
+        while pos < n:
+            child = node.children.get(key[pos:pos + pb])
+            if child is None:
+                break
+            p = child.num_pages if (pos + len(child.key) <= n and key.startswith(child.key, pos)) \
+                else self._common_pages(key, pos, n, child)
+            if child.host_pages is None:
+                return None, list(host_pages)  # L2 is not prefix-closed beyond here
+            if p < child.num_pages:
+                child = self._split(child, p)
+            pos += p * pb
+            node = child
+        start = pos // pb
+        if start < first_page or start == n // pb:
+            return None, list(host_pages)  # a gap before our pages, or nothing new
+        used = host_pages[start - first_page:]
+        self.clock += 1
+        new = Node(key[pos:], n // pb - start, start, node, namespace, self._nid(),
+                   host_pages=list(used), last_access=self.clock)
+        node.children[key[pos:pos + pb]] = new
+        self.host_ids_held += len(used)
+        self.num_nodes += 1
+        return new, list(host_pages[:start - first_page])
+
     def set_stored(self, node: Node, stored: bool = True) -> None:
         node.in_storage = stored
 

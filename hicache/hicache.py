@@ -1,0 +1,377 @@
+"""``HiCache``: the embedded three-tier cache an engine links against.
+
+It composes the index (``PrefixCache``), the L1/L2 pools, an L3 backend and
+the transfer controller, and implements the write policies, load back and
+prefetch on top of the index's tiering hooks::
+
+    hc = HiCache(HiCacheConfig.load())
+    req = hc.new_request("r1", prompt_ids)
+    adm = hc.admit(req)                 # match L1/L2/L3, prefetch, lock, start load back
+    req.alloc(len(prompt_ids) - adm.hit_tokens)
+    # forward pass: adm.wait_layer(i) before attention of layer i
+    req.commit(); req.finish()
+    hc.poll()                           # once per scheduler step
+
+Not thread-safe: one scheduler thread calls everything; completions run in
+that thread during ``poll``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from hicache.cache import MatchResult, PrefixCache, Request, Tokens
+from hicache.config import HiCacheConfig
+from hicache.errors import CacheStateError, OutOfPages
+from hicache.hashing import page_hashes
+from hicache.layout import KVLayout
+from hicache.pools import DevicePool, HostPool
+from hicache.radix import Node
+from hicache.transfer import LoadHandle, Transfer, TransferController
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Tier movement counters (pages unless named otherwise)."""
+
+    storage_lookups: int = 0
+    storage_hit_pages: int = 0  # L3 pages continuing the L2 hit, at admission
+    prefetch_started: int = 0
+    prefetch_pages: int = 0  # pages that landed in L2 from L3
+    prefetch_waited_ms: float = 0.0
+    load_back_pages: int = 0  # L2 -> L1
+    backup_pages: int = 0  # L1 -> L2 completed
+    backup_dropped_pages: int = 0  # no L2 space, or the path was not on L2
+    storage_put_pages: int = 0  # L2 -> L3 completed
+    storage_put_dropped_pages: int = 0
+    transfer_errors: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+class Admission(NamedTuple):
+    """What ``admit`` decided for a request. Valid until the request ends."""
+
+    match: MatchResult  # the final (post-prefetch, post-load) match the request locked
+    device_tokens: int  # hit already on L1 before admission
+    host_tokens: int  # hit loaded back from L2 (includes pages prefetched from L3)
+    storage_tokens: int  # part of host_tokens that came from L3 in this admission
+    loads: tuple[LoadHandle, ...]  # loads this request must wait for (its own and shared)
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.match.device_tokens
+
+    def wait_layer(self, i: int) -> None:
+        for h in self.loads:
+            h.wait_layer(i)
+
+    def wait(self) -> None:
+        for h in self.loads:
+            h.wait()
+
+
+class HiCache:
+    """Embedded L1/L2/L3 cache. See the module docstring for the call order."""
+
+    def __init__(self, config: HiCacheConfig | None = None, *, layout: KVLayout | None = None,
+                 device_buffers=None, storage=None):
+        self.config = cfg = config or HiCacheConfig.load()
+        self.layout = layout or cfg.layout()
+        self.device_pool = DevicePool(self.layout, cfg.pool.device_pages, cfg.resolved_device(),
+                                      buffers=device_buffers)
+        self.host_pool = HostPool(self.layout, cfg.pool.host_pages)
+        if storage is None and cfg.storage.url:
+            from hicache.storage import open_storage
+            storage = open_storage(cfg.storage.url, fingerprint=self.layout.fingerprint(),
+                                   timeout_ms=cfg.storage.timeout_ms, max_retries=cfg.storage.max_retries)
+        self.storage = storage
+        self.policy = cfg.policy
+        self.transfers = TransferController(self.device_pool, self.host_pool, storage)
+        self.cache = PrefixCache(self.layout, self.device_pool, self.host_pool,
+                                 eviction=cfg.policy.device_eviction, host_eviction=cfg.policy.host_eviction,
+                                 on_insert=self._on_insert, on_device_evict=self._on_device_evict)
+        self.tier_stats = TierStats()
+        self._loading: dict[Node, LoadHandle] = {}  # L1 pages of these nodes are still arriving
+        self._backing_up: set[Node] = set()
+        self._host_in_flight: dict[int, list[int]] = {}  # transfer id -> host pages it holds (for integrity)
+        self._storage_enabled = storage is not None and self.layout.cp_size == 1
+
+    # ------------------------------------------------------------- requests
+    def new_request(self, rid: str, tokens: Tokens, namespace: str = "") -> Request:
+        """A WAITING request handle (see ``hicache.cache.Request``)."""
+        return self.cache.new_request(rid, tokens, namespace)
+
+    def match(self, tokens: Tokens, namespace: str = "", *, storage: bool = False) -> tuple[MatchResult, int]:
+        """Page-floored hits per tier without side effects beyond statistics:
+        ``(L1/L2 match, L3 tokens continuing it)``; L3 is probed only when asked."""
+        m = self.cache.match(tokens, namespace)
+        if not storage or not self._storage_enabled:
+            return m, 0
+        hashes = page_hashes(_as_array(tokens), self.layout.page_size, namespace)
+        return m, self.transfers.storage_probe(hashes[m.tokens // self.layout.page_size:]) * self.layout.page_size
+
+    def admit(self, req: Request) -> Admission:
+        """Schedule ``req``: match every tier, prefetch from L3 per the policy, load
+        the L2 hit back into L1 and lock the whole hit. WAITING/PREEMPTED -> RUNNING.
+        Afterwards ``req.computed_tokens`` counts the hit; allocate and compute the rest."""
+        m = req.match()
+        device_tokens = m.device_tokens
+        storage_tokens = self._maybe_prefetch(req, m)
+        if storage_tokens:
+            m = req.match()
+        own = self._load_host_hit(m)
+        if own is not None:
+            m = req.match()
+        req.lock(m)
+        loads = [own] if own is not None else []
+        if m.device_node is not None:
+            for n in self.cache.tree.path(m.device_node):
+                h = self._loading.get(n)
+                if h is not None and h not in loads:
+                    loads.append(h)
+            if self.policy.write_policy == "write_through_selective":
+                self._selective_backup(m.device_node)
+        host_tokens = m.device_tokens - device_tokens
+        return Admission(m, device_tokens, host_tokens, min(storage_tokens, host_tokens), tuple(loads))
+
+    # ----------------------------------------------------------------- L3 -> L2
+    def _maybe_prefetch(self, req: Request, m: MatchResult) -> int:
+        if not self._storage_enabled:
+            return 0
+        ps = self.layout.page_size
+        have = m.tokens // ps
+        cap = max(0, req.num_tokens - 1) // ps
+        if cap - have < self.policy.storage_hit_min_pages:
+            return 0
+        key = req.key
+        hashes = page_hashes(key_array(key[:cap * ps * 4]), ps, req.namespace)
+        self.tier_stats.storage_lookups += 1
+        s = self.transfers.storage_probe(hashes[have:cap])
+        if s < self.policy.storage_hit_min_pages:
+            return 0
+        self.tier_stats.storage_hit_pages += s
+        host = self._alloc_host(s)
+        if host is None:
+            return 0
+        self.tier_stats.prefetch_started += 1
+        end_key = key[:(have + s) * ps * 4]
+
+        def landed(t: Transfer) -> None:
+            self._host_in_flight.pop(id(t), None)
+            n = t.result or 0
+            got = host[:n]
+            unused = host[n:]
+            if n:
+                node, dup = self.cache.tree.insert_host(end_key[:(have + n) * ps * 4], req.namespace, have, got)
+                unused = unused + dup
+                if node is not None:
+                    self.cache.set_stored(node)
+            if unused:
+                self.cache.host_allocator.free(unused)
+            self.tier_stats.prefetch_pages += s - len(unused)
+
+        t = self.transfers.storage_get(hashes[have:have + s], host, on_done=landed)
+        self._host_in_flight[id(t)] = host
+        self._wait_prefetch(t, req.num_tokens)
+        return s * ps if t.done else 0
+
+    def _wait_prefetch(self, t: Transfer, num_tokens: int) -> None:
+        import time
+        p = self.policy
+        if p.prefetch_policy == "best_effort":
+            self.transfers.poll()
+            return
+        timeout = None
+        if p.prefetch_policy == "timeout":
+            timeout = min(p.prefetch_timeout_cap_ms,
+                          p.prefetch_timeout_base_ms + p.prefetch_timeout_per_1k_tokens_ms * num_tokens / 1000) / 1e3
+        t0 = time.perf_counter()
+        self.transfers.wait(t, timeout)
+        self.tier_stats.prefetch_waited_ms += (time.perf_counter() - t0) * 1e3
+
+    # ----------------------------------------------------------------- L2 -> L1
+    def _load_host_hit(self, m: MatchResult) -> LoadHandle | None:
+        """Give the L2-only part of ``m`` L1 pages and start copying it in."""
+        if not m.host_tokens or m.host_node is None:
+            return None
+        tree, ps = self.cache.tree, self.layout.page_size
+        end_page = m.tokens // ps
+        last = tree.split_at(m.host_node, end_page - m.host_node.start_page)
+        path = tree.path(last, stop=m.device_node)
+        assert path and all(n.device_pages is None and n.host_pages is not None for n in path), path
+        self.cache.inc_host_lock(last)
+        if m.device_node is not None:
+            self.cache.inc_lock(m.device_node)
+        try:
+            need = sum(len(n.host_pages) for n in path)
+            dev = self.cache._alloc_device(need)
+        except OutOfPages:
+            self.cache.dec_host_lock(last)
+            return None
+        finally:
+            if m.device_node is not None:
+                self.cache.dec_lock(m.device_node)
+        host_ids, at = [], 0
+        for n in path:
+            k = len(n.host_pages)
+            host_ids += n.host_pages
+            self.cache.set_device(n, dev[at:at + k])
+            at += k
+
+        def loaded(t: Transfer) -> None:
+            self.cache.dec_host_lock(last)
+            for n in path:
+                if self._loading.get(n) is handle:
+                    del self._loading[n]
+            if t.error is not None:
+                self.tier_stats.transfer_errors += 1
+
+        handle = self.transfers.load_back(host_ids, dev, on_done=loaded)
+        for n in path:
+            self._loading[n] = handle
+        self.tier_stats.load_back_pages += need
+        return handle
+
+    # ----------------------------------------------------------------- L1 -> L2
+    def _alloc_host(self, n: int) -> list[int] | None:
+        a = self.cache.host_allocator
+        if a.num_free < n:
+            self.cache.evict_host(n - a.num_free)
+        return a.alloc(n) if a.num_free >= n else None
+
+    def _on_insert(self, node: Node) -> None:
+        if self.policy.write_policy == "write_through":
+            self._backup(node)
+
+    def _selective_backup(self, deepest: Node) -> None:
+        for n in self.cache.tree.path(deepest):
+            if (n.host_pages is None and n not in self._backing_up
+                    and n.hit_count >= self.policy.write_through_threshold):
+                self._backup(n)
+
+    def _on_device_evict(self, node: Node) -> None:
+        """write_back: save the node (and its path) to L2 before its L1 pages go."""
+        if self.policy.write_policy != "write_back" or node.host_pages is not None:
+            return
+        for n in self.cache.tree.path(node):
+            if n.host_pages is None and n not in self._backing_up:
+                t = self._backup(n, synchronous=True)
+                if t is None:
+                    return
+
+    def _backup(self, node: Node, synchronous: bool = False) -> Transfer | None:
+        dev = list(node.device_pages)
+        host = self._alloc_host(len(dev))
+        if host is None:
+            self.tier_stats.backup_dropped_pages += len(dev)
+            return None
+        if not synchronous:
+            self.cache.inc_lock(node)
+        self._backing_up.add(node)
+
+        def done(t: Transfer) -> None:
+            self._host_in_flight.pop(id(t), None)
+            self._backing_up.discard(node)
+            if not synchronous:
+                self.cache.dec_lock(node)
+            self._attach_backup(node, dev, host, t)
+
+        t = self.transfers.backup(dev, host, on_done=done)
+        self._host_in_flight[id(t)] = host
+        if synchronous:
+            self.transfers.wait(t)
+        return t
+
+    def _attach_backup(self, node: Node, dev: list[int], host: list[int], t: Transfer) -> None:
+        """Record the L2 copy on ``node`` and on the upper parts split off it meanwhile."""
+        if t.error is not None:
+            self.tier_stats.transfer_errors += 1
+            self.cache.host_allocator.free(host)
+            return
+        where = {d: i for i, d in enumerate(dev)}
+        chain, n = [], node
+        while (n.parent is not None and n.device_pages and n.host_pages is None
+               and all(d in where for d in n.device_pages)):
+            chain.append(n)
+            n = n.parent
+        used: set[int] = set()
+        for n in reversed(chain):
+            ids = [host[where[d]] for d in n.device_pages]
+            try:
+                self.cache.set_host(n, ids)
+            except CacheStateError:
+                break  # the parent never reached L2: drop this copy
+            used.update(ids)
+            self.tier_stats.backup_pages += len(ids)
+            self._store(n)
+        rest = [h for h in host if h not in used]
+        if rest:
+            self.tier_stats.backup_dropped_pages += len(rest)
+            self.cache.host_allocator.free(rest)
+
+    def _store(self, node: Node) -> None:
+        """L2 -> L3 once the L2 copy is complete."""
+        if not self._storage_enabled or node.in_storage:
+            return
+        self.cache.inc_host_lock(node)
+        hashes = self.cache.hashes(node)
+        host = list(node.host_pages)
+
+        def stored(t: Transfer) -> None:
+            self.cache.dec_host_lock(node)
+            n = t.result or 0
+            self.tier_stats.storage_put_pages += n
+            self.tier_stats.storage_put_dropped_pages += len(host) - n
+            if n == len(host):
+                self.cache.set_stored(node)
+
+        self.transfers.storage_put(host, hashes, on_done=stored)
+
+    # ------------------------------------------------------------- lifecycle
+    def poll(self) -> int:
+        """Observe finished transfers without blocking; returns how many."""
+        return len(self.transfers.poll())
+
+    def drain(self) -> None:
+        """Block until every transfer has finished and been observed."""
+        self.transfers.drain()
+
+    def stats(self) -> dict:
+        """A JSON-ready snapshot: index, tiers, bytes moved, L3 backend."""
+        out = {"index": self.cache.stats().as_dict(), "tiers": self.tier_stats.as_dict(),
+               "bytes_moved": dict(self.transfers.bytes_moved),
+               "capacity_pages": {"L1": self.device_pool.num_pages, "L2": self.host_pool.num_pages}}
+        if self.storage is not None:
+            s = self.storage.stats()
+            out["storage"] = s.as_dict() if hasattr(s, "as_dict") else dataclasses.asdict(s)
+        return out
+
+    def check_integrity(self) -> None:
+        """Index invariants + pool accounting, counting pages held by transfers."""
+        host_in_flight = [h for ids in self._host_in_flight.values() for h in ids]
+        self.cache.check_integrity(host_in_flight=host_in_flight)
+        self.device_pool.check_integrity()
+        self.host_pool.check_integrity()
+        if self.storage is not None:
+            self.storage.check_integrity()
+
+    def close(self) -> None:
+        self.transfers.close()
+        if self.storage is not None:
+            self.storage.close()
+
+
+def key_array(key: bytes):
+    import numpy as np
+    return np.frombuffer(key, dtype="<u4")
+
+
+def _as_array(tokens: Tokens):
+    from hicache.cache import as_key
+    return key_array(as_key(tokens))
