@@ -107,7 +107,8 @@ class RadixTree:
     ``on_insert(node)`` runs after a node gets L1 pages by insertion
     (write-through hook); ``on_device_evict(node)`` runs before a node leaves
     L1, while its device pages are still valid (write-back hook; it may call
-    ``set_host`` so the node stays on L2).
+    ``set_host`` on ``path(node)`` top-down so the node stays on L2; a node
+    without L2 copies is dropped).
     """
 
     def __init__(self, page_size: int, ownership: PageOwnership | None = None, cp_rank: int = 0, *,
