@@ -205,15 +205,17 @@ class PageCopier:
         units = max(-(-n * plan.t_wide // plan.rows), -(-n * plan.t_narrow // plan.nrows), 1)
         grid = (min(num_blocks, units),)
         kernel = _triton_copy._page_copy_kernel if dev.type == "cuda" else _interpreted_kernel()
-        args = (plan.wide.view(torch.int32), plan.narrow, s_idx, d_idx,
+        args = (plan.wide_i32, plan.narrow, s_idx, d_idx,
                 keep if keep is not None else s_idx, n, plan.t_wide, plan.t_narrow)
         meta = dict(ROWS=plan.rows, WORDS=plan.words, NROWS=plan.nrows, NBYTES=plan.nbytes,
                     HAS_NARROW=plan.t_narrow > 0, HAS_KEEP=keep is not None)
-        if dev.type == "cuda":
+        if dev.type != "cuda":
+            kernel[grid](*args, **meta)
+        elif dev.index is None or dev.index == torch.cuda.current_device():
+            kernel[grid](*args, **meta, num_warps=self.num_warps)
+        else:  # Triton launches on the current device
             with torch.cuda.device(dev):
                 kernel[grid](*args, **meta, num_warps=self.num_warps)
-        else:
-            kernel[grid](*args, **meta)
 
 
 # ------------------------------------------------------------------ helpers

@@ -55,6 +55,7 @@ class CopyPlan:
     """
 
     wide: torch.Tensor  # on the launch device; 16-byte units
+    wide_i32: torch.Tensor  # int32 view of ``wide``: the kernel's anchor argument
     narrow: torch.Tensor  # on the launch device; bytes
     t_wide: int  # wide entries per (src, dst) pair
     t_narrow: int
@@ -100,7 +101,7 @@ def build_plan(addrs: Sequence[PlaneAddr], device: torch.device, tiles: TileConf
     wide.copy_(torch.tensor(w, dtype=torch.int64))
     narrow.copy_(torch.tensor(nr, dtype=torch.int64))
     return CopyPlan(
-        wide=wide, narrow=narrow, t_wide=len(wide_rows), t_narrow=len(narrow_rows),
+        wide=wide, wide_i32=wide.view(torch.int32), narrow=narrow, t_wide=len(wide_rows), t_narrow=len(narrow_rows),
         rows=tiles.tile_bytes // wchunk, words=wchunk // 4,
         nrows=tiles.narrow_tile_bytes // nchunk, nbytes=nchunk,
         bytes_per_pair=sum(a.nbytes for a in addrs))
