@@ -1,0 +1,104 @@
+"""What the REST app is built from (``RestState``) and its FastAPI dependencies.
+
+``create_app(state)`` stores the state on ``app.state.rest``; routes reach it
+through ``StateDep`` and never through module globals. Admin routes depend on
+``AdminDep``: a Bearer token equal to ``service.admin_token`` is required
+whenever one is configured, and ``check_bind`` refuses to serve beyond
+loopback without one.
+"""
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from hicache.api.engine_server import EngineServer
+from hicache.api.events import EventBus
+from hicache.api.stats import RateTracker
+from hicache.config import HiCacheConfig
+from hicache.errors import ConfigError, IntegrityError
+from hicache.layout import KVLayout
+from hicache.storage import StorageBackend
+
+ADMIN_TOKEN_HELP = ("set service.admin_token (HICACHE_SERVICE__ADMIN_TOKEN, or a file named by "
+                    "HICACHE_SERVICE__ADMIN_TOKEN_FILE)")
+
+
+@dataclass(slots=True)
+class RestState:
+    """Everything the routes use. Built by ``serve`` (or a test) before the app.
+
+    ``engine`` must be started before requests arrive; ``storage`` is None when
+    no L3 is configured. The app does not own either: whoever built them stops
+    and closes them.
+    """
+
+    config: HiCacheConfig
+    layout: KVLayout
+    engine: EngineServer
+    storage: StorageBackend | None
+    admin_token: str  # resolved (file read); never logged or returned
+    bus: EventBus = field(default_factory=EventBus)
+    rates: RateTracker = field(default_factory=RateTracker)
+    started_at: float = field(default_factory=time.monotonic)
+    l3_flushed: int = 0  # guarded by flush_lock
+    flush_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()
+        self.bus.check_integrity()
+        self.rates.check_integrity()
+        if self.storage is not None:
+            self.storage.check_integrity()
+        if self.l3_flushed < 0:
+            raise IntegrityError(f"l3_flushed={self.l3_flushed} < 0")
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and loopback addresses; any other name or address is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, admin_token: str) -> None:
+    """Raise ``ConfigError`` when ``host`` is beyond loopback and no admin token is set."""
+    if not is_loopback(host) and not admin_token:
+        raise ConfigError(f"service.host={host!r} listens beyond loopback, so admin routes need a token: "
+                          f"{ADMIN_TOKEN_HELP}, or bind service.host=127.0.0.1")
+
+
+def get_state(request: Request) -> RestState:
+    return request.app.state.rest
+
+
+StateDep = Annotated[RestState, Depends(get_state)]
+
+_bearer = HTTPBearer(auto_error=False, description="service.admin_token; required for admin routes "
+                     "whenever a token is configured (always when listening beyond loopback)")
+
+
+def require_admin(state: StateDep,
+                  creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+    token = state.admin_token
+    if not token:
+        # check_bind guarantees this only happens on loopback.
+        assert is_loopback(state.config.service.host), state.config.service.host
+        return
+    given = creds.credentials if creds is not None else ""
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED,
+                            detail="admin route: send 'Authorization: Bearer <service.admin_token>'",
+                            headers={"WWW-Authenticate": "Bearer"})
+
+
+AdminDep = Depends(require_admin)

@@ -1,0 +1,143 @@
+"""KV events (pages stored / removed) fanned out to REST subscribers.
+
+``EventBus.publish`` is called from any thread (the engine server's loop
+calls it through the ``L2Listener`` methods) and never blocks: each
+subscriber has a bounded queue, and an event that does not fit is dropped
+and counted on that subscriber and on the bus. Subscribers consume on an
+asyncio loop (the REST app's); ``publish`` wakes them with
+``call_soon_threadsafe``.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple, Sequence
+
+from hicache.errors import IntegrityError
+from hicache.types import PageHash
+
+EventType = Literal["stored", "removed"]
+
+
+class Event(NamedTuple):
+    seq: int
+    type: EventType
+    tier: str
+    page_hash: bytes
+    parent_hash: bytes | None
+
+
+@dataclass(slots=True, eq=False)
+class Subscription:
+    """One consumer. ``queue`` and ``dropped`` are guarded by the bus lock."""
+
+    maxsize: int
+    loop: asyncio.AbstractEventLoop
+    wake: asyncio.Event = field(default_factory=asyncio.Event)  # set on the consumer's loop
+    queue: deque = field(default_factory=deque)
+    dropped: int = 0
+    closed: bool = False
+
+
+class EventBus:
+    """Thread-safe fan-out with bounded per-subscriber queues. Implements ``L2Listener``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._subs: set[Subscription] = set()
+        self._seq = 0
+        self.published = 0  # events handed to publish (whether or not anybody listened)
+        self.dropped = 0  # deliveries dropped, over all subscribers
+        self._closed = False
+
+    # ------------------------------------------------------------- producers
+    def pages_stored(self, pages: Sequence[tuple[PageHash, PageHash | None]], tier: str = "L2") -> None:
+        self._publish([("stored", tier, h, p) for h, p in pages])
+
+    def pages_removed(self, hashes: Sequence[PageHash], tier: str = "L2") -> None:
+        self._publish([("removed", tier, h, None) for h in hashes])
+
+    def _publish(self, items: list[tuple[EventType, str, bytes, bytes | None]]) -> None:
+        wake = []
+        with self._lock:
+            events = []
+            for typ, tier, h, parent in items:
+                self._seq += 1
+                events.append(Event(self._seq, typ, tier, bytes(h), None if parent is None else bytes(parent)))
+            self.published += len(events)
+            for s in self._subs:
+                room = s.maxsize - len(s.queue)
+                s.queue.extend(events[:max(room, 0)])
+                lost = len(events) - max(room, 0)
+                if lost > 0:
+                    s.dropped += lost
+                    self.dropped += lost
+                wake.append(s)
+        for s in wake:
+            _wake(s)
+
+    # ------------------------------------------------------------- consumers
+    def subscribe(self, maxsize: int) -> Subscription:
+        """A new subscription on the running loop; call ``unsubscribe`` when done."""
+        assert maxsize >= 1, maxsize
+        s = Subscription(maxsize, asyncio.get_running_loop())
+        with self._lock:
+            s.closed = self._closed
+            self._subs.add(s)
+        return s
+
+    def unsubscribe(self, s: Subscription) -> None:
+        with self._lock:
+            self._subs.discard(s)
+
+    async def next_batch(self, s: Subscription, timeout: float) -> tuple[list[Event], int] | None:
+        """Queued events (possibly none after ``timeout`` s) and the drop count; None once closed."""
+        if not s.queue and not s.closed:
+            try:
+                await asyncio.wait_for(s.wake.wait(), timeout)
+            except TimeoutError:
+                pass
+        s.wake.clear()
+        with self._lock:
+            if s.closed and not s.queue:
+                return None
+            out = list(s.queue)
+            s.queue.clear()
+            return out, s.dropped
+
+    def close(self) -> None:
+        """End every subscription (streams finish after draining). Idempotent; any thread."""
+        with self._lock:
+            self._closed = True
+            subs = list(self._subs)
+            for s in subs:
+                s.closed = True
+        for s in subs:
+            _wake(s)
+
+    @property
+    def num_subscribers(self) -> int:
+        with self._lock:
+            return len(self._subs)
+
+    def check_integrity(self) -> None:
+        """Queues within bounds; drop counts consistent."""
+        with self._lock:
+            for s in self._subs:
+                if len(s.queue) > s.maxsize:
+                    raise IntegrityError(f"subscriber queue holds {len(s.queue)} > maxsize {s.maxsize}")
+                if any(b.seq <= a.seq for a, b in zip(s.queue, list(s.queue)[1:])):
+                    raise IntegrityError("subscriber queue is not in publish order")
+            if sum(s.dropped for s in self._subs) > self.dropped:
+                raise IntegrityError(f"subscribers dropped more than the bus counted ({self.dropped})")
+            if self._seq != self.published:
+                raise IntegrityError(f"seq {self._seq} != published {self.published}")
+
+
+def _wake(s: Subscription) -> None:
+    try:
+        s.loop.call_soon_threadsafe(s.wake.set)
+    except RuntimeError:  # the consumer's loop is closed: nobody to wake
+        pass

@@ -1,0 +1,166 @@
+"""Pydantic models of the REST API: every route's request and response body.
+
+Sizes are pages and bytes; token counts are ``pages * page_size``. The service
+indexes whole pages only, so a hit's exact token count and its
+scheduler-visible (page-floored) count are equal here; both are reported so
+that the schema matches the embedded cache's statistics, where a request's
+private partial page makes them differ.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Tier = Literal["L2", "L3"]
+
+# Bounds on one lookup, so one request cannot pin the service: 1M tokens
+# (64K pages of 16) or 64K hashes.
+MAX_LOOKUP_TOKENS = 1 << 20
+MAX_LOOKUP_HASHES = 1 << 16
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Health(_Out):
+    status: Literal["ok"] = "ok"
+
+
+class L3Readiness(_Out):
+    configured: bool
+    url: str  # password redacted; "" when no L3 is configured
+    reachable: bool
+
+
+class Readiness(_Out):
+    ready: bool  # engine socket serving and (no L3 configured or L3 answers)
+    engine: bool
+    l3: L3Readiness
+
+
+class TierStats(_Out):
+    """Counters since start for one tier (``None``: the tier cannot know it)."""
+
+    tier: Tier
+    configured: bool
+    capacity_pages: int | None
+    capacity_bytes: int | None
+    used_pages: int | None
+    used_bytes: int | None
+    lookups: int  # L2: engine lookup calls; L3: pages asked for by get()
+    hit_pages: int
+    miss_pages: int
+    hit_tokens_exact: int
+    hit_tokens_visible: int  # floored to a page boundary
+    evictions: int
+    flushed: int  # pages dropped by POST /v1/flush
+    bytes_read: int  # L2: pages acquired by engines; L3: verified payload bytes returned
+    bytes_written: int  # L2: pages committed by engines; L3: payload bytes stored
+    read_bytes_per_s: float  # over the last few seconds
+    write_bytes_per_s: float
+    errors: int
+    errors_by_kind: dict[str, int]
+    down: bool = False  # L3 only: an outage is in progress
+
+
+class EngineStats(_Out):
+    clients: int  # connected engines
+    clients_total: int
+    reserved_pages: int
+    locked_pages: int
+    duplicates: int
+    reclaimed: int
+
+
+class EventStats(_Out):
+    subscribers: int
+    published: int
+    dropped: int  # events not delivered because a subscriber's queue was full
+
+
+class StatsResponse(_Out):
+    fingerprint: str
+    page_size: int
+    page_bytes: int
+    uptime_s: float
+    tiers: dict[Tier, TierStats]
+    engine: EngineStats
+    events: EventStats
+
+
+class LookupRequest(BaseModel):
+    """Exactly one of ``tokens`` (hashed with ``namespace``) or ``hashes`` (hex page hashes)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: list[int] | None = Field(None, max_length=MAX_LOOKUP_TOKENS)
+    namespace: str = Field("", max_length=1024)
+    hashes: list[str] | None = Field(None, max_length=MAX_LOOKUP_HASHES)
+    include_l3: bool = True  # L3 costs a round trip; routers on a hot path may skip it
+
+    @model_validator(mode="after")
+    def _one_query(self) -> "LookupRequest":
+        if (self.tokens is None) == (self.hashes is None):
+            raise ValueError("give exactly one of 'tokens' (token ids) or 'hashes' (hex page hashes)")
+        if self.hashes is not None and self.namespace:
+            raise ValueError("'namespace' applies to 'tokens' only; hashes already include it")
+        if self.tokens is not None and any(not 0 <= t < 2**32 for t in self.tokens):
+            raise ValueError("token ids must be in [0, 2**32)")
+        if self.hashes is not None:
+            for h in self.hashes:
+                if len(h) != 32 or any(c not in "0123456789abcdefABCDEF" for c in h):
+                    raise ValueError(f"page hash {h[:40]!r} must be 32 hex characters (16 bytes)")
+        return self
+
+
+class TierHit(_Out):
+    pages: int
+    tokens: int
+
+
+class LookupResponse(_Out):
+    """L2's leading hit, then L3's hit continuing it; ``total`` is their sum."""
+
+    page_size: int
+    query_pages: int  # whole pages in the query (a trailing partial page is never cached)
+    L2: TierHit
+    L3: TierHit | None  # None when include_l3 is false or no L3 is configured
+    total: TierHit
+    hit_tokens_exact: int
+    hit_tokens_visible: int
+
+
+class PageEvent(_Out):
+    """One Server-Sent Event's ``data`` on ``/v1/events``."""
+
+    seq: int  # per service, increasing; a gap means this subscriber dropped events
+    type: Literal["stored", "removed"]
+    tier: Tier
+    page_hash: str  # hex
+    parent_hash: str | None  # hex; None when unknown (first page of a commit) or for removals
+    dropped: int  # events this subscriber has missed so far (queue full)
+
+
+class FlushRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tier: Literal["L2", "L3", "all"]
+
+
+class FlushResponse(_Out):
+    """Pages removed per tier; None where the tier was not flushed or is not configured."""
+
+    L2: int | None
+    L3: int | None
+
+
+class ConfigResponse(_Out):
+    config: dict[str, Any]  # the resolved configuration, secrets redacted
+    fingerprint: str
+    layout: dict[str, Any]
+    page_bytes: int
+
+
+class ErrorBody(_Out):
+    detail: str

@@ -1,0 +1,107 @@
+"""``hicache serve``: the engine socket (``EngineServer``) and the REST API in one process.
+
+The engine server runs its asyncio loop in a thread; uvicorn runs the REST
+app in the main thread and handles SIGINT/SIGTERM, after which the engine
+server is stopped (socket and shared segment removed) and L3 is closed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+
+import uvicorn
+
+from hicache.api.app import create_app
+from hicache.api.deps import ADMIN_TOKEN_HELP, RestState, check_bind
+from hicache.api.engine_server import EngineServer
+from hicache.api.events import EventBus
+from hicache.api.redact import redact_url
+from hicache.config import HiCacheConfig
+from hicache.errors import ConfigError
+from hicache.storage import StorageBackend, open_storage
+
+log = logging.getLogger(__name__)
+
+GRACEFUL_SHUTDOWN_S = 3
+
+
+def resolve_admin_token(cfg: HiCacheConfig) -> str:
+    """``service.admin_token``, else the stripped contents of ``service.admin_token_file``, else ""."""
+    svc = cfg.service
+    if svc.admin_token:
+        return svc.admin_token
+    if not svc.admin_token_file:
+        return ""
+    try:
+        token = Path(svc.admin_token_file).read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"service.admin_token_file={svc.admin_token_file!r} cannot be read "
+                          f"({e.strerror}); fix the path or the secret mount") from None
+    if not token:
+        raise ConfigError(f"service.admin_token_file={svc.admin_token_file!r} is empty; {ADMIN_TOKEN_HELP}")
+    return token
+
+
+def open_l3(cfg: HiCacheConfig, fingerprint: str) -> StorageBackend | None:
+    """The configured L3 backend (does not connect), or None when ``storage.url`` is ""."""
+    st = cfg.storage
+    if not st.url:
+        return None
+    return open_storage(st.url, fingerprint=fingerprint, timeout_ms=st.timeout_ms, max_retries=st.max_retries)
+
+
+class _Stopped(BaseException):
+    """Raised by our signal handler once uvicorn has shut down and re-raises the signal."""
+
+
+def _raise_stopped(signum: int, frame) -> None:
+    raise _Stopped(signum)
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, bus: EventBus):
+        super().__init__(config)
+        self._bus = bus
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self._bus.close()  # end event streams now, so shutdown does not wait for their clients
+        super().handle_exit(sig, frame)
+
+
+def serve(cfg: HiCacheConfig) -> int:
+    """Run until SIGINT/SIGTERM. Returns the exit status; raises ``ConfigError`` before serving."""
+    token = resolve_admin_token(cfg)
+    svc = cfg.service
+    check_bind(svc.host, token)
+    layout = cfg.layout()
+    storage = open_l3(cfg, layout.fingerprint())
+    bus = EventBus()
+    engine = EngineServer(cfg, layout, listener=bus)
+    engine.start()
+    try:
+        state = RestState(config=cfg, layout=layout, engine=engine, storage=storage, admin_token=token, bus=bus)
+        app = create_app(state)
+        server = _Server(uvicorn.Config(app, host=svc.host, port=svc.port, log_level=cfg.log_level.lower(),
+                                        access_log=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                                        lifespan="on"), bus)
+        log.info("hicache serve: REST on http://%s:%d, engine socket %s, L2 %d pages, L3 %s (pid %d)",
+                    svc.host, svc.port, svc.socket_path, cfg.pool.host_pages,
+                    redact_url(cfg.storage.url) or "(none)", os.getpid())
+        # uvicorn re-raises the signal that stopped it after restoring the handlers
+        # it found; ours turn that into _Stopped so the cleanup below runs.
+        previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            server.run()
+        except _Stopped:
+            pass
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return 0 if server.started else 1
+    finally:
+        bus.close()
+        engine.stop()
+        if storage is not None:
+            storage.close()

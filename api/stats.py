@@ -1,0 +1,94 @@
+"""Per-tier statistics of the running service, built from live snapshots.
+
+``collect(state)`` reads the engine server's L2 snapshot and the L3 backend's
+counters once and returns a ``StatsResponse``; ``/v1/stats`` serves it as JSON
+and the Prometheus collector turns the same object into metric families, so
+the two never disagree. Bandwidth comes from ``RateTracker``: byte counters
+sampled over a sliding window (the app samples once a second, and every
+collection samples too).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Callable
+
+from hicache.api.models import EngineStats, EventStats, StatsResponse, TierStats
+from hicache.errors import IntegrityError
+
+if TYPE_CHECKING:
+    from hicache.api.deps import RestState
+
+RATE_WINDOW_S = 10.0
+
+
+class RateTracker:
+    """Bytes/s of monotonic counters over the last ``window_s`` seconds. Thread-safe."""
+
+    def __init__(self, window_s: float = RATE_WINDOW_S, clock: Callable[[], float] = time.monotonic):
+        self.window_s = window_s
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._samples: deque[tuple[float, dict[str, int]]] = deque()
+
+    def sample(self, counters: dict[str, int]) -> dict[str, float]:
+        """Record ``counters`` now; returns each one's rate over the window (0 until two samples)."""
+        now = self.clock()
+        with self._lock:
+            self._samples.append((now, dict(counters)))
+            # Keep one sample at or before the window start so the rate spans the whole window.
+            while len(self._samples) > 2 and self._samples[1][0] <= now - self.window_s:
+                self._samples.popleft()
+            t0, first = self._samples[0]
+        dt = now - t0
+        if dt <= 0:
+            return {k: 0.0 for k in counters}
+        return {k: max(v - first.get(k, v), 0) / dt for k, v in counters.items()}
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            times = [t for t, _ in self._samples]
+        if times != sorted(times):
+            raise IntegrityError(f"rate samples out of order: {times}")
+
+
+def collect(state: "RestState") -> StatsResponse:
+    """One consistent-per-tier snapshot. Blocks briefly on the engine server's loop."""
+    s = state.engine.stats()
+    page_bytes = state.layout.page_bytes
+    ps = state.layout.page_size
+    l3 = state.storage.stats() if state.storage is not None else None
+    counters = {"L2.read": s.acquired * page_bytes, "L2.write": s.commits * page_bytes,
+                "L3.read": l3.bytes_read if l3 else 0, "L3.write": l3.bytes_written if l3 else 0}
+    rate = state.rates.sample(counters)
+    l2 = TierStats(
+        tier="L2", configured=True, capacity_pages=s.capacity_pages, capacity_bytes=s.capacity_pages * page_bytes,
+        used_pages=s.used_pages, used_bytes=s.used_pages * page_bytes, lookups=s.lookups,
+        hit_pages=s.hits, miss_pages=s.misses, hit_tokens_exact=s.hits * ps, hit_tokens_visible=s.hits * ps,
+        evictions=s.evictions, flushed=s.flushed, bytes_read=counters["L2.read"],
+        bytes_written=counters["L2.write"], read_bytes_per_s=rate["L2.read"],
+        write_bytes_per_s=rate["L2.write"], errors=sum(s.errors.values()), errors_by_kind=dict(s.errors))
+    if l3 is not None:
+        assert state.storage is not None
+        t3 = TierStats(
+            tier="L3", configured=True, capacity_pages=None, capacity_bytes=None, used_pages=None,
+            used_bytes=None, lookups=l3.gets, hit_pages=l3.hits, miss_pages=l3.misses,
+            hit_tokens_exact=l3.hits * ps, hit_tokens_visible=l3.hits * ps, evictions=0,
+            flushed=state.l3_flushed, bytes_read=l3.bytes_read, bytes_written=l3.bytes_written,
+            read_bytes_per_s=rate["L3.read"], write_bytes_per_s=rate["L3.write"], errors=l3.errors,
+            errors_by_kind={"corrupt": l3.corrupt, "fingerprint_mismatch": l3.fingerprint_mismatch,
+                            "put_dropped": l3.put_dropped},
+            down=state.storage.down)
+    else:
+        t3 = TierStats(tier="L3", configured=False, capacity_pages=0, capacity_bytes=0, used_pages=0,
+                       used_bytes=0, lookups=0, hit_pages=0, miss_pages=0, hit_tokens_exact=0,
+                       hit_tokens_visible=0, evictions=0, flushed=0, bytes_read=0, bytes_written=0,
+                       read_bytes_per_s=0.0, write_bytes_per_s=0.0, errors=0, errors_by_kind={})
+    bus = state.bus
+    return StatsResponse(
+        fingerprint=state.layout.fingerprint(), page_size=ps, page_bytes=page_bytes,
+        uptime_s=time.monotonic() - state.started_at, tiers={"L2": l2, "L3": t3},
+        engine=EngineStats(clients=s.clients, clients_total=s.clients_total, reserved_pages=s.reserved_pages,
+                           locked_pages=s.locked_pages, duplicates=s.duplicates, reclaimed=s.reclaimed),
+        events=EventStats(subscribers=bus.num_subscribers, published=bus.published, dropped=bus.dropped))
