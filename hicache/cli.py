@@ -49,12 +49,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(_load(args))
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    from hicache.engine import replay
+    return replay.main(args, _load(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hicache", description=__doc__)
     sub = p.add_subparsers(dest="cmd")
     info = sub.add_parser("info", help="print the resolved configuration and pool sizes")
     _common(info)
     info.set_defaults(fn=cmd_info)
+    rp = sub.add_parser("replay", help="replay a trace through the reference engine and compare caches")
+    _common(rp)
+    from hicache.engine.replay import add_arguments
+    add_arguments(rp)
+    rp.set_defaults(fn=cmd_replay)
     srv = sub.add_parser("serve", help="run the node-local service: REST statistics API + local engine API")
     _common(srv)
     srv.set_defaults(fn=cmd_serve)

@@ -38,6 +38,7 @@ class RequestResult:
     computed: int  # prompt tokens recomputed
     ttft_s: float  # admission -> first token (wall clock)
     last_logits: torch.Tensor | None = None
+    full: list[int] = field(default_factory=list)  # prompt + output, set at finish
 
 
 @dataclass
@@ -102,6 +103,7 @@ class Engine:
             for live in list(running):
                 done = self._step(live, forced_outputs)
                 if done:
+                    live.result.full = live.prompt + live.result.output
                     live.req.finish()
                     running.remove(live)
                     run.results[live.result.rid] = live.result

@@ -1,0 +1,185 @@
+"""``hicache replay [TRACE]``: what hicache buys on a trace.
+
+Runs the trace through the reference model with the configured tiers
+(default: embedded, file-backed L3), then replays the very same token streams
+without computing (``Engine(model=None)``) under an L1-only radix cache and an
+infinite cache, and prints one table. Optional JSON and PNG outputs.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from typing import Any
+
+from hicache.config import HiCacheConfig
+from hicache.engine.engine import Engine, EngineRun, iter_progress
+from hicache.engine.model_spec import ModelSpec
+from hicache.hicache import HiCache
+
+
+def model_spec_for(cfg: HiCacheConfig, vocab: int) -> ModelSpec:
+    """A small reference model whose KV pages match ``cfg.model``."""
+    m = cfg.model
+    if m.kind == "mha":
+        shape: dict[str, Any] = dict(kind="mha", num_kv_heads=m.num_kv_heads, head_dim=m.head_dim)
+        q_heads = m.num_kv_heads * 2
+    else:
+        shape = dict(kind="mla", num_kv_heads=0, head_dim=0, kv_lora_rank=m.kv_lora_rank, rope_dim=m.rope_dim,
+                     qk_nope_dim=16, v_head_dim=16)
+        q_heads = 4
+    return ModelSpec(vocab=vocab, hidden=64, num_layers=m.num_layers, num_q_heads=q_heads, mlp=128,
+                     dtype=m.dtype, seed=0, name=m.model_id, max_seq_len=16384, **shape)
+
+
+def _resolver():
+    def resolve(item, results) -> list[int] | None:
+        parent = getattr(item, "parent", None)
+        if not parent:
+            return list(item.prompt)
+        r = results.get(parent)
+        if r is None:
+            return None
+        return list(r.full) + list(item.append)
+    return resolve
+
+
+def _summarise(name: str, run: EngineRun, hc: HiCache | None, prompt_total: int) -> dict[str, Any]:
+    rs = list(run.results.values())
+    d = sum(r.device_hit for r in rs)
+    h = sum(r.host_hit for r in rs)
+    s = sum(r.storage_hit for r in rs)
+    out = {"name": name, "requests": len(rs), "prompt_tokens": prompt_total,
+           "hit_tokens": d + h, "hit_rate": (d + h) / prompt_total if prompt_total else 0.0,
+           "l1_hit_tokens": d, "l2_hit_tokens": h - s, "l3_hit_tokens": s,
+           "recomputed_tokens": sum(r.computed for r in rs), "time_s": run.wall_s}
+    if hc is not None:
+        st = hc.cache.stats()
+        out["exact_hit_tokens"] = st.device_hit_exact_tokens + st.host_hit_exact_tokens
+        out["bytes_moved"] = dict(hc.transfers.bytes_moved)
+    return out
+
+
+def replay(cfg: HiCacheConfig, trace_path: str | None, *, progress: bool = True,
+           baselines: bool = True) -> dict[str, Any]:
+    from hicache.engine.model import ReferenceModel
+    from hicache.engine.workloads import builtin_trace, read_trace
+
+    trace = read_trace(trace_path) if trace_path else builtin_trace()
+    items = sorted(trace.requests, key=lambda r: r.arrival)
+    spec = model_spec_for(cfg, trace.vocab)
+    hc = HiCache(cfg)
+    spec.kv_layout(cfg.model.page_size, cfg.model.host_layout).check_compatible(hc.layout)
+    model = ReferenceModel(spec, device=hc.device_pool.device)
+    bar = iter_progress(len(items), progress)
+    try:
+        run = Engine(hc, model).run(items, _resolver(), on_finish=lambda r: bar.update(1))
+    finally:
+        bar.close()
+    prompt_total = sum(r.prompt_tokens for r in run.results.values())
+    rows = [_summarise("hicache (L1+L2+L3)", run, hc, prompt_total)]
+    series = [dataclasses.asdict(s) for s in run.samples]
+    stats = hc.stats()
+    hc.close()
+    if baselines:
+        forced = {rid: r.output for rid, r in run.results.items()}
+        l1 = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"url": ""}),
+                                    "policy": cfg.policy.model_copy(update={
+                                        "write_policy": "write_through_selective",
+                                        "write_through_threshold": 1 << 30}),
+                                    "pool": cfg.pool.model_copy(update={"host_pages": 1})})
+        rows.append(_null_run("L1-only radix cache", l1, items, forced, prompt_total))
+        total_pages = sum(r.prompt_tokens + len(r.output) for r in run.results.values()) // cfg.model.page_size
+        inf = l1.model_copy(update={"pool": l1.pool.model_copy(update={"device_pages": total_pages + 64})})
+        rows.append(_null_run("infinite cache (oracle)", inf, items, forced, prompt_total))
+        rows.append({"name": "no cache", "requests": len(items), "prompt_tokens": prompt_total,
+                     "hit_tokens": 0, "hit_rate": 0.0, "l1_hit_tokens": 0, "l2_hit_tokens": 0,
+                     "l3_hit_tokens": 0, "recomputed_tokens": prompt_total, "time_s": None})
+    return {"trace": trace.name, "config": {"L1_pages": cfg.pool.device_pages, "L2_pages": cfg.pool.host_pages,
+                                            "L3": cfg.storage.url or "(none)", "page_size": cfg.model.page_size},
+            "rows": rows, "series": series, "stats": stats}
+
+
+def _null_run(name: str, cfg: HiCacheConfig, items, forced, prompt_total: int) -> dict[str, Any]:
+    hc = HiCache(cfg)
+    try:
+        run = Engine(hc, None).run(items, _resolver(), forced_outputs=forced)
+        return _summarise(name, run, hc, prompt_total)
+    finally:
+        hc.close()
+
+
+def format_table(report: dict[str, Any]) -> str:
+    cols = [("name", "run", "{}"), ("hit_rate", "hit rate", "{:.1%}"), ("l1_hit_tokens", "L1 hit", "{:,}"),
+            ("l2_hit_tokens", "L2 hit", "{:,}"), ("l3_hit_tokens", "L3 hit", "{:,}"),
+            ("recomputed_tokens", "recomputed", "{:,}"), ("time_s", "time", "{:.1f}s")]
+    table = [[h for _, h, _ in cols]]
+    for r in report["rows"]:
+        table.append(["-" if r.get(k) is None else f.format(r[k]) for k, _, f in cols])
+    widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    first = report["rows"][0]
+    head = (f"trace {report['trace']}: {first['requests']} requests, {first['prompt_tokens']:,} prompt tokens; "
+            f"L1 {report['config']['L1_pages']} pages, L2 {report['config']['L2_pages']} pages, "
+            f"L3 {report['config']['L3']}")
+    moved = first.get("bytes_moved", {})
+    tail = "bytes moved: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in moved.items())
+    oracle = next((r for r in report["rows"] if r["name"].startswith("infinite")), None)
+    if oracle and oracle["hit_rate"]:
+        tail += f"\nhicache reaches {first['hit_rate'] / oracle['hit_rate']:.1%} of the infinite-cache hit rate"
+    return "\n".join([head, *lines, tail])
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    s = report["series"]
+    t = [p["t"] for p in s]
+    fig, (a, b) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    a.plot(t, [p["hit_rate"] for p in s], label="cumulative hit rate (scheduler-visible)")
+    for r in report["rows"][1:3]:
+        a.axhline(r["hit_rate"], linestyle="--", linewidth=1, label=f"{r['name']} (final)",
+                  color="gray" if r["name"].startswith("L1") else "green")
+    a.set_ylabel("hit rate")
+    a.set_ylim(0, 1)
+    a.legend(loc="lower right", fontsize=8)
+    b.plot(t, [p["l1_used"] for p in s], label="L1 pages used")
+    b.plot(t, [p["l2_used"] for p in s], label="L2 pages cached")
+    b.axhline(report["config"]["L1_pages"], color="C0", linestyle=":", linewidth=1)
+    b.axhline(report["config"]["L2_pages"], color="C1", linestyle=":", linewidth=1)
+    b.set_ylabel("pages")
+    b.set_xlabel("time (s)")
+    b.legend(loc="upper left", fontsize=8)
+    fig.suptitle(f"hicache replay: {report['trace']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", nargs="?", help="JSONL trace (default: the built-in mixed trace)")
+    p.add_argument("--json", metavar="PATH", help="write the full report as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG of hit rate and tier occupancy over time")
+    p.add_argument("--no-baselines", action="store_true", help="skip the L1-only / infinite-cache replays")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def main(args: argparse.Namespace, cfg: HiCacheConfig) -> int:
+    t0 = time.perf_counter()
+    report = replay(cfg, args.trace, progress=not args.quiet,
+                    baselines=not args.no_baselines)
+    print(format_table(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+        print(f"report: {args.json}")
+    if args.plot:
+        plot(report, args.plot)
+        print(f"plot: {args.plot}")
+    print(f"done in {time.perf_counter() - t0:.1f}s")
+    return 0
