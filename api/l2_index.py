@@ -10,15 +10,17 @@ Every host page is in exactly one state:
 * committed: indexed under its hash, lookup-able; it may be acquired (locked
   for reading) by any number of owners, and is evictable only while unlocked.
 
-Eviction is LRU over unlocked committed pages. A chain's pages enter the LRU
-order deepest first (and a lookup refreshes them deepest first), so a prefix
-loses its tail before its head and the survivors stay lookup-able.
+Eviction is LRU over unlocked committed pages. The recency order holds every
+committed page; eviction passes over a locked page by moving it to the recent
+end (it is in use). A chain's pages enter the order deepest first (and a
+lookup or release refreshes them deepest first), so a prefix loses its tail
+before its head and the survivors stay lookup-able.
 
 Not thread-safe: the server touches it only from its event loop thread.
 """
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, Sequence
 
@@ -46,12 +48,6 @@ class L2Listener(Protocol):
 
     def pages_removed(self, hashes: Sequence[PageHash]) -> None:
         """Pages that stopped being lookup-able (evicted or flushed)."""
-
-
-@dataclass(slots=True)
-class _Entry:
-    page: HostPageId
-    refs: int = 0  # acquisitions outstanding, over all owners
 
 
 @dataclass(slots=True)
@@ -88,14 +84,19 @@ class IndexCounters:
 
 
 class L2Index:
-    """Page-hash index, LRU eviction and per-owner holdings over one allocator."""
+    """Page-hash index, LRU eviction and per-owner holdings over one allocator.
+
+    Hot paths (``lookup``, ``acquire``) run as C-level ``map`` calls over the
+    request's hashes: a lookup of an 8K-token prompt is 512 of them.
+    """
 
     def __init__(self, allocator: PageAllocator, listener: L2Listener | None = None):
         self.allocator = allocator
         self.listener = listener
-        self._entries: dict[PageHash, _Entry] = {}
+        self._page_of: dict[PageHash, HostPageId] = {}  # committed hash -> its page
         self._hash_of: dict[int, PageHash] = {}  # committed page id -> its hash
-        self._lru: OrderedDict[PageHash, None] = OrderedDict()  # unlocked committed, oldest first
+        self._refs: dict[PageHash, int] = {}  # locked (acquired) hashes -> acquisitions, all owners
+        self._lru: OrderedDict[PageHash, None] = OrderedDict()  # every committed hash, oldest first
         self._owners: dict[OwnerId, _Owner] = {}
         self.counters = IndexCounters()
 
@@ -109,7 +110,7 @@ class L2Index:
         o = self._owners.pop(owner)
         if o.reserved:
             self.allocator.free(o.reserved)
-        for h, n in reversed(o.acquired.items()):
+        for h, n in reversed(o.acquired.items()):  # deepest first
             self._unref(h, n)
         out = Reclaimed(len(o.reserved), sum(o.acquired.values()))
         self.counters.reclaimed += out.reserved + out.acquired
@@ -122,30 +123,34 @@ class L2Index:
     # ----------------------------------------------------------------- reads
     def lookup(self, hashes: Sequence[PageHash]) -> list[HostPageId]:
         """Host pages of the leading present ``hashes``; refreshes their recency."""
-        _check_hashes(hashes)
         pages = self._leading(hashes)
         c = self.counters
         c.lookups += 1
         c.hits += len(pages)
         c.misses += len(hashes) - len(pages)
-        for h in reversed(hashes[:len(pages)]):
-            if h in self._lru:
-                self._lru.move_to_end(h)
+        deque(map(self._lru.move_to_end, reversed(hashes[:len(pages)])), maxlen=0)
         return pages
 
     def peek(self, hashes: Sequence[PageHash]) -> int:
         """How many leading ``hashes`` are present. Mutates nothing (no recency, no counters)."""
-        _check_hashes(hashes)
         return len(self._leading(hashes))
 
     def _leading(self, hashes: Sequence[PageHash]) -> list[HostPageId]:
-        out = []
-        for h in hashes:
-            e = self._entries.get(h)
-            if e is None:
-                break
-            out.append(e.page)
-        return out
+        """Pages of the leading present hashes; validates the rest (a hit is a valid hash)."""
+        if not isinstance(hashes, (list, tuple)):
+            raise ServiceError("bad_args", f"expected a list of page hashes, got {type(hashes).__name__}")
+        try:
+            pages = list(map(self._page_of.get, hashes))
+        except TypeError:  # an unhashable element
+            _check_hashes(hashes)
+            raise AssertionError("unreachable: _check_hashes raises") from None
+        try:
+            k = pages.index(None)
+        except ValueError:
+            return pages
+        _check_hashes(hashes[k:])
+        del pages[k:]
+        return pages
 
     # ---------------------------------------------------------------- writes
     def reserve(self, owner: OwnerId, n: int) -> list[HostPageId]:
@@ -156,36 +161,43 @@ class L2Index:
         """
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ServiceError("bad_args", f"reserve needs an integer n >= 0, got {n!r}")
+        evictable = len(self._lru) - len(self._refs)
         short = n - self.allocator.num_free
-        if short > len(self._lru):
+        if short > evictable:
             raise OutOfPages(f"L2: asked for {n} pages; {self.allocator.num_free} free and "
-                             f"{len(self._lru)} evictable of {self.allocator.capacity} "
+                             f"{evictable} evictable of {self.allocator.capacity} "
                              "(the rest are reserved or acquired); release pages or enlarge pool.host_pages")
-        for _ in range(max(short, 0)):
-            self._evict_one()
+        if short > 0:
+            gone = [self._evict_one() for _ in range(short)]
+            if self.listener is not None:
+                self.listener.pages_removed(gone)
         pages = self.allocator.alloc(n)
         self._owners[owner].reserved.update(pages)
         self.counters.reservations += n
         return [HostPageId(p) for p in pages]
 
-    def _evict_one(self) -> None:
-        h, _ = self._lru.popitem(last=False)
+    def _evict_one(self) -> PageHash:
+        lru, refs = self._lru, self._refs
+        while True:
+            h, _ = lru.popitem(last=False)
+            if h not in refs:
+                break
+            lru[h] = None  # locked: in use, so recent; reserve() checked that one is unlocked
         self._drop_entry(h)
         self.counters.evictions += 1
-        if self.listener is not None:
-            self.listener.pages_removed([h])
+        return h
 
     def _drop_entry(self, h: PageHash) -> None:
-        e = self._entries.pop(h)
-        assert e.refs == 0, (h, e)
-        del self._hash_of[e.page]
-        self.allocator.free([e.page])
+        assert h not in self._refs, h
+        page = self._page_of.pop(h)
+        del self._hash_of[page]
+        self.allocator.free([page])
 
     def flush(self) -> int:
         """Drop every unlocked committed page (acquired pages stay); returns how many."""
-        gone = list(self._lru)
-        self._lru.clear()
+        gone = [h for h in self._lru if h not in self._refs]
         for h in gone:
+            del self._lru[h]
             self._drop_entry(h)
         self.counters.flushed += len(gone)
         if gone and self.listener is not None:
@@ -207,10 +219,10 @@ class L2Index:
         dup_pages, inserted = [], []
         for h, p in zip(hashes, pages):
             o.reserved.discard(p)
-            if h in self._entries:
+            if h in self._page_of:
                 dup_pages.append(p)
                 continue
-            self._entries[h] = _Entry(HostPageId(p))
+            self._page_of[h] = HostPageId(p)
             self._hash_of[p] = h
             inserted.append(h)
         for h in reversed(inserted):  # deepest first: evicted before its parents
@@ -255,15 +267,12 @@ class L2Index:
         The result may be shorter than ``hashes`` (pages evicted since a lookup);
         only the returned prefix is locked, and must be released by hash.
         """
-        _check_hashes(hashes)
         pages = self._leading(hashes)
-        o = self._owners[owner]
-        for h in hashes[:len(pages)]:
-            e = self._entries[h]
-            if e.refs == 0:
-                del self._lru[h]
-            e.refs += 1
-            o.acquired[h] += 1
+        held = hashes[:len(pages)]
+        refs, mine = self._refs, self._owners[owner].acquired
+        for h in held:
+            refs[h] = refs.get(h, 0) + 1
+        mine.update(held)
         self.counters.acquired += len(pages)
         return pages
 
@@ -276,25 +285,27 @@ class L2Index:
             if o.acquired[h] < n:  # Counter lookups never insert
                 raise ServiceError("not_acquired", f"release of page hash {h.hex()} x{n}, but this "
                                    f"client holds {o.acquired.get(h, 0)} acquisition(s) of it")
-        for h, n in reversed(want.items()):
+        for h, n in reversed(want.items()):  # deepest first
             o.acquired[h] -= n
             if o.acquired[h] == 0:
                 del o.acquired[h]
             self._unref(h, n)
 
     def _unref(self, h: PageHash, n: int) -> None:
-        e = self._entries[h]
-        assert e.refs >= n, (h, e, n)
-        e.refs -= n
-        if e.refs == 0:
-            # Just used, so most recent. Callers unref a chain deepest first, so
-            # its head ends up most recent and is evicted last.
-            self._lru[h] = None
+        left = self._refs[h] - n
+        assert left >= 0, (h, self._refs[h], n)
+        if left:
+            self._refs[h] = left
+            return
+        del self._refs[h]
+        # Just used, so most recent. Callers unref a chain deepest first, so
+        # its head ends up most recent and is evicted last.
+        self._lru.move_to_end(h)
 
     # ----------------------------------------------------------------- state
     @property
     def num_committed(self) -> int:
-        return len(self._entries)
+        return len(self._page_of)
 
     @property
     def num_reserved(self) -> int:
@@ -302,7 +313,7 @@ class L2Index:
 
     @property
     def num_locked(self) -> int:
-        return len(self._entries) - len(self._lru)
+        return len(self._refs)
 
     def check_integrity(self) -> None:
         """Every page is free, reserved by one owner, or committed once; refs balance."""
@@ -313,14 +324,12 @@ class L2Index:
                 raise IntegrityError(f"owner {oid} shares reserved pages {sorted(reserved & o.reserved)}")
             reserved |= o.reserved
         committed = set(self._hash_of)
-        if len(committed) != len(self._entries):
-            raise IntegrityError(f"{len(self._entries)} entries but {len(committed)} committed page ids")
-        for h, e in self._entries.items():
-            if self._hash_of.get(e.page) != h:
-                raise IntegrityError(f"entry {h.hex()} -> page {e.page}, page maps back to "
-                                     f"{self._hash_of.get(e.page)!r}")
-            if (e.refs == 0) != (h in self._lru):
-                raise IntegrityError(f"entry {h.hex()} refs={e.refs} but in_lru={h in self._lru}")
+        if len(committed) != len(self._page_of) or set(self._lru) != set(self._page_of):
+            raise IntegrityError(f"{len(self._page_of)} committed hashes, {len(committed)} committed "
+                                 f"pages, {len(self._lru)} in the recency order: they must agree")
+        for h, p in self._page_of.items():
+            if self._hash_of.get(p) != h:
+                raise IntegrityError(f"hash {h.hex()} -> page {p}, page maps back to {self._hash_of.get(p)!r}")
         if reserved & committed:
             raise IntegrityError(f"pages both reserved and committed: {sorted(reserved & committed)}")
         for p in reserved | committed:
@@ -329,15 +338,16 @@ class L2Index:
         if len(reserved) + len(committed) != self.allocator.num_used:
             raise IntegrityError(f"reserved {len(reserved)} + committed {len(committed)} != "
                                  f"allocated {self.allocator.num_used}")
-        refs = Counter()
+        owned: Counter = Counter()
         for o in self._owners.values():
-            refs.update(o.acquired)
-        for h, n in refs.items():
-            if n <= 0 or h not in self._entries or self._entries[h].refs != n:
-                raise IntegrityError(f"owners hold {n} acquisitions of {h.hex()}, entry says "
-                                     f"{self._entries[h].refs if h in self._entries else 'absent'}")
-        if sum(e.refs for e in self._entries.values()) != sum(refs.values()):
-            raise IntegrityError("entry refs do not sum to the owners' acquisitions")
+            owned.update(o.acquired)
+        if +owned != owned or dict(owned) != self._refs:
+            bad = {h.hex(): (owned.get(h), self._refs.get(h)) for h in set(owned) | set(self._refs)
+                   if owned.get(h) != self._refs.get(h)}
+            raise IntegrityError(f"acquisitions held by owners vs locks (hash: owners, index): {bad}")
+        for h in self._refs:
+            if h not in self._page_of:
+                raise IntegrityError(f"locked hash {h.hex()} is not committed")
 
 
 def _check_hashes(hashes: Sequence[PageHash]) -> None:
