@@ -57,7 +57,10 @@ def _page_copy_kernel(
     rows = tl.arange(0, ROWS)
     words = tl.arange(0, WORDS)
     n_units = n * t_wide
-    for start in range(pid * ROWS, n_units, nprog * ROWS):
+    # while, not range(): Triton 3.6's interpreter cannot turn a program id
+    # into a Python int under numpy 2.x; both compile to the same loop.
+    start = pid * ROWS
+    while start < n_units:
         u = start + rows
         live = u < n_units
         i = u // t_wide
@@ -74,12 +77,14 @@ def _page_copy_kernel(
         m = words[None, :] < nw[:, None]
         data = tl.load(wide_ptr + src[:, None] + words[None, :], mask=m)
         tl.store(wide_ptr + dst[:, None] + words[None, :], data, mask=m)
+        start += nprog * ROWS
     if HAS_NARROW:
         anchor = wide_ptr.to(tl.pointer_type(tl.uint8))
         nrows = tl.arange(0, NROWS)
         nbytes = tl.arange(0, NBYTES)
         n_units = n * t_narrow
-        for start in range(pid * NROWS, n_units, nprog * NROWS):
+        start = pid * NROWS
+        while start < n_units:
             u = start + nrows
             live = u < n_units
             i = u // t_narrow
@@ -94,3 +99,4 @@ def _page_copy_kernel(
             m = nbytes[None, :] < nb[:, None]
             data = tl.load(anchor + src[:, None] + nbytes[None, :], mask=m)
             tl.store(anchor + dst[:, None] + nbytes[None, :], data, mask=m)
+            start += nprog * NROWS

@@ -174,7 +174,7 @@ class PageCopier:
         """
         n = _check_rows(pool, plane_indices, rows, slot_ids)
         valid = check_provenance(n, provenance)
-        if provenance.device != pool.device:
+        if _norm(provenance.device) != _norm(pool.device):
             raise ValueError(f"provenance is on {provenance.device}, the pool on {pool.device}")
         if debug and n:
             keep = slot_ids[provenance == 0]
@@ -228,8 +228,13 @@ def _relative(plan: CopyPlan) -> list[list[int]]:
             + [[r[0] + anchor, r[1], r[2] + anchor, r[3], r[4]] for r in nr])
 
 
+def _norm(d: torch.device) -> torch.device:
+    """``cuda`` -> ``cuda:<current>`` so that device comparisons are exact."""
+    return torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d
+
+
 def _gpu_of(src: Pool, dst: Pool) -> torch.device | None:
-    devs = {d for d in (_device(src), _device(dst)) if d.type == "cuda"}
+    devs = {_norm(d) for d in (_device(src), _device(dst)) if d.type == "cuda"}
     if len(devs) > 1:
         raise ValueError(f"pools live on different GPUs {sorted(map(str, devs))}; "
                          "copy through a host pool or use backend='torch'")
@@ -278,7 +283,7 @@ def _as_index(x: Indices, dev: torch.device, name: str) -> torch.Tensor:
     if x.dtype != torch.int64 or x.dim() != 1 or (x.numel() > 1 and x.stride(0) != 1):
         raise TypeError(f"{name}: need a contiguous 1-D int64 tensor, got {x.dtype} "
                         f"shape {tuple(x.shape)} stride {x.stride()}")
-    if x.device != dev:
+    if _norm(x.device) != _norm(dev):
         raise ValueError(f"{name} is on {x.device}; this copy runs on {dev}, put the indices there")
     return x
 
@@ -305,7 +310,7 @@ def _check_rows(pool: DevicePool, plane_indices: Sequence[int], rows: Sequence[t
         s = pool.layout.planes[j]
         same = r.dtype == s.dtype or (s.dtype == torch.uint8 and r.element_size() == 1)
         dense = all(r.stride(d) == math.prod(r.shape[d + 1:]) for d in range(1, r.dim()))
-        if tuple(r.shape) != (n, *s.row_shape) or not same or not dense or r.device != pool.device:
+        if tuple(r.shape) != (n, *s.row_shape) or not same or not dense or _norm(r.device) != _norm(pool.device):
             raise ValueError(f"rows for plane {j} ({s.name}, layer {s.layer}): got {r.dtype} shape "
                              f"{tuple(r.shape)} stride {r.stride()} on {r.device}; need {s.dtype} "
                              f"({n}, {', '.join(map(str, s.row_shape))}) dense rows on {pool.device}")
