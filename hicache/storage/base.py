@@ -41,8 +41,9 @@ PutItem = tuple[bytes, Buffer, Sequence[int]]
 class StorageStats:
     """Counters since the backend was opened. ``stats()`` returns a copy.
 
-    Invariants: ``gets == hits + misses``; ``corrupt + fingerprint_mismatch
-    <= misses``; every put item is counted once in ``put_ok`` or ``put_dropped``.
+    Invariants (checked): ``gets == hits + misses``; ``corrupt +
+    fingerprint_mismatch <= misses``; no counter is negative. Every page
+    handed to ``put`` lands in exactly one of ``put_ok`` / ``put_dropped``.
     """
 
     gets: int = 0  # pages asked for by get()
@@ -52,7 +53,7 @@ class StorageStats:
     fingerprint_mismatch: int = 0  # rejected: a well-formed object of another layout
     put_ok: int = 0  # pages stored
     put_dropped: int = 0  # pages not stored (L3 down or a per-item error)
-    errors: int = 0  # failed raw calls and failed items
+    errors: int = 0  # raw calls that raised, and single items that failed (skipped calls: not counted)
     bytes_read: int = 0  # payload bytes returned by get()
     bytes_written: int = 0  # payload bytes stored by put()
     reconnects: int = 0  # outages that ended (L3 answered again after failing)

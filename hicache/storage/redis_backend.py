@@ -60,8 +60,7 @@ class RedisBackend(StorageBackend):
 
     # --------------------------------------------------------------- building
     @classmethod
-    def from_url(cls, url: str, options: StorageOptions, *, max_connections: int = 16,
-                 **redis_kwargs: Any) -> "RedisBackend":
+    def from_url(cls, url: str, options: StorageOptions, **redis_kwargs: Any) -> "RedisBackend":
         """``redis://`` or ``rediss://``; ``redis_kwargs`` go to redis-py's ConnectionPool."""
         try:
             kw = parse_url(url)
@@ -70,7 +69,7 @@ class RedisBackend(StorageBackend):
         ssl = kw.pop("connection_class", None) is SSLConnection
         kw.update(redis_kwargs)
         kw.update(socket_timeout=options.timeout_s, socket_connect_timeout=options.timeout_s,
-                  retry=_retry(options), max_connections=max_connections,
+                  retry=_retry(options),
                   connection_class=FramedSSLConnection if ssl else FramedConnection)
 
         def make() -> redis.Redis:

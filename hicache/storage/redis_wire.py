@@ -6,14 +6,16 @@ throughput on a 2-core box). Instead ``FramedValue(header, payload)`` is
 passed as the SET value and ``FramedPacker`` writes it as ONE RESP bulk string
 made of two buffers: the header is coalesced with the command prefix and the
 payload goes to ``sendall`` as its own memoryview, exactly as redis-py already
-sends any large argument. Everything else is packed by redis-py's own
-``PythonRespSerializer``. The connection classes plug the packer in through
+sends any large argument. Every other command is packed by redis-py's own
+packer (hiredis's when installed: fast for small commands, and no command
+but the framed SET carries a large value). The connection classes plug the packer in through
 redis-py's public ``command_packer`` argument, so pools, retries, pipelines
 and cluster routing are all stock redis-py.
 """
 from __future__ import annotations
 
-from redis.connection import Connection, Encoder, PythonRespSerializer, SSLConnection
+from redis.connection import Connection, Encoder, HiredisRespSerializer, PythonRespSerializer, SSLConnection
+from redis.utils import HIREDIS_AVAILABLE
 
 # redis-py's cutoff above which an argument is sent as its own buffer.
 _BUFFER_CUTOFF = 6000
@@ -34,7 +36,8 @@ class FramedPacker:
 
     def __init__(self) -> None:
         self._encode = Encoder("utf-8", "strict", False).encode
-        self._plain = PythonRespSerializer(_BUFFER_CUTOFF, self._encode)
+        self._plain = (HiredisRespSerializer() if HIREDIS_AVAILABLE
+                       else PythonRespSerializer(_BUFFER_CUTOFF, self._encode))
 
     def pack(self, *args):
         if not any(type(a) is FramedValue for a in args):

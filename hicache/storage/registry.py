@@ -59,7 +59,9 @@ class StorageRegistry:
                                  key_prefix=key_prefix, probe_max_ms=probe_max_ms)
         try:
             return factory(url, options, **opts)
-        except TypeError as e:  # an option this backend does not take
+        except TypeError as e:
+            if "unexpected keyword argument" not in str(e):
+                raise
             raise ConfigError(f"storage url {scheme}://...: bad option(s) {sorted(opts)}: {e}") from None
 
 
@@ -86,7 +88,7 @@ def open_storage(url: str, *, fingerprint: str, timeout_ms: int = 50, max_retrie
     (default ``"hicache:" + fingerprint[:8] + ":"``), ``probe_max_ms``
     (longest wait between probes while L3 is down). Backend options:
     ``memory://`` ``max_bytes``; ``file://`` ``fsync``; ``redis://``
-    ``max_connections`` and redis-py ConnectionPool keywords;
+    redis-py ConnectionPool keywords (e.g. ``max_connections``);
     ``redis+cluster://`` RedisCluster keywords. Does not connect: an
     unreachable server makes the first calls miss, never this one raise.
     Raises ``ConfigError`` for a bad URL or option.

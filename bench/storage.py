@@ -1,0 +1,171 @@
+"""L3 batch put/get throughput: hicache's Redis backend vs raw redis-py
+pipelined SET/GET of the same payload bytes, side by side in one run.
+
+Starts its own redis-server on a free loopback port (or uses --url), then for
+each page size runs interleaved rounds (raw puts, hicache put, raw get,
+hicache get), each round a fixed number of 32-page batches, and reports the
+median GB/s of payload bytes.
+
+Two raw SET baselines: redis-py as configured by default (with hiredis
+installed it packs every command, payload included, into one new bytes
+object) and redis-py with its pure-Python packer, which sends large values
+without copying them: the faster of the two is the bar. hicache's put includes building and checksumming the
+header; its get includes full verification (header, fingerprint, hash,
+length, xxh3 checksum).
+
+    python bench/storage.py [--sizes 64K,512K,2M] [--batch 32] [--rounds 7]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import redis
+from redis.connection import Encoder, PythonRespSerializer
+
+from hicache.hashing import page_hashes
+from hicache.storage import open_storage
+
+FP = "b3nchb3nchb3nchb3nchb3nchb3nch00"
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20}.get(s[-1], 1)
+    return int(s[:-1] if s[-1] in "KM" else s) * mult
+
+
+def start_server(workdir: str) -> tuple[subprocess.Popen, int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = shutil.which("redis-server")
+    if not exe:
+        sys.exit("redis-server is not on PATH (apt-get install redis-server)")
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                             "no", "--dir", workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc, port
+        except OSError:
+            if time.monotonic() > deadline:
+                sys.exit(f"redis-server did not listen on {port}")
+            time.sleep(0.05)
+
+
+def timed(fn, reps: int) -> float:
+    fn()  # warm (and, for gets, make sure the keys exist)
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return time.perf_counter() - t
+
+
+def run(url: str, sizes: list[int], batch: int, rounds: int, target_bytes: int, timeout_ms: int) -> list[dict]:
+    raw = redis.Redis.from_url(url)
+    packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+    raw_py = redis.Redis(connection_pool=redis.ConnectionPool.from_url(url, command_packer=packer))
+    l3 = open_storage(url, fingerprint=FP, timeout_ms=timeout_ms)
+    rows = []
+    for size in sizes:
+        keys = page_hashes(list(range(4 * batch)), 4, namespace=f"bench{size}")
+        payloads = [memoryview(os.urandom(size)) for _ in range(batch)]
+        raw_keys = [b"raw:" + k for k in keys]
+        sizes_list = [size // 2, size - size // 2]
+        items = [(k, p, sizes_list) for k, p in zip(keys, payloads)]
+
+        def raw_put(client=raw):
+            p = client.pipeline(transaction=False)
+            for k, v in zip(raw_keys, payloads):
+                p.set(k, v)
+            p.execute()
+
+        def raw_py_put():
+            raw_put(raw_py)
+
+        def raw_get():
+            p = raw.pipeline(transaction=False)
+            for k in raw_keys:
+                p.get(k)
+            out = p.execute()
+            assert out[0] is not None
+
+        def l3_put():
+            l3.put(items)  # drops are counted and reported below
+
+        def l3_get():
+            l3.get(keys, sizes_list)
+
+        reps = max(2, target_bytes // (size * batch))
+        ops = (("raw_put", raw_put), ("raw_py_put", raw_py_put), ("l3_put", l3_put), ("raw_get", raw_get),
+               ("l3_get", l3_get))
+        res: dict[str, list[float]] = {n: [] for n, _ in ops}
+        for _ in range(rounds):
+            for name, fn in ops:
+                res[name].append(reps * batch * size / timed(fn, reps) / 1e9)
+        med = {n: statistics.median(v) for n, v in res.items()}
+        rows.append(dict(size=size, **med))
+        raw.delete(*raw_keys)
+        l3.delete(keys)
+    s = l3.stats()
+    l3.check_integrity()
+    l3.close()
+    raw.close()
+    raw_py.close()
+    print(f"hicache counters: put_ok={s.put_ok} put_dropped={s.put_dropped} hits={s.hits} "
+          f"misses={s.misses} corrupt={s.corrupt} errors={s.errors}")
+    if s.put_dropped or s.misses or s.errors:
+        print("WARNING: drops/misses/errors above: numbers are not comparable; raise --timeout-ms")
+    return rows
+
+
+def human(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default="", help="use this Redis instead of starting one")
+    ap.add_argument("--sizes", default="64K,512K,2M")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--mib-per-round", type=int, default=256, help="payload MiB moved per measurement")
+    # Throughput, not outage behaviour, is measured: a generous timeout keeps a
+    # scheduling hiccup on a busy 2-core box from counting as an outage.
+    ap.add_argument("--timeout-ms", type=int, default=1000)
+    a = ap.parse_args()
+    sizes = [parse_size(s) for s in a.sizes.split(",")]
+    proc = None
+    with tempfile.TemporaryDirectory() as tmp:
+        url = a.url
+        if not url:
+            proc, port = start_server(tmp)
+            url = f"redis://127.0.0.1:{port}/0"
+        try:
+            rows = run(url, sizes, a.batch, a.rounds, a.mib_per_round << 20, a.timeout_ms)
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait()
+    print(f"\nbatch {a.batch} pages, median of {a.rounds} interleaved rounds, GB/s of payload")
+    print("| page size | raw SET (default) | raw SET (py packer) | hicache put | put / best raw "
+          "| raw GET | hicache get | get / raw |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        best = max(r["raw_put"], r["raw_py_put"])
+        print(f"| {human(r['size'])} | {r['raw_put']:.2f} | {r['raw_py_put']:.2f} | {r['l3_put']:.2f} "
+              f"| {r['l3_put'] / best:.0%} | {r['raw_get']:.2f} | {r['l3_get']:.2f} "
+              f"| {r['l3_get'] / r['raw_get']:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
