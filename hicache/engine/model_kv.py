@@ -36,6 +36,9 @@ def write_kv(pool: DevicePool, layer: int, rows: Mapping[str, torch.Tensor], slo
     not have one code per row or a ``VALID`` row has no slot.
     """
     names = plane_names(pool, layer, draft)
+    if not names:
+        raise ProvenanceError(f"write_kv: the layout has no {'draft ' if draft else ''}layer {layer} "
+                              f"(num_layers={pool.layout.num_layers}, draft_layers={pool.layout.draft_layers})")
     if sorted(rows) != sorted(names):
         raise ProvenanceError(f"write_kv(layer={layer}, draft={draft}) got planes {sorted(rows)}, "
                               f"the layout has {sorted(names)}")
