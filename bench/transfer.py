@@ -219,8 +219,9 @@ def main() -> None:
         host_buf[at:at + m].copy_(torch.randint(0, 256, (m,), dtype=torch.uint8, device=DEV))
     rows: list[Row] = []
     for ps in sizes:
+        before = len(rows)
         run_page_size(ps, args.mib, args.layers, host_buf, rows, sweep=not args.no_sweep)
-        print(f"page size {ps} done", flush=True)
+        print(render(rows[before:]), flush=True)  # partial results survive a timeout
     head = (f"device: {torch.cuda.get_device_name() if CUDA else 'cpu (smoke)'}; torch {torch.__version__}; "
             f"triton {__import__('triton').__version__}; {args.mib} MiB per copy; "
             f"launch overhead {launch_overhead_us(args.layers):.1f} us per per-layer call")

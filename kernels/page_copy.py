@@ -104,8 +104,9 @@ class PageCopier:
         gpu = _gpu_of(src, dst)
         use_triton = _pick_backend(backend, gpu, src, dst)
         launch_dev = gpu if gpu is not None else torch.device("cpu")
-        s_idx = _as_index(src_pages, launch_dev if use_triton else _device(src), "src_pages")
-        d_idx = _as_index(dst_pages, launch_dev if use_triton else _device(dst), "dst_pages")
+        # The torch path moves indices itself (it synchronises anyway); the kernel needs them on its device.
+        s_idx = _as_index(src_pages, launch_dev if use_triton else None, "src_pages", _device(src))
+        d_idx = _as_index(dst_pages, launch_dev if use_triton else None, "dst_pages", _device(dst))
         if s_idx.numel() != d_idx.numel():
             raise ValueError(f"src_pages has {s_idx.numel()} entries, dst_pages {d_idx.numel()}; "
                              "pass one destination per source page")
@@ -277,13 +278,15 @@ def _check_pinned(src: Pool, dst: Pool, dev: torch.device) -> None:
                              "create it with pin=True or use backend='torch'")
 
 
-def _as_index(x: Indices, dev: torch.device, name: str) -> torch.Tensor:
+def _as_index(x: Indices, dev: torch.device | None, name: str,
+              list_dev: torch.device | None = None) -> torch.Tensor:
+    """Validated int64 index tensor on ``dev`` (``None``: any device; lists go to ``list_dev``)."""
     if not isinstance(x, torch.Tensor):
-        return torch.tensor(list(x), dtype=torch.int64, device=dev)
+        return torch.tensor(list(x), dtype=torch.int64, device=dev or list_dev)
     if x.dtype != torch.int64 or x.dim() != 1 or (x.numel() > 1 and x.stride(0) != 1):
         raise TypeError(f"{name}: need a contiguous 1-D int64 tensor, got {x.dtype} "
                         f"shape {tuple(x.shape)} stride {x.stride()}")
-    if _norm(x.device) != _norm(dev):
+    if dev is not None and _norm(x.device) != _norm(dev):
         raise ValueError(f"{name} is on {x.device}; this copy runs on {dev}, put the indices there")
     return x
 
