@@ -8,9 +8,9 @@ private partial page makes them differ.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 Tier = Literal["L2", "L3"]
 
@@ -90,29 +90,30 @@ class StatsResponse(_Out):
     events: EventStats
 
 
-class LookupRequest(BaseModel):
-    """Exactly one of ``tokens`` (hashed with ``namespace``) or ``hashes`` (hex page hashes)."""
+HexHash = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{32}$")]
+TokenId = Annotated[int, Field(ge=0, lt=2**32)]
+
+
+class LookupByTokens(BaseModel):
+    """A prompt's token ids; hashed into pages with ``namespace`` (LoRA adapter, cache salt)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    tokens: list[int] | None = Field(None, max_length=MAX_LOOKUP_TOKENS)
+    tokens: list[TokenId] = Field(max_length=MAX_LOOKUP_TOKENS)
     namespace: str = Field("", max_length=1024)
-    hashes: list[str] | None = Field(None, max_length=MAX_LOOKUP_HASHES)
     include_l3: bool = True  # L3 costs a round trip; routers on a hot path may skip it
 
-    @model_validator(mode="after")
-    def _one_query(self) -> "LookupRequest":
-        if (self.tokens is None) == (self.hashes is None):
-            raise ValueError("give exactly one of 'tokens' (token ids) or 'hashes' (hex page hashes)")
-        if self.hashes is not None and self.namespace:
-            raise ValueError("'namespace' applies to 'tokens' only; hashes already include it")
-        if self.tokens is not None and any(not 0 <= t < 2**32 for t in self.tokens):
-            raise ValueError("token ids must be in [0, 2**32)")
-        if self.hashes is not None:
-            for h in self.hashes:
-                if len(h) != 32 or any(c not in "0123456789abcdefABCDEF" for c in h):
-                    raise ValueError(f"page hash {h[:40]!r} must be 32 hex characters (16 bytes)")
-        return self
+
+class LookupByHashes(BaseModel):
+    """Chained page hashes (``hicache.hashing.page_hashes``) as 32 hex characters each."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hashes: list[HexHash] = Field(max_length=MAX_LOOKUP_HASHES)
+    include_l3: bool = True
+
+
+LookupRequest = LookupByTokens | LookupByHashes
 
 
 class TierHit(_Out):

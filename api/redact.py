@@ -19,10 +19,14 @@ def redact_url(url: str) -> str:
     return f"{scheme}{sep}{userinfo.split(':', 1)[0]}:{REDACTED}@{hosts}"
 
 
-def redacted_config(cfg: HiCacheConfig) -> dict[str, Any]:
-    """The resolved configuration as JSON-ready data, with secrets replaced by ``***``."""
+def redacted_config(cfg: HiCacheConfig, token_set: bool) -> dict[str, Any]:
+    """The configuration as JSON-ready data, secrets replaced by ``***``.
+
+    ``token_set``: an admin token is in force (possibly read from
+    ``admin_token_file``); shown as ``***`` so operators can see that it is.
+    """
     d = cfg.model_dump(mode="json")
     d["storage"]["url"] = redact_url(d["storage"]["url"])
-    if d["service"]["admin_token"]:
+    if token_set or d["service"]["admin_token"]:
         d["service"]["admin_token"] = REDACTED
     return d

@@ -9,7 +9,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from hicache.api.deps import StateDep
-from hicache.api.models import LookupRequest, LookupResponse, TierHit
+from hicache.api.models import LookupByTokens, LookupRequest, LookupResponse, TierHit
 from hicache.hashing import page_hashes
 from hicache.types import PageHash
 
@@ -20,10 +20,10 @@ router = APIRouter(tags=["lookup"])
              summary="Leading pages of a token list (or page hashes) held by L2, then by L3")
 def lookup(req: LookupRequest, state: StateDep) -> LookupResponse:
     ps = state.layout.page_size
-    if req.tokens is not None:
+    if isinstance(req, LookupByTokens):
         hashes = page_hashes(req.tokens, ps, namespace=req.namespace)
     else:
-        hashes = [PageHash(bytes.fromhex(h)) for h in req.hashes or []]
+        hashes = [PageHash(bytes.fromhex(h)) for h in req.hashes]
     l2 = state.engine.peek_l2(hashes)
     l3: int | None = None
     if req.include_l3 and state.storage is not None:

@@ -33,5 +33,5 @@ def metrics(request: Request) -> Response:
 @router.get("/v1/config", response_model=ConfigResponse, summary="Resolved configuration (secrets redacted)")
 def config(state: StateDep) -> ConfigResponse:
     layout = state.layout
-    return ConfigResponse(config=redacted_config(state.config), fingerprint=layout.fingerprint(),
+    return ConfigResponse(config=redacted_config(state.config, bool(state.admin_token)), fingerprint=layout.fingerprint(),
                           layout=layout.to_dict(), page_bytes=layout.page_bytes)
