@@ -178,7 +178,7 @@ class Request:
         cap = max(0, self.num_tokens - 1)
         m = c.match(self.key, self.namespace, max_tokens=cap)
         hit = m.tokens
-        if self.state is RequestState.RUNNING and hit == self.shared_pages * ps:
+        if self.state is RequestState.RUNNING:  # its locked prefix + private pages are its own
             exact = min(self.computed_tokens, cap)
         elif self.state is RequestState.PREEMPTED and self._tail_tokens and hit == self._tail_page * ps:
             exact = min(hit + self._tail_tokens, cap)
