@@ -83,3 +83,7 @@ class CacheStateError(HiCacheError, RuntimeError):
 
 class StaleMatch(CacheStateError):
     """A ``MatchResult`` was used after an eviction invalidated it; match again."""
+
+
+class TraceError(HiCacheError, ValueError):
+    """A workload trace file is malformed; the message names the line and the field."""
