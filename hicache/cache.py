@@ -61,19 +61,33 @@ class MatchResult(NamedTuple):
     """Per-tier hits of one lookup. Valid until the next eviction (``epoch``);
     ``Request.lock`` raises ``StaleMatch`` on an older one."""
 
-    device_pages: list[int]  # owned L1 ids of the device hit, logical order (a fresh list)
     device_tokens: int  # scheduler-visible L1 hit, a whole number of pages
     host_tokens: int  # scheduler-visible L2 hit continuing it, whole pages
-    host_pages: list[int]  # owned L2 ids of that host hit
     exact_tokens: int  # device + host + the asking request's own private tail continuing them
-    device_node: Node | None  # deepest node of the device hit (lock target; may be partly used)
-    host_node: Node | None  # deepest node of the host hit (== device_node when none)
+    device_node: Node | None  # node holding the last device-hit page (lock target)
+    host_node: Node | None  # node holding the last host-hit page (== device_node when none)
     epoch: int  # tree epoch when computed
+    tree: RadixTree  # to list page ids on demand
 
     @property
     def tokens(self) -> int:
         """Scheduler-visible hit over L1 and L2."""
         return self.device_tokens + self.host_tokens
+
+    @property
+    def device_pages(self) -> list[int]:
+        """Owned L1 ids of the device hit, logical order (built on each access)."""
+        return self.tree.pages(self.device_node, self.device_tokens // self.tree.page_size)
+
+    @property
+    def host_pages(self) -> list[int]:
+        """Owned L2 ids of the host hit (built on each access); load these back."""
+        ps = self.tree.page_size
+        return self.tree.pages(self.host_node, self.tokens // ps, self.device_tokens // ps, host=True)
+
+    def host_path(self) -> list[Node]:
+        """Nodes of the host hit, top-down (the last may be partly hit)."""
+        return self.tree.path(self.host_node, self.device_node) if self.host_tokens else []
 
 
 @dataclass(slots=True)
@@ -384,11 +398,11 @@ class PrefixCache:
         ``stats.lookups``; pass a bytes key (``as_key``) to skip conversion."""
         key = tokens if type(tokens) is bytes else as_key(tokens)
         ps = self.page_size
-        h = self.tree.match(key, namespace, None if max_tokens is None else max_tokens // ps)
+        tree = self.tree
+        h = tree.match(key, namespace, None if max_tokens is None else max_tokens // ps)
         self._stats.lookups += 1
-        d, hs = h.device_num_pages * ps, h.host_num_pages * ps
-        return MatchResult(h.device_pages, d, hs, h.host_pages, d + hs, h.device_node, h.host_node,
-                           self.tree.epoch)
+        d, hs = h[0] * ps, h[1] * ps
+        return MatchResult(d, hs, d + hs, h[2], h[3], tree.epoch, tree)
 
     # ---------------------------------------------------------------- eviction
     def evict(self, num_pages: int, policy: str | EvictionPolicy | None = None) -> int:
@@ -551,6 +565,7 @@ class PrefixCache:
             raise IntegrityError(f"{r!r}: {len(r.pages)} pages for {r.allocated_tokens} allocated tokens")
         h = tree.match(r.key[:r.shared_pages * 4 * ps], r.namespace)
         k = tree.owned(0, r.shared_pages)
-        if h.device_num_pages != r.shared_pages or h.device_pages != r.pages[:k]:
+        ids = tree.pages(h.device_node, h.device_num_pages)
+        if h.device_num_pages != r.shared_pages or ids != r.pages[:k]:
             raise IntegrityError(f"{r!r}: shared pages {r.pages[:k]} are not the index's "
-                                 f"{h.device_pages} ({h.device_num_pages} pages)")
+                                 f"{ids} ({h.device_num_pages} pages)")

@@ -76,14 +76,12 @@ class Node:
 
 
 class Hit(NamedTuple):
-    """A prefix lookup. Page lists are fresh lists; nodes stay valid until evicted."""
+    """A prefix lookup: counts and end nodes; ids come from ``pages`` on demand."""
 
-    device_pages: list[int]  # owned L1 ids of the device hit, in logical order
     device_num_pages: int  # logical pages hit on L1
-    host_pages: list[int]  # owned L2 ids of the host hit that continues it
     host_num_pages: int  # logical pages hit on L2 after the device hit
-    device_node: "Node | None"  # deepest node of the device hit (root if none; None: no root)
-    host_node: "Node | None"  # deepest node of the host hit (== device_node if none)
+    device_node: "Node | None"  # node holding the last device-hit page (root if none; None: no root)
+    host_node: "Node | None"  # node holding the last host-hit page (== device_node if none)
 
 
 class InsertResult(NamedTuple):
@@ -161,53 +159,63 @@ class RadixTree:
     def match(self, key: bytes, namespace: str = "", max_pages: int | None = None) -> Hit:
         """Longest cached whole-page prefix of ``key``: L1 hit, then the L2 hit continuing it.
 
-        Pure: mutates nothing (not even access times). The returned page ids
-        stay valid until the next eviction (``epoch`` changes) or, for pages a
-        caller has locked, until it unlocks.
+        Pure: mutates nothing (not even access times) and builds no page
+        list (``pages`` does, on demand). The nodes stay valid until evicted;
+        ``epoch`` tells whether an eviction happened since.
         """
         node = self._roots.get(namespace)
         if node is None:
-            return Hit([], 0, [], 0, None, None)
+            return Hit(0, 0, None, None)
         pb = self.page_bytes
         end = len(key) - len(key) % pb
         if max_pages is not None and max_pages * pb < end:
             end = max(0, max_pages * pb)
-        dev: list[int] = []
+        starts = key.startswith
         pos = 0
         children = node.children
         nxt = None  # first node on the path that is not on L1
-        while pos < end:
+        while pos < end:  # hot loop: one slice, one dict probe, one memcmp per node
             child = children.get(key[pos:pos + pb])
             if child is None:
                 break
             if child.device_pages is None:
                 nxt = child
                 break
-            if pos + len(child.key) <= end and key.startswith(child.key, pos):
-                dev += child.device_pages
-                pos += len(child.key)
-                node, children = child, child.children
+            ck = child.key
+            if pos + len(ck) <= end and starts(ck, pos):
+                pos += len(ck)
+                node = child
+                children = child.children
                 continue
-            p = self._common_pages(key, pos, end, child)
-            dev += child.device_pages[:self.owned(child.start_page, p)]
-            return Hit(dev, pos // pb + p, [], 0, child, child)
+            p = pos // pb + self._common_pages(key, pos, end, child)
+            return Hit(p, 0, child, child)
         dev_pages = pos // pb
         dev_node = node
-        host: list[int] = []
         while nxt is not None and nxt.host_pages is not None:
             child = nxt
-            if pos + len(child.key) <= end and key.startswith(child.key, pos):
-                host += child.host_pages
+            if pos + len(child.key) <= end and starts(child.key, pos):
                 pos += len(child.key)
                 node = child
                 nxt = child.children.get(key[pos:pos + pb]) if pos < end else None
                 continue
-            p = self._common_pages(key, pos, end, child)
-            host += child.host_pages[:self.owned(child.start_page, p)]
-            pos += p * pb
+            pos += self._common_pages(key, pos, end, child) * pb
             node = child
             break
-        return Hit(dev, dev_pages, host, pos // pb - dev_pages, dev_node, node)
+        return Hit(dev_pages, pos // pb - dev_pages, dev_node, node)
+
+    def pages(self, node: Node | None, end_page: int, first_page: int = 0, *, host: bool = False) -> list[int]:
+        """Owned L1 (or L2) ids of logical pages ``[first_page, end_page)`` on the
+        path to ``node``, which holds page ``end_page - 1``. A fresh list."""
+        parts = []
+        n = node
+        while n is not None and n.parent is not None and n.start_page + n.num_pages > first_page:
+            ids = n.host_pages if host else n.device_pages
+            assert ids is not None, f"{n!r} is not on {'L2' if host else 'L1'}"
+            a = self.owned(n.start_page, max(0, first_page - n.start_page))
+            b = self.owned(n.start_page, min(n.num_pages, end_page - n.start_page))
+            parts.append(ids[a:b])
+            n = n.parent
+        return [i for part in reversed(parts) for i in part]
 
     # ------------------------------------------------------------------- insert
     def insert(self, key: bytes, namespace: str, device_pages: list[int]) -> InsertResult:
