@@ -11,7 +11,8 @@ size through the real ``PrefixCache``, then:
            bytes key), median over many calls;
   insert = ``RadixTree.insert`` of a new prompt sharing the system prompt (a) /
            a new turn on an existing conversation (b);
-  evict  = ``PrefixCache.evict`` of as many pages (LRU), which keeps the size steady.
+  evict  = ``PrefixCache.evict`` (LRU) of the pages that insert added (steady size).
+"pages"/"nodes" are the tree's size before the insert/evict cycles.
 Medians of --reps repetitions. Usage: python bench/index.py [--quick]
 """
 from __future__ import annotations
@@ -89,7 +90,7 @@ def bench_one(shape: str, L: int, target: int, reps: int) -> dict | None:
     rng = np.random.default_rng(1)
     cache = make_cache(target + 8 * L // PS)
     prompts, new = (fill_system if shape == "a" else fill_chat)(cache, rng, L, target)
-    size = cache.tree.device_ids_held
+    size, nodes = cache.tree.device_ids_held, cache.tree.num_nodes
     queries = [prompts[i % len(prompts)] for i in range(16)]
     for q in queries:
         assert cache.match(q).device_tokens == L
@@ -101,16 +102,15 @@ def bench_one(shape: str, L: int, target: int, reps: int) -> dict | None:
     t_match = median_us(match, reps, inner=20)
     ins, ev = [], []
     for k in new[:min(len(new), max(8, reps // 50))]:
-        n = len(k) // (4 * PS)
-        t = time.perf_counter_ns()
-        cache.evict(n)
-        ev.append((time.perf_counter_ns() - t) / 1e3)
-        ids = cache.device_allocator.alloc(n)
+        ids = cache.device_allocator.alloc(len(k) // (4 * PS))
         t = time.perf_counter_ns()
         res = cache.tree.insert(k, "", ids)
         ins.append((time.perf_counter_ns() - t) / 1e3)
         cache.device_allocator.free(res.duplicates)
-    return {"shape": shape, "L": L, "pages": size, "nodes": cache.tree.num_nodes,
+        t = time.perf_counter_ns()
+        cache.evict(res.new_pages)  # steady state: as many pages out as came in
+        ev.append((time.perf_counter_ns() - t) / 1e3)
+    return {"shape": shape, "L": L, "pages": size, "nodes": nodes,
             "match": t_match, "insert": statistics.median(ins), "evict": statistics.median(ev)}
 
 

@@ -124,6 +124,9 @@ class RadixTree:
         self.num_nodes = 0
         self._roots: dict[str, Node] = {}
         self._next_nid = 0
+        # L1 leaves (on L1, no child on L1): the device eviction candidates, kept
+        # incrementally so eviction does not scan the whole tree.
+        self._dev_leaves: set[Node] = set()
 
     # ------------------------------------------------------------------ helpers
     def owned(self, start_page: int, num_pages: int) -> int:
@@ -254,6 +257,8 @@ class RadixTree:
             if child.device_pages is None:  # L2-only: the caller's pages bring it back to L1
                 child.device_pages = list(mine)
                 self.device_ids_held += cnt
+                self._dev_leaves.add(child)
+                self._dev_leaves.discard(node)
                 pages += mine
             else:
                 if mine != child.device_pages:
@@ -275,6 +280,8 @@ class RadixTree:
         assert len(device_pages) == self.owned(start, node.num_pages)
         parent.children[key[:pb]] = node
         self.device_ids_held += len(device_pages)
+        self._dev_leaves.add(node)
+        self._dev_leaves.discard(parent)
         self.num_nodes += 1
         return node
 
@@ -362,6 +369,8 @@ class RadixTree:
             raise CacheStateError(f"set_device on {node!r}: got {len(device_pages)} pages, need {want}")
         node.device_pages = list(device_pages)
         self.device_ids_held += want
+        self._dev_leaves.add(node)
+        self._dev_leaves.discard(node.parent)
 
     def insert_host(self, key: bytes, namespace: str, first_page: int,
                     host_pages: list[int]) -> tuple[Node | None, list[int]]:
@@ -443,8 +452,9 @@ class RadixTree:
                 yield n
             stack.extend(n.children.values())
 
-    def _device_evictable(self, n: Node) -> bool:
-        return (n.parent is not None and n.device_pages is not None and n.lock_ref == 0
+    def _device_evictable(self, n: Node, unlocked: bool = True) -> bool:
+        """An L1 leaf (and, with ``unlocked``, not pinned): what device eviction may take."""
+        return (n.parent is not None and n.device_pages is not None and not (unlocked and n.lock_ref)
                 and not any(c.device_pages is not None for c in n.children.values()))
 
     def _host_evictable(self, n: Node) -> bool:
@@ -463,12 +473,16 @@ class RadixTree:
             freed.extend(n.device_pages)
             self.device_ids_held -= len(n.device_pages)
             n.device_pages = None
+            self._dev_leaves.discard(n)
             parent = n.parent
             if n.host_pages is None:
                 self._remove(n)
-            return n.num_pages, (parent if self._device_evictable(parent) else None)
+            if self._device_evictable(parent, unlocked=False):
+                self._dev_leaves.add(parent)
+                return n.num_pages, (parent if parent.lock_ref == 0 else None)
+            return n.num_pages, None
 
-        cands = [n for n in self.iter_nodes() if self._device_evictable(n)]
+        cands = [n for n in self._dev_leaves if n.lock_ref == 0]
         got = run_eviction(cands, policy, num_pages, evict_one)
         if got:
             self.epoch += 1
@@ -551,6 +565,10 @@ class RadixTree:
             host_n += len(n.host_pages or ())
             if n.hashes is not None and len(n.hashes) != n.num_pages:
                 raise bad(n, f"{len(n.hashes)} hashes for {n.num_pages} pages")
+        leaves = {n for n in self.iter_nodes() if self._device_evictable(n, unlocked=False)}
+        if leaves != self._dev_leaves:
+            raise IntegrityError(f"L1 leaf set is stale: missing {leaves - self._dev_leaves}, "
+                                 f"extra {self._dev_leaves - leaves}")
         if (nodes, dev_n, host_n) != (self.num_nodes, self.device_ids_held, self.host_ids_held):
             raise IntegrityError(f"radix counters (nodes, L1 ids, L2 ids) = "
                                  f"{(self.num_nodes, self.device_ids_held, self.host_ids_held)}, "
