@@ -22,6 +22,9 @@ computation runs on one fixed shape:
   tile's rows were written and whose masked tail is zeros, so its reduction
   length and inputs are the same whatever path produced the context.
 
+Runs being compared must use the same ``torch.get_num_threads()`` (BLAS may
+split work differently). Tiny shapes run fastest with one thread.
+
 ``attention="sdpa"`` computes a whole chunk at once with
 ``scaled_dot_product_attention`` (GPU timing runs; equal within a tolerance).
 
@@ -223,6 +226,9 @@ class ReferenceModel:
         n = int(tok.numel())
         if n < 1 or start_pos < 0:
             raise ValueError(f"forward_chunk needs >= 1 token and start_pos >= 0, got n={n} start_pos={start_pos}")
+        if int(tok.min()) < 0 or int(tok.max()) >= self.spec.vocab:
+            raise ValueError(f"token ids must be in [0, vocab={self.spec.vocab}), got [{int(tok.min())}, "
+                             f"{int(tok.max())}]; build the model with a vocab that covers the trace")
         end = start_pos + n
         slots = self._check_slots(slot_ids, end)
         self.check_pool(pool, draft=draft)

@@ -15,9 +15,9 @@ from hicache.errors import ProvenanceError
 from hicache.pools import DevicePool
 from hicache.provenance import Row, check_provenance
 
-try:  # the Triton store kernel, when the kernels package provides it
-    from hicache.kernels.page_copy import store_rows as _store_rows  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - depends on what kernels/ holds
+try:  # hicache's store kernel (Triton on CUDA, plain torch on CPU)
+    from hicache.kernels.page_copy import store_rows as _store_rows
+except ImportError:  # pragma: no cover - platforms without Triton
     _store_rows = None
 
 
@@ -52,16 +52,19 @@ def write_kv(pool: DevicePool, layer: int, rows: Mapping[str, torch.Tensor], slo
     if int(dst.min()) < 0 or int(dst.max()) >= limit:
         raise ProvenanceError(f"VALID rows need slot ids in [0, {limit}), got [{int(dst.min())}, "
                               f"{int(dst.max())}]")
-    prefix = "draft_" if draft else ""
-    # TODO(kernels): route through hicache.kernels.page_copy.store_rows(pool, plane_indices, rows,
-    # slot_ids, provenance) once it exists with that signature; plain torch indexing until then.
-    for name in names:
-        buf = pool.plane(prefix + name, layer)
-        src = rows[name]
-        if tuple(src.shape) != (n, *buf.shape[1:]):
-            raise ProvenanceError(f"plane {prefix + name!r} layer {layer}: rows of shape {tuple(src.shape)}, "
-                                  f"expected {(n, *buf.shape[1:])}")
-        buf.index_copy_(0, dst.to(buf.device), src[keep].to(buf.dtype))
+    specs = pool.layout.planes_of_layer(layer, draft)
+    src = []
+    for spec, name in zip(specs, names):
+        r = rows[name]
+        if tuple(r.shape) != (n, *spec.row_shape):
+            raise ProvenanceError(f"plane {spec.name!r} layer {layer}: rows of shape {tuple(r.shape)}, "
+                                  f"expected {(n, *spec.row_shape)}")
+        src.append(r.to(spec.dtype).contiguous())
+    if _store_rows is not None:
+        _store_rows(pool, [s.index for s in specs], src, slot_ids, provenance.to(pool.device))
+    else:  # pragma: no cover
+        for spec, r in zip(specs, src):
+            pool.buffers[spec.index].index_copy_(0, dst.to(pool.device), r[keep])
     return int(dst.numel())
 
 

@@ -69,3 +69,12 @@ def make_bench():
 @pytest.fixture
 def page_copy():
     return copy_pages
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls are ~10x faster on one thread when the CI box is busy; restored after."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -106,6 +106,8 @@ def test_pool_and_slot_errors():
     other = DevicePool(ModelSpec.tiny("mla").kv_layout(4), 4)
     with pytest.raises(PoolError, match="kind: pool='mla' model='mha'"):
         m.forward_chunk(other, [1], 0, slots, draft=False)
+    with pytest.raises(ValueError, match="vocab=128"):
+        m.forward_chunk(pool, [1, 128], 0, slots, draft=False)
     with pytest.raises(ValueError, match="'exact'"):
         ReferenceModel(ModelSpec.tiny(), attention="flash")
 
