@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache.kernels.page_copy import NUM_WARPS, PageCopier, copy_pages
+from hicache.kernels.page_copy import D2D_TILES, PCIE_TILES, PageCopier, copy_pages
 from hicache.kernels.plan import TileConfig
 from hicache.kernels.reference import plane_pages
 from hicache.layout import KVLayout
@@ -160,17 +160,20 @@ def run_page_size(ps: int, mib: int, layers: int, host_buf: torch.Tensor, rows: 
     if not sweep:
         return
     # Bandwidth against programs (thread blocks) and tile size, all layers, layer_first.
-    for tile in (16384, 32768, 65536):
-        c = PageCopier(TileConfig(tile, 4096), num_warps=NUM_WARPS)
-        for nb in (1, 2, 4, 8, 16, 32):
-            if tile != 32768 and nb not in (4, 8):
-                continue
+    for tile, warps, blocks in ((65536, 8, (1, 2, 4, 8, 16, 32)), (32768, 8, (4, 8, 16)), (131072, 16, (4, 8))):
+        c = PageCopier(pcie=TileConfig(tile, 4096, tile, warps))
+        for nb in blocks:
             for name, s, d, a, b, lim in (("D2H", dev, host, sp, dp, d2h_lim), ("H2D", host, dev, dp, sp, h2d_lim)):
                 t = timed_ms(lambda: c.copy_pages(s, d, a, b, num_blocks=nb))
-                rows.append(Row("blocks", ps, f"{name} tile={tile // 1024}K blocks={nb}", gbps(nbytes, t), lim))
-    for nb in (33, 132, 264, 528):
-        t = timed_ms(lambda: cp.copy_pages(dev, dev2, sp, dp, num_blocks=nb))
-        rows.append(Row("blocks", ps, f"D2D tile=32K blocks={nb}", gbps(nbytes, t), d2d_lim))
+                rows.append(Row("blocks", ps, f"{name} tile={tile // 1024}K warps={warps} blocks={nb}",
+                                gbps(nbytes, t), lim))
+    for tile, chunk, warps in ((32768, 32768, 8), (32768, 8192, 8), (32768, 2048, 8), (65536, 65536, 8),
+                               (16384, 16384, 4)):
+        c = PageCopier(d2d=TileConfig(tile, 4096, chunk, warps))
+        for nb in (132, 264, 528):
+            t = timed_ms(lambda: c.copy_pages(dev, dev2, sp, dp, num_blocks=nb))
+            rows.append(Row("blocks", ps, f"D2D tile={tile // 1024}K chunk={chunk // 1024}K warps={warps} "
+                            f"blocks={nb}", gbps(nbytes, t), d2d_lim))
 
 
 def launch_overhead_us(layers: int) -> float:
@@ -222,7 +225,8 @@ def main() -> None:
         before = len(rows)
         run_page_size(ps, args.mib, args.layers, host_buf, rows, sweep=not args.no_sweep)
         print(render(rows[before:]), flush=True)  # partial results survive a timeout
-    head = (f"device: {torch.cuda.get_device_name() if CUDA else 'cpu (smoke)'}; torch {torch.__version__}; "
+    head = (f"pcie tiles {PCIE_TILES}; d2d tiles {D2D_TILES}\n"
+            f"device: {torch.cuda.get_device_name() if CUDA else 'cpu (smoke)'}; torch {torch.__version__}; "
             f"triton {__import__('triton').__version__}; {args.mib} MiB per copy; "
             f"launch overhead {launch_overhead_us(args.layers):.1f} us per per-layer call")
     table = render(rows)

@@ -33,18 +33,18 @@ Backend = Literal["auto", "triton", "torch"]
 Indices = torch.Tensor | Sequence[int]
 
 # ---------------------------------------------------------------- tuned constants
-# Measured on an H200 (bench/transfer.py, bench/RESULTS.md "Page-copy kernels").
-# 32 KiB per program per iteration = 8 x 16-byte loads per thread at 8 warps:
-# enough bytes in flight that 8 programs cover PCIe latency in both directions.
-TILE_BYTES = 32768
-NUM_WARPS = 8
-# Odd-sized byte planes move byte by byte; keep their tile small (registers).
-NARROW_TILE_BYTES = 4096
-# PCIe copies: 8 programs reach the pinned-copy limit and leave the other SMs
-# to the engine's compute (issue #4 caps this at 8).
+# Measured on an H200 (bench/transfer.py; bench/RESULTS.md "Page-copy kernels").
+# PCIe copies: 64 KiB per program per iteration (16 x 16-byte loads per thread
+# at 8 warps) keeps enough reads in flight that 4-8 programs reach the H2D
+# plateau; 32 KiB needed 16-32 programs for the same figure.
+PCIE_TILES = TileConfig(tile_bytes=65536, narrow_tile_bytes=4096, max_chunk_bytes=65536, num_warps=8)
+# 8 programs reach the plateau in both directions and leave the other SMs to
+# the engine's compute (issue #4 caps this at 8).
 PCIE_BLOCKS = 8
-# Device-to-device copies saturate HBM only with the whole chip: programs per SM.
-D2D_BLOCKS_PER_SM = 4
+# Device-to-device copies saturate HBM only with the whole chip.
+D2D_TILES = TileConfig(tile_bytes=32768, narrow_tile_bytes=4096, max_chunk_bytes=32768, num_warps=8)
+D2D_BLOCKS_PER_SM = 2
+_CPU = torch.device("cpu")
 
 
 @functools.cache
@@ -67,10 +67,13 @@ def _plane_addr(pool: Pool, plane: int) -> tuple[int, int]:
 
 
 @dataclass(slots=True)
-class _PairPlans:
-    """Plans of one (src, dst) pool pair, keyed by (plane tuple, launch device, tiles)."""
+class _Pair:
+    """What a (src, dst) pool pair needs at every launch, resolved once."""
 
-    plans: dict[tuple, CopyPlan]
+    gpu: torch.device | None  # the GPU the kernel runs on, None without one
+    tiles: TileConfig
+    blocks: int  # default grid size
+    plans: dict[tuple[int, ...] | None, CopyPlan]  # keyed by the caller's plane tuple
 
 
 class PageCopier:
@@ -81,11 +84,10 @@ class PageCopier:
     owner (the transfer engine) serialises calls, as for the pools themselves.
     """
 
-    def __init__(self, tiles: TileConfig = TileConfig(TILE_BYTES, NARROW_TILE_BYTES),
-                 num_warps: int = NUM_WARPS):
-        self.tiles = tiles
-        self.num_warps = num_warps
-        self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    def __init__(self, pcie: TileConfig = PCIE_TILES, d2d: TileConfig = D2D_TILES):
+        self.pcie = pcie  # any copy with a host side (and CPU tests)
+        self.d2d = d2d
+        self._pairs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------ copies
     def copy_pages(self, src: Pool, dst: Pool, src_pages: Indices, dst_pages: Indices, *,
@@ -100,10 +102,10 @@ class PageCopier:
         bounds and destination uniqueness (synchronises). Raises ``ValueError``
         / ``TypeError`` naming the offending argument.
         """
-        plane_t = _check_planes(src, dst, planes)
-        gpu = _gpu_of(src, dst)
-        use_triton = _pick_backend(backend, gpu, src, dst)
-        launch_dev = gpu if gpu is not None else torch.device("cpu")
+        pair = self._pair(src, dst)
+        key = None if planes is None else tuple(planes)
+        use_triton = pair.gpu is not None if backend == "auto" else _pick_backend(backend, src, dst)
+        launch_dev = pair.gpu if pair.gpu is not None else _CPU
         # The torch path moves indices itself (it synchronises anyway); the kernel needs them on its device.
         s_idx = _as_index(src_pages, launch_dev if use_triton else None, "src_pages", _device(src))
         d_idx = _as_index(dst_pages, launch_dev if use_triton else None, "dst_pages", _device(dst))
@@ -113,54 +115,55 @@ class PageCopier:
         if debug:
             _check_bounds(s_idx, src.num_pages, "src_pages")
             _check_bounds(d_idx, dst.num_pages, "dst_pages", unique=True)
-        if s_idx.numel() == 0:
-            return
         if not use_triton:
-            torch_copy(src, dst, s_idx, d_idx, plane_t)
+            if s_idx.numel():
+                torch_copy(src, dst, s_idx, d_idx, _check_planes(src, planes))
             return
-        plan = self._plan(src, dst, plane_t, launch_dev)
-        self._launch(plan, s_idx, d_idx, None, launch_dev, num_blocks, src, dst)
+        plan = pair.plans.get(key)
+        if plan is None:
+            plan = pair.plans[key] = self._build(src, dst, pair, _check_planes(src, planes), launch_dev)
+        if s_idx.numel():
+            _launch(plan, pair.tiles, s_idx, d_idx, None, launch_dev, num_blocks or pair.blocks)
 
     def plan(self, src: Pool, dst: Pool, planes: Sequence[int] | None = None) -> CopyPlan:
         """The (cached) plan ``copy_pages`` launches with; for benchmarks and tests."""
-        plane_t = _check_planes(src, dst, planes)
-        gpu = _gpu_of(src, dst)
-        return self._plan(src, dst, plane_t, gpu if gpu is not None else torch.device("cpu"))
+        pair = self._pair(src, dst)
+        key = None if planes is None else tuple(planes)
+        if key not in pair.plans:
+            dev = pair.gpu if pair.gpu is not None else _CPU
+            pair.plans[key] = self._build(src, dst, pair, _check_planes(src, planes), dev)
+        return pair.plans[key]
 
     def check_integrity(self) -> None:
         """Every cached plan still matches its pools' addresses (buffers never replaced)."""
-        for src, by_dst in list(self._plans.items()):
+        for src, by_dst in list(self._pairs.items()):
             for dst, pair in list(by_dst.items()):
-                for (plane_t, dev, tiles), plan in pair.plans.items():
-                    fresh = build_plan(self._addrs(src, dst, plane_t), torch.device("cpu"), tiles)
-                    got = _relative(plan)
-                    want = _relative(fresh)
-                    if got != want or (plan.rows, plan.words, plan.nrows, plan.nbytes) != (
+                for key, plan in pair.plans.items():
+                    fresh = build_plan(_addrs(src, dst, _check_planes(src, key)), _CPU, pair.tiles)
+                    if _relative(plan) != _relative(fresh) or (plan.rows, plan.words, plan.nrows, plan.nbytes) != (
                             fresh.rows, fresh.words, fresh.nrows, fresh.nbytes):
-                        raise IntegrityError(f"cached copy plan for planes {plane_t} on {dev} no "
-                                             "longer matches its pools' buffers; were they replaced?")
+                        raise IntegrityError(f"cached copy plan for planes {key} no longer matches "
+                                             "its pools' buffers; were they replaced?")
 
-    @staticmethod
-    def _addrs(src: Pool, dst: Pool, plane_t: tuple[int, ...]) -> list[PlaneAddr]:
-        out = []
-        for j in plane_t:
-            (sb, ss), (db, ds) = _plane_addr(src, j), _plane_addr(dst, j)
-            out.append(PlaneAddr(sb, ss, db, ds, src.layout.planes[j].page_bytes))
-        return out
-
-    def _plan(self, src: Pool, dst: Pool, plane_t: tuple[int, ...], dev: torch.device) -> CopyPlan:
-        by_dst = self._plans.get(src)
+    def _pair(self, src: Pool, dst: Pool) -> _Pair:
+        by_dst = self._pairs.get(src)
         if by_dst is None:
-            by_dst = self._plans[src] = weakref.WeakKeyDictionary()
+            by_dst = self._pairs[src] = weakref.WeakKeyDictionary()
         pair = by_dst.get(dst)
         if pair is None:
-            pair = by_dst[dst] = _PairPlans({})
-        key = (plane_t, dev, self.tiles)
-        plan = pair.plans.get(key)
-        if plan is None:
-            _check_pinned(src, dst, dev)
-            plan = pair.plans[key] = build_plan(self._addrs(src, dst, plane_t), dev, self.tiles)
-        return plan
+            if src.layout is not dst.layout and src.layout.fingerprint() != dst.layout.fingerprint():
+                src.layout.check_compatible(dst.layout)  # raises ContractMismatch naming the fields
+            gpu = _gpu_of(src, dst)
+            d2d = gpu is not None and isinstance(src, DevicePool) and isinstance(dst, DevicePool)
+            blocks = (D2D_BLOCKS_PER_SM * torch.cuda.get_device_properties(gpu).multi_processor_count
+                      if d2d else PCIE_BLOCKS)
+            pair = by_dst[dst] = _Pair(gpu, self.d2d if d2d else self.pcie, blocks, {})
+        return pair
+
+    @staticmethod
+    def _build(src: Pool, dst: Pool, pair: _Pair, plane_t: tuple[int, ...], dev: torch.device) -> CopyPlan:
+        _check_pinned(src, dst, dev)
+        return build_plan(_addrs(src, dst, plane_t), dev, pair.tiles)
 
     # -------------------------------------------------------------- row stores
     def store_rows(self, pool: DevicePool, plane_indices: Sequence[int], rows: Sequence[torch.Tensor],
@@ -180,7 +183,7 @@ class PageCopier:
         if debug and n:
             keep = slot_ids[provenance == 0]
             _check_bounds(keep, pool.num_pages * pool.page_size, "slot_ids", unique=True)
-        use_triton = _pick_backend(backend, pool.device if pool.device.type == "cuda" else None, pool, pool)
+        use_triton = (pool.device.type == "cuda" if backend == "auto" else _pick_backend(backend, pool, pool))
         if valid == 0:
             return 0
         if not use_triton:
@@ -189,34 +192,38 @@ class PageCopier:
         addrs = [PlaneAddr(r.data_ptr(), r.stride(0) * r.element_size(), pool.buffers[j].data_ptr(),
                            pool.layout.planes[j].row_bytes, pool.layout.planes[j].row_bytes)
                  for j, r in zip(plane_indices, rows)]
-        plan = build_plan(addrs, pool.device, self.tiles)  # row addresses change every call
+        plan = build_plan(addrs, pool.device, self.pcie)  # row addresses change every call
         src_idx = torch.arange(n, device=pool.device)
-        self._launch(plan, src_idx, slot_ids, provenance, pool.device, None, pool, pool)
+        _launch(plan, self.pcie, src_idx, slot_ids, provenance, pool.device, PCIE_BLOCKS)
         return valid
 
-    # ------------------------------------------------------------------ launch
-    def _launch(self, plan: CopyPlan, s_idx: torch.Tensor, d_idx: torch.Tensor,
-                keep: torch.Tensor | None, dev: torch.device, num_blocks: int | None,
-                src: Pool, dst: Pool) -> None:
-        n = s_idx.numel()
-        if num_blocks is None:
-            num_blocks = _default_blocks(src, dst, dev)
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks={num_blocks}; pass None (tuned default) or >= 1")
-        units = max(-(-n * plan.t_wide // plan.rows), -(-n * plan.t_narrow // plan.nrows), 1)
-        grid = (min(num_blocks, units),)
-        kernel = _triton_copy._page_copy_kernel if dev.type == "cuda" else _interpreted_kernel()
-        args = (plan.wide_i32, plan.narrow, s_idx, d_idx,
-                keep if keep is not None else s_idx, n, plan.t_wide, plan.t_narrow)
-        meta = dict(ROWS=plan.rows, WORDS=plan.words, NROWS=plan.nrows, NBYTES=plan.nbytes,
-                    HAS_NARROW=plan.t_narrow > 0, HAS_KEEP=keep is not None)
-        if dev.type != "cuda":
-            kernel[grid](*args, **meta)
-        elif dev.index is None or dev.index == torch.cuda.current_device():
-            kernel[grid](*args, **meta, num_warps=self.num_warps)
-        else:  # Triton launches on the current device
-            with torch.cuda.device(dev):
-                kernel[grid](*args, **meta, num_warps=self.num_warps)
+
+def _launch(plan: CopyPlan, tiles: TileConfig, s_idx: torch.Tensor, d_idx: torch.Tensor,
+            keep: torch.Tensor | None, dev: torch.device, num_blocks: int) -> None:
+    n = s_idx.numel()
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks={num_blocks}; pass None (tuned default) or >= 1")
+    units = max(-(-n * plan.t_wide // plan.rows), -(-n * plan.t_narrow // plan.nrows), 1)
+    grid = (min(num_blocks, units),)
+    args = (plan.wide_i32, plan.narrow, s_idx, d_idx, keep if keep is not None else s_idx,
+            n, plan.t_wide, plan.t_narrow)
+    meta = dict(ROWS=plan.rows, WORDS=plan.words, NROWS=plan.nrows, NBYTES=plan.nbytes,
+                HAS_NARROW=plan.t_narrow > 0, HAS_KEEP=keep is not None)
+    if dev.type != "cuda":
+        _interpreted_kernel()[grid](*args, **meta)
+    elif dev.index is None or dev.index == torch.cuda.current_device():
+        _triton_copy._page_copy_kernel[grid](*args, **meta, num_warps=tiles.num_warps)
+    else:  # Triton launches on the current device
+        with torch.cuda.device(dev):
+            _triton_copy._page_copy_kernel[grid](*args, **meta, num_warps=tiles.num_warps)
+
+
+def _addrs(src: Pool, dst: Pool, plane_t: tuple[int, ...]) -> list[PlaneAddr]:
+    out = []
+    for j in plane_t:
+        (sb, ss), (db, ds) = _plane_addr(src, j), _plane_addr(dst, j)
+        out.append(PlaneAddr(sb, ss, db, ds, src.layout.planes[j].page_bytes))
+    return out
 
 
 # ------------------------------------------------------------------ helpers
@@ -242,23 +249,19 @@ def _gpu_of(src: Pool, dst: Pool) -> torch.device | None:
     return devs.pop() if devs else None
 
 
-def _pick_backend(backend: str, gpu: torch.device | None, src: Pool, dst: Pool) -> bool:
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend={backend!r}; use 'auto', 'triton' or 'torch'")
+def _pick_backend(backend: str, src: Pool, dst: Pool) -> bool:
+    """True for the Triton kernel (``backend='auto'`` is resolved by the caller)."""
     if backend == "torch":
         return False
-    both_host = isinstance(src, HostPool) and isinstance(dst, HostPool)
-    if backend == "triton":
-        if both_host:
-            raise ValueError("backend='triton' does not copy host->host; use backend='torch'")
-        return True
-    return gpu is not None and not both_host
+    if backend != "triton":
+        raise ValueError(f"backend={backend!r}; use 'auto', 'triton' or 'torch'")
+    if isinstance(src, HostPool) and isinstance(dst, HostPool):
+        raise ValueError("backend='triton' does not copy host->host; use backend='torch'")
+    return True
 
 
-def _check_planes(src: Pool, dst: Pool, planes: Sequence[int] | None) -> tuple[int, ...]:
-    if src.layout is not dst.layout and src.layout.fingerprint() != dst.layout.fingerprint():
-        src.layout.check_compatible(dst.layout)  # raises ContractMismatch naming the fields
-    n = len(src.layout.planes)
+def _check_planes(pool: Pool, planes: Sequence[int] | None) -> tuple[int, ...]:
+    n = len(pool.layout.planes)
     if planes is None:
         return tuple(range(n))
     plane_t = tuple(int(p) for p in planes)
@@ -318,12 +321,6 @@ def _check_rows(pool: DevicePool, plane_indices: Sequence[int], rows: Sequence[t
                              f"{tuple(r.shape)} stride {r.stride()} on {r.device}; need {s.dtype} "
                              f"({n}, {', '.join(map(str, s.row_shape))}) dense rows on {pool.device}")
     return n
-
-
-def _default_blocks(src: Pool, dst: Pool, dev: torch.device) -> int:
-    if isinstance(src, DevicePool) and isinstance(dst, DevicePool) and dev.type == "cuda":
-        return D2D_BLOCKS_PER_SM * torch.cuda.get_device_properties(dev).multi_processor_count
-    return PCIE_BLOCKS
 
 
 @functools.cache

@@ -38,9 +38,12 @@ class TileConfig:
 
     tile_bytes: int  # bytes one program moves per wide iteration
     narrow_tile_bytes: int  # bytes one program moves per narrow iteration
+    max_chunk_bytes: int  # longest contiguous piece one tile row moves (<= tile_bytes)
+    num_warps: int
 
     def __post_init__(self) -> None:
-        for name in ("tile_bytes", "narrow_tile_bytes"):
+        assert self.max_chunk_bytes <= self.tile_bytes and self.num_warps >= 1, self
+        for name in ("tile_bytes", "narrow_tile_bytes", "max_chunk_bytes"):
             v = getattr(self, name)
             assert v >= ALIGN and v & (v - 1) == 0, f"TileConfig.{name}={v} must be a power of two >= 16"
 
@@ -86,7 +89,7 @@ def build_plan(addrs: Sequence[PlaneAddr], device: torch.device, tiles: TileConf
     """
     wide_planes = [a for a in addrs if a.wide]
     narrow_planes = [a for a in addrs if not a.wide]
-    wchunk = min(_pow2_at_least(max((a.nbytes for a in wide_planes), default=ALIGN)), tiles.tile_bytes)
+    wchunk = min(_pow2_at_least(max((a.nbytes for a in wide_planes), default=ALIGN)), tiles.max_chunk_bytes)
     nchunk = min(_pow2_at_least(max((a.nbytes for a in narrow_planes), default=1)), tiles.narrow_tile_bytes)
     wide_rows, narrow_rows = _chunks(wide_planes, wchunk), _chunks(narrow_planes, nchunk)
 
