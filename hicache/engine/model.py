@@ -164,11 +164,16 @@ class ReferenceModel:
 
     # ------------------------------------------------------------------ core
     def _rows(self, pool: DevicePool, stack: _Stack, inputs: tuple[torch.Tensor, ...], lo: int, hi: int,
-              slots: torch.Tensor, want_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Compute rows for positions ``[lo, hi)`` of ``stack`` from ``inputs`` (each ``[hi - lo, ...]``)."""
+              slots: torch.Tensor, logits_from: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Compute rows for positions ``[lo, hi)`` of ``stack`` from ``inputs`` (each ``[hi - lo, ...]``).
+
+        Returns the hidden rows and, when ``logits_from`` is given, the logits of
+        positions ``[logits_from, hi)``.
+        """
         if self.attention == "sdpa":
             prov = torch.full((hi - lo,), int(Row.VALID), dtype=torch.int8, device=self.device)
-            return self._tile(pool, stack, inputs, lo, hi - lo, prov, slots[lo:hi], slots[:hi], want_logits)
+            h = self._tile(pool, stack, inputs, lo, hi - lo, prov, slots[lo:hi], slots[:hi])
+            return h, (None if logits_from is None else self._logits(stack, h[logits_from - lo:]))
         ps = pool.page_size
         hid, logit = [], []
         for t0 in range(lo - lo % ps, hi, ps):
@@ -182,15 +187,19 @@ class ReferenceModel:
             prov[a - t0:b - t0] = int(Row.VALID)
             tslots = torch.full((ps,), -1, dtype=torch.int64, device=self.device)
             tslots[a - t0:b - t0] = slots[a:b]
-            h, lg = self._tile(pool, stack, tuple(padded), t0, ps, prov, tslots, slots[:b], want_logits)
+            h = self._tile(pool, stack, tuple(padded), t0, ps, prov, tslots, slots[:b])
             hid.append(h[a - t0:b - t0])
-            if lg is not None:
-                logit.append(lg[a - t0:b - t0])
-        return torch.cat(hid), (torch.cat(logit) if want_logits else None)
+            if logits_from is not None and b > logits_from:
+                c = max(a, logits_from)
+                logit.append(self._logits(stack, h)[c - t0:b - t0])  # on the whole tile: fixed shape
+        return torch.cat(hid), (None if logits_from is None else torch.cat(logit))
+
+    def _logits(self, stack: _Stack, h: torch.Tensor) -> torch.Tensor:
+        s = self.spec
+        return F.linear(ml.rms_norm(h, stack.final_norm, s.norm_eps), self.weights.lm_head).float()
 
     def _tile(self, pool: DevicePool, stack: _Stack, inputs: tuple[torch.Tensor, ...], t0: int, T: int,
-              prov: torch.Tensor, tslots: torch.Tensor, ctx_slots: torch.Tensor,
-              want_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+              prov: torch.Tensor, tslots: torch.Tensor, ctx_slots: torch.Tensor) -> torch.Tensor:
         """Run ``T`` rows at positions ``t0 ..`` through every layer of ``stack``; the
         attention context is ``t0 + T`` keys (the valid ones are ``ctx_slots``)."""
         s, w = self.spec, self.weights
@@ -205,9 +214,7 @@ class ReferenceModel:
             k, v = ml.expand_kv(s, lw, ctx)
             x = x + F.linear(ml.attend(q, k, v, pos, exact=self.attention == "exact"), lw.w_o)
             x = x + ml.mlp(lw, ml.rms_norm(x, lw.mlp_norm, s.norm_eps))
-        if not want_logits:
-            return x, None
-        return x, F.linear(ml.rms_norm(x, stack.final_norm, s.norm_eps), w.lm_head).float()
+        return x
 
     # ------------------------------------------------------------------ API
     def forward_chunk(self, pool: DevicePool, tokens: Sequence[int] | torch.Tensor, start_pos: int,
@@ -232,7 +239,8 @@ class ReferenceModel:
         end = start_pos + n
         slots = self._check_slots(slot_ids, end)
         self.check_pool(pool, draft=draft)
-        hidden, logits = self._rows(pool, self._target, (tok,), start_pos, end, slots, True)
+        hidden, logits = self._rows(pool, self._target, (tok,), start_pos, end, slots,
+                                    start_pos if all_logits else end - 1)
         rows = 0
         if draft:
             rows = self._draft_chunk(pool, tok, start_pos, hidden, slots, pending_hidden, next_token)
@@ -249,7 +257,7 @@ class ReferenceModel:
             return 0
         hid = hidden if pending is None else torch.cat((pending.reshape(1, -1).to(hidden), hidden))
         nxt = tok if next_token is None else torch.cat((tok, tok.new_tensor([int(next_token)])))
-        self._rows(pool, self._draft, (nxt[j0 + 1 - start:j1 + 1 - start], hid[:j1 - j0]), j0, j1, slots, False)
+        self._rows(pool, self._draft, (nxt[j0 + 1 - start:j1 + 1 - start], hid[:j1 - j0]), j0, j1, slots, None)
         return j1 - j0
 
     def decode_step(self, pool: DevicePool, token: int, pos: int, slot_ids: torch.Tensor, *,
@@ -274,7 +282,7 @@ class ReferenceModel:
         toks, logits = [], []
         for j in range(pos, pos + k):
             tt = torch.tensor([t], dtype=torch.int64, device=self.device)
-            h, lg = self._rows(pool, self._draft, (tt, h), j, j + 1, slots, True)
+            h, lg = self._rows(pool, self._draft, (tt, h), j, j + 1, slots, j)
             t = int(lg[0].argmax())
             toks.append(t)
             logits.append(lg[0])
