@@ -171,10 +171,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     L, Hk, dv = v.shape
     G = H // Hk
     scale = 1.0 / math.sqrt(d)
-    masked = torch.arange(L, device=q.device)[None, :] > q_pos[:, None]  # [T, L]
+    if not exact and T == L:
+        masked = None  # a whole sequence from position 0: plain causal, no [T, L] mask
+    else:
+        masked = torch.arange(L, device=q.device)[None, :] > q_pos[:, None]  # [T, L]
     if not exact:
-        start = int(q_pos[0])
-        kw = dict(is_causal=True) if start == 0 and T == L else dict(attn_mask=~masked)
+        kw = dict(is_causal=True) if masked is None else dict(attn_mask=~masked)
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                            v.transpose(0, 1)[None], scale=scale, enable_gqa=G > 1, **kw)
         return o[0].transpose(0, 1).reshape(T, H * dv)
