@@ -254,7 +254,7 @@ class StorageBackend(abc.ABC):
             self._count(gets=len(full), misses=len(full))
             return [None] * len(full)
         assert len(raw) == len(full), (self.name, len(raw), len(full))
-        sizes = list(plane_sizes)
+        sizes = codec.plane_sizes(plane_sizes)
         out: list[memoryview | None] = []
         c = dict(hits=0, misses=0, corrupt=0, fingerprint_mismatch=0, errors=0, bytes_read=0)
         bad: list[bytes] = []
@@ -293,9 +293,12 @@ class StorageBackend(abc.ABC):
         a bad key or a payload whose length is not the sum of its plane sizes.
         """
         prepared = []
+        last: tuple[object, codec.PlaneSizes | None] = (None, None)
         for key, payload, sizes in items:
+            if sizes is not last[0]:  # callers pass one plane-sizes list for a whole batch
+                last = (sizes, codec.plane_sizes(sizes))
             mv = codec.as_bytes_view(payload)
-            prepared.append((self._full(key), codec.encode_header(self.fingerprint, key, sizes, mv), mv))
+            prepared.append((self._full(key), codec.encode_header(self.fingerprint, key, last[1], mv), mv))
         if not prepared:
             return 0
         res = self._call("put", self._raw_put, prepared)

@@ -45,6 +45,22 @@ class Decoded(NamedTuple):
     why: str  # empty when OK; names the field and both values otherwise
 
 
+class PlaneSizes(NamedTuple):
+    """Plane sizes validated once per batch (a layout has up to hundreds of planes)."""
+
+    sizes: list[int]
+    total: int
+
+
+def plane_sizes(sizes: Sequence[int] | PlaneSizes) -> PlaneSizes:
+    if isinstance(sizes, PlaneSizes):
+        return sizes
+    out = [int(s) for s in sizes]
+    if any(s < 0 for s in out):
+        raise ValueError(f"plane sizes {out} must be >= 0")
+    return PlaneSizes(out, sum(out))
+
+
 def checksum(payload: Buffer) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
@@ -57,33 +73,35 @@ def as_bytes_view(payload: Buffer) -> memoryview:
     return mv
 
 
-def encode_header(fingerprint: str, page_hash: bytes, plane_sizes: Sequence[int], payload: Buffer) -> bytes:
+def encode_header(fingerprint: str, page_hash: bytes, sizes: Sequence[int] | PlaneSizes,
+                  payload: Buffer) -> bytes:
     """Magic, length prefix and msgpack header for ``payload``; the object is
     this header followed by ``payload`` unchanged. Raises ``ValueError`` when
-    the payload length is not the sum of ``plane_sizes``."""
+    the payload length is not the sum of the plane sizes."""
     n = memoryview(payload).nbytes
-    sizes = [int(s) for s in plane_sizes]
-    if n != sum(sizes):
-        raise ValueError(f"payload of {n} bytes does not match plane sizes summing to {sum(sizes)} "
-                         f"({len(sizes)} planes); pass the page's canonical payload")
+    ps = plane_sizes(sizes)
+    if n != ps.total:
+        raise ValueError(f"payload of {n} bytes does not match plane sizes summing to {ps.total} "
+                         f"({len(ps.sizes)} planes); pass the page's canonical payload")
     hdr = msgpack.packb({"version": FORMAT_VERSION, "fingerprint": fingerprint, "hash": bytes(page_hash),
-                         "plane_sizes": sizes, "length": n, "checksum": checksum(payload)})
+                         "plane_sizes": ps.sizes, "length": n, "checksum": checksum(payload)})
     return _PREFIX.pack(MAGIC, len(hdr)) + hdr
 
 
-def encode(fingerprint: str, page_hash: bytes, plane_sizes: Sequence[int], payload: Buffer) -> bytes:
+def encode(fingerprint: str, page_hash: bytes, sizes: Sequence[int] | PlaneSizes, payload: Buffer) -> bytes:
     """The whole object as one ``bytes`` (copies the payload; for in-memory stores and tests)."""
-    return encode_header(fingerprint, page_hash, plane_sizes, payload) + bytes(payload)
+    return encode_header(fingerprint, page_hash, sizes, payload) + bytes(payload)
 
 
 def _bad(why: str) -> Decoded:
     return Decoded(ReadStatus.CORRUPT, None, why)
 
 
-def decode(obj: Buffer, page_hash: bytes, fingerprint: str, plane_sizes: Sequence[int] | None) -> Decoded:
+def decode(obj: Buffer, page_hash: bytes, fingerprint: str,
+           expected: Sequence[int] | PlaneSizes | None) -> Decoded:
     """Verify ``obj`` against what the reader expects; never raises on bad data.
 
-    ``plane_sizes=None`` checks only internal consistency (used by
+    ``expected=None`` checks only internal consistency (used by
     ``check_integrity``, which does not know the layout's planes).
     """
     mv = as_bytes_view(obj)
@@ -108,14 +126,20 @@ def decode(obj: Buffer, page_hash: bytes, fingerprint: str, plane_sizes: Sequenc
     if hdr.get("hash") != page_hash:
         return _bad(f"page hash {hdr.get('hash')!r} != key {bytes(page_hash)!r}")
     sizes = hdr.get("plane_sizes")
-    if (not isinstance(sizes, list) or not all(type(x) is int for x in sizes)
-            or (plane_sizes is not None and sizes != list(plane_sizes))):
-        return _bad(f"plane sizes {sizes!r} != expected {plane_sizes!r}")
+    if expected is None:
+        if not isinstance(sizes, list) or not all(type(x) is int and x >= 0 for x in sizes):
+            return _bad(f"plane sizes {sizes!r} are not a list of sizes")
+        total = sum(sizes)
+    else:
+        want = plane_sizes(expected)
+        if sizes != want.sizes:
+            return _bad(f"plane sizes {sizes!r} != expected {want.sizes!r}")
+        total = want.total
     payload = mv[PREFIX_BYTES + hlen:]
     length = hdr.get("length")
-    if length != payload.nbytes or length != sum(sizes):
+    if length != payload.nbytes or length != total:
         return _bad(f"payload length {payload.nbytes} / header length {length!r} / "
-                    f"plane sizes sum {sum(sizes)} disagree")
+                    f"plane sizes sum {total} disagree")
     ck = checksum(payload)
     if hdr.get("checksum") != ck:
         return _bad(f"checksum {hdr.get('checksum')!r} != computed {ck}")

@@ -99,3 +99,11 @@ def test_header_that_is_not_a_map_is_corrupt():
 
 def test_plane_sizes_none_checks_only_consistency():
     assert codec.decode(obj(), KEY, FP, None).status is ReadStatus.OK
+
+
+def test_plane_sizes_are_validated_once():
+    ps = codec.plane_sizes([24, 8, 32])
+    assert ps == codec.PlaneSizes([24, 8, 32], 64) and codec.plane_sizes(ps) is ps
+    assert codec.decode(obj(), KEY, FP, ps).status is ReadStatus.OK
+    with pytest.raises(ValueError, match="must be >= 0"):
+        codec.plane_sizes([4, -4])
