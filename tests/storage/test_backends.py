@@ -179,3 +179,24 @@ def test_default_prefix_separates_layouts(harness):
     assert a.delete([k]) == 1
     a.close()
     b.close()
+
+
+def test_concurrent_callers_see_their_own_pages_and_counters_add_up(harness):
+    from concurrent.futures import ThreadPoolExecutor
+    b = harness.backend
+
+    def worker(t: int) -> list[bool]:
+        ks = keys(10, ns=f"thread{t}")
+        assert b.put([(k, bytes([t, i]) * 8, [16]) for i, k in enumerate(ks)]) == 10
+        both = keys(10, ns="shared")  # every thread writes the same bytes to these
+        b.put([(k, bytes([99, i]) * 8, [16]) for i, k in enumerate(both)])
+        got = b.get(ks + both, [16])
+        return [bytes(g) == (bytes([t, i % 10]) if i < 10 else bytes([99, i - 10])) * 8
+                for i, g in enumerate(got)]
+
+    with ThreadPoolExecutor(4) as ex:
+        results = list(ex.map(worker, range(4)))
+    assert all(all(r) for r in results)
+    s = b.stats()
+    assert (s.put_ok, s.gets, s.hits, s.misses, s.errors) == (80, 80, 80, 0, 0)
+    b.check_integrity()
