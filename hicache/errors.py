@@ -87,3 +87,11 @@ class StaleMatch(CacheStateError):
 
 class TraceError(HiCacheError, ValueError):
     """A workload trace file is malformed; the message names the line and the field."""
+
+
+class SlotsExhausted(HiCacheError):
+    """Every metadata slot is owned by a live request; back off (never recycle one)."""
+
+
+class StaleSlot(HiCacheError):
+    """A ``SlotView`` was used after its slot was released (its generation moved on)."""
