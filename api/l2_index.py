@@ -53,7 +53,7 @@ class L2Listener(Protocol):
 @dataclass(slots=True)
 class _Owner:
     reserved: set[int] = field(default_factory=set)  # page ids written, not yet committed
-    acquired: Counter = field(default_factory=Counter)  # page hash -> acquisitions
+    acquired: dict[PageHash, int] = field(default_factory=dict)  # page hash -> acquisitions (> 0)
 
 
 class CommitResult(NamedTuple):
@@ -174,7 +174,7 @@ class L2Index:
         pages = self.allocator.alloc(n)
         self._owners[owner].reserved.update(pages)
         self.counters.reservations += n
-        return [HostPageId(p) for p in pages]
+        return pages  # HostPageId is a NewType: no runtime wrapping
 
     def _evict_one(self) -> PageHash:
         lru, refs = self._lru, self._refs
@@ -222,7 +222,7 @@ class L2Index:
             if h in self._page_of:
                 dup_pages.append(p)
                 continue
-            self._page_of[h] = HostPageId(p)
+            self._page_of[h] = p
             self._hash_of[p] = h
             inserted.append(h)
         for h in reversed(inserted):  # deepest first: evicted before its parents
@@ -268,27 +268,34 @@ class L2Index:
         only the returned prefix is locked, and must be released by hash.
         """
         pages = self._leading(hashes)
-        held = hashes[:len(pages)]
         refs, mine = self._refs, self._owners[owner].acquired
-        for h in held:
+        for h in hashes[:len(pages)]:
             refs[h] = refs.get(h, 0) + 1
-        mine.update(held)
+            mine[h] = mine.get(h, 0) + 1
         self.counters.acquired += len(pages)
         return pages
 
     def release(self, owner: OwnerId, hashes: Sequence[PageHash]) -> None:
         """Undo one acquisition per listed hash; all or nothing."""
-        _check_hashes(hashes)
-        o = self._owners[owner]
-        want = Counter(hashes)
+        if not isinstance(hashes, (list, tuple)):
+            raise ServiceError("bad_args", f"expected a list of page hashes, got {type(hashes).__name__}")
+        mine = self._owners[owner].acquired
+        try:
+            want = Counter(hashes)
+        except TypeError:  # an unhashable element
+            _check_hashes(hashes)
+            raise AssertionError("unreachable: _check_hashes raises") from None
         for h, n in want.items():
-            if o.acquired[h] < n:  # Counter lookups never insert
+            if mine.get(h, 0) < n:
+                _check_hashes([h])  # a malformed hash is bad_args, not "not acquired"
                 raise ServiceError("not_acquired", f"release of page hash {h.hex()} x{n}, but this "
-                                   f"client holds {o.acquired.get(h, 0)} acquisition(s) of it")
+                                   f"client holds {mine.get(h, 0)} acquisition(s) of it")
         for h, n in reversed(want.items()):  # deepest first
-            o.acquired[h] -= n
-            if o.acquired[h] == 0:
-                del o.acquired[h]
+            left = mine[h] - n
+            if left:
+                mine[h] = left
+            else:
+                del mine[h]
             self._unref(h, n)
 
     def _unref(self, h: PageHash, n: int) -> None:

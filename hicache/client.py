@@ -33,6 +33,9 @@ from hicache.protocol import HEADER_BYTES, body_length, hello_request, pack, unp
 from hicache.shm import SharedSegment
 from hicache.types import HostPageId, PageHash
 
+# Page ids arrive as plain ints: ``HostPageId`` is a NewType (static typing
+# only), and wrapping 512 of them per lookup would cost ~25 us for nothing.
+
 # Replies are small except ``lookup``/``acquire`` of long prompts; this bounds
 # what the client will accept from a confused peer.
 MAX_REPLY_BYTES = 64 << 20
@@ -94,11 +97,11 @@ class EngineClient:
     def lookup(self, hashes: Sequence[PageHash]) -> LookupResult:
         """How many leading pages of ``hashes`` L2 holds. Does not lock them."""
         pages = self._call({"op": "lookup", "hashes": list(hashes)})["pages"]
-        return LookupResult(len(pages), [HostPageId(p) for p in pages])
+        return LookupResult(len(pages), pages)
 
     def reserve(self, n: int) -> list[HostPageId]:
         """``n`` pages to write into; raises ``OutOfPages`` if L2 cannot free them."""
-        return [HostPageId(p) for p in self._call({"op": "reserve", "n": n})["pages"]]
+        return self._call({"op": "reserve", "n": n})["pages"]
 
     def commit(self, hashes: Sequence[PageHash], host_page_ids: Sequence[int]) -> CommitResult:
         """Make written reserved pages lookup-able under ``hashes`` (same order)."""
@@ -114,7 +117,7 @@ class EngineClient:
 
         Release exactly the returned prefix (``hashes[:len(result)]``).
         """
-        return [HostPageId(p) for p in self._call({"op": "acquire", "hashes": list(hashes)})["pages"]]
+        return self._call({"op": "acquire", "hashes": list(hashes)})["pages"]
 
     def release(self, hashes: Sequence[PageHash]) -> None:
         """Undo one ``acquire`` of each listed hash."""
