@@ -69,6 +69,7 @@ class EngineClient:
         self.layout = layout
         self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._segment: SharedSegment | None = None
+        self._rbuf = bytearray()  # received bytes not yet consumed as a reply
         self.pool: HostPool | None = None
         try:
             self._sock.settimeout(timeout)
@@ -137,8 +138,7 @@ class EngineClient:
             raise ServiceError("closed", "client is closed")
         try:
             self._sock.sendall(pack(req))
-            n = body_length(self._recv(HEADER_BYTES), MAX_REPLY_BYTES)
-            rep = unpack(self._recv(n))
+            rep = unpack(self._read_body())
         except OSError as e:
             self.close(send_bye=False)
             raise ServiceError("closed", f"connection to the engine server failed: {e}") from None
@@ -155,15 +155,26 @@ class EngineClient:
             raise ForeignPage(msg)
         raise ServiceError(kind, msg)
 
-    def _recv(self, n: int) -> bytes:
+    def _read_body(self) -> bytes:
+        """The next reply frame's body; one ``recv`` per reply in the common case."""
+        buf = self._rbuf
+        while len(buf) < HEADER_BYTES:
+            self._fill()
+        n = body_length(bytes(buf[:HEADER_BYTES]), MAX_REPLY_BYTES)
+        end = HEADER_BYTES + n
+        while len(buf) < end:
+            self._fill()
+        body = bytes(buf[HEADER_BYTES:end])
+        del buf[:end]
+        return body
+
+    def _fill(self) -> None:
         assert self._sock is not None
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = self._sock.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionResetError(f"server closed the connection after {len(buf)} of {n} bytes")
-            buf += chunk
-        return bytes(buf)
+        chunk = self._sock.recv(1 << 16)
+        if not chunk:
+            raise ConnectionResetError(f"server closed the connection ({len(self._rbuf)} bytes of a "
+                                       "reply received)")
+        self._rbuf += chunk
 
     def close(self, send_bye: bool = True) -> None:
         """Say bye (the server reclaims what this client still holds), unmap. Idempotent."""
