@@ -305,7 +305,8 @@ class EngineServer:
             used_pages=a.num_used, free_pages=a.num_free, committed_pages=idx.num_committed,
             reserved_pages=idx.num_reserved, locked_pages=idx.num_locked, lookups=c.lookups,
             hits=c.hits, misses=c.misses, evictions=c.evictions, reservations=c.reservations,
-            commits=c.commits, acquired=c.acquired, flushed=c.flushed, duplicates=c.duplicates, cancelled=c.cancelled, reclaimed=c.reclaimed,
+            commits=c.commits, acquired=c.acquired, flushed=c.flushed, duplicates=c.duplicates,
+            cancelled=c.cancelled, reclaimed=c.reclaimed,
             clients=idx.num_owners, clients_total=self._next_client, errors=dict(d.errors))
 
 
