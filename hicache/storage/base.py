@@ -135,6 +135,35 @@ class _Health:
 _DOWN: Any = object()  # a raw call that was skipped or failed
 
 
+class PutBatch(Sequence[tuple[bytes, bytes, memoryview]]):
+    """``(full key, header, payload)`` per page, the header built on first access.
+
+    Building a header reads the whole payload (checksum); doing it just before
+    the payload is sent or written keeps the payload in cache and lets the
+    server consume page ``i`` while page ``i+1`` is hashed. Headers are kept,
+    so a retried call does not hash again.
+    """
+
+    __slots__ = ("_fingerprint", "_rows", "_headers")
+
+    def __init__(self, fingerprint: str, rows: list[tuple[bytes, bytes, memoryview, codec.PlaneSizes]]):
+        self._fingerprint = fingerprint
+        self._rows = rows  # (full key, page hash, payload, plane sizes), lengths already checked
+        self._headers: list[bytes | None] = [None] * len(rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        full, key, mv, sizes = self._rows[i]
+        hdr = self._headers[i]
+        if hdr is None:
+            hdr = self._headers[i] = codec.encode_header(self._fingerprint, key, sizes, mv)
+        return full, hdr, mv
+
+
 class StorageBackend(abc.ABC):
     """One L3 store. Keys are 16-byte page hashes; values are verified page payloads.
 
@@ -169,7 +198,7 @@ class StorageBackend(abc.ABC):
     def _raw_get(self, keys: list[bytes]) -> list[Buffer | None | BaseException]: ...
 
     @abc.abstractmethod
-    def _raw_put(self, items: list[tuple[bytes, bytes, memoryview]]) -> list[bool | BaseException]:
+    def _raw_put(self, items: "PutBatch") -> list[bool | BaseException]:
         """Store ``header + payload`` under each full key; the payload must not be kept."""
 
     @abc.abstractmethod
@@ -292,15 +321,17 @@ class StorageBackend(abc.ABC):
         Drops (and counts) what L3 cannot take; raises ``ValueError`` only for
         a bad key or a payload whose length is not the sum of its plane sizes.
         """
-        prepared = []
+        rows = []
         last: tuple[object, codec.PlaneSizes | None] = (None, None)
         for key, payload, sizes in items:
             if sizes is not last[0]:  # callers pass one plane-sizes list for a whole batch
                 last = (sizes, codec.plane_sizes(sizes))
             mv = codec.as_bytes_view(payload)
-            prepared.append((self._full(key), codec.encode_header(self.fingerprint, key, last[1], mv), mv))
-        if not prepared:
+            codec.check_length(mv, last[1])
+            rows.append((self._full(key), key, mv, last[1]))
+        if not rows:
             return 0
+        prepared = PutBatch(self.fingerprint, rows)
         res = self._call("put", self._raw_put, prepared)
         if res is _DOWN:
             self._count(put_dropped=len(prepared))
@@ -313,7 +344,7 @@ class StorageBackend(abc.ABC):
                             "(further such failures are only counted)", self.name, failed[0])
         stored = sum(ok)
         self._count(put_ok=stored, put_dropped=len(ok) - stored, errors=len(failed),
-                    bytes_written=sum(p[2].nbytes for p, good in zip(prepared, ok) if good))
+                    bytes_written=sum(r[2].nbytes for r, good in zip(rows, ok) if good))
         return stored
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:

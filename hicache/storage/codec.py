@@ -73,18 +73,24 @@ def as_bytes_view(payload: Buffer) -> memoryview:
     return mv
 
 
+def check_length(payload: memoryview, sizes: PlaneSizes) -> None:
+    """Raise ``ValueError`` unless the payload is exactly the planes' bytes."""
+    if payload.nbytes != sizes.total:
+        raise ValueError(f"payload of {payload.nbytes} bytes does not match plane sizes summing to "
+                         f"{sizes.total} ({len(sizes.sizes)} planes); pass the page's canonical payload")
+
+
 def encode_header(fingerprint: str, page_hash: bytes, sizes: Sequence[int] | PlaneSizes,
                   payload: Buffer) -> bytes:
     """Magic, length prefix and msgpack header for ``payload``; the object is
     this header followed by ``payload`` unchanged. Raises ``ValueError`` when
     the payload length is not the sum of the plane sizes."""
-    n = memoryview(payload).nbytes
+    mv = as_bytes_view(payload)
     ps = plane_sizes(sizes)
-    if n != ps.total:
-        raise ValueError(f"payload of {n} bytes does not match plane sizes summing to {ps.total} "
-                         f"({len(ps.sizes)} planes); pass the page's canonical payload")
+    check_length(mv, ps)
+    n = mv.nbytes
     hdr = msgpack.packb({"version": FORMAT_VERSION, "fingerprint": fingerprint, "hash": bytes(page_hash),
-                         "plane_sizes": ps.sizes, "length": n, "checksum": checksum(payload)})
+                         "plane_sizes": ps.sizes, "length": n, "checksum": checksum(mv)})
     return _PREFIX.pack(MAGIC, len(hdr)) + hdr
 
 

@@ -19,7 +19,7 @@ from typing import Iterator
 
 from hicache.errors import ConfigError
 from hicache.hashing import HASH_BYTES
-from hicache.storage.base import StorageBackend, StorageOptions
+from hicache.storage.base import PutBatch, StorageBackend, StorageOptions
 from hicache.storage.codec import Buffer
 
 _TMP = ".tmp."
@@ -99,7 +99,7 @@ class FileBackend(StorageBackend):
         finally:
             os.close(fd)
 
-    def _raw_put(self, items: list[tuple[bytes, bytes, memoryview]]) -> list[bool | BaseException]:
+    def _raw_put(self, items: PutBatch) -> list[bool | BaseException]:
         out: list[bool | BaseException] = []
         for k, hdr, payload in items:
             d, path = self._path(k)

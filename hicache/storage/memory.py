@@ -11,7 +11,7 @@ from collections import OrderedDict
 from typing import Iterator
 
 from hicache.errors import ConfigError, IntegrityError
-from hicache.storage.base import StorageBackend, StorageOptions
+from hicache.storage.base import PutBatch, StorageBackend, StorageOptions
 from hicache.storage.codec import Buffer
 
 
@@ -44,7 +44,7 @@ class MemoryBackend(StorageBackend):
                 out.append(obj)
             return out
 
-    def _raw_put(self, items: list[tuple[bytes, bytes, memoryview]]) -> list[bool]:
+    def _raw_put(self, items: PutBatch) -> list[bool]:
         objs = [(k, hdr + p) for k, hdr, p in items]  # the one copy: we must own the bytes
         with self._mu:
             for k, obj in objs:

@@ -1,7 +1,10 @@
 """``redis://``, ``rediss://`` (one server) and ``redis+cluster://`` /
 ``rediss+cluster://`` (Redis Cluster through redis-py's ``RedisCluster``).
 
-Every batch is one non-transactional pipeline (one round trip per server).
+Every batch is one round trip per server: a non-transactional pipeline, except
+a put on one server, which streams its SETs on one connection (header built,
+then sent, page by page, so the server stores page ``i`` while page ``i+1`` is
+hashed) and then reads the replies: the same wire traffic as a pipeline.
 Timeouts: ``socket_timeout`` and ``socket_connect_timeout`` are
 ``timeout_ms``; a failed attempt is retried ``max_retries`` times by redis-py's
 ``Retry`` with ``EqualJitterBackoff`` (capped at ``timeout_ms``), so the worst
@@ -25,11 +28,11 @@ import redis
 from redis.backoff import EqualJitterBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import ConnectionPool, SSLConnection, parse_url
-from redis.exceptions import ClusterDownError, RedisClusterException, RedisError
+from redis.exceptions import ClusterDownError, RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry
 
 from hicache.errors import ConfigError
-from hicache.storage.base import StorageBackend, StorageOptions
+from hicache.storage.base import PutBatch, StorageBackend, StorageOptions
 from hicache.storage.codec import Buffer
 from hicache.storage.redis_wire import FramedConnection, FramedSSLConnection, FramedValue
 
@@ -40,7 +43,7 @@ def _retry(options: StorageOptions) -> Retry:
 
 
 class RedisBackend(StorageBackend):
-    """One Redis server, or a Redis Cluster when built with ``cluster(...)``.
+    """One Redis server (``RedisClusterBackend`` below: a cluster).
 
     ``make_client`` builds the redis-py client; it is called lazily (on the
     first call, and again after a failed construction) so opening never
@@ -76,8 +79,84 @@ class RedisBackend(StorageBackend):
             return redis.Redis(connection_pool=ConnectionPool(**kw))
         return cls(options, make, _redact(url))
 
+    def _pipe(self) -> Any:
+        return self._client().pipeline(transaction=False)
+
+    def _client(self) -> Any:
+        c = self._client_obj
+        if c is None:
+            with self._mu:
+                if self._client_obj is None:
+                    self._client_obj = self._make_client()
+                c = self._client_obj
+        return c
+
+    # ------------------------------------------------------------- primitives
+    def _raw_put(self, items: PutBatch) -> list[bool | BaseException]:
+        pool = self._client().connection_pool
+        conn = pool.get_connection()
+        try:
+            return conn.retry.call_with_retry(lambda: _stream_sets(conn, items), lambda _e: None)
+        finally:
+            pool.release(conn)
+
+    def _raw_get(self, keys: list[bytes]) -> list[Buffer | None | BaseException]:
+        p = self._pipe()
+        for k in keys:
+            p.get(k)
+        return p.execute(raise_on_error=False)
+
+    def _raw_exists(self, keys: list[bytes]) -> list[bool]:
+        p = self._pipe()
+        for k in keys:
+            p.exists(k)
+        return [r is not None and not isinstance(r, BaseException) and r > 0
+                for r in p.execute(raise_on_error=False)]
+
+    def _raw_delete(self, keys: list[bytes]) -> int:
+        p = self._pipe()
+        for k in keys:
+            p.unlink(k)
+        return sum(r for r in p.execute(raise_on_error=False) if isinstance(r, int))
+
+    def _raw_ping(self) -> bool:
+        return bool(self._client().ping())
+
+    def _raw_close(self) -> None:
+        with self._mu:
+            c, self._client_obj = self._client_obj, None
+        if c is not None:
+            c.close()
+
+
+def _stream_sets(conn: Any, items: PutBatch) -> list[bool | BaseException]:
+    """SET every item on ``conn`` (header built just before its payload is
+    sent), then read every reply. Any failure drops the connection, so a
+    retry starts on a clean one."""
+    try:
+        for i, (key, hdr, payload) in enumerate(items):
+            conn.send_packed_command(conn.pack_command("SET", key, FramedValue(hdr, payload)),
+                                     check_health=i == 0)
+        out: list[bool | BaseException] = []
+        for _ in range(len(items)):
+            try:
+                out.append(bool(conn.read_response()))
+            except ResponseError as e:  # one refused SET (e.g. OOM); its reply was consumed
+                out.append(e)
+        return out
+    except BaseException:
+        conn.disconnect()
+        raise
+
+
+class RedisClusterBackend(RedisBackend):
+    """A Redis Cluster through redis-py's ``RedisCluster``: batches are cluster
+    pipelines, which group commands by node (one round trip per node)."""
+
+    scheme = "redis+cluster"
+
     @classmethod
-    def cluster_from_url(cls, url: str, options: StorageOptions, **cluster_kwargs: Any) -> "RedisBackend":
+    def from_url(cls, url: str, options: StorageOptions, **cluster_kwargs: Any) -> "RedisClusterBackend":
         """``redis+cluster://`` or ``rediss+cluster://``; ``cluster_kwargs`` go to ``RedisCluster``."""
         scheme, rest = url.split("://", 1)
         userinfo, _, hosts = rest.rpartition("@")
@@ -104,57 +183,11 @@ class RedisBackend(StorageBackend):
         kw.update(cluster_kwargs)
         return cls(options, lambda: RedisCluster(**kw), _redact(url))
 
-    def _client(self) -> Any:
-        c = self._client_obj
-        if c is None:
-            with self._mu:
-                if self._client_obj is None:
-                    self._client_obj = self._make_client()
-                c = self._client_obj
-        return c
-
-    def _pipe(self) -> Any:
-        return self._client().pipeline(transaction=False)
-
-    # ------------------------------------------------------------- primitives
-    def _raw_get(self, keys: list[bytes]) -> list[Buffer | None | BaseException]:
-        p = self._pipe()
-        for k in keys:
-            p.get(k)
-        return p.execute(raise_on_error=False)
-
-    def _raw_put(self, items: list[tuple[bytes, bytes, memoryview]]) -> list[bool | BaseException]:
+    def _raw_put(self, items: PutBatch) -> list[bool | BaseException]:
         p = self._pipe()
         for k, hdr, payload in items:
             p.set(k, FramedValue(hdr, payload))
         return [r if isinstance(r, BaseException) else bool(r) for r in p.execute(raise_on_error=False)]
-
-    def _raw_exists(self, keys: list[bytes]) -> list[bool]:
-        p = self._pipe()
-        for k in keys:
-            p.exists(k)
-        return [r is not None and not isinstance(r, BaseException) and r > 0
-                for r in p.execute(raise_on_error=False)]
-
-    def _raw_delete(self, keys: list[bytes]) -> int:
-        p = self._pipe()
-        for k in keys:
-            p.unlink(k)
-        return sum(r for r in p.execute(raise_on_error=False) if isinstance(r, int))
-
-    def _raw_ping(self) -> bool:
-        return bool(self._client().ping())
-
-    def _raw_keys(self) -> Iterator[bytes]:
-        # SCAN (every primary of a cluster) with the prefix as a glob, escaped.
-        pattern = re.sub(rb"([*?\[\]\\])", rb"\\\1", self.key_prefix) + b"*"
-        return self._client().scan_iter(match=pattern, count=1000)
-
-    def _raw_close(self) -> None:
-        with self._mu:
-            c, self._client_obj = self._client_obj, None
-        if c is not None:
-            c.close()
 
 
 def _redact(url: str) -> str:

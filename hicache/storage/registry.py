@@ -16,7 +16,7 @@ from hicache.errors import ConfigError
 from hicache.storage.base import StorageBackend, StorageOptions
 from hicache.storage.file import FileBackend
 from hicache.storage.memory import MemoryBackend
-from hicache.storage.redis_backend import RedisBackend
+from hicache.storage.redis_backend import RedisBackend, RedisClusterBackend
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def default_registry() -> StorageRegistry:
     reg.register("file", FileBackend.from_url)
     for s in ("redis", "rediss"):
         reg.register(s, RedisBackend.from_url)
-        reg.register(s + "+cluster", RedisBackend.cluster_from_url)
+        reg.register(s + "+cluster", RedisClusterBackend.from_url)
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         reg.register(ep.name, ep.load(), replace=True)
         log.info("L3 backend plugin %r from %s", ep.name, ep.value)

@@ -116,3 +116,24 @@ def test_closed_backend_answers_misses(private_redis):
     b.close()
     every_call_misses(b)
     assert b.ping() is False
+
+
+def test_refused_writes_are_dropped_per_item_without_an_outage(private_redis):
+    """A full Redis (noeviction) refuses some SETs: counted drops, not an outage."""
+    import redis
+    raw = redis.Redis(port=private_redis.port)
+    raw.config_set("maxmemory", raw.info("memory")["used_memory"] + (4 << 20))
+    raw.config_set("maxmemory-policy", "noeviction")
+    b = open_storage(private_redis.url, fingerprint=FP, timeout_ms=2000, key_prefix="oom:")
+    ks = page_hashes(list(range(4 * 8)), 4)
+    stored = b.put([(k, bytes([i]) * (1 << 20), [1 << 20]) for i, k in enumerate(ks)])
+    present = [bool(raw.exists(b"oom:" + k)) for k in ks]
+    s = b.stats()
+    assert 0 < stored < 8 and stored == sum(present)
+    assert (s.put_ok, s.put_dropped, s.errors) == (stored, 8 - stored, 8 - stored)
+    assert not b.down  # the connection is still in step: reads work
+    got = b.get(ks, [1 << 20])
+    assert [g is not None for g in got] == present
+    b.check_integrity()
+    b.close()
+    raw.close()

@@ -8,7 +8,7 @@ from hicache.errors import ConfigError
 from hicache.hashing import page_hashes
 from hicache.storage import StorageRegistry, default_registry, open_storage
 from hicache.storage.memory import MemoryBackend
-from hicache.storage.redis_backend import RedisBackend
+from hicache.storage.redis_backend import RedisClusterBackend
 
 from .conftest import FP, cluster_nodes
 
@@ -68,7 +68,7 @@ def test_redis_url_password_and_db(private_redis):
 
 def test_cluster_spreads_pages_over_every_master(redis_cluster_url):
     b = open_storage(redis_cluster_url, fingerprint=FP, key_prefix="spread:", timeout_ms=2000)
-    assert isinstance(b, RedisBackend)
+    assert isinstance(b, RedisClusterBackend)
     ks = page_hashes(list(range(4 * 64)), 4)
     assert b.put([(k, bytes([i % 256]) * 32, [32]) for i, k in enumerate(ks)]) == 64
     per_node = [len(redis.Redis(host=n.host, port=n.port).keys(b"spread:*"))
