@@ -35,13 +35,15 @@ Indices = torch.Tensor | Sequence[int]
 # ---------------------------------------------------------------- tuned constants
 # Measured on an H200 (bench/transfer.py; bench/RESULTS.md "Page-copy kernels").
 # PCIe copies: 64 KiB per program per iteration (16 x 16-byte loads per thread
-# at 8 warps) keeps enough reads in flight that 4-8 programs reach the H2D
-# plateau; 32 KiB needed 16-32 programs for the same figure.
+# at 8 warps) keeps enough host reads in flight that 4 programs reach the H2D
+# plateau (51.3 GB/s); a 32 KiB tile needed 8, 128 KiB / 16 warps gained nothing.
 PCIE_TILES = TileConfig(tile_bytes=65536, narrow_tile_bytes=4096, max_chunk_bytes=65536, num_warps=8)
-# 8 programs reach the plateau in both directions and leave the other SMs to
-# the engine's compute (issue #4 caps this at 8).
+# 8 programs reach the plateau in both directions at every page size and leave
+# the other SMs to the engine's compute (issue #4 caps this at 8).
 PCIE_BLOCKS = 8
-# Device-to-device copies saturate HBM only with the whole chip.
+# Device-to-device copies saturate HBM only with the whole chip: 2 programs per
+# SM reached 89-92% of a contiguous copy; tiles of 16-64 KiB and row chunks of
+# 2-64 KiB made no difference beyond noise.
 D2D_TILES = TileConfig(tile_bytes=32768, narrow_tile_bytes=4096, max_chunk_bytes=32768, num_warps=8)
 D2D_BLOCKS_PER_SM = 2
 _CPU = torch.device("cpu")
