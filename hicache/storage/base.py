@@ -138,10 +138,9 @@ _DOWN: Any = object()  # a raw call that was skipped or failed
 class PutBatch(Sequence[tuple[bytes, bytes, memoryview]]):
     """``(full key, header, payload)`` per page, the header built on first access.
 
-    Building a header reads the whole payload (checksum); doing it just before
-    the payload is sent or written keeps the payload in cache and lets the
-    server consume page ``i`` while page ``i+1`` is hashed. Headers are kept,
-    so a retried call does not hash again.
+    Building a header reads the whole payload (checksum); a backend that
+    handles pages one by one (file) builds it just before writing the payload,
+    while the payload is still in cache. Headers are kept once built.
     """
 
     __slots__ = ("_fingerprint", "_rows", "_headers")

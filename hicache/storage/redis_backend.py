@@ -1,10 +1,9 @@
 """``redis://``, ``rediss://`` (one server) and ``redis+cluster://`` /
 ``rediss+cluster://`` (Redis Cluster through redis-py's ``RedisCluster``).
 
-Every batch is one round trip per server: a non-transactional pipeline, except
-a put on one server, which streams its SETs on one connection (header built,
-then sent, page by page, so the server stores page ``i`` while page ``i+1`` is
-hashed) and then reads the replies: the same wire traffic as a pipeline.
+Every batch is one non-transactional pipeline (one round trip per server).
+A page is SET as ``FramedValue(header, payload)`` so the payload is sent
+without being joined to its header (see ``redis_wire``).
 Timeouts: ``socket_timeout`` and ``socket_connect_timeout`` are
 ``timeout_ms``; a failed attempt is retried ``max_retries`` times by redis-py's
 ``Retry`` with ``EqualJitterBackoff`` (capped at ``timeout_ms``), so the worst
@@ -28,7 +27,7 @@ import redis
 from redis.backoff import EqualJitterBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import ConnectionPool, SSLConnection, parse_url
-from redis.exceptions import ClusterDownError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import ClusterDownError, RedisClusterException, RedisError
 from redis.retry import Retry
 
 from hicache.errors import ConfigError
@@ -93,12 +92,10 @@ class RedisBackend(StorageBackend):
 
     # ------------------------------------------------------------- primitives
     def _raw_put(self, items: PutBatch) -> list[bool | BaseException]:
-        pool = self._client().connection_pool
-        conn = pool.get_connection()
-        try:
-            return conn.retry.call_with_retry(lambda: _stream_sets(conn, items), lambda _e: None)
-        finally:
-            pool.release(conn)
+        p = self._pipe()
+        for k, hdr, payload in items:
+            p.set(k, FramedValue(hdr, payload))
+        return [r if isinstance(r, BaseException) else bool(r) for r in p.execute(raise_on_error=False)]
 
     def _raw_get(self, keys: list[bytes]) -> list[Buffer | None | BaseException]:
         p = self._pipe()
@@ -129,29 +126,9 @@ class RedisBackend(StorageBackend):
             c.close()
 
 
-def _stream_sets(conn: Any, items: PutBatch) -> list[bool | BaseException]:
-    """SET every item on ``conn`` (header built just before its payload is
-    sent), then read every reply. Any failure drops the connection, so a
-    retry starts on a clean one."""
-    try:
-        for i, (key, hdr, payload) in enumerate(items):
-            conn.send_packed_command(conn.pack_command("SET", key, FramedValue(hdr, payload)),
-                                     check_health=i == 0)
-        out: list[bool | BaseException] = []
-        for _ in range(len(items)):
-            try:
-                out.append(bool(conn.read_response()))
-            except ResponseError as e:  # one refused SET (e.g. OOM); its reply was consumed
-                out.append(e)
-        return out
-    except BaseException:
-        conn.disconnect()
-        raise
-
-
 class RedisClusterBackend(RedisBackend):
-    """A Redis Cluster through redis-py's ``RedisCluster``: batches are cluster
-    pipelines, which group commands by node (one round trip per node)."""
+    """A Redis Cluster through redis-py's ``RedisCluster``; its pipelines group
+    a batch's commands by node (one round trip per node)."""
 
     scheme = "redis+cluster"
 
@@ -182,12 +159,6 @@ class RedisClusterBackend(RedisBackend):
             connection_class=FramedSSLConnection if tls else FramedConnection)
         kw.update(cluster_kwargs)
         return cls(options, lambda: RedisCluster(**kw), _redact(url))
-
-    def _raw_put(self, items: PutBatch) -> list[bool | BaseException]:
-        p = self._pipe()
-        for k, hdr, payload in items:
-            p.set(k, FramedValue(hdr, payload))
-        return [r if isinstance(r, BaseException) else bool(r) for r in p.execute(raise_on_error=False)]
 
 
 def _redact(url: str) -> str:
