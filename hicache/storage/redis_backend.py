@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 import threading
 from typing import Any, Callable, Iterator
+
 import redis
 from redis.backoff import EqualJitterBackoff
 from redis.cluster import ClusterNode, RedisCluster
@@ -118,6 +119,11 @@ class RedisBackend(StorageBackend):
 
     def _raw_ping(self) -> bool:
         return bool(self._client().ping())
+
+    def _raw_keys(self) -> Iterator[bytes]:
+        # SCAN (every primary of a cluster) with the prefix as a glob, escaped.
+        pattern = re.sub(rb"([*?\[\]\\])", rb"\\\1", self.key_prefix) + b"*"
+        return self._client().scan_iter(match=pattern, count=1000)
 
     def _raw_close(self) -> None:
         with self._mu:

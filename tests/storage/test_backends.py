@@ -200,3 +200,18 @@ def test_concurrent_callers_see_their_own_pages_and_counters_add_up(harness):
     s = b.stats()
     assert (s.put_ok, s.gets, s.hits, s.misses, s.errors) == (80, 80, 80, 0, 0)
     b.check_integrity()
+
+
+def test_clear_deletes_only_this_layouts_objects(harness):
+    b = harness.backend
+    other = harness.reopen(key_prefix="other-" + harness.opts["key_prefix"])
+    mine, theirs = keys(5), keys(3, ns="other")
+    assert b.put([(k, b"m" * 4, [4]) for k in mine]) == 5
+    assert other.put([(k, b"o" * 4, [4]) for k in theirs]) == 3
+    assert b.clear() == 5
+    assert b.exists(mine) == [False] * 5
+    assert other.exists(theirs) == [True] * 3
+    assert b.clear() == 0
+    other.clear()
+    other.close()
+    b.check_integrity()
