@@ -13,7 +13,6 @@ from hicache.layout import BytePlane, KVLayout
 from hicache.pools import HostPool
 from hicache.storage import codec
 
-from .conftest import FP
 
 LAYOUTS = {
     "mha": dict(model_id="m", num_layers=2, kind="mha", num_kv_heads=2, head_dim=4, dtype="bfloat16",
