@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -40,8 +41,10 @@ from hicache.eviction import EvictionPolicy, make_policy
 from hicache.hashing import tokens_to_bytes
 from hicache.layout import KVLayout
 from hicache.pools import DevicePool, HostPool
-from hicache.radix import Node, NodeHook, RadixTree
+from hicache.radix import DRAFT_CUTS, Node, NodeHook, RadixTree
 from hicache.types import PageHash
+
+log = logging.getLogger(__name__)
 
 Tokens = Sequence[int] | np.ndarray | torch.Tensor | bytes
 
@@ -68,6 +71,8 @@ class MatchResult(NamedTuple):
     host_node: Node | None  # node holding the last host-hit page (== device_node when none)
     epoch: int  # tree epoch when computed
     tree: RadixTree  # to list page ids on demand
+    draft_cut: int = 0  # the hit stopped where draft planes are missing (radix.DRAFT_CUTS), else 0
+    draft_cut_tokens: int = 0  # whole-page tokens the hit lost to that cut
 
     @property
     def tokens(self) -> int:
@@ -108,6 +113,9 @@ class CacheStats:
     duplicate_pages: int = 0  # computed pages freed because the index already had them
     device_evicted_pages: int = 0  # logical pages taken off L1
     host_evicted_pages: int = 0
+    draft_truncated_hits: int = 0  # locked hits cut short because draft planes were missing
+    draft_truncated_tokens: int = 0  # tokens those hits lost (recomputed instead)
+    draft_upgraded_pages: int = 0  # cached pages whose missing draft rows a later request supplied
     device_pages_cached: int = 0  # gauge: owned L1 ids held by the index
     device_pages_private: int = 0  # gauge: owned L1 ids held privately by live requests
     device_pages_free: int = 0
@@ -136,8 +144,10 @@ class Request:
     ``lock`` and rewritten by ``commit`` (duplicates swap to the index's ids):
     re-read it after either."""
 
-    def __init__(self, cache: "PrefixCache", rid: str, key: bytes, namespace: str):
+    def __init__(self, cache: "PrefixCache", rid: str, key: bytes, namespace: str, draft: bool = False):
         self.cache, self.rid, self.namespace = cache, rid, namespace
+        self.draft = draft  # runs the draft head: needs and writes draft rows
+        self.draft_tokens = 0  # leading tokens whose draft rows are valid in self.pages
         self._buf = bytearray(key)
         self._key: bytes | None = key
         self.state = RequestState.WAITING
@@ -190,7 +200,7 @@ class Request:
         c = self.cache
         ps = c.page_size
         cap = max(0, self.num_tokens - 1)
-        m = c.match(self.key, self.namespace, max_tokens=cap)
+        m = c.match(self.key, self.namespace, max_tokens=cap, need_draft=self.draft)
         hit = m.tokens
         if self.state is RequestState.RUNNING:  # its locked prefix + private pages are its own
             exact = min(self.computed_tokens, cap)
@@ -228,6 +238,7 @@ class Request:
         self._tail, self._tail_tokens = [], 0
         self.allocated_tokens = self.computed_tokens
         self.node = c._lock_target(m.device_node, self.shared_pages) if self.shared_pages else None
+        self.draft_tokens = c._draft_prefix(self.node) if self.draft else 0
         if self.node is not None:
             c.tree.lock(self.node)
             c.tree.touch(self.node)
@@ -238,6 +249,8 @@ class Request:
         s.device_hit_exact_tokens += self.computed_tokens
         s.host_hit_tokens += m.host_tokens
         s.host_hit_exact_tokens += m.host_tokens
+        if m.draft_cut:
+            c._draft_truncated(m)
 
     def alloc(self, num_tokens: int) -> list[int]:
         """Reserve slots for the next ``num_tokens`` tokens; returns the new owned
@@ -257,11 +270,16 @@ class Request:
         self.allocated_tokens = end
         return ids
 
-    def commit(self, num_tokens: int | None = None) -> int:
+    def commit(self, num_tokens: int | None = None, *, draft_tokens: int | None = None) -> int:
         """Mark ``num_tokens`` more tokens computed (default: all allocated) and
         share their full pages through the index; the partial page stays
         private. Moves this request's lock to the new deepest node. Returns
-        ``computed_tokens``."""
+        ``computed_tokens``.
+
+        ``draft_tokens`` (draft requests): how many leading tokens have valid
+        draft rows now. Default ``computed_tokens - 1``: a draft row needs the
+        next token, so the last one is pending. Only pages whose draft rows are
+        all valid are shared as draft-complete."""
         self._check(RequestState.RUNNING, op="commit")
         n = self.allocated_tokens - self.computed_tokens if num_tokens is None else num_tokens
         if not 0 <= n <= self.allocated_tokens - self.computed_tokens:
@@ -269,8 +287,30 @@ class Request:
                                   f"{self.allocated_tokens - self.computed_tokens} tokens are allocated "
                                   "and not yet computed")
         self.computed_tokens += n
+        if draft_tokens is not None:
+            if not self.draft or not 0 <= draft_tokens <= self.computed_tokens:
+                raise CacheStateError(f"request {self.rid!r}: commit(draft_tokens={draft_tokens}) needs a "
+                                      f"draft request (draft={self.draft}) and 0 <= draft_tokens <= "
+                                      f"computed_tokens={self.computed_tokens}")
+            self.draft_tokens = draft_tokens
+        elif self.draft:
+            self.draft_tokens = max(self.draft_tokens, self.computed_tokens - 1)
         self._share()
         return self.computed_tokens
+
+    def replace_uncommitted(self, tokens: Tokens) -> None:
+        """Replace the tokens after ``computed_tokens`` with ``tokens`` (speculative
+        decoding: placeholders while drafting, then the accepted drafts). Slots
+        already allocated keep their ids up to the new length; pages that no
+        longer hold an allocated slot are freed. RUNNING only; mutates ``pages``."""
+        self._check(RequestState.RUNNING, op="replace_uncommitted")
+        c, ps = self.cache, self.cache.page_size
+        self._buf = self._buf[:self.computed_tokens * 4] + as_key(tokens)
+        self._key = None
+        self.allocated_tokens = min(self.allocated_tokens, self.num_tokens)
+        keep = c.tree.owned(0, -(-self.allocated_tokens // ps))
+        c._free_device(self.pages[keep:])
+        del self.pages[keep:]
 
     def finish(self) -> None:
         """Share the computed full pages, free every private page, unlock. -> FINISHED."""
@@ -320,8 +360,11 @@ class Request:
         if full <= self.shared_pages:
             return
         k = tree.owned(0, full)
-        res = tree.insert(self.key[:full * 4 * ps], self.namespace, self.pages[:k])
+        res = tree.insert(self.key[:full * 4 * ps], self.namespace, self.pages[:k],
+                          min(full, self.draft_tokens // ps))
         self.pages[:k] = res.pages
+        if res.draft_copies:  # before the duplicates (the copies' sources) are freed
+            c._copy_draft(res.draft_copies)
         if res.duplicates:
             c._free_device(res.duplicates)
         tree.lock(res.node)
@@ -346,6 +389,7 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.rid!r}, {self.state.value}, tokens={self.num_tokens}, "
                 f"computed={self.computed_tokens}, allocated={self.allocated_tokens}, "
+                f"draft={self.draft_tokens if self.draft else None}, "
                 f"shared_pages={self.shared_pages}, pages={self.pages})")
 
 
@@ -360,6 +404,12 @@ class PrefixCache:
     allocator) when a tiering controller runs on top. ``eviction`` /
     ``host_eviction`` name policies in ``hicache.eviction.POLICIES``;
     ``ownership`` a CP page ownership in ``hicache.cp.OWNERSHIPS``.
+
+    Layouts with draft planes: requests are draft requests by default (they
+    hit only draft-complete pages, see ``RadixTree.match``); an engine that
+    does not run its draft head passes ``draft=False`` to ``new_request``.
+    When ``device`` is a ``DevicePool`` the cache copies draft planes itself
+    when a request supplies the draft rows a cached page lacked.
     """
 
     def __init__(self, layout: KVLayout, device: DevicePool | PageAllocator,
@@ -370,39 +420,79 @@ class PrefixCache:
         self.layout = layout
         self.page_size = layout.page_size
         self.device_allocator = _allocator(device)
+        self.device_pool = device if isinstance(device, DevicePool) else None
         self.host_allocator = _allocator(host)
         self.ownership = make_ownership(ownership, layout.cp_size)
         self.row_order = CPRowOrder(self.ownership, layout.page_size)
         self.policy = make_policy(eviction)
         self.host_policy = make_policy(host_eviction)
         self.tree = RadixTree(layout.page_size, self.ownership, layout.cp_rank,
-                              on_insert=on_insert, on_device_evict=on_device_evict)
+                              on_insert=on_insert, on_device_evict=on_device_evict,
+                              draft=layout.draft_layers > 0)
+        self._draft_warned: set[int] = set()  # causes already logged (one warning per cause)
         self.requests: dict[str, Request] = {}  # live (not finished/aborted) requests by id
         self._stats = CacheStats()
         self._ext_locks: dict[Node, int] = {}  # holders outside requests (transfers)
         self._ext_host_locks: dict[Node, int] = {}
 
     # ---------------------------------------------------------------- requests
-    def new_request(self, rid: str, tokens: Tokens, namespace: str = "") -> Request:
-        """A WAITING handle for ``tokens``; ``rid`` must not be live."""
+    def new_request(self, rid: str, tokens: Tokens, namespace: str = "", *, draft: bool | None = None) -> Request:
+        """A WAITING handle for ``tokens``; ``rid`` must not be live. ``draft``: the
+        request runs the draft head (default: the layout has draft planes)."""
         if rid in self.requests:
             raise CacheStateError(f"request id {rid!r} is already live ({self.requests[rid]!r}); "
                                   "finish or abort it first")
-        req = Request(self, rid, as_key(tokens), namespace)
+        req = Request(self, rid, as_key(tokens), namespace, self.tree.draft if draft is None else draft)
         self.requests[rid] = req
         self._stats.requests += 1
         return req
 
-    def match(self, tokens: Tokens, namespace: str = "", *, max_tokens: int | None = None) -> MatchResult:
+    def match(self, tokens: Tokens, namespace: str = "", *, max_tokens: int | None = None,
+              need_draft: bool = False) -> MatchResult:
         """Page-floored hits of ``tokens`` (L1, then L2 continuing it). Mutates only
-        ``stats.lookups``; pass a bytes key (``as_key``) to skip conversion."""
+        ``stats.lookups``; pass a bytes key (``as_key``) to skip conversion.
+        ``need_draft``: only pages whose draft planes are complete on the tier
+        they would be served from (the hit stops at the first that is not)."""
         key = tokens if type(tokens) is bytes else as_key(tokens)
         ps = self.page_size
         tree = self.tree
-        h = tree.match(key, namespace, None if max_tokens is None else max_tokens // ps)
+        cap = None if max_tokens is None else max_tokens // ps
+        h = tree.match(key, namespace, cap, need_draft)
         self._stats.lookups += 1
         d, hs = h[0] * ps, h[1] * ps
-        return MatchResult(d, hs, d + hs, h[2], h[3], tree.epoch, tree)
+        if not h.draft_cut:
+            return MatchResult(d, hs, d + hs, h[2], h[3], tree.epoch, tree)
+        full = tree.match(key, namespace, cap)
+        lost = (full[0] + full[1]) * ps - d - hs
+        return MatchResult(d, hs, d + hs, h[2], h[3], tree.epoch, tree, h.draft_cut, lost)
+
+    def _draft_truncated(self, m: MatchResult) -> None:
+        self._stats.draft_truncated_hits += 1
+        self._stats.draft_truncated_tokens += m.draft_cut_tokens
+        if m.draft_cut not in self._draft_warned:
+            self._draft_warned.add(m.draft_cut)
+            log.warning("hit truncated to %d tokens (%d more cached): %s, e.g. pages computed by an "
+                        "engine not running its draft head; recomputing them. Logged once per cause; "
+                        "see stats draft_truncated_hits/tokens", m.tokens, m.draft_cut_tokens,
+                        DRAFT_CUTS[m.draft_cut])
+
+    def _draft_prefix(self, node: Node | None) -> int:
+        """Tokens from 0 whose L1 draft planes are complete on ``node``'s path."""
+        path = self.tree.path(node) if node is not None else []
+        for n in path:
+            if not n.draft_device:
+                return n.start_page * self.page_size
+        return (path[-1].start_page + path[-1].num_pages) * self.page_size if path else 0
+
+    def _copy_draft(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy the draft planes of page ``a`` onto page ``b`` for each ``(a, b)``."""
+        self._stats.draft_upgraded_pages += len(pairs)
+        if self.device_pool is None:
+            return  # an index without a pool (tests, services) has no bytes to move
+        from hicache.kernels.page_copy import copy_pages
+        planes = [s.index for s in self.layout.planes if s.draft]
+        copy_pages(self.device_pool, self.device_pool, [a for a, _ in pairs], [b for _, b in pairs],
+                   planes=planes)
 
     # ---------------------------------------------------------------- eviction
     def evict(self, num_pages: int, policy: str | EvictionPolicy | None = None) -> int:
@@ -448,9 +538,10 @@ class PrefixCache:
             self.device_allocator.free(ids)
 
     # ------------------------------------------------------------ tiering hooks
-    def set_host(self, node: Node, host_pages: list[int]) -> None:
-        """Record complete L2 copies of ``node`` (ids from ``host_allocator``)."""
-        self.tree.set_host(node, host_pages)
+    def set_host(self, node: Node, host_pages: list[int], *, draft: bool | None = None) -> None:
+        """Record complete L2 copies of ``node`` (ids from ``host_allocator``); ``draft``:
+        their draft rows are valid (default: ``node.draft_device``, see ``RadixTree.set_host``)."""
+        self.tree.set_host(node, host_pages, draft)
 
     def set_device(self, node: Node, device_pages: list[int]) -> None:
         """Record a completed load back of an L2-only node into these L1 ids."""
@@ -559,7 +650,7 @@ class PrefixCache:
             return
         assert r.state is RequestState.RUNNING, r
         if not (r.computed_tokens <= r.allocated_tokens <= r.num_tokens
-                and r.shared_pages == r.computed_tokens // ps):
+                and r.shared_pages == r.computed_tokens // ps and 0 <= r.draft_tokens <= r.computed_tokens):
             raise IntegrityError(f"{r!r}: token accounting broken")
         if len(r.pages) != tree.owned(0, -(-r.allocated_tokens // ps)):
             raise IntegrityError(f"{r!r}: {len(r.pages)} pages for {r.allocated_tokens} allocated tokens")
@@ -569,3 +660,9 @@ class PrefixCache:
         if h.device_num_pages != r.shared_pages or ids != r.pages[:k]:
             raise IntegrityError(f"{r!r}: shared pages {r.pages[:k]} are not the index's "
                                  f"{ids} ({h.device_num_pages} pages)")
+        if r.draft and tree.draft:  # invariant 5: a draft request holds no draft-incomplete page it vouched for
+            dp = min(r.shared_pages, r.draft_tokens // ps)
+            for n in tree.path(h.device_node) if h.device_node is not None else ():
+                if n.start_page < dp and not n.draft_device:
+                    raise IntegrityError(f"{r!r}: uses {n!r} whose L1 draft planes are incomplete "
+                                         f"(its draft rows are valid up to page {dp})")

@@ -48,6 +48,7 @@ class TierStats:
     backup_dropped_pages: int = 0  # no L2 space, or the path was not on L2
     storage_put_pages: int = 0  # L2 -> L3 completed
     storage_put_dropped_pages: int = 0
+    storage_put_skipped_draft_pages: int = 0  # not stored: their L2 draft rows are incomplete
     transfer_errors: int = 0
 
     def as_dict(self) -> dict[str, float]:
@@ -103,9 +104,10 @@ class HiCache:
         self._storage_enabled = storage is not None and self.layout.cp_size == 1
 
     # ------------------------------------------------------------- requests
-    def new_request(self, rid: str, tokens: Tokens, namespace: str = "") -> Request:
-        """A WAITING request handle (see ``hicache.cache.Request``)."""
-        return self.cache.new_request(rid, tokens, namespace)
+    def new_request(self, rid: str, tokens: Tokens, namespace: str = "", *, draft: bool | None = None) -> Request:
+        """A WAITING request handle (see ``hicache.cache.Request``). ``draft``: the
+        request runs the draft head (default: the layout has draft planes)."""
+        return self.cache.new_request(rid, tokens, namespace, draft=draft)
 
     def match(self, tokens: Tokens, namespace: str = "", *, storage: bool = False) -> tuple[MatchResult, int]:
         """Page-floored hits per tier without side effects beyond statistics:
@@ -267,6 +269,7 @@ class HiCache:
 
     def _backup(self, node: Node, synchronous: bool = False) -> Transfer | None:
         dev = list(node.device_pages)
+        draft = node.draft_device  # what the copy will hold: rows upgraded later are not in it
         host = self._alloc_host(len(dev))
         if host is None:
             self.tier_stats.backup_dropped_pages += len(dev)
@@ -280,7 +283,7 @@ class HiCache:
             self._backing_up.discard(node)
             if not synchronous:
                 self.cache.dec_lock(node)
-            self._attach_backup(node, dev, host, t)
+            self._attach_backup(node, dev, host, t, draft)
 
         t = self.transfers.backup(dev, host, on_done=done)
         self._host_in_flight[id(t)] = host
@@ -288,7 +291,7 @@ class HiCache:
             self.transfers.wait(t)
         return t
 
-    def _attach_backup(self, node: Node, dev: list[int], host: list[int], t: Transfer) -> None:
+    def _attach_backup(self, node: Node, dev: list[int], host: list[int], t: Transfer, draft: bool) -> None:
         """Record the L2 copy on ``node`` and on the upper parts split off it meanwhile."""
         if t.error is not None:
             self.tier_stats.transfer_errors += 1
@@ -304,7 +307,7 @@ class HiCache:
         for n in reversed(chain):
             ids = [host[where[d]] for d in n.device_pages]
             try:
-                self.cache.set_host(n, ids)
+                self.cache.set_host(n, ids, draft=draft)
             except CacheStateError:
                 break  # the parent never reached L2: drop this copy
             used.update(ids)
@@ -318,6 +321,9 @@ class HiCache:
     def _store(self, node: Node) -> None:
         """L2 -> L3 once the L2 copy is complete."""
         if not self._storage_enabled or node.in_storage:
+            return
+        if self.cache.tree.draft and not node.draft_host:  # L3 holds complete pages only
+            self.tier_stats.storage_put_skipped_draft_pages += len(node.host_pages)
             return
         self.cache.inc_host_lock(node)
         hashes = self.cache.hashes(node)

@@ -11,6 +11,14 @@ one and nothing is hashed on the match path; page hashes are computed lazily
 Every namespace (LoRA adapter, cache salt) has its own root, so two
 namespaces never share a node or a page.
 
+Draft planes (layouts with ``draft_layers``): a page is complete only when
+its draft rows are valid too, and an engine that does not run its draft head
+computes pages without them. ``draft_device`` / ``draft_host`` record, per
+node and tier, that the draft planes of every page hold valid rows; a
+``match(..., need_draft=True)`` stops at the first node whose serving tier
+lacks them (``Hit.draft_cut`` says where), so a hit never returns target
+planes without their draft planes (invariant 5).
+
 Tiers per node: ``device_pages`` (L1 ids, ``None`` = not on L1) and
 ``host_pages`` (L2 ids, ``None`` = not on L2); ``in_storage`` marks L3. Under
 context parallelism those lists hold only the pages this rank owns (see
@@ -55,6 +63,8 @@ class Node:
     host_lock_ref: int = 0  # holders of this node or a descendant on L2 (pins L2)
     last_access: int = 0  # tree clock at the last lock/insert
     hit_count: int = 0  # times a request locked this node or a descendant
+    draft_device: bool = False  # every page's draft rows are valid on L1 (False when not on L1)
+    draft_host: bool = False  # ... on L2 (False when not on L2)
 
     @property
     def tokens(self) -> list[int]:
@@ -82,6 +92,10 @@ class Hit(NamedTuple):
     host_num_pages: int  # logical pages hit on L2 after the device hit
     device_node: "Node | None"  # node holding the last device-hit page (root if none; None: no root)
     host_node: "Node | None"  # node holding the last host-hit page (== device_node if none)
+    draft_cut: int = 0  # need_draft stopped the hit: 0 no, 1 on L1, 2 on L2 (see DRAFT_CUTS)
+
+
+DRAFT_CUTS = {1: "draft planes missing on L1", 2: "draft planes missing on L2"}
 
 
 class InsertResult(NamedTuple):
@@ -89,6 +103,9 @@ class InsertResult(NamedTuple):
     pages: list[int]  # the tree's owned L1 ids for the whole key (use these from now on)
     duplicates: list[int]  # caller's ids the tree did not take (already cached): free them
     new_pages: int  # logical pages that were not in the tree before
+    # (caller id, tree id): the tree's page lacked valid draft rows, the caller's has
+    # them: copy the caller's draft planes onto the tree's page BEFORE freeing duplicates
+    draft_copies: tuple[tuple[int, int], ...] = ()
 
 
 class TreeCensus(NamedTuple):
@@ -110,8 +127,10 @@ class RadixTree:
     """
 
     def __init__(self, page_size: int, ownership: PageOwnership | None = None, cp_rank: int = 0, *,
-                 on_insert: NodeHook | None = None, on_device_evict: NodeHook | None = None):
+                 on_insert: NodeHook | None = None, on_device_evict: NodeHook | None = None,
+                 draft: bool = False):
         self.page_size = page_size
+        self.draft = draft  # pages have draft planes: track their validity per node and tier
         self.page_bytes = 4 * page_size
         self.ownership = ownership or RoundRobin(1)
         self.cp_rank = cp_rank
@@ -137,7 +156,8 @@ class RadixTree:
         """The namespace's root (created on first use). Roots count as on L1 and L2."""
         r = self._roots.get(namespace)
         if r is None:
-            r = Node(b"", 0, 0, None, namespace, self._nid(), device_pages=[], host_pages=[])
+            r = Node(b"", 0, 0, None, namespace, self._nid(), device_pages=[], host_pages=[],
+                     draft_device=True, draft_host=True)
             self._roots[namespace] = r
         return r
 
@@ -159,13 +179,18 @@ class RadixTree:
         return lo
 
     # -------------------------------------------------------------------- match
-    def match(self, key: bytes, namespace: str = "", max_pages: int | None = None) -> Hit:
+    def match(self, key: bytes, namespace: str = "", max_pages: int | None = None,
+              need_draft: bool = False) -> Hit:
         """Longest cached whole-page prefix of ``key``: L1 hit, then the L2 hit continuing it.
 
+        With ``need_draft`` (and a tree with draft planes) the hit stops at the
+        first node whose serving tier lacks valid draft rows (``Hit.draft_cut``).
         Pure: mutates nothing (not even access times) and builds no page
         list (``pages`` does, on demand). The nodes stay valid until evicted;
         ``epoch`` tells whether an eviction happened since.
         """
+        need_draft = need_draft and self.draft
+        cut = 0
         node = self._roots.get(namespace)
         if node is None:
             return Hit(0, 0, None, None)
@@ -184,6 +209,9 @@ class RadixTree:
             if child.device_pages is None:
                 nxt = child
                 break
+            if need_draft and not child.draft_device:
+                cut = 1
+                break
             ck = child.key
             if pos + len(ck) <= end and starts(ck, pos):
                 pos += len(ck)
@@ -195,6 +223,9 @@ class RadixTree:
         dev_pages = pos // pb
         dev_node = node
         while nxt is not None and nxt.host_pages is not None:
+            if need_draft and not nxt.draft_host:
+                cut = 2
+                break
             child = nxt
             if pos + len(child.key) <= end and starts(child.key, pos):
                 pos += len(child.key)
@@ -204,7 +235,7 @@ class RadixTree:
             pos += self._common_pages(key, pos, end, child) * pb
             node = child
             break
-        return Hit(dev_pages, pos // pb - dev_pages, dev_node, node)
+        return Hit(dev_pages, pos // pb - dev_pages, dev_node, node, cut)
 
     def pages(self, node: Node | None, end_page: int, first_page: int = 0, *, host: bool = False) -> list[int]:
         """Owned L1 (or L2) ids of logical pages ``[first_page, end_page)`` on the
@@ -221,12 +252,16 @@ class RadixTree:
         return [i for part in reversed(parts) for i in part]
 
     # ------------------------------------------------------------------- insert
-    def insert(self, key: bytes, namespace: str, device_pages: list[int]) -> InsertResult:
+    def insert(self, key: bytes, namespace: str, device_pages: list[int], draft_pages: int = 0) -> InsertResult:
         """Insert whole pages ``key`` whose owned L1 ids are ``device_pages``.
 
         Pages already on L1 keep the tree's ids (the caller's become
         ``duplicates``); pages the tree holds only on L2 adopt the caller's
-        ids. Splits nodes as needed. Runs ``on_insert`` on each new node.
+        ids. The caller vouches that logical pages ``[0, draft_pages)`` hold
+        valid draft rows: new nodes are flagged accordingly (split at that
+        boundary), and tree pages on L1 without valid draft rows are upgraded,
+        listing in ``draft_copies`` the ids whose draft planes the caller must
+        copy over. Splits nodes as needed. Runs ``on_insert`` on each new node.
         """
         pb = self.page_bytes
         n = len(key)
@@ -237,14 +272,16 @@ class RadixTree:
         pos = at = new = 0
         pages: list[int] = []
         dups: list[int] = []
-        created = None
+        copies: list[tuple[int, int]] = []
+        created: list[Node] = []
+        dp = draft_pages
         while pos < n:
             child = node.children.get(key[pos:pos + pb])
             if child is None:
-                created = self._add_child(node, key[pos:], device_pages[at:])
-                pages += created.device_pages
+                created = self._add_new(node, key[pos:], device_pages[at:], dp)
+                pages += device_pages[at:]
                 new = (n - pos) // pb
-                node = created
+                node = created[-1]
                 break
             if pos + len(child.key) <= n and key.startswith(child.key, pos):
                 p = child.num_pages
@@ -252,10 +289,16 @@ class RadixTree:
                 p = self._common_pages(key, pos, n, child)
                 if p < child.num_pages:
                     child = self._split(child, p)
-            cnt = self.owned(child.start_page, p)
+            s = child.start_page
+            if s < dp < s + p and not (child.device_pages is not None and child.draft_device):
+                p = dp - s  # the draft boundary falls inside: the upper part changes flag
+                child = self._split(child, p)
+            cnt = self.owned(s, p)
             mine = device_pages[at:at + cnt]
+            vouched = s + p <= dp
             if child.device_pages is None:  # L2-only: the caller's pages bring it back to L1
                 child.device_pages = list(mine)
+                child.draft_device = vouched
                 self.device_ids_held += cnt
                 self._dev_leaves.add(child)
                 self._dev_leaves.discard(node)
@@ -263,14 +306,29 @@ class RadixTree:
             else:
                 if mine != child.device_pages:
                     dups += [a for a, b in zip(mine, child.device_pages) if a != b]
+                if vouched and not child.draft_device:
+                    copies += [(a, b) for a, b in zip(mine, child.device_pages) if a != b]
+                    child.draft_device = True
                 pages += child.device_pages
             child.last_access = self.clock
             at += cnt
             pos += p * pb
             node = child
-        if created is not None and self.on_insert is not None:
-            self.on_insert(created)
-        return InsertResult(node, pages, dups, new)
+        if self.on_insert is not None:
+            for c in created:
+                self.on_insert(c)
+        return InsertResult(node, pages, dups, new, tuple(copies))
+
+    def _add_new(self, parent: Node, key: bytes, device_pages: list[int], draft_pages: int) -> list[Node]:
+        """New node(s) for ``key`` under ``parent``: two when the draft boundary falls inside."""
+        node = self._add_child(parent, key, device_pages)
+        s = node.start_page
+        if s < draft_pages < s + node.num_pages:
+            up = self._split(node, draft_pages - s)
+            up.draft_device = True
+            return [up, node]
+        node.draft_device = s + node.num_pages <= draft_pages
+        return [node]
 
     def _add_child(self, parent: Node, key: bytes, device_pages: list[int]) -> Node:
         pb = self.page_bytes
@@ -292,7 +350,7 @@ class RadixTree:
         up = Node(child.key[:p * pb], p, child.start_page, child.parent, child.namespace, self._nid(),
                   in_storage=child.in_storage, lock_ref=child.lock_ref,
                   host_lock_ref=child.host_lock_ref, last_access=child.last_access,
-                  hit_count=child.hit_count)
+                  hit_count=child.hit_count, draft_device=child.draft_device, draft_host=child.draft_host)
         if child.device_pages is not None:
             up.device_pages, child.device_pages = child.device_pages[:k], child.device_pages[k:]
         if child.host_pages is not None:
@@ -347,8 +405,10 @@ class RadixTree:
             node = node.parent
 
     # -------------------------------------------------------------- tier hooks
-    def set_host(self, node: Node, host_pages: list[int]) -> None:
-        """Attach L2 copies. Call only once every plane of every page is on L2."""
+    def set_host(self, node: Node, host_pages: list[int], draft: bool | None = None) -> None:
+        """Attach L2 copies. Call only once every plane of every page is on L2.
+        ``draft``: the copies' draft rows are valid (default: they were on L1
+        when copied, ``node.draft_device``; pass the value seen at copy time)."""
         if node.host_pages is not None or (node.parent is not None and node.parent.host_pages is None):
             raise CacheStateError(f"set_host on {node!r}: it already has host pages or its parent "
                                   "is not on L2 (L2 must stay prefix-closed)")
@@ -357,6 +417,7 @@ class RadixTree:
             raise CacheStateError(f"set_host on {node!r}: got {len(host_pages)} host pages, "
                                   f"this rank owns {want} of its pages")
         node.host_pages = list(host_pages)
+        node.draft_host = node.draft_device if draft is None else draft
         self.host_ids_held += want
 
     def set_device(self, node: Node, device_pages: list[int]) -> None:
@@ -368,12 +429,13 @@ class RadixTree:
         if len(device_pages) != want:
             raise CacheStateError(f"set_device on {node!r}: got {len(device_pages)} pages, need {want}")
         node.device_pages = list(device_pages)
+        node.draft_device = node.draft_host  # the load back copies every plane
         self.device_ids_held += want
         self._dev_leaves.add(node)
         self._dev_leaves.discard(node.parent)
 
     def insert_host(self, key: bytes, namespace: str, first_page: int,
-                    host_pages: list[int]) -> tuple[Node | None, list[int]]:
+                    host_pages: list[int], draft: bool = True) -> tuple[Node | None, list[int]]:
         """Add pages ``[first_page, len(key) // page)`` of ``key`` as L2-only pages
         (an L3 prefetch landing in L2), holding ``host_pages`` (cp_size 1 only).
 
@@ -405,7 +467,7 @@ class RadixTree:
         used = host_pages[start - first_page:]
         self.clock += 1
         new = Node(key[pos:], n // pb - start, start, node, namespace, self._nid(),
-                   host_pages=list(used), last_access=self.clock)
+                   host_pages=list(used), last_access=self.clock, draft_host=draft)
         node.children[key[pos:pos + pb]] = new
         self.host_ids_held += len(used)
         self.num_nodes += 1
@@ -473,6 +535,7 @@ class RadixTree:
             freed.extend(n.device_pages)
             self.device_ids_held -= len(n.device_pages)
             n.device_pages = None
+            n.draft_device = False
             self._dev_leaves.discard(n)
             parent = n.parent
             if n.host_pages is None:
@@ -498,6 +561,7 @@ class RadixTree:
             freed.extend(n.host_pages)
             self.host_ids_held -= len(n.host_pages)
             n.host_pages = None
+            n.draft_host = False
             parent = n.parent
             if n.device_pages is None:
                 self._remove(n)
@@ -515,6 +579,15 @@ class RadixTree:
         self.num_nodes -= 1
 
     # ---------------------------------------------------------------- integrity
+    def _check_draft(self, n: Node, bad: Callable[[Node, str], IntegrityError]) -> None:
+        """Invariant 5 (draft half): a draft flag only on a tier the node is on. (What a
+        request holds is checked by ``PrefixCache``; L3 is written only from
+        ``draft_host`` copies, by the controller.)"""
+        if n.draft_device and n.device_pages is None:
+            raise bad(n, "draft_device set but the node is not on L1")
+        if n.draft_host and n.host_pages is None:
+            raise bad(n, "draft_host set but the node is not on L2")
+
     def check_integrity(self) -> TreeCensus:
         """Check invariants 1-3 and 5 of DESIGN.md and the tree's own bookkeeping;
         return every page id held (the cache checks pool accounting, invariant 4)."""
@@ -527,7 +600,8 @@ class RadixTree:
             return IntegrityError(f"radix {n!r}: {why}")
 
         for ns, r in self._roots.items():
-            if r.namespace != ns or r.key or r.device_pages != [] or r.host_pages != []:
+            if (r.namespace != ns or r.key or r.device_pages != [] or r.host_pages != []
+                    or not (r.draft_device and r.draft_host)):
                 raise bad(r, f"malformed root of namespace {ns!r}")
         for n in self.iter_nodes():
             p = n.parent
@@ -551,6 +625,7 @@ class RadixTree:
                 raise bad(n, "locked but evicted from L1")
             if n.host_lock_ref and n.host_pages is None:
                 raise bad(n, "host-locked but evicted from L2")
+            self._check_draft(n, bad)
             want = self.owned(n.start_page, n.num_pages)  # invariant 5: no page missing on a tier
             for ids, seen, tier in ((n.device_pages, dev, "L1"), (n.host_pages, host, "L2")):
                 if ids is None:

@@ -3,6 +3,13 @@ backend exactly as a production scheduler would: admit (match + prefetch +
 load back), allocate, chunked prefill, commit after every chunk, decode,
 finish, and ``poll`` once per step.
 
+With a draft head (the layout has draft planes and the model a NextN head)
+the engine runs speculative decoding: ``speculate_k`` drafted tokens per step,
+verified greedily by the target (the same tokens as plain greedy decoding),
+writing draft rows into the cache's draft planes; each request reports its
+accept lengths. Its requests are draft requests, so the cache serves them only
+pages whose draft planes are complete.
+
 With ``model=None`` it runs the same schedule without computing anything
 (outputs are taken from ``forced_outputs``): that is how ``hicache replay``
 measures the baselines (L1-only cache, infinite cache) on the very same
@@ -17,6 +24,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from hicache.cache import Request
+from hicache.engine.model import verify_greedy
 from hicache.hicache import HiCache
 
 
@@ -39,6 +47,7 @@ class RequestResult:
     ttft_s: float  # admission -> first token (wall clock)
     last_logits: torch.Tensor | None = None
     full: list[int] = field(default_factory=list)  # prompt + output, set at finish
+    accept_lengths: list[int] = field(default_factory=list)  # per speculative step (draft head only)
 
 
 @dataclass
@@ -64,13 +73,21 @@ class Engine:
     """Runs requests through ``model`` with ``cache`` as the KV cache backend."""
 
     def __init__(self, cache: HiCache, model=None, *, chunk_tokens: int = 256, max_running: int = 4,
-                 keep_logits: bool = False):
+                 keep_logits: bool = False, use_draft: bool | None = None, speculate_k: int = 3):
         self.cache = cache
         self.model = model
         self.chunk_tokens = chunk_tokens
         self.max_running = max_running
         self.keep_logits = keep_logits
         self.pool = cache.device_pool
+        can = self.pool.layout.draft_layers > 0 and (model is None or model.has_draft)
+        if use_draft and not can:
+            raise ValueError(f"use_draft=True needs draft planes (layout draft_layers="
+                             f"{self.pool.layout.draft_layers}) and a model with a draft head")
+        self.draft = can if use_draft is None else use_draft  # run the draft head, speculate
+        if speculate_k < 1:
+            raise ValueError(f"speculate_k must be >= 1, got {speculate_k}")
+        self.speculate_k = speculate_k
 
     def run(self, items: Sequence, resolve: Callable[[object, dict[str, RequestResult]], list[int] | None],
             *, forced_outputs: dict[str, list[int]] | None = None,
@@ -122,7 +139,7 @@ class Engine:
     # ----------------------------------------------------------------- steps
     def _admit(self, item, prompt_ids: list[int]) -> "_Live":
         t = time.perf_counter()
-        req = self.cache.new_request(item.rid, prompt_ids, getattr(item, "namespace", "") or "")
+        req = self.cache.new_request(item.rid, prompt_ids, getattr(item, "namespace", "") or "", draft=self.draft)
         adm = self.cache.admit(req)
         adm.wait()
         res = RequestResult(item.rid, len(prompt_ids), [], adm.device_tokens, adm.host_tokens,
@@ -143,20 +160,28 @@ class Engine:
             n = min(self.chunk_tokens, n_prompt - start)
             req.alloc(n)
             out = None
+            end = start + n
+            nxt = live.prompt[end] if self.draft and end < n_prompt else None
             if self.model is not None:
-                out = self.model.forward_chunk(self.pool, live.prompt[start:start + n], start,
-                                               self._slots(req, start + n), draft=False)
-            req.commit(n)
+                out = self.model.forward_chunk(self.pool, live.prompt[start:end], start,
+                                               self._slots(req, end), draft=self.draft, next_token=nxt)
+            if self.draft:  # a draft row needs the next token: the last one waits for it
+                req.commit(n, draft_tokens=end if nxt is not None else end - 1)
+            else:
+                req.commit(n)
             live.result.computed += n
             if req.computed_tokens < n_prompt:
                 return False
             live.result.ttft_s = time.perf_counter() - live.t_admit
             live.logits = None if out is None else out.logits_last
+            live.hidden = None if out is None else out.hidden_last
             if self.keep_logits and out is not None:
                 live.result.last_logits = out.logits_last.clone()
         max_new = live.item.max_new_tokens
         if len(live.result.output) >= max_new:
             return True
+        if self.draft and self.model is not None:
+            return self._speculative_step(live, max_new)
         # decode one token
         if self.model is None:
             tok = forced[live.result.rid][len(live.result.output)] if forced else 0
@@ -174,6 +199,28 @@ class Engine:
         req.commit(1)
         return False
 
+    def _speculative_step(self, live: "_Live", max_new: int) -> bool:
+        """Draft ``k`` tokens, verify them in one target chunk, keep the accepted ones."""
+        req, out, k, m = live.req, live.result.output, self.speculate_k, self.model
+        if not out:
+            out.append(int(live.logits.argmax()))  # first token, from the prefill
+            if len(out) >= max_new:
+                return True
+        tok, pos = out[-1], req.num_tokens  # tok sits at pos; the target hidden at pos - 1 is live.hidden
+        req.extend([tok] + [0] * k)  # slots for the verify chunk; drafts are filled in below
+        req.alloc(k + 1)
+        slots = self._slots(req, pos + k + 1)
+        d = m.speculate(self.pool, live.hidden, tok, pos - 1, slots, k)
+        v = m.forward_chunk(self.pool, [tok, *d.tokens], pos, slots, all_logits=True)
+        verdict = verify_greedy(v.logits, d.tokens)
+        live.result.accept_lengths.append(verdict.accept_length)
+        a = min(verdict.accept_length, max_new - len(out) - 1)  # never feed past the output
+        req.replace_uncommitted([tok, *d.tokens[:a]])
+        req.commit(a + 1)
+        out += verdict.tokens[:a + 1]
+        live.hidden, live.logits = v.hidden[a], v.logits[a]
+        return len(out) >= max_new
+
 
 @dataclass
 class _Live:
@@ -184,6 +231,7 @@ class _Live:
     t_admit: float
     hit_tokens: int
     logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None  # target hidden of the last fed token (draft head input)
 
 
 def iter_progress(total: int, enabled: bool):
