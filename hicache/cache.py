@@ -148,6 +148,7 @@ class Request:
         self.cache, self.rid, self.namespace = cache, rid, namespace
         self.draft = draft  # runs the draft head: needs and writes draft rows
         self.draft_tokens = 0  # leading tokens whose draft rows are valid in self.pages
+        self._draft_shared = 0  # shared pages the index knows as draft-complete
         self._buf = bytearray(key)
         self._key: bytes | None = key
         self.state = RequestState.WAITING
@@ -239,6 +240,7 @@ class Request:
         self.allocated_tokens = self.computed_tokens
         self.node = c._lock_target(m.device_node, self.shared_pages) if self.shared_pages else None
         self.draft_tokens = c._draft_prefix(self.node) if self.draft else 0
+        self._draft_shared = self.draft_tokens // ps
         if self.node is not None:
             c.tree.lock(self.node)
             c.tree.touch(self.node)
@@ -357,11 +359,12 @@ class Request:
         c = self.cache
         tree, ps = c.tree, c.page_size
         full = self.computed_tokens // ps
-        if full <= self.shared_pages:
-            return
+        dp = min(full, self.draft_tokens // ps)
+        if full <= self.shared_pages and dp <= self._draft_shared:
+            return  # (a shared page whose pending draft row was just written is re-inserted)
         k = tree.owned(0, full)
-        res = tree.insert(self.key[:full * 4 * ps], self.namespace, self.pages[:k],
-                          min(full, self.draft_tokens // ps))
+        res = tree.insert(self.key[:full * 4 * ps], self.namespace, self.pages[:k], dp)
+        self._draft_shared = dp
         self.pages[:k] = res.pages
         if res.draft_copies:  # before the duplicates (the copies' sources) are freed
             c._copy_draft(res.draft_copies)

@@ -47,50 +47,50 @@ class RingSlots:
 
 
 def run_transfers(land, consume, n_req: int, in_flight: int):
-    """Transfers 0..in_flight-1 land (each on its own thread) before any consumer reads,
-    then consumers read in order while later transfers keep landing. Returns the log."""
-    log, lock = [], threading.Lock()
-    landed = [threading.Event() for _ in range(n_req)]
-    handles = [None] * n_req
+    """Transfers 0..in_flight-1 land one after another (each on its own thread) before
+    anyone reads; the rest start together and land while a consumer reads completions
+    in the order they arrive. Returns ({request: what its consumer read}, log)."""
+    log, lock, done = [], threading.Lock(), queue.Queue()
 
     def transfer(i):
-        handles[i] = land(i)
+        h = land(i)
         with lock:
             log.append(("land", i))
-        landed[i].set()
+        done.put((i, h))
 
     threads = [threading.Thread(target=transfer, args=(i,)) for i in range(n_req)]
     for t in threads[:in_flight]:
         t.start()
-    for i in range(in_flight):
-        assert landed[i].wait(10)
+        t.join(10)
     for t in threads[in_flight:]:
-        t.start()  # these land concurrently with the consumers below
-    out = []
-    for i in range(n_req):
-        assert landed[i].wait(10), f"transfer {i} never landed"
-        out.append(consume(i, handles[i]))
+        t.start()
+    out = {}
+    for _ in range(n_req):
+        i, h = done.get(timeout=10)
         with lock:
-            log.append(("read", i))
+            log.append(("read", i))  # logged before the read can free anything
+        out[i] = consume(i, h)
     for t in threads:
         t.join(10)
     return out, log
 
 
+def max_unread(log) -> int:
+    """Most transfers landed and not yet (being) read at any point of the log."""
+    unread = worst = 0
+    for kind, _ in log:
+        unread += 1 if kind == "land" else -1
+        worst = max(worst, unread)
+    return worst
+
+
 def test_ring_buffer_recycles_a_slot_before_its_consumer_read_it():
     ring = RingSlots(2)
-
-    def land(i):
-        return ring.write(i)
-
-    def consume(i, s):
-        return ring.read(s)
-
-    # three transfers land before anyone reads: the third wraps onto slot 0
-    out, _ = run_transfers(land, consume, 3, in_flight=3)
+    out, log = run_transfers(lambda i: ring.write(i), lambda i, s: ring.read(s), 3, in_flight=3)
     first0, hid0 = out[0]
     assert (first0, hid0[0].item()) == (102, 2.0)  # request 0 reads request 2's metadata
     assert out[2][0] == 102
+    assert max_unread(log) == 3  # three in flight over two slots
 
 
 def test_owned_pool_back_pressures_instead_of_recycling():
@@ -101,17 +101,13 @@ def test_owned_pool_back_pressures_instead_of_recycling():
         pool.write(v, *payload(i))
         return v
 
-    def consume(i, v):
-        return pool.consume(v)
-
-    out, log = run_transfers(land, consume, 5, in_flight=2)
-    for i, data in enumerate(out):
+    out, log = run_transfers(land, lambda i, v: pool.consume(v), 6, in_flight=2)
+    for i, data in out.items():
         assert_is(data, i)
-    # transfer i (i >= 2) could only land after the read of request i - 2 freed a slot
-    for i in range(2, 5):
-        assert log.index(("read", i - 2)) < log.index(("land", i)), log
+    assert sorted(out) == list(range(6))
+    assert max_unread(log) == 2  # never more owned than there are slots
     pool.check_integrity()
-    assert pool.num_free == 2 and pool.stats.consumed == 5
+    assert pool.num_free == 2 and pool.stats.consumed == 6
 
 
 def test_exhaustion_raises_typed_error_and_abort_frees():
