@@ -52,8 +52,10 @@ class ModelConfig(_Section):
 
 class PoolConfig(_Section):
     device: str = "auto"  # "auto" = cuda:0 when available, else cpu
-    device_pages: int = Field(512, ge=1)
-    host_pages: int = Field(4096, ge=1)
+    # Sized for the built-in demo: L1 smaller than the replay's working set,
+    # L2 larger than it (so L2 and L3 have something to do).
+    device_pages: int = Field(128, ge=1)
+    host_pages: int = Field(2048, ge=1)
 
 
 class StorageConfig(_Section):

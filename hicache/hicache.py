@@ -125,10 +125,10 @@ class HiCache:
         m = req.match()
         device_tokens = m.device_tokens
         storage_tokens = self._maybe_prefetch(req, m)
-        if storage_tokens:
-            m = req.match()
+        if storage_tokens or m.epoch != self.cache.tree.epoch:
+            m = req.match()  # prefetched pages joined L2, or L2 room was made by eviction
         own = self._load_host_hit(m)
-        if own is not None:
+        if own is not None or m.epoch != self.cache.tree.epoch:
             m = req.match()
         req.lock(m)
         loads = [own] if own is not None else []

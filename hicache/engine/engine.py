@@ -25,6 +25,7 @@ import torch
 
 from hicache.cache import Request
 from hicache.engine.model import verify_greedy
+from hicache.errors import OutOfPages
 from hicache.hicache import HiCache
 
 
@@ -109,8 +110,17 @@ class Engine:
                 if prompt_ids is None:
                     i += 1
                     continue
+                need = self._footprint(len(prompt_ids), waiting[i].max_new_tokens)
+                if sum(r.footprint for r in running) + need > self.pool.num_pages:
+                    if not running:
+                        raise OutOfPages(f"request {waiting[i].rid!r} needs up to {need} L1 pages "
+                                         f"({len(prompt_ids)} prompt + {waiting[i].max_new_tokens} new "
+                                         f"tokens), the pool has {self.pool.num_pages}; raise "
+                                         "pool.device_pages")
+                    break  # admission control: wait until running requests finish
                 item = waiting.pop(i)
                 live = self._admit(item, prompt_ids)
+                live.footprint = need
                 running.append(live)
                 hit += live.result.device_hit + live.result.host_hit
                 prompt += live.result.prompt_tokens
@@ -118,7 +128,13 @@ class Engine:
                 raise RuntimeError(f"{len(waiting)} requests wait on parents that never run; "
                                    f"first: {waiting[0]!r}")
             for live in list(running):
-                done = self._step(live, forced_outputs)
+                try:
+                    done = self._step(live, forced_outputs)
+                except OutOfPages:
+                    # Admission reserved room for every running request; only pages
+                    # pinned by in-flight backups can be short. Let them finish once.
+                    self.cache.drain()
+                    done = self._step(live, forced_outputs)
                 if done:
                     live.result.full = live.prompt + live.result.output
                     live.req.finish()
@@ -135,6 +151,11 @@ class Engine:
         self.cache.drain()
         run.wall_s = time.perf_counter() - t0
         return run
+
+    def _footprint(self, prompt_tokens: int, max_new: int) -> int:
+        """Worst-case L1 pages a request holds over its life (shared prefix included)."""
+        extra = self.speculate_k + 1 if self.draft else 1
+        return -(-(prompt_tokens + max_new + extra) // self.pool.page_size)
 
     # ----------------------------------------------------------------- steps
     def _admit(self, item, prompt_ids: list[int]) -> "_Live":
@@ -232,6 +253,7 @@ class _Live:
     hit_tokens: int
     logits: torch.Tensor | None = None
     hidden: torch.Tensor | None = None  # target hidden of the last fed token (draft head input)
+    footprint: int = 0  # worst-case L1 pages reserved by admission control
 
 
 def iter_progress(total: int, enabled: bool):

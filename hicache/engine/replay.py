@@ -21,17 +21,9 @@ from hicache.hicache import HiCache
 
 
 def model_spec_for(cfg: HiCacheConfig, vocab: int) -> ModelSpec:
-    """A small reference model whose KV pages match ``cfg.model``."""
-    m = cfg.model
-    if m.kind == "mha":
-        shape: dict[str, Any] = dict(kind="mha", num_kv_heads=m.num_kv_heads, head_dim=m.head_dim)
-        q_heads = m.num_kv_heads * 2
-    else:
-        shape = dict(kind="mla", num_kv_heads=0, head_dim=0, kv_lora_rank=m.kv_lora_rank, rope_dim=m.rope_dim,
-                     qk_nope_dim=16, v_head_dim=16)
-        q_heads = 4
-    return ModelSpec(vocab=vocab, hidden=64, num_layers=m.num_layers, num_q_heads=q_heads, mlp=128,
-                     dtype=m.dtype, seed=0, name=m.model_id, max_seq_len=16384, **shape)
+    """A small reference model whose KV pages match ``cfg.model`` (its model id
+    carries a digest of the weights' spec, so L3 objects never mix models)."""
+    return ModelSpec.for_layout(cfg.layout(), vocab=vocab, max_seq_len=16384)
 
 
 def _resolver():
@@ -70,12 +62,15 @@ def replay(cfg: HiCacheConfig, trace_path: str | None, *, progress: bool = True,
     trace = read_trace(trace_path) if trace_path else builtin_trace()
     items = sorted(trace.requests, key=lambda r: r.arrival)
     spec = model_spec_for(cfg, trace.vocab)
-    hc = HiCache(cfg)
-    spec.kv_layout(cfg.model.page_size, cfg.model.host_layout).check_compatible(hc.layout)
+    layout = spec.kv_layout(cfg.model.page_size, cfg.model.host_layout)
+    hc = HiCache(cfg, layout=layout)
     model = ReferenceModel(spec, device=hc.device_pool.device)
     bar = iter_progress(len(items), progress)
     try:
         run = Engine(hc, model).run(items, _resolver(), on_finish=lambda r: bar.update(1))
+    except BaseException:
+        hc.close()
+        raise
     finally:
         bar.close()
     prompt_total = sum(r.prompt_tokens for r in run.results.values())
@@ -90,10 +85,10 @@ def replay(cfg: HiCacheConfig, trace_path: str | None, *, progress: bool = True,
                                         "write_policy": "write_through_selective",
                                         "write_through_threshold": 1 << 30}),
                                     "pool": cfg.pool.model_copy(update={"host_pages": 1})})
-        rows.append(_null_run("L1-only radix cache", l1, items, forced, prompt_total))
+        rows.append(_null_run("L1-only radix cache", l1, layout, items, forced, prompt_total))
         total_pages = sum(r.prompt_tokens + len(r.output) for r in run.results.values()) // cfg.model.page_size
         inf = l1.model_copy(update={"pool": l1.pool.model_copy(update={"device_pages": total_pages + 64})})
-        rows.append(_null_run("infinite cache (oracle)", inf, items, forced, prompt_total))
+        rows.append(_null_run("infinite cache (oracle)", inf, layout, items, forced, prompt_total))
         rows.append({"name": "no cache", "requests": len(items), "prompt_tokens": prompt_total,
                      "hit_tokens": 0, "hit_rate": 0.0, "l1_hit_tokens": 0, "l2_hit_tokens": 0,
                      "l3_hit_tokens": 0, "recomputed_tokens": prompt_total, "time_s": None})
@@ -102,8 +97,8 @@ def replay(cfg: HiCacheConfig, trace_path: str | None, *, progress: bool = True,
             "rows": rows, "series": series, "stats": stats}
 
 
-def _null_run(name: str, cfg: HiCacheConfig, items, forced, prompt_total: int) -> dict[str, Any]:
-    hc = HiCache(cfg)
+def _null_run(name: str, cfg: HiCacheConfig, layout, items, forced, prompt_total: int) -> dict[str, Any]:
+    hc = HiCache(cfg, layout=layout)
     try:
         run = Engine(hc, None).run(items, _resolver(), forced_outputs=forced)
         return _summarise(name, run, hc, prompt_total)
