@@ -27,6 +27,11 @@ split work differently). Tiny shapes run fastest with one thread.
 
 ``attention="sdpa"`` computes a whole chunk at once with
 ``scaled_dot_product_attention`` (GPU timing runs; equal within a tolerance).
+It validates tokens, the page table and the rows' provenance once per call on
+the host (``model_kv.check_rows``), uploads them once (pinned, non-blocking)
+and then runs every layer without a host sync, so a GPU load back can overlap
+it layer by layer (``forward_chunk(before_layer=...)``). The exact path keeps
+``write_kv``'s full per-call checks.
 
 Draft (NextN / EAGLE) head
 --------------------------
@@ -52,13 +57,23 @@ import torch
 import torch.nn.functional as F
 
 from hicache.engine import model_layers as ml
-from hicache.engine.model_kv import gather_context, write_kv
+from hicache.engine.model_kv import (RowBatch, check_rows, check_slot_bounds, gather_context, to_device,
+                                     write_kv, write_rows)
 from hicache.engine.model_spec import ModelSpec
 from hicache.errors import PoolError
 from hicache.pools import DevicePool
 from hicache.provenance import Row
 
 Attention = Literal["exact", "sdpa"]
+LayerHook = Callable[[int], None]
+StoreFn = Callable[[int, dict], object]  # (layer, plane rows) -> writes them into the pool
+
+
+class _Slots(NamedTuple):
+    """A request's checked page table for one call (one slot id per position)."""
+
+    dev: torch.Tensor  # int64 on the model's device
+    host: torch.Tensor | None  # the same ids on the CPU, bounds-checked (sdpa path); None on the exact path
 
 
 class ChunkOutput(NamedTuple):
@@ -153,27 +168,52 @@ class ReferenceModel:
                             f"draft_layers=1 (got {lay.draft_layers}); build it with spec.kv_layout(..., "
                             "draft_layers=1) or pass draft=False")
 
-    def _check_slots(self, slot_ids: torch.Tensor, need: int) -> torch.Tensor:
+    def _check_slots(self, pool: DevicePool, slot_ids: torch.Tensor, need: int) -> _Slots:
+        """Shape checks; on the sdpa path also every slot's bounds, on the host (at most
+        one sync, when ``slot_ids`` lives on the GPU), then one non-blocking upload."""
         if slot_ids.dim() != 1 or slot_ids.numel() < need:
             raise PoolError(f"slot_ids must be 1-D with one slot per token up to position {need - 1} "
                             f"({need} slots), got shape {tuple(slot_ids.shape)}")
         if need > self.spec.max_seq_len:
             raise PoolError(f"position {need - 1} is beyond the RoPE table (max_seq_len="
                             f"{self.spec.max_seq_len}); raise ModelSpec.max_seq_len")
-        return slot_ids.to(device=self.device, dtype=torch.int64)
+        if self.attention == "exact":  # write_kv checks every batch itself
+            return _Slots(slot_ids.to(device=self.device, dtype=torch.int64), None)
+        mine = slot_ids[:need].to(torch.int64)
+        host = mine.cpu()
+        check_slot_bounds(pool, host, f"slot_ids[:{need}]")
+        return _Slots(to_device(mine, self.device), host)
+
+    def _check_tokens(self, tokens: Sequence[int] | torch.Tensor, next_token: int | None) -> torch.Tensor:
+        """Token ids validated where they are (one sync for a GPU tensor), on the model's device."""
+        tok = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
+        if tok.numel():
+            lo, hi = torch.stack(torch.aminmax(tok)).tolist()
+            if next_token is not None:
+                lo, hi = min(lo, int(next_token)), max(hi, int(next_token))
+            if lo < 0 or hi >= self.spec.vocab:
+                raise ValueError(f"token ids must be in [0, vocab={self.spec.vocab}), got [{lo}, {hi}]; "
+                                 "build the model with a vocab that covers the trace")
+        return to_device(tok, self.device)
 
     # ------------------------------------------------------------------ core
     def _rows(self, pool: DevicePool, stack: _Stack, inputs: tuple[torch.Tensor, ...], lo: int, hi: int,
-              slots: torch.Tensor, logits_from: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              slots: _Slots, logits_from: int | None,
+              before_layer: LayerHook | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Compute rows for positions ``[lo, hi)`` of ``stack`` from ``inputs`` (each ``[hi - lo, ...]``).
 
         Returns the hidden rows and, when ``logits_from`` is given, the logits of
         positions ``[logits_from, hi)``.
         """
         if self.attention == "sdpa":
-            prov = torch.full((hi - lo,), int(Row.VALID), dtype=torch.int8, device=self.device)
-            h = self._tile(pool, stack, inputs, lo, hi - lo, prov, slots[lo:hi], slots[:hi])
+            assert slots.host is not None
+            # Provenance is made here, on the host: every computed row is VALID.
+            prov = torch.full((hi - lo,), int(Row.VALID), dtype=torch.int8)
+            batch = check_rows(pool, slots.host[lo:hi], prov, device_slots=slots.dev[lo:hi])
+            h = self._tile(pool, stack, inputs, lo, hi - lo, self._store_checked(pool, batch, stack.draft),
+                           slots.dev[:hi], before_layer)
             return h, (None if logits_from is None else self._logits(stack, h[logits_from - lo:]))
+        slots = slots.dev
         ps = pool.page_size
         hid, logit = [], []
         for t0 in range(lo - lo % ps, hi, ps):
@@ -187,7 +227,8 @@ class ReferenceModel:
             prov[a - t0:b - t0] = int(Row.VALID)
             tslots = torch.full((ps,), -1, dtype=torch.int64, device=self.device)
             tslots[a - t0:b - t0] = slots[a:b]
-            h = self._tile(pool, stack, tuple(padded), t0, ps, prov, tslots, slots[:b])
+            h = self._tile(pool, stack, tuple(padded), t0, ps, self._store_full(pool, tslots, prov, stack.draft),
+                           slots[:b], before_layer)
             hid.append(h[a - t0:b - t0])
             if logits_from is not None and b > logits_from:
                 c = max(a, logits_from)
@@ -198,10 +239,20 @@ class ReferenceModel:
         s = self.spec
         return F.linear(ml.rms_norm(h, stack.final_norm, s.norm_eps), self.weights.lm_head).float()
 
+    @staticmethod
+    def _store_full(pool: DevicePool, tslots: torch.Tensor, prov: torch.Tensor, draft: bool) -> StoreFn:
+        return lambda i, kv: write_kv(pool, i, kv, tslots, prov, draft=draft)  # checks every call
+
+    @staticmethod
+    def _store_checked(pool: DevicePool, batch: RowBatch, draft: bool) -> StoreFn:
+        return lambda i, kv: write_rows(pool, i, kv, batch, draft=draft)  # checked once by check_rows
+
     def _tile(self, pool: DevicePool, stack: _Stack, inputs: tuple[torch.Tensor, ...], t0: int, T: int,
-              prov: torch.Tensor, tslots: torch.Tensor, ctx_slots: torch.Tensor) -> torch.Tensor:
+              store: StoreFn, ctx_slots: torch.Tensor, before_layer: LayerHook | None) -> torch.Tensor:
         """Run ``T`` rows at positions ``t0 ..`` through every layer of ``stack``; the
-        attention context is ``t0 + T`` keys (the valid ones are ``ctx_slots``)."""
+        attention context is ``t0 + T`` keys (the valid ones are ``ctx_slots``).
+        ``store(i, kv)`` writes layer ``i``'s new rows; ``before_layer(i)`` runs
+        right before that, i.e. before layer ``i`` touches the pool."""
         s, w = self.spec, self.weights
         pos = torch.arange(t0, t0 + T, device=self.device)
         rpos = pos.clamp(max=s.max_seq_len - 1)  # padding rows may run past the table
@@ -209,7 +260,9 @@ class ReferenceModel:
         x = stack.embed(*inputs)
         for i, lw in enumerate(stack.layers):
             q, kv = ml.project(s, lw, ml.rms_norm(x, lw.attn_norm, s.norm_eps), cos, sin)
-            write_kv(pool, i, kv, tslots, prov, draft=stack.draft)
+            if before_layer is not None:
+                before_layer(i)
+            store(i, kv)
             ctx = gather_context(pool, i, ctx_slots, t0 + T, x.dtype, draft=stack.draft)
             k, v = ml.expand_kv(s, lw, ctx)
             x = x + F.linear(ml.attend(q, k, v, pos, exact=self.attention == "exact"), lw.w_o)
@@ -219,7 +272,8 @@ class ReferenceModel:
     # ------------------------------------------------------------------ API
     def forward_chunk(self, pool: DevicePool, tokens: Sequence[int] | torch.Tensor, start_pos: int,
                       slot_ids: torch.Tensor, *, draft: bool = True, pending_hidden: torch.Tensor | None = None,
-                      next_token: int | None = None, all_logits: bool = False) -> ChunkOutput:
+                      next_token: int | None = None, all_logits: bool = False,
+                      before_layer: LayerHook | None = None) -> ChunkOutput:
         """Compute tokens ``[start_pos, start_pos + n)`` of one request.
 
         The KV of ``[0, start_pos)`` must already be in ``pool`` at
@@ -228,26 +282,33 @@ class ReferenceModel:
         when ``draft``). ``slot_ids`` may be longer than needed. Draft rows
         written: ``[start_pos - 1 if pending_hidden is given else start_pos,
         end if next_token is given else end - 1)`` (see the module docstring).
+
+        ``before_layer(i)`` is called before target layer ``i`` reads or writes
+        the pool (possibly more than once per layer on the exact path): pass
+        ``Admission.wait_layer`` to overlap a load back with compute. It covers
+        target layers only, so it needs ``draft=False``. Raises ``ValueError``
+        (tokens, arguments), ``PoolError`` (page table, pool layout),
+        ``ProvenanceError`` (rows), all before anything is written.
         """
-        tok = torch.as_tensor(tokens, dtype=torch.int64, device=self.device).reshape(-1)
-        n = int(tok.numel())
+        if before_layer is not None and draft:
+            raise ValueError("before_layer waits for target layers only; with draft=True wait for the whole "
+                             "load first (Admission.wait()) and pass before_layer=None, or pass draft=False")
+        n = len(tokens) if not isinstance(tokens, torch.Tensor) else int(tokens.numel())
         if n < 1 or start_pos < 0:
             raise ValueError(f"forward_chunk needs >= 1 token and start_pos >= 0, got n={n} start_pos={start_pos}")
-        if int(tok.min()) < 0 or int(tok.max()) >= self.spec.vocab:
-            raise ValueError(f"token ids must be in [0, vocab={self.spec.vocab}), got [{int(tok.min())}, "
-                             f"{int(tok.max())}]; build the model with a vocab that covers the trace")
+        tok = self._check_tokens(tokens, next_token if draft else None)
         end = start_pos + n
-        slots = self._check_slots(slot_ids, end)
         self.check_pool(pool, draft=draft)
+        slots = self._check_slots(pool, slot_ids, end)
         hidden, logits = self._rows(pool, self._target, (tok,), start_pos, end, slots,
-                                    start_pos if all_logits else end - 1)
+                                    start_pos if all_logits else end - 1, before_layer)
         rows = 0
         if draft:
             rows = self._draft_chunk(pool, tok, start_pos, hidden, slots, pending_hidden, next_token)
         return ChunkOutput(logits[-1], hidden[-1], hidden, logits if all_logits else None, rows)
 
     def _draft_chunk(self, pool: DevicePool, tok: torch.Tensor, start: int, hidden: torch.Tensor,
-                     slots: torch.Tensor, pending: torch.Tensor | None, next_token: int | None) -> int:
+                     slots: _Slots, pending: torch.Tensor | None, next_token: int | None) -> int:
         end = start + int(tok.numel())
         if pending is not None and start == 0:
             raise ValueError("pending_hidden given at start_pos=0: there is no previous token")
@@ -256,7 +317,7 @@ class ReferenceModel:
         if j1 <= j0:
             return 0
         hid = hidden if pending is None else torch.cat((pending.reshape(1, -1).to(hidden), hidden))
-        nxt = tok if next_token is None else torch.cat((tok, tok.new_tensor([int(next_token)])))
+        nxt = tok if next_token is None else torch.cat((tok, to_device(torch.tensor([int(next_token)]), tok.device)))
         self._rows(pool, self._draft, (nxt[j0 + 1 - start:j1 + 1 - start], hid[:j1 - j0]), j0, j1, slots, None)
         return j1 - j0
 
@@ -276,12 +337,12 @@ class ReferenceModel:
         """
         if k < 1:
             raise ValueError(f"speculate needs k >= 1, got {k}")
-        slots = self._check_slots(slot_ids, pos + k)
         self.check_pool(pool, draft=True)
+        slots = self._check_slots(pool, slot_ids, pos + k)
         h, t = hidden_last.reshape(1, -1), int(token)
         toks, logits = [], []
         for j in range(pos, pos + k):
-            tt = torch.tensor([t], dtype=torch.int64, device=self.device)
+            tt = to_device(torch.tensor([t], dtype=torch.int64), self.device)
             h, lg = self._rows(pool, self._draft, (tt, h), j, j + 1, slots, j)
             t = int(lg[0].argmax())
             toks.append(t)
