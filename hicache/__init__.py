@@ -14,7 +14,10 @@ if not _os.path.isdir(_os.path.join(_here, "kernels")) and _os.path.isfile(
         _os.path.join(_top, "kernels", "__init__.py")):
     __path__.append(_top)  # type: ignore[name-defined]
 
+from hicache.config import HiCacheConfig  # noqa: E402
 from hicache.errors import ContractMismatch, HiCacheError  # noqa: E402
+from hicache.hicache import Admission, HiCache  # noqa: E402
 from hicache.layout import BytePlane, KVLayout  # noqa: E402
 
-__all__ = ["BytePlane", "ContractMismatch", "HiCacheError", "KVLayout", "__version__"]
+__all__ = ["Admission", "BytePlane", "ContractMismatch", "HiCache", "HiCacheConfig", "HiCacheError",
+           "KVLayout", "__version__"]
