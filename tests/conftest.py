@@ -53,3 +53,27 @@ def redis_url(tmp_path_factory):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests run where CUDA is; elsewhere they are deselected and counted
+    in the report header, never silently skipped one by one."""
+    import torch
+    if torch.cuda.is_available():
+        return
+    gpu = [it for it in items if it.get_closest_marker("gpu")]
+    if gpu:
+        items[:] = [it for it in items if not it.get_closest_marker("gpu")]
+        config.hook.pytest_deselected(items=gpu)
+        config._hicache_gpu_deselected = len(gpu)
+
+
+def pytest_report_header(config):
+    return "hicache: tests marked 'gpu' run only where CUDA is available (they run on the H200 device machine)"
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    n = getattr(config, "_hicache_gpu_deselected", 0)
+    if n:
+        terminalreporter.write_line(f"hicache: {n} GPU tests deselected (no CUDA device); "
+                                    "run them on a GPU machine with: python -m pytest -m gpu")

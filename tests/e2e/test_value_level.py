@@ -12,6 +12,16 @@ from hicache.engine.model import ReferenceModel
 from hicache.engine.model_spec import ModelSpec
 from hicache.hicache import HiCache
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Bit-exact comparisons need one reduction order: a fixed intra-op thread
+    count (many-core machines otherwise split reductions differently)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 SPECS = {
     "mha": ModelSpec(vocab=97, hidden=32, num_layers=2, num_q_heads=4, mlp=48, kind="mha",
                      num_kv_heads=2, head_dim=8, seed=3),
