@@ -1,0 +1,165 @@
+"""HiCache tier movement: write policies, L2 eviction safety, prefetch policies,
+L3 outages. Pages carry recognisable bytes so every move is checked by value."""
+import time
+
+import pytest
+import torch
+
+from hicache.config import HiCacheConfig
+from hicache.hicache import HiCache
+from hicache.layout import KVLayout
+
+PS = 4
+
+
+def make(url="", **over):
+    layout = KVLayout(model_id="t", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32",
+                      page_size=PS, host_layout="page_first")
+    o = {"storage.url": url, "pool.device": "cpu", "pool.device_pages": "16", "pool.host_pages": "32",
+         "policy.prefetch_policy": "wait_complete"}
+    o.update({k: str(v) for k, v in over.items()})
+    return HiCache(HiCacheConfig.load(env={}, overrides=o), layout=layout)
+
+
+def page_value(token: int, plane: int) -> float:
+    return float(token * 10 + plane)
+
+
+def serve(hc, rid, tokens, finish=True):
+    """Admit, 'compute' the missing tokens by writing token-derived values, commit."""
+    req = hc.new_request(rid, tokens)
+    adm = hc.admit(req)
+    adm.wait()
+    start = req.computed_tokens
+    req.alloc(len(tokens) - start)
+    slots = hc.device_pool.slot_ids(req.pages)[:len(tokens)]
+    for i, buf in enumerate(hc.device_pool.buffers):
+        for pos in range(start, len(tokens)):
+            buf[slots[pos]] = page_value(tokens[pos], i)
+    req.commit()
+    if finish:
+        req.finish()
+    hc.poll()
+    return adm, req
+
+
+def check_l1_values(hc, tokens):
+    m = hc.cache.match(tokens)
+    slots = hc.device_pool.slot_ids(m.device_pages)
+    for i, buf in enumerate(hc.device_pool.buffers):
+        for pos in range(m.device_tokens):
+            assert torch.all(buf[slots[pos]] == page_value(tokens[pos], i)), (pos, i)
+    return m.device_tokens
+
+
+TOK = list(range(100, 121))  # 5 pages + 1 token
+
+
+def test_write_through_backs_up_every_inserted_page():
+    hc = make()
+    serve(hc, "a", TOK)
+    hc.drain()
+    assert hc.cache.stats().host_pages_cached == 5
+    hc.cache.evict(100)
+    adm, _ = serve(hc, "b", TOK)
+    assert (adm.device_tokens, adm.host_tokens) == (0, 20)
+    assert check_l1_values(hc, TOK) == 20
+    hc.check_integrity()
+    hc.close()
+
+
+def test_write_through_selective_waits_for_hits():
+    hc = make(**{"policy.write_policy": "write_through_selective", "policy.write_through_threshold": 2})
+    serve(hc, "a", TOK)
+    hc.drain()
+    assert hc.cache.stats().host_pages_cached == 0  # inserted, never hit
+    serve(hc, "b", TOK)
+    serve(hc, "c", TOK)
+    hc.drain()
+    assert hc.cache.stats().host_pages_cached == 5
+    hc.check_integrity()
+    hc.close()
+
+
+def test_write_back_saves_on_eviction_only():
+    hc = make(**{"policy.write_policy": "write_back"})
+    serve(hc, "a", TOK)
+    hc.drain()
+    assert hc.cache.stats().host_pages_cached == 0
+    hc.cache.evict(100)
+    assert hc.cache.stats().host_pages_cached == 5 and hc.cache.stats().device_pages_cached == 0
+    adm, _ = serve(hc, "b", TOK)
+    assert adm.host_tokens == 20 and check_l1_values(hc, TOK) == 20
+    hc.check_integrity()
+    hc.close()
+
+
+def test_l2_eviction_skips_pages_in_flight_and_locked():
+    hc = make(**{"pool.host_pages": "5"})
+    serve(hc, "a", TOK)
+    hc.drain()
+    hc.cache.evict(100)  # TOK now L2-only (5 pages, L2 full)
+    req = hc.new_request("b", TOK)
+    adm = hc.admit(req)  # load back in flight: its L2 pages are host-locked until observed
+    assert adm.loads and hc.cache.evict_host(100) == []
+    adm.wait()
+    hc.poll()
+    freed = hc.cache.evict_host(100)  # observed: now the L2 copies may go
+    assert len(freed) == 5
+    req.abort()
+    hc.check_integrity()
+    hc.close()
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "wait_complete", "timeout"])
+def test_prefetch_policies_from_l3(policy, tmp_path):
+    url = f"file://{tmp_path}/l3"
+    a = make(url)
+    serve(a, "a", TOK)
+    a.drain()
+    assert a.stats()["tiers"]["storage_put_pages"] == 5
+    a.close()
+    b = make(url, **{"policy.prefetch_policy": policy})  # a new process: empty L1/L2
+    adm, req = serve(b, "b", TOK)
+    if policy == "best_effort":  # did not wait: served from what L1/L2 had (nothing)
+        assert adm.storage_tokens in (0, 20)
+    else:
+        assert (adm.host_tokens, adm.storage_tokens) == (20, 20)
+        assert check_l1_values(b, TOK) == 20
+    b.drain()
+    m, l3 = b.match(TOK, storage=True)
+    assert m.tokens == 20
+    b.check_integrity()
+    b.close()
+
+
+def test_l3_down_is_a_miss_and_writes_are_dropped(tmp_path):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here
+    hc = make(f"redis://127.0.0.1:{port}/0", **{"storage.timeout_ms": 30})
+    t0 = time.monotonic()
+    serve(hc, "a", TOK)
+    hc.drain()
+    hc.cache.evict(100)
+    hc.cache.evict_host(100)
+    adm, _ = serve(hc, "b", TOK)  # L3 probe fails fast: recompute
+    hc.drain()
+    assert adm.storage_tokens == 0 and time.monotonic() - t0 < 30
+    st = hc.stats()
+    assert st["tiers"]["storage_put_dropped_pages"] + st["storage"]["put_dropped"] >= 5
+    hc.check_integrity()
+    hc.close()
+
+
+def test_redis_round_trip_through_tiers(redis_url):
+    a = make(redis_url)
+    tok = [t + 7 for t in TOK]  # distinct keys from other tests on the shared server
+    serve(a, "a", tok)
+    a.drain()
+    a.close()
+    b = make(redis_url)
+    adm, _ = serve(b, "b", tok)
+    assert adm.storage_tokens == 20 and check_l1_values(b, tok) == 20
+    b.close()
