@@ -69,6 +69,11 @@ class EngineRun:
     samples: list[StepSample] = field(default_factory=list)
     wall_s: float = 0.0
 
+    def mean_accept_length(self) -> float | None:
+        """Mean accepted drafts per speculative step over every request (None without a draft head)."""
+        a = [x for r in self.results.values() for x in r.accept_lengths]
+        return sum(a) / len(a) if a else None
+
 
 class Engine:
     """Runs requests through ``model`` with ``cache`` as the KV cache backend."""

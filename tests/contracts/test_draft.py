@@ -54,11 +54,15 @@ def draft_planes(hc):
 def test_accept_length_warm_equals_cold_on_every_tier(models, kind, host_layout, tmp_path):
     spec, model, prompt = SPECS[kind], models[kind], prompt_of()
     cold_hc = make_cache(spec)
-    cold = serve(Engine(cold_hc, model, chunk_tokens=8), "cold", prompt)
-    plain = serve(Engine(cold_hc, model, chunk_tokens=8, use_draft=False), "plain", prompt_of(6))
+    cold_eng = Engine(cold_hc, model, chunk_tokens=8)
+    run = cold_eng.run([SimpleNamespace(rid="cold", arrival=0.0, max_new_tokens=NEW, namespace="")],
+                       lambda it, res: prompt)
+    cold = run.results["cold"]
+    assert run.mean_accept_length() == sum(cold.accept_lengths) / len(cold.accept_lengths)
+    plain = serve(Engine(cold_hc, model, chunk_tokens=8, use_draft=False), "plain", prompt)
     cold_hc.close()
     assert cold.accept_lengths and max(cold.accept_lengths) > 0
-    assert plain.accept_lengths == []
+    assert plain.accept_lengths == [] and plain.output == cold.output  # speculation keeps greedy tokens
 
     hc = make_cache(spec, f"file://{tmp_path}/l3", host_layout)
     eng = Engine(hc, model, chunk_tokens=8)

@@ -128,3 +128,26 @@ def test_unexplained_length_mismatch_raises():
     r.abort()
     hc.check_integrity()
     hc.close()
+
+
+def test_model_write_kv_drops_padding_aimed_at_cached_slots():
+    """The reference model's store path (``write_kv``): padding rows never land, even
+    when their slot ids point into an indexed page."""
+    from hicache.engine.model_kv import write_kv
+
+    hc = make_hc(BASE)
+    r = hc.new_request("q", tokens(0, 8))
+    hc.admit(r)
+    r.alloc(8)
+    slots = hc.device_pool.slot_ids(r.pages)
+    prov = torch.tensor([Row.VALID] * 5 + [Row.CP_PAGE_TAIL] * 3 + [Row.STATIC_PAD] * 4, dtype=torch.int8)
+    ids = torch.cat([slots[:5], slots[5:8], slots[:4]])  # the padding aims at rows 5-7 and 0-3
+    vals = torch.tensor([1.0, 2, 3, 4, 5] + [SENTINEL] * 7)
+    rows = {name: vals.view(-1, 1, 1).expand(12, 2, 2).clone() for name in ("k", "v")}
+    assert write_kv(hc.device_pool, 0, rows, ids, prov) == 5
+    k0 = hc.device_pool.plane("k", 0)[slots][:, 0, 0]
+    assert k0.tolist() == [1.0, 2, 3, 4, 5, 0, 0, 0]
+    with pytest.raises(ProvenanceError, match="provenance has shape"):
+        write_kv(hc.device_pool, 0, rows, ids, prov[:-1])
+    r.abort()
+    hc.close()
