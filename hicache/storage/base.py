@@ -24,7 +24,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterator, Sequence
 
-from redis.backoff import ExponentialBackoff
 
 from hicache.errors import ConfigError, IntegrityError
 from hicache.hashing import HASH_BYTES
@@ -100,13 +99,29 @@ class StorageOptions:
         return self.timeout_ms / 1000.0
 
 
+def _probe_backoff(options: StorageOptions):
+    """redis-py's ``ExponentialBackoff`` for probe spacing. The memory and file
+    backends must also work where redis-py is not installed (the core imports
+    without service dependencies); they never have network outages, so a
+    fixed spacing at the cap is enough there."""
+    cap = options.probe_max_ms / 1000.0
+    try:
+        from redis.backoff import ExponentialBackoff
+    except ImportError:
+        class _Fixed:
+            def compute(self, failures: int) -> float:
+                return cap
+        return _Fixed()
+    return ExponentialBackoff(cap=cap, base=options.timeout_s)
+
+
 class _Health:
     """Outage state: one warning per outage, probes spaced by a redis-py backoff."""
 
     def __init__(self, name: str, options: StorageOptions, clock: Callable[[], float] = time.monotonic):
         self.name = name
         self.clock = clock
-        self.backoff = ExponentialBackoff(cap=options.probe_max_ms / 1000.0, base=options.timeout_s)
+        self.backoff = _probe_backoff(options)
         self.down = False
         self.failures = 0  # consecutive failed calls in this outage
         self.probe_at = 0.0

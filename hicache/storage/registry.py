@@ -16,7 +16,6 @@ from hicache.errors import ConfigError
 from hicache.storage.base import StorageBackend, StorageOptions
 from hicache.storage.file import FileBackend
 from hicache.storage.memory import MemoryBackend
-from hicache.storage.redis_backend import RedisBackend, RedisClusterBackend
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +64,27 @@ class StorageRegistry:
             raise ConfigError(f"storage url {scheme}://...: bad option(s) {sorted(opts)}: {e}") from None
 
 
+def _redis_factory(cls_name: str) -> BackendFactory:
+    """Import redis-py only when a redis URL is opened: the core library and the
+    memory/file backends work where redis-py is not installed."""
+    def factory(url: str, options: StorageOptions, **opts: Any) -> StorageBackend:
+        try:
+            from hicache.storage import redis_backend
+        except ImportError as e:
+            raise ConfigError(f"storage url {url.split('://')[0]}://... needs redis-py: "
+                              f"pip install 'redis[hiredis]>=5.0' ({e})") from None
+        return getattr(redis_backend, cls_name).from_url(url, options, **opts)
+    return factory
+
+
 def default_registry() -> StorageRegistry:
     """A new registry with memory, file, redis, rediss, redis+cluster, rediss+cluster and plugins."""
     reg = StorageRegistry()
     reg.register("memory", MemoryBackend.from_url)
     reg.register("file", FileBackend.from_url)
     for s in ("redis", "rediss"):
-        reg.register(s, RedisBackend.from_url)
-        reg.register(s + "+cluster", RedisClusterBackend.from_url)
+        reg.register(s, _redis_factory("RedisBackend"))
+        reg.register(s + "+cluster", _redis_factory("RedisClusterBackend"))
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         reg.register(ep.name, ep.load(), replace=True)
         log.info("L3 backend plugin %r from %s", ep.name, ep.value)
