@@ -89,7 +89,7 @@ class HiCache:
         self.host_pool = HostPool(self.layout, cfg.pool.host_pages)
         if storage is None and cfg.storage.url:
             from hicache.storage import open_storage
-            storage = open_storage(cfg.storage.url, fingerprint=self.layout.fingerprint(),
+            storage = open_storage(cfg.storage.url, fingerprint=self.layout.fingerprint(), layout=self.layout,
                                    timeout_ms=cfg.storage.timeout_ms, max_retries=cfg.storage.max_retries)
         self.storage = storage
         self.policy = cfg.policy

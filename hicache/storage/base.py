@@ -22,13 +22,16 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Sequence
 
 
 from hicache.errors import ConfigError, IntegrityError
 from hicache.hashing import HASH_BYTES
 from hicache.storage import codec
 from hicache.storage.codec import Buffer, ReadStatus
+
+if TYPE_CHECKING:
+    from hicache.layout import KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +81,18 @@ class StorageOptions:
     max_retries: int = 2  # retries of one call (redis-py Retry) before it counts as failed
     key_prefix: bytes = b""  # b"" = b"hicache:" + fingerprint[:8] + b":"
     probe_max_ms: int = 1000  # longest wait between probes while L3 is down
+    # The whole layout, for backends that must present it (the node-local
+    # service's handshake); object stores need only the fingerprint.
+    layout: "KVLayout | None" = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.fingerprint, str) or len(self.fingerprint) < 8:
             raise ConfigError(f"storage fingerprint={self.fingerprint!r}: pass KVLayout.fingerprint() "
                               "(a string of at least 8 characters)")
+        if self.layout is not None and self.layout.fingerprint() != self.fingerprint:
+            raise ConfigError(f"storage fingerprint={self.fingerprint!r} is not the fingerprint "
+                              f"{self.layout.fingerprint()!r} of layout {self.layout.model_id!r}; pass both "
+                              "from the same KVLayout")
         for name, low in (("timeout_ms", 1), ("max_retries", 0), ("probe_max_ms", 1)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:

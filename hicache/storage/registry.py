@@ -13,6 +13,7 @@ from importlib.metadata import entry_points
 from typing import Any, Callable
 
 from hicache.errors import ConfigError
+from hicache.layout import KVLayout
 from hicache.storage.base import StorageBackend, StorageOptions
 from hicache.storage.file import FileBackend
 from hicache.storage.memory import MemoryBackend
@@ -44,7 +45,8 @@ class StorageRegistry:
         return sorted(self._factories)
 
     def open(self, url: str, *, fingerprint: str, timeout_ms: int = 50, max_retries: int = 2,
-             key_prefix: str | bytes = b"", probe_max_ms: int = 1000, **opts: Any) -> StorageBackend:
+             key_prefix: str | bytes = b"", probe_max_ms: int = 1000, layout: KVLayout | None = None,
+             **opts: Any) -> StorageBackend:
         """See ``open_storage``."""
         scheme, sep, _ = url.partition("://")
         if not sep:
@@ -55,7 +57,7 @@ class StorageRegistry:
             raise ConfigError(f"storage url scheme {scheme!r} is not registered; known: "
                               f"{', '.join(self.schemes())}")
         options = StorageOptions(fingerprint=fingerprint, timeout_ms=timeout_ms, max_retries=max_retries,
-                                 key_prefix=key_prefix, probe_max_ms=probe_max_ms)
+                                 key_prefix=key_prefix, probe_max_ms=probe_max_ms, layout=layout)
         try:
             return factory(url, options, **opts)
         except TypeError as e:
@@ -98,7 +100,8 @@ def open_storage(url: str, *, fingerprint: str, timeout_ms: int = 50, max_retrie
     ``fingerprint`` is ``KVLayout.fingerprint()``; it is written into every
     object and checked on every read. Common options: ``key_prefix``
     (default ``"hicache:" + fingerprint[:8] + ":"``), ``probe_max_ms``
-    (longest wait between probes while L3 is down). Backend options:
+    (longest wait between probes while L3 is down), ``layout`` (the whole
+    ``KVLayout``; needed by ``hicache+unix://``). Backend options:
     ``memory://`` ``max_bytes``; ``file://`` ``fsync``; ``redis://``
     redis-py ConnectionPool keywords (e.g. ``max_connections``);
     ``redis+cluster://`` RedisCluster keywords. Does not connect: an
