@@ -31,13 +31,14 @@ ids back to its caller (``hicache.cache.PrefixCache``). Not thread-safe.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import heapq
 from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 
 from hicache.cp import PageOwnership, RoundRobin
 from hicache.errors import CacheStateError, IntegrityError
-from hicache.eviction import EvictionPolicy, run_eviction
+from hicache.eviction import POLICIES, EvictionPolicy, run_eviction
 from hicache.hashing import namespace_root, page_hashes
 from hicache.types import PageHash
 
@@ -116,6 +117,12 @@ class TreeCensus(NamedTuple):
     nodes: int
 
 
+def _monotone(policy: EvictionPolicy) -> bool:
+    """Built-in policies' keys never decrease over time (clock, hit count, nid),
+    which is what the lazy heap needs; custom policies rebuild per call."""
+    return type(policy) is POLICIES.get(getattr(policy, "name", None))
+
+
 class RadixTree:
     """The index. ``page_size`` tokens per page; ``ownership``/``cp_rank`` pick owned pages.
 
@@ -146,6 +153,10 @@ class RadixTree:
         # L1 leaves (on L1, no child on L1): the device eviction candidates, kept
         # incrementally so eviction does not scan the whole tree.
         self._dev_leaves: set[Node] = set()
+        # Per built-in policy, a lazily maintained heap over the L1 leaves: entries
+        # go stale (keys only grow: clock, hit count) and are fixed on pop, so an
+        # eviction costs O(evicted log n) instead of a heap build over every leaf.
+        self._leaf_heaps: dict[str, list[tuple[tuple, int, Node]]] = {}
 
     # ------------------------------------------------------------------ helpers
     def owned(self, start_page: int, num_pages: int) -> int:
@@ -300,7 +311,7 @@ class RadixTree:
                 child.device_pages = list(mine)
                 child.draft_device = vouched
                 self.device_ids_held += cnt
-                self._dev_leaves.add(child)
+                self._add_dev_leaf(child)
                 self._dev_leaves.discard(node)
                 pages += mine
             else:
@@ -338,7 +349,7 @@ class RadixTree:
         assert len(device_pages) == self.owned(start, node.num_pages)
         parent.children[key[:pb]] = node
         self.device_ids_held += len(device_pages)
-        self._dev_leaves.add(node)
+        self._add_dev_leaf(node)
         self._dev_leaves.discard(parent)
         self.num_nodes += 1
         return node
@@ -431,7 +442,7 @@ class RadixTree:
         node.device_pages = list(device_pages)
         node.draft_device = node.draft_host  # the load back copies every plane
         self.device_ids_held += want
-        self._dev_leaves.add(node)
+        self._add_dev_leaf(node)
         self._dev_leaves.discard(node.parent)
 
     def insert_host(self, key: bytes, namespace: str, first_page: int,
@@ -541,15 +552,48 @@ class RadixTree:
             if n.host_pages is None:
                 self._remove(n)
             if self._device_evictable(parent, unlocked=False):
-                self._dev_leaves.add(parent)
+                self._add_dev_leaf(parent)
                 return n.num_pages, (parent if parent.lock_ref == 0 else None)
             return n.num_pages, None
 
-        cands = [n for n in self._dev_leaves if n.lock_ref == 0]
-        got = run_eviction(cands, policy, num_pages, evict_one)
+        if _monotone(policy):
+            got = self._evict_from_heap(policy, num_pages, evict_one)
+        else:
+            cands = [n for n in self._dev_leaves if n.lock_ref == 0]
+            got = run_eviction(cands, policy, num_pages, evict_one)
         if got:
             self.epoch += 1
         return freed, got
+
+    def _add_dev_leaf(self, n: Node) -> None:
+        self._dev_leaves.add(n)
+        for name, heap in self._leaf_heaps.items():
+            heapq.heappush(heap, (POLICIES[name]().key(n), n.nid, n))
+
+    def _evict_from_heap(self, policy: EvictionPolicy, num_pages: int,
+                         evict_one: Callable[[Node], tuple[int, Node | None]]) -> int:
+        """``run_eviction`` over the persistent heap of ``policy`` (same order)."""
+        heap = self._leaf_heaps.get(policy.name)
+        if heap is None or len(heap) > 2 * len(self._dev_leaves) + 1024:  # first use, or too stale
+            heap = [(policy.key(n), n.nid, n) for n in self._dev_leaves]
+            heapq.heapify(heap)
+            self._leaf_heaps[policy.name] = heap
+        key, got, locked = policy.key, 0, []
+        while got < num_pages and heap:
+            k, nid, n = heapq.heappop(heap)
+            if n not in self._dev_leaves:
+                continue  # no longer an L1 leaf (evicted, removed or grew children)
+            cur = key(n)
+            if cur != k:
+                heapq.heappush(heap, (cur, nid, n))
+                continue
+            if n.lock_ref:
+                locked.append((k, nid, n))
+                continue
+            got += evict_one(n)[0]  # a parent that becomes a leaf is pushed by _add_dev_leaf
+        for e in locked:
+            heapq.heappush(heap, e)
+        return got
 
     def evict_host(self, num_pages: int, policy: EvictionPolicy) -> tuple[list[int], int]:
         """Drop at least ``num_pages`` logical pages from L2, L2 leaves with
