@@ -1,5 +1,6 @@
-"""Shared fixtures. Services are real: Redis comes from $HICACHE_TEST_REDIS_URL
-(set by .ci/run) or, when that is unset, from a redis-server this fixture starts
+"""Shared fixtures. Services are real: Redis comes from $REDIS_TEST_URL
+(set by .ci/run; deliberately not HICACHE_*, which the configuration reads and
+validates strictly) or, when that is unset, from a redis-server this fixture starts
 on a free loopback port. Tests never skip for a missing service."""
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def wait_port(port: int, timeout: float = 10.0) -> None:
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
-    url = os.environ.get("HICACHE_TEST_REDIS_URL")
+    url = os.environ.get("REDIS_TEST_URL")
     if url:
         yield url
         return
