@@ -191,6 +191,11 @@ def _explain(e: ValidationError) -> str:
         key = ".".join(str(p) for p in err["loc"])
         env = "HICACHE_" + "__".join(str(p).upper() for p in err["loc"])
         got = err.get("input")
+        if err["type"] == "extra_forbidden":
+            lines.append(f"unknown setting {key!r} (from {env} in the environment, the config file or "
+                         f"--set); remove it or fix its name: settings are <section>.<key> with sections "
+                         f"{', '.join(HiCacheConfig.model_fields)}")
+            continue
         lines.append(f"{key}={got!r}: {err['msg']} (set it in the config file, with {env}=..., "
                      f"or with --set {key}=...)")
     return "invalid configuration: " + "; ".join(lines)
