@@ -132,6 +132,13 @@ class TransferController:
     def _idx(self, pages: Sequence[int]) -> torch.Tensor:
         return torch.as_tensor(list(pages), dtype=torch.int64, device=self.device_pool.device)
 
+    def _keep_for_copy(self, *idx: torch.Tensor) -> None:
+        """The index tensors are allocated on the caller's stream and read by copies on
+        ours: without this, the caller's next allocations may reuse their memory while
+        a copy still reads it (the engine's forward runs while a layer-wise load copies)."""
+        for t in idx:
+            t.record_stream(self._stream)
+
     def backup(self, device_pages: Sequence[int], host_pages: Sequence[int],
                on_done: Callable[[Transfer], None] | None = None) -> Transfer:
         """Copy L1 pages to L2 (all planes). The caller holds both sets of pages."""
@@ -141,6 +148,7 @@ class TransferController:
         src, dst = self._idx(device_pages), self._idx(host_pages)
         if self.on_gpu:
             self._stream.wait_stream(torch.cuda.current_stream())  # rows written by the engine
+            self._keep_for_copy(src, dst)
             with torch.cuda.stream(self._stream):
                 _copy_pages(self.device_pool, self.host_pool, src, dst)
                 t._cuda_event = torch.cuda.Event()
@@ -166,6 +174,7 @@ class TransferController:
         src, dst = self._idx(host_pages), self._idx(device_pages)
         if self.on_gpu:
             self._stream.wait_stream(torch.cuda.current_stream())
+            self._keep_for_copy(src, dst)
             with torch.cuda.stream(self._stream):
                 for i, planes in enumerate(self._plane_groups):
                     if planes:
