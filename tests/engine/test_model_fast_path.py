@@ -192,13 +192,15 @@ def test_l2_hit_with_layerwise_wait_equals_waiting_for_all(attention):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
 def test_gpu_sdpa_forward_never_syncs_and_overlaps_a_load():
-    spec = ModelSpec.tiny(num_layers=4, hidden=256, num_q_heads=8, num_kv_heads=2, head_dim=32, mlp=512,
-                          dtype="bfloat16", max_seq_len=2048)
+    # 128 MiB of KV (~2.5 ms over PCIe): the forward runs while later layers still copy, so
+    # memory the copies read (their page-id tensors) must not be reused by the forward
+    spec = ModelSpec.tiny(num_layers=8, hidden=1024, num_q_heads=16, num_kv_heads=8, head_dim=128, mlp=2048,
+                          dtype="bfloat16", max_seq_len=4096)
     model = ReferenceModel(spec, device="cuda", attention="sdpa", draft=False)
     cfg = HiCacheConfig.load(env={}, overrides={
-        "storage.url": "", "pool.device": "cuda:0", "pool.device_pages": "256", "pool.host_pages": "512"})
+        "storage.url": "", "pool.device": "cuda:0", "pool.device_pages": "600", "pool.host_pages": "1200"})
     hc = HiCache(cfg, layout=spec.kv_layout(16, "page_first"))
-    prompt = torch.randint(1, spec.vocab, (1000,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt = torch.randint(1, spec.vocab, (4000,), generator=torch.Generator().manual_seed(1)).tolist()
     outs = []
     for rid, layerwise in (("cold", False), ("serial", False), ("layerwise", True)):
         req = hc.new_request(rid, prompt)
@@ -221,7 +223,7 @@ def test_gpu_sdpa_forward_never_syncs_and_overlaps_a_load():
         hc.cache.evict(10**6)
         hc.check_integrity()
     (s0, cold), (s1, serial), (s2, layerwise) = outs
-    assert (s0, s1, s2) == (0, 992, 992)
+    assert (s0, s1, s2) == (0, 3984, 3984)
     assert torch.equal(serial, layerwise)
     torch.testing.assert_close(serial, cold, atol=0.1, rtol=0.05)
     hc.close()
