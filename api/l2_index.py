@@ -16,7 +16,9 @@ end (it is in use). A chain's pages enter the order deepest first (and a
 lookup or release refreshes them deepest first), so a prefix loses its tail
 before its head and the survivors stay lookup-able.
 
-Not thread-safe: the server touches it only from its event loop thread.
+Not thread-safe: the server touches it only from its event loop thread. The
+one exception is ``generation(page)``, a single list read that any thread may
+make (the L3 writer uses it as a seqlock, see ``hicache.api.l3_tier``).
 """
 from __future__ import annotations
 
@@ -98,6 +100,9 @@ class L2Index:
         self._refs: dict[PageHash, int] = {}  # locked (acquired) hashes -> acquisitions, all owners
         self._lru: OrderedDict[PageHash, None] = OrderedDict()  # every committed hash, oldest first
         self._owners: dict[OwnerId, _Owner] = {}
+        # Per page id: bumped whenever a committed page leaves the index, so
+        # "same generation" means "still holds the bytes committed under its hash".
+        self._gen: list[int] = [0] * allocator.capacity
         self.counters = IndexCounters()
 
     # ---------------------------------------------------------------- owners
@@ -134,6 +139,21 @@ class L2Index:
     def peek(self, hashes: Sequence[PageHash]) -> int:
         """How many leading ``hashes`` are present. Mutates nothing (no recency, no counters)."""
         return len(self._leading(hashes))
+
+    def peek_pages(self, hashes: Sequence[PageHash]) -> list[HostPageId]:
+        """Pages of the leading present ``hashes``. Mutates nothing (no recency, no counters)."""
+        return self._leading(hashes)
+
+    def page_of(self, h: PageHash) -> HostPageId | None:
+        """The committed page holding ``h``, or None. Mutates nothing."""
+        return self._page_of.get(h)
+
+    def generation(self, page: int) -> int:
+        """How many times committed page ``page`` has left the index (evicted or
+        flushed). Safe from any thread: an unchanged value across a copy of the
+        page proves the copy holds the committed bytes (committed pages are
+        never written; a page is only rewritten after it left the index)."""
+        return self._gen[page]
 
     def _leading(self, hashes: Sequence[PageHash]) -> list[HostPageId]:
         """Pages of the leading present hashes; validates the rest (a hit is a valid hash)."""
@@ -191,6 +211,7 @@ class L2Index:
         assert h not in self._refs, h
         page = self._page_of.pop(h)
         del self._hash_of[page]
+        self._gen[page] += 1  # before free: a reader that sees the old value read the old bytes
         self.allocator.free([page])
 
     def flush(self) -> int:
@@ -321,6 +342,11 @@ class L2Index:
     @property
     def num_locked(self) -> int:
         return len(self._refs)
+
+    @property
+    def num_evictable(self) -> int:
+        """Committed pages ``reserve`` may evict now (those nobody has acquired)."""
+        return len(self._lru) - len(self._refs)
 
     def check_integrity(self) -> None:
         """Every page is free, reserved by one owner, or committed once; refs balance."""
