@@ -46,6 +46,12 @@ class LookupResult(NamedTuple):
     host_page_ids: list[HostPageId]  # their pages, in query order (valid until evicted)
 
 
+class FetchResult(NamedTuple):
+    num_pages: int  # leading pages of the query present in L2 after the fetch
+    host_page_ids: list[HostPageId]  # their pages, in query order (valid until evicted)
+    fetched: int  # of those, pages this call loaded from the service's L3
+
+
 class CommitResult(NamedTuple):
     inserted: int  # pages that became lookup-able
     duplicates: int  # pages already present; their reserved page was freed by the server
@@ -99,6 +105,16 @@ class EngineClient:
         """How many leading pages of ``hashes`` L2 holds. Does not lock them."""
         pages = self._call({"op": "lookup", "hashes": list(hashes)})["pages"]
         return LookupResult(len(pages), pages)
+
+    def fetch(self, hashes: Sequence[PageHash], wait_ms: int) -> FetchResult:
+        """``lookup``, but pages missing from L2 are first loaded from the service's L3.
+
+        Waits up to ``wait_ms`` (capped by the service) for L3; a load still
+        running then lands in L2 later. Without an L3 it is ``lookup``. Does
+        not lock the pages: ``acquire`` them to read.
+        """
+        rep = self._call({"op": "fetch", "hashes": list(hashes), "wait_ms": wait_ms})
+        return FetchResult(len(rep["pages"]), rep["pages"], rep["fetched"])
 
     def reserve(self, n: int) -> list[HostPageId]:
         """``n`` pages to write into; raises ``OutOfPages`` if L2 cannot free them."""

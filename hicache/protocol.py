@@ -11,6 +11,9 @@ anything else is refused. Ops after the handshake, with their fields:
 op         request fields              reply fields
 =========  ==========================  ==========================================
 lookup     hashes: [bin16]             pages: [int] (leading present pages)
+fetch      hashes: [bin16], wait_ms    pages: [int], fetched: int (lookup that
+                                       first loads missing pages from the
+                                       service's L3, waiting up to wait_ms)
 reserve    n: int                      pages: [int] (for the client to write)
 commit     hashes: [bin16], pages      inserted: int, duplicates: int
 cancel     pages: [int]                (reserved pages given back unwritten)
@@ -39,7 +42,8 @@ PROTOCOL_VERSION = 1
 HEADER = struct.Struct(">I")
 HEADER_BYTES = HEADER.size
 
-OPS = frozenset({"lookup", "reserve", "commit", "cancel", "acquire", "release", "stats", "check", "bye"})
+OPS = frozenset({"lookup", "fetch", "reserve", "commit", "cancel", "acquire", "release", "stats", "check",
+                 "bye"})
 
 # Error kinds a server may send (the client also uses ``closed``).
 ERROR_KINDS = ("bad_frame", "too_large", "bad_request", "unknown_op", "not_handshaken", "version",
