@@ -4,6 +4,8 @@
 a reply with ``ok: False`` and an error kind (see ``hicache.protocol``);
 ``Reply.close`` tells the connection to hang up after sending it. State is
 validated before it is mutated, so a refused request changes nothing.
+Every op answers at once (``handle``) except ``fetch``, which may wait for
+the service's L3 (``handle_async`` awaits it on the loop).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from collections import Counter
 from typing import Any, Callable, NamedTuple
 
 from hicache.api.l2_index import L2Index
+from hicache.api.l3_tier import L3Tier
 from hicache.errors import (ContractMismatch, ForeignPage, IntegrityError, LayoutError, OutOfPages,
                             ServiceError)
 from hicache.layout import KVLayout
@@ -29,13 +32,15 @@ class Dispatcher:
     """Serves every connection of one server; ``owner`` is the connection id.
 
     ``segment`` is the handshake's description of the shared L2 segment;
-    ``snapshot`` returns the service statistics as a plain dict.
+    ``snapshot`` returns the service statistics as a plain dict; ``l3`` (None
+    without an L3) serves ``fetch`` misses from L3.
     """
 
     def __init__(self, layout: KVLayout, index: L2Index, segment: dict[str, Any],
-                 snapshot: Callable[[], dict[str, Any]]):
+                 snapshot: Callable[[], dict[str, Any]], l3: L3Tier | None = None):
         self.layout = layout
         self.index = index
+        self.l3 = l3
         self.segment = segment
         self.snapshot = snapshot
         self.errors: Counter[str] = Counter()
@@ -80,28 +85,55 @@ class Dispatcher:
 
     # ------------------------------------------------------------------- ops
     def handle(self, owner: int, req: dict[str, Any]) -> Reply:
-        """One request after the handshake."""
+        """One request after the handshake that answers at once (not ``fetch``)."""
         op = req.get("op")
         fn = self._ops.get(op) if isinstance(op, str) else None
         if fn is None:
             if op == "hello":
                 return self.error("bad_request", "hello was already done on this connection")
-            return self.error("unknown_op", f"unknown op {op!r}; known: {sorted(self._ops)}")
+            assert op != "fetch", "fetch may wait for L3: serve it with handle_async"
+            return self.error("unknown_op", f"unknown op {op!r}; known: {sorted([*self._ops, 'fetch'])}")
         try:
             body = fn(owner, req)
-        except ServiceError as e:
+        except Exception as e:
+            return self._refusal(op, e)
+        return Reply({"ok": True, **body}, close=(op == "bye"))
+
+    async def handle_async(self, owner: int, req: dict[str, Any]) -> Reply:
+        """``handle``, except that ``fetch`` may wait (on the loop) for L3."""
+        if req.get("op") != "fetch":
+            return self.handle(owner, req)
+        try:
+            body = await self._fetch(req)
+        except Exception as e:
+            return self._refusal("fetch", e)
+        return Reply({"ok": True, **body})
+
+    def _refusal(self, op: str, e: Exception) -> Reply:
+        if isinstance(e, ServiceError):
             return self.error(e.kind, f"{op}: {e.detail}")
-        except OutOfPages as e:
+        if isinstance(e, OutOfPages):
             return self.error("out_of_pages", f"{op}: {e}")
-        except ForeignPage as e:
+        if isinstance(e, ForeignPage):
             return self.error("foreign_page", f"{op}: {e}")
-        except IntegrityError as e:
+        if isinstance(e, IntegrityError):
             log.error("integrity check failed: %s", e)
             return self.error("integrity", str(e))
-        except Exception as e:  # a bug: answer, log loudly, keep serving others
-            log.exception("op %r failed", op)
-            return self.error("internal", f"{op}: {type(e).__name__}: {e}")
-        return Reply({"ok": True, **body}, close=(op == "bye"))
+        # a bug: answer, log loudly, keep serving others
+        log.error("op %r failed", op, exc_info=e)
+        return self.error("internal", f"{op}: {type(e).__name__}: {e}")
+
+    async def _fetch(self, req: dict) -> dict:
+        hashes, wait_ms = _arg(req, "hashes"), _arg(req, "wait_ms")
+        if not isinstance(wait_ms, (int, float)) or isinstance(wait_ms, bool) or not 0 <= wait_ms < 1e9:
+            raise ServiceError("bad_args", f"fetch needs wait_ms >= 0 (milliseconds), got {wait_ms!r}")
+        pages = self.index.lookup(hashes)
+        fetched = 0
+        if self.l3 is not None and len(pages) < len(hashes):
+            fetched = await self.l3.fetch(hashes[len(pages):], wait_ms / 1000.0)
+            if fetched:
+                pages = self.index.peek_pages(hashes)
+        return {"pages": pages, "fetched": fetched}
 
     def _lookup(self, owner: int, req: dict) -> dict:
         return {"pages": self.index.lookup(_arg(req, "hashes"))}

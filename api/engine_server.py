@@ -6,6 +6,10 @@
 frames (``hicache.protocol``). Engines copy page bytes in and out of the
 segment themselves; the server only decides which page ids hold what.
 
+With an L3 backend (``storage=``; ``storage.url`` when run from the command
+line) committed pages are written behind to L3 and ``fetch`` loads L2 misses
+back from it, on worker threads (``hicache.api.l3_tier``).
+
 Concurrency: one asyncio event loop owns every piece of state. ``start()``
 runs it in a thread (tests, embedding next to a REST app), ``run_forever()``
 in the calling thread (the CLI). ``stats()`` and ``check_integrity()`` may be
@@ -25,16 +29,18 @@ import socket
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from hicache.api.engine_ops import Dispatcher
 from hicache.api.l2_index import L2Index, L2Listener
+from hicache.api.l3_tier import L3_OWNER, L3Tier, StoredPages
 from hicache.config import HiCacheConfig, parse_set_flags
 from hicache.errors import ConfigError, HiCacheError, ServiceError
 from hicache.layout import KVLayout
 from hicache.pools import HostPool
 from hicache.protocol import HEADER_BYTES, body_length, pack, unpack
 from hicache.shm import SharedSegment
+from hicache.storage import StorageBackend, open_storage
 from hicache.types import PageHash
 
 log = logging.getLogger(__name__)
@@ -70,6 +76,7 @@ class ServiceStats:
     clients: int  # connected and handshaken now
     clients_total: int  # connections accepted since start
     errors: dict[str, int] = field(default_factory=dict)  # refusals by kind
+    l3: dict[str, int] = field(default_factory=dict)  # L3TierStats; empty without an L3
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -80,13 +87,18 @@ class EngineServer:
 
     Owns the shared segment and the socket file: both are removed on stop.
     ``listener`` (optional) is told about pages entering and leaving L2, on
-    the server's loop thread (see ``L2Listener``).
+    the server's loop thread (see ``L2Listener``). ``storage`` (optional) is
+    the node's L3; the server uses it but does not close it. ``on_l3_stored``
+    (optional) is told about pages written to L3, from the writer thread.
     """
 
     def __init__(self, config: HiCacheConfig, layout: KVLayout | None = None,
-                 listener: L2Listener | None = None):
+                 listener: L2Listener | None = None, storage: StorageBackend | None = None,
+                 on_l3_stored: Callable[[StoredPages], None] | None = None):
         self.config = config
         self.listener = listener
+        self.storage = storage
+        self.on_l3_stored = on_l3_stored
         self.layout = layout if layout is not None else config.layout()
         svc = config.service
         self.socket_path = svc.socket_path
@@ -99,6 +111,7 @@ class EngineServer:
         self.segment: SharedSegment | None = None
         self.pool: HostPool | None = None
         self.index: L2Index | None = None
+        self.l3: L3Tier | None = None
         self.dispatcher: Dispatcher | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -170,6 +183,8 @@ class EngineServer:
             if server is not None:
                 await server.wait_closed()
             await asyncio.sleep(0)  # let connection handlers run their cleanup
+            if self.l3 is not None:
+                await self.l3.aclose()  # its threads read and write the segment: stop them first
             self._close_state()
 
     def _open_state(self) -> None:
@@ -178,8 +193,17 @@ class EngineServer:
         try:
             self.pool = HostPool(self.layout, self.num_pages, buffer=self.segment.tensor)
             self.index = L2Index(self.pool.allocator, self.listener)
+            if self.storage is not None:
+                st = self.config.storage
+                # A fetch makes two L3 calls (prefix_hits, get), each bounded by
+                # timeout_ms per attempt; wait for no longer than both.
+                wait_s = 2 * (1 + st.max_retries) * st.timeout_ms / 1000.0
+                self.l3 = L3Tier(self.storage, self.index, self.pool, max_wait_s=wait_s,
+                                 queue_pages=self.num_pages, on_l3_stored=self.on_l3_stored)
+                self.index.listener = _Fanout([x for x in (self.listener, self.l3) if x is not None])
             info = {"shm_name": self.shm_name, "shm_size": size, "num_pages": self.num_pages}
-            self.dispatcher = Dispatcher(self.layout, self.index, info, lambda: self._snapshot().to_dict())
+            self.dispatcher = Dispatcher(self.layout, self.index, info, lambda: self._snapshot().to_dict(),
+                                         self.l3)
         except BaseException:
             self._close_state()
             raise
@@ -221,7 +245,7 @@ class EngineServer:
                 if isinstance(req, ServiceError):
                     reply = d.error(req.kind, req.detail)
                 elif registered:
-                    reply = d.handle(cid, req)
+                    reply = await d.handle_async(cid, req)
                 else:
                     reply = d.hello(cid, req)
                     registered = reply.body["ok"]
@@ -288,12 +312,15 @@ class EngineServer:
         return self._on_loop(flush)
 
     def check_integrity(self) -> None:
-        """Index, allocator and pool invariants; callable from any thread."""
+        """Index, allocator and pool invariants, then the L3 side (off the loop:
+        it may scan the backend); callable from any thread."""
         def check() -> None:
             assert self.index is not None and self.pool is not None, "server not started"
             self.index.check_integrity()
             self.pool.check_integrity()
         self._on_loop(check)
+        if self.l3 is not None:
+            self.l3.check_integrity()
 
     def _snapshot(self) -> ServiceStats:
         idx, d = self.index, self.dispatcher
@@ -307,7 +334,39 @@ class EngineServer:
             hits=c.hits, misses=c.misses, evictions=c.evictions, reservations=c.reservations,
             commits=c.commits, acquired=c.acquired, flushed=c.flushed, duplicates=c.duplicates,
             cancelled=c.cancelled, reclaimed=c.reclaimed,
-            clients=idx.num_owners, clients_total=self._next_client, errors=dict(d.errors))
+            clients=idx.num_owners - (self.l3 is not None), clients_total=self._next_client,
+            errors=dict(d.errors), l3=self.l3.stats().to_dict() if self.l3 is not None else {})
+
+
+class _Fanout:
+    """One ``L2Listener`` that tells several, in order."""
+
+    def __init__(self, listeners: list[L2Listener]):
+        self.listeners = listeners
+
+    def pages_stored(self, pages: Sequence[tuple[PageHash, PageHash | None]]) -> None:
+        for x in self.listeners:
+            x.pages_stored(pages)
+
+    def pages_removed(self, hashes: Sequence[PageHash]) -> None:
+        for x in self.listeners:
+            x.pages_removed(hashes)
+
+
+def open_l3(cfg: HiCacheConfig, layout: KVLayout) -> StorageBackend | None:
+    """The service's L3 backend for ``storage.url`` (does not connect), or None when it is "".
+
+    Raises ``ConfigError`` for a bad URL, including ``hicache+unix://``: the
+    service is what that scheme talks to, so it cannot be its own L3.
+    """
+    st = cfg.storage
+    if not st.url:
+        return None
+    if st.url.lower().startswith("hicache+"):
+        raise ConfigError(f"storage.url={st.url!r}: the service's L3 must be a store (redis://, file://, "
+                          "memory://, ...), not another hicache service")
+    return open_storage(st.url, fingerprint=layout.fingerprint(), layout=layout, timeout_ms=st.timeout_ms,
+                        max_retries=st.max_retries)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -320,7 +379,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = HiCacheConfig.load(args.config, parse_set_flags(args.set))
         logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        EngineServer(cfg).run_forever()
+        layout = cfg.layout()
+        storage = open_l3(cfg, layout)
+        try:
+            EngineServer(cfg, layout, storage=storage).run_forever()
+        finally:
+            if storage is not None:
+                storage.close()
     except HiCacheError as e:
         print(f"hicache engine server: error: {e}", file=sys.stderr)
         return 2

@@ -40,6 +40,23 @@ class Readiness(_Out):
     l3: L3Readiness
 
 
+class L3WriteReadStats(_Out):
+    """L3 only: the service's write-behind of committed pages and its read-through
+    (``fetch``), in pages since start."""
+
+    queued: int  # committed pages handed to the L3 writer
+    written: int  # stored in L3
+    dropped: int  # not queued: the writer's queue was full
+    stale: int  # evicted from L2 before the writer copied them
+    failed: int  # L3 did not store them (down, or a per-page error)
+    queue_pages: int  # waiting for the writer now
+    fetches: int  # engine fetches that asked L3
+    fetched: int  # pages loaded from L3 into L2
+    fetch_timeouts: int  # fetches answered before their load finished (it lands later)
+    fetch_busy: int  # fetches answered from L2 only: too many loads in flight
+    fetch_no_room: int  # pages L3 held that L2 had no room for
+
+
 class TierStats(_Out):
     """Counters since start for one tier (``None``: the tier cannot know it)."""
 
@@ -63,6 +80,7 @@ class TierStats(_Out):
     errors: int
     errors_by_kind: dict[str, int]
     down: bool = False  # L3 only: an outage is in progress
+    service: L3WriteReadStats | None = None  # L3 only: what the service moved between L2 and L3
 
 
 class EngineStats(_Out):

@@ -3,9 +3,12 @@
 The engine server runs its asyncio loop in a thread; uvicorn runs the REST
 app in the main thread and handles SIGINT/SIGTERM, after which the engine
 server is stopped (socket and shared segment removed) and L3 is closed.
+The engine server writes committed pages behind to L3 and serves ``fetch``
+from it; ``/v1/events`` carries ``stored`` events for both tiers.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -15,12 +18,11 @@ import uvicorn
 
 from hicache.api.app import create_app
 from hicache.api.deps import ADMIN_TOKEN_HELP, RestState, check_bind
-from hicache.api.engine_server import EngineServer
+from hicache.api.engine_server import EngineServer, open_l3
 from hicache.api.events import EventBus
 from hicache.api.redact import redact_url
 from hicache.config import HiCacheConfig
 from hicache.errors import ConfigError
-from hicache.storage import StorageBackend, open_storage
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +44,6 @@ def resolve_admin_token(cfg: HiCacheConfig) -> str:
     if not token:
         raise ConfigError(f"service.admin_token_file={svc.admin_token_file!r} is empty; {ADMIN_TOKEN_HELP}")
     return token
-
-
-def open_l3(cfg: HiCacheConfig, fingerprint: str) -> StorageBackend | None:
-    """The configured L3 backend (does not connect), or None when ``storage.url`` is ""."""
-    st = cfg.storage
-    if not st.url:
-        return None
-    return open_storage(st.url, fingerprint=fingerprint, timeout_ms=st.timeout_ms, max_retries=st.max_retries)
 
 
 class _Stopped(BaseException):
@@ -76,9 +70,10 @@ def serve(cfg: HiCacheConfig) -> int:
     svc = cfg.service
     check_bind(svc.host, token)
     layout = cfg.layout()
-    storage = open_l3(cfg, layout.fingerprint())
+    storage = open_l3(cfg, layout)
     bus = EventBus()
-    engine = EngineServer(cfg, layout, listener=bus)
+    engine = EngineServer(cfg, layout, listener=bus, storage=storage,
+                          on_l3_stored=functools.partial(bus.pages_stored, tier="L3"))
     engine.start()
     try:
         state = RestState(config=cfg, layout=layout, engine=engine, storage=storage, admin_token=token, bus=bus)

@@ -14,7 +14,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Callable
 
-from hicache.api.models import EngineStats, EventStats, StatsResponse, TierStats
+from hicache.api.models import EngineStats, EventStats, L3WriteReadStats, StatsResponse, TierStats
 from hicache.errors import IntegrityError
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ def collect(state: "RestState") -> StatsResponse:
             read_bytes_per_s=rate["L3.read"], write_bytes_per_s=rate["L3.write"], errors=l3.errors,
             errors_by_kind={"corrupt": l3.corrupt, "fingerprint_mismatch": l3.fingerprint_mismatch,
                             "put_dropped": l3.put_dropped},
-            down=state.storage.down)
+            down=state.storage.down, service=L3WriteReadStats(**s.l3) if s.l3 else None)
     else:
         t3 = TierStats(tier="L3", configured=False, capacity_pages=0, capacity_bytes=0, used_pages=0,
                        used_bytes=0, lookups=0, hit_pages=0, miss_pages=0, hit_tokens_exact=0,

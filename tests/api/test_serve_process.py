@@ -130,27 +130,36 @@ def test_events_lookup_and_flush_with_file_l3(tmp_path):
             assert l3.put([(k, bytes(layout.page_bytes), sizes) for k in h[3:5]]) == 2
         got: list[dict] = []
         with s.client() as c, EngineClient(s.socket_path, layout, pin=False) as eng:
-            reader = threading.Thread(target=_read_events, args=(s.url, 5, got))
+            reader = threading.Thread(target=_read_events, args=(s.url, 8, got))
             reader.start()
             _wait_subscribers(c, 1)
             commit(eng, h[:3])
             look = c.post("/v1/lookup", json={"tokens": tokens}).json()
             assert (look["L2"]["pages"], look["L3"]["pages"], look["total"]["tokens"]) == (3, 2, 5 * PS)
+            # The service writes committed pages behind to L3.
+            deadline = time.monotonic() + 20
+            while c.get("/v1/stats").json()["tiers"]["L3"]["service"]["written"] < 3:
+                assert time.monotonic() < deadline, "committed pages never reached L3"
+                time.sleep(0.02)
             eng.acquire(h[:1])  # a locked page survives a flush
             r = c.post("/v1/flush", json={"tier": "all"})
             assert r.status_code == 200, r.text
-            assert r.json() == {"L2": 2, "L3": 2}
+            assert r.json() == {"L2": 2, "L3": 5}
             reader.join(30)
             look = c.post("/v1/lookup", json={"tokens": tokens}).json()
             assert (look["L2"]["pages"], look["L3"]["pages"]) == (1, 0)
             st = c.get("/v1/stats").json()
             eng.release(h[:1])
         assert [(e["type"], e["tier"], e["page_hash"]) for e in got] == (
-            [("stored", "L2", x.hex()) for x in h[:3]] + [("removed", "L2", x.hex()) for x in (h[2], h[1])])
-        assert [e["parent_hash"] for e in got[:3]] == [None, h[0].hex(), h[1].hex()]
+            [("stored", "L2", x.hex()) for x in h[:3]] + [("stored", "L3", x.hex()) for x in h[:3]]
+            + [("removed", "L2", x.hex()) for x in (h[2], h[1])])
+        assert [e["parent_hash"] for e in got[:6]] == [None, h[0].hex(), h[1].hex()] * 2
         assert [e["seq"] for e in got] == sorted(e["seq"] for e in got) and all(e["dropped"] == 0 for e in got)
-        assert (st["tiers"]["L2"]["flushed"], st["tiers"]["L3"]["flushed"]) == (2, 2)
-        assert st["events"]["published"] == 5
+        assert (st["tiers"]["L2"]["flushed"], st["tiers"]["L3"]["flushed"]) == (2, 5)
+        assert st["tiers"]["L3"]["service"] == {"queued": 3, "written": 3, "dropped": 0, "stale": 0, "failed": 0,
+                                                "queue_pages": 0, "fetches": 0, "fetched": 0, "fetch_timeouts": 0,
+                                                "fetch_busy": 0, "fetch_no_room": 0}
+        assert st["events"]["published"] == 8
     finally:
         stop_serve(s)
 

@@ -51,7 +51,8 @@ def write_config(path: Path, layout: KVLayout, sock: str, shm: str, host_pages: 
     for k, v in layout.to_dict().items():
         lines.append(f"{k} = {json.dumps(v)}")
     lines += ["[pool]", f"host_pages = {host_pages}", "[service]", f"socket_path = {json.dumps(sock)}",
-              f"shm_name = {json.dumps(shm)}", f"max_request_bytes = {MAX_REQUEST_BYTES}"]
+              f"shm_name = {json.dumps(shm)}", f"max_request_bytes = {MAX_REQUEST_BYTES}",
+              "[storage]", 'url = ""']  # L2 only: the L3 side has its own tests (test_shared_tier.py)
     path.write_text("\n".join(lines) + "\n")
 
 

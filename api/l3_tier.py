@@ -1,0 +1,274 @@
+"""The service's L3: committed L2 pages are written behind to the backend, and
+pages missing from L2 are read through from it (the ``fetch`` op).
+
+Every L3 call runs on one of two worker threads, so the event loop never
+waits for L3: the *writer* (a bounded queue of pages to store) and the
+*reader* (one fetch at a time; at most ``MAX_FETCH_JOBS`` queued). The loop
+only enqueues, reserves and commits.
+
+Writes. ``pages_stored`` (an ``L2Listener`` hook, called on the loop when an
+engine's commit inserts pages) queues ``(hash, parent, page, generation)``.
+The writer copies each page out of the shared segment *without* locking it,
+then re-reads the page's generation (``L2Index.generation``, bumped whenever a
+committed page leaves L2): unchanged means the page was not recycled during
+the copy, so the bytes are the ones committed under the hash (a seqlock:
+committed pages are never written in place). A changed generation drops the
+page (``stale``); a full queue drops it (``dropped``). Pages that came from
+L3 are not written back.
+
+Reads. ``fetch(hashes, wait_s)`` asks L3 how many leading ``hashes`` it
+holds, reserves that many L2 pages under ``L3_OWNER``, copies the payloads
+in, commits the leading ones that arrived and cancels the rest. The caller
+waits at most ``wait_s``; a load still running then completes later (its
+pages stay reserved until it does), so the next lookup finds them.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Sequence
+
+from hicache.api.l2_index import L2Index
+from hicache.errors import IntegrityError, OutOfPages
+from hicache.pools import HostPool
+from hicache.storage import StorageBackend
+from hicache.types import PageHash
+
+log = logging.getLogger(__name__)
+
+L3_OWNER = -1  # the L2Index owner that holds pages being loaded from L3
+MAX_FETCH_PAGES = 512  # pages one fetch loads at most (an 8K-token prompt at page 16)
+MAX_FETCH_JOBS = 8  # fetches queued or running; more are answered from L2 only
+WRITE_BATCH = 64  # pages per backend put
+STOP_TIMEOUT_S = 30.0
+
+StoredPages = Sequence[tuple[PageHash, PageHash | None]]
+
+
+class _Pending(NamedTuple):
+    page_hash: PageHash
+    parent: PageHash | None
+    page: int
+    generation: int
+
+
+@dataclass(slots=True)
+class L3TierStats:
+    """Counters since start, in pages unless named otherwise. Every page handed
+    to the writer ends in exactly one of written / stale / failed, or is still
+    queued; ``dropped`` pages were never queued."""
+
+    queued: int = 0  # pages accepted by the writer queue
+    written: int = 0  # pages stored in L3
+    dropped: int = 0  # not queued: the queue was full
+    stale: int = 0  # evicted from L2 before the writer copied them
+    failed: int = 0  # the backend did not store them (L3 down or a per-page error)
+    fetches: int = 0  # fetch calls that asked L3
+    fetched: int = 0  # pages loaded from L3 into L2
+    fetch_timeouts: int = 0  # fetches answered before their load finished
+    fetch_busy: int = 0  # fetches answered from L2 only: too many loads in flight
+    fetch_no_room: int = 0  # pages L3 held that L2 had no room for
+    queue_pages: int = 0  # pages waiting for the writer now
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+class L3Tier:
+    """Write-behind and read-through between the service's L2 and its L3 backend.
+
+    Built and used on the server's event loop (``pages_stored``, ``fetch``);
+    ``stats`` and ``check_integrity`` may be called from any thread. ``aclose``
+    stops both workers; it must finish before the segment is unmapped.
+    ``on_l3_stored`` (optional) is told, from the writer thread, about pages
+    stored in L3 (KV events).
+    """
+
+    def __init__(self, storage: StorageBackend, index: L2Index, pool: HostPool, *, max_wait_s: float,
+                 queue_pages: int, on_l3_stored: Callable[[StoredPages], None] | None = None):
+        assert queue_pages >= 1, queue_pages
+        self.storage = storage
+        self.index = index
+        self.pool = pool
+        self.max_wait_s = max_wait_s
+        self.on_l3_stored = on_l3_stored
+        self._sizes = [p.page_bytes for p in pool.layout.planes]
+        self._lock = threading.Lock()  # guards _stats
+        self._stats = L3TierStats()
+        self._writes: queue.Queue[_Pending | None] = queue.Queue(queue_pages)
+        self._from_l3: set[PageHash] = set()  # being committed by a fetch: not written back
+        self._jobs: set[asyncio.Task] = set()
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-read")
+        self._writer = threading.Thread(target=self._write_loop, name="hicache-l3-write", daemon=True)
+        index.add_owner(L3_OWNER)
+        self._writer.start()
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                setattr(self._stats, k, getattr(self._stats, k) + v)
+
+    # ------------------------------------------------------------ write-behind
+    def pages_stored(self, pages: StoredPages) -> None:
+        """Queue newly committed pages for L3 (on the loop; never blocks)."""
+        queued = dropped = 0
+        for h, parent in pages:
+            if h in self._from_l3:
+                continue
+            page = self.index.page_of(h)
+            assert page is not None, h
+            try:
+                self._writes.put_nowait(_Pending(h, parent, page, self.index.generation(page)))
+                queued += 1
+            except queue.Full:
+                dropped += 1
+        if queued or dropped:
+            self._count(queued=queued, dropped=dropped)
+
+    def pages_removed(self, hashes: Sequence[PageHash]) -> None:
+        """L2 evictions do not touch L3."""
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._writes.get()
+            if item is None:
+                return
+            batch = [item]
+            while len(batch) < WRITE_BATCH:
+                try:
+                    nxt = self._writes.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._write(batch)
+                    return
+                batch.append(nxt)
+            self._write(batch)
+
+    def _write(self, batch: list[_Pending]) -> None:
+        copies = [(p, self.pool.read_page(p.page)) for p in batch]
+        fresh = [(p, data) for p, data in copies if self.index.generation(p.page) == p.generation]
+        stale = len(batch) - len(fresh)
+        try:
+            stored = self.storage.put([(p.page_hash, data, self._sizes) for p, data in fresh]) if fresh else 0
+        except Exception:  # a bug below the backend's own failure handling: keep the writer alive
+            log.exception("L3 put of %d pages failed", len(fresh))
+            stored = 0
+        # put() stores a subset without saying which on a per-page failure;
+        # events are only published when the whole batch landed.
+        self._count(written=stored, stale=stale, failed=len(fresh) - stored)
+        if stored and stored == len(fresh) and self.on_l3_stored is not None:
+            self.on_l3_stored([(p.page_hash, p.parent) for p, _ in fresh])
+
+    # ------------------------------------------------------------ read-through
+    async def fetch(self, hashes: Sequence[PageHash], wait_s: float) -> int:
+        """Load the leading ``hashes`` L3 holds into L2; returns how many landed
+        within ``wait_s`` (capped at ``max_wait_s``). ``hashes`` must all be
+        missing from L2 (the caller looked them up first)."""
+        if not hashes:
+            return 0
+        if len(self._jobs) >= MAX_FETCH_JOBS:
+            self._count(fetch_busy=1)
+            return 0
+        self._count(fetches=1)
+        job = asyncio.get_running_loop().create_task(self._load(list(hashes[:MAX_FETCH_PAGES])))
+        self._jobs.add(job)
+        job.add_done_callback(self._job_done)
+        done, _ = await asyncio.wait({job}, timeout=min(wait_s, self.max_wait_s))
+        if not done:
+            self._count(fetch_timeouts=1)
+            return 0
+        return job.result()
+
+    def _job_done(self, job: asyncio.Task) -> None:
+        self._jobs.discard(job)
+        if not job.cancelled() and job.exception() is not None:
+            log.error("L3 fetch failed", exc_info=job.exception())
+
+    async def _load(self, hashes: list[PageHash]) -> int:
+        loop = asyncio.get_running_loop()
+        n = await loop.run_in_executor(self._reader, self.storage.prefix_hits, hashes)
+        want = min(n, self.index.allocator.num_free + self.index.num_evictable)
+        if want < n:
+            self._count(fetch_no_room=n - want)
+        if want == 0:
+            return 0
+        try:
+            pages = self.index.reserve(L3_OWNER, want)
+        except OutOfPages:  # the room went between the check and here: cannot happen on one loop
+            raise AssertionError(f"reserve({want}) failed after the room check") from None
+        try:
+            got = await loop.run_in_executor(self._reader, self._read_into, hashes[:want], pages)
+        except asyncio.CancelledError:
+            raise  # shutting down: the reader may still be copying, so the pages stay reserved
+        except BaseException:
+            self._land([], [], pages)  # the copy ended (raised): nothing writes the pages now
+            raise
+        self._land(hashes[:got], pages[:got], pages[got:])
+        return got
+
+    def _read_into(self, hashes: list[PageHash], pages: list[int]) -> int:
+        """On the reader thread: copy the leading verified payloads into reserved ``pages``."""
+        n = 0
+        for payload, page in zip(self.storage.get(hashes, self._sizes), pages):
+            if payload is None:
+                break
+            self.pool.write_page(page, payload)
+            n += 1
+        return n
+
+    def _land(self, hashes: list[PageHash], pages: list[int], unused: list[int]) -> None:
+        if unused:
+            self.index.cancel(L3_OWNER, unused)
+        if not hashes:
+            return
+        self._from_l3.update(hashes)
+        try:
+            self.index.commit(L3_OWNER, hashes, pages)
+        finally:
+            self._from_l3.clear()
+        self._count(fetched=len(hashes))
+
+    # -------------------------------------------------------------- lifecycle
+    async def aclose(self) -> None:
+        """Stop taking work, cancel waiting fetches, let running L3 calls finish
+        (bounded by the backend timeouts), stop both threads. Idempotent."""
+        for job in list(self._jobs):
+            job.cancel()
+        if self._jobs:
+            await asyncio.wait(self._jobs, timeout=STOP_TIMEOUT_S)
+        await asyncio.to_thread(self._stop_threads)
+
+    def _stop_threads(self) -> None:
+        self._reader.shutdown(wait=True, cancel_futures=True)
+        if self._writer.is_alive():
+            self._writes.put(None)  # after everything queued: queued pages are still written
+            self._writer.join(STOP_TIMEOUT_S)
+            if self._writer.is_alive():
+                log.warning("L3 writer did not stop within %.0fs", STOP_TIMEOUT_S)
+
+    def stats(self) -> L3TierStats:
+        with self._lock:
+            out = dataclasses.replace(self._stats)
+        out.queue_pages = self._writes.qsize()
+        return out
+
+    def check_integrity(self) -> None:
+        """Counters balance: every queued page is written, stale, failed or still queued."""
+        with self._lock:
+            s = dataclasses.replace(self._stats)
+            q = self._writes.qsize()
+        bad = [f.name for f in dataclasses.fields(s) if getattr(s, f.name) < 0]
+        if bad:
+            raise IntegrityError(f"negative L3 tier counters {bad}: {s}")
+        done = s.written + s.stale + s.failed
+        # The writer may hold a batch it took off the queue and has not counted yet.
+        if not done <= s.queued or s.queued - done < q:
+            raise IntegrityError(f"L3 writer: queued={s.queued}, written+stale+failed={done}, "
+                                 f"still queued={q}: pages were lost or counted twice")
+        self.storage.check_integrity()
