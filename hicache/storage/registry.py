@@ -79,14 +79,22 @@ def _redis_factory(cls_name: str) -> BackendFactory:
     return factory
 
 
+def _service_factory(url: str, options: StorageOptions, **opts: Any) -> StorageBackend:
+    """``hicache+unix://``, imported when opened (it needs the service client's msgpack)."""
+    from hicache.storage.service import ServiceBackend
+    return ServiceBackend.from_url(url, options, **opts)
+
+
 def default_registry() -> StorageRegistry:
-    """A new registry with memory, file, redis, rediss, redis+cluster, rediss+cluster and plugins."""
+    """A new registry with memory, file, redis, rediss, redis+cluster, rediss+cluster,
+    hicache+unix (the node-local service) and plugins."""
     reg = StorageRegistry()
     reg.register("memory", MemoryBackend.from_url)
     reg.register("file", FileBackend.from_url)
     for s in ("redis", "rediss"):
         reg.register(s, _redis_factory("RedisBackend"))
         reg.register(s + "+cluster", _redis_factory("RedisClusterBackend"))
+    reg.register("hicache+unix", _service_factory)
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         reg.register(ep.name, ep.load(), replace=True)
         log.info("L3 backend plugin %r from %s", ep.name, ep.value)
@@ -104,8 +112,10 @@ def open_storage(url: str, *, fingerprint: str, timeout_ms: int = 50, max_retrie
     ``KVLayout``; needed by ``hicache+unix://``). Backend options:
     ``memory://`` ``max_bytes``; ``file://`` ``fsync``; ``redis://``
     redis-py ConnectionPool keywords (e.g. ``max_connections``);
-    ``redis+cluster://`` RedisCluster keywords. Does not connect: an
-    unreachable server makes the first calls miss, never this one raise.
+    ``redis+cluster://`` RedisCluster keywords. Does not connect (except
+    ``hicache+unix://``, which handshakes so that a layout the service
+    refuses raises ``ContractMismatch`` here): an unreachable server makes
+    the first calls miss, never this one raise.
     Raises ``ConfigError`` for a bad URL or option.
     """
     reg = registry if registry is not None else default_registry()
