@@ -48,6 +48,8 @@ class RequestResult:
     ttft_s: float  # admission -> first token (wall clock)
     last_logits: torch.Tensor | None = None
     full: list[int] = field(default_factory=list)  # prompt + output, set at finish
+    admitted: int = -1  # admission order (0, 1, ...)
+    namespace: str = ""
     accept_lengths: list[int] = field(default_factory=list)  # per speculative step (draft head only)
 
 
@@ -79,12 +81,17 @@ class Engine:
     """Runs requests through ``model`` with ``cache`` as the KV cache backend."""
 
     def __init__(self, cache: HiCache, model=None, *, chunk_tokens: int = 256, max_running: int = 4,
-                 keep_logits: bool = False, use_draft: bool | None = None, speculate_k: int = 3):
+                 keep_logits: bool = False, use_draft: bool | None = None, speculate_k: int = 3,
+                 drain_each_step: bool = False):
         self.cache = cache
         self.model = model
         self.chunk_tokens = chunk_tokens
         self.max_running = max_running
         self.keep_logits = keep_logits
+        # Observe every transfer at the end of each step instead of whenever it
+        # happens to finish: tier contents then evolve identically run after
+        # run, so a replay's figures are reproducible (costs the overlap).
+        self.drain_each_step = drain_each_step
         self.pool = cache.device_pool
         can = self.pool.layout.draft_layers > 0 and (model is None or model.has_draft)
         if use_draft and not can:
@@ -101,6 +108,7 @@ class Engine:
         """Serve ``items`` in arrival order. ``resolve(item, results)`` returns the
         prompt tokens, or None while the item waits on an unfinished parent."""
         run = EngineRun()
+        self._admitted = 0
         t0 = time.perf_counter()
         waiting = list(items)
         running: list[_Live] = []
@@ -147,7 +155,10 @@ class Engine:
                     run.results[live.result.rid] = live.result
                     if on_finish is not None:
                         on_finish(live.result)
-            self.cache.poll()
+            if self.drain_each_step:
+                self.cache.drain()
+            else:
+                self.cache.poll()
             s = self.cache.cache.stats()
             run.samples.append(StepSample(step, time.perf_counter() - t0, len(run.results),
                                           hit / prompt if prompt else 0.0,
@@ -169,7 +180,8 @@ class Engine:
         adm = self.cache.admit(req)
         adm.wait()
         res = RequestResult(item.rid, len(prompt_ids), [], adm.device_tokens, adm.host_tokens,
-                            adm.storage_tokens, 0, 0.0)
+                            adm.storage_tokens, 0, 0.0, admitted=self._admitted, namespace=req.namespace)
+        self._admitted += 1
         return _Live(item, req, prompt_ids, res, t, req.computed_tokens)
 
     def _slots(self, req: Request, upto: int) -> torch.Tensor:
