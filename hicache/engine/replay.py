@@ -57,7 +57,9 @@ def _summarise(name: str, run: EngineRun, hc: HiCache | None, prompt_total: int)
 
 
 def replay(cfg: HiCacheConfig, trace_path: str | None, *, progress: bool = True,
-           baselines: bool = True, scale: str = "small") -> dict[str, Any]:
+           baselines: bool = True, scale: str = "small", layout_model_id: str | None = None) -> dict[str, Any]:
+    """``layout_model_id`` (default: the reference model's digest name) names
+    the KV layout's model, e.g. the one a shared service was configured with."""
     from hicache.engine.model import ReferenceModel
     from hicache.engine.workloads import builtin_trace, read_trace
 
@@ -69,7 +71,7 @@ def replay(cfg: HiCacheConfig, trace_path: str | None, *, progress: bool = True,
         torch.set_num_threads(1)
     items = sorted(trace.requests, key=lambda r: r.arrival)
     spec = model_spec_for(cfg, trace.vocab)
-    layout = spec.kv_layout(cfg.model.page_size, cfg.model.host_layout)
+    layout = spec.kv_layout(cfg.model.page_size, cfg.model.host_layout, model_id=layout_model_id)
     hc = HiCache(cfg, layout=layout)
     model = ReferenceModel(spec, device=hc.device_pool.device)
     bar = iter_progress(len(items), progress)
