@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 from hicache.config import HiCacheConfig
 from hicache.engine.engine import Engine, EngineRun, iter_progress
 from hicache.engine.model_spec import ModelSpec
+from hicache.errors import ConfigError
 from hicache.hicache import HiCache
 
 
@@ -193,12 +195,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--scale", default="small", choices=("tiny", "small", "medium"),
                    help="size of the built-in trace (ignored with TRACE)")
+    p.add_argument("--service", metavar="SOCKET",
+                   help="use the node's hicache service (its engine socket, an absolute path) as L3: "
+                        "storage.url becomes hicache+unix://SOCKET and the KV layout takes the configured "
+                        "model.model_id, which the service must share")
+
+
+def service_config(cfg: HiCacheConfig, socket_path: str) -> HiCacheConfig:
+    """``cfg`` with the service at ``socket_path`` as L3. Raises ``ConfigError``."""
+    if not os.path.isabs(socket_path):
+        raise ConfigError(f"--service {socket_path!r}: give the absolute path of the service's engine socket "
+                          "(its service.socket_path)")
+    return cfg.model_copy(update={"storage": cfg.storage.model_copy(
+        update={"url": f"hicache+unix://{socket_path}"})})
 
 
 def main(args: argparse.Namespace, cfg: HiCacheConfig) -> int:
     t0 = time.perf_counter()
+    model_id = None
+    if args.service:
+        # Engines and the service agree on one configured layout; the handshake
+        # refuses (naming the fields) anything else.
+        cfg, model_id = service_config(cfg, args.service), cfg.model.model_id
     report = replay(cfg, args.trace, progress=not args.quiet,
-                    baselines=not args.no_baselines, scale=args.scale)
+                    baselines=not args.no_baselines, scale=args.scale, layout_model_id=model_id)
     print(format_table(report))
     if args.json:
         with open(args.json, "w") as f:

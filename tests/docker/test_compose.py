@@ -232,14 +232,20 @@ def test_hicache_and_engine_container_commands_against_real_redis(compose, redis
 
         eng = s["engine"]
         argv = [*eng["entrypoint"], *eng["command"]]
-        try:
-            build_parser().parse_args([a.replace("/run/hicache", d) for a in argv[1:]])
-        except SystemExit:
-            pytest.xfail("`hicache replay --service` is not implemented yet (the lead is adding it)")
+        build_parser().parse_args([a.replace("/run/hicache", d) for a in argv[1:]])
         r = subprocess.run(local_argv([a.replace("/run/hicache", d) for a in argv]),
                            env=container_env(eng, rewrites), capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr[-2000:]
-        assert httpx.get(base + "/v1/stats").json()["engine"]["clients_total"] >= 1
+        assert f"L3 hicache+unix://{d}/hicache.sock" in r.stdout, r.stdout
+        st = httpx.get(base + "/v1/stats").json()
+        assert st["engine"]["clients_total"] >= 1
+        assert st["tiers"]["L2"]["bytes_written"] > 0  # the engine stored its pages in the service
+        # ... which wrote them behind to Redis.
+        deadline = time.monotonic() + 30
+        while (l3 := httpx.get(base + "/v1/stats").json()["tiers"]["L3"]["service"])["written"] == 0:
+            assert time.monotonic() < deadline, l3
+            time.sleep(0.1)
+        assert l3["failed"] == 0
     finally:
         serve.terminate()
         out, err = serve.communicate(timeout=30)
