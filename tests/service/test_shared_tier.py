@@ -5,10 +5,12 @@ except where a test needs ``flush_l2`` or the L3 counters in-process.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -17,12 +19,13 @@ import uuid
 from pathlib import Path
 from typing import NamedTuple
 
+import httpx
 import pytest
 
 from hicache.api.engine_server import EngineServer
 from hicache.client import EngineClient
 from hicache.config import HiCacheConfig
-from hicache.errors import ConfigError, ContractMismatch
+from hicache.errors import ConfigError, ContractMismatch, ServiceError
 from hicache.hashing import page_hashes
 from hicache.layout import KVLayout
 from hicache.shm import shm_path
@@ -103,6 +106,9 @@ def test_backend_round_trip_against_service_process(name, tmpdir_short):
                 pages = c.acquire(h)
                 assert [c.pool.read_page(x) for x in pages] == [payload(layout, i) for i in range(3)]
                 c.release(h[:3])
+                assert c.fetch(h, 10) == (3, pages, 0)  # this service has no L3: a lookup
+                with pytest.raises(ServiceError, match="bad_args.*wait_ms"):
+                    c.fetch(h, -1)
             with pytest.raises(ValueError, match="plane sizes"):
                 b.get(h, sizes[:-1] + [sizes[-1] + 1])
         # A layout the service refuses fails at open time, naming the fields.
@@ -280,3 +286,50 @@ def test_service_refuses_itself_as_its_own_l3():
     cfg = HiCacheConfig.load(env={}, overrides={"storage.url": "hicache+unix:///tmp/x.sock"})
     with pytest.raises(ConfigError, match="not another hicache service"):
         open_l3(cfg, cfg.layout())
+
+
+# ------------------------------------------------------ two engines, one node
+def _replay(sock: str, out: Path, cwd: Path) -> dict:
+    argv = [sys.executable, "-m", "hicache.cli", "replay", "--service", sock, "--quiet", "--no-baselines",
+            "--scale", "tiny", "--json", str(out), "--set", "policy.prefetch_policy=wait_complete"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_")}
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=cwd, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_replays_in_two_processes_share_pages_through_the_service(tmpdir_short):
+    """The second engine process hits (as L3) the pages the first one stored in the service."""
+    port, sock, shm = free_port(), str(tmpdir_short / "h.sock"), unique_shm_name()
+    argv = [sys.executable, "-m", "hicache.cli", "serve", "--set", f"service.port={port}",
+            "--set", f"service.socket_path={sock}", "--set", f"service.shm_name={shm}",
+            "--set", "storage.url=memory://"]  # the service's own L3: written behind
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_")}
+    log = tmpdir_short / "serve.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(argv, stdout=err, stderr=err, env=env)
+    p = Proc(sock, shm, proc, log)
+    try:
+        wait_ready(sock, HiCacheConfig.load(env={}).layout(), proc, log)
+        first = _replay(sock, tmpdir_short / "r1.json", tmpdir_short)
+        second = _replay(sock, tmpdir_short / "r2.json", tmpdir_short)
+        a, b = first["rows"][0], second["rows"][0]
+        assert first["config"]["L3"] == f"hicache+unix://{sock}"
+        assert a["l3_hit_tokens"] == 0 and first["stats"]["storage"]["put_ok"] > 0
+        assert b["l3_hit_tokens"] > 0 and b["l3_hit_tokens"] % 16 == 0
+        assert b["hit_tokens"] > a["hit_tokens"] and b["recomputed_tokens"] < a["recomputed_tokens"]
+        s2 = second["stats"]["storage"]
+        assert s2["hits"] * 16 >= b["l3_hit_tokens"] and s2["errors"] == 0 and s2["reconnects"] == 0
+        st = httpx.get(f"http://127.0.0.1:{port}/v1/stats").json()
+        assert st["engine"]["clients_total"] >= 2 and st["engine"]["clients"] == 0
+        # Every page an engine put is in the service: committed once, or a duplicate of a committed one.
+        put = first["stats"]["storage"]["put_ok"] + s2["put_ok"]
+        assert st["tiers"]["L2"]["bytes_written"] == (put - st["engine"]["duplicates"]) * st["page_bytes"]
+    finally:
+        stop_service(p)
