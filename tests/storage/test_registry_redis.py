@@ -14,9 +14,9 @@ from .conftest import FP, cluster_nodes
 
 
 def test_default_schemes_and_errors():
-    assert default_registry().schemes() == ["file", "memory", "redis", "redis+cluster", "rediss",
+    assert default_registry().schemes() == ["file", "hicache+unix", "memory", "redis", "redis+cluster", "rediss",
                                             "rediss+cluster"]
-    with pytest.raises(ConfigError, match="scheme 's3' is not registered; known: file, memory"):
+    with pytest.raises(ConfigError, match="scheme 's3' is not registered; known: file, hicache\\+unix, memory"):
         open_storage("s3://bucket", fingerprint=FP)
     with pytest.raises(ConfigError, match="expected scheme://"):
         open_storage("/var/cache", fingerprint=FP)
