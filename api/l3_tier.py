@@ -44,7 +44,9 @@ log = logging.getLogger(__name__)
 L3_OWNER = -1  # the L2Index owner that holds pages being loaded from L3
 MAX_FETCH_PAGES = 512  # pages one fetch loads at most (an 8K-token prompt at page 16)
 MAX_FETCH_JOBS = 8  # fetches queued or running; more are answered from L2 only
-WRITE_BATCH = 64  # pages per backend put
+# Pages per backend call: up to 64, and no more than ~8 MiB of copies held at once.
+MAX_BATCH_PAGES = 64
+MAX_BATCH_BYTES = 8 << 20
 STOP_TIMEOUT_S = 30.0
 
 StoredPages = Sequence[tuple[PageHash, PageHash | None]]
@@ -98,7 +100,8 @@ class L3Tier:
         self.max_wait_s = max_wait_s
         self.on_l3_stored = on_l3_stored
         self._sizes = [p.page_bytes for p in pool.layout.planes]
-        self._lock = threading.Lock()  # guards _stats
+        self._batch = max(1, min(MAX_BATCH_PAGES, MAX_BATCH_BYTES // pool.layout.page_bytes))
+        self._lock = threading.Lock()  # guards _stats and makes "put in queue + count" one step
         self._stats = L3TierStats()
         self._writes: queue.Queue[_Pending | None] = queue.Queue(queue_pages)
         self._from_l3: set[PageHash] = set()  # being committed by a fetch: not written back
@@ -116,19 +119,18 @@ class L3Tier:
     # ------------------------------------------------------------ write-behind
     def pages_stored(self, pages: StoredPages) -> None:
         """Queue newly committed pages for L3 (on the loop; never blocks)."""
-        queued = dropped = 0
         for h, parent in pages:
             if h in self._from_l3:
                 continue
             page = self.index.page_of(h)
             assert page is not None, h
-            try:
-                self._writes.put_nowait(_Pending(h, parent, page, self.index.generation(page)))
-                queued += 1
-            except queue.Full:
-                dropped += 1
-        if queued or dropped:
-            self._count(queued=queued, dropped=dropped)
+            item = _Pending(h, parent, page, self.index.generation(page))
+            with self._lock:
+                try:
+                    self._writes.put_nowait(item)
+                    self._stats.queued += 1
+                except queue.Full:
+                    self._stats.dropped += 1
 
     def pages_removed(self, hashes: Sequence[PageHash]) -> None:
         """L2 evictions do not touch L3."""
@@ -139,7 +141,7 @@ class L3Tier:
             if item is None:
                 return
             batch = [item]
-            while len(batch) < WRITE_BATCH:
+            while len(batch) < self._batch:
                 try:
                     nxt = self._writes.get_nowait()
                 except queue.Empty:
@@ -215,11 +217,13 @@ class L3Tier:
     def _read_into(self, hashes: list[PageHash], pages: list[int]) -> int:
         """On the reader thread: copy the leading verified payloads into reserved ``pages``."""
         n = 0
-        for payload, page in zip(self.storage.get(hashes, self._sizes), pages):
-            if payload is None:
-                break
-            self.pool.write_page(page, payload)
-            n += 1
+        while n < len(hashes):
+            got = self.storage.get(hashes[n:n + self._batch], self._sizes)
+            for payload in got:
+                if payload is None:
+                    return n
+                self.pool.write_page(pages[n], payload)
+                n += 1
         return n
 
     def _land(self, hashes: list[PageHash], pages: list[int], unused: list[int]) -> None:
@@ -260,7 +264,7 @@ class L3Tier:
 
     def check_integrity(self) -> None:
         """Counters balance: every queued page is written, stale, failed or still queued."""
-        with self._lock:
+        with self._lock:  # queued and the queue's size move together under it
             s = dataclasses.replace(self._stats)
             q = self._writes.qsize()
         bad = [f.name for f in dataclasses.fields(s) if getattr(s, f.name) < 0]
