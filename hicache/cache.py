@@ -364,6 +364,8 @@ class Request:
             return  # (a shared page whose pending draft row was just written is re-inserted)
         k = tree.owned(0, full)
         res = tree.insert(self.key[:full * 4 * ps], self.namespace, self.pages[:k], dp)
+        if c.on_share is not None:
+            c.on_share(res.node)
         self._draft_shared = dp
         self.pages[:k] = res.pages
         if res.draft_copies:  # before the duplicates (the copies' sources) are freed
@@ -419,8 +421,13 @@ class PrefixCache:
                  host: HostPool | PageAllocator | None = None, *,
                  eviction: str | EvictionPolicy = "lru", host_eviction: str | EvictionPolicy = "lru",
                  ownership: str | PageOwnership = "round_robin",
-                 on_insert: NodeHook | None = None, on_device_evict: NodeHook | None = None):
+                 on_insert: NodeHook | None = None, on_device_evict: NodeHook | None = None,
+                 on_share: NodeHook | None = None):
         self.layout = layout
+        # Runs when a request's pages join ``node``'s path, before the request
+        # adopts the index's page ids or writes draft rows into them: a tiering
+        # controller makes it wait for loads still filling those pages.
+        self.on_share = on_share
         self.page_size = layout.page_size
         self.device_allocator = _allocator(device)
         self.device_pool = device if isinstance(device, DevicePool) else None

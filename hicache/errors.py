@@ -95,3 +95,8 @@ class SlotsExhausted(HiCacheError):
 
 class StaleSlot(HiCacheError):
     """A ``SlotView`` was used after its slot was released (its generation moved on)."""
+
+
+class TransferError(HiCacheError):
+    """An L2 -> L1 load failed: the L1 pages it was filling hold unknown bytes,
+    so the cache refuses to serve from L1 until it is rebuilt."""

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 from hicache.cache import MatchResult, PrefixCache, Request, Tokens
 from hicache.config import HiCacheConfig
-from hicache.errors import CacheStateError, OutOfPages
+from hicache.errors import CacheStateError, OutOfPages, TransferError
 from hicache.hashing import page_hashes
 from hicache.layout import KVLayout
 from hicache.pools import DevicePool, HostPool
@@ -96,12 +96,14 @@ class HiCache:
         self.transfers = TransferController(self.device_pool, self.host_pool, storage)
         self.cache = PrefixCache(self.layout, self.device_pool, self.host_pool,
                                  eviction=cfg.policy.device_eviction, host_eviction=cfg.policy.host_eviction,
-                                 on_insert=self._on_insert, on_device_evict=self._on_device_evict)
+                                 on_insert=self._on_insert, on_device_evict=self._on_device_evict,
+                                 on_share=self._wait_loads)
         self.tier_stats = TierStats()
         self._loading: dict[Node, LoadHandle] = {}  # L1 pages of these nodes are still arriving
         self._backing_up: set[Node] = set()
         self._host_in_flight: dict[int, list[int]] = {}  # transfer id -> host pages it holds (for integrity)
         self._storage_enabled = storage is not None and self.layout.cp_size == 1
+        self._failed: TransferError | None = None  # set by a failed load back; fatal
 
     # ------------------------------------------------------------- requests
     def new_request(self, rid: str, tokens: Tokens, namespace: str = "", *, draft: bool | None = None) -> Request:
@@ -122,6 +124,7 @@ class HiCache:
         """Schedule ``req``: match every tier, prefetch from L3 per the policy, load
         the L2 hit back into L1 and lock the whole hit. WAITING/PREEMPTED -> RUNNING.
         Afterwards ``req.computed_tokens`` counts the hit; allocate and compute the rest."""
+        self._check_healthy()
         m = req.match()
         device_tokens = m.device_tokens
         storage_tokens = self._maybe_prefetch(req, m)
@@ -225,14 +228,22 @@ class HiCache:
             host_ids += n.host_pages
             self.cache.set_device(n, dev[at:at + k])
             at += k
+        # The transfer itself pins the L1 pages it fills: the admitting request
+        # may abort, finish or be preempted before the copy completes.
+        self.cache.inc_lock(last)
 
         def loaded(t: Transfer) -> None:
             self.cache.dec_host_lock(last)
+            self.cache.dec_lock(last)
             for n in path:
                 if self._loading.get(n) is handle:
                     del self._loading[n]
             if t.error is not None:
                 self.tier_stats.transfer_errors += 1
+                self._failed = TransferError(
+                    f"load back of L2 pages {host_ids[:8]}{'...' if len(host_ids) > 8 else ''} into L1 "
+                    f"pages {dev[:8]}{'...' if len(dev) > 8 else ''} failed ({t.error!r}); those L1 pages "
+                    "are indexed with unknown bytes, so this cache refuses to serve; rebuild it")
 
         handle = self.transfers.load_back(host_ids, dev, on_done=loaded)
         for n in path:
@@ -341,8 +352,23 @@ class HiCache:
 
     # ------------------------------------------------------------- lifecycle
     def poll(self) -> int:
-        """Observe finished transfers without blocking; returns how many."""
-        return len(self.transfers.poll())
+        """Observe finished transfers without blocking; returns how many. Raises
+        ``TransferError`` once a load back has failed (see ``_check_healthy``)."""
+        n = len(self.transfers.poll())
+        self._check_healthy()
+        return n
+
+    def _check_healthy(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+
+    def _wait_loads(self, node: Node) -> None:
+        """A request is about to use the index's L1 pages on ``node``'s path (or
+        write draft rows into them): wait for loads still filling them."""
+        for n in self.cache.tree.path(node):
+            h = self._loading.get(n)
+            if h is not None:
+                h.wait()
 
     def drain(self) -> None:
         """Block until every transfer has finished and been observed."""
@@ -355,7 +381,7 @@ class HiCache:
                "capacity_pages": {"L1": self.device_pool.num_pages, "L2": self.host_pool.num_pages}}
         if self.storage is not None:
             s = self.storage.stats()
-            out["storage"] = s.as_dict() if hasattr(s, "as_dict") else dataclasses.asdict(s)
+            out["storage"] = dataclasses.asdict(s)
         return out
 
     def check_integrity(self) -> None:

@@ -251,6 +251,8 @@ class RadixTree:
     def pages(self, node: Node | None, end_page: int, first_page: int = 0, *, host: bool = False) -> list[int]:
         """Owned L1 (or L2) ids of logical pages ``[first_page, end_page)`` on the
         path to ``node``, which holds page ``end_page - 1``. A fresh list."""
+        if end_page <= first_page:
+            return []  # an empty range: ``node`` need not be on that tier at all
         parts = []
         n = node
         while n is not None and n.parent is not None and n.start_page + n.num_pages > first_page:

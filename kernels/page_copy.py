@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Literal, Sequence
@@ -82,14 +83,16 @@ class PageCopier:
     """Launches page copies and row stores; caches one ``CopyPlan`` per pool pair and plane set.
 
     Plans are weakly keyed by the pool objects: a pool's buffers must not be
-    replaced after its first copy (pools never do that). Not thread-safe: one
-    owner (the transfer engine) serialises calls, as for the pools themselves.
+    replaced after its first copy (pools never do that). The plan cache is
+    guarded by a lock: the transfer worker thread and the scheduler thread
+    (draft-plane upgrades, row stores) share one copier.
     """
 
     def __init__(self, pcie: TileConfig = PCIE_TILES, d2d: TileConfig = D2D_TILES):
         self.pcie = pcie  # any copy with a host side (and CPU tests)
         self.d2d = d2d
         self._pairs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()  # guards _pairs and every pair's plans
 
     # ------------------------------------------------------------------ copies
     def copy_pages(self, src: Pool, dst: Pool, src_pages: Indices, dst_pages: Indices, *,
@@ -121,9 +124,10 @@ class PageCopier:
             if s_idx.numel():
                 torch_copy(src, dst, s_idx, d_idx, _check_planes(src, planes))
             return
-        plan = pair.plans.get(key)
-        if plan is None:
-            plan = pair.plans[key] = self._build(src, dst, pair, _check_planes(src, planes), launch_dev)
+        with self._lock:
+            plan = pair.plans.get(key)
+            if plan is None:
+                plan = pair.plans[key] = self._build(src, dst, pair, _check_planes(src, planes), launch_dev)
         if s_idx.numel():
             _launch(plan, pair.tiles, s_idx, d_idx, None, launch_dev, num_blocks or pair.blocks)
 
@@ -131,23 +135,29 @@ class PageCopier:
         """The (cached) plan ``copy_pages`` launches with; for benchmarks and tests."""
         pair = self._pair(src, dst)
         key = None if planes is None else tuple(planes)
-        if key not in pair.plans:
-            dev = pair.gpu if pair.gpu is not None else _CPU
-            pair.plans[key] = self._build(src, dst, pair, _check_planes(src, planes), dev)
-        return pair.plans[key]
+        with self._lock:
+            if key not in pair.plans:
+                dev = pair.gpu if pair.gpu is not None else _CPU
+                pair.plans[key] = self._build(src, dst, pair, _check_planes(src, planes), dev)
+            return pair.plans[key]
 
     def check_integrity(self) -> None:
         """Every cached plan still matches its pools' addresses (buffers never replaced)."""
-        for src, by_dst in list(self._pairs.items()):
-            for dst, pair in list(by_dst.items()):
-                for key, plan in pair.plans.items():
-                    fresh = build_plan(_addrs(src, dst, _check_planes(src, key)), _CPU, pair.tiles)
-                    if _relative(plan) != _relative(fresh) or (plan.rows, plan.words, plan.nrows, plan.nbytes) != (
-                            fresh.rows, fresh.words, fresh.nrows, fresh.nbytes):
-                        raise IntegrityError(f"cached copy plan for planes {key} no longer matches "
-                                             "its pools' buffers; were they replaced?")
+        with self._lock:
+            snapshot = [(src, dst, pair.tiles, key, plan) for src, by_dst in list(self._pairs.items())
+                        for dst, pair in list(by_dst.items()) for key, plan in pair.plans.items()]
+        for src, dst, tiles, key, plan in snapshot:
+            fresh = build_plan(_addrs(src, dst, _check_planes(src, key)), _CPU, tiles)
+            if _relative(plan) != _relative(fresh) or (plan.rows, plan.words, plan.nrows, plan.nbytes) != (
+                    fresh.rows, fresh.words, fresh.nrows, fresh.nbytes):
+                raise IntegrityError(f"cached copy plan for planes {key} no longer matches "
+                                     "its pools' buffers; were they replaced?")
 
     def _pair(self, src: Pool, dst: Pool) -> _Pair:
+        with self._lock:
+            return self._pair_locked(src, dst)
+
+    def _pair_locked(self, src: Pool, dst: Pool) -> _Pair:
         by_dst = self._pairs.get(src)
         if by_dst is None:
             by_dst = self._pairs[src] = weakref.WeakKeyDictionary()

@@ -176,7 +176,7 @@ class Engine:
     # ----------------------------------------------------------------- steps
     def _admit(self, item, prompt_ids: list[int]) -> "_Live":
         t = time.perf_counter()
-        req = self.cache.new_request(item.rid, prompt_ids, getattr(item, "namespace", "") or "", draft=self.draft)
+        req = self.cache.new_request(item.rid, prompt_ids, item.namespace, draft=self.draft)
         adm = self.cache.admit(req)
         adm.wait()
         res = RequestResult(item.rid, len(prompt_ids), [], adm.device_tokens, adm.host_tokens,

@@ -47,7 +47,16 @@ class CacheMachine(RuleBasedStateMachine):
         """``ids`` are the owned pages of logical pages from ``first``; check content."""
         for pid, j in zip(ids, self.owned(first, -(-upto_tokens // PS))):
             want = (req.namespace, req.key[:min(upto_tokens, (j + 1) * PS) * 4])
-            assert mem.get(pid) == want, (req, j, pid, mem.get(pid), want)
+            got = mem.get(pid)
+            if upto_tokens < (j + 1) * PS and got is not None and got[0] == want[0]:
+                # The request's own partial page may hold rows past ``upto_tokens``: a
+                # refresh counts at most all but the last token (it must recompute that
+                # one for its logits), so a preempted tail can be ahead of the count.
+                # Those rows must still be this request's tokens.
+                assert len(want[1]) <= len(got[1]) <= min(len(req.key), (j + 1) * PB), (req, j, pid, got)
+                assert req.key.startswith(got[1]), (req, j, pid, got)
+                continue
+            assert got == want, (req, j, pid, got, want)
 
     def pick(self, i: int, *states):
         live = [r for r in self.reqs if r.state in states]
@@ -99,8 +108,8 @@ class CacheMachine(RuleBasedStateMachine):
         try:
             r.alloc(n)
         except OutOfPages:
-            assert (r.pages, self.c.device_allocator.num_free) <= (before[0], before[1] + 10**9)
-            assert r.pages == before[0]
+            assert r.pages == before[0]  # nothing allocated on failure
+            assert self.c.device_allocator.num_free >= before[1]  # (eviction may have freed pages)
         k = min(k, r.allocated_tokens - r.computed_tokens)
         a, b = r.computed_tokens, r.computed_tokens + k
         for pid, j in zip(r.pages[len(self.owned(0, a // PS)):], self.owned(a // PS, -(-b // PS))):
