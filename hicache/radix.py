@@ -157,6 +157,10 @@ class RadixTree:
         # go stale (keys only grow: clock, hit count) and are fixed on pop, so an
         # eviction costs O(evicted log n) instead of a heap build over every leaf.
         self._leaf_heaps: dict[str, list[tuple[tuple, int, Node]]] = {}
+        # The same for L2 eviction: candidates are pushed when they may have become
+        # L2 leaves (set_host, insert_host, a child's L2 eviction); a popped entry
+        # is re-validated, so non-leaves and dropped nodes simply fall out.
+        self._host_heaps: dict[str, list[tuple[tuple, int, Node]]] = {}
 
     # ------------------------------------------------------------------ helpers
     def owned(self, start_page: int, num_pages: int) -> int:
@@ -432,6 +436,7 @@ class RadixTree:
         node.host_pages = list(host_pages)
         node.draft_host = node.draft_device if draft is None else draft
         self.host_ids_held += want
+        self._push_host_candidate(node)
 
     def set_device(self, node: Node, device_pages: list[int]) -> None:
         """Attach L1 pages to an L2-only node (after a load back completed)."""
@@ -484,6 +489,7 @@ class RadixTree:
         node.children[key[pos:pos + pb]] = new
         self.host_ids_held += len(used)
         self.num_nodes += 1
+        self._push_host_candidate(new)
         return new, list(host_pages[:start - first_page])
 
     def set_stored(self, node: Node, stored: bool = True) -> None:
@@ -611,13 +617,47 @@ class RadixTree:
             parent = n.parent
             if n.device_pages is None:
                 self._remove(n)
+            if parent.parent is not None and parent.host_pages is not None:
+                self._push_host_candidate(parent)
             return n.num_pages, (parent if self._host_evictable(parent) else None)
 
-        cands = [n for n in self.iter_nodes() if self._host_evictable(n)]
-        got = run_eviction(cands, policy, num_pages, evict_one)
+        if _monotone(policy):
+            got = self._evict_host_from_heap(policy, num_pages, evict_one)
+        else:
+            cands = [n for n in self.iter_nodes() if self._host_evictable(n)]
+            got = run_eviction(cands, policy, num_pages, evict_one)
         if got:
             self.epoch += 1
         return freed, got
+
+    def _push_host_candidate(self, n: Node) -> None:
+        for name, heap in self._host_heaps.items():
+            heapq.heappush(heap, (POLICIES[name]().key(n), n.nid, n))
+
+    def _evict_host_from_heap(self, policy: EvictionPolicy, num_pages: int,
+                              evict_one: Callable[[Node], tuple[int, Node | None]]) -> int:
+        """``run_eviction`` over the persistent L2 candidate heap of ``policy`` (same order)."""
+        heap = self._host_heaps.get(policy.name)
+        if heap is None or len(heap) > 2 * self.host_ids_held + 1024:  # first use, or too stale
+            heap = [(policy.key(n), n.nid, n) for n in self.iter_nodes() if n.host_pages is not None]
+            heapq.heapify(heap)
+            self._host_heaps[policy.name] = heap
+        key, got, locked = policy.key, 0, []
+        while got < num_pages and heap:
+            k, nid, n = heapq.heappop(heap)
+            if n.host_pages is None or any(c.host_pages is not None for c in n.children.values()):
+                continue  # not on L2 any more, or not an L2 leaf: pushed again if it becomes one
+            cur = key(n)
+            if cur != k:
+                heapq.heappush(heap, (cur, nid, n))
+                continue
+            if n.host_lock_ref:
+                locked.append((k, nid, n))
+                continue
+            got += evict_one(n)[0]
+        for e in locked:
+            heapq.heappush(heap, e)
+        return got
 
     def _remove(self, n: Node) -> None:
         assert not n.children and n.lock_ref == 0 and n.host_lock_ref == 0, n
