@@ -12,6 +12,7 @@ page-locks the mapping (``cudaHostRegister``) so GPU kernels can address it.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -52,7 +53,10 @@ class SharedSegment:
 
     @classmethod
     def create(cls, name: str, size: int) -> "SharedSegment":
-        """Create a new zero-filled segment; raises ``PoolError`` if ``name`` exists."""
+        """Create a new zero-filled segment, its memory reserved up front.
+
+        Raises ``PoolError`` if ``name`` exists or ``/dev/shm`` cannot hold ``size`` bytes.
+        """
         if size < 1:
             raise PoolError(f"shared segment size must be >= 1 byte, got {size}")
         path = shm_path(name)
@@ -64,6 +68,17 @@ class SharedSegment:
                             f"name or remove {path}") from None
         try:
             os.ftruncate(fd, size)
+            # Back every page now: tmpfs hands out pages on first touch, and a
+            # touch beyond /dev/shm's capacity is a SIGBUS in whichever process
+            # (server or engine) writes that page first, not an error here.
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                raise PoolError(f"shared memory segment {path} needs {size} bytes but {SHM_DIR} has no "
+                                "room for it; enlarge /dev/shm (Docker: shm_size) or lower "
+                                "pool.host_pages") from None
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.unlink(path)

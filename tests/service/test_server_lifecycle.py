@@ -1,6 +1,7 @@
 """EngineServer in a thread: start/stop, leftovers, refusals at start; shm and frame helpers."""
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import tempfile
@@ -108,6 +109,22 @@ def test_shared_segment_is_shared_and_unlinked_by_owner():
     for bad in ("a/b", "", ".."):
         with pytest.raises(PoolError, match="shm_name"):
             shm_path(bad)
+
+
+def test_segment_memory_is_reserved_at_create_not_on_first_touch(monkeypatch):
+    # A sparse tmpfs file would SIGBUS the first process to touch a page
+    # /dev/shm has no room for; create() reserves (or refuses) up front.
+    name = f"hicache-test-{os.getpid()}-{os.urandom(4).hex()}"
+    size = 1 << 20
+    with SharedSegment.create(name, size):
+        assert os.stat(shm_path(name)).st_blocks * 512 >= size
+
+    def no_room(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    with pytest.raises(PoolError, match=f"needs {size} bytes but /dev/shm has no room"):
+        SharedSegment.create(name, size)
+    assert not os.path.exists(shm_path(name))
 
 
 def test_frame_helpers_round_trip_and_limits():
