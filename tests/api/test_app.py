@@ -64,6 +64,18 @@ def test_config_redacts_storage_password(make_state, app_of):
     assert body["fingerprint"] == st.layout.fingerprint() and body["page_bytes"] == st.layout.page_bytes
 
 
+def test_query_string_password_is_redacted_everywhere_the_url_is_shown(make_state, app_of):
+    # redis-py reads ?password= from the query string as readily as user:pw@.
+    assert redact_url("redis://h:6379/0?password=pw") == "redis://h:6379/0?password=***"
+    assert redact_url("rediss://u:pw@h/0?ssl_password=k&db=1") == "rediss://u:***@h/0?ssl_password=***&db=1"
+    st = make_state({"storage.url": "redis://127.0.0.1:1/0?password=s3cret-pw"})
+    with TestClient(app_of(st)) as c:
+        cfg, ready = c.get("/v1/config"), c.get("/readyz")
+    assert cfg.json()["config"]["storage"]["url"] == "redis://127.0.0.1:1/0?password=***"
+    assert ready.json()["l3"]["url"] == "redis://127.0.0.1:1/0?password=***"
+    assert "s3cret-pw" not in cfg.text + ready.text
+
+
 def test_admin_token_file_resolution(tmp_path):
     f = tmp_path / "t"
     f.write_text("  abc\n")
