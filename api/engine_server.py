@@ -115,7 +115,8 @@ class EngineServer:
         self.dispatcher: Dispatcher | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # start()'s thread; None under run_forever()
+        self._loop_thread: int | None = None  # ident of the thread running the loop (either way)
         self._next_client = 0
         self._conns: dict[int, asyncio.StreamWriter] = {}
 
@@ -167,6 +168,7 @@ class EngineServer:
 
     async def _main(self, on_ready: Callable[[], None]) -> None:
         self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self._stop = asyncio.Event()
         self._remove_stale_socket()
         self._open_state()
@@ -285,8 +287,7 @@ class EngineServer:
     # ------------------------------------------------------------------ state
     def _on_loop(self, fn: Callable[[], T], timeout: float = 10.0) -> T:
         loop = self._loop
-        if loop is None or not loop.is_running() or self._thread is None \
-                or threading.current_thread() is self._thread:
+        if loop is None or not loop.is_running() or threading.get_ident() == self._loop_thread:
             return fn()
 
         async def call() -> T:

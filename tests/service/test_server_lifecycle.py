@@ -64,6 +64,34 @@ def test_stop_disconnects_clients(cfg):
     c.close()
 
 
+def test_run_forever_answers_other_threads_on_its_loop(cfg):
+    # run_forever() serves in the calling (main) thread; stats() from any other
+    # thread must still read the index on the loop, never concurrently with it.
+    srv = EngineServer(cfg)
+    ran_on, snapshot = [], srv._snapshot
+
+    def recording_snapshot():
+        ran_on.append(threading.get_ident())
+        return snapshot()
+    srv._snapshot = recording_snapshot
+    asked: list = []
+
+    def other() -> None:
+        try:
+            for _ in range(1000):
+                if os.path.exists(cfg.service.socket_path):
+                    break
+                threading.Event().wait(0.01)
+            asked.append(srv.stats().capacity_pages)
+        finally:
+            srv.stop()
+    t = threading.Thread(target=other)
+    t.start()
+    srv.run_forever()
+    t.join()
+    assert asked == [4] and ran_on == [threading.get_ident()]
+
+
 def test_stale_socket_is_replaced_live_one_is_refused(cfg):
     path = cfg.service.socket_path
     s = socket.socket(socket.AF_UNIX)
