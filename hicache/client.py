@@ -152,12 +152,23 @@ class EngineClient:
     def _call(self, req: dict[str, Any]) -> dict[str, Any]:
         if self._sock is None:
             raise ServiceError("closed", "client is closed")
+        frame = pack(req)  # a request msgpack refuses fails here, with the stream intact
         try:
-            self._sock.sendall(pack(req))
+            self._sock.sendall(frame)
             rep = unpack(self._read_body())
         except OSError as e:
             self.close(send_bye=False)
             raise ServiceError("closed", f"connection to the engine server failed: {e}") from None
+        except ServiceError as e:
+            # A reply we cannot read: the stream is out of step with our requests.
+            self.close(send_bye=False)
+            raise ServiceError("closed", f"unreadable reply from the engine server ({e.kind}: {e.detail}); "
+                               "connection closed") from None
+        except BaseException:
+            # Interrupted between request and reply (e.g. KeyboardInterrupt): that
+            # reply is still coming and would be read as the next call's; hang up.
+            self.close(send_bye=False)
+            raise
         if rep.get("ok"):
             return rep
         kind, msg = rep.get("kind", "internal"), rep.get("message", repr(rep))

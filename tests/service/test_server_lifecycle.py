@@ -92,6 +92,42 @@ def test_run_forever_answers_other_threads_on_its_loop(cfg):
     assert asked == [4] and ran_on == [threading.get_ident()]
 
 
+def test_client_hangs_up_when_a_reply_is_lost_or_unreadable(cfg, monkeypatch):
+    # Either way the stream is out of step: a kept connection would hand the
+    # next call the previous call's reply (or refuse every later reply).
+    srv = EngineServer(cfg)
+    srv.start()
+    try:
+        c = EngineClient(cfg.service.socket_path, cfg.layout())
+
+        def interrupted() -> None:
+            raise KeyboardInterrupt
+        monkeypatch.setattr(c, "_fill", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            c.reserve(1)
+        monkeypatch.undo()
+        with pytest.raises(ServiceError) as e:
+            c.lookup([])  # not answered with reserve's reply
+        assert e.value.kind == "closed" and c.pool is None
+
+        c = EngineClient(cfg.service.socket_path, cfg.layout())
+        monkeypatch.setattr("hicache.client.MAX_REPLY_BYTES", 8)
+        with pytest.raises(ServiceError) as e:
+            c.stats()
+        assert e.value.kind == "closed" and "too_large" in str(e.value) and c.pool is None
+        monkeypatch.undo()
+        # The server reclaims the interrupted reservation once it sees the hang-up.
+        for _ in range(1000):
+            st = srv.stats()
+            if st.clients == 0:
+                break
+            threading.Event().wait(0.01)
+        assert (st.reserved_pages, st.reclaimed, st.free_pages) == (0, 1, 4)
+        srv.check_integrity()
+    finally:
+        srv.stop()
+
+
 def test_stale_socket_is_replaced_live_one_is_refused(cfg):
     path = cfg.service.socket_path
     s = socket.socket(socket.AF_UNIX)
