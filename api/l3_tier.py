@@ -153,7 +153,12 @@ class L3Tier:
             self._write(batch)
 
     def _write(self, batch: list[_Pending]) -> None:
-        copies = [(p, self.pool.read_page(p.page)) for p in batch]
+        try:
+            copies = [(p, self.pool.read_page(p.page)) for p in batch]
+        except Exception:  # a bug, not an outage: count the batch, keep the writer alive
+            log.exception("L3 write-back: reading %d L2 pages failed", len(batch))
+            self._count(failed=len(batch))
+            return
         fresh = [(p, data) for p, data in copies if self.index.generation(p.page) == p.generation]
         stale = len(batch) - len(fresh)
         try:
@@ -165,7 +170,10 @@ class L3Tier:
         # events are only published when the whole batch landed.
         self._count(written=stored, stale=stale, failed=len(fresh) - stored)
         if stored and stored == len(fresh) and self.on_l3_stored is not None:
-            self.on_l3_stored([(p.page_hash, p.parent) for p, _ in fresh])
+            try:
+                self.on_l3_stored([(p.page_hash, p.parent) for p, _ in fresh])
+            except Exception:  # a listener's bug must not stop write-back
+                log.exception("L3 write-back: the stored-pages listener failed")
 
     # ------------------------------------------------------------ read-through
     async def fetch(self, hashes: Sequence[PageHash], wait_s: float) -> int:

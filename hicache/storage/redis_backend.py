@@ -32,7 +32,7 @@ from redis.exceptions import ClusterDownError, RedisClusterException, RedisError
 from redis.retry import Retry
 
 from hicache.errors import ConfigError
-from hicache.storage.base import PutBatch, StorageBackend, StorageOptions
+from hicache.storage.base import PutBatch, StorageBackend, StorageOptions, redact_url
 from hicache.storage.codec import Buffer
 from hicache.storage.redis_wire import FramedConnection, FramedSSLConnection, FramedValue
 
@@ -68,7 +68,7 @@ class RedisBackend(StorageBackend):
         try:
             kw = parse_url(url)
         except ValueError as e:
-            raise ConfigError(f"storage url {_redact(url)!r}: {e}") from None
+            raise ConfigError(f"storage url {redact_url(url)!r}: {e}") from None
         ssl = kw.pop("connection_class", None) is SSLConnection
         kw.update(redis_kwargs)
         kw.update(socket_timeout=options.timeout_s, socket_connect_timeout=options.timeout_s,
@@ -77,7 +77,7 @@ class RedisBackend(StorageBackend):
 
         def make() -> redis.Redis:
             return redis.Redis(connection_pool=ConnectionPool(**kw))
-        return cls(options, make, _redact(url))
+        return cls(options, make, redact_url(url))
 
     def _pipe(self) -> Any:
         return self._client().pipeline(transaction=False)
@@ -145,15 +145,15 @@ class RedisClusterBackend(RedisBackend):
         userinfo, _, hosts = rest.rpartition("@")
         hosts, _, path = hosts.partition("/")
         if path not in ("", "0"):
-            raise ConfigError(f"storage url {_redact(url)!r}: a cluster has only db 0, got /{path}")
+            raise ConfigError(f"storage url {redact_url(url)!r}: a cluster has only db 0, got /{path}")
         nodes = []
         for hp in filter(None, hosts.split(",")):
             host, sep, port = hp.rpartition(":")
             if not sep or not host or not port.isdigit():
-                raise ConfigError(f"storage url {_redact(url)!r}: node {hp!r} must be host:port")
+                raise ConfigError(f"storage url {redact_url(url)!r}: node {hp!r} must be host:port")
             nodes.append(ClusterNode(host.strip("[]"), int(port)))
         if not nodes:
-            raise ConfigError(f"storage url {_redact(url)!r}: list at least one host:port")
+            raise ConfigError(f"storage url {redact_url(url)!r}: list at least one host:port")
         # Passing the first node as a redis:// URL makes RedisCluster build each
         # node's ConnectionPool from the kwargs, which is what lets
         # connection_class (the framed packer) reach the node connections.
@@ -164,13 +164,6 @@ class RedisClusterBackend(RedisBackend):
             socket_connect_timeout=options.timeout_s, require_full_coverage=False,
             connection_class=FramedSSLConnection if tls else FramedConnection)
         kw.update(cluster_kwargs)
-        return cls(options, lambda: RedisCluster(**kw), _redact(url))
+        return cls(options, lambda: RedisCluster(**kw), redact_url(url))
 
 
-def _redact(url: str) -> str:
-    """The URL with any password replaced by ``***`` (for names and logs)."""
-    scheme, sep, rest = url.partition("://")
-    userinfo, at, hosts = rest.rpartition("@")
-    if not at or ":" not in userinfo:
-        return url
-    return f"{scheme}{sep}{userinfo.split(':', 1)[0]}:***@{hosts}"

@@ -163,6 +163,11 @@ class ServiceBackend(StorageBackend):
                 if e.kind != "closed":
                     c.cancel(pages)  # the connection is fine: give the pages back now
                 raise
+            except BaseException:
+                # e.g. a payload that does not fit: the connection is fine, so give
+                # the pages back rather than hold them for the connection's life.
+                c.cancel(pages)
+                raise
             return r.inserted + r.duplicates
         return self._io_call(write)
 

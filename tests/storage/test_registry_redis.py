@@ -90,3 +90,12 @@ def test_cluster_spreads_pages_over_every_master(redis_cluster_url):
 def test_cluster_url_errors(url, why):
     with pytest.raises(ConfigError, match=why):
         open_storage(url, fingerprint=FP)
+
+
+def test_backend_name_hides_query_string_passwords():
+    from hicache.storage import open_storage
+    b = open_storage("redis://user:s3cret@127.0.0.1:1/0?password=q-s3cret&ssl_password=x", fingerprint="0" * 32)
+    try:
+        assert "s3cret" not in repr(b) and "q-s3cret" not in str(b.name) and "***" in str(b.name)
+    finally:
+        b.close()
