@@ -140,6 +140,7 @@ class ReferenceModel:
             raise ValueError(f"attention={attention!r}: use 'exact' (bit-reproducible) or 'sdpa' (fast)")
         self.spec, self.attention, self.device = spec, attention, torch.device(device)
         self.weights = ml.init_weights(spec, self.device, draft=draft)
+        self._f32_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         w = self.weights
         self._target = _Stack(lambda tok: w.embed[tok], w.layers, w.final_norm, False)
         self._draft = None if w.draft is None else _Stack(self._draft_embed, [w.draft.layer],
@@ -258,16 +259,33 @@ class ReferenceModel:
         rpos = pos.clamp(max=s.max_seq_len - 1)  # padding rows may run past the table
         cos, sin = w.rope_cos[rpos], w.rope_sin[rpos]
         x = stack.embed(*inputs)
+        exact = self.attention == "exact"
+        # The fast path trades bit-exactness for fewer launches (it is host-bound
+        # for short chunks): fused norms, one RoPE for q and k, one mask per call.
+        allowed = None if exact or T == t0 + T else ml.causal_allowed(pos, t0 + T)
         for i, lw in enumerate(stack.layers):
-            q, kv = ml.project(s, lw, ml.rms_norm(x, lw.attn_norm, s.norm_eps), cos, sin)
+            if exact:
+                q, kv = ml.project(s, lw, ml.rms_norm(x, lw.attn_norm, s.norm_eps), cos, sin)
+            else:
+                q, kv = ml.project_fast(s, lw, ml.rms_norm_fused(x, self._f32(lw.attn_norm), s.norm_eps), cos, sin)
             if before_layer is not None:
                 before_layer(i)
             store(i, kv)
             ctx = gather_context(pool, i, ctx_slots, t0 + T, x.dtype, draft=stack.draft)
             k, v = ml.expand_kv(s, lw, ctx)
-            x = x + F.linear(ml.attend(q, k, v, pos, exact=self.attention == "exact"), lw.w_o)
-            x = x + ml.mlp(lw, ml.rms_norm(x, lw.mlp_norm, s.norm_eps))
+            x = x + F.linear(ml.attend(q, k, v, pos, exact=exact, allowed=allowed), lw.w_o)
+            if exact:
+                x = x + ml.mlp(lw, ml.rms_norm(x, lw.mlp_norm, s.norm_eps))
+            else:
+                x = x + ml.mlp(lw, ml.rms_norm_fused(x, self._f32(lw.mlp_norm), s.norm_eps))
         return x
+
+    def _f32(self, w: torch.Tensor) -> torch.Tensor:
+        """A float32 copy of a norm weight, made once (fast path)."""
+        got = self._f32_cache.get(id(w))
+        if got is None or got[0] is not w:
+            got = self._f32_cache[id(w)] = (w, w.float())
+        return got[1]
 
     # ------------------------------------------------------------------ API
     def forward_chunk(self, pool: DevicePool, tokens: Sequence[int] | torch.Tensor, start_pos: int,

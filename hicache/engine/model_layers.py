@@ -125,6 +125,25 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (y * w.float()).to(x.dtype)
 
 
+def rms_norm_fused(x: torch.Tensor, w32: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm`` through ``F.rms_norm`` (fewer kernel launches; fast path only:
+    not bit-identical to ``rms_norm``). ``w32`` is the weight in float32."""
+    return F.rms_norm(x.float(), (x.shape[-1],), w32, eps).to(x.dtype)
+
+
+def project_fast(spec: ModelSpec, w: LayerWeights, a: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``project`` with one RoPE over queries and keys together (MHA; same values,
+    half the launches). MLA uses ``project``."""
+    if spec.kind != "mha":
+        return project(spec, w, a, cos, sin)
+    T, H, Hk = a.shape[0], spec.num_q_heads, spec.num_kv_heads
+    q = F.linear(a, w.w_q).view(T, H, spec.q_head_dim)
+    kv = F.linear(a, w.w_kv).view(T, 2, Hk, spec.head_dim)
+    qk = rope(torch.cat((q, kv[:, 0]), dim=1), cos, sin)
+    return qk[:, :H], {"k": qk[:, H:], "v": kv[:, 1]}
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE of ``x`` ``[T, heads, d]`` with ``cos``/``sin`` ``[T, d/2]``."""
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -159,7 +178,13 @@ def expand_kv(spec: ModelSpec, w: LayerWeights, ctx: dict[str, torch.Tensor]) ->
     return k, kv[..., nope:]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, *, exact: bool) -> torch.Tensor:
+def causal_allowed(q_pos: torch.Tensor, L: int) -> torch.Tensor:
+    """``[T, L]`` boolean: key ``j`` is visible to the query at ``q_pos[t]``."""
+    return torch.arange(L, device=q_pos.device)[None, :] <= q_pos[:, None]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, *, exact: bool,
+           allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of queries at absolute positions ``q_pos`` over keys at
     positions ``0 .. L-1``; returns ``[T, H * dv]``.
 
@@ -173,10 +198,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     scale = 1.0 / math.sqrt(d)
     if not exact and T == L:
         masked = None  # a whole sequence from position 0: plain causal, no [T, L] mask
+    elif not exact and allowed is not None:
+        masked = False  # the caller built the mask once for every layer
     else:
         masked = torch.arange(L, device=q.device)[None, :] > q_pos[:, None]  # [T, L]
     if not exact:
-        kw = dict(is_causal=True) if masked is None else dict(attn_mask=~masked)
+        kw = (dict(is_causal=True) if masked is None else
+              dict(attn_mask=allowed) if masked is False else dict(attn_mask=~masked))
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                            v.transpose(0, 1)[None], scale=scale, enable_gqa=G > 1, **kw)
         return o[0].transpose(0, 1).reshape(T, H * dv)
