@@ -227,3 +227,26 @@ def test_gpu_sdpa_forward_never_syncs_and_overlaps_a_load():
     assert torch.equal(serial, layerwise)
     torch.testing.assert_close(serial, cold, atol=0.1, rtol=0.05)
     hc.close()
+
+
+def test_fast_path_building_blocks_match_the_reference_ones():
+    """The launch-saving pieces of the sdpa path compute the same values."""
+    import torch.nn.functional as F  # noqa: F401
+    from hicache.engine import model_layers as ml
+    from hicache.engine.model import ReferenceModel
+    from hicache.engine.model_spec import ModelSpec
+    spec = ModelSpec.tiny("mha")
+    m = ReferenceModel(spec, draft=False, attention="sdpa")
+    lw = m.weights.layers[0]
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(5, spec.hidden, generator=g)
+    pos = torch.arange(7, 12)
+    cos, sin = m.weights.rope_cos[pos], m.weights.rope_sin[pos]
+    q0, kv0 = ml.project(spec, lw, a, cos, sin)
+    q1, kv1 = ml.project_fast(spec, lw, a, cos, sin)
+    assert torch.equal(q0, q1) and torch.equal(kv0["k"], kv1["k"]) and torch.equal(kv0["v"], kv1["v"])
+    x = torch.randn(5, spec.hidden, generator=g)
+    torch.testing.assert_close(ml.rms_norm_fused(x, lw.attn_norm.float(), spec.norm_eps),
+                               ml.rms_norm(x, lw.attn_norm, spec.norm_eps), rtol=1e-5, atol=1e-6)
+    allowed = ml.causal_allowed(pos, 12)
+    assert allowed.tolist() == [[j <= p for j in range(12)] for p in pos.tolist()]
