@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from hicache.cache import MatchResult, PrefixCache, Request, Tokens
+import numpy as np
+
+from hicache.cache import MatchResult, PrefixCache, Request, Tokens, as_key
 from hicache.config import HiCacheConfig
 from hicache.errors import CacheStateError, OutOfPages, TransferError
 from hicache.hashing import page_hashes
@@ -117,8 +120,15 @@ class HiCache:
         m = self.cache.match(tokens, namespace)
         if not storage or not self._storage_enabled:
             return m, 0
-        hashes = page_hashes(_as_array(tokens), self.layout.page_size, namespace)
-        return m, self.transfers.storage_probe(hashes[m.tokens // self.layout.page_size:]) * self.layout.page_size
+        key = as_key(tokens)
+        ps = self.layout.page_size
+        hashes = self._page_hashes(key, namespace, len(key) // (4 * ps))
+        return m, self.transfers.storage_probe(hashes[m.tokens // ps:]) * ps
+
+    def _page_hashes(self, key: bytes, namespace: str, num_pages: int) -> list:
+        """Chained hashes (L3 keys) of the first ``num_pages`` pages of a bytes key."""
+        ps = self.layout.page_size
+        return page_hashes(np.frombuffer(key[:num_pages * ps * 4], dtype="<u4"), ps, namespace)
 
     def admit(self, req: Request) -> Admission:
         """Schedule ``req``: match every tier, prefetch from L3 per the policy, load
@@ -155,7 +165,7 @@ class HiCache:
         if cap - have < self.policy.storage_hit_min_pages:
             return 0
         key = req.key
-        hashes = page_hashes(key_array(key[:cap * ps * 4]), ps, req.namespace)
+        hashes = self._page_hashes(key, req.namespace, cap)
         self.tier_stats.storage_lookups += 1
         s = self.transfers.storage_probe(hashes[have:cap])
         if s < self.policy.storage_hit_min_pages:
@@ -187,7 +197,6 @@ class HiCache:
         return s * ps if t.done else 0
 
     def _wait_prefetch(self, t: Transfer, num_tokens: int) -> None:
-        import time
         p = self.policy
         if p.prefetch_policy == "best_effort":
             self.transfers.poll()
@@ -398,12 +407,3 @@ class HiCache:
         if self.storage is not None:
             self.storage.close()
 
-
-def key_array(key: bytes):
-    import numpy as np
-    return np.frombuffer(key, dtype="<u4")
-
-
-def _as_array(tokens: Tokens):
-    from hicache.cache import as_key
-    return key_array(as_key(tokens))

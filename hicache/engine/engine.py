@@ -185,10 +185,9 @@ class Engine:
         return _Live(item, req, prompt_ids, res, t, req.computed_tokens)
 
     def _slots(self, req: Request, upto: int) -> torch.Tensor:
-        ps = self.pool.page_size
-        pages = torch.as_tensor(req.pages, dtype=torch.int64)
-        slots = (pages[:, None] * ps + torch.arange(ps)).reshape(-1)[:upto]
-        return slots.to(self.pool.device)
+        """The page table of ``req`` up to token ``upto`` (a host tensor: the model
+        checks it on the host and uploads it once)."""
+        return self.pool.slot_ids(req.pages)[:upto]
 
     def _step(self, live: "_Live", forced: dict[str, list[int]] | None) -> bool:
         """One scheduler step for one request; True when it has finished."""
