@@ -187,20 +187,6 @@ def plot(report: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", nargs="?", help="JSONL trace (default: the built-in mixed trace)")
-    p.add_argument("--json", metavar="PATH", help="write the full report as JSON")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG of hit rate and tier occupancy over time")
-    p.add_argument("--no-baselines", action="store_true", help="skip the L1-only / infinite-cache replays")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--scale", default="small", choices=("tiny", "small", "medium"),
-                   help="size of the built-in trace (ignored with TRACE)")
-    p.add_argument("--service", metavar="SOCKET",
-                   help="use the node's hicache service (its engine socket, an absolute path) as L3: "
-                        "storage.url becomes hicache+unix://SOCKET and the KV layout takes the configured "
-                        "model.model_id, which the service must share")
-
-
 def service_config(cfg: HiCacheConfig, socket_path: str) -> HiCacheConfig:
     """``cfg`` with the service at ``socket_path`` as L3. Raises ``ConfigError``."""
     if not os.path.isabs(socket_path):
