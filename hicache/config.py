@@ -104,7 +104,7 @@ class HiCacheConfig(BaseSettings):
 
     model: ModelConfig = ModelConfig()
     pool: PoolConfig = PoolConfig()
-    storage: StorageConfig = StorageConfig()
+    storage: StorageConfig = Field(default_factory=StorageConfig)  # its default URL reads the environment
     policy: PolicyConfig = PolicyConfig()
     service: ServiceConfig = ServiceConfig()
     log_level: str = "WARNING"
