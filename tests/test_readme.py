@@ -65,7 +65,8 @@ def normalise(report: str) -> list[str]:
             continue
         line = re.sub(r"\d+\.\d+s\b", "Ts", line)
         line = re.sub(r"L3 file://\S+", "L3 file://CACHE", line)
-        out.append(line.rstrip())
+        line = re.sub(r"-{2,}", "--", line)  # column widths follow the times' widths
+        out.append(" ".join(line.split()))
     return out
 
 
