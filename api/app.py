@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
+import os
 from typing import AsyncIterator
 
 from fastapi import FastAPI
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
 
 from hicache.api import routes_admin, routes_events, routes_health, routes_lookup, routes_stats
 from hicache.api.deps import RestState, check_bind
@@ -46,10 +51,36 @@ def create_app(state: RestState) -> FastAPI:
             task.cancel()
             state.bus.close()
 
+    # docs_url/redoc_url off: FastAPI's own pages load Swagger UI from a CDN
+    # and are blank offline; _mount_docs serves the same UI from local files.
     app = FastAPI(title="hicache", summary="Tiered KV cache: statistics, lookup, events, admin",
-                  version="1", lifespan=lifespan)
+                  version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
+    _mount_docs(app)
     app.state.rest = state
     app.state.registry = build_registry(state)
     for r in (routes_health, routes_stats, routes_lookup, routes_events, routes_admin):
         app.include_router(r.router)
     return app
+
+
+DOCS_ASSETS = "/docs/assets"
+
+
+def swagger_ui_dir() -> str:
+    """The Swagger UI dist files (JS, CSS, favicon, license) that the
+    ``swagger-ui-py`` package ships; found without importing it."""
+    spec = importlib.util.find_spec("swagger_ui")
+    assert spec is not None and spec.submodule_search_locations, "swagger-ui-py is a dependency of hicache"
+    return os.path.join(next(iter(spec.submodule_search_locations)), "static")
+
+
+def _mount_docs(app: FastAPI) -> None:
+    """``GET /docs``: Swagger UI for the OpenAPI schema, every asset served by this app."""
+    app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_dir()), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False, response_class=HTMLResponse)
+    def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url=app.openapi_url or "/openapi.json", title="hicache API",
+                                   swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+                                   swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")

@@ -9,7 +9,6 @@ from it; ``/v1/events`` carries ``stored`` events for both tiers.
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import signal
 from pathlib import Path
@@ -24,7 +23,6 @@ from hicache.api.redact import redact_url
 from hicache.config import HiCacheConfig
 from hicache.errors import ConfigError
 
-log = logging.getLogger(__name__)
 
 GRACEFUL_SHUTDOWN_S = 3
 
@@ -54,10 +52,25 @@ def _raise_stopped(signum: int, frame) -> None:
     raise _Stopped(signum)
 
 
+def start_line(cfg: HiCacheConfig) -> str:
+    """The one line ``hicache serve`` prints once it listens (secrets redacted)."""
+    svc = cfg.service
+    host = f"[{svc.host}]" if ":" in svc.host else svc.host
+    return (f"hicache serve: REST http://{host}:{svc.port} (docs /docs), engine socket {svc.socket_path}, "
+            f"L2 {cfg.pool.host_pages:,} pages in shared memory '{svc.shm_name}', "
+            f"L3 {redact_url(cfg.storage.url) or '(none)'}; pid {os.getpid()}, stop with Ctrl-C or SIGTERM")
+
+
 class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, bus: EventBus):
+    def __init__(self, config: uvicorn.Config, bus: EventBus, ready_line: str):
         super().__init__(config)
         self._bus = bus
+        self._ready_line = ready_line
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:  # printed only once the REST port is bound (stdout, whatever the log level)
+            print(self._ready_line, flush=True)
 
     def handle_exit(self, sig: int, frame) -> None:
         self._bus.close()  # end event streams now, so shutdown does not wait for their clients
@@ -80,10 +93,7 @@ def serve(cfg: HiCacheConfig) -> int:
         app = create_app(state)
         server = _Server(uvicorn.Config(app, host=svc.host, port=svc.port, log_level=cfg.log_level.lower(),
                                         access_log=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                                        lifespan="on"), bus)
-        log.info("hicache serve: REST on http://%s:%d, engine socket %s, L2 %d pages, L3 %s (pid %d)",
-                    svc.host, svc.port, svc.socket_path, cfg.pool.host_pages,
-                    redact_url(cfg.storage.url) or "(none)", os.getpid())
+                                        lifespan="on"), bus, start_line(cfg))
         # uvicorn re-raises the signal that stopped it after restoring the handlers
         # it found; ours turn that into _Stopped so the cleanup below runs.
         previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -14,10 +14,19 @@ if not _os.path.isdir(_os.path.join(_here, "kernels")) and _os.path.isfile(
         _os.path.join(_top, "kernels", "__init__.py")):
     __path__.append(_top)  # type: ignore[name-defined]
 
-from hicache.config import HiCacheConfig  # noqa: E402
-from hicache.errors import ContractMismatch, HiCacheError  # noqa: E402
-from hicache.hicache import Admission, HiCache  # noqa: E402
-from hicache.layout import BytePlane, KVLayout  # noqa: E402
+# The public names resolve on first use (PEP 562) so that ``import hicache``,
+# the configuration and ``hicache --help`` / ``info`` never import torch.
+_EXPORTS = {
+    "Admission": "hicache.hicache", "HiCache": "hicache.hicache",
+    "HiCacheConfig": "hicache.config",
+    "ContractMismatch": "hicache.errors", "HiCacheError": "hicache.errors",
+    "BytePlane": "hicache.layout", "KVLayout": "hicache.layout",
+}
+__all__ = sorted([*_EXPORTS, "__version__"])
 
-__all__ = ["Admission", "BytePlane", "ContractMismatch", "HiCache", "HiCacheConfig", "HiCacheError",
-           "KVLayout", "__version__"]
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'hicache' has no attribute {name!r}")

@@ -1,44 +1,140 @@
-"""``hicache`` command line: ``info`` (default), ``replay``, ``serve``."""
+"""The hicache command line: info (the default), replay, serve.
+
+Building the parser, --help, info and argument errors import neither torch
+nor the service stack; each subcommand imports what it runs.
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import logging
 import sys
+from importlib import metadata
+from pathlib import Path
 
 from hicache.config import HiCacheConfig, parse_set_flags
 from hicache.errors import HiCacheError
 
+DESCRIPTION = """\
+hicache: a page-granular tiered KV cache (GPU L1 / host L2 / shared L3) for LLM engines.
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="TOML configuration file (else $HICACHE_CONFIG)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one configuration value; repeatable")
+  hicache info      print the resolved configuration and pool sizes (the default)
+  hicache replay    replay a trace through the reference engine and compare caches
+  hicache serve     run the node-local service (REST API + engine socket)
+
+--config and --set may stand before or after the subcommand."""
+
+SERVE_DESCRIPTION = """\
+Run the node-local service until Ctrl-C or SIGTERM: it owns this node's L2 (a
+shared-memory segment) and its L3 client, serves engines on a Unix socket and
+serves REST (health, statistics, Prometheus metrics, lookup, events, flush;
+Swagger UI at /docs). On start it prints one line with its addresses.
+
+Where it listens and what it holds are configuration settings (--set KEY=VALUE,
+HICACHE_<SECTION>__<KEY>, or the TOML file):
+  service.host, service.port   REST address (default 127.0.0.1:8177; beyond
+                               loopback needs service.admin_token[_file])
+  service.socket_path          engine socket (default /tmp/hicache.sock)
+  service.shm_name             name of the shared-memory L2 segment
+  pool.host_pages              L2 capacity in pages
+  storage.url                  L3 (redis://, file:///dir, memory://, '' for none)
+  model.*                      the KV layout engines must share with the service
+Example: hicache serve --set service.port=9000 --set storage.url=redis://127.0.0.1:6379/0"""
+
+
+def _add_config_options(p: argparse.ArgumentParser, *, top: bool) -> None:
+    # The top-level copies write to other names so that a subcommand's own
+    # defaults never overwrite what was given before the subcommand.
+    suffix = "_top" if top else ""
+    p.add_argument("--config", dest="config" + suffix, metavar="FILE",
+                   help="TOML configuration file (else $HICACHE_CONFIG)")
+    p.add_argument("--set", dest="set" + suffix, action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one configuration value, e.g. --set pool.device_pages=32; repeatable")
+
+
+def _replay_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", nargs="?", help="JSONL trace (default: the built-in mixed trace); "
+                                            "format: docs/traces.md")
+    p.add_argument("--json", metavar="PATH", help="write the full report as JSON")
+    p.add_argument("--plot", metavar="PATH",
+                   help="write a PNG of hit rate and tier occupancy per request admitted")
+    p.add_argument("--no-baselines", action="store_true", help="skip the L1-only / infinite-cache replays")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--scale", default="small", choices=("tiny", "small", "medium"),
+                   help="size of the built-in trace (ignored with TRACE)")
+    p.add_argument("--service", metavar="SOCKET",
+                   help="use the node's hicache service (its engine socket, an absolute path) as L3: "
+                        "storage.url becomes hicache+unix://SOCKET and the KV layout takes the configured "
+                        "model.model_id, which the service must share")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hicache", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_options(p, top=True)
+    sub = p.add_subparsers(dest="cmd", metavar="{info,replay,serve}")
+    info = sub.add_parser("info", help="print the resolved configuration and pool sizes",
+                          description="Print the resolved configuration, the KV layout and the pool sizes as JSON.")
+    _add_config_options(info, top=False)
+    info.set_defaults(fn=cmd_info)
+    rp = sub.add_parser("replay", help="replay a trace through the reference engine and compare caches",
+                        description="Replay a trace through the reference engine on the configured tiers, then "
+                                    "the same token streams under an L1-only cache and an infinite cache; print "
+                                    "per-tier hits, recomputed tokens and bytes moved.")
+    _add_config_options(rp, top=False)
+    _replay_arguments(rp)
+    rp.set_defaults(fn=cmd_replay)
+    srv = sub.add_parser("serve", help="run the node-local service: REST API + engine socket",
+                         description=SERVE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_options(srv, top=False)
+    srv.set_defaults(fn=cmd_serve)
+    return p
 
 
 def _load(args: argparse.Namespace) -> HiCacheConfig:
-    cfg = HiCacheConfig.load(args.config, parse_set_flags(args.set))
+    config = getattr(args, "config", None) or args.config_top
+    sets = [*args.set_top, *getattr(args, "set", [])]  # after the subcommand wins
+    cfg = HiCacheConfig.load(config, parse_set_flags(sets))
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return cfg
 
 
+def describe_device(setting: str) -> str:
+    """``pool.device`` as it will resolve, without importing torch: ``auto``
+    is cuda:0 when torch is a CUDA build and an NVIDIA device is present."""
+    if setting != "auto":
+        return setting
+    if "torch" in sys.modules:
+        return "cuda:0" if sys.modules["torch"].cuda.is_available() else "cpu"
+    try:
+        build = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return "cpu (torch is not installed)"
+    if "+cpu" in build or not Path("/dev/nvidiactl").exists():
+        return "cpu"
+    return "cuda:0"
+
+
 def cmd_info(args: argparse.Namespace) -> int:
-    from hicache.pools import HostPool
+    from hicache.storage.base import redact_url  # torch-free
     cfg = _load(args)
     layout = cfg.layout()
     dev_bytes = layout.page_bytes * cfg.pool.device_pages
-    host_bytes = HostPool.nbytes_for(layout, cfg.pool.host_pages)
+    host_bytes = layout.host_addressing(cfg.pool.host_pages)[2]
     info = {
         "config": cfg.model_dump(),
         "layout": {"fingerprint": layout.fingerprint(), "planes": len(layout.planes),
                    "page_bytes": layout.page_bytes, "token_bytes": layout.token_bytes},
-        "pools": {"device": cfg.resolved_device(),
+        "pools": {"device": describe_device(cfg.pool.device),
                   "L1": {"pages": cfg.pool.device_pages, "tokens": cfg.pool.device_pages * layout.page_size,
                          "bytes": dev_bytes},
                   "L2": {"pages": cfg.pool.host_pages, "tokens": cfg.pool.host_pages * layout.page_size,
                          "bytes": host_bytes},
-                  "L3": cfg.storage.url or "(none)"},
+                  "L3": redact_url(cfg.storage.url) or "(none)"},
     }
+    info["config"]["storage"]["url"] = info["pools"]["L3"] if cfg.storage.url else ""
+    if info["config"]["service"]["admin_token"]:
+        info["config"]["service"]["admin_token"] = "***"
     print(json.dumps(info, indent=2, default=str))
     return 0
 
@@ -54,28 +150,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return replay.main(args, _load(args))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hicache", description=__doc__)
-    sub = p.add_subparsers(dest="cmd")
-    info = sub.add_parser("info", help="print the resolved configuration and pool sizes")
-    _common(info)
-    info.set_defaults(fn=cmd_info)
-    rp = sub.add_parser("replay", help="replay a trace through the reference engine and compare caches")
-    _common(rp)
-    from hicache.engine.replay import add_arguments
-    add_arguments(rp)
-    rp.set_defaults(fn=cmd_replay)
-    srv = sub.add_parser("serve", help="run the node-local service: REST statistics API + local engine API")
-    _common(srv)
-    srv.set_defaults(fn=cmd_serve)
-    return p
-
-
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "fn", None):
-        args = parser.parse_args(["info", *(argv or [])]) if argv is not None else parser.parse_args(["info"])
+        args = parser.parse_args([*argv, "info"])
     try:
         return args.fn(args)
     except HiCacheError as e:

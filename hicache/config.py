@@ -58,10 +58,18 @@ class PoolConfig(_Section):
     host_pages: int = Field(2048, ge=1)
 
 
+def default_l3_url() -> str:
+    """``file://`` in the per-user cache directory ($XDG_CACHE_HOME/hicache/l3,
+    else ~/.cache/hicache/l3 on Linux): one store whatever the current directory,
+    shared by ``hicache replay`` and ``hicache serve``."""
+    import platformdirs
+    return f"file://{platformdirs.user_cache_path('hicache') / 'l3'}"
+
+
 class StorageConfig(_Section):
     # L3 backend URL: "" (no L3), memory://, file:///dir, redis://host:port/db,
     # rediss://..., redis+cluster://host:port[,host:port...]
-    url: str = "file://./.hicache/l3"
+    url: str = Field(default_factory=default_l3_url)
     timeout_ms: int = Field(50, ge=1)  # a lookup that takes longer answers "miss"
     max_retries: int = Field(2, ge=0)
 
@@ -96,7 +104,7 @@ class HiCacheConfig(BaseSettings):
 
     model: ModelConfig = ModelConfig()
     pool: PoolConfig = PoolConfig()
-    storage: StorageConfig = StorageConfig()
+    storage: StorageConfig = Field(default_factory=StorageConfig)  # its default URL reads the environment
     policy: PolicyConfig = PolicyConfig()
     service: ServiceConfig = ServiceConfig()
     log_level: str = "WARNING"

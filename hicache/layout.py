@@ -20,25 +20,36 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from hicache.errors import ContractMismatch, LayoutError
 
 # Bump when the meaning of a page's bytes changes in a way no field captures.
 CONTRACT_VERSION = 1
 
-# Payload dtypes and how they are stored. fp8 travels as raw bytes: kernels
-# never convert a payload, so uint8 storage is exact.
-_DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "bfloat16": (torch.bfloat16, 2),
-    "float16": (torch.float16, 2),
-    "float32": (torch.float32, 4),
-    "float8_e4m3fn": (torch.uint8, 1),
-    "float8_e5m2": (torch.uint8, 1),
-    "uint8": (torch.uint8, 1),
+if TYPE_CHECKING:
+    import torch
+
+# Payload dtypes and how they are stored: (torch storage dtype name, bytes).
+# fp8 travels as raw bytes: kernels never convert a payload, so uint8 storage
+# is exact. Names, not torch dtypes, so that describing a layout (``hicache
+# info``, config validation, ``--help``) never imports torch.
+_DTYPES: dict[str, tuple[str, int]] = {
+    "bfloat16": ("bfloat16", 2),
+    "float16": ("float16", 2),
+    "float32": ("float32", 4),
+    "float8_e4m3fn": ("uint8", 1),
+    "float8_e5m2": ("uint8", 1),
+    "uint8": ("uint8", 1),
 }
+
+
+def _torch_dtype(name: str) -> "torch.dtype":
+    import torch  # deferred: see _DTYPES
+    return getattr(torch, name)
+
+# Alignment of every L2 (host) region in bytes: 16 keeps 128-bit loads aligned.
+HOST_ALIGN = 16
 
 Kind = Literal["mha", "mla"]
 HostLayout = Literal["layer_first", "page_first"]
@@ -68,9 +79,14 @@ class PlaneSpec:
     layer: int  # layer index within the target model or within the draft model
     draft: bool
     row_shape: tuple[int, ...]  # shape of one token's row
-    dtype: torch.dtype  # storage dtype (uint8 for fp8 and byte planes)
+    dtype_name: str  # torch name of the storage dtype (uint8 for fp8 and byte planes)
     row_bytes: int
     page_bytes: int  # page_size * row_bytes
+
+    @property
+    def dtype(self) -> "torch.dtype":
+        """The storage dtype (imports torch on first use)."""
+        return _torch_dtype(self.dtype_name)
 
 
 @dataclass(frozen=True)
@@ -152,7 +168,7 @@ class KVLayout:
             names.add(p.name)
 
     # ------------------------------------------------------------------ planes
-    def _layer_planes(self) -> list[tuple[str, tuple[int, ...], torch.dtype, int]]:
+    def _layer_planes(self) -> list[tuple[str, tuple[int, ...], str, int]]:
         st, size = _DTYPES[self.dtype]
         if self.kind == "mha":
             row = (self.num_kv_heads, self.head_dim)
@@ -160,7 +176,7 @@ class KVLayout:
         else:
             d = self.kv_lora_rank + self.rope_dim
             out = [("latent", (d,), st, size * d)]
-        out += [(p.name, (p.bytes_per_token,), torch.uint8, p.bytes_per_token) for p in self.extra_planes]
+        out += [(p.name, (p.bytes_per_token,), "uint8", p.bytes_per_token) for p in self.extra_planes]
         return out
 
     def _build_planes(self) -> tuple[PlaneSpec, ...]:
@@ -179,8 +195,8 @@ class KVLayout:
         return self._planes
 
     @property
-    def storage_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype][0]
+    def storage_dtype(self) -> "torch.dtype":
+        return _torch_dtype(_DTYPES[self.dtype][0])
 
     @cached_property
     def page_bytes(self) -> int:
@@ -190,6 +206,26 @@ class KVLayout:
     @cached_property
     def token_bytes(self) -> int:
         return sum(p.row_bytes for p in self._planes)
+
+    def host_addressing(self, num_pages: int) -> tuple[list[int], list[int], int]:
+        """Where an L2 pool of ``num_pages`` keeps each plane, in bytes:
+        ``(plane_offset, page_stride, total_bytes)``. Every region starts
+        ``HOST_ALIGN``-aligned so typed views and wide kernel loads stay aligned
+        whatever odd-sized byte planes sit before them (gaps hold no data)."""
+        def up(x: int) -> int:
+            return -(-x // HOST_ALIGN) * HOST_ALIGN
+
+        offs, strides, acc = [], [], 0
+        if self.host_layout == "layer_first":
+            for s in self._planes:
+                offs.append(acc)
+                strides.append(s.page_bytes)
+                acc = up(acc + s.page_bytes * num_pages)
+            return offs, strides, acc
+        for s in self._planes:
+            offs.append(acc)
+            acc = up(acc + s.page_bytes)
+        return offs, [acc] * len(offs), acc * num_pages
 
     def planes_of_layer(self, layer: int, draft: bool = False) -> tuple[PlaneSpec, ...]:
         return tuple(p for p in self._planes if p.layer == layer and p.draft == draft)

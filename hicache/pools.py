@@ -25,10 +25,7 @@ import torch
 
 from hicache.allocator import PageAllocator
 from hicache.errors import IntegrityError, PoolError
-from hicache.layout import KVLayout, PlaneSpec
-
-# Alignment of every host region (bytes): 16 keeps 128-bit loads aligned.
-HOST_ALIGN = 16
+from hicache.layout import HOST_ALIGN, KVLayout, PlaneSpec  # noqa: F401 (HOST_ALIGN: re-exported)
 
 
 def cuda_available() -> bool:
@@ -142,23 +139,8 @@ class HostPool:
 
     @staticmethod
     def addressing(layout: KVLayout, num_pages: int) -> tuple[list[int], list[int], int]:
-        """``(plane_offset, page_stride, total_bytes)``; every region starts
-        ``HOST_ALIGN``-aligned so typed views and wide kernel loads stay aligned
-        whatever odd-sized byte planes sit before them (gaps hold no data)."""
-        def up(x: int) -> int:
-            return -(-x // HOST_ALIGN) * HOST_ALIGN
-
-        offs, strides, acc = [], [], 0
-        if layout.host_layout == "layer_first":
-            for s in layout.planes:
-                offs.append(acc)
-                strides.append(s.page_bytes)
-                acc = up(acc + s.page_bytes * num_pages)
-            return offs, strides, acc
-        for s in layout.planes:
-            offs.append(acc)
-            acc = up(acc + s.page_bytes)
-        return offs, [acc] * len(offs), acc * num_pages
+        """``(plane_offset, page_stride, total_bytes)``: see ``KVLayout.host_addressing``."""
+        return layout.host_addressing(num_pages)
 
     @property
     def pinned(self) -> bool:

@@ -31,7 +31,7 @@ import triton.language as tl
 # Columns of an address-table row (int64). Wide table: 16-byte units; narrow
 # table: bytes. SRC and DST are relative to the table's own address.
 SRC, SRC_STRIDE, DST, DST_STRIDE, LEN = range(5)
-NCOLS = 5
+from hicache.kernels.plan import NCOLS  # noqa: E402,F401 (== 5; plan.py builds the tables)
 
 
 @triton.jit

@@ -22,7 +22,6 @@ from typing import Literal, Sequence
 
 import torch
 
-from hicache.kernels import _triton_copy
 from hicache.kernels.plan import CopyPlan, PlaneAddr, TileConfig, build_plan
 from hicache.kernels.reference import torch_copy, torch_store
 from hicache.errors import IntegrityError
@@ -51,11 +50,24 @@ _CPU = torch.device("cpu")
 
 
 @functools.cache
+def _kernel():
+    """The Triton kernel, imported on the first launch that uses it: a CPU-only
+    install runs the torch path and need not have Triton (tests run the kernel
+    on CPU through Triton's interpreter; the dev extra installs it there)."""
+    try:
+        from hicache.kernels import _triton_copy
+    except ImportError as e:
+        raise RuntimeError(f"backend='triton' needs the triton package ({e}); install it (pip install triton: "
+                           "CUDA builds of torch bring it) or use backend='torch'") from None
+    return _triton_copy._page_copy_kernel
+
+
+@functools.cache
 def _interpreted_kernel():
     """The kernel run by Triton's interpreter, for CPU tensors (tests)."""
+    k = _kernel()
     from triton.runtime.interpreter import InterpretedFunction
 
-    k = _triton_copy._page_copy_kernel
     return k if isinstance(k, InterpretedFunction) else InterpretedFunction(k.fn)
 
 
@@ -224,10 +236,10 @@ def _launch(plan: CopyPlan, tiles: TileConfig, s_idx: torch.Tensor, d_idx: torch
     if dev.type != "cuda":
         _interpreted_kernel()[grid](*args, **meta)
     elif dev.index is None or dev.index == torch.cuda.current_device():
-        _triton_copy._page_copy_kernel[grid](*args, **meta, num_warps=tiles.num_warps)
+        _kernel()[grid](*args, **meta, num_warps=tiles.num_warps)
     else:  # Triton launches on the current device
         with torch.cuda.device(dev):
-            _triton_copy._page_copy_kernel[grid](*args, **meta, num_warps=tiles.num_warps)
+            _kernel()[grid](*args, **meta, num_warps=tiles.num_warps)
 
 
 def _addrs(src: Pool, dst: Pool, plane_t: tuple[int, ...]) -> list[PlaneAddr]:

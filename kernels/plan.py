@@ -13,9 +13,10 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from hicache.kernels._triton_copy import NCOLS
-
 ALIGN = 16  # bytes; the wide path's access width
+# Columns of a table row: SRC, SRC_STRIDE, DST, DST_STRIDE, LEN (see
+# _triton_copy). Defined here so that building plans never imports Triton.
+NCOLS = 5
 
 
 class PlaneAddr(NamedTuple):

@@ -1,36 +1,178 @@
-"""The README's Python example runs as written, and its two commands are the
-ones .ci/run and scripts/setup.sh implement."""
+"""The README (and docs/) run as written.
+
+Every ```bash / ```python / ```toml / ```jsonl block carries a marker on the
+line above it: ``<!-- readme: run by NAME -->`` where NAME is a test in this
+file (or ``.ci/run``), or ``<!-- readme: illustration, REASON -->``. The
+tests below run the blocks they name and compare what they print with what
+the README shows.
+"""
+import json
+import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
+import tempfile
+import uuid
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+MARKER = re.compile(r"<!-- readme: (run by (?P<test>[\w./:]+)|illustration, (?P<why>[^>]+\S)) -->")
+CHECKED_LANGS = ("bash", "sh", "shell", "console", "python", "toml", "jsonl")
+
+
+def blocks(path: pathlib.Path) -> list[tuple[str, str, str]]:
+    """``(lang, marker line, body)`` of every fenced block of ``path``."""
+    out = []
+    lines = path.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        m = re.match(r"^```(\w*)\s*$", lines[i])
+        if not m:
+            i += 1
+            continue
+        j = i + 1
+        while not lines[j].startswith("```"):
+            j += 1
+        out.append((m.group(1), lines[i - 1] if i else "", "\n".join(lines[i + 1:j]) + "\n"))
+        i = j + 1
+    return out
+
+
+def block(path: pathlib.Path, test: str, lang: str, nth: int = 0) -> str:
+    found = [b for lg, mk, b in blocks(path) if lg == lang and f"run by {test}" in mk]
+    assert len(found) > nth, f"{path.name}: no {lang} block marked 'run by {test}'"
+    return found[nth]
+
+
+def shown_after(path: pathlib.Path, marker_block: str) -> str:
+    """The plain ``` block that follows ``marker_block`` in ``path`` (its sample output)."""
+    text = path.read_text()
+    rest = text[text.index(marker_block) + len(marker_block):]
+    rest = rest[rest.index("```") + 3:]  # past the block's own closing fence
+    return re.search(r"^```\n(.*?)^```", rest, re.S | re.M).group(1)
+
+
+def normalise(report: str) -> list[str]:
+    """Replay output without what varies between machines: times and the L3 path."""
+    out = []
+    for line in report.splitlines():
+        if line.startswith("done in") or line.startswith("report:") or line.startswith("plot:"):
+            continue
+        line = re.sub(r"\d+\.\d+s\b", "Ts", line)
+        line = re.sub(r"L3 file://\S+", "L3 file://CACHE", line)
+        line = re.sub(r"-{2,}", "--", line)  # column widths follow the times' widths
+        out.append(" ".join(line.split()))
+    return out
+
+
+def run_py(code: str, cwd, env=None, timeout=300) -> str:
+    script = pathlib.Path(cwd) / "block.py"
+    script.write_text(code)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                         env={**os.environ, **(env or {})})
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.mark.parametrize("path", [README, *DOCS], ids=lambda p: p.name)
+def test_every_code_block_is_run_or_marked_illustration(path):
+    here = {name for name in globals() if name.startswith("test_")}
+    for lang, mark, body in blocks(path):
+        if lang not in CHECKED_LANGS:
+            continue
+        m = MARKER.search(mark)
+        assert m, f"{path.name}: this {lang} block has no '<!-- readme: ... -->' marker above it:\n{body}"
+        test = m.group("test")
+        if test == ".ci/run":
+            assert body.strip() in (ROOT / ".ci" / "run").read_text(), body
+        elif test:
+            assert test in here, f"{path.name}: the marker names {test!r}, which is not a test in {__file__}"
+
+
+def test_readme_two_commands_print_what_the_readme_shows(tmp_path):
+    cmd = block(README, "test_readme_two_commands_print_what_the_readme_shows", "bash")
+    assert cmd.strip() == "bash scripts/setup.sh && .venv/bin/hicache replay"
+    assert "bash scripts/setup.sh" in (ROOT / ".ci" / "run").read_text()  # CI runs the first half
+    # The second half, on an empty per-user cache (a first run): same numbers, to the token.
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    env = {k: v for k, v in env.items() if not k.startswith("HICACHE_")}
+    out = subprocess.run([sys.executable, "-m", "hicache.cli", "replay", "--quiet"], capture_output=True,
+                         text=True, timeout=600, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr
+    assert normalise(out.stdout) == normalise(shown_after(README, cmd))
+    assert f"L3 file://{tmp_path}/hicache/l3" in out.stdout
 
 
 def test_readme_python_example_runs(tmp_path):
-    text = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    example = next(b for b in blocks if "HiCache(" in b and "prefill(" in b)
-    script = tmp_path / "example.py"
-    script.write_text(example)
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                         cwd=tmp_path)
+    example = block(README, "test_readme_python_example_runs", "python")
+    out = run_py(example, tmp_path)
+    assert "L1 hit: 96 identical logits: True" in out
+    assert "L2 hit: 96 identical logits: True" in out
+
+
+def test_readme_example_toml_asks_for_what_its_comments_say(tmp_path):
+    toml = block(README, "test_readme_example_toml_asks_for_what_its_comments_say", "toml")
+    path = tmp_path / "hicache.toml"
+    path.write_text(toml)
+    out = subprocess.run([sys.executable, "-m", "hicache.cli", "info", "--config", str(path)],
+                         capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("HICACHE_")})
     assert out.returncode == 0, out.stderr
-    assert "L1 hit: 96 identical logits: True" in out.stdout
-    assert "L2 hit: 96 identical logits: True" in out.stdout
+    info = json.loads(out.stdout)
+    gib = {tier: info["pools"][tier]["bytes"] / 2**30 for tier in ("L1", "L2")}
+    page_mib = info["layout"]["page_bytes"] / 2**20
+    said = re.findall(r"= ([\d.]+) (MiB|GiB)", toml)
+    assert [(float(v), u) for v, u in said] == [(page_mib, "MiB"), (gib["L1"], "GiB"), (gib["L2"], "GiB")], said
 
 
-def test_readme_commands_match_ci():
-    text = (ROOT / "README.md").read_text()
-    assert "bash scripts/setup.sh && .venv/bin/hicache replay" in text
-    assert ".venv/bin/python -m pytest" in text
-    assert ".venv/bin/python -m pytest" in (ROOT / ".ci" / "run").read_text()
+def test_readme_engine_client_example_runs_against_hicache_serve(tmp_path):
+    example = block(README, "test_readme_engine_client_example_runs_against_hicache_serve", "python")
+    d = tempfile.mkdtemp(prefix="hc-")  # Unix socket paths are short
+    sock = f"{d}/hicache.sock"
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_")}
+    env.update(HICACHE_SERVICE__SOCKET_PATH=sock, HICACHE_SERVICE__PORT=str(port), HICACHE_STORAGE__URL="",
+               HICACHE_SERVICE__SHM_NAME=f"hicache-readme-{uuid.uuid4().hex[:8]}", HICACHE_POOL__HOST_PAGES="32")
+    serve = subprocess.Popen([sys.executable, "-m", "hicache.cli", "serve"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        started = serve.stdout.readline()  # the one line it prints once it listens
+        assert started.startswith("hicache serve: REST"), started + serve.stderr.read()
+        assert "/run/hicache/hicache.sock" in example
+        out = run_py(example.replace("/run/hicache/hicache.sock", sock), tmp_path, env=env)
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.communicate(timeout=60)
+    assert out == "stored 4 pages; read back 4, identical: True\n"
+    assert serve.returncode == 0
+
+
+def test_trace_docs_example_replays_as_shown(tmp_path):
+    doc = ROOT / "docs" / "traces.md"
+    name = "test_trace_docs_example_replays_as_shown"
+    (tmp_path / "trace.jsonl").write_text(block(doc, name, "jsonl"))
+    cmd = block(doc, name, "bash").strip()
+    assert cmd == ".venv/bin/hicache replay trace.jsonl --quiet --set storage.url=memory://"
+    out = subprocess.run([sys.executable, "-m", "hicache.cli", *cmd.split()[1:]], capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("HICACHE_")})
+    assert out.returncode == 0, out.stderr
+    shown = normalise(shown_after(doc, block(doc, name, "bash")))
+    assert normalise(out.stdout)[:len(shown)] == shown
+    run_py(block(doc, name, "python"), tmp_path)  # it asserts its own round trip
 
 
 def test_readme_documents_every_config_key():
     from hicache.config import HiCacheConfig
-    text = (ROOT / "README.md").read_text()
+    text = README.read_text()
 
     def walk(prefix, obj):
         for k, v in obj.items():
@@ -42,3 +184,4 @@ def test_readme_documents_every_config_key():
 
     missing = [k for k in walk("", HiCacheConfig.load(env={}).model_dump()) if f"`{k}`" not in text]
     assert not missing, f"README configuration reference lacks {missing}"
+

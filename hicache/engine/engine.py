@@ -63,6 +63,9 @@ class StepSample:
     hit_rate: float  # cumulative scheduler-visible hit / prompt tokens
     l1_used: int
     l2_used: int
+    admitted: int = 0  # requests admitted so far (the x axis that compares across runs)
+    prompt_tokens: int = 0  # prompt tokens admitted so far
+    l3_hit_tokens: int = 0  # cumulative hit tokens served from L3 (prefetched into L2)
 
 
 @dataclass
@@ -113,7 +116,7 @@ class Engine:
         waiting = list(items)
         running: list[_Live] = []
         step = 0
-        hit = prompt = 0
+        hit = prompt = l3_hit = 0
         while waiting or running:
             step += 1
             # Admission (FIFO, skip items whose parent has not finished yet).
@@ -136,6 +139,7 @@ class Engine:
                 live.footprint = need
                 running.append(live)
                 hit += live.result.device_hit + live.result.host_hit
+                l3_hit += live.result.storage_hit
                 prompt += live.result.prompt_tokens
             if not running:
                 raise RuntimeError(f"{len(waiting)} requests wait on parents that never run; "
@@ -163,7 +167,7 @@ class Engine:
             run.samples.append(StepSample(step, time.perf_counter() - t0, len(run.results),
                                           hit / prompt if prompt else 0.0,
                                           s.device_pages_cached + s.device_pages_private,
-                                          s.host_pages_cached))
+                                          s.host_pages_cached, self._admitted, prompt, l3_hit))
         self.cache.drain()
         run.wall_s = time.perf_counter() - t0
         return run

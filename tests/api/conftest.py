@@ -83,12 +83,14 @@ def start_serve(extra: dict[str, str] | None = None, env: dict[str, str] | None 
     return Served(url, settings, proc, HiCacheConfig.load(None, settings, env={}))
 
 
-def stop_serve(s: Served) -> None:
+def stop_serve(s: Served) -> str:
+    """SIGTERM, check it exited cleanly and removed its segment; returns its stdout."""
     s.proc.send_signal(signal.SIGTERM)
     out, err = s.proc.communicate(timeout=30)
     shutil.rmtree(os.path.dirname(s.socket_path), ignore_errors=True)
     assert s.proc.returncode == 0, err
     assert not os.path.exists(f"/dev/shm/{s.settings['service.shm_name']}"), "shared segment left behind"
+    return out
 
 
 @pytest.fixture(scope="module")

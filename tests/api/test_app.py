@@ -154,3 +154,26 @@ def test_rate_tracker_uses_a_sliding_window():
     now[0] = 130.0
     assert r.sample({"x": 1200}) == {"x": 0.0}
     r.check_integrity()
+
+
+def test_docs_page_loads_every_asset_from_this_server(make_state, app_of):
+    """/docs works offline: the Swagger UI page references only this app's own
+    URLs, and each one is served with the file the package ships."""
+    import os
+    import re
+
+    from hicache.api.app import swagger_ui_dir
+    with TestClient(app_of(make_state())) as c:
+        page = c.get("/docs")
+        assert page.status_code == 200 and "SwaggerUIBundle" in page.text
+        refs = re.findall(r"""(?:src|href)=["']([^"']+)["']|url:\s*'([^']+)'""", page.text)
+        urls = [a or b for a, b in refs]
+        assert urls and all(u.startswith("/") for u in urls), urls  # nothing from a CDN
+        for u in urls:
+            r = c.get(u)
+            assert r.status_code == 200, u
+            if u.startswith("/docs/assets/"):
+                with open(os.path.join(swagger_ui_dir(), u.rsplit("/", 1)[1]), "rb") as f:
+                    assert r.content == f.read()
+        assert c.get("/openapi.json").json()["info"]["title"] == "hicache"
+        assert c.get("/redoc").status_code == 404  # it would load from a CDN; /docs is the UI

@@ -166,19 +166,26 @@ def test_events_lookup_and_flush_with_file_l3(tmp_path):
 
 def test_readyz_503_when_redis_l3_is_down():
     port = free_port()  # nothing listens there
-    s = start_serve({"storage.url": f"redis://127.0.0.1:{port}/0", "storage.timeout_ms": "20",
+    s = start_serve({"storage.url": f"redis://:pw-secret@127.0.0.1:{port}/0", "storage.timeout_ms": "20",
                      "storage.max_retries": "0"})
+    out = ""
     try:
         with s.client() as c:
             r = c.get("/readyz")
             assert r.status_code == 503
-            assert r.json()["l3"] == {"configured": True, "url": f"redis://127.0.0.1:{port}/0", "reachable": False}
+            assert r.json()["l3"] == {"configured": True, "url": f"redis://:***@127.0.0.1:{port}/0",
+                                      "reachable": False}
             assert c.get("/healthz").status_code == 200
             look = c.post("/v1/lookup", json={"tokens": list(range(3 * PS))})
             assert look.status_code == 200 and look.json()["L3"] == {"pages": 0, "tokens": 0}
             assert c.get("/v1/stats").json()["tiers"]["L3"]["down"] is True
     finally:
-        stop_serve(s)
+        out = stop_serve(s)
+    # One line on start, whatever the log level: where it listens, redacted, and how to stop it.
+    line = (f"hicache serve: REST http://127.0.0.1:{s.settings['service.port']} (docs /docs), "
+            f"engine socket {s.socket_path}, L2 16 pages in shared memory '{s.settings['service.shm_name']}', "
+            f"L3 redis://:***@127.0.0.1:{port}/0; pid {s.proc.pid}, stop with Ctrl-C or SIGTERM")
+    assert out.splitlines() == [line]
 
 
 def test_serve_refuses_to_listen_beyond_loopback_without_a_token(capsys, monkeypatch):

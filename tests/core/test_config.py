@@ -39,3 +39,13 @@ def test_cli_info_prints_pools(capsys):
     assert '"pages": 8' in out and "fingerprint" in out
     assert main(["info", "--set", "pool.host_pages=x"]) == 2
     assert "pool.host_pages='x'" in capsys.readouterr().err
+
+
+def test_default_l3_is_per_user_whatever_the_current_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    urls = set()
+    for d in (tmp_path / "a", tmp_path / "b"):
+        d.mkdir()
+        monkeypatch.chdir(d)
+        urls.add(HiCacheConfig.load(env={}).storage.url)
+    assert urls == {f"file://{tmp_path}/xdg/hicache/l3"}

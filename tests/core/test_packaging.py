@@ -55,3 +55,42 @@ def test_core_imports_without_service_dependencies(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env,
                          timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_cpu_runtime_needs_no_triton(tmp_path):
+    """A CPU-only install has no Triton (only the dev extra brings it, for the
+    interpreter tests): embedded use, replay and page copies run without it,
+    and asking for the Triton backend says what is missing."""
+    import os
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'triton':\n"
+        "            raise ImportError(f'blocked {name}')\n"
+        "sys.meta_path.insert(0, _Block())\n")
+    code = """
+import sys, torch
+from hicache.cli import main
+from hicache.kernels import copy_pages
+from hicache.pools import DevicePool, HostPool
+from hicache.config import HiCacheConfig
+layout = HiCacheConfig.load(env={}).layout()
+dev, host = DevicePool(layout, 4, device="cpu"), HostPool(layout, 4)
+for b in dev.buffers:
+    b.copy_(torch.randn(b.shape))
+copy_pages(dev, host, [2, 0], [1, 3])
+assert all(torch.equal(dev.page_view(2)[k], host.page_view(1)[k]) for k in dev.page_view(2))
+try:
+    copy_pages(dev, host, [1], [0], backend="triton")
+except RuntimeError as e:
+    print("triton backend:", e)
+rc = main(["replay", "--quiet", "--scale", "tiny", "--no-baselines", "--set", "storage.url=memory://"])
+print("replay rc", rc, "triton imported", "triton" in sys.modules)
+"""
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "replay rc 0 triton imported False" in out.stdout, out.stdout
+    assert "triton backend: backend='triton' needs the triton package" in out.stdout
