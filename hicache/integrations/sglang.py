@@ -19,8 +19,11 @@ foreign object is a miss that ends the hit, and its bytes never reach the
 host pool.
 
 Payload: a page's bytes in the order of ``host_pool.get_page_buffer_meta``
-(the order SGLang's zero-copy backends store). The copying ``get``/``set``
-produce the same bytes, so either path reads what the other wrote.
+(the order SGLang's zero-copy backends store; the host layout in the
+fingerprint names it), split into the ``KVLayout``'s plane sizes so that the
+node-local service (``hicache+unix://``) accepts it. The copying
+``get``/``set`` produce the same bytes, so either path reads what the other
+wrote.
 
 Not implemented: the v2 hybrid-pool methods (``batch_exists_v2``,
 ``batch_get_v2``, ``batch_set_v2``: Mamba/SWA/indexer side pools), host
@@ -151,6 +154,7 @@ class HiCacheBackend(HiCacheStorage):
         self.store: Optional[StorageBackend] = None
         self.mem_pool_host = None
         self._pool_bytes: Optional[np.ndarray] = None  # writable uint8 view of kv_buffer
+        self._plane_sizes: list[int] = []
         self._lock = threading.Lock()
         self._transfers = _Transfers()
         self.skipped_writes = 0  # pages a non-writer MLA rank left to the writer
@@ -168,7 +172,12 @@ class HiCacheBackend(HiCacheStorage):
             self.store.close()
         super().register_mem_pool_host(mem_pool_host)
         self.layout = layout
+        self._plane_sizes = [p.page_bytes for p in layout.planes]
         self._pool_bytes = buf.view(-1).view(torch.uint8).numpy()
+        page = sum(s.size for s in self._segments(1, torch.zeros(mem_pool_host.page_size, dtype=torch.int64))[0])
+        if page != layout.page_bytes:
+            raise ConfigError(f"hicache SGLang backend: a {type(mem_pool_host).__name__} page holds {page} "
+                              f"bytes but layout {layout.model_id!r} describes {layout.page_bytes}")
         self.store = open_storage(self.url, fingerprint=layout.fingerprint(), layout=layout,
                                   **self._open_opts)
         log.info("hicache SGLang backend: %s, fingerprint %s (%s)", redact_url(self.url),
@@ -215,7 +224,7 @@ class HiCacheBackend(HiCacheStorage):
             return []
         t0 = time.perf_counter()
         segs = self._segments(len(keys), host_indices)
-        views = store.get([page_key(k) for k in keys], [s.size for s in segs[0]])
+        views = store.get([page_key(k) for k in keys], self._plane_sizes)
         out = [False] * len(keys)
         pool = self._pool_bytes
         for i, view in enumerate(views):
@@ -256,7 +265,7 @@ class HiCacheBackend(HiCacheStorage):
                 continue
             parts = [mv[s.offset:s.offset + s.size] for s in page]
             # One segment is stored straight from the pool; several are joined (one copy).
-            items.append((key, parts[0] if len(parts) == 1 else b"".join(parts), [s.size for s in page]))
+            items.append((key, parts[0] if len(parts) == 1 else b"".join(parts), self._plane_sizes))
         stored = store.put(items) if items else 0
         if stored == len(items):
             out = [True] * len(keys)
@@ -281,10 +290,6 @@ class HiCacheBackend(HiCacheStorage):
             src = src.view(pool.layer_num, 2, -1).transpose(0, 1).contiguous().view(-1)
         target.view(-1).view(torch.uint8).copy_(src)
 
-    def _page_sizes(self) -> list[int]:
-        return [s.size for s in self._segments(1, torch.zeros(self.mem_pool_host.page_size,
-                                                              dtype=torch.int64))[0]]
-
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> List[Optional[torch.Tensor]]:
         """Verified pages as flat tensors (SGLang's flat data page), ``None`` per miss."""
@@ -292,7 +297,7 @@ class HiCacheBackend(HiCacheStorage):
         if not keys:
             return []
         targets = target_locations or [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
-        views = store.get([page_key(k) for k in keys], self._page_sizes())
+        views = store.get([page_key(k) for k in keys], self._plane_sizes)
         out: List[Optional[torch.Tensor]] = []
         for view, target in zip(views, targets):
             if view is None or target.numel() * target.element_size() != view.nbytes:
@@ -314,8 +319,8 @@ class HiCacheBackend(HiCacheStorage):
             with self._lock:
                 self.skipped_writes += len(keys)
             return True
-        sizes = self._page_sizes()
-        items = [(page_key(k), self._flat_to_payload(v).numpy(), sizes) for k, v in zip(keys, values)]
+        items = [(page_key(k), self._flat_to_payload(v).numpy(), self._plane_sizes)
+                 for k, v in zip(keys, values)]
         return store.put(items) == len(items)
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
