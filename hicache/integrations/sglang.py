@@ -55,6 +55,7 @@ from hicache.hashing import HASH_BYTES
 from hicache.layout import KVLayout
 from hicache.storage import StorageBackend, StorageStats, open_storage
 from hicache.storage.base import redact_url
+from hicache.types import PageHash
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +67,9 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
                 torch.float8_e5m2: "float8_e5m2"}
 
 
-def page_key(sglang_hash: str) -> bytes:
+def page_key(sglang_hash: str) -> PageHash:
     """hicache's 16-byte L3 key for one SGLang page hash string."""
-    return hashlib.blake2b(sglang_hash.encode(), digest_size=HASH_BYTES).digest()
+    return PageHash(hashlib.blake2b(sglang_hash.encode(), digest_size=HASH_BYTES).digest())
 
 
 def sglang_layout(host_pool: Any, config: HiCacheStorageConfig) -> KVLayout:
@@ -174,10 +175,10 @@ class HiCacheBackend(HiCacheStorage):
         self.layout = layout
         self._plane_sizes = [p.page_bytes for p in layout.planes]
         self._pool_bytes = buf.view(-1).view(torch.uint8).numpy()
-        page = sum(s.size for s in self._segments(1, torch.zeros(mem_pool_host.page_size, dtype=torch.int64))[0])
-        if page != layout.page_bytes:
-            raise ConfigError(f"hicache SGLang backend: a {type(mem_pool_host).__name__} page holds {page} "
-                              f"bytes but layout {layout.model_id!r} describes {layout.page_bytes}")
+        if self._page_bytes() != layout.page_bytes:
+            raise ConfigError(f"hicache SGLang backend: a {type(mem_pool_host).__name__} page holds "
+                              f"{self._page_bytes()} bytes but layout {layout.model_id!r} describes "
+                              f"{layout.page_bytes}")
         self.store = open_storage(self.url, fingerprint=layout.fingerprint(), layout=layout,
                                   **self._open_opts)
         log.info("hicache SGLang backend: %s, fingerprint %s (%s)", redact_url(self.url),
@@ -188,6 +189,11 @@ class HiCacheBackend(HiCacheStorage):
             raise RuntimeError("hicache SGLang backend: register_mem_pool_host() has not been called; "
                                "SGLang's HiCacheController calls it right after create_backend()")
         return self.store
+
+    def _page_bytes(self) -> int:
+        """Bytes of one page as ``get_page_buffer_meta`` describes it."""
+        zero = torch.zeros(self.mem_pool_host.page_size, dtype=torch.int64)
+        return sum(s.size for s in self._segments(1, zero)[0])
 
     def _segments(self, n_keys: int, host_indices: torch.Tensor) -> list[list[_Segment]]:
         """Per page, its byte ranges in kv_buffer, from ``get_page_buffer_meta``."""
@@ -376,5 +382,8 @@ class HiCacheBackend(HiCacheStorage):
         if self._pool_bytes.ctypes.data != self.mem_pool_host.kv_buffer.data_ptr():
             raise IntegrityError("hicache SGLang backend: the host pool's kv_buffer moved since "
                                  "register_mem_pool_host(); register it again")
-        if self.skipped_writes and self.is_writer:
-            raise IntegrityError(f"writer rank skipped {self.skipped_writes} page writes")
+        if self._page_bytes() != self.layout.page_bytes or self._plane_sizes != [
+                p.page_bytes for p in self.layout.planes]:
+            raise IntegrityError(f"hicache SGLang backend: pool pages of {self._page_bytes()} bytes, "
+                                 f"planes {self._plane_sizes[:4]}... disagree with layout "
+                                 f"{self.layout.model_id!r} ({self.layout.page_bytes} bytes)")

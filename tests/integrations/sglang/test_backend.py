@@ -13,7 +13,7 @@ from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
-from hicache.errors import ConfigError
+from hicache.errors import ConfigError, IntegrityError
 from hicache.integrations.sglang import HiCacheBackend, page_key
 
 from .conftest import LAYOUTS, PAGE, controller, host_pool, storage_config
@@ -254,3 +254,11 @@ def test_unsupported_pool_and_missing_url_fail_loudly(tmp_path, model):
         b.register_mem_pool_host(pool)
     with pytest.raises(RuntimeError, match="register_mem_pool_host"):
         b.batch_exists(["x"])
+
+
+def test_check_integrity_catches_a_pool_that_changed_under_it(tmp_path, model):
+    b, pool = make_backend("mla", "page_first", f"file://{tmp_path}/l3", model)
+    b.check_integrity()
+    pool.layout = "page_first_direct"  # the pool now stores pages in another byte order
+    with pytest.raises(IntegrityError, match="fingerprint"):
+        b.check_integrity()
