@@ -1,0 +1,389 @@
+"""SGLang HiCache storage backend over any hicache L3 URL (``dynamic`` backend).
+
+SGLang loads it with::
+
+    --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "hicache",
+        "module_path": "hicache.integrations.sglang", "class_name": "HiCacheBackend",
+        "interface_v1": 1, "url": "redis://host:6379/0"}'
+
+SGLang's ``StorageBackendFactory`` builds ``HiCacheBackend(storage_config, {})``
+and its ``HiCacheController`` then calls ``register_mem_pool_host``; the L3
+store is opened there, because hicache's fingerprint is derived from the host
+pool (``sglang_layout``).
+
+Keys: SGLang's page hash string is the key, mapped to hicache's 16-byte key
+space by BLAKE2b-128 (``page_key``). Objects: hicache's codec (header with
+fingerprint, key and xxh3 checksum), verified on every read; a corrupt or
+foreign object is a miss that ends the hit, and its bytes never reach the
+host pool.
+
+Payload: a page's bytes in the order of ``host_pool.get_page_buffer_meta``
+(the order SGLang's zero-copy backends store; the host layout in the
+fingerprint names it), split into the ``KVLayout``'s plane sizes so that the
+node-local service (``hicache+unix://``) accepts it. The copying
+``get``/``set`` produce the same bytes, so either path reads what the other
+wrote.
+
+Not implemented: the v2 hybrid-pool methods (``batch_exists_v2``,
+``batch_get_v2``, ``batch_set_v2``: Mamba/SWA/indexer side pools), host
+layouts other than ``layer_first``/``page_first``/``page_first_direct``,
+DCP shards (SGLang only allows file/Mooncake there) and ``page_head`` split
+heads across heterogeneous TP. Registering such a pool raises ``ConfigError``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import threading
+import time
+from typing import Any, List, NamedTuple, Optional
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+from hicache.errors import ConfigError, IntegrityError
+from hicache.hashing import HASH_BYTES
+from hicache.layout import KVLayout
+from hicache.storage import StorageBackend, StorageStats, open_storage
+from hicache.storage.base import redact_url
+from hicache.types import PageHash
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+# extra_config keys this backend reads (besides the factory's own).
+_OPTIONS = ("url", "timeout_ms", "max_retries", "key_prefix")
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
+                torch.uint8: "uint8", torch.float8_e4m3fn: "float8_e4m3fn",
+                torch.float8_e5m2: "float8_e5m2"}
+
+
+def page_key(sglang_hash: str) -> PageHash:
+    """hicache's 16-byte L3 key for one SGLang page hash string."""
+    return PageHash(hashlib.blake2b(sglang_hash.encode(), digest_size=HASH_BYTES).digest())
+
+
+def sglang_layout(host_pool: Any, config: HiCacheStorageConfig) -> KVLayout:
+    """The ``KVLayout`` whose fingerprint tags this pool's pages.
+
+    ``model_id`` carries the model name, the SGLang host layout (it decides
+    the byte order of a stored page) and the PP stage / attention-CP rank
+    when those shard a page. MHA pages carry the TP rank (each rank holds
+    other heads); MLA pages are replicated across TP ranks, so every rank
+    gets one fingerprint and shares one object per page.
+    Raises ``ConfigError`` for a pool this backend does not support.
+    """
+    layout = getattr(host_pool, "layout", None)
+    if layout not in SUPPORTED_LAYOUTS:
+        raise ConfigError(f"hicache SGLang backend: host layout {layout!r} is not supported; "
+                          f"start SGLang with --hicache-mem-layout one of {SUPPORTED_LAYOUTS}")
+    if getattr(host_pool, "kv_buffer", None) is None:
+        raise ConfigError(f"hicache SGLang backend: {type(host_pool).__name__} has no materialized "
+                          "kv_buffer (a logical anchor pool); its data lives in v2 side pools, "
+                          "which this backend does not implement")
+    if config.dcp_size > 1:
+        raise ConfigError(f"hicache SGLang backend: decode context parallel (dcp_size="
+                          f"{config.dcp_size}) is not supported")
+    dtype = _DTYPE_NAMES.get(host_pool.dtype)
+    if dtype is None:
+        raise ConfigError(f"hicache SGLang backend: KV dtype {host_pool.dtype} is not supported; "
+                          f"known: {sorted(_DTYPE_NAMES.values())}")
+    model = config.model_name or "unnamed"
+    tag = f"{model}#sglang:{layout}"
+    if config.pp_size > 1:
+        tag += f":pp{config.pp_rank}/{config.pp_size}"
+    if config.attn_cp_size > 1:
+        tag += f":cp{config.attn_cp_rank}/{config.attn_cp_size}"
+    common = dict(model_id=tag, num_layers=host_pool.layer_num, dtype=dtype,
+                  page_size=host_pool.page_size,
+                  host_layout="layer_first" if layout == "layer_first" else "page_first")
+    if isinstance(host_pool, MLATokenToKVPoolHost):
+        return KVLayout(kind="mla", kv_lora_rank=host_pool.kv_lora_rank,
+                        rope_dim=host_pool.kv_cache_dim - host_pool.kv_lora_rank, **common)
+    if type(host_pool) is MHATokenToKVPoolHost:
+        if host_pool.v_head_dim != host_pool.head_dim:
+            raise ConfigError(f"hicache SGLang backend: MHA head_dim={host_pool.head_dim} != "
+                              f"v_head_dim={host_pool.v_head_dim} is not supported")
+        return KVLayout(kind="mha", num_kv_heads=host_pool.head_num, head_dim=host_pool.head_dim,
+                        tp_rank=config.tp_rank, tp_size=config.tp_size, **common)
+    raise ConfigError(f"hicache SGLang backend: host pool {type(host_pool).__name__} is not supported; "
+                      "use an MHA (MHATokenToKVPoolHost) or MLA (MLATokenToKVPoolHost) model")
+
+
+class _Segment(NamedTuple):
+    offset: int  # byte offset in the host pool's kv_buffer
+    size: int
+
+
+@dataclasses.dataclass(slots=True)
+class _Transfers:
+    """Per-call page counts and bandwidths since the last ``get_stats`` (SGLang's StorageMetrics)."""
+
+    prefetch_pgs: list = dataclasses.field(default_factory=list)
+    backup_pgs: list = dataclasses.field(default_factory=list)
+    prefetch_bandwidth: list = dataclasses.field(default_factory=list)  # GB/s
+    backup_bandwidth: list = dataclasses.field(default_factory=list)
+
+
+class HiCacheBackend(HiCacheStorage):
+    """SGLang ``HiCacheStorage`` over a hicache L3 (file, memory, redis, cluster, service).
+
+    Thread-safe: SGLang calls it from its prefetch and backup threads; the
+    hicache storage backend is thread-safe and local counters sit behind a lock.
+    Never raises on L3 failures: an outage turns into misses and failed writes.
+    """
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
+        extra = dict(storage_config.extra_config or {})
+        url = extra.get("url")
+        if not isinstance(url, str) or "://" not in url:
+            raise ConfigError(f"hicache SGLang backend: extra config needs \"url\" (an L3 URL such as "
+                              f"redis://host:6379/0 or file:///dir), got {url!r}; keys read: {_OPTIONS}")
+        self.storage_config = storage_config
+        self.url = url
+        self._open_opts = {k: extra[k] for k in ("timeout_ms", "max_retries", "key_prefix") if k in extra}
+        self.layout: Optional[KVLayout] = None
+        self.store: Optional[StorageBackend] = None
+        self.mem_pool_host = None
+        self._pool_bytes: Optional[np.ndarray] = None  # writable uint8 view of kv_buffer
+        self._plane_sizes: list[int] = []
+        self._lock = threading.Lock()
+        self._transfers = _Transfers()
+        self.skipped_writes = 0  # pages a non-writer MLA rank left to the writer
+        self.is_writer = storage_config.is_storage_writer
+
+    # ---------------------------------------------------------------- setup
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Bind the host pool and open the L3 store for its layout. Raises ``ConfigError``."""
+        layout = sglang_layout(mem_pool_host, self.storage_config)
+        buf = mem_pool_host.kv_buffer
+        if not buf.is_contiguous() or buf.device.type != "cpu":
+            raise ConfigError(f"hicache SGLang backend: host kv_buffer must be one contiguous CPU tensor "
+                              f"(device={buf.device}, contiguous={buf.is_contiguous()})")
+        if self.store is not None:
+            self.store.close()
+        super().register_mem_pool_host(mem_pool_host)
+        self.layout = layout
+        self._plane_sizes = [p.page_bytes for p in layout.planes]
+        self._pool_bytes = buf.view(-1).view(torch.uint8).numpy()
+        if self._page_bytes() != layout.page_bytes:
+            raise ConfigError(f"hicache SGLang backend: a {type(mem_pool_host).__name__} page holds "
+                              f"{self._page_bytes()} bytes but layout {layout.model_id!r} describes "
+                              f"{layout.page_bytes}")
+        self.store = open_storage(self.url, fingerprint=layout.fingerprint(), layout=layout,
+                                  **self._open_opts)
+        log.info("hicache SGLang backend: %s, fingerprint %s (%s)", redact_url(self.url),
+                 layout.fingerprint(), layout.model_id)
+
+    def _require_store(self) -> StorageBackend:
+        if self.store is None:
+            raise RuntimeError("hicache SGLang backend: register_mem_pool_host() has not been called; "
+                               "SGLang's HiCacheController calls it right after create_backend()")
+        return self.store
+
+    def _page_bytes(self) -> int:
+        """Bytes of one page as ``get_page_buffer_meta`` describes it."""
+        zero = torch.zeros(self.mem_pool_host.page_size, dtype=torch.int64)
+        return sum(s.size for s in self._segments(1, zero)[0])
+
+    def _segments(self, n_keys: int, host_indices: torch.Tensor) -> list[list[_Segment]]:
+        """Per page, its byte ranges in kv_buffer, from ``get_page_buffer_meta``."""
+        pool = self.mem_pool_host
+        if host_indices.numel() != n_keys * pool.page_size:
+            raise ValueError(f"{n_keys} keys need {n_keys * pool.page_size} host indices "
+                             f"(page_size={pool.page_size}), got {host_indices.numel()}")
+        ptrs, sizes = pool.get_page_buffer_meta(host_indices.cpu())
+        per = len(ptrs) // n_keys
+        assert per * n_keys == len(ptrs), (len(ptrs), n_keys)
+        base, total = pool.kv_buffer.data_ptr(), self._pool_bytes.nbytes
+        out = []
+        for i in range(n_keys):
+            segs = []
+            for ptr, size in zip(ptrs[i * per:(i + 1) * per], sizes[i * per:(i + 1) * per]):
+                off = ptr - base
+                if off < 0 or off + size > total:
+                    raise ValueError(f"page buffer [{ptr:#x}, +{size}) lies outside the host pool's "
+                                     f"kv_buffer [{base:#x}, +{total})")
+                segs.append(_Segment(off, int(size)))
+            out.append(segs)
+        return out
+
+    # ---------------------------------------------------------- zero-copy v1
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        """Load verified pages straight into the host pool; ``True`` for the leading run loaded.
+
+        Stops at the first miss (absent, corrupt, foreign, or L3 down): that page
+        and every later one are ``False`` and their host memory is not written.
+        """
+        store = self._require_store()
+        if not keys:
+            return []
+        t0 = time.perf_counter()
+        segs = self._segments(len(keys), host_indices)
+        views = store.get([page_key(k) for k in keys], self._plane_sizes)
+        out = [False] * len(keys)
+        pool = self._pool_bytes
+        for i, view in enumerate(views):
+            if view is None:
+                break
+            src = np.frombuffer(view, dtype=np.uint8)
+            pos = 0
+            for seg in segs[i]:
+                pool[seg.offset:seg.offset + seg.size] = src[pos:pos + seg.size]
+                pos += seg.size
+            out[i] = True
+        self._record("prefetch", sum(out), time.perf_counter() - t0)
+        return out
+
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        """Store pages from the host pool; per key, whether L3 now holds it.
+
+        Pages L3 already holds are not rewritten. A non-writer TP rank of an
+        MLA model writes nothing and answers ``True``: the writer rank stores
+        the same bytes (SGLang's ``is_storage_writer``).
+        """
+        store = self._require_store()
+        if not keys:
+            return []
+        if not self.is_writer:
+            with self._lock:
+                self.skipped_writes += len(keys)
+            return [True] * len(keys)
+        t0 = time.perf_counter()
+        segs = self._segments(len(keys), host_indices)
+        hkeys = [page_key(k) for k in keys]
+        present = store.exists(hkeys)
+        mv = memoryview(self._pool_bytes)
+        items = []
+        for key, page, have in zip(hkeys, segs, present):
+            if have:
+                continue
+            parts = [mv[s.offset:s.offset + s.size] for s in page]
+            # One segment is stored straight from the pool; several are joined (one copy).
+            items.append((key, parts[0] if len(parts) == 1 else b"".join(parts), self._plane_sizes))
+        stored = store.put(items) if items else 0
+        if stored == len(items):
+            out = [True] * len(keys)
+        else:
+            out = store.exists(hkeys)
+        self._record("backup", len(items), time.perf_counter() - t0)
+        return out
+
+    # ------------------------------------------------------------- copying API
+    def _flat_to_payload(self, flat: torch.Tensor) -> torch.Tensor:
+        """A flat data page (``get_data_page``) in the v1 byte order, as uint8."""
+        pool = self.mem_pool_host
+        if isinstance(pool, MHATokenToKVPoolHost) and pool.layout == "layer_first":
+            # [2, L, page, H, D] -> [L, 2, page, H, D]: K and V of one layer side by side.
+            flat = flat.view(2, pool.layer_num, -1).transpose(0, 1)
+        return flat.contiguous().view(-1).view(torch.uint8)
+
+    def _payload_into_flat(self, payload: memoryview, target: torch.Tensor) -> None:
+        pool = self.mem_pool_host
+        src = torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy())
+        if isinstance(pool, MHATokenToKVPoolHost) and pool.layout == "layer_first":
+            src = src.view(pool.layer_num, 2, -1).transpose(0, 1).contiguous().view(-1)
+        target.view(-1).view(torch.uint8).copy_(src)
+
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> List[Optional[torch.Tensor]]:
+        """Verified pages as flat tensors (SGLang's flat data page), ``None`` per miss."""
+        store = self._require_store()
+        if not keys:
+            return []
+        targets = target_locations or [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+        views = store.get([page_key(k) for k in keys], self._plane_sizes)
+        out: List[Optional[torch.Tensor]] = []
+        for view, target in zip(views, targets):
+            if view is None or target.numel() * target.element_size() != view.nbytes:
+                out.append(None)
+                continue
+            self._payload_into_flat(view, target)
+            out.append(target)
+        return out
+
+    def get(self, key: str, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> Optional[torch.Tensor]:
+        return self.batch_get([key], [target_location] if target_location is not None else None)[0]
+
+    def batch_set(self, keys: List[str], values: Optional[Any] = None,
+                  target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None) -> bool:
+        """Store flat data pages; ``True`` when every one is stored."""
+        store = self._require_store()
+        if not self.is_writer:
+            with self._lock:
+                self.skipped_writes += len(keys)
+            return True
+        items = [(page_key(k), self._flat_to_payload(v).numpy(), self._plane_sizes)
+                 for k, v in zip(keys, values)]
+        return store.put(items) == len(items)
+
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def exists(self, key: str) -> bool:
+        return self._require_store().exists([page_key(key)])[0]
+
+    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        """How many leading keys L3 holds (stored, not yet verified: reads verify)."""
+        return self._require_store().prefix_hits([page_key(k) for k in keys])
+
+    # ------------------------------------------------------------------ admin
+    def clear(self) -> bool:
+        """Delete this layout's pages (other layouts and TP ranks are untouched)."""
+        return self._require_store().clear() is not None
+
+    def _record(self, kind: str, pages: int, seconds: float) -> None:
+        if pages <= 0:
+            return
+        gb = pages * self.layout.page_bytes / 1e9
+        with self._lock:
+            getattr(self._transfers, f"{kind}_pgs").append(pages)
+            getattr(self._transfers, f"{kind}_bandwidth").append(gb / max(seconds, 1e-9))
+
+    def get_stats(self):
+        """SGLang's ``StorageMetrics`` for the calls since the last ``get_stats`` (drains them)."""
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        with self._lock:
+            t, self._transfers = self._transfers, _Transfers()
+        return StorageMetrics(prefetch_pgs=t.prefetch_pgs, backup_pgs=t.backup_pgs,
+                              prefetch_bandwidth=t.prefetch_bandwidth, backup_bandwidth=t.backup_bandwidth)
+
+    def hicache_stats(self) -> StorageStats:
+        """hicache's L3 counters (hits, misses, corrupt, fingerprint mismatches, drops)."""
+        return self._require_store().stats()
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+    def check_integrity(self) -> None:
+        """The store verifies (counters and, where it can list, every object), and
+        this backend still describes its pool. Raises ``IntegrityError``."""
+        store = self._require_store()
+        store.check_integrity()
+        now = sglang_layout(self.mem_pool_host, self.storage_config)
+        if now.fingerprint() != store.fingerprint or now.fingerprint() != self.layout.fingerprint():
+            raise IntegrityError(f"hicache SGLang backend: pool layout {now.model_id!r} fingerprint "
+                                 f"{now.fingerprint()} != store's {store.fingerprint}")
+        if self._pool_bytes.ctypes.data != self.mem_pool_host.kv_buffer.data_ptr():
+            raise IntegrityError("hicache SGLang backend: the host pool's kv_buffer moved since "
+                                 "register_mem_pool_host(); register it again")
+        if self._page_bytes() != self.layout.page_bytes or self._plane_sizes != [
+                p.page_bytes for p in self.layout.planes]:
+            raise IntegrityError(f"hicache SGLang backend: pool pages of {self._page_bytes()} bytes, "
+                                 f"planes {self._plane_sizes[:4]}... disagree with layout "
+                                 f"{self.layout.model_id!r} ({self.layout.page_bytes} bytes)")

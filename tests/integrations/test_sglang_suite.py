@@ -1,0 +1,28 @@
+"""Runs tests/integrations/sglang inside .venv-sglang (SGLang's real code over the
+CPU torch build). The main environment has no sglang; this test is how the
+README's test command covers the integration. It fails, never skips, when the
+environment is missing."""
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_sglang_suite_passes_in_its_environment(redis_url):
+    assert PYTHON.exists(), (f"{PYTHON} is missing: run bash scripts/setup-engines.sh "
+                             "(or bash scripts/engines/sglang.sh) first")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "REDIS_TEST_URL": redis_url}
+    out = subprocess.run([str(PYTHON), "-m", "pytest", "tests/integrations/sglang", "-q", "-p", "no:randomly",
+                          "-W", "ignore::DeprecationWarning", "-W", "ignore::UserWarning"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    tail = (out.stdout + out.stderr)[-6000:]
+    assert out.returncode == 0, f"SGLang suite failed (rc={out.returncode}):\n{tail}"
+    assert " passed" in tail and " skipped" not in tail, tail
+    sys.stdout.write(tail.splitlines()[-1] + "\n")
