@@ -28,13 +28,14 @@ def namespace_root(namespace: str = "") -> PageHash:
 _ARRAY_U32 = array("I").itemsize == 4 and sys.byteorder == "little"
 
 
-def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+def tokens_to_bytes(tokens: Sequence[int] | np.ndarray | array) -> bytes:
     """Token ids as uint32 little-endian bytes; raises ``ValueError`` on ids outside [0, 2**32).
 
     Fast paths (an engine's own input, converted once per lookup): a Python list
     or tuple goes through ``array('I')``, whose C loop converts and range-checks
     each int (about 4 ns a token, 15x ``np.asarray``); a uint32 array is copied
-    as is; other integer arrays take a min/max check and one conversion. Anything
+    as is; other integer arrays (numpy, or ``array.array`` such as SGLang's
+    ``array('q')`` buffers) take a min/max check and one conversion. Anything
     else (floats, nested sequences) takes the general numpy path, as before.
     """
     if _ARRAY_U32 and type(tokens) in (list, tuple):
@@ -50,7 +51,10 @@ def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
             raise ValueError(f"token ids must be in [0, 2**32), got {len(bad)} outside, e.g. {bad[:3]}") from None
         except TypeError:
             pass  # not all ints (e.g. numpy scalars, floats): the general path decides
-    arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
+    if type(tokens) is array:  # e.g. SGLang's per-request array('q') buffers: no per-item work
+        arr = np.frombuffer(tokens, dtype=np.dtype(tokens.typecode)) if tokens.typecode != "u" else np.asarray(tokens)
+    else:
+        arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
     if arr.dtype == np.dtype("<u4"):

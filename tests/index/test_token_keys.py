@@ -1,6 +1,8 @@
 """tokens_to_bytes: every input form gives the same key, and out-of-range ids raise."""
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +20,7 @@ WANT = b"".join(i.to_bytes(4, "little") for i in IDS)
     lambda x: np.array(x, dtype=np.uint32), lambda x: np.array(x, dtype=">u4"),
     lambda x: [np.int64(i) for i in x],  # numpy scalars in a list take the general path
     lambda x: torch.tensor(x, dtype=torch.int64),
+    lambda x: array("q", x), lambda x: array("L", x), lambda x: array("I", x),
 ])
 def test_every_form_gives_the_same_key(form):
     assert as_key(form(IDS)) == WANT
@@ -32,6 +35,7 @@ def test_small_signed_arrays_and_bools():
 @pytest.mark.parametrize("bad", [
     [5, -1], [2**32], (3, 2**40), [2**40, None],
     np.array([4, -1], dtype=np.int64), np.array([-5], dtype=np.int32), np.array([2**32], dtype=np.uint64),
+    array("q", [1, -2]), array("Q", [2**33]),
 ])
 def test_out_of_range_raises_value_error(bad):
     with pytest.raises(ValueError, match=r"\[0, 2\*\*32\)"):
