@@ -173,7 +173,12 @@ def main() -> None:
     ap.add_argument("--timeout-ms", type=int, default=1000)
     ap.add_argument("--redis-benchmark", action="store_true",
                     help="also run the C client (redis-benchmark, -c 1 -P batch) and report ratios to it")
+    ap.add_argument("--overlap-chunk-kib", type=int, default=0,
+                    help="override redis_backend.OVERLAP_CHUNK_BYTES (KiB) for this run")
     a = ap.parse_args()
+    if a.overlap_chunk_kib:
+        from hicache.storage import redis_backend
+        redis_backend.OVERLAP_CHUNK_BYTES = a.overlap_chunk_kib << 10
     sizes = [parse_size(s) for s in a.sizes.split(",")]
     proc = None
     with tempfile.TemporaryDirectory() as tmp:

@@ -175,7 +175,8 @@ def run_case(rows, shape, direction, src, dst, sp, dp, limit, group, ext):
         for tb, ch, w in tiles:
             t = TileConfig(tb, 4096, ch, w)
             c = PageCopier(pcie=t, d2d=t)
-            add(f"hicache triton tile={tb // 1024}K chunk={ch // 1024}K w={w}", lambda c=c: c.copy_pages(src, dst, sp, dp))
+            add(f"hicache triton tile={tb // 1024}K chunk={ch // 1024}K w={w}",
+                lambda c=c: c.copy_pages(src, dst, sp, dp))
         if mha and ext is not None:
             st, dt, L, item, ss, ds = peer_tables(src, dst)
             grids = ((132, 32), (264, 16)) if d2d else ((2, 16), (2, 32), (8, 16), (8, 32), (16, 32))
@@ -189,7 +190,8 @@ def run_case(rows, shape, direction, src, dst, sp, dp, limit, group, ext):
         for chunk, grid in ((32768, (132, 264) if d2d else (4, 8, 16, 32)), (16384, (264,) if d2d else (8,))):
             tbl = chunk_table(src, dst, chunk)
             for b in grid:
-                add(f"tma blocks={b} chunk={chunk // 1024}K", lambda b=b, tbl=tbl, c=chunk: ext.tma_copy(tbl, sp, dp, b, c))
+                add(f"tma blocks={b} chunk={chunk // 1024}K",
+                    lambda b=b, tbl=tbl, c=chunk: ext.tma_copy(tbl, sp, dp, b, c))
 
 
 def main() -> None:

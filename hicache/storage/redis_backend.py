@@ -55,7 +55,8 @@ class RedisBackend(StorageBackend):
     OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, RedisClusterException,
                      OSError)
     CALL_ERRORS = (RedisError,)
-    overlap_checksums = True  # large puts: checksum the next chunk while this one is sent (benchmarks turn it off)
+    # Large puts checksum the next chunk while this one is sent; benchmarks turn it off to compare.
+    overlap_checksums = True
 
     def __init__(self, options: StorageOptions, make_client: Callable[[], Any], name: str):
         super().__init__(options, name)
