@@ -13,7 +13,12 @@ without copying them: the faster of the two is the bar. hicache's put includes b
 header; its get includes full verification (header, fingerprint, hash,
 length, xxh3 checksum).
 
-    python bench/storage.py [--sizes 64K,512K,2M] [--batch 32] [--rounds 7]
+hicache put overlaps checksums with sends for batches over 4 MiB (``RedisBackend.
+overlap_checksums``); "serial checksums" is the same put with that turned off.
+``--redis-benchmark`` adds the C client (redis-benchmark, one connection, the
+same pipeline depth) and hicache's ratio to it.
+
+    python bench/storage.py [--sizes 64K,512K,2M] [--batch 32] [--rounds 7] [--redis-benchmark]
 """
 from __future__ import annotations
 
@@ -70,11 +75,29 @@ def timed(fn, reps: int) -> float:
     return time.perf_counter() - t
 
 
-def run(url: str, sizes: list[int], batch: int, rounds: int, target_bytes: int, timeout_ms: int) -> list[dict]:
+def redis_benchmark(exe: str, url: str, size: int, batch: int, target_bytes: int) -> dict[str, float]:
+    """GB/s of payload for the C client: one connection, ``batch`` commands per pipeline."""
+    u = redis.connection.parse_url(url)
+    n = max(batch * 4, target_bytes // size)
+    out = subprocess.run([exe, "-h", u.get("host", "127.0.0.1"), "-p", str(u.get("port", 6379)), "-c", "1",
+                          "-P", str(batch), "-n", str(n), "-d", str(size), "-t", "set,get", "--csv"],
+                         capture_output=True, text=True, check=True).stdout
+    res = {}
+    for line in out.splitlines():
+        cells = [c.strip('"') for c in line.split(",")]
+        if cells[0] in ("SET", "GET"):
+            res[f"cb_{cells[0].lower()}"] = float(cells[1]) * size / 1e9
+    return res
+
+
+def run(url: str, sizes: list[int], batch: int, rounds: int, target_bytes: int, timeout_ms: int,
+        bench_exe: str | None = None) -> list[dict]:
     raw = redis.Redis.from_url(url)
     packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
     raw_py = redis.Redis(connection_pool=redis.ConnectionPool.from_url(url, command_packer=packer))
     l3 = open_storage(url, fingerprint=FP, timeout_ms=timeout_ms)
+    l3_serial = open_storage(url, fingerprint=FP, timeout_ms=timeout_ms)
+    l3_serial.overlap_checksums = False  # the previous put path: every checksum, then every send
     rows = []
     for size in sizes:
         keys = page_hashes(list(range(4 * batch)), 4, namespace=f"bench{size}")
@@ -102,23 +125,29 @@ def run(url: str, sizes: list[int], batch: int, rounds: int, target_bytes: int, 
         def l3_put():
             l3.put(items)  # drops are counted and reported below
 
+        def l3_put_serial():
+            l3_serial.put(items)
+
         def l3_get():
             l3.get(keys, sizes_list)
 
         reps = max(2, target_bytes // (size * batch))
-        ops = (("raw_put", raw_put), ("raw_py_put", raw_py_put), ("l3_put", l3_put), ("raw_get", raw_get),
-               ("l3_get", l3_get))
+        ops = (("raw_put", raw_put), ("raw_py_put", raw_py_put), ("l3_put", l3_put),
+               ("l3_put_serial", l3_put_serial), ("raw_get", raw_get), ("l3_get", l3_get))
         res: dict[str, list[float]] = {n: [] for n, _ in ops}
         for _ in range(rounds):
             for name, fn in ops:
                 res[name].append(reps * batch * size / timed(fn, reps) / 1e9)
         med = {n: statistics.median(v) for n, v in res.items()}
+        if bench_exe:
+            med.update(redis_benchmark(bench_exe, url, size, batch, target_bytes))
         rows.append(dict(size=size, **med))
         raw.delete(*raw_keys)
         l3.delete(keys)
     s = l3.stats()
     l3.check_integrity()
     l3.close()
+    l3_serial.close()
     raw.close()
     raw_py.close()
     print(f"hicache counters: put_ok={s.put_ok} put_dropped={s.put_dropped} hits={s.hits} "
@@ -142,7 +171,14 @@ def main() -> None:
     # Throughput, not outage behaviour, is measured: a generous timeout keeps a
     # scheduling hiccup on a busy 2-core box from counting as an outage.
     ap.add_argument("--timeout-ms", type=int, default=1000)
+    ap.add_argument("--redis-benchmark", action="store_true",
+                    help="also run the C client (redis-benchmark, -c 1 -P batch) and report ratios to it")
+    ap.add_argument("--overlap-chunk-kib", type=int, default=0,
+                    help="override redis_backend.OVERLAP_CHUNK_BYTES (KiB) for this run")
     a = ap.parse_args()
+    if a.overlap_chunk_kib:
+        from hicache.storage import redis_backend
+        redis_backend.OVERLAP_CHUNK_BYTES = a.overlap_chunk_kib << 10
     sizes = [parse_size(s) for s in a.sizes.split(",")]
     proc = None
     with tempfile.TemporaryDirectory() as tmp:
@@ -151,20 +187,28 @@ def main() -> None:
             proc, port = start_server(tmp)
             url = f"redis://127.0.0.1:{port}/0"
         try:
-            rows = run(url, sizes, a.batch, a.rounds, a.mib_per_round << 20, a.timeout_ms)
+            exe = shutil.which("redis-benchmark") if a.redis_benchmark else None
+            if a.redis_benchmark and not exe:
+                sys.exit("--redis-benchmark: redis-benchmark is not on PATH")
+            rows = run(url, sizes, a.batch, a.rounds, a.mib_per_round << 20, a.timeout_ms, exe)
         finally:
             if proc is not None:
                 proc.terminate()
                 proc.wait()
     print(f"\nbatch {a.batch} pages, median of {a.rounds} interleaved rounds, GB/s of payload")
     print("| page size | raw SET (default) | raw SET (py packer) | hicache put | put / best raw "
-          "| raw GET | hicache get | get / raw |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| hicache put, serial checksums | raw GET | hicache get | get / raw |"
+          + (" C client SET | C client GET | put / C | get / C |" if rows and "cb_set" in rows[0] else ""))
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if rows and "cb_set" in rows[0] else ""))
     for r in rows:
         best = max(r["raw_put"], r["raw_py_put"])
-        print(f"| {human(r['size'])} | {r['raw_put']:.2f} | {r['raw_py_put']:.2f} | {r['l3_put']:.2f} "
-              f"| {r['l3_put'] / best:.0%} | {r['raw_get']:.2f} | {r['l3_get']:.2f} "
-              f"| {r['l3_get'] / r['raw_get']:.0%} |")
+        line = (f"| {human(r['size'])} | {r['raw_put']:.2f} | {r['raw_py_put']:.2f} | {r['l3_put']:.2f} "
+                f"| {r['l3_put'] / best:.0%} | {r['l3_put_serial']:.2f} ({r['l3_put_serial'] / best:.0%}) "
+                f"| {r['raw_get']:.2f} | {r['l3_get']:.2f} | {r['l3_get'] / r['raw_get']:.0%} |")
+        if "cb_set" in r:
+            line += (f" {r['cb_set']:.2f} | {r['cb_get']:.2f} | {r['l3_put'] / r['cb_set']:.0%} "
+                     f"| {r['l3_get'] / r['cb_get']:.0%} |")
+        print(line)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,10 @@ launch, both host layouts; D2D against a contiguous device copy; a per-page
 cudaMemcpyAsync loop; the torch index_select + copy path; then bandwidth
 against the number of programs (thread blocks) and tile size. Without a GPU it
 runs a tiny smoke version (interpreted kernel, wall-clock timing).
+
+The side-by-side run against an SGLang-style peer kernel, TMA bulk copies and
+copy-engine batches (built with nvcc on the GPU machine) is
+``bench/transfer_peer.py``; results in bench/RESULTS.md.
 """
 from __future__ import annotations
 

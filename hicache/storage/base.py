@@ -179,6 +179,10 @@ class PutBatch(Sequence[tuple[bytes, bytes, memoryview]]):
     def __len__(self) -> int:
         return len(self._rows)
 
+    def payload_bytes(self, i: int) -> int:
+        """Payload size of page ``i`` (builds no header)."""
+        return self._rows[i][2].nbytes
+
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
