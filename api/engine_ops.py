@@ -13,14 +13,21 @@ import logging
 from collections import Counter
 from typing import Any, Callable, NamedTuple
 
-from hicache.api.l2_index import L2Index
+from hicache.api.l2_index import L2Index, Reclaimed
 from hicache.api.l3_tier import L3Tier
+from hicache.consensus import AgreeRounds
 from hicache.errors import (ContractMismatch, ForeignPage, IntegrityError, LayoutError, OutOfPages,
                             ServiceError)
 from hicache.layout import KVLayout
 from hicache.protocol import PROTOCOL_VERSION, error_reply, plain
 
 log = logging.getLogger(__name__)
+
+
+# Ops that may wait on the loop (for L3, for other ranks).
+ASYNC_OPS = frozenset({"fetch", "agree"})
+# Ops a consensus-only connection may use.
+CONSENSUS_OPS = frozenset({"agree", "stats", "check", "bye"})
 
 
 class Reply(NamedTuple):
@@ -44,6 +51,8 @@ class Dispatcher:
         self.segment = segment
         self.snapshot = snapshot
         self.errors: Counter[str] = Counter()
+        self.rounds = AgreeRounds()
+        self._consensus_only: set[int] = set()  # connections that handshook with role "consensus"
         self._ops: dict[str, Callable[[int, dict], dict[str, Any]]] = {
             "lookup": self._lookup, "reserve": self._reserve, "commit": self._commit,
             "cancel": self._cancel, "acquire": self._acquire, "release": self._release,
@@ -67,6 +76,10 @@ class Dispatcher:
             return self.error("version", f"protocol version: ours={PROTOCOL_VERSION} theirs={theirs!r}; "
                               "upgrade the older side", close=True,
                               differences=[["protocol", PROTOCOL_VERSION, plain(theirs)]])
+        if req.get("role") == "consensus":  # hit consensus only: no layout, no pages
+            self.index.add_owner(owner)
+            self._consensus_only.add(owner)
+            return Reply({"ok": True, "protocol": PROTOCOL_VERSION, "client_id": owner})
         try:
             client = KVLayout.from_dict(req.get("layout"))
         except (LayoutError, TypeError, ValueError, AttributeError) as e:
@@ -87,12 +100,15 @@ class Dispatcher:
     def handle(self, owner: int, req: dict[str, Any]) -> Reply:
         """One request after the handshake that answers at once (not ``fetch``)."""
         op = req.get("op")
+        if owner in self._consensus_only and not (isinstance(op, str) and op in CONSENSUS_OPS):
+            return self.error("bad_request", f"op {op!r:.40} on a connection that handshook for consensus only; "
+                              "page ops need a hello with the layout")
         fn = self._ops.get(op) if isinstance(op, str) else None
         if fn is None:
             if op == "hello":
                 return self.error("bad_request", "hello was already done on this connection")
-            assert op != "fetch", "fetch may wait for L3: serve it with handle_async"
-            return self.error("unknown_op", f"unknown op {op!r}; known: {sorted([*self._ops, 'fetch'])}")
+            assert not isinstance(op, str) or op not in ASYNC_OPS, f"{op} may wait: serve it with handle_async"
+            return self.error("unknown_op", f"unknown op {op!r}; known: {sorted([*self._ops, *ASYNC_OPS])}")
         try:
             body = fn(owner, req)
         except Exception as e:
@@ -100,14 +116,22 @@ class Dispatcher:
         return Reply({"ok": True, **body}, close=(op == "bye"))
 
     async def handle_async(self, owner: int, req: dict[str, Any]) -> Reply:
-        """``handle``, except that ``fetch`` may wait (on the loop) for L3."""
-        if req.get("op") != "fetch":
-            return self.handle(owner, req)
+        """``handle``, except that ``fetch`` may wait (on the loop) for L3 and
+        ``agree`` for the other ranks of its group."""
+        op = req.get("op")
+        if not isinstance(op, str) or op not in ASYNC_OPS or (owner in self._consensus_only
+                                                               and op not in CONSENSUS_OPS):
+            return self.handle(owner, req)  # answers at once (or refuses)
         try:
-            body = await self._fetch(req)
+            body = await (self._fetch(req) if op == "fetch" else self.rounds.agree(req))
         except Exception as e:
-            return self._refusal("fetch", e)
+            return self._refusal(op, e)
         return Reply({"ok": True, **body})
+
+    def drop(self, owner: int) -> Reclaimed:
+        """Forget a closed connection; returns what the index reclaimed from it."""
+        self._consensus_only.discard(owner)
+        return self.index.drop_owner(owner)
 
     def _refusal(self, op: str, e: Exception) -> Reply:
         if isinstance(e, ServiceError):
@@ -158,6 +182,7 @@ class Dispatcher:
 
     def _check(self, owner: int, req: dict) -> dict:
         self.index.check_integrity()
+        self.rounds.check_integrity()
         return {}
 
 

@@ -260,7 +260,7 @@ class EngineServer:
         finally:
             del self._conns[cid]
             if registered:
-                got = self.index.drop_owner(cid)
+                got = d.drop(cid)
                 if got.reserved or got.acquired:
                     log.info("client %d closed holding %d reserved pages and %d acquisitions; reclaimed",
                              cid, got.reserved, got.acquired)

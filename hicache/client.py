@@ -57,7 +57,87 @@ class CommitResult(NamedTuple):
     duplicates: int  # pages already present; their reserved page was freed by the server
 
 
-class EngineClient:
+class Link:
+    """One blocking Unix-socket connection to the service: framing and error
+    mapping, one request in flight. ``EngineClient`` and
+    ``hicache.consensus.ServiceConsensus`` build on it. Not thread-safe."""
+
+    _sock: socket.socket | None
+    _rbuf: bytearray
+
+    def _connect(self, socket_path: str, timeout: float | None) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._rbuf = bytearray()  # received bytes not yet consumed as a reply
+        self._sock.settimeout(timeout)
+        self._sock.connect(socket_path)
+
+    def _call(self, req: dict[str, Any]) -> dict[str, Any]:
+        if self._sock is None:
+            raise ServiceError("closed", "client is closed")
+        frame = pack(req)  # a request msgpack refuses fails here, with the stream intact
+        try:
+            self._sock.sendall(frame)
+            rep = unpack(self._read_body())
+        except OSError as e:
+            self.close(send_bye=False)
+            raise ServiceError("closed", f"connection to the engine server failed: {e}") from None
+        except ServiceError as e:
+            # A reply we cannot read: the stream is out of step with our requests.
+            self.close(send_bye=False)
+            raise ServiceError("closed", f"unreadable reply from the engine server ({e.kind}: {e.detail}); "
+                               "connection closed") from None
+        except BaseException:
+            # Interrupted between request and reply (e.g. KeyboardInterrupt): that
+            # reply is still coming and would be read as the next call's; hang up.
+            self.close(send_bye=False)
+            raise
+        if rep.get("ok"):
+            return rep
+        kind, msg = rep.get("kind", "internal"), rep.get("message", repr(rep))
+        if kind == "contract":
+            # The server lists (field, server's, ours); report from this side.
+            raise ContractMismatch("engine server refused this client's layout (ours = client)",
+                                   [(d[0], d[2], d[1]) for d in rep.get("differences", [])])
+        if kind == "out_of_pages":
+            raise OutOfPages(msg)
+        if kind == "foreign_page":
+            raise ForeignPage(msg)
+        raise ServiceError(kind, msg)
+
+    def _read_body(self) -> bytes:
+        """The next reply frame's body; one ``recv`` per reply in the common case."""
+        buf = self._rbuf
+        while len(buf) < HEADER_BYTES:
+            self._fill()
+        n = body_length(bytes(buf[:HEADER_BYTES]), MAX_REPLY_BYTES)
+        end = HEADER_BYTES + n
+        while len(buf) < end:
+            self._fill()
+        body = bytes(buf[HEADER_BYTES:end])
+        del buf[:end]
+        return body
+
+    def _fill(self) -> None:
+        assert self._sock is not None
+        chunk = self._sock.recv(1 << 16)
+        if not chunk:
+            raise ConnectionResetError(f"server closed the connection ({len(self._rbuf)} bytes of a "
+                                       "reply received)")
+        self._rbuf += chunk
+
+    def close(self, send_bye: bool = True) -> None:
+        """Say bye (the server reclaims what this connection still holds). Idempotent."""
+        if self._sock is not None and send_bye:
+            try:
+                self._call({"op": "bye"})
+            except (ServiceError, OSError):
+                pass  # already gone: the server reclaims on disconnect anyway
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+class EngineClient(Link):
     """Connects, handshakes, maps the shared L2 segment. Use as a context manager.
 
     ``pool`` is a ``HostPool`` view of the segment for ``write_page``/``read_page``
@@ -73,13 +153,11 @@ class EngineClient:
     def __init__(self, socket_path: str, layout: KVLayout, *, timeout: float | None = 30.0,
                  pin: bool | None = None):
         self.layout = layout
-        self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock = None
         self._segment: SharedSegment | None = None
-        self._rbuf = bytearray()  # received bytes not yet consumed as a reply
         self.pool: HostPool | None = None
         try:
-            self._sock.settimeout(timeout)
-            self._sock.connect(socket_path)
+            self._connect(socket_path, timeout)
             self._handshake()
             if pin is None or pin:
                 pinned = self._segment.pin()
@@ -148,71 +226,9 @@ class EngineClient:
         """Ask the server to run its ``check_integrity()``; raises ``ServiceError('integrity')``."""
         self._call({"op": "check"})
 
-    # ------------------------------------------------------------ transport
-    def _call(self, req: dict[str, Any]) -> dict[str, Any]:
-        if self._sock is None:
-            raise ServiceError("closed", "client is closed")
-        frame = pack(req)  # a request msgpack refuses fails here, with the stream intact
-        try:
-            self._sock.sendall(frame)
-            rep = unpack(self._read_body())
-        except OSError as e:
-            self.close(send_bye=False)
-            raise ServiceError("closed", f"connection to the engine server failed: {e}") from None
-        except ServiceError as e:
-            # A reply we cannot read: the stream is out of step with our requests.
-            self.close(send_bye=False)
-            raise ServiceError("closed", f"unreadable reply from the engine server ({e.kind}: {e.detail}); "
-                               "connection closed") from None
-        except BaseException:
-            # Interrupted between request and reply (e.g. KeyboardInterrupt): that
-            # reply is still coming and would be read as the next call's; hang up.
-            self.close(send_bye=False)
-            raise
-        if rep.get("ok"):
-            return rep
-        kind, msg = rep.get("kind", "internal"), rep.get("message", repr(rep))
-        if kind == "contract":
-            # The server lists (field, server's, ours); report from this side.
-            raise ContractMismatch("engine server refused this client's layout (ours = client)",
-                                   [(d[0], d[2], d[1]) for d in rep.get("differences", [])])
-        if kind == "out_of_pages":
-            raise OutOfPages(msg)
-        if kind == "foreign_page":
-            raise ForeignPage(msg)
-        raise ServiceError(kind, msg)
-
-    def _read_body(self) -> bytes:
-        """The next reply frame's body; one ``recv`` per reply in the common case."""
-        buf = self._rbuf
-        while len(buf) < HEADER_BYTES:
-            self._fill()
-        n = body_length(bytes(buf[:HEADER_BYTES]), MAX_REPLY_BYTES)
-        end = HEADER_BYTES + n
-        while len(buf) < end:
-            self._fill()
-        body = bytes(buf[HEADER_BYTES:end])
-        del buf[:end]
-        return body
-
-    def _fill(self) -> None:
-        assert self._sock is not None
-        chunk = self._sock.recv(1 << 16)
-        if not chunk:
-            raise ConnectionResetError(f"server closed the connection ({len(self._rbuf)} bytes of a "
-                                       "reply received)")
-        self._rbuf += chunk
-
     def close(self, send_bye: bool = True) -> None:
         """Say bye (the server reclaims what this client still holds), unmap. Idempotent."""
-        if self._sock is not None and send_bye:
-            try:
-                self._call({"op": "bye"})
-            except (ServiceError, OSError):
-                pass  # already gone: the server reclaims on disconnect anyway
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        super().close(send_bye)
         self.pool = None
         if self._segment is not None:
             self._segment.close()
