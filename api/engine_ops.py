@@ -151,22 +151,27 @@ class Dispatcher:
         hashes, wait_ms = _arg(req, "hashes"), _arg(req, "wait_ms")
         if not isinstance(wait_ms, (int, float)) or isinstance(wait_ms, bool) or not 0 <= wait_ms < 1e9:
             raise ServiceError("bad_args", f"fetch needs wait_ms >= 0 (milliseconds), got {wait_ms!r}")
-        pages = self.index.lookup(hashes)
+        need_draft = _need_draft(req)
+        pages = self.index.lookup(hashes, need_draft)
         fetched = 0
         if self.l3 is not None and len(pages) < len(hashes):
+            # L3 holds complete pages only: what it loads also upgrades draft-incomplete L2 pages.
             fetched = await self.l3.fetch(hashes[len(pages):], wait_ms / 1000.0)
             if fetched:
-                pages = self.index.peek_pages(hashes)
+                pages = self.index.peek_pages(hashes, need_draft)
         return {"pages": pages, "fetched": fetched}
 
     def _lookup(self, owner: int, req: dict) -> dict:
-        return {"pages": self.index.lookup(_arg(req, "hashes"))}
+        return {"pages": self.index.lookup(_arg(req, "hashes"), _need_draft(req))}
 
     def _reserve(self, owner: int, req: dict) -> dict:
         return {"pages": self.index.reserve(owner, _arg(req, "n"))}
 
     def _commit(self, owner: int, req: dict) -> dict:
-        r = self.index.commit(owner, _arg(req, "hashes"), _arg(req, "pages"))
+        # Without draft planes every page is complete; with them, a commit that
+        # does not say draft_pages commits draft-incomplete pages (the safe side).
+        draft_pages = None if self.layout.draft_layers == 0 else req.get("draft_pages", 0)
+        r = self.index.commit(owner, _arg(req, "hashes"), _arg(req, "pages"), draft_pages)
         return {"inserted": r.inserted, "duplicates": r.duplicates}
 
     def _cancel(self, owner: int, req: dict) -> dict:
@@ -174,7 +179,7 @@ class Dispatcher:
         return {}
 
     def _acquire(self, owner: int, req: dict) -> dict:
-        return {"pages": self.index.acquire(owner, _arg(req, "hashes"))}
+        return {"pages": self.index.acquire(owner, _arg(req, "hashes"), _need_draft(req))}
 
     def _release(self, owner: int, req: dict) -> dict:
         self.index.release(owner, _arg(req, "hashes"))
@@ -184,6 +189,13 @@ class Dispatcher:
         self.index.check_integrity()
         self.rounds.check_integrity()
         return {}
+
+
+def _need_draft(req: dict) -> bool:
+    v = req.get("need_draft", False)
+    if not isinstance(v, bool):
+        raise ServiceError("bad_args", f"op {req.get('op')!r}: need_draft must be true or false, got {v!r:.40}")
+    return v
 
 
 def _arg(req: dict, name: str) -> Any:

@@ -55,6 +55,7 @@ class L3WriteReadStats(_Out):
     fetch_timeouts: int  # fetches answered before their load finished (it lands later)
     fetch_busy: int  # fetches answered from L2 only: too many loads in flight
     fetch_no_room: int  # pages L3 held that L2 had no room for
+    skipped_draft: int  # committed without valid draft rows: never written to L3
 
 
 class TierStats(_Out):

@@ -57,6 +57,13 @@ class CommitResult(NamedTuple):
     duplicates: int  # pages already present; their reserved page was freed by the server
 
 
+def _req(op: str, hashes: Sequence[PageHash], need_draft: bool) -> dict[str, Any]:
+    req: dict[str, Any] = {"op": op, "hashes": list(hashes)}
+    if need_draft:
+        req["need_draft"] = True
+    return req
+
+
 class Link:
     """One blocking Unix-socket connection to the service: framing and error
     mapping, one request in flight. ``EngineClient`` and
@@ -171,48 +178,59 @@ class EngineClient(Link):
         rep = self._call(hello_request(self.layout.to_dict(), self.layout.fingerprint(), os.getpid()))
         self.client_id: int = rep["client_id"]
         self.num_pages: int = rep["num_pages"]
-        size = HostPool.nbytes_for(self.layout, self.num_pages)
-        if rep["shm_size"] != size:
-            raise ServiceError("bad_layout", f"server segment holds {rep['shm_size']} bytes, this layout "
-                               f"needs {size} for {self.num_pages} pages")
-        self._segment = SharedSegment.attach(rep["shm_name"], size)
-        self.pool = HostPool(self.layout, self.num_pages, buffer=self._segment.tensor)
+        pool_bytes, off = HostPool.nbytes_for(self.layout, self.num_pages), rep["pool_offset"]
+        if rep["shm_size"] != off + pool_bytes:
+            raise ServiceError("bad_layout", f"server segment holds {rep['shm_size']} bytes with its pool at "
+                               f"{off}; this layout needs {pool_bytes} pool bytes for {self.num_pages} pages")
+        self._segment = SharedSegment.attach(rep["shm_name"], rep["shm_size"])
+        self.pool = HostPool(self.layout, self.num_pages, buffer=self._segment.tensor[off:])
 
     # ------------------------------------------------------------------- ops
-    def lookup(self, hashes: Sequence[PageHash]) -> LookupResult:
-        """How many leading pages of ``hashes`` L2 holds. Does not lock them."""
-        pages = self._call({"op": "lookup", "hashes": list(hashes)})["pages"]
+    def lookup(self, hashes: Sequence[PageHash], *, need_draft: bool = False) -> LookupResult:
+        """How many leading pages of ``hashes`` L2 holds. Does not lock them.
+        ``need_draft``: only pages whose draft rows are valid (the answer stops
+        at the first that is not)."""
+        pages = self._call(_req("lookup", hashes, need_draft))["pages"]
         return LookupResult(len(pages), pages)
 
-    def fetch(self, hashes: Sequence[PageHash], wait_ms: int) -> FetchResult:
+    def fetch(self, hashes: Sequence[PageHash], wait_ms: int, *, need_draft: bool = False) -> FetchResult:
         """``lookup``, but pages missing from L2 are first loaded from the service's L3.
 
         Waits up to ``wait_ms`` (capped by the service) for L3; a load still
         running then lands in L2 later. Without an L3 it is ``lookup``. Does
-        not lock the pages: ``acquire`` them to read.
+        not lock the pages: ``acquire`` them to read. ``need_draft``: as ``lookup``.
         """
-        rep = self._call({"op": "fetch", "hashes": list(hashes), "wait_ms": wait_ms})
+        rep = self._call({**_req("fetch", hashes, need_draft), "wait_ms": wait_ms})
         return FetchResult(len(rep["pages"]), rep["pages"], rep["fetched"])
 
     def reserve(self, n: int) -> list[HostPageId]:
         """``n`` pages to write into; raises ``OutOfPages`` if L2 cannot free them."""
         return self._call({"op": "reserve", "n": n})["pages"]
 
-    def commit(self, hashes: Sequence[PageHash], host_page_ids: Sequence[int]) -> CommitResult:
-        """Make written reserved pages lookup-able under ``hashes`` (same order)."""
-        rep = self._call({"op": "commit", "hashes": list(hashes), "pages": list(host_page_ids)})
+    def commit(self, hashes: Sequence[PageHash], host_page_ids: Sequence[int], *,
+               draft_pages: int | None = None) -> CommitResult:
+        """Make written reserved pages lookup-able under ``hashes`` (same order).
+
+        ``draft_pages``: how many leading pages carry valid draft rows (layouts
+        with draft planes; the server's default is none of them, the safe side).
+        """
+        req = {"op": "commit", "hashes": list(hashes), "pages": list(host_page_ids)}
+        if draft_pages is not None:
+            req["draft_pages"] = draft_pages
+        rep = self._call(req)
         return CommitResult(rep["inserted"], rep["duplicates"])
 
     def cancel(self, host_page_ids: Sequence[int]) -> None:
         """Give back reserved pages that will not be committed."""
         self._call({"op": "cancel", "pages": list(host_page_ids)})
 
-    def acquire(self, hashes: Sequence[PageHash]) -> list[HostPageId]:
+    def acquire(self, hashes: Sequence[PageHash], *, need_draft: bool = False) -> list[HostPageId]:
         """Lock the leading present pages of ``hashes`` for reading; may return fewer.
 
         Release exactly the returned prefix (``hashes[:len(result)]``).
+        ``need_draft``: as ``lookup``.
         """
-        return self._call({"op": "acquire", "hashes": list(hashes)})["pages"]
+        return self._call(_req("acquire", hashes, need_draft))["pages"]
 
     def release(self, hashes: Sequence[PageHash]) -> None:
         """Undo one ``acquire`` of each listed hash."""

@@ -17,7 +17,8 @@ fetch      hashes: [bin16], wait_ms    pages: [int], fetched: int (lookup that
                                        first loads missing pages from the
                                        service's L3, waiting up to wait_ms)
 reserve    n: int                      pages: [int] (for the client to write)
-commit     hashes: [bin16], pages      inserted: int, duplicates: int
+commit     hashes: [bin16], pages,     inserted: int, duplicates: int
+           draft_pages: int
 cancel     pages: [int]                (reserved pages given back unwritten)
 acquire    hashes: [bin16]             pages: [int] (leading present, now locked)
 release    hashes: [bin16]             (undoes acquire, one count per hash)
@@ -27,6 +28,13 @@ stats      -                           stats: map
 check      -                           (runs the server's check_integrity)
 bye        -                           (server closes after replying)
 =========  ==========================  ==========================================
+
+Draft validity (layouts with draft planes): ``commit``'s optional
+``draft_pages`` counts the leading pages whose draft rows are valid (absent:
+all pages for a layout without draft planes, none for one with them);
+``lookup``, ``fetch`` and ``acquire`` take an optional ``need_draft: bool``
+(default false) that stops the answer at the first page without valid draft
+rows, as an embedded cache's ``match(need_draft=True)`` does.
 
 This module does no I/O: the server reads with asyncio, the client with a
 blocking socket, and both use these helpers for the bytes.

@@ -198,7 +198,7 @@ def test_service_writes_committed_pages_to_redis_and_serves_them_after_flush(nam
             pages = c.reserve(3)
             for i, p in enumerate(pages):
                 c.pool.write_page(p, payload(layout, i))
-            c.commit(h[:3], pages)
+            c.commit(h[:3], pages, draft_pages=3)  # complete pages (draft rows included) go to L3
             _wait(lambda: srv.stats().l3["written"] == 3, "pages never reached L3")
             # In Redis, as verified L3 objects any engine can read.
             assert [bytes(x) for x in storage.get(h[:3], sizes)] == [payload(layout, i) for i in range(3)]
@@ -216,7 +216,7 @@ def test_service_writes_committed_pages_to_redis_and_serves_them_after_flush(nam
             s = srv.stats()
             assert s.l3 == {"queued": 3, "written": 3, "dropped": 0, "stale": 0, "failed": 0, "fetches": 2,
                             "fetched": 3, "fetch_timeouts": 0, "fetch_busy": 0, "fetch_no_room": 0,
-                            "queue_pages": 0}
+                            "skipped_draft": 0, "queue_pages": 0}
             assert s.clients == 1 and s.reserved_pages == 0 and s.committed_pages == 3
             assert len(stored) == 3  # pages that came from L3 are not written back
             srv.check_integrity()
