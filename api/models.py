@@ -91,6 +91,9 @@ class EngineStats(_Out):
     locked_pages: int
     duplicates: int
     reclaimed: int
+    draft_cut_pages: int  # present pages need_draft lookups did not return (draft rows missing)
+    draft_upgraded: int  # draft-incomplete shared pages replaced by a complete copy
+    segment_origin: str  # the L2 segment was "created", "adopted" (after a crash) or "recreated"
 
 
 class EventStats(_Out):
