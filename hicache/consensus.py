@@ -120,9 +120,10 @@ class ServiceConsensus(Link):
     """The minimum through the node's service: one connection per rank.
 
     ``group`` names the group on the service (e.g. ``"llama-8b/dp0"``): ranks
-    of different groups never meet. Every rank of a group must build its
-    ``ServiceConsensus`` before any of them calls ``agree`` twice (rounds are
-    numbered from 0 per rank); a rank that restarts joins a new group name.
+    of different groups never meet. Each ``ServiceConsensus`` numbers its
+    rounds from 0, so the ranks of a group must make the same sequence of
+    ``agree`` calls from construction on; a rank that restarts joins the
+    restarted group under a new group name.
     A round that does not complete within ``timeout_s`` raises
     ``ServiceError('timeout')`` on every rank of it.
     """

@@ -27,18 +27,14 @@ lets a server that starts after a crash adopt the segment with its pages.
 """
 from __future__ import annotations
 
-import logging
 import struct
 from typing import NamedTuple
 
-from hicache.errors import PoolError
 from hicache.hashing import HASH_BYTES
 from hicache.layout import KVLayout
 from hicache.pools import HostPool
 from hicache.shm import SharedSegment
 from hicache.types import PageHash
-
-log = logging.getLogger(__name__)
 
 MAGIC = b"HICACHE\x00"
 FORMAT_VERSION = 1
