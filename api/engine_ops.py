@@ -13,14 +13,21 @@ import logging
 from collections import Counter
 from typing import Any, Callable, NamedTuple
 
-from hicache.api.l2_index import L2Index
+from hicache.api.l2_index import L2Index, Reclaimed
 from hicache.api.l3_tier import L3Tier
+from hicache.consensus import AgreeRounds
 from hicache.errors import (ContractMismatch, ForeignPage, IntegrityError, LayoutError, OutOfPages,
                             ServiceError)
 from hicache.layout import KVLayout
 from hicache.protocol import PROTOCOL_VERSION, error_reply, plain
 
 log = logging.getLogger(__name__)
+
+
+# Ops that may wait on the loop (for L3, for other ranks).
+ASYNC_OPS = frozenset({"fetch", "agree"})
+# Ops a consensus-only connection may use.
+CONSENSUS_OPS = frozenset({"agree", "stats", "check", "bye"})
 
 
 class Reply(NamedTuple):
@@ -44,6 +51,8 @@ class Dispatcher:
         self.segment = segment
         self.snapshot = snapshot
         self.errors: Counter[str] = Counter()
+        self.rounds = AgreeRounds()
+        self._consensus_only: set[int] = set()  # connections that handshook with role "consensus"
         self._ops: dict[str, Callable[[int, dict], dict[str, Any]]] = {
             "lookup": self._lookup, "reserve": self._reserve, "commit": self._commit,
             "cancel": self._cancel, "acquire": self._acquire, "release": self._release,
@@ -67,6 +76,10 @@ class Dispatcher:
             return self.error("version", f"protocol version: ours={PROTOCOL_VERSION} theirs={theirs!r}; "
                               "upgrade the older side", close=True,
                               differences=[["protocol", PROTOCOL_VERSION, plain(theirs)]])
+        if req.get("role") == "consensus":  # hit consensus only: no layout, no pages
+            self.index.add_owner(owner)
+            self._consensus_only.add(owner)
+            return Reply({"ok": True, "protocol": PROTOCOL_VERSION, "client_id": owner})
         try:
             client = KVLayout.from_dict(req.get("layout"))
         except (LayoutError, TypeError, ValueError, AttributeError) as e:
@@ -87,12 +100,15 @@ class Dispatcher:
     def handle(self, owner: int, req: dict[str, Any]) -> Reply:
         """One request after the handshake that answers at once (not ``fetch``)."""
         op = req.get("op")
+        if owner in self._consensus_only and not (isinstance(op, str) and op in CONSENSUS_OPS):
+            return self.error("bad_request", f"op {op!r:.40} on a connection that handshook for consensus only; "
+                              "page ops need a hello with the layout")
         fn = self._ops.get(op) if isinstance(op, str) else None
         if fn is None:
             if op == "hello":
                 return self.error("bad_request", "hello was already done on this connection")
-            assert op != "fetch", "fetch may wait for L3: serve it with handle_async"
-            return self.error("unknown_op", f"unknown op {op!r}; known: {sorted([*self._ops, 'fetch'])}")
+            assert not isinstance(op, str) or op not in ASYNC_OPS, f"{op} may wait: serve it with handle_async"
+            return self.error("unknown_op", f"unknown op {op!r}; known: {sorted([*self._ops, *ASYNC_OPS])}")
         try:
             body = fn(owner, req)
         except Exception as e:
@@ -100,14 +116,22 @@ class Dispatcher:
         return Reply({"ok": True, **body}, close=(op == "bye"))
 
     async def handle_async(self, owner: int, req: dict[str, Any]) -> Reply:
-        """``handle``, except that ``fetch`` may wait (on the loop) for L3."""
-        if req.get("op") != "fetch":
-            return self.handle(owner, req)
+        """``handle``, except that ``fetch`` may wait (on the loop) for L3 and
+        ``agree`` for the other ranks of its group."""
+        op = req.get("op")
+        if not isinstance(op, str) or op not in ASYNC_OPS or (owner in self._consensus_only
+                                                               and op not in CONSENSUS_OPS):
+            return self.handle(owner, req)  # answers at once (or refuses)
         try:
-            body = await self._fetch(req)
+            body = await (self._fetch(req) if op == "fetch" else self.rounds.agree(req))
         except Exception as e:
-            return self._refusal("fetch", e)
+            return self._refusal(op, e)
         return Reply({"ok": True, **body})
+
+    def drop(self, owner: int) -> Reclaimed:
+        """Forget a closed connection; returns what the index reclaimed from it."""
+        self._consensus_only.discard(owner)
+        return self.index.drop_owner(owner)
 
     def _refusal(self, op: str, e: Exception) -> Reply:
         if isinstance(e, ServiceError):
@@ -127,22 +151,27 @@ class Dispatcher:
         hashes, wait_ms = _arg(req, "hashes"), _arg(req, "wait_ms")
         if not isinstance(wait_ms, (int, float)) or isinstance(wait_ms, bool) or not 0 <= wait_ms < 1e9:
             raise ServiceError("bad_args", f"fetch needs wait_ms >= 0 (milliseconds), got {wait_ms!r}")
-        pages = self.index.lookup(hashes)
+        need_draft = _need_draft(req)
+        pages = self.index.lookup(hashes, need_draft)
         fetched = 0
         if self.l3 is not None and len(pages) < len(hashes):
+            # L3 holds complete pages only: what it loads also upgrades draft-incomplete L2 pages.
             fetched = await self.l3.fetch(hashes[len(pages):], wait_ms / 1000.0)
             if fetched:
-                pages = self.index.peek_pages(hashes)
+                pages = self.index.peek_pages(hashes, need_draft)
         return {"pages": pages, "fetched": fetched}
 
     def _lookup(self, owner: int, req: dict) -> dict:
-        return {"pages": self.index.lookup(_arg(req, "hashes"))}
+        return {"pages": self.index.lookup(_arg(req, "hashes"), _need_draft(req))}
 
     def _reserve(self, owner: int, req: dict) -> dict:
         return {"pages": self.index.reserve(owner, _arg(req, "n"))}
 
     def _commit(self, owner: int, req: dict) -> dict:
-        r = self.index.commit(owner, _arg(req, "hashes"), _arg(req, "pages"))
+        # Without draft planes every page is complete; with them, a commit that
+        # does not say draft_pages commits draft-incomplete pages (the safe side).
+        draft_pages = None if self.layout.draft_layers == 0 else req.get("draft_pages", 0)
+        r = self.index.commit(owner, _arg(req, "hashes"), _arg(req, "pages"), draft_pages)
         return {"inserted": r.inserted, "duplicates": r.duplicates}
 
     def _cancel(self, owner: int, req: dict) -> dict:
@@ -150,7 +179,7 @@ class Dispatcher:
         return {}
 
     def _acquire(self, owner: int, req: dict) -> dict:
-        return {"pages": self.index.acquire(owner, _arg(req, "hashes"))}
+        return {"pages": self.index.acquire(owner, _arg(req, "hashes"), _need_draft(req))}
 
     def _release(self, owner: int, req: dict) -> dict:
         self.index.release(owner, _arg(req, "hashes"))
@@ -158,7 +187,15 @@ class Dispatcher:
 
     def _check(self, owner: int, req: dict) -> dict:
         self.index.check_integrity()
+        self.rounds.check_integrity()
         return {}
+
+
+def _need_draft(req: dict) -> bool:
+    v = req.get("need_draft", False)
+    if not isinstance(v, bool):
+        raise ServiceError("bad_args", f"op {req.get('op')!r}: need_draft must be true or false, got {v!r:.40}")
+    return v
 
 
 def _arg(req: dict, name: str) -> Any:

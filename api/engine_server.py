@@ -35,11 +35,11 @@ from hicache.api.engine_ops import Dispatcher
 from hicache.api.l2_index import L2Index, L2Listener
 from hicache.api.l3_tier import L3_OWNER, L3Tier, StoredPages
 from hicache.config import HiCacheConfig, parse_set_flags
-from hicache.errors import ConfigError, HiCacheError, ServiceError
+from hicache.errors import ConfigError, HiCacheError, IntegrityError, ServiceError
+from hicache.l2_segment import L2Segment
 from hicache.layout import KVLayout
 from hicache.pools import HostPool
 from hicache.protocol import HEADER_BYTES, body_length, pack, unpack
-from hicache.shm import SharedSegment
 from hicache.storage import StorageBackend, open_storage
 from hicache.types import PageHash
 
@@ -73,6 +73,9 @@ class ServiceStats:
     duplicates: int
     cancelled: int
     reclaimed: int  # reservations and acquisitions taken back from closed connections
+    draft_cut_pages: int  # present pages need_draft lookups did not return (draft rows missing)
+    draft_upgraded: int  # draft-incomplete pages replaced by a complete copy
+    segment_origin: str  # the L2 segment was "created", "adopted" (after a crash) or "recreated"
     clients: int  # connected and handshaken now
     clients_total: int  # connections accepted since start
     errors: dict[str, int] = field(default_factory=dict)  # refusals by kind
@@ -108,7 +111,8 @@ class EngineServer:
         if len(os.fsencode(self.socket_path)) > MAX_SOCKET_PATH:
             raise ConfigError(f"service.socket_path={self.socket_path!r} is longer than "
                               f"{MAX_SOCKET_PATH} bytes; choose a shorter path")
-        self.segment: SharedSegment | None = None
+        self.segment: L2Segment | None = None
+        self.segment_origin = ""  # "created", "adopted" or "recreated" (see hicache.l2_segment)
         self.pool: HostPool | None = None
         self.index: L2Index | None = None
         self.l3: L3Tier | None = None
@@ -190,11 +194,18 @@ class EngineServer:
             self._close_state()
 
     def _open_state(self) -> None:
-        size = HostPool.nbytes_for(self.layout, self.num_pages)
-        self.segment = SharedSegment.create(self.shm_name, size)
+        opened = L2Segment.open_for_server(self.shm_name, self.layout, self.num_pages)
+        self.segment, self.segment_origin = opened.segment, opened.action
+        if opened.action == "created":
+            log.info("L2 segment %s created", self.shm_name)
+        else:
+            log.warning("L2 segment %s %s (%d cached pages kept): %s", self.shm_name, opened.action,
+                        opened.restored, opened.reason)
         try:
-            self.pool = HostPool(self.layout, self.num_pages, buffer=self.segment.tensor)
-            self.index = L2Index(self.pool.allocator, self.listener)
+            self.pool = self.segment.pool
+            self.index = L2Index(self.pool.allocator, self.listener, journal=self.segment)
+            if opened.restored:
+                self.index.restore(self.segment.entries())
             if self.storage is not None:
                 st = self.config.storage
                 # A fetch makes two L3 calls (prefix_hits, get), each bounded by
@@ -203,8 +214,7 @@ class EngineServer:
                 self.l3 = L3Tier(self.storage, self.index, self.pool, max_wait_s=wait_s,
                                  queue_pages=self.num_pages, on_l3_stored=self.on_l3_stored)
                 self.index.listener = _Fanout([x for x in (self.listener, self.l3) if x is not None])
-            info = {"shm_name": self.shm_name, "shm_size": size, "num_pages": self.num_pages}
-            self.dispatcher = Dispatcher(self.layout, self.index, info, lambda: self._snapshot().to_dict(),
+            self.dispatcher = Dispatcher(self.layout, self.index, self.segment.info, lambda: self._snapshot().to_dict(),
                                          self.l3)
         except BaseException:
             self._close_state()
@@ -260,7 +270,7 @@ class EngineServer:
         finally:
             del self._conns[cid]
             if registered:
-                got = self.index.drop_owner(cid)
+                got = d.drop(cid)
                 if got.reserved or got.acquired:
                     log.info("client %d closed holding %d reserved pages and %d acquisitions; reclaimed",
                              cid, got.reserved, got.acquired)
@@ -319,6 +329,10 @@ class EngineServer:
             assert self.index is not None and self.pool is not None, "server not started"
             self.index.check_integrity()
             self.pool.check_integrity()
+            assert self.segment is not None
+            bad = self.segment.check_against(self.index.committed_pages())
+            if bad:
+                raise IntegrityError(f"L2 segment page table disagrees with the index: {bad}")
         self._on_loop(check)
         if self.l3 is not None:
             self.l3.check_integrity()
@@ -334,7 +348,8 @@ class EngineServer:
             reserved_pages=idx.num_reserved, locked_pages=idx.num_locked, lookups=c.lookups,
             hits=c.hits, misses=c.misses, evictions=c.evictions, reservations=c.reservations,
             commits=c.commits, acquired=c.acquired, flushed=c.flushed, duplicates=c.duplicates,
-            cancelled=c.cancelled, reclaimed=c.reclaimed,
+            cancelled=c.cancelled, reclaimed=c.reclaimed, draft_cut_pages=c.draft_cut_pages,
+            draft_upgraded=c.draft_upgraded, segment_origin=self.segment_origin,
             clients=idx.num_owners - (self.l3 is not None), clients_total=self._next_client,
             errors=dict(d.errors), l3=self.l3.stats().to_dict() if self.l3 is not None else {})
 

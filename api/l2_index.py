@@ -16,6 +16,17 @@ end (it is in use). A chain's pages enter the order deepest first (and a
 lookup or release refreshes them deepest first), so a prefix loses its tail
 before its head and the survivors stay lookup-able.
 
+Draft validity: a committed page may lack valid draft-model rows (an engine
+that does not run its draft head commits target planes only).
+``commit(..., draft_pages=k)`` says which leading pages are complete;
+``lookup``/``acquire``/``peek*`` with ``need_draft=True`` stop at the first
+incomplete page, as an embedded cache's ``match(need_draft=True)`` does. A
+later commit of a complete copy upgrades an incomplete page in place of it
+(unless the page is acquired: then the copy is a duplicate).
+
+A ``PageJournal`` (optional) is told which page holds which committed hash,
+so that a restarted server can adopt the segment (``restore``).
+
 Not thread-safe: the server touches it only from its event loop thread. The
 one exception is ``generation(page)``, a single list read that any thread may
 make (the L3 writer uses it as a seqlock, see ``hicache.api.l3_tier``).
@@ -42,7 +53,8 @@ class L2Listener(Protocol):
     """
 
     def pages_stored(self, pages: Sequence[tuple[PageHash, PageHash | None]]) -> None:
-        """``(page hash, parent hash)`` of newly lookup-able pages, head first.
+        """``(page hash, parent hash)`` of newly lookup-able pages, head first,
+        then of pages whose draft-incomplete copy a complete one replaced.
 
         The parent is the previous hash of the same commit, or None for a
         commit's first page (the service does not know what preceded it).
@@ -50,6 +62,16 @@ class L2Listener(Protocol):
 
     def pages_removed(self, hashes: Sequence[PageHash]) -> None:
         """Pages that stopped being lookup-able (evicted or flushed)."""
+
+
+class PageJournal(Protocol):
+    """Mirrors committed pages outside the process (the segment's page table)."""
+
+    def committed(self, page: int, h: PageHash, draft: bool) -> None:
+        """``page`` now holds ``h`` (``draft``: its draft rows are valid)."""
+
+    def dropped(self, page: int) -> None:
+        """``page`` left the index; called before the page is freed."""
 
 
 @dataclass(slots=True)
@@ -83,6 +105,8 @@ class IndexCounters:
     duplicates: int = 0
     cancelled: int = 0
     reclaimed: int = 0  # reserved pages and acquisitions taken back from dead owners
+    draft_cut_pages: int = 0  # present pages a need_draft lookup/acquire did not return (draft rows missing)
+    draft_upgraded: int = 0  # draft-incomplete pages replaced by a complete copy
 
 
 class L2Index:
@@ -92,9 +116,12 @@ class L2Index:
     request's hashes: a lookup of an 8K-token prompt is 512 of them.
     """
 
-    def __init__(self, allocator: PageAllocator, listener: L2Listener | None = None):
+    def __init__(self, allocator: PageAllocator, listener: L2Listener | None = None,
+                 journal: PageJournal | None = None):
         self.allocator = allocator
         self.listener = listener
+        self.journal = journal
+        self._incomplete: set[PageHash] = set()  # committed hashes whose page lacks valid draft rows
         self._page_of: dict[PageHash, HostPageId] = {}  # committed hash -> its page
         self._hash_of: dict[int, PageHash] = {}  # committed page id -> its hash
         self._refs: dict[PageHash, int] = {}  # locked (acquired) hashes -> acquisitions, all owners
@@ -126,9 +153,10 @@ class L2Index:
         return len(self._owners)
 
     # ----------------------------------------------------------------- reads
-    def lookup(self, hashes: Sequence[PageHash]) -> list[HostPageId]:
-        """Host pages of the leading present ``hashes``; refreshes their recency."""
-        pages = self._leading(hashes)
+    def lookup(self, hashes: Sequence[PageHash], need_draft: bool = False) -> list[HostPageId]:
+        """Host pages of the leading present ``hashes`` (``need_draft``: and
+        draft-complete); refreshes their recency."""
+        pages = self._leading(hashes, need_draft)
         c = self.counters
         c.lookups += 1
         c.hits += len(pages)
@@ -136,13 +164,17 @@ class L2Index:
         deque(map(self._lru.move_to_end, reversed(hashes[:len(pages)])), maxlen=0)
         return pages
 
-    def peek(self, hashes: Sequence[PageHash]) -> int:
+    def peek(self, hashes: Sequence[PageHash], need_draft: bool = False) -> int:
         """How many leading ``hashes`` are present. Mutates nothing (no recency, no counters)."""
-        return len(self._leading(hashes))
+        return len(self._leading(hashes, need_draft, count=False))
 
-    def peek_pages(self, hashes: Sequence[PageHash]) -> list[HostPageId]:
+    def peek_pages(self, hashes: Sequence[PageHash], need_draft: bool = False) -> list[HostPageId]:
         """Pages of the leading present ``hashes``. Mutates nothing (no recency, no counters)."""
-        return self._leading(hashes)
+        return self._leading(hashes, need_draft, count=False)
+
+    def draft_complete(self, h: PageHash) -> bool:
+        """Whether committed ``h``'s page has valid draft rows. Mutates nothing."""
+        return h not in self._incomplete
 
     def page_of(self, h: PageHash) -> HostPageId | None:
         """The committed page holding ``h``, or None. Mutates nothing."""
@@ -155,8 +187,19 @@ class L2Index:
         never written; a page is only rewritten after it left the index)."""
         return self._gen[page]
 
-    def _leading(self, hashes: Sequence[PageHash]) -> list[HostPageId]:
-        """Pages of the leading present hashes; validates the rest (a hit is a valid hash)."""
+    def _leading(self, hashes: Sequence[PageHash], need_draft: bool = False,
+                 count: bool = True) -> list[HostPageId]:
+        """Pages of the leading present (and, with ``need_draft``, draft-complete)
+        hashes; validates the rest (a hit is a valid hash)."""
+        pages = self._present(hashes)
+        if need_draft and self._incomplete and pages:
+            cut = next((i for i, h in enumerate(hashes[:len(pages)]) if h in self._incomplete), len(pages))
+            if count:
+                self.counters.draft_cut_pages += len(pages) - cut
+            del pages[cut:]
+        return pages
+
+    def _present(self, hashes: Sequence[PageHash]) -> list[HostPageId]:
         if not isinstance(hashes, (list, tuple)):
             raise ServiceError("bad_args", f"expected a list of page hashes, got {type(hashes).__name__}")
         try:
@@ -211,6 +254,9 @@ class L2Index:
         assert h not in self._refs, h
         page = self._page_of.pop(h)
         del self._hash_of[page]
+        self._incomplete.discard(h)
+        if self.journal is not None:
+            self.journal.dropped(page)
         self._gen[page] += 1  # before free: a reader that sees the old value read the old bytes
         self.allocator.free([page])
 
@@ -225,11 +271,15 @@ class L2Index:
             self.listener.pages_removed(gone)
         return len(gone)
 
-    def commit(self, owner: OwnerId, hashes: Sequence[PageHash], pages: Sequence[int]) -> CommitResult:
+    def commit(self, owner: OwnerId, hashes: Sequence[PageHash], pages: Sequence[int],
+               draft_pages: int | None = None) -> CommitResult:
         """Index reserved ``pages`` under ``hashes`` (same order); all or nothing.
 
+        ``draft_pages``: the leading pages whose draft rows are valid (None: all).
         A hash already present (or repeated in this call) keeps its existing
-        page; the newly written page goes back to free.
+        page and the newly written page goes back to free, except that a
+        complete copy replaces an unlocked draft-incomplete page (the old page
+        is freed instead; counted as a duplicate and in ``draft_upgraded``).
         """
         _check_hashes(hashes)
         o = self._owners[owner]
@@ -237,12 +287,25 @@ class L2Index:
         if len(hashes) != len(pages):
             raise ServiceError("bad_args", f"commit got {len(hashes)} hashes but {len(pages)} pages; "
                                "pass one page id per hash")
-        dup_pages, inserted = [], []
-        for h, p in zip(hashes, pages):
+        n_complete = len(hashes) if draft_pages is None else draft_pages
+        if not isinstance(n_complete, int) or isinstance(n_complete, bool) or not 0 <= n_complete <= len(hashes):
+            raise ServiceError("bad_args", f"commit: draft_pages={draft_pages!r} must be an integer in "
+                               f"[0, {len(hashes)}] (the leading pages with valid draft rows)")
+        dup_pages, inserted, upgraded, j = [], [], [], self.journal
+        for i, (h, p) in enumerate(zip(hashes, pages)):
             o.reserved.discard(p)
+            complete = i < n_complete
             if h in self._page_of:
-                dup_pages.append(p)
+                if complete and h in self._incomplete and h not in self._refs:
+                    dup_pages.append(self._upgrade(h, p))
+                    upgraded.append(h)
+                else:
+                    dup_pages.append(p)
                 continue
+            if not complete:
+                self._incomplete.add(h)
+            if j is not None:
+                j.committed(p, h, complete)
             self._page_of[h] = p
             self._hash_of[p] = h
             inserted.append(h)
@@ -253,12 +316,54 @@ class L2Index:
         c = self.counters
         c.commits += len(inserted)
         c.duplicates += len(dup_pages)
-        if inserted and self.listener is not None:
+        if (inserted or upgraded) and self.listener is not None:
             prev: dict[PageHash, PageHash | None] = {}
             for i, h in enumerate(hashes):
                 prev.setdefault(h, hashes[i - 1] if i else None)
-            self.listener.pages_stored([(h, prev[h]) for h in inserted])
+            self.listener.pages_stored([(h, prev[h]) for h in inserted + upgraded])
         return CommitResult(len(inserted), len(dup_pages))
+
+    def _upgrade(self, h: PageHash, p: int) -> int:
+        """Move ``h`` onto its complete copy ``p``; returns the old page (to free)."""
+        old = self._page_of[h]
+        if self.journal is not None:
+            self.journal.dropped(old)
+            self.journal.committed(p, h, True)
+        self._page_of[h] = p
+        del self._hash_of[old]
+        self._hash_of[p] = h
+        self._gen[old] += 1  # it left the index: an L3 copy in flight of it is stale
+        self._incomplete.discard(h)
+        self._lru.move_to_end(h)
+        self.counters.draft_upgraded += 1
+        return old
+
+    def restore(self, entries: Sequence[tuple[int, PageHash, bool]]) -> int:
+        """Rebuild the committed pages of an adopted segment from ``(page, hash,
+        draft complete)``; the index must be empty (no owners, nothing allocated).
+        Entries with a bad page id, a malformed hash or a hash seen before are
+        skipped. Returns how many pages were restored."""
+        assert not self._owners and self.allocator.num_used == 0, "restore() needs a fresh index"
+        cap = self.allocator.capacity
+        keep: dict[int, tuple[PageHash, bool]] = {}
+        seen: set[PageHash] = set()
+        for p, h, draft in entries:
+            if not 0 <= p < cap:
+                continue
+            if p not in keep and isinstance(h, bytes) and len(h) == HASH_BYTES and h not in seen:
+                keep[p] = (h, draft)
+                seen.add(h)
+            elif self.journal is not None and keep.get(p, (None,))[0] != h:
+                self.journal.dropped(p)  # not restored: its entry must not claim the page
+        every = self.allocator.alloc(cap)
+        self.allocator.free([p for p in every if p not in keep])
+        for p, (h, draft) in sorted(keep.items()):
+            self._page_of[h] = p
+            self._hash_of[p] = h
+            self._lru[h] = None
+            if not draft:
+                self._incomplete.add(h)
+        return len(keep)
 
     def cancel(self, owner: OwnerId, pages: Sequence[int]) -> None:
         """Give reserved, unwritten ``pages`` back; all or nothing."""
@@ -282,13 +387,14 @@ class L2Index:
             seen.add(p)
 
     # ----------------------------------------------------------------- locks
-    def acquire(self, owner: OwnerId, hashes: Sequence[PageHash]) -> list[HostPageId]:
-        """Lock the leading present ``hashes`` against eviction; returns their pages.
+    def acquire(self, owner: OwnerId, hashes: Sequence[PageHash], need_draft: bool = False) -> list[HostPageId]:
+        """Lock the leading present (``need_draft``: and draft-complete) ``hashes``
+        against eviction; returns their pages.
 
         The result may be shorter than ``hashes`` (pages evicted since a lookup);
         only the returned prefix is locked, and must be released by hash.
         """
-        pages = self._leading(hashes)
+        pages = self._leading(hashes, need_draft)
         refs, mine = self._refs, self._owners[owner].acquired
         for h in hashes[:len(pages)]:
             refs[h] = refs.get(h, 0) + 1
@@ -348,6 +454,10 @@ class L2Index:
         """Committed pages ``reserve`` may evict now (those nobody has acquired)."""
         return len(self._lru) - len(self._refs)
 
+    def committed_pages(self) -> dict[int, tuple[PageHash, bool]]:
+        """``{page: (hash, draft complete)}`` of every committed page (a fresh dict)."""
+        return {p: (h, h not in self._incomplete) for h, p in self._page_of.items()}
+
     def check_integrity(self) -> None:
         """Every page is free, reserved by one owner, or committed once; refs balance."""
         self.allocator.check_integrity()
@@ -381,6 +491,9 @@ class L2Index:
         for h in self._refs:
             if h not in self._page_of:
                 raise IntegrityError(f"locked hash {h.hex()} is not committed")
+        if not self._incomplete <= self._page_of.keys():
+            raise IntegrityError(f"{len(self._incomplete - self._page_of.keys())} draft-incomplete hashes "
+                                 "are not committed")
 
 
 def _check_hashes(hashes: Sequence[PageHash]) -> None:

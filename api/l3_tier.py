@@ -75,6 +75,7 @@ class L3TierStats:
     fetch_timeouts: int = 0  # fetches answered before their load finished
     fetch_busy: int = 0  # fetches answered from L2 only: too many loads in flight
     fetch_no_room: int = 0  # pages L3 held that L2 had no room for
+    skipped_draft: int = 0  # committed without valid draft rows: never written (L3 holds complete pages)
     queue_pages: int = 0  # pages waiting for the writer now
 
     def to_dict(self) -> dict[str, int]:
@@ -121,6 +122,9 @@ class L3Tier:
         """Queue newly committed pages for L3 (on the loop; never blocks)."""
         for h, parent in pages:
             if h in self._from_l3:
+                continue
+            if not self.index.draft_complete(h):
+                self._count(skipped_draft=1)
                 continue
             page = self.index.page_of(h)
             assert page is not None, h

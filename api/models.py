@@ -55,6 +55,7 @@ class L3WriteReadStats(_Out):
     fetch_timeouts: int  # fetches answered before their load finished (it lands later)
     fetch_busy: int  # fetches answered from L2 only: too many loads in flight
     fetch_no_room: int  # pages L3 held that L2 had no room for
+    skipped_draft: int  # committed without valid draft rows: never written to L3
 
 
 class TierStats(_Out):
@@ -90,6 +91,9 @@ class EngineStats(_Out):
     locked_pages: int
     duplicates: int
     reclaimed: int
+    draft_cut_pages: int  # present pages need_draft lookups did not return (draft rows missing)
+    draft_upgraded: int  # draft-incomplete shared pages replaced by a complete copy
+    segment_origin: str  # the L2 segment was "created", "adopted" (after a crash) or "recreated"
 
 
 class EventStats(_Out):

@@ -90,5 +90,7 @@ def collect(state: "RestState") -> StatsResponse:
         fingerprint=state.layout.fingerprint(), page_size=ps, page_bytes=page_bytes,
         uptime_s=time.monotonic() - state.started_at, tiers={"L2": l2, "L3": t3},
         engine=EngineStats(clients=s.clients, clients_total=s.clients_total, reserved_pages=s.reserved_pages,
-                           locked_pages=s.locked_pages, duplicates=s.duplicates, reclaimed=s.reclaimed),
+                           locked_pages=s.locked_pages, duplicates=s.duplicates, reclaimed=s.reclaimed,
+                           draft_cut_pages=s.draft_cut_pages, draft_upgraded=s.draft_upgraded,
+                           segment_origin=s.segment_origin),
         events=EventStats(subscribers=bus.num_subscribers, published=bus.published, dropped=bus.dropped))

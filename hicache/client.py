@@ -57,98 +57,27 @@ class CommitResult(NamedTuple):
     duplicates: int  # pages already present; their reserved page was freed by the server
 
 
-class EngineClient:
-    """Connects, handshakes, maps the shared L2 segment. Use as a context manager.
+def _req(op: str, hashes: Sequence[PageHash], need_draft: bool) -> dict[str, Any]:
+    req: dict[str, Any] = {"op": op, "hashes": list(hashes)}
+    if need_draft:
+        req["need_draft"] = True
+    return req
 
-    ``pool`` is a ``HostPool`` view of the segment for ``write_page``/``read_page``
-    and kernels; page ids come from the server (``reserve``/``lookup``/``acquire``),
-    never from ``pool.allocator``, which is unused here. ``pool`` stays valid
-    until ``close()``. ``pin`` page-locks the mapping for GPU kernels (default:
-    when CUDA is available).
 
-    Raises ``ContractMismatch`` when the server refuses the layout (it names
-    every differing field), ``ServiceError`` for other refusals.
-    """
+class Link:
+    """One blocking Unix-socket connection to the service: framing and error
+    mapping, one request in flight. ``EngineClient`` and
+    ``hicache.consensus.ServiceConsensus`` build on it. Not thread-safe."""
 
-    def __init__(self, socket_path: str, layout: KVLayout, *, timeout: float | None = 30.0,
-                 pin: bool | None = None):
-        self.layout = layout
-        self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._segment: SharedSegment | None = None
+    _sock: socket.socket | None
+    _rbuf: bytearray
+
+    def _connect(self, socket_path: str, timeout: float | None) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._rbuf = bytearray()  # received bytes not yet consumed as a reply
-        self.pool: HostPool | None = None
-        try:
-            self._sock.settimeout(timeout)
-            self._sock.connect(socket_path)
-            self._handshake()
-            if pin is None or pin:
-                pinned = self._segment.pin()
-                if pin and not pinned:
-                    raise ServiceError("bad_args", "pin=True but CUDA is not available")
-        except BaseException:
-            self.close(send_bye=False)
-            raise
+        self._sock.settimeout(timeout)
+        self._sock.connect(socket_path)
 
-    def _handshake(self) -> None:
-        rep = self._call(hello_request(self.layout.to_dict(), self.layout.fingerprint(), os.getpid()))
-        self.client_id: int = rep["client_id"]
-        self.num_pages: int = rep["num_pages"]
-        size = HostPool.nbytes_for(self.layout, self.num_pages)
-        if rep["shm_size"] != size:
-            raise ServiceError("bad_layout", f"server segment holds {rep['shm_size']} bytes, this layout "
-                               f"needs {size} for {self.num_pages} pages")
-        self._segment = SharedSegment.attach(rep["shm_name"], size)
-        self.pool = HostPool(self.layout, self.num_pages, buffer=self._segment.tensor)
-
-    # ------------------------------------------------------------------- ops
-    def lookup(self, hashes: Sequence[PageHash]) -> LookupResult:
-        """How many leading pages of ``hashes`` L2 holds. Does not lock them."""
-        pages = self._call({"op": "lookup", "hashes": list(hashes)})["pages"]
-        return LookupResult(len(pages), pages)
-
-    def fetch(self, hashes: Sequence[PageHash], wait_ms: int) -> FetchResult:
-        """``lookup``, but pages missing from L2 are first loaded from the service's L3.
-
-        Waits up to ``wait_ms`` (capped by the service) for L3; a load still
-        running then lands in L2 later. Without an L3 it is ``lookup``. Does
-        not lock the pages: ``acquire`` them to read.
-        """
-        rep = self._call({"op": "fetch", "hashes": list(hashes), "wait_ms": wait_ms})
-        return FetchResult(len(rep["pages"]), rep["pages"], rep["fetched"])
-
-    def reserve(self, n: int) -> list[HostPageId]:
-        """``n`` pages to write into; raises ``OutOfPages`` if L2 cannot free them."""
-        return self._call({"op": "reserve", "n": n})["pages"]
-
-    def commit(self, hashes: Sequence[PageHash], host_page_ids: Sequence[int]) -> CommitResult:
-        """Make written reserved pages lookup-able under ``hashes`` (same order)."""
-        rep = self._call({"op": "commit", "hashes": list(hashes), "pages": list(host_page_ids)})
-        return CommitResult(rep["inserted"], rep["duplicates"])
-
-    def cancel(self, host_page_ids: Sequence[int]) -> None:
-        """Give back reserved pages that will not be committed."""
-        self._call({"op": "cancel", "pages": list(host_page_ids)})
-
-    def acquire(self, hashes: Sequence[PageHash]) -> list[HostPageId]:
-        """Lock the leading present pages of ``hashes`` for reading; may return fewer.
-
-        Release exactly the returned prefix (``hashes[:len(result)]``).
-        """
-        return self._call({"op": "acquire", "hashes": list(hashes)})["pages"]
-
-    def release(self, hashes: Sequence[PageHash]) -> None:
-        """Undo one ``acquire`` of each listed hash."""
-        self._call({"op": "release", "hashes": list(hashes)})
-
-    def stats(self) -> dict[str, Any]:
-        """The server's ``ServiceStats`` as a dict."""
-        return self._call({"op": "stats"})["stats"]
-
-    def check_integrity(self) -> None:
-        """Ask the server to run its ``check_integrity()``; raises ``ServiceError('integrity')``."""
-        self._call({"op": "check"})
-
-    # ------------------------------------------------------------ transport
     def _call(self, req: dict[str, Any]) -> dict[str, Any]:
         if self._sock is None:
             raise ServiceError("closed", "client is closed")
@@ -204,7 +133,7 @@ class EngineClient:
         self._rbuf += chunk
 
     def close(self, send_bye: bool = True) -> None:
-        """Say bye (the server reclaims what this client still holds), unmap. Idempotent."""
+        """Say bye (the server reclaims what this connection still holds). Idempotent."""
         if self._sock is not None and send_bye:
             try:
                 self._call({"op": "bye"})
@@ -213,6 +142,111 @@ class EngineClient:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+class EngineClient(Link):
+    """Connects, handshakes, maps the shared L2 segment. Use as a context manager.
+
+    ``pool`` is a ``HostPool`` view of the segment for ``write_page``/``read_page``
+    and kernels; page ids come from the server (``reserve``/``lookup``/``acquire``),
+    never from ``pool.allocator``, which is unused here. ``pool`` stays valid
+    until ``close()``. ``pin`` page-locks the mapping for GPU kernels (default:
+    when CUDA is available).
+
+    Raises ``ContractMismatch`` when the server refuses the layout (it names
+    every differing field), ``ServiceError`` for other refusals.
+    """
+
+    def __init__(self, socket_path: str, layout: KVLayout, *, timeout: float | None = 30.0,
+                 pin: bool | None = None):
+        self.layout = layout
+        self._sock = None
+        self._segment: SharedSegment | None = None
+        self.pool: HostPool | None = None
+        try:
+            self._connect(socket_path, timeout)
+            self._handshake()
+            if pin is None or pin:
+                pinned = self._segment.pin()
+                if pin and not pinned:
+                    raise ServiceError("bad_args", "pin=True but CUDA is not available")
+        except BaseException:
+            self.close(send_bye=False)
+            raise
+
+    def _handshake(self) -> None:
+        rep = self._call(hello_request(self.layout.to_dict(), self.layout.fingerprint(), os.getpid()))
+        self.client_id: int = rep["client_id"]
+        self.num_pages: int = rep["num_pages"]
+        pool_bytes, off = HostPool.nbytes_for(self.layout, self.num_pages), rep["pool_offset"]
+        if rep["shm_size"] != off + pool_bytes:
+            raise ServiceError("bad_layout", f"server segment holds {rep['shm_size']} bytes with its pool at "
+                               f"{off}; this layout needs {pool_bytes} pool bytes for {self.num_pages} pages")
+        self._segment = SharedSegment.attach(rep["shm_name"], rep["shm_size"])
+        self.pool = HostPool(self.layout, self.num_pages, buffer=self._segment.tensor[off:])
+
+    # ------------------------------------------------------------------- ops
+    def lookup(self, hashes: Sequence[PageHash], *, need_draft: bool = False) -> LookupResult:
+        """How many leading pages of ``hashes`` L2 holds. Does not lock them.
+        ``need_draft``: only pages whose draft rows are valid (the answer stops
+        at the first that is not)."""
+        pages = self._call(_req("lookup", hashes, need_draft))["pages"]
+        return LookupResult(len(pages), pages)
+
+    def fetch(self, hashes: Sequence[PageHash], wait_ms: int, *, need_draft: bool = False) -> FetchResult:
+        """``lookup``, but pages missing from L2 are first loaded from the service's L3.
+
+        Waits up to ``wait_ms`` (capped by the service) for L3; a load still
+        running then lands in L2 later. Without an L3 it is ``lookup``. Does
+        not lock the pages: ``acquire`` them to read. ``need_draft``: as ``lookup``.
+        """
+        rep = self._call({**_req("fetch", hashes, need_draft), "wait_ms": wait_ms})
+        return FetchResult(len(rep["pages"]), rep["pages"], rep["fetched"])
+
+    def reserve(self, n: int) -> list[HostPageId]:
+        """``n`` pages to write into; raises ``OutOfPages`` if L2 cannot free them."""
+        return self._call({"op": "reserve", "n": n})["pages"]
+
+    def commit(self, hashes: Sequence[PageHash], host_page_ids: Sequence[int], *,
+               draft_pages: int | None = None) -> CommitResult:
+        """Make written reserved pages lookup-able under ``hashes`` (same order).
+
+        ``draft_pages``: how many leading pages carry valid draft rows (layouts
+        with draft planes; the server's default is none of them, the safe side).
+        """
+        req = {"op": "commit", "hashes": list(hashes), "pages": list(host_page_ids)}
+        if draft_pages is not None:
+            req["draft_pages"] = draft_pages
+        rep = self._call(req)
+        return CommitResult(rep["inserted"], rep["duplicates"])
+
+    def cancel(self, host_page_ids: Sequence[int]) -> None:
+        """Give back reserved pages that will not be committed."""
+        self._call({"op": "cancel", "pages": list(host_page_ids)})
+
+    def acquire(self, hashes: Sequence[PageHash], *, need_draft: bool = False) -> list[HostPageId]:
+        """Lock the leading present pages of ``hashes`` for reading; may return fewer.
+
+        Release exactly the returned prefix (``hashes[:len(result)]``).
+        ``need_draft``: as ``lookup``.
+        """
+        return self._call(_req("acquire", hashes, need_draft))["pages"]
+
+    def release(self, hashes: Sequence[PageHash]) -> None:
+        """Undo one ``acquire`` of each listed hash."""
+        self._call({"op": "release", "hashes": list(hashes)})
+
+    def stats(self) -> dict[str, Any]:
+        """The server's ``ServiceStats`` as a dict."""
+        return self._call({"op": "stats"})["stats"]
+
+    def check_integrity(self) -> None:
+        """Ask the server to run its ``check_integrity()``; raises ``ServiceError('integrity')``."""
+        self._call({"op": "check"})
+
+    def close(self, send_bye: bool = True) -> None:
+        """Say bye (the server reclaims what this client still holds), unmap. Idempotent."""
+        super().close(send_bye)
         self.pool = None
         if self._segment is not None:
             self._segment.close()

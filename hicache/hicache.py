@@ -27,6 +27,7 @@ import numpy as np
 
 from hicache.cache import MatchResult, PrefixCache, Request, Tokens, as_key
 from hicache.config import HiCacheConfig
+from hicache.consensus import HitConsensus, admitted_hit
 from hicache.errors import CacheStateError, OutOfPages, TransferError
 from hicache.hashing import page_hashes
 from hicache.layout import KVLayout
@@ -84,7 +85,9 @@ class HiCache:
     """Embedded L1/L2/L3 cache. See the module docstring for the call order."""
 
     def __init__(self, config: HiCacheConfig | None = None, *, layout: KVLayout | None = None,
-                 device_buffers=None, storage=None):
+                 device_buffers=None, storage=None, consensus: HitConsensus | None = None):
+        """``consensus``: the TP/CP group's ``HitConsensus``; ``admit`` then locks
+        the hit every rank agrees on (see ``hicache.consensus``)."""
         self.config = cfg = config or HiCacheConfig.load()
         self.layout = layout or cfg.layout()
         self.device_pool = DevicePool(self.layout, cfg.pool.device_pages, cfg.resolved_device(),
@@ -107,6 +110,7 @@ class HiCache:
         self._host_in_flight: dict[int, list[int]] = {}  # transfer id -> host pages it holds (for integrity)
         self._storage_enabled = storage is not None and self.layout.cp_size == 1
         self._failed: TransferError | None = None  # set by a failed load back; fatal
+        self.consensus = consensus
 
     # ------------------------------------------------------------- requests
     def new_request(self, rid: str, tokens: Tokens, namespace: str = "", *, draft: bool | None = None) -> Request:
@@ -143,6 +147,9 @@ class HiCache:
         own = self._load_host_hit(m)
         if own is not None or m.epoch != self.cache.tree.epoch:
             m = req.match()
+        if self.consensus is not None:
+            m = self._agreed(req, m)
+            device_tokens = min(device_tokens, m.device_tokens)
         req.lock(m)
         loads = [own] if own is not None else []
         if m.device_node is not None:
@@ -154,6 +161,14 @@ class HiCache:
                 self._selective_backup(m.device_node)
         host_tokens = m.device_tokens - device_tokens
         return Admission(m, device_tokens, host_tokens, min(storage_tokens, host_tokens), tuple(loads))
+
+    def _agreed(self, req: Request, m: MatchResult) -> MatchResult:
+        """``m`` cut to the hit every rank of the group admits (a collective)."""
+        mine = m.exact_tokens if m.host_tokens == 0 else m.device_tokens  # what lock() would take
+        agreed = admitted_hit(self.consensus, mine, self.layout.page_size)
+        if agreed == mine:
+            return m
+        return self.cache.match(req.key, req.namespace, max_tokens=agreed, need_draft=req.draft)
 
     # ----------------------------------------------------------------- L3 -> L2
     def _maybe_prefetch(self, req: Request, m: MatchResult) -> int:

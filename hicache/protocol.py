@@ -5,7 +5,9 @@ Requests carry ``op``; replies carry ``ok`` and either the op's result fields
 or ``kind`` + ``message`` (+ ``differences`` for a contract mismatch).
 
 The first request on a connection must be ``hello`` (see ``hello_request``);
-anything else is refused. Ops after the handshake, with their fields:
+anything else is refused. A hello with ``role: "consensus"`` (and no layout)
+opens a connection for ``agree``, ``stats``, ``check`` and ``bye`` only.
+Ops after the handshake, with their fields:
 
 =========  ==========================  ==========================================
 op         request fields              reply fields
@@ -15,14 +17,24 @@ fetch      hashes: [bin16], wait_ms    pages: [int], fetched: int (lookup that
                                        first loads missing pages from the
                                        service's L3, waiting up to wait_ms)
 reserve    n: int                      pages: [int] (for the client to write)
-commit     hashes: [bin16], pages      inserted: int, duplicates: int
+commit     hashes: [bin16], pages,     inserted: int, duplicates: int
+           draft_pages: int
 cancel     pages: [int]                (reserved pages given back unwritten)
 acquire    hashes: [bin16]             pages: [int] (leading present, now locked)
 release    hashes: [bin16]             (undoes acquire, one count per hash)
+agree      group, round, rank, world,      values: [int] (element-wise minimum over
+           values: [int], wait_ms          the group's ranks; see hicache.consensus)
 stats      -                           stats: map
 check      -                           (runs the server's check_integrity)
 bye        -                           (server closes after replying)
 =========  ==========================  ==========================================
+
+Draft validity (layouts with draft planes): ``commit``'s optional
+``draft_pages`` counts the leading pages whose draft rows are valid (absent:
+all pages for a layout without draft planes, none for one with them);
+``lookup``, ``fetch`` and ``acquire`` take an optional ``need_draft: bool``
+(default false) that stops the answer at the first page without valid draft
+rows, as an embedded cache's ``match(need_draft=True)`` does.
 
 This module does no I/O: the server reads with asyncio, the client with a
 blocking socket, and both use these helpers for the bytes.
@@ -37,18 +49,18 @@ import msgpack
 from hicache.errors import ServiceError
 
 # Bump on any incompatible change of frames, ops or their fields.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 HEADER = struct.Struct(">I")
 HEADER_BYTES = HEADER.size
 
-OPS = frozenset({"lookup", "fetch", "reserve", "commit", "cancel", "acquire", "release", "stats", "check",
-                 "bye"})
+OPS = frozenset({"lookup", "fetch", "reserve", "commit", "cancel", "acquire", "release", "agree", "stats",
+                 "check", "bye"})
 
 # Error kinds a server may send (the client also uses ``closed``).
 ERROR_KINDS = ("bad_frame", "too_large", "bad_request", "unknown_op", "not_handshaken", "version",
                "bad_layout", "contract", "bad_args", "foreign_page", "not_reserved", "not_acquired",
-               "out_of_pages", "integrity", "internal")
+               "out_of_pages", "integrity", "timeout", "internal")
 
 
 def pack(obj: dict[str, Any]) -> bytes:

@@ -9,14 +9,25 @@ that process exits, pulling the segment from under the server.
 ``tensor`` is a 1-D uint8 view of the whole mapping, suitable as the
 ``buffer=`` of ``hicache.pools.HostPool``. With CUDA present, ``pin()``
 page-locks the mapping (``cudaHostRegister``) so GPU kernels can address it.
+
+Liveness travels with the file, as open-file-description locks (``F_OFD_*``:
+the kernel drops them when the holder dies, SIGKILL included): the owner
+holds a write lock on byte 0 for as long as it serves, and every process that
+maps the segment (owner included) holds a read lock on byte 1. So a segment
+whose byte 0 can be locked has no live owner (``take_orphan``), and one whose
+byte 1 can be write-locked is mapped by nobody else. A new segment gets its
+locks before its name appears (created unnamed, then linked), so no process
+ever sees a named segment without its owner's lock.
 """
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
 import re
+import struct
 
 import torch
 
@@ -26,6 +37,26 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+OWNER_BYTE, MAPPER_BYTE = 0, 1
+# struct flock on Linux (x86-64 and aarch64): l_type, l_whence, l_start, l_len, l_pid, then padding.
+_FLOCK = struct.Struct("hhqqi4x")
+
+
+def _lock(fd: int, byte: int, kind: int) -> bool:
+    """Take (or change to) an OFD lock of ``kind`` on one byte without waiting; False if held."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, byte, 1, 0))
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def live_owner_message(name: str) -> str:
+    path = os.path.join(SHM_DIR, name)
+    return (f"shared memory segment {path} already exists and a live server owns it (service.shm_name="
+            f"{name!r}): stop that server or pick another name")
 
 
 def shm_path(name: str) -> str:
@@ -43,30 +74,30 @@ class SharedSegment:
     when the last view dies).
     """
 
-    def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool):
+    def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool, fd: int):
         self.name = name
         self.size = size
         self.owner = owner
+        self.mapped_elsewhere = False  # take_orphan: other processes still map it
+        self._fd: int | None = fd  # holds this process's locks (see the module docstring)
         self._mm: mmap.mmap | None = mm
         self._pinned_ptr: int | None = None
         self.tensor: torch.Tensor | None = torch.frombuffer(mm, dtype=torch.uint8, count=size)
 
     @classmethod
     def create(cls, name: str, size: int) -> "SharedSegment":
-        """Create a new zero-filled segment, its memory reserved up front.
+        """Create a new zero-filled segment, its memory reserved up front, owned
+        (locked) by this process until ``close``.
 
         Raises ``PoolError`` if ``name`` exists or ``/dev/shm`` cannot hold ``size`` bytes.
         """
         if size < 1:
             raise PoolError(f"shared segment size must be >= 1 byte, got {size}")
         path = shm_path(name)
+        fd, tmp = _unnamed_file()
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            raise PoolError(f"shared memory segment {path} already exists; another server uses "
-                            f"service.shm_name={name!r}, or a crashed one left it: pick another "
-                            f"name or remove {path}") from None
-        try:
+            if not (_lock(fd, OWNER_BYTE, fcntl.F_WRLCK) and _lock(fd, MAPPER_BYTE, fcntl.F_RDLCK)):
+                raise PoolError(f"cannot lock the new segment for {path}")  # nobody else knows the file
             os.ftruncate(fd, size)
             # Back every page now: tmpfs hands out pages on first touch, and a
             # touch beyond /dev/shm's capacity is a SIGBUS in whichever process
@@ -80,12 +111,48 @@ class SharedSegment:
                                 "room for it; enlarge /dev/shm (Docker: shm_size) or lower "
                                 "pool.host_pages") from None
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                _link(fd, tmp, path)  # atomic, never replaces
+            except FileExistsError:
+                mm.close()
+                raise PoolError(f"shared memory segment {path} already exists; another server uses "
+                                f"service.shm_name={name!r}: pick another name") from None
         except BaseException:
-            os.unlink(path)
+            os.close(fd)
             raise
         finally:
+            if tmp:
+                os.unlink(tmp)
+        return cls(name, size, mm, owner=True, fd=fd)
+
+    @classmethod
+    def take_orphan(cls, name: str) -> "SharedSegment | None":
+        """Own the existing segment ``name`` if no live server does; None if it does not exist.
+
+        Raises ``PoolError`` (``live_owner_message``) when a live server owns it.
+        The result is mapped whole and owned (``close`` unlinks it);
+        ``mapped_elsewhere`` says whether other processes still map it.
+        """
+        path = shm_path(name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            return None
+        try:
+            if not _lock(fd, OWNER_BYTE, fcntl.F_WRLCK):
+                raise PoolError(live_owner_message(name))
+            elsewhere = not _lock(fd, MAPPER_BYTE, fcntl.F_WRLCK)
+            _lock(fd, MAPPER_BYTE, fcntl.F_RDLCK)  # can't fail: read locks share
+            size = os.fstat(fd).st_size
+            if size < 1:
+                raise PoolError(f"shared memory segment {path} is empty; remove it")
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
             os.close(fd)
-        return cls(name, size, mm, owner=True)
+            raise
+        seg = cls(name, size, mm, owner=True, fd=fd)
+        seg.mapped_elsewhere = elsewhere
+        return seg
 
     @classmethod
     def attach(cls, name: str, size: int) -> "SharedSegment":
@@ -100,10 +167,12 @@ class SharedSegment:
             have = os.fstat(fd).st_size
             if have < size:
                 raise PoolError(f"shared memory segment {path} holds {have} bytes, expected {size}")
+            _lock(fd, MAPPER_BYTE, fcntl.F_RDLCK)  # read locks share: always granted
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:
             os.close(fd)
-        return cls(name, size, mm, owner=False)
+            raise
+        return cls(name, size, mm, owner=False, fd=fd)
 
     def pin(self) -> bool:
         """Page-lock the mapping for direct GPU access; False (no-op) without CUDA."""
@@ -130,6 +199,9 @@ class SharedSegment:
             except FileNotFoundError:
                 pass
             self.owner = False
+        if self._fd is not None:
+            os.close(self._fd)  # drops the locks
+            self._fd = None
         if self._mm is not None:
             try:
                 self._mm.close()
@@ -143,3 +215,26 @@ class SharedSegment:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _unnamed_file() -> tuple[int, str]:
+    """A new file in ``/dev/shm`` no other process can open: ``O_TMPFILE`` (then
+    ``tmp`` is ""), else a uniquely named one that the caller unlinks."""
+    try:
+        return os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR, 0o600), ""
+    except (AttributeError, OSError):
+        tmp = os.path.join(SHM_DIR, f".hicache-new-{os.getpid()}-{os.urandom(6).hex()}")
+        return os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), tmp
+
+
+def _link(fd: int, tmp: str, path: str) -> None:
+    if tmp:
+        os.link(tmp, path)
+        return
+    # linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N names an O_TMPFILE file; os.link
+    # uses linkat (and honours follow_symlinks) only when a dir fd is given.
+    d = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.link(f"/proc/self/fd/{fd}", os.path.basename(path), dst_dir_fd=d, follow_symlinks=True)
+    finally:
+        os.close(d)

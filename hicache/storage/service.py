@@ -141,7 +141,7 @@ class ServiceBackend(StorageBackend):
 
     def _raw_get(self, keys: list[bytes]) -> list[Buffer | None]:
         def read(c: EngineClient) -> list[Buffer | None]:
-            pages = c.acquire(keys)
+            pages = c.acquire(keys, need_draft=True)  # L3 semantics: complete pages only
             try:
                 data: list[Buffer | None] = [c.pool.read_page(p) for p in pages]
             finally:
@@ -158,7 +158,8 @@ class ServiceBackend(StorageBackend):
             try:
                 for p, (_, payload) in zip(pages, rows):
                     c.pool.write_page(p, payload)
-                r = c.commit([k for k, _ in rows], pages)
+                # The controller stores complete pages only (draft rows included).
+                r = c.commit([k for k, _ in rows], pages, draft_pages=len(rows))
             except ServiceError as e:
                 if e.kind != "closed":
                     c.cancel(pages)  # the connection is fine: give the pages back now
@@ -172,11 +173,11 @@ class ServiceBackend(StorageBackend):
         return self._io_call(write)
 
     def _raw_exists(self, keys: list[bytes]) -> list[bool]:
-        n = self._io_call(lambda c: c.lookup(keys).num_pages)
+        n = self._io_call(lambda c: c.lookup(keys, need_draft=True).num_pages)
         return [i < n for i in range(len(keys))]
 
     def _fetch(self, keys: list[bytes]) -> int:
-        return self._io_call(lambda c: c.fetch(keys, self.wait_ms).num_pages)
+        return self._io_call(lambda c: c.fetch(keys, self.wait_ms, need_draft=True).num_pages)
 
     def _raw_delete(self, keys: list[bytes]) -> int:
         self._warn_once("delete", "L3 %s: the service does not delete pages for engines (they age out "

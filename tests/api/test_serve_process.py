@@ -158,7 +158,7 @@ def test_events_lookup_and_flush_with_file_l3(tmp_path):
         assert (st["tiers"]["L2"]["flushed"], st["tiers"]["L3"]["flushed"]) == (2, 5)
         assert st["tiers"]["L3"]["service"] == {"queued": 3, "written": 3, "dropped": 0, "stale": 0, "failed": 0,
                                                 "queue_pages": 0, "fetches": 0, "fetched": 0, "fetch_timeouts": 0,
-                                                "fetch_busy": 0, "fetch_no_room": 0}
+                                                "fetch_busy": 0, "fetch_no_room": 0, "skipped_draft": 0}
         assert st["events"]["published"] == 8
     finally:
         stop_serve(s)

@@ -3,7 +3,8 @@
 Modes (JSON carries ``socket``, ``layout`` and the mode's fields):
 
 * ``write``: reserve pages for ``tokens``' page hashes, fill them with
-  ``payload(seed, i)``, commit; prints ``{"pages", "inserted", "duplicates"}``.
+  ``payload(seed, i)``, commit (with ``draft_pages`` when given); prints
+  ``{"pages", "inserted", "duplicates"}``.
 * ``read``: look up ``tokens``, acquire, read, release; prints ``{"num_pages",
   "pages", "data"}`` (hex of each page).
 * ``hold``: commit ``tokens``, reserve ``reserve`` more pages, acquire the
@@ -35,10 +36,10 @@ def main(mode: str, args: dict) -> dict:
             pages = c.reserve(len(hashes))
             for i, p in enumerate(pages):
                 c.pool.write_page(p, payload(args["seed"], i, layout.page_bytes))
-            r = c.commit(hashes, pages)
+            r = c.commit(hashes, pages, draft_pages=args.get("draft_pages"))
             return {"pages": pages, "inserted": r.inserted, "duplicates": r.duplicates}
         if mode == "read":
-            n = c.lookup(hashes).num_pages
+            n = c.lookup(hashes, need_draft=args.get("need_draft", False)).num_pages
             pages = c.acquire(hashes[:n])
             data = [c.pool.read_page(p).hex() for p in pages]
             c.release(hashes[:len(pages)])

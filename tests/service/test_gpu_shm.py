@@ -48,3 +48,33 @@ def test_pinned_segment_round_trips_pages_through_the_gpu(host_layout):
     finally:
         srv.stop()
         os.rmdir(d)
+
+
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
+def test_shared_l2_kernels_copy_between_gpu_l1_and_the_segment(host_layout):
+    """Zero copy on the GPU: the Triton page-copy kernels read and write the
+    registered segment directly (engine A's L1 -> shared pages -> engine B's L1)."""
+    from hicache.pools import DevicePool
+    from hicache.shared_l2 import SharedL2
+    d = tempfile.mkdtemp(prefix="hcg", dir="/tmp")
+    cfg = HiCacheConfig.load(env={}, overrides={
+        "service.socket_path": d + "/s.sock", "service.shm_name": f"hicache-gpuz-{os.getpid()}-{host_layout}",
+        "pool.host_pages": 8, "model.host_layout": host_layout, "model.dtype": "bfloat16"})
+    lay = cfg.layout()
+    srv = EngineServer(cfg)
+    srv.start()
+    try:
+        with EngineClient(cfg.service.socket_path, lay) as a, EngineClient(cfg.service.socket_path, lay) as b:
+            src, dst = DevicePool(lay, 8, "cuda"), DevicePool(lay, 8, "cuda")
+            for buf in src.buffers:
+                buf.copy_(torch.randn(buf.shape, device="cuda").to(buf.dtype))
+            hashes = page_hashes(list(range(3 * lay.page_size)), lay.page_size)
+            assert SharedL2(a).store(src, [6, 1, 4], hashes) == (0, 3, 3)
+            assert SharedL2(b).load(hashes, dst, [0, 5, 2]) == 3
+            for s, t in zip([6, 1, 4], [0, 5, 2]):
+                for k, v in src.page_view(s).items():
+                    assert torch.equal(dst.page_view(t)[k], v), (k, s, t)
+        srv.check_integrity()
+    finally:
+        srv.stop()
+        os.rmdir(d)

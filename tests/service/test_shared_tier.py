@@ -198,7 +198,7 @@ def test_service_writes_committed_pages_to_redis_and_serves_them_after_flush(nam
             pages = c.reserve(3)
             for i, p in enumerate(pages):
                 c.pool.write_page(p, payload(layout, i))
-            c.commit(h[:3], pages)
+            c.commit(h[:3], pages, draft_pages=3)  # complete pages (draft rows included) go to L3
             _wait(lambda: srv.stats().l3["written"] == 3, "pages never reached L3")
             # In Redis, as verified L3 objects any engine can read.
             assert [bytes(x) for x in storage.get(h[:3], sizes)] == [payload(layout, i) for i in range(3)]
@@ -216,7 +216,7 @@ def test_service_writes_committed_pages_to_redis_and_serves_them_after_flush(nam
             s = srv.stats()
             assert s.l3 == {"queued": 3, "written": 3, "dropped": 0, "stale": 0, "failed": 0, "fetches": 2,
                             "fetched": 3, "fetch_timeouts": 0, "fetch_busy": 0, "fetch_no_room": 0,
-                            "queue_pages": 0}
+                            "skipped_draft": 0, "queue_pages": 0}
             assert s.clients == 1 and s.reserved_pages == 0 and s.committed_pages == 3
             assert len(stored) == 3  # pages that came from L3 are not written back
             srv.check_integrity()
@@ -281,6 +281,37 @@ def test_pages_evicted_before_the_writer_copies_them_are_not_written(tmpdir_shor
         storage.close()
 
 
+def test_draft_incomplete_pages_stay_out_of_l3_and_of_draft_hits_until_a_complete_copy_comes(tmpdir_short):
+    """Invariant 5 in the shared tier: L3 and need_draft hits get complete pages only."""
+    layout = LAYOUTS["mla-layer_first-bytes-draft"]
+    srv, storage, stored = _server(tmpdir_short, layout, "memory://")
+    h = page_hashes(list(range(3 * layout.page_size)), layout.page_size)
+    sizes = sizes_of(layout)
+    try:
+        with EngineClient(srv.socket_path, layout, pin=False) as c, backend(srv.socket_path, layout) as b:
+            pages = c.reserve(3)
+            for i, p in enumerate(pages):
+                c.pool.write_page(p, payload(layout, i))
+            c.commit(h, pages, draft_pages=1)  # an engine without its draft head: pages 1, 2 lack draft rows
+            assert c.lookup(h).num_pages == 3 and c.lookup(h, need_draft=True).num_pages == 1
+            assert b.prefix_hits(h) == 1 and b.exists(h) == [True, False, False]  # the L3 view: complete only
+            _wait(lambda: srv.stats().l3["written"] == 1, "the complete page never reached L3")
+            assert srv.stats().l3["skipped_draft"] == 2 and storage.exists(h) == [True, False, False]
+            # A complete copy (the backend stores complete pages) upgrades them; L3 gets them.
+            assert b.put([(h[i], payload(layout, 10 + i), sizes) for i in range(3)]) == 3
+            assert c.lookup(h, need_draft=True).num_pages == 3
+            _wait(lambda: srv.stats().l3["written"] == 3, "the upgraded pages never reached L3")
+            got = [bytes(x) for x in b.get(h, sizes)]
+            assert got == [payload(layout, 0), payload(layout, 11), payload(layout, 12)]
+            assert [bytes(x) for x in storage.get(h, sizes)] == got
+            st = srv.stats()
+            assert (st.draft_upgraded, st.committed_pages, st.used_pages) == (2, 3, 3)
+            srv.check_integrity()
+    finally:
+        srv.stop()
+        storage.close()
+
+
 def test_service_refuses_itself_as_its_own_l3():
     from hicache.api.engine_server import open_l3
     cfg = HiCacheConfig.load(env={}, overrides={"storage.url": "hicache+unix:///tmp/x.sock"})
@@ -328,6 +359,7 @@ def test_two_replays_in_two_processes_share_pages_through_the_service(tmpdir_sho
         assert s2["hits"] * 16 >= b["l3_hit_tokens"] and s2["errors"] == 0 and s2["reconnects"] == 0
         st = httpx.get(f"http://127.0.0.1:{port}/v1/stats").json()
         assert st["engine"]["clients_total"] >= 2 and st["engine"]["clients"] == 0
+        assert st["engine"]["segment_origin"] == "created"
         # Every page an engine put is in the service: committed once, or a duplicate of a committed one.
         put = first["stats"]["storage"]["put_ok"] + s2["put_ok"]
         assert st["tiers"]["L2"]["bytes_written"] == (put - st["engine"]["duplicates"]) * st["page_bytes"]

@@ -1,0 +1,75 @@
+"""An engine process for the zero-copy shared-L2 test: ``python shared_l2_worker.py MODE JSON``.
+
+The JSON carries ``socket``, ``kind`` (mha / mla), ``host_layout`` and
+``prompt``. Pages move between this process's L1 and the service's segment
+only through ``SharedL2`` (the page-copy kernels): the CPU byte path of the
+pool (``read_page`` / ``write_page``) is disabled here, so using it fails.
+
+* ``prefill``: compute the prompt cold, share its full pages; prints
+  ``{"stored", "copied", "logits"}``.
+* ``warm``: load the shared prefix into L1 (scattered page ids), compute the
+  rest, and compute the whole prompt cold in a second pool; prints
+  ``{"loaded", "warm", "cold"}`` (logits as hex of their float32 bytes).
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from hicache.client import EngineClient
+from hicache.engine.model import ReferenceModel
+from hicache.engine.model_spec import ModelSpec
+from hicache.hashing import page_hashes
+from hicache.pools import DevicePool, HostPool
+from hicache.shared_l2 import SharedL2
+
+PS = 4
+NUM_PAGES = 32
+
+
+def _no_cpu_copy(*a, **k):
+    raise AssertionError("a page payload went through the CPU byte path (read_page/write_page)")
+
+
+def layout_of(kind: str, host_layout: str):
+    return ModelSpec.tiny(kind).kv_layout(PS, host_layout)
+
+
+def _slots(pages: list[int]) -> torch.Tensor:
+    return (torch.tensor(pages)[:, None] * PS + torch.arange(PS)).reshape(-1)
+
+
+def main(mode: str, args: dict) -> dict:
+    torch.set_num_threads(1)  # one reduction order: bit-exact comparisons
+    HostPool.read_page = HostPool.write_page = _no_cpu_copy  # type: ignore[method-assign]
+    spec = ModelSpec.tiny(args["kind"])
+    layout = layout_of(args["kind"], args["host_layout"])
+    model = ReferenceModel(spec, draft=False)
+    prompt = args["prompt"]
+    n_pages = -(-len(prompt) // PS)
+    full = (len(prompt) - 1) // PS  # shareable: whole pages before the last token
+    hashes = page_hashes(prompt[:full * PS], PS)
+    with EngineClient(args["socket"], layout, pin=False) as client:
+        shared = SharedL2(client)
+        if mode == "prefill":
+            pool = DevicePool(layout, NUM_PAGES, "cpu")
+            pages = list(range(n_pages))
+            out = model.forward_chunk(pool, prompt, 0, _slots(pages), draft=False)
+            r = shared.store(pool, pages[:full], hashes)
+            return {"stored": r.present + r.copied, "copied": r.copied, "logits": out.logits_last.numpy().tobytes().hex()}
+        assert mode == "warm", mode
+        pool = DevicePool(layout, NUM_PAGES, "cpu")
+        pages = [NUM_PAGES - 1 - 2 * i for i in range(n_pages)]  # scattered, unlike the writer's
+        n = shared.load(hashes, pool, pages[:full])
+        warm = model.forward_chunk(pool, prompt[n * PS:], n * PS, _slots(pages), draft=False)
+        cold_pool = DevicePool(layout, NUM_PAGES, "cpu")
+        cold = model.forward_chunk(cold_pool, prompt, 0, _slots(list(range(n_pages))), draft=False)
+        st = client.stats()
+        return {"loaded": n, "warm": warm.logits_last.numpy().tobytes().hex(),
+                "cold": cold.logits_last.numpy().tobytes().hex(), "locked_after": st["locked_pages"]}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1], json.loads(sys.argv[2]))), flush=True)

@@ -1,0 +1,114 @@
+"""Zero-copy shared L2: engine A prefills and shares its pages through the
+service's segment with the page-copy kernels; engine B, a separate process,
+loads them from the segment into its L1 and gets logits bit-identical to
+computing cold. Neither engine keeps a private L2 or copies a page payload
+through the CPU (their pools' byte path is disabled in the worker)."""
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache.client import EngineClient
+from hicache.errors import ServiceError
+from hicache.hashing import page_hashes
+from hicache.pools import DevicePool
+from hicache.shared_l2 import SharedL2
+
+from .conftest import unique_shm_name, wait_ready, write_config
+from .shared_l2_worker import PS, layout_of
+
+WORKER = str(Path(__file__).with_name("shared_l2_worker.py"))
+
+
+def _worker(mode: str, **args) -> dict:
+    out = subprocess.run([sys.executable, WORKER, mode, json.dumps(args)], capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def start_service():
+    """``start(layout) -> socket path`` of a real service process; stopped (cleanly) after the test."""
+    started: list[tuple[subprocess.Popen, Path]] = []
+
+    def start(layout) -> str:
+        d = Path(tempfile.mkdtemp(prefix="hcz", dir="/tmp"))  # short: sun_path holds 107 bytes
+        sock = str(d / "e.sock")
+        write_config(d / "h.toml", layout, sock, unique_shm_name())
+        log = d / "server.log"
+        with open(log, "w") as err:
+            p = subprocess.Popen([sys.executable, "-m", "hicache.api.engine_server", "--config", str(d / "h.toml")],
+                                 stdout=err, stderr=err)
+        started.append((p, d))
+        wait_ready(sock, layout, p, log)
+        return sock
+    yield start
+    for p, d in started:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0, (d / "server.log").read_text()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,host_layout", [("mha", "page_first"), ("mla", "layer_first")])
+def test_engine_b_loads_engine_a_prefix_from_the_segment_bit_exact(kind, host_layout, start_service):
+    layout = layout_of(kind, host_layout)
+    sock = start_service(layout)
+    prompt = list(range(3, 3 + 6 * PS + 1))  # 6 whole pages + 1 token
+    a = _worker("prefill", socket=sock, kind=kind, host_layout=host_layout, prompt=prompt)
+    assert (a["stored"], a["copied"]) == (6, 6)
+    b = _worker("warm", socket=sock, kind=kind, host_layout=host_layout, prompt=prompt)
+    assert b["loaded"] == 6 and b["locked_after"] == 0
+    assert b["warm"] == b["cold"] == a["logits"]  # bit-identical float32 logits
+    # A second prefill of the same prompt copies nothing: the shared pages are there.
+    again = _worker("prefill", socket=sock, kind=kind, host_layout=host_layout, prompt=prompt)
+    assert (again["stored"], again["copied"]) == (6, 0)
+    with EngineClient(sock, layout, pin=False) as c:
+        st = c.stats()
+        assert (st["committed_pages"], st["reserved_pages"], st["locked_pages"]) == (6, 0, 0)
+        c.check_integrity()
+        # The comparison can fail: with one shared page's bytes altered, B's logits differ.
+        h = page_hashes(prompt[:6 * PS], PS)
+        page = c.acquire(h[2:3])[0]
+        c.pool.write_page(page, bytes(reversed(c.pool.read_page(page))))
+        c.release(h[2:3])
+    bad = _worker("warm", socket=sock, kind=kind, host_layout=host_layout, prompt=prompt)
+    assert bad["loaded"] == 6 and bad["warm"] != bad["cold"] == a["logits"]
+
+
+def test_store_and_load_move_exact_pages_and_give_back_on_failure(start_service, monkeypatch):
+    layout = layout_of("mha", "page_first")
+    sock = start_service(layout)
+    src, dst = DevicePool(layout, 8, "cpu"), DevicePool(layout, 8, "cpu")
+    for i, buf in enumerate(src.buffers):
+        buf.copy_(torch.arange(buf.numel(), dtype=buf.dtype).reshape(buf.shape) * (i + 1))
+    h = page_hashes(list(range(4 * PS)), PS)
+    with EngineClient(sock, layout, pin=False) as c:
+        shared = SharedL2(c)
+        assert shared.store(src, [5, 1, 2], h[:3]) == (0, 3, 3)
+        assert shared.load(h, dst, [0, 7, 3, 4]) == 3  # the fourth is not shared: page 4 untouched
+        for s, d in zip([5, 1, 2], [0, 7, 3]):
+            for key, t in src.page_view(s).items():
+                assert torch.equal(dst.page_view(d)[key], t), (s, d, key)
+        assert all(not bool(t.any()) for t in dst.page_view(4).values())
+        # A copy that fails gives its reservation back; nothing is committed.
+        def broken(*a, **k):
+            raise RuntimeError("copy failed")
+        monkeypatch.setattr(shared.copier, "copy_pages", broken)
+        with pytest.raises(RuntimeError, match="copy failed"):
+            shared.store(src, [0], h[3:])
+        monkeypatch.undo()
+        st = c.stats()
+        assert (st["reserved_pages"], st["locked_pages"], st["committed_pages"]) == (0, 0, 3)
+        with pytest.raises(ServiceError, match="bad_args"):
+            shared.load([b"short"], dst, [0])
+        c.check_integrity()
