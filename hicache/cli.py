@@ -8,6 +8,7 @@ import sys
 
 from hicache.config import HiCacheConfig, parse_set_flags
 from hicache.errors import HiCacheError
+from hicache.redact import Redactor, install_log_redaction
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -18,7 +19,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _load(args: argparse.Namespace) -> HiCacheConfig:
     cfg = HiCacheConfig.load(args.config, parse_set_flags(args.set))
+    red: Redactor = args.redactor
+    red.add_config_data(cfg.model_dump())
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    install_log_redaction(red)
     return cfg
 
 
@@ -29,7 +33,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     dev_bytes = layout.page_bytes * cfg.pool.device_pages
     host_bytes = HostPool.nbytes_for(layout, cfg.pool.host_pages)
     info = {
-        "config": cfg.model_dump(),
+        "config": args.redactor.value(cfg.model_dump(mode="json")),
         "layout": {"fingerprint": layout.fingerprint(), "planes": len(layout.planes),
                    "page_bytes": layout.page_bytes, "token_bytes": layout.token_bytes},
         "pools": {"device": cfg.resolved_device(),
@@ -76,11 +80,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not getattr(args, "fn", None):
         args = parser.parse_args(["info", *(argv or [])]) if argv is not None else parser.parse_args(["info"])
+    args.redactor = Redactor()
     try:
         return args.fn(args)
     except HiCacheError as e:
-        print(f"hicache: error: {e}", file=sys.stderr)
-        return 2
+        return _fail(args.redactor, str(e))
+    except MemoryError:
+        return _fail(args.redactor, "out of memory while allocating the cache pools; lower "
+                     "pool.host_pages / pool.device_pages (see `hicache info` for their sizes)")
+    except OSError as e:
+        where = f" {e.filename!r}" if e.filename else ""
+        return _fail(args.redactor, f"{e.strerror or e}{where}; check the path and its permissions")
+
+
+def _fail(redactor: Redactor, message: str) -> int:
+    print(f"hicache: error: {redactor.text(message)}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

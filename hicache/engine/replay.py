@@ -22,6 +22,7 @@ from hicache.engine.engine import Engine, EngineRun, iter_progress
 from hicache.engine.model_spec import ModelSpec
 from hicache.errors import ConfigError
 from hicache.hicache import HiCache
+from hicache.redact import redact_url
 
 
 def model_spec_for(cfg: HiCacheConfig, vocab: int) -> ModelSpec:
@@ -102,7 +103,7 @@ def replay(cfg: HiCacheConfig, trace_path: str | None, *, progress: bool = True,
                      "hit_tokens": 0, "hit_rate": 0.0, "l1_hit_tokens": 0, "l2_hit_tokens": 0,
                      "l3_hit_tokens": 0, "recomputed_tokens": prompt_total, "time_s": None})
     return {"trace": trace.name, "config": {"L1_pages": cfg.pool.device_pages, "L2_pages": cfg.pool.host_pages,
-                                            "L3": cfg.storage.url or "(none)", "page_size": cfg.model.page_size},
+                                            "L3": redact_url(cfg.storage.url) or "(none)", "page_size": cfg.model.page_size},
             "rows": rows, "series": series, "stats": stats}
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
-import re
 import threading
 import time
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Sequence
 
 from hicache.errors import ConfigError, IntegrityError
 from hicache.hashing import HASH_BYTES
+from hicache.redact import redact_url  # noqa: F401  (re-exported: backends name themselves with it)
 from hicache.storage import codec
 from hicache.storage.codec import Buffer, ReadStatus
 
@@ -468,21 +468,3 @@ class StorageBackend(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# Query options that carry secrets: redis-py takes ``?password=`` (and
-# ``ssl_password=``) from the query string as readily as from the userinfo.
-_SECRET_QUERY = re.compile(r"([?&][^=&#]*(?:pass|secret|token)[^=&#]*=)[^&#]*", re.IGNORECASE)
-
-
-def redact_url(url: str) -> str:
-    """``scheme://user:***@host...?password=***`` for a URL carrying a password
-    (userinfo or query option); other URLs unchanged. For names, logs and APIs."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    rest = _SECRET_QUERY.sub(r"\1***", rest)
-    userinfo, at, hosts = rest.rpartition("@")
-    if not at or ":" not in userinfo:
-        return f"{scheme}{sep}{rest}"
-    return f"{scheme}{sep}{userinfo.split(':', 1)[0]}:***@{hosts}"

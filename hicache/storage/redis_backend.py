@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 import threading
+from urllib.parse import urlsplit
 from typing import Any, Callable, Iterator
 
 import redis
@@ -32,6 +33,7 @@ from redis.exceptions import ClusterDownError, RedisClusterException, RedisError
 from redis.retry import Retry
 
 from hicache.errors import ConfigError
+from hicache.redact import Redactor, url_secrets
 from hicache.storage.base import PutBatch, StorageBackend, StorageOptions, redact_url
 from hicache.storage.codec import Buffer
 from hicache.storage.redis_wire import FramedConnection, FramedSSLConnection, FramedValue
@@ -68,7 +70,15 @@ class RedisBackend(StorageBackend):
         try:
             kw = parse_url(url)
         except ValueError as e:
-            raise ConfigError(f"storage url {redact_url(url)!r}: {e}") from None
+            # redis-py's message may quote part of the password (``... as 'Pa55'``).
+            why = Redactor([*url_secrets(url)]).text(str(e))
+            raise ConfigError(f"storage url {redact_url(url)!r}: {why}; expected "
+                              "redis://[[user]:password@]host[:port][/db]") from None
+        path = urlsplit(url).path.strip("/")
+        if path and not path.isdigit():
+            # redis-py silently falls back to db 0 for a non-numeric path.
+            raise ConfigError(f"storage url {redact_url(url)!r}: database {path!r} is not a number; "
+                              "use redis://host:port/N with N a database index (0 by default)")
         ssl = kw.pop("connection_class", None) is SSLConnection
         kw.update(redis_kwargs)
         kw.update(socket_timeout=options.timeout_s, socket_connect_timeout=options.timeout_s,

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from hicache.errors import ConfigError
 from hicache.layout import KVLayout
+from hicache.redact import redact_url
 from hicache.storage.base import StorageBackend, StorageOptions
 from hicache.storage.file import FileBackend
 from hicache.storage.memory import MemoryBackend
@@ -50,7 +51,7 @@ class StorageRegistry:
         """See ``open_storage``."""
         scheme, sep, _ = url.partition("://")
         if not sep:
-            raise ConfigError(f"storage url {url!r}: expected scheme://..., one of "
+            raise ConfigError(f"storage url {redact_url(url)!r}: expected scheme://..., one of "
                               f"{', '.join(s + '://' for s in self.schemes())}")
         factory = self._factories.get(scheme.lower())
         if factory is None:
