@@ -94,3 +94,31 @@ class Raw:
 
     def close(self) -> None:
         self.s.close()
+
+
+@pytest.fixture
+def make_state():
+    """``make_state(settings, admin_token)``: a ``RestState`` over a started in-process engine server."""
+    from hicache.api.deps import RestState
+    from hicache.api.events import EventBus
+    made: list = []
+
+    def make(extra: dict[str, str] | None = None, admin_token: str = ""):
+        cfg = config()
+        if extra:
+            cfg = HiCacheConfig.load(overrides={**_flat(cfg), **extra}, env={})
+        bus = EventBus()
+        engine = EngineServer(cfg, listener=bus)
+        engine.start()
+        st = RestState(config=cfg, layout=cfg.layout(), engine=engine, storage=None, admin_token=admin_token,
+                       bus=bus)
+        made.append(st)
+        return st
+    yield make
+    for st in made:
+        st.check_integrity()
+        st.engine.stop()
+
+
+def _flat(cfg: HiCacheConfig) -> dict[str, Any]:
+    return {f"{sec}.{k}": v for sec, d in cfg.model_dump().items() if isinstance(d, dict) for k, v in d.items()}
