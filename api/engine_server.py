@@ -42,6 +42,7 @@ from hicache.layout import KVLayout
 from hicache.pools import HostPool
 from hicache.protocol import HEADER_BYTES, body_length, pack, unpack
 from hicache.ratelimit import LogLimiter
+from hicache.redact import Redactor
 from hicache.shm import SharedSegment
 from hicache.storage import StorageBackend, open_storage
 from hicache.types import PageHash
@@ -458,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
             if storage is not None:
                 storage.close()
     except HiCacheError as e:
-        print(f"hicache engine server: error: {e}", file=sys.stderr)
+        print(f"hicache engine server: error: {Redactor().text(str(e))}", file=sys.stderr)
         return 2
     return 0
 

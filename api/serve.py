@@ -23,6 +23,7 @@ from hicache.api.events import EventBus
 from hicache.api.redact import redact_url
 from hicache.config import HiCacheConfig
 from hicache.errors import ConfigError
+from hicache.redact import Redactor, install_log_redaction
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,16 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def _redact_logs(cfg: HiCacheConfig, token: str) -> None:
+    """Every handler (ours and uvicorn's) redacts the configured secrets and the resolved token."""
+    red = Redactor.from_config(cfg)
+    red.add(token)
+    install_log_redaction(red)
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        for h in logging.getLogger(name).handlers:
+            h.addFilter(red.log_filter())
+
+
 def serve(cfg: HiCacheConfig) -> int:
     """Run until SIGINT/SIGTERM. Returns the exit status; raises ``ConfigError`` before serving."""
     token = resolve_admin_token(cfg)
@@ -81,6 +92,7 @@ def serve(cfg: HiCacheConfig) -> int:
         server = _Server(uvicorn.Config(app, host=svc.host, port=svc.port, log_level=cfg.log_level.lower(),
                                         access_log=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                                         lifespan="on"), bus)
+        _redact_logs(cfg, token)  # after uvicorn.Config: it installs its own log handlers
         log.info("hicache serve: REST on http://%s:%d, engine socket %s, L2 %d pages, L3 %s (pid %d)",
                     svc.host, svc.port, svc.socket_path, cfg.pool.host_pages,
                     redact_url(cfg.storage.url) or "(none)", os.getpid())

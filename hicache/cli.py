@@ -33,7 +33,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     dev_bytes = layout.page_bytes * cfg.pool.device_pages
     host_bytes = HostPool.nbytes_for(layout, cfg.pool.host_pages)
     info = {
-        "config": args.redactor.value(cfg.model_dump(mode="json")),
+        "config": cfg.model_dump(mode="json"),
         "layout": {"fingerprint": layout.fingerprint(), "planes": len(layout.planes),
                    "page_bytes": layout.page_bytes, "token_bytes": layout.token_bytes},
         "pools": {"device": cfg.resolved_device(),
@@ -43,7 +43,7 @@ def cmd_info(args: argparse.Namespace) -> int:
                          "bytes": host_bytes},
                   "L3": cfg.storage.url or "(none)"},
     }
-    print(json.dumps(info, indent=2, default=str))
+    print(json.dumps(args.redactor.value(info), indent=2, default=str))
     return 0
 
 

@@ -44,7 +44,10 @@ def redact_url(url: str) -> str:
     if not sep:
         rest = _SECRET_QUERY.sub(r"\1" + REDACTED, url)
         userinfo, at, hosts = rest.rpartition("@")
-        return f"{REDACTED}@{hosts}" if at else rest
+        if not at:
+            return rest
+        head, colon, _ = userinfo.rpartition(":")  # whatever follows the last ':' may be a password
+        return f"{head}{colon}{REDACTED}@{hosts}" if colon else f"{REDACTED}@{hosts}"
     rest = _SECRET_QUERY.sub(r"\1" + REDACTED, rest)
     netloc, slash, path = rest.partition("/")
     userinfo, at, hosts = netloc.rpartition("@")

@@ -73,7 +73,8 @@ class RedisBackend(StorageBackend):
             # redis-py's message may quote part of the password (``... as 'Pa55'``).
             why = Redactor([*url_secrets(url)]).text(str(e))
             raise ConfigError(f"storage url {redact_url(url)!r}: {why}; expected "
-                              "redis://[[user]:password@]host[:port][/db]") from None
+                              "a URL like redis://localhost:6379/0 (a user and password go before the host, "
+                              "followed by @)") from None
         path = urlsplit(url).path.strip("/")
         if path and not path.isdigit():
             # redis-py silently falls back to db 0 for a non-numeric path.
@@ -84,6 +85,13 @@ class RedisBackend(StorageBackend):
         kw.update(socket_timeout=options.timeout_s, socket_connect_timeout=options.timeout_s,
                   retry=_retry(options),
                   connection_class=FramedSSLConnection if ssl else FramedConnection)
+
+        try:
+            ConnectionPool(**kw).make_connection()  # builds a connection object; does not connect
+        except TypeError as e:
+            why = Redactor([*url_secrets(url)]).text(str(e))
+            raise ConfigError(f"storage url {redact_url(url)!r}: an option is not supported here ({why}); "
+                              "remove it (ssl_* options need rediss://)") from None
 
         def make() -> redis.Redis:
             return redis.Redis(connection_pool=ConnectionPool(**kw))
