@@ -205,10 +205,19 @@ class HiCacheConfig(BaseSettings):
         return self.model.to_layout()
 
     def resolved_device(self) -> str:
-        if self.pool.device != "auto":
-            return self.pool.device
+        """``pool.device`` with ``auto`` resolved; ``ConfigError`` for a CUDA device this machine lacks."""
         import torch
-        return "cuda:0" if torch.cuda.is_available() else "cpu"
+        dev = self.pool.device
+        if dev == "auto":
+            return "cuda:0" if torch.cuda.is_available() else "cpu"
+        if dev.startswith("cuda"):
+            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            idx = int(dev.partition(":")[2] or 0)
+            if idx >= have:
+                raise ConfigError(f"pool.device={dev!r}: this machine has {have} CUDA device(s); use "
+                                  f"{'cuda:0..cuda:' + str(have - 1) + ', ' if have else ''}cpu or auto "
+                                  f"{_where_to_set('pool.device')}")
+        return dev
 
 
 def _read_toml(file: str | os.PathLike) -> dict[str, Any]:
@@ -262,7 +271,8 @@ def _check_memory(cfg: "HiCacheConfig", layout: KVLayout) -> None:
     if have is not None and need > have:
         raise ConfigError(f"pool.host_pages={cfg.pool.host_pages}: an L2 of {need:,} bytes "
                           f"({layout.page_bytes:,} per page) exceeds this machine's {have:,} bytes of memory; "
-                          f"lower pool.host_pages to at most {have // layout.page_bytes // 2:,} or so")
+                          f"lower pool.host_pages to at most {have // layout.page_bytes // 2:,} or so "
+                          f"{_where_to_set('pool.host_pages')}")
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
