@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Sequence
 
 from hicache.errors import ConfigError, IntegrityError
 from hicache.hashing import HASH_BYTES
+from hicache.ratelimit import LogLimiter
 from hicache.redact import redact_url  # noqa: F401  (re-exported: backends name themselves with it)
 from hicache.storage import codec
 from hicache.storage.codec import Buffer, ReadStatus
@@ -214,6 +215,7 @@ class StorageBackend(abc.ABC):
         self._health = _Health(name, options)
         self._closed = False
         self._warned: set[str] = set()  # one warning per kind of per-call problem
+        self._object_log = LogLimiter(log)  # per-object problems: a few lines per kind and minute
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, prefix={self.key_prefix!r})"
@@ -317,6 +319,10 @@ class StorageBackend(abc.ABC):
                 c["errors"] += obj is not None
                 c["misses"] += 1
                 out.append(None)
+                if obj is not None:  # e.g. WRONGTYPE: another program's key under our prefix
+                    self._object_log.warning(f"get:{type(obj).__name__}", "L3 %s: reading object %r failed "
+                                             "(%s: %s); counted as a miss", self.name, fk, type(obj).__name__,
+                                             str(obj)[:200])
                 continue
             d = codec.decode(obj, key, self.fingerprint, sizes)
             if d.status is ReadStatus.OK:
@@ -333,7 +339,8 @@ class StorageBackend(abc.ABC):
             else:
                 c["corrupt"] += 1
                 bad.append(fk)
-                log.warning("L3 %s: corrupt object %r (%s); deleted, counted as a miss", self.name, fk, d.why)
+                self._object_log.warning("corrupt", "L3 %s: corrupt object %r (%s); deleted, counted as a miss",
+                                         self.name, fk, d.why)
         self._count(gets=len(full), **c)
         if bad:
             self._call("delete", self._raw_delete, bad)

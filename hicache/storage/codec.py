@@ -5,8 +5,14 @@ Layout of an object (all integers little-endian)::
     magic      4 bytes  b"HCL3"
     hdr_len    4 bytes  uint32, length of the msgpack header
     header     hdr_len  msgpack map: version, fingerprint, hash, plane_sizes,
-                        length, checksum (xxh3_64 of the payload)
+                        length, checksum (xxh3_64 of the payload), hck
+                        (xxh3_64 of the msgpack map of the fields before it)
     payload    length   the page's planes in canonical order, raw bytes
+
+``hck`` makes a damaged header corrupt rather than "another layout": without
+it, a bit flip inside the fingerprint read as a well-formed object of some
+other layout, which is kept and only warned about. Objects written before
+``hck`` existed (same format version) are verified without it.
 
 The header and the payload travel as two buffers (``encode_header`` never
 copies the payload); ``decode`` slices a memoryview, so a verified payload is a
@@ -27,6 +33,7 @@ MAGIC = b"HCL3"
 FORMAT_VERSION = 1
 _PREFIX = struct.Struct("<4sI")
 PREFIX_BYTES = _PREFIX.size
+_FIELDS = frozenset({"version", "fingerprint", "hash", "plane_sizes", "length", "checksum", "hck"})
 # A header is ~100 bytes plus 1-5 per plane; anything far beyond is garbage.
 _MAX_HEADER = 1 << 20
 
@@ -89,8 +96,10 @@ def encode_header(fingerprint: str, page_hash: bytes, sizes: Sequence[int] | Pla
     ps = plane_sizes(sizes)
     check_length(mv, ps)
     n = mv.nbytes
-    hdr = msgpack.packb({"version": FORMAT_VERSION, "fingerprint": fingerprint, "hash": bytes(page_hash),
-                         "plane_sizes": ps.sizes, "length": n, "checksum": checksum(mv)})
+    fields = {"version": FORMAT_VERSION, "fingerprint": fingerprint, "hash": bytes(page_hash),
+              "plane_sizes": ps.sizes, "length": n, "checksum": checksum(mv)}
+    fields["hck"] = checksum(msgpack.packb(fields))
+    hdr = msgpack.packb(fields)
     return _PREFIX.pack(MAGIC, len(hdr)) + hdr
 
 
@@ -126,6 +135,17 @@ def decode(obj: Buffer, page_hash: bytes, fingerprint: str,
         return _bad(f"header is a {type(hdr).__name__}, not a map")
     if hdr.get("version") != FORMAT_VERSION:
         return _bad(f"format version {hdr.get('version')!r} != {FORMAT_VERSION}")
+    extra = set(hdr) - _FIELDS
+    if extra:
+        return _bad(f"unknown header field(s) {sorted(map(repr, extra))[:4]} (damaged header)")
+    if "hck" in hdr:
+        fields = {k: v for k, v in hdr.items() if k != "hck"}
+        try:
+            ok = hdr["hck"] == checksum(msgpack.packb(fields))
+        except (TypeError, ValueError, OverflowError):
+            ok = False
+        if not ok:
+            return _bad("header checksum does not match its fields (damaged header)")
     if hdr.get("fingerprint") != fingerprint:
         return Decoded(ReadStatus.FINGERPRINT, None,
                        f"fingerprint {hdr.get('fingerprint')!r} != ours {fingerprint!r}")
