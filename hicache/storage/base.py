@@ -8,15 +8,23 @@ behind one lock; raw I/O runs outside it.
 Failure model: L3 is a cache. Raw primitives raise the backend's
 ``OUTAGE_ERRORS`` when L3 is unreachable or slow; the base turns that into
 misses / ``False`` / 0 and dropped writes, logs one warning per outage, and
-then answers at once (without touching the network) until a probe is due,
-probing with redis-py's ``ExponentialBackoff`` up to ``probe_max_ms`` apart.
-The first call after the probe time that succeeds ends the outage. Only
+opens a circuit breaker: every call then answers at once, without touching
+the network, while a background thread pings L3 with redis-py's
+``ExponentialBackoff`` (up to ``probe_max_ms`` apart). The first ping that
+succeeds closes the circuit; callers never probe a dead L3 themselves. Only
 misuse (a key that is not a 16-byte page hash, a payload that does not match
 its plane sizes) raises, as ``ValueError``.
+
+Bounded lookups: ``prefix_hits(keys, budget_s=...)`` runs on a worker
+thread and answers 0 (a miss) when L3 has not answered within ``budget_s``;
+the late answer is discarded. A scheduler passes its prefetch policy's
+budget, so a slow L3 never holds a scheduler step longer than the policy
+allows.
 """
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -61,6 +69,7 @@ class StorageStats:
     bytes_read: int = 0  # payload bytes returned by get()
     bytes_written: int = 0  # payload bytes stored by put()
     reconnects: int = 0  # outages that ended (L3 answered again after failing)
+    lookup_timeouts: int = 0  # bounded prefix_hits() that answered 0: L3 slower than the budget, or busy
 
     def check(self) -> None:
         """Raise ``IntegrityError`` when the counters contradict each other."""
@@ -139,9 +148,16 @@ class _Health:
         self.probe_at = 0.0
 
     def allow(self) -> bool:
-        return not self.down or self.clock() >= self.probe_at
+        """Calls may go to L3: the circuit is closed (while open, only the pinger probes)."""
+        return not self.down
 
-    def failed(self, op: str, exc: BaseException) -> None:
+    def failed(self, op: str, exc: BaseException) -> bool:
+        """Count a failed call; True when it opens the circuit (an outage starts)."""
+        started = not self.down
+        self._failed(op, exc)
+        return started
+
+    def _failed(self, op: str, exc: BaseException) -> None:
         self.failures += 1
         wait = self.backoff.compute(self.failures)
         self.probe_at = self.clock() + wait
@@ -204,6 +220,10 @@ class StorageBackend(abc.ABC):
     OUTAGE_ERRORS: ClassVar[tuple[type[BaseException], ...]] = (OSError,)
     CALL_ERRORS: ClassVar[tuple[type[BaseException], ...]] = ()
     PREFIX_CHUNK: ClassVar[int] = 8  # first prefix_hits() batch; grows 4x up to 256
+    # prefix_hits(budget_s=...) hops to a worker thread only where a call can
+    # block on another machine; in-process and local-file stores answer inline
+    # (deterministic, and the file store bounds its own I/O).
+    BOUNDED_LOOKUPS: ClassVar[bool] = True
 
     def __init__(self, options: StorageOptions, name: str):
         self.options = options
@@ -216,6 +236,9 @@ class StorageBackend(abc.ABC):
         self._closed = False
         self._warned: set[str] = set()  # one warning per kind of per-call problem
         self._object_log = LogLimiter(log)  # per-object problems: a few lines per kind and minute
+        self._wake = threading.Event()  # set by close(): the pinger stops
+        self._lookups: concurrent.futures.ThreadPoolExecutor | None = None  # bounded prefix_hits
+        self._lookup_busy = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, prefix={self.key_prefix!r})"
@@ -282,7 +305,10 @@ class StorageBackend(abc.ABC):
         except self.OUTAGE_ERRORS as e:
             with self._lock:
                 self._stats.errors += 1
-                self._health.failed(op, e)
+                opened = self._health.failed(op, e)
+            if opened:
+                threading.Thread(target=self._ping_until_up, name=f"hicache-l3-ping-{self.name}",
+                                 daemon=True).start()
             return _DOWN
         except self.CALL_ERRORS as e:
             self._count(errors=1)
@@ -293,6 +319,29 @@ class StorageBackend(abc.ABC):
             if self._health.succeeded():
                 self._stats.reconnects += 1
         return out
+
+    def _ping_until_up(self) -> None:
+        """The circuit breaker's probe: ping on the backoff schedule until L3 answers (or close)."""
+        while True:
+            with self._lock:
+                if self._closed or not self._health.down:
+                    return
+                wait = max(0.0, self._health.probe_at - self._health.clock())
+            if self._wake.wait(wait):
+                return
+            try:
+                ok, exc = bool(self._raw_ping()), None
+            except (*self.OUTAGE_ERRORS, *self.CALL_ERRORS) as e:
+                ok, exc = False, e
+            with self._lock:
+                if self._closed:
+                    return
+                if ok:
+                    if self._health.succeeded():
+                        self._stats.reconnects += 1
+                    return
+                self._stats.errors += 1
+                self._health.failed("ping", exc or ConnectionError("ping answered False"))
 
     # ------------------------------------------------------------ public API
     def get(self, keys: Sequence[bytes], plane_sizes: Sequence[int]) -> list[memoryview | None]:
@@ -387,13 +436,47 @@ class StorageBackend(abc.ABC):
         res = self._call("exists", self._raw_exists, full)
         return [False] * len(full) if res is _DOWN else [bool(r) for r in res]
 
-    def prefix_hits(self, keys: Sequence[bytes]) -> int:
+    def prefix_hits(self, keys: Sequence[bytes], budget_s: float | None = None) -> int:
         """How many leading keys are stored; stops at the first absent one.
 
         Keys are chained page hashes, so the answer is the L3 prefix hit in
         pages. Asks in growing batches so a short hit costs one round trip.
+        ``budget_s``: answer 0 unless L3 answers within it (the lookup runs
+        on a worker thread; one at a time, a second meanwhile answers 0).
         """
         full = [self._full(k) for k in keys]
+        if budget_s is None or not full or not self.BOUNDED_LOOKUPS:
+            return self._prefix_hits(full)
+        with self._lock:
+            if self._closed or not self._health.allow():
+                return 0
+            if self._lookup_busy:
+                self._stats.lookup_timeouts += 1
+                return 0
+            self._lookup_busy = True
+            if self._lookups is None:
+                self._lookups = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-lookup")
+            pool = self._lookups
+        try:
+            fut = pool.submit(self._prefix_hits_then_free, full)
+        except RuntimeError:  # closed in between
+            with self._lock:
+                self._lookup_busy = False
+            return 0
+        try:
+            return fut.result(max(0.0, budget_s))
+        except concurrent.futures.TimeoutError:
+            self._count(lookup_timeouts=1)
+            return 0
+
+    def _prefix_hits_then_free(self, full: list[bytes]) -> int:
+        try:
+            return self._prefix_hits(full)
+        finally:
+            with self._lock:
+                self._lookup_busy = False
+
+    def _prefix_hits(self, full: list[bytes]) -> int:
         done, chunk = 0, self.PREFIX_CHUNK
         while done < len(full):
             res = self._call("exists", self._raw_exists, full[done:done + chunk])
@@ -451,6 +534,10 @@ class StorageBackend(abc.ABC):
             if self._closed:
                 return
             self._closed = True
+            pool, self._lookups = self._lookups, None
+        self._wake.set()
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
         self._raw_close()
 
     def check_integrity(self) -> None:

@@ -51,6 +51,7 @@ def parse_file_url(url: str) -> Path:
 
 class FileBackend(StorageBackend):
     scheme = "file"
+    BOUNDED_LOOKUPS = False  # its own per-page deadline bounds a hung file system
 
     def __init__(self, options: StorageOptions, root: str | os.PathLike, *, fsync: bool = False,
                  name: str = ""):
