@@ -438,7 +438,7 @@ def open_l3(cfg: HiCacheConfig, layout: KVLayout) -> StorageBackend | None:
         raise ConfigError(f"storage.url={st.url!r}: the service's L3 must be a store (redis://, file://, "
                           "memory://, ...), not another hicache service")
     return open_storage(st.url, fingerprint=layout.fingerprint(), layout=layout, timeout_ms=st.timeout_ms,
-                        max_retries=st.max_retries)
+                        max_retries=st.max_retries, auth_key=st.resolved_auth_key())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -84,6 +84,26 @@ class StorageConfig(_Section):
     url: str = "file://./.hicache/l3"
     timeout_ms: int = Field(50, ge=1)  # a lookup that takes longer answers "miss"
     max_retries: int = Field(2, ge=0)
+    # A secret shared by every process that may write this L3: objects carry a
+    # keyed MAC and objects without a valid one are misses (see the README's
+    # threat model). auth_key_file: read it from a file (a Compose/K8s secret).
+    auth_key: str = ""
+    auth_key_file: str = ""
+
+    def resolved_auth_key(self) -> bytes:
+        """``auth_key``, else the stripped contents of ``auth_key_file``, else b"". Raises ``ConfigError``."""
+        if self.auth_key:
+            return self.auth_key.encode()
+        if not self.auth_key_file:
+            return b""
+        try:
+            key = Path(self.auth_key_file).read_bytes().strip()
+        except OSError as e:
+            raise ConfigError(f"storage.auth_key_file={self.auth_key_file!r} cannot be read ({e.strerror}); "
+                              "fix the path or the secret mount") from None
+        if not key:
+            raise ConfigError(f"storage.auth_key_file={self.auth_key_file!r} is empty")
+        return key
 
 
 class PolicyConfig(_Section):

@@ -93,7 +93,8 @@ class HiCache:
         if storage is None and cfg.storage.url:
             from hicache.storage import open_storage
             storage = open_storage(cfg.storage.url, fingerprint=self.layout.fingerprint(), layout=self.layout,
-                                   timeout_ms=cfg.storage.timeout_ms, max_retries=cfg.storage.max_retries)
+                                   timeout_ms=cfg.storage.timeout_ms, max_retries=cfg.storage.max_retries,
+                                   auth_key=cfg.storage.resolved_auth_key())
         self.storage = storage
         self.policy = cfg.policy
         self.transfers = TransferController(self.device_pool, self.host_pool, storage)

@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# A shorter MAC key is guessable; 16 bytes (e.g. 22 base64 characters) is the floor.
+MIN_AUTH_KEY_BYTES = 16
+
 # A page put: (page hash, payload in canonical plane order, plane sizes).
 PutItem = tuple[bytes, Buffer, Sequence[int]]
 
@@ -95,6 +98,8 @@ class StorageOptions:
     # The whole layout, for backends that must present it (the node-local
     # service's handshake); object stores need only the fingerprint.
     layout: "KVLayout | None" = None
+    # Secret for the objects' MAC (b"": none); see hicache.storage.codec. repr=False: never printed.
+    auth_key: bytes = dataclasses.field(default=b"", repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.fingerprint, str) or len(self.fingerprint) < 8:
@@ -114,6 +119,11 @@ class StorageOptions:
         if not isinstance(prefix, bytes):
             raise ConfigError(f"storage key_prefix={prefix!r}: must be str or bytes")
         object.__setattr__(self, "key_prefix", prefix or f"hicache:{self.fingerprint[:8]}:".encode())
+        key = self.auth_key.encode() if isinstance(self.auth_key, str) else self.auth_key
+        if not isinstance(key, bytes) or (key and len(key) < MIN_AUTH_KEY_BYTES):
+            raise ConfigError(f"storage auth_key: must be at least {MIN_AUTH_KEY_BYTES} bytes (or empty for "
+                              f"no MAC), got {len(key) if isinstance(key, bytes) else type(key).__name__}")
+        object.__setattr__(self, "auth_key", codec.mac_key(key) if key else b"")
 
     @property
     def timeout_s(self) -> float:
@@ -186,10 +196,12 @@ class PutBatch(Sequence[tuple[bytes, bytes, memoryview]]):
     while the payload is still in cache. Headers are kept once built.
     """
 
-    __slots__ = ("_fingerprint", "_rows", "_headers")
+    __slots__ = ("_fingerprint", "_rows", "_headers", "_auth_key")
 
-    def __init__(self, fingerprint: str, rows: list[tuple[bytes, bytes, memoryview, codec.PlaneSizes]]):
+    def __init__(self, fingerprint: str, rows: list[tuple[bytes, bytes, memoryview, codec.PlaneSizes]],
+                 auth_key: bytes = b""):
         self._fingerprint = fingerprint
+        self._auth_key = auth_key
         self._rows = rows  # (full key, page hash, payload, plane sizes), lengths already checked
         self._headers: list[bytes | None] = [None] * len(rows)
 
@@ -202,7 +214,7 @@ class PutBatch(Sequence[tuple[bytes, bytes, memoryview]]):
         full, key, mv, sizes = self._rows[i]
         hdr = self._headers[i]
         if hdr is None:
-            hdr = self._headers[i] = codec.encode_header(self._fingerprint, key, sizes, mv)
+            hdr = self._headers[i] = codec.encode_header(self._fingerprint, key, sizes, mv, self._auth_key)
         return full, hdr, mv
 
 
@@ -373,7 +385,7 @@ class StorageBackend(abc.ABC):
                                              "(%s: %s); counted as a miss", self.name, fk, type(obj).__name__,
                                              str(obj)[:200])
                 continue
-            d = codec.decode(obj, key, self.fingerprint, sizes)
+            d = codec.decode(obj, key, self.fingerprint, sizes, self.options.auth_key)
             if d.status is ReadStatus.OK:
                 c["hits"] += 1
                 c["bytes_read"] += d.payload.nbytes
@@ -412,7 +424,7 @@ class StorageBackend(abc.ABC):
             rows.append((self._full(key), key, mv, last[1]))
         if not rows:
             return 0
-        prepared = PutBatch(self.fingerprint, rows)
+        prepared = PutBatch(self.fingerprint, rows, self.options.auth_key)
         res = self._call("put", self._raw_put, prepared)
         if res is _DOWN:
             self._count(put_dropped=len(prepared))
@@ -550,7 +562,7 @@ class StorageBackend(abc.ABC):
         bad = []
         for fk, obj in scan:
             assert fk.startswith(self.key_prefix), (fk, self.key_prefix)
-            d = codec.decode(obj, fk[len(self.key_prefix):], self.fingerprint, None)
+            d = codec.decode(obj, fk[len(self.key_prefix):], self.fingerprint, None, self.options.auth_key)
             if d.status is not ReadStatus.OK:
                 bad.append(f"{fk!r}: {d.status.value}: {d.why}")
         if bad:

@@ -47,7 +47,7 @@ class StorageRegistry:
 
     def open(self, url: str, *, fingerprint: str, timeout_ms: int = 50, max_retries: int = 2,
              key_prefix: str | bytes = b"", probe_max_ms: int = 1000, layout: KVLayout | None = None,
-             **opts: Any) -> StorageBackend:
+             auth_key: str | bytes = b"", **opts: Any) -> StorageBackend:
         """See ``open_storage``."""
         scheme, sep, _ = url.partition("://")
         if not sep:
@@ -58,7 +58,8 @@ class StorageRegistry:
             raise ConfigError(f"storage url scheme {scheme!r} is not registered; known: "
                               f"{', '.join(self.schemes())}")
         options = StorageOptions(fingerprint=fingerprint, timeout_ms=timeout_ms, max_retries=max_retries,
-                                 key_prefix=key_prefix, probe_max_ms=probe_max_ms, layout=layout)
+                                 key_prefix=key_prefix, probe_max_ms=probe_max_ms, layout=layout,
+                                 auth_key=auth_key)
         try:
             return factory(url, options, **opts)
         except TypeError as e:
