@@ -143,6 +143,14 @@ class ServiceConfig(_Section):
     handshake_timeout_s: float = Field(5.0, gt=0)  # for hello, and for finishing any frame once begun
     idle_timeout_s: float = Field(600.0, ge=0)  # between frames of a handshaken client; 0 = never
 
+    @field_validator("allowed_uids", mode="before")
+    @classmethod
+    def _uids(cls, v: Any) -> Any:
+        # From the environment or --set: "1001,1002" (or "[1001, 1002]").
+        if isinstance(v, str):
+            return [int(x) for x in v.strip("[] ").replace(",", " ").split()] if v.strip("[] ") else []
+        return v
+
     @field_validator("socket_mode")
     @classmethod
     def _mode(cls, v: str) -> str:

@@ -98,3 +98,9 @@ def test_unknown_setting_names_its_actual_source(tmp_path):
     f.write_text("[pool]\ndevice_page = 3\n")
     with pytest.raises(ConfigError, match=f"from the config file '{f}'"):
         HiCacheConfig.load(f, env={})
+
+
+def test_allowed_uids_from_the_environment():
+    assert HiCacheConfig.load(env={"HICACHE_SERVICE__ALLOWED_UIDS": "1001, 1002"}).service.allowed_uids == [1001, 1002]
+    with pytest.raises(ConfigError, match="service.allowed_uids='abc'"):
+        HiCacheConfig.load(env={"HICACHE_SERVICE__ALLOWED_UIDS": "abc"})
