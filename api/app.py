@@ -18,10 +18,12 @@ from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
+from fastapi.exceptions import RequestValidationError
 
 from hicache.api import routes_admin, routes_events, routes_health, routes_lookup, routes_stats
 from hicache.api.deps import RestState, check_bind
 from hicache.api.metrics import build_registry
+from hicache.api.rest_guards import BodyLimit, validation_error
 from hicache.api.stats import collect
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,8 @@ def create_app(state: RestState) -> FastAPI:
     app.state.registry = build_registry(state)
     for r in (routes_health, routes_stats, routes_lookup, routes_events, routes_admin):
         app.include_router(r.router)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_middleware(BodyLimit, max_bytes=state.config.service.max_request_bytes)
     return app
 
 

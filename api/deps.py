@@ -70,11 +70,23 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+# A token guessable by brute force protects nothing once the port is reachable.
+MIN_ADMIN_TOKEN_CHARS = 16
+
+
 def check_bind(host: str, admin_token: str) -> None:
-    """Raise ``ConfigError`` when ``host`` is beyond loopback and no admin token is set."""
-    if not is_loopback(host) and not admin_token:
+    """Raise ``ConfigError`` when ``host`` is beyond loopback without an admin token of at
+    least ``MIN_ADMIN_TOKEN_CHARS`` non-blank characters. Never names the token."""
+    if is_loopback(host):
+        return
+    if not admin_token:
         raise ConfigError(f"service.host={host!r} listens beyond loopback, so admin routes need a token: "
                           f"{ADMIN_TOKEN_HELP}, or bind service.host=127.0.0.1")
+    n = sum(not c.isspace() for c in admin_token)
+    if n < MIN_ADMIN_TOKEN_CHARS:
+        raise ConfigError(f"service.host={host!r} listens beyond loopback and the admin token has only {n} "
+                          f"non-blank characters; use at least {MIN_ADMIN_TOKEN_CHARS} (e.g. from "
+                          "`python -c 'import secrets; print(secrets.token_urlsafe(24))'`)")
 
 
 def get_state(request: Request) -> RestState:

@@ -16,10 +16,12 @@ from typing import Any, Callable, NamedTuple
 from hicache.api.l2_index import L2Index, Reclaimed
 from hicache.api.l3_tier import L3Tier
 from hicache.consensus import AgreeRounds
+from hicache.api.write_marks import WriteMarks
 from hicache.errors import (ContractMismatch, ForeignPage, IntegrityError, LayoutError, OutOfPages,
                             ServiceError)
 from hicache.layout import KVLayout
 from hicache.protocol import PROTOCOL_VERSION, error_reply, plain
+from hicache.ratelimit import LogLimiter
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +42,18 @@ class Dispatcher:
 
     ``segment`` is the handshake's description of the shared L2 segment;
     ``snapshot`` returns the service statistics as a plain dict; ``l3`` (None
-    without an L3) serves ``fetch`` misses from L3.
+    without an L3) serves ``fetch`` misses from L3; ``marks`` (None: no
+    check) refuses commits of reserved pages that were never written.
     """
 
     def __init__(self, layout: KVLayout, index: L2Index, segment: dict[str, Any],
-                 snapshot: Callable[[], dict[str, Any]], l3: L3Tier | None = None):
+                 snapshot: Callable[[], dict[str, Any]], l3: L3Tier | None = None,
+                 marks: WriteMarks | None = None):
         self.layout = layout
         self.index = index
         self.l3 = l3
+        self.marks = marks
+        self._log = LogLimiter(log)
         self.segment = segment
         self.snapshot = snapshot
         self.errors: Counter[str] = Counter()
@@ -62,7 +68,7 @@ class Dispatcher:
 
     def error(self, kind: str, message: str, close: bool = False, **extra: Any) -> Reply:
         self.errors[kind] += 1
-        log.info("refused (%s): %s", kind, message)
+        self._log.info(kind, "refused (%s): %s", kind, message[:500])
         return Reply(error_reply(kind, message, **extra), close)
 
     # ------------------------------------------------------------- handshake
@@ -165,17 +171,29 @@ class Dispatcher:
         return {"pages": self.index.lookup(_arg(req, "hashes"), _need_draft(req))}
 
     def _reserve(self, owner: int, req: dict) -> dict:
-        return {"pages": self.index.reserve(owner, _arg(req, "n"))}
+        pages = self.index.reserve(owner, _arg(req, "n"))
+        if self.marks is not None:
+            self.marks.stamp(pages)
+        return {"pages": pages}
 
     def _commit(self, owner: int, req: dict) -> dict:
+        hashes, pages = _arg(req, "hashes"), _arg(req, "pages")
+        if self.marks is not None:
+            self.index.check_reserved(owner, pages, "commit")  # ownership is the first refusal
+            self.marks.check(pages)  # before the index mutates anything
         # Without draft planes every page is complete; with them, a commit that
         # does not say draft_pages commits draft-incomplete pages (the safe side).
         draft_pages = None if self.layout.draft_layers == 0 else req.get("draft_pages", 0)
-        r = self.index.commit(owner, _arg(req, "hashes"), _arg(req, "pages"), draft_pages)
+        r = self.index.commit(owner, hashes, pages, draft_pages)
+        if self.marks is not None:
+            self.marks.clear(pages)
         return {"inserted": r.inserted, "duplicates": r.duplicates}
 
     def _cancel(self, owner: int, req: dict) -> dict:
-        self.index.cancel(owner, _arg(req, "pages"))
+        pages = _arg(req, "pages")
+        self.index.cancel(owner, pages)
+        if self.marks is not None:
+            self.marks.clear(pages)
         return {}
 
     def _acquire(self, owner: int, req: dict) -> dict:

@@ -34,12 +34,16 @@ from typing import Any, Callable, Sequence, TypeVar
 from hicache.api.engine_ops import Dispatcher
 from hicache.api.l2_index import L2Index, L2Listener
 from hicache.api.l3_tier import L3_OWNER, L3Tier, StoredPages
+from hicache.api.socket_guard import PeerPolicy, bind_unix_socket, peer_cred, resolve_group
+from hicache.api.write_marks import WriteMarks
 from hicache.config import HiCacheConfig, parse_set_flags
 from hicache.errors import ConfigError, HiCacheError, IntegrityError, ServiceError
 from hicache.l2_segment import L2Segment
 from hicache.layout import KVLayout
 from hicache.pools import HostPool
 from hicache.protocol import HEADER_BYTES, body_length, pack, unpack
+from hicache.ratelimit import LogLimiter
+from hicache.redact import Redactor
 from hicache.storage import StorageBackend, open_storage
 from hicache.types import PageHash
 
@@ -108,6 +112,12 @@ class EngineServer:
         self.shm_name = svc.shm_name
         self.max_request_bytes = svc.max_request_bytes
         self.num_pages = config.pool.host_pages
+        self.max_connections = svc.max_connections
+        self.handshake_timeout_s = svc.handshake_timeout_s
+        self.idle_timeout_s = svc.idle_timeout_s or None
+        self.socket_gid = resolve_group(svc.socket_group)
+        self.policy = PeerPolicy(os.geteuid(), frozenset(svc.allowed_uids), self.socket_gid)
+        self._log = LogLimiter(log)
         if len(os.fsencode(self.socket_path)) > MAX_SOCKET_PATH:
             raise ConfigError(f"service.socket_path={self.socket_path!r} is longer than "
                               f"{MAX_SOCKET_PATH} bytes; choose a shorter path")
@@ -178,7 +188,8 @@ class EngineServer:
         self._open_state()
         server = None
         try:
-            server = await asyncio.start_unix_server(self._serve_client, path=self.socket_path)
+            sock = bind_unix_socket(self.socket_path, self.config.service.socket_mode_bits, self.socket_gid)
+            server = await asyncio.start_unix_server(self._serve_client, sock=sock)
             on_ready()
             await self._stop.wait()
         finally:
@@ -215,7 +226,7 @@ class EngineServer:
                                  queue_pages=self.num_pages, on_l3_stored=self.on_l3_stored)
                 self.index.listener = _Fanout([x for x in (self.listener, self.l3) if x is not None])
             self.dispatcher = Dispatcher(self.layout, self.index, self.segment.info, lambda: self._snapshot().to_dict(),
-                                         self.l3)
+                                         self.l3, WriteMarks(self.pool))
         except BaseException:
             self._close_state()
             raise
@@ -244,6 +255,10 @@ class EngineServer:
 
     # ------------------------------------------------------------ connections
     async def _serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        refusal = self._admit(writer)
+        if refusal is not None:
+            await self._refuse(writer, *refusal)
+            return
         cid = self._next_client
         self._next_client += 1
         self._conns[cid] = writer
@@ -251,7 +266,9 @@ class EngineServer:
         d, registered = self.dispatcher, False
         try:
             while True:
-                req = await self._read_request(reader, writer)
+                # Before the handshake a connection has handshake_timeout_s to
+                # say hello; afterwards it may idle for idle_timeout_s.
+                req = await self._read_request(reader, writer, registered)
                 if req is None:
                     break
                 if isinstance(req, ServiceError):
@@ -272,27 +289,81 @@ class EngineServer:
             if registered:
                 got = d.drop(cid)
                 if got.reserved or got.acquired:
-                    log.info("client %d closed holding %d reserved pages and %d acquisitions; reclaimed",
-                             cid, got.reserved, got.acquired)
+                    self._log.info("reclaimed", "client %d closed holding %d reserved pages and %d "
+                                   "acquisitions; reclaimed", cid, got.reserved, got.acquired)
             writer.close()
 
-    async def _read_request(self, reader: asyncio.StreamReader,
-                            writer: asyncio.StreamWriter) -> dict | ServiceError | None:
-        """The next request; a ``ServiceError`` to answer; None to hang up (framing lost)."""
-        assert self.dispatcher is not None
-        header = await reader.readexactly(HEADER_BYTES)
+    def _admit(self, writer: asyncio.StreamWriter) -> tuple[str, str] | None:
+        """``(kind, message)`` when a new connection must be refused, else None."""
+        if len(self._conns) >= self.max_connections:
+            return "busy", (f"the service already serves {len(self._conns)} connections "
+                            f"(service.max_connections={self.max_connections}); close idle clients or raise it")
+        sock = writer.get_extra_info("socket")
         try:
-            n = body_length(header, self.max_request_bytes)
-        except ServiceError as e:
-            # The stream cannot be resynchronised: answer, then hang up.
-            writer.write(pack(self.dispatcher.error(e.kind, e.detail).body))
-            await writer.drain()
+            cred = peer_cred(sock)
+        except OSError as e:
+            return "forbidden", f"cannot read the peer's credentials ({e.strerror}); refusing"
+        if not self.policy.allows(cred):
+            return "forbidden", (f"uid {cred.uid} (pid {cred.pid}) may not use this socket; allowed: "
+                                 f"{self.policy.describe()} (service.allowed_uids, service.socket_group)")
+        return None
+
+    async def _refuse(self, writer: asyncio.StreamWriter, kind: str, message: str) -> None:
+        assert self.dispatcher is not None
+        self._log.warning(kind, "refused a connection (%s): %s", kind, message)
+        try:
+            writer.write(pack(self.dispatcher.error(kind, message).body))
+            async with asyncio.timeout(self.handshake_timeout_s):
+                await writer.drain()
+        except (ConnectionError, TimeoutError):
+            pass
+        finally:
+            writer.close()
+
+    async def _read_request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                            handshaken: bool) -> dict | ServiceError | None:
+        """The next request; a ``ServiceError`` to answer; None to hang up (framing lost, or timed out).
+
+        The first byte must arrive within idle_timeout_s (handshaken) or
+        handshake_timeout_s (not yet); once a frame has begun, the rest of it
+        must arrive within handshake_timeout_s.
+        """
+        assert self.dispatcher is not None
+        try:
+            async with asyncio.timeout(self.idle_timeout_s if handshaken else self.handshake_timeout_s):
+                first = await reader.readexactly(1)
+        except TimeoutError:
+            if not handshaken:
+                await self._hang_up(writer, "timeout", f"no hello within {self.handshake_timeout_s}s "
+                                    "(service.handshake_timeout_s); connect when ready to talk")
+            return None  # an idle handshaken client: close quietly, it reconnects when needed
+        try:
+            async with asyncio.timeout(self.handshake_timeout_s):
+                header = first + await reader.readexactly(HEADER_BYTES - 1)
+                try:
+                    n = body_length(header, self.max_request_bytes)
+                except ServiceError as e:
+                    # The stream cannot be resynchronised: answer, then hang up.
+                    await self._hang_up(writer, e.kind, e.detail)
+                    return None
+                body = await reader.readexactly(n)
+        except TimeoutError:
+            await self._hang_up(writer, "timeout", f"a frame was not completed within {self.handshake_timeout_s}s "
+                                "(service.handshake_timeout_s); send whole frames")
             return None
-        body = await reader.readexactly(n)
         try:
             return unpack(body)
         except ServiceError as e:
             return e
+
+    async def _hang_up(self, writer: asyncio.StreamWriter, kind: str, message: str) -> None:
+        assert self.dispatcher is not None
+        writer.write(pack(self.dispatcher.error(kind, message).body))
+        try:
+            async with asyncio.timeout(self.handshake_timeout_s):
+                await writer.drain()
+        except TimeoutError:
+            pass
 
     # ------------------------------------------------------------------ state
     def _on_loop(self, fn: Callable[[], T], timeout: float = 10.0) -> T:
@@ -382,7 +453,7 @@ def open_l3(cfg: HiCacheConfig, layout: KVLayout) -> StorageBackend | None:
         raise ConfigError(f"storage.url={st.url!r}: the service's L3 must be a store (redis://, file://, "
                           "memory://, ...), not another hicache service")
     return open_storage(st.url, fingerprint=layout.fingerprint(), layout=layout, timeout_ms=st.timeout_ms,
-                        max_retries=st.max_retries)
+                        max_retries=st.max_retries, auth_key=st.resolved_auth_key())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -403,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
             if storage is not None:
                 storage.close()
     except HiCacheError as e:
-        print(f"hicache engine server: error: {e}", file=sys.stderr)
+        print(f"hicache engine server: error: {Redactor().text(str(e))}", file=sys.stderr)
         return 2
     return 0
 

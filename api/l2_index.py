@@ -373,6 +373,10 @@ class L2Index:
         self.allocator.free(pages)
         self.counters.cancelled += len(pages)
 
+    def check_reserved(self, owner: OwnerId, pages: Sequence[int], op: str) -> None:
+        """Raise as ``op`` would when ``pages`` are not all reserved by ``owner``; mutates nothing."""
+        self._check_reserved(self._owners[owner], pages, op)
+
     def _check_reserved(self, o: _Owner, pages: Sequence[int], op: str) -> None:
         if not isinstance(pages, (list, tuple)):
             raise ServiceError("bad_args", f"{op} needs a list of page ids, got {type(pages).__name__}")

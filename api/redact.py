@@ -1,12 +1,12 @@
-"""Secrets out of what the REST API shows: URL passwords and the admin token."""
+"""Secrets out of what the REST API shows: URL passwords, the admin token and
+the L3 auth key. The redactor itself is ``hicache.redact`` (shared by every
+output path); this module shapes the configuration for ``/v1/config``."""
 from __future__ import annotations
 
 from typing import Any
 
 from hicache.config import HiCacheConfig
-from hicache.storage.base import redact_url
-
-REDACTED = "***"
+from hicache.redact import REDACTED, Redactor, redact_url
 
 __all__ = ["REDACTED", "redact_url", "redacted_config"]
 
@@ -17,8 +17,11 @@ def redacted_config(cfg: HiCacheConfig, token_set: bool) -> dict[str, Any]:
     ``token_set``: an admin token is in force (possibly read from
     ``admin_token_file``); shown as ``***`` so operators can see that it is.
     """
-    d = cfg.model_dump(mode="json")
+    d = Redactor.from_config(cfg).value(cfg.model_dump(mode="json"))
     d["storage"]["url"] = redact_url(d["storage"]["url"])
     if token_set or d["service"]["admin_token"]:
         d["service"]["admin_token"] = REDACTED
+    for key in ("auth_key",):
+        if d["storage"].get(key):
+            d["storage"][key] = REDACTED
     return d

@@ -6,7 +6,7 @@ hit statistics.
 """
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, HTTPException, status
 
 from hicache.api.deps import StateDep
 from hicache.api.models import LookupByTokens, LookupRequest, LookupResponse, TierHit
@@ -21,6 +21,12 @@ router = APIRouter(tags=["lookup"])
 def lookup(req: LookupRequest, state: StateDep) -> LookupResponse:
     ps = state.layout.page_size
     if isinstance(req, LookupByTokens):
+        try:
+            req.namespace.encode("utf-8")
+        except UnicodeEncodeError:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, detail=[
+                {"loc": ["body", "namespace"], "type": "string_unicode",
+                 "msg": "namespace must be valid Unicode text (it holds a lone surrogate escape)"}]) from None
         hashes = page_hashes(req.tokens, ps, namespace=req.namespace)
     else:
         hashes = [PageHash(bytes.fromhex(h)) for h in req.hashes]

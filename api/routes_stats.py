@@ -4,7 +4,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from hicache.api.deps import StateDep
+from hicache.api.deps import AdminDep, StateDep
 from hicache.api.metrics import render
 from hicache.api.models import ConfigResponse, StatsResponse
 from hicache.api.redact import redacted_config
@@ -30,7 +30,7 @@ def metrics(request: Request) -> Response:
     return PrometheusResponse(render(request.app.state.registry))
 
 
-@router.get("/v1/config", response_model=ConfigResponse, summary="Resolved configuration (secrets redacted)")
+@router.get("/v1/config", response_model=ConfigResponse, dependencies=[AdminDep], summary="Resolved configuration (secrets redacted)")
 def config(state: StateDep) -> ConfigResponse:
     layout = state.layout
     return ConfigResponse(config=redacted_config(state.config, bool(state.admin_token)), fingerprint=layout.fingerprint(),

@@ -9,6 +9,7 @@ from it; ``/v1/events`` carries ``stored`` events for both tiers.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import signal
 from pathlib import Path
@@ -22,6 +23,7 @@ from hicache.api.events import EventBus
 from hicache.api.redact import redact_url
 from hicache.config import HiCacheConfig
 from hicache.errors import ConfigError
+from hicache.redact import Redactor, install_log_redaction
 
 
 GRACEFUL_SHUTDOWN_S = 3
@@ -77,6 +79,16 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def _redact_logs(cfg: HiCacheConfig, token: str) -> None:
+    """Every handler (ours and uvicorn's) redacts the configured secrets and the resolved token."""
+    red = Redactor.from_config(cfg)
+    red.add(token)
+    install_log_redaction(red)
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        for h in logging.getLogger(name).handlers:
+            h.addFilter(red.log_filter())
+
+
 def serve(cfg: HiCacheConfig) -> int:
     """Run until SIGINT/SIGTERM. Returns the exit status; raises ``ConfigError`` before serving."""
     token = resolve_admin_token(cfg)
@@ -94,6 +106,7 @@ def serve(cfg: HiCacheConfig) -> int:
         server = _Server(uvicorn.Config(app, host=svc.host, port=svc.port, log_level=cfg.log_level.lower(),
                                         access_log=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                                         lifespan="on"), bus, start_line(cfg))
+        _redact_logs(cfg, token)  # after uvicorn.Config: it installs its own log handlers
         # uvicorn re-raises the signal that stopped it after restoring the handlers
         # it found; ours turn that into _Stopped so the cleanup below runs.
         previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGINT, signal.SIGTERM)}

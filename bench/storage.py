@@ -11,7 +11,9 @@ installed it packs every command, payload included, into one new bytes
 object) and redis-py with its pure-Python packer, which sends large values
 without copying them: the faster of the two is the bar. hicache's put includes building and checksumming the
 header; its get includes full verification (header, fingerprint, hash,
-length, xxh3 checksum).
+length, xxh3 checksum). "with MAC" columns: the same with ``storage.auth_key``
+set (keyed BLAKE2b over header and payload), in parentheses relative to
+hicache without it.
 
 hicache put overlaps checksums with sends for batches over 4 MiB (``RedisBackend.
 overlap_checksums``); "serial checksums" is the same put with that turned off.
@@ -98,6 +100,10 @@ def run(url: str, sizes: list[int], batch: int, rounds: int, target_bytes: int, 
     l3 = open_storage(url, fingerprint=FP, timeout_ms=timeout_ms)
     l3_serial = open_storage(url, fingerprint=FP, timeout_ms=timeout_ms)
     l3_serial.overlap_checksums = False  # the previous put path: every checksum, then every send
+    # The same store with storage.auth_key set (a keyed BLAKE2b MAC per object),
+    # under its own prefix: the difference is the MAC's cost.
+    l3_mac = open_storage(url, fingerprint=FP, timeout_ms=timeout_ms, key_prefix=b"hicache-mac:",
+                          auth_key=b"bench-auth-key-0123456789abcdef")
     rows = []
     for size in sizes:
         keys = page_hashes(list(range(4 * batch)), 4, namespace=f"bench{size}")
@@ -131,9 +137,17 @@ def run(url: str, sizes: list[int], batch: int, rounds: int, target_bytes: int, 
         def l3_get():
             l3.get(keys, sizes_list)
 
+        def mac_put():
+            l3_mac.put(items)
+
+        def mac_get():
+            assert l3_mac.get(keys[:1], sizes_list)[0] is not None
+            l3_mac.get(keys, sizes_list)
+
         reps = max(2, target_bytes // (size * batch))
         ops = (("raw_put", raw_put), ("raw_py_put", raw_py_put), ("l3_put", l3_put),
-               ("l3_put_serial", l3_put_serial), ("raw_get", raw_get), ("l3_get", l3_get))
+               ("l3_put_serial", l3_put_serial), ("mac_put", mac_put),
+               ("raw_get", raw_get), ("l3_get", l3_get), ("mac_get", mac_get))
         res: dict[str, list[float]] = {n: [] for n, _ in ops}
         for _ in range(rounds):
             for name, fn in ops:
@@ -144,7 +158,13 @@ def run(url: str, sizes: list[int], batch: int, rounds: int, target_bytes: int, 
         rows.append(dict(size=size, **med))
         raw.delete(*raw_keys)
         l3.delete(keys)
+        l3_mac.delete(keys)
     s = l3.stats()
+    sm = l3_mac.stats()
+    l3_mac.check_integrity()
+    l3_mac.close()
+    if sm.put_dropped or sm.misses or sm.errors:
+        print("WARNING: the keyed store dropped or missed pages: its numbers are not comparable")
     l3.check_integrity()
     l3.close()
     l3_serial.close()
@@ -197,14 +217,16 @@ def main() -> None:
                 proc.wait()
     print(f"\nbatch {a.batch} pages, median of {a.rounds} interleaved rounds, GB/s of payload")
     print("| page size | raw SET (default) | raw SET (py packer) | hicache put | put / best raw "
-          "| hicache put, serial checksums | raw GET | hicache get | get / raw |"
+          "| hicache put, serial checksums | put with MAC | raw GET | hicache get | get / raw | get with MAC |"
           + (" C client SET | C client GET | put / C | get / C |" if rows and "cb_set" in rows[0] else ""))
-    print("|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if rows and "cb_set" in rows[0] else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if rows and "cb_set" in rows[0] else ""))
     for r in rows:
         best = max(r["raw_put"], r["raw_py_put"])
         line = (f"| {human(r['size'])} | {r['raw_put']:.2f} | {r['raw_py_put']:.2f} | {r['l3_put']:.2f} "
                 f"| {r['l3_put'] / best:.0%} | {r['l3_put_serial']:.2f} ({r['l3_put_serial'] / best:.0%}) "
-                f"| {r['raw_get']:.2f} | {r['l3_get']:.2f} | {r['l3_get'] / r['raw_get']:.0%} |")
+                f"| {r['mac_put']:.2f} ({r['mac_put'] / r['l3_put']:.0%}) "
+                f"| {r['raw_get']:.2f} | {r['l3_get']:.2f} | {r['l3_get'] / r['raw_get']:.0%} "
+                f"| {r['mac_get']:.2f} ({r['mac_get'] / r['l3_get']:.0%}) |")
         if "cb_set" in r:
             line += (f" {r['cb_set']:.2f} | {r['cb_get']:.2f} | {r['l3_put'] / r['cb_set']:.0%} "
                      f"| {r['l3_get'] / r['cb_get']:.0%} |")

@@ -538,9 +538,14 @@ class PrefixCache:
         a = self.device_allocator
         while a.num_free < n:
             if not self.evict(n - a.num_free):
-                raise OutOfPages(f"L1: need {n} pages, {a.num_free} free and nothing evictable "
-                                 f"({self.tree.device_ids_held} held by the index, all locked); "
-                                 "finish or preempt requests, or enlarge the pool")
+                reqs = sum(r.node is not None for r in self.requests.values())
+                transfers = sum(self._ext_locks.values())
+                raise OutOfPages(f"L1: need {n} pages, {a.num_free} free and nothing evictable: the "
+                                 f"{self.tree.device_ids_held} pages the index holds are pinned by {reqs} "
+                                 f"request lock(s) and {transfers} in-flight transfer lock(s) (L2 backups, "
+                                 "load backs); " + ("poll() or drain() to finish the transfers, then retry; "
+                                 if transfers else "") + "finish or preempt requests, or enlarge "
+                                 "pool.device_pages")
         return a.alloc(n)
 
     def _free_device(self, ids: list[int]) -> None:

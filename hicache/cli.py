@@ -14,6 +14,7 @@ from pathlib import Path
 
 from hicache.config import HiCacheConfig, parse_set_flags
 from hicache.errors import HiCacheError
+from hicache.redact import Redactor, install_log_redaction
 
 DESCRIPTION = """\
 hicache: a page-granular tiered KV cache (GPU L1 / host L2 / shared L3) for LLM engines.
@@ -95,7 +96,10 @@ def _load(args: argparse.Namespace) -> HiCacheConfig:
     config = getattr(args, "config", None) or args.config_top
     sets = [*args.set_top, *getattr(args, "set", [])]  # after the subcommand wins
     cfg = HiCacheConfig.load(config, parse_set_flags(sets))
+    red: Redactor = args.redactor
+    red.add_config_data(cfg.model_dump())
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    install_log_redaction(red)
     return cfg
 
 
@@ -122,7 +126,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     dev_bytes = layout.page_bytes * cfg.pool.device_pages
     host_bytes = layout.host_addressing(cfg.pool.host_pages)[2]
     info = {
-        "config": cfg.model_dump(),
+        "config": cfg.model_dump(mode="json"),
         "layout": {"fingerprint": layout.fingerprint(), "planes": len(layout.planes),
                    "page_bytes": layout.page_bytes, "token_bytes": layout.token_bytes},
         "pools": {"device": describe_device(cfg.pool.device),
@@ -132,10 +136,7 @@ def cmd_info(args: argparse.Namespace) -> int:
                          "bytes": host_bytes},
                   "L3": redact_url(cfg.storage.url) or "(none)"},
     }
-    info["config"]["storage"]["url"] = info["pools"]["L3"] if cfg.storage.url else ""
-    if info["config"]["service"]["admin_token"]:
-        info["config"]["service"]["admin_token"] = "***"
-    print(json.dumps(info, indent=2, default=str))
+    print(json.dumps(args.redactor.value(info), indent=2, default=str))
     return 0
 
 
@@ -156,11 +157,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not getattr(args, "fn", None):
         args = parser.parse_args([*argv, "info"])
+    args.redactor = Redactor()
     try:
         return args.fn(args)
     except HiCacheError as e:
-        print(f"hicache: error: {e}", file=sys.stderr)
-        return 2
+        return _fail(args.redactor, str(e))
+    except MemoryError:
+        return _fail(args.redactor, "out of memory while allocating the cache pools; lower "
+                     "pool.host_pages / pool.device_pages (see `hicache info` for their sizes)")
+    except OSError as e:
+        where = f" {e.filename!r}" if e.filename else ""
+        return _fail(args.redactor, f"{e.strerror or e}{where}; check the path and its permissions")
+
+
+def _fail(redactor: Redactor, message: str) -> int:
+    print(f"hicache: error: {redactor.text(message)}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -9,11 +9,12 @@ everything embedded with no external service.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from hicache.errors import ConfigError, LayoutError
@@ -22,6 +23,15 @@ from hicache.layout import BytePlane, KVLayout
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode turns ``true`` into 1; a boolean is never a count.
+        ann = cls.model_fields[info.field_name].annotation
+        if isinstance(v, bool) and ann in (int, float):
+            raise ValueError(f"must be a number, not a boolean")
+        return v
 
 
 class ModelConfig(_Section):
@@ -50,12 +60,22 @@ class ModelConfig(_Section):
         return KVLayout(**d)
 
 
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d{1,3})?)$")
+
+
 class PoolConfig(_Section):
     device: str = "auto"  # "auto" = cuda:0 when available, else cpu
     # Sized for the built-in demo: L1 smaller than the replay's working set,
     # L2 larger than it (so L2 and L3 have something to do).
     device_pages: int = Field(128, ge=1)
     host_pages: int = Field(2048, ge=1)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if not _DEVICE.match(v):
+            raise ValueError("must be auto, cpu, cuda or cuda:N")
+        return v
 
 
 def default_l3_url() -> str:
@@ -72,6 +92,26 @@ class StorageConfig(_Section):
     url: str = Field(default_factory=default_l3_url)
     timeout_ms: int = Field(50, ge=1)  # a lookup that takes longer answers "miss"
     max_retries: int = Field(2, ge=0)
+    # A secret shared by every process that may write this L3: objects carry a
+    # keyed MAC and objects without a valid one are misses (see the README's
+    # threat model). auth_key_file: read it from a file (a Compose/K8s secret).
+    auth_key: str = ""
+    auth_key_file: str = ""
+
+    def resolved_auth_key(self) -> bytes:
+        """``auth_key``, else the stripped contents of ``auth_key_file``, else b"". Raises ``ConfigError``."""
+        if self.auth_key:
+            return self.auth_key.encode()
+        if not self.auth_key_file:
+            return b""
+        try:
+            key = Path(self.auth_key_file).read_bytes().strip()
+        except OSError as e:
+            raise ConfigError(f"storage.auth_key_file={self.auth_key_file!r} cannot be read ({e.strerror}); "
+                              "fix the path or the secret mount") from None
+        if not key:
+            raise ConfigError(f"storage.auth_key_file={self.auth_key_file!r} is empty")
+        return key
 
 
 class PolicyConfig(_Section):
@@ -85,6 +125,14 @@ class PolicyConfig(_Section):
     prefetch_timeout_cap_ms: float = Field(200.0, ge=0)
     storage_hit_min_pages: int = Field(1, ge=1)  # smaller L3 hits are not worth a prefetch
 
+    @field_validator("device_eviction", "host_eviction")
+    @classmethod
+    def _eviction(cls, v: str) -> str:
+        from hicache.eviction import POLICIES
+        if v not in POLICIES:
+            raise ValueError(f"must be one of {', '.join(sorted(POLICIES))}")
+        return v
+
 
 class ServiceConfig(_Section):
     host: str = "127.0.0.1"
@@ -93,7 +141,38 @@ class ServiceConfig(_Section):
     admin_token: str = ""  # required when host is not loopback
     admin_token_file: str = ""  # read the token from this file (Compose/K8s secret) when admin_token is ""
     shm_name: str = "hicache-l2"
-    max_request_bytes: int = Field(8 << 20, ge=1024)
+    max_request_bytes: int = Field(8 << 20, ge=1024)  # engine socket frames and REST bodies
+    # Who may use the engine socket: the file's mode (octal) and group, and
+    # the uids (besides the server's own and root) whose connections are accepted.
+    socket_mode: str = "0600"
+    socket_group: str = ""  # a group name or gid; its members are allowed too
+    allowed_uids: list[int] = Field(default_factory=list)
+    max_connections: int = Field(256, ge=1, le=65536)
+    handshake_timeout_s: float = Field(5.0, gt=0)  # for hello, and for finishing any frame once begun
+    idle_timeout_s: float = Field(600.0, ge=0)  # between frames of a handshaken client; 0 = never
+
+    @field_validator("allowed_uids", mode="before")
+    @classmethod
+    def _uids(cls, v: Any) -> Any:
+        # From the environment or --set: "1001,1002" (or "[1001, 1002]").
+        if isinstance(v, str):
+            return [int(x) for x in v.strip("[] ").replace(",", " ").split()] if v.strip("[] ") else []
+        return v
+
+    @field_validator("socket_mode")
+    @classmethod
+    def _mode(cls, v: str) -> str:
+        try:
+            mode = int(v, 8)
+        except ValueError:
+            raise ValueError("must be an octal file mode such as 0600 or 0660") from None
+        if not 0 <= mode <= 0o777:
+            raise ValueError("must be an octal file mode between 0000 and 0777")
+        return v
+
+    @property
+    def socket_mode_bits(self) -> int:
+        return int(self.socket_mode, 8)
 
 
 class HiCacheConfig(BaseSettings):
@@ -135,44 +214,101 @@ class HiCacheConfig(BaseSettings):
         env = os.environ if env is None else env
         file = file or env.get("HICACHE_CONFIG") or None
         data: dict[str, Any] = {}
+        sources: dict[tuple[str, ...], str] = {}  # key path -> where it was set, for errors
         if file:
-            try:
-                data = tomllib.loads(Path(file).read_text())
-            except FileNotFoundError:
-                raise ConfigError(f"config file {str(file)!r} does not exist; fix --config or HICACHE_CONFIG")
-            except tomllib.TOMLDecodeError as e:
-                raise ConfigError(f"config file {str(file)!r} is not valid TOML: {e}")
+            data = _read_toml(file)
+            _note_sources(sources, data, (), f"the config file {str(file)!r}")
         # env beats file: merge env explicitly so the file sits below it.
-        _deep_merge(data, _env_tree(env))
+        for k, path in _env_keys(env):
+            _set_dotted(data, ".".join(path), env[k])
+            sources[tuple(path)] = f"{k} in the environment"
         for key, value in (overrides or {}).items():
             _set_dotted(data, key, value)
+            sources[tuple(key.split("."))] = f"--set {key}=..."
+        from hicache.redact import Redactor
+        redact = Redactor.from_config_data(data).text
         try:
             cfg = cls(**data)
-            cfg.layout()  # validate the layout too
+            layout = cfg.layout()  # validate the layout too
         except ValidationError as e:
-            raise ConfigError(_explain(e)) from None
+            raise ConfigError(redact(_explain(e, sources))) from None
         except LayoutError as e:
-            raise ConfigError(f"[model] {e}") from None
+            raise ConfigError(redact(_explain_layout(e))) from None
+        _check_memory(cfg, layout)
         return cfg
 
     def layout(self) -> KVLayout:
         return self.model.to_layout()
 
     def resolved_device(self) -> str:
-        if self.pool.device != "auto":
-            return self.pool.device
+        """``pool.device`` with ``auto`` resolved; ``ConfigError`` for a CUDA device this machine lacks."""
         import torch
-        return "cuda:0" if torch.cuda.is_available() else "cpu"
+        dev = self.pool.device
+        if dev == "auto":
+            return "cuda:0" if torch.cuda.is_available() else "cpu"
+        if dev.startswith("cuda"):
+            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            idx = int(dev.partition(":")[2] or 0)
+            if idx >= have:
+                raise ConfigError(f"pool.device={dev!r}: this machine has {have} CUDA device(s); use "
+                                  f"{'cuda:0..cuda:' + str(have - 1) + ', ' if have else ''}cpu or auto "
+                                  f"{_where_to_set('pool.device')}")
+        return dev
 
 
-def _env_tree(env: Mapping[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in env.items():
-        if not k.startswith("HICACHE_") or k == "HICACHE_CONFIG":
-            continue
-        path = k[len("HICACHE_"):].lower().split("__")
-        _set_dotted(out, ".".join(path), v)
-    return out
+def _read_toml(file: str | os.PathLike) -> dict[str, Any]:
+    name = str(file)
+    try:
+        raw = Path(file).read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {name!r} does not exist; fix --config or HICACHE_CONFIG") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {name!r} is a directory; name a TOML file with --config or "
+                          "HICACHE_CONFIG") from None
+    except OSError as e:
+        raise ConfigError(f"config file {name!r} cannot be read ({e.strerror}); fix the path or its "
+                          "permissions") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {name!r} is not UTF-8 (byte {e.start}); TOML files are UTF-8, "
+                          "re-save it as UTF-8") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {name!r} is not valid TOML: {e}") from None
+
+
+def _note_sources(sources: dict[tuple[str, ...], str], data: Mapping[str, Any], at: tuple[str, ...],
+                  where: str) -> None:
+    for k, v in data.items():
+        sources[at + (k,)] = where
+        if isinstance(v, Mapping):
+            _note_sources(sources, v, at + (k,), where)
+
+
+def _env_keys(env: Mapping[str, str]) -> list[tuple[str, list[str]]]:
+    """``(variable, key path)`` of every ``HICACHE_*`` setting variable in ``env``."""
+    return [(k, k[len("HICACHE_"):].lower().split("__")) for k in env
+            if k.startswith("HICACHE_") and k != "HICACHE_CONFIG"]
+
+
+def _phys_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_memory(cfg: "HiCacheConfig", layout: KVLayout) -> None:
+    """Refuse an L2 (host) pool larger than this machine's memory before anyone allocates it."""
+    need = layout.page_bytes * cfg.pool.host_pages
+    have = _phys_memory()
+    if have is not None and need > have:
+        raise ConfigError(f"pool.host_pages={cfg.pool.host_pages}: an L2 of {need:,} bytes "
+                          f"({layout.page_bytes:,} per page) exceeds this machine's {have:,} bytes of memory; "
+                          f"lower pool.host_pages to at most {have // layout.page_bytes // 2:,} or so "
+                          f"{_where_to_set('pool.host_pages')}")
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
@@ -185,28 +321,38 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _deep_merge(dst: dict[str, Any], src: Mapping[str, Any]) -> None:
-    for k, v in src.items():
-        if isinstance(v, Mapping) and isinstance(dst.get(k), dict):
-            _deep_merge(dst[k], v)
-        else:
-            dst[k] = v
+def _where_to_set(key: str) -> str:
+    env = "HICACHE_" + key.upper().replace(".", "__")
+    return f"(set it in the config file, with {env}=..., or with --set {key}=...)"
 
 
-def _explain(e: ValidationError) -> str:
+def _explain(e: ValidationError, sources: Mapping[tuple[str, ...], str] | None = None) -> str:
     lines = []
     for err in e.errors():
-        key = ".".join(str(p) for p in err["loc"])
-        env = "HICACHE_" + "__".join(str(p).upper() for p in err["loc"])
+        loc = tuple(str(p) for p in err["loc"])
+        key = ".".join(loc)
         got = err.get("input")
         if err["type"] == "extra_forbidden":
-            lines.append(f"unknown setting {key!r} (from {env} in the environment, the config file or "
-                         f"--set); remove it or fix its name: settings are <section>.<key> with sections "
-                         f"{', '.join(HiCacheConfig.model_fields)}")
+            where = (sources or {}).get(loc, "the environment, the config file or --set")
+            lines.append(f"unknown setting {key!r} (from {where}); remove it or fix its name: settings are "
+                         f"<section>.<key> with sections {', '.join(HiCacheConfig.model_fields)}")
             continue
-        lines.append(f"{key}={got!r}: {err['msg']} (set it in the config file, with {env}=..., "
-                     f"or with --set {key}=...)")
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{key}={_short(got)}: {msg} {_where_to_set(key)}")
     return "invalid configuration: " + "; ".join(lines)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    r = repr(value)
+    return r if len(r) <= limit else r[:limit] + f"... ({len(r)} characters)"
+
+
+def _explain_layout(e: LayoutError) -> str:
+    """A layout error in the configuration's terms (``model.<field>``), not ``KVLayout``'s."""
+    if e.field is None:
+        return f"invalid configuration: [model] {e}"
+    key = f"model.{e.field}"
+    return f"invalid configuration: {key}={_short(e.value)}: {e.why} {_where_to_set(key)}"
 
 
 def parse_set_flags(items: list[str]) -> dict[str, str]:

@@ -17,7 +17,17 @@ class ConfigError(HiCacheError, ValueError):
 
 
 class LayoutError(HiCacheError, ValueError):
-    """A ``KVLayout`` field is invalid; the message names the field and value."""
+    """A ``KVLayout`` field is invalid; the message names the field and value.
+
+    ``field`` and ``value`` (when the error is about one field) and ``why``
+    let a caller re-word it in its own terms (the configuration does).
+    """
+
+    def __init__(self, message: str, field: str | None = None, value: Any = None, why: str = ""):
+        self.field = field
+        self.value = value
+        self.why = why or message
+        super().__init__(message)
 
 
 class ContractMismatch(HiCacheError):

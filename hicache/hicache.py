@@ -96,7 +96,8 @@ class HiCache:
         if storage is None and cfg.storage.url:
             from hicache.storage import open_storage
             storage = open_storage(cfg.storage.url, fingerprint=self.layout.fingerprint(), layout=self.layout,
-                                   timeout_ms=cfg.storage.timeout_ms, max_retries=cfg.storage.max_retries)
+                                   timeout_ms=cfg.storage.timeout_ms, max_retries=cfg.storage.max_retries,
+                                   auth_key=cfg.storage.resolved_auth_key())
         self.storage = storage
         self.policy = cfg.policy
         self.transfers = TransferController(self.device_pool, self.host_pool, storage)
@@ -127,7 +128,7 @@ class HiCache:
         key = as_key(tokens)
         ps = self.layout.page_size
         hashes = self._page_hashes(key, namespace, len(key) // (4 * ps))
-        return m, self.transfers.storage_probe(hashes[m.tokens // ps:]) * ps
+        return m, self.transfers.storage_probe(hashes[m.tokens // ps:], self._prefetch_budget_s(len(tokens))) * ps
 
     def _page_hashes(self, key: bytes, namespace: str, num_pages: int) -> list:
         """Chained hashes (L3 keys) of the first ``num_pages`` pages of a bytes key."""
@@ -182,7 +183,9 @@ class HiCache:
         key = req.key
         hashes = self._page_hashes(key, req.namespace, cap)
         self.tier_stats.storage_lookups += 1
-        s = self.transfers.storage_probe(hashes[have:cap])
+        budget = self._prefetch_budget_s(req.num_tokens)
+        t0 = time.perf_counter()
+        s = self.transfers.storage_probe(hashes[have:cap], budget)
         if s < self.policy.storage_hit_min_pages:
             return 0
         self.tier_stats.storage_hit_pages += s
@@ -208,20 +211,27 @@ class HiCache:
 
         t = self.transfers.storage_get(hashes[have:have + s], host, on_done=landed)
         self._host_in_flight[id(t)] = host
-        self._wait_prefetch(t, req.num_tokens)
+        self._wait_prefetch(t, None if budget is None else budget - (time.perf_counter() - t0))
         return s * ps if t.done else 0
 
-    def _wait_prefetch(self, t: Transfer, num_tokens: int) -> None:
+    def _prefetch_budget_s(self, num_tokens: int) -> float | None:
+        """How long the scheduler may wait on L3 for one request (probe and fetch together);
+        None: as long as it takes (``wait_complete``)."""
         p = self.policy
-        if p.prefetch_policy == "best_effort":
+        if p.prefetch_policy == "wait_complete":
+            return None
+        if p.prefetch_policy == "best_effort":  # the probe only; the fetch is never waited for
+            return p.prefetch_timeout_base_ms / 1e3
+        return min(p.prefetch_timeout_cap_ms,
+                   p.prefetch_timeout_base_ms + p.prefetch_timeout_per_1k_tokens_ms * num_tokens / 1000) / 1e3
+
+    def _wait_prefetch(self, t: Transfer, timeout: float | None) -> None:
+        """Wait for the prefetch ``t`` up to ``timeout`` (what is left of the policy's budget)."""
+        if self.policy.prefetch_policy == "best_effort":
             self.transfers.poll()
             return
-        timeout = None
-        if p.prefetch_policy == "timeout":
-            timeout = min(p.prefetch_timeout_cap_ms,
-                          p.prefetch_timeout_base_ms + p.prefetch_timeout_per_1k_tokens_ms * num_tokens / 1000) / 1e3
         t0 = time.perf_counter()
-        self.transfers.wait(t, timeout)
+        self.transfers.wait(t, None if timeout is None else max(0.0, timeout))
         self.tier_stats.prefetch_waited_ms += (time.perf_counter() - t0) * 1e3
 
     # ----------------------------------------------------------------- L2 -> L1

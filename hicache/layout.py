@@ -43,6 +43,10 @@ _DTYPES: dict[str, tuple[str, int]] = {
     "uint8": ("uint8", 1),
 }
 
+# The dtypes a model's KV can be configured with (what errors list). uint8
+# stays valid for engines whose host pools are raw bytes (SGLang's fp8 pools).
+MODEL_DTYPES = tuple(d for d in _DTYPES if d != "uint8")
+
 
 def _torch_dtype(name: str) -> "torch.dtype":
     import torch  # deferred: see _DTYPES
@@ -50,6 +54,29 @@ def _torch_dtype(name: str) -> "torch.dtype":
 
 # Alignment of every L2 (host) region in bytes: 16 keeps 128-bit loads aligned.
 HOST_ALIGN = 16
+
+# Upper bounds of every size field. A layout comes from a config file or from
+# another process's handshake; these bound the work (planes built, bytes
+# computed) that one layout can cause. Each is far above any real model
+# (the largest public models have ~130 layers, 128 KV heads, head dims <= 1024).
+LIMITS: dict[str, int] = {
+    "num_layers": 1024,
+    "draft_layers": 64,
+    "num_kv_heads": 1024,
+    "head_dim": 8192,
+    "kv_lora_rank": 16384,
+    "rope_dim": 8192,
+    "page_size": 4096,
+    "tp_size": 4096,
+    "cp_size": 4096,
+    "tp_rank": 4095,
+    "cp_rank": 4095,
+}
+MAX_EXTRA_PLANES = 16
+MAX_PLANE_BYTES_PER_TOKEN = 1 << 20
+MAX_MODEL_ID_CHARS = 256
+# One page of every plane together; a bigger page could not be allocated anyway.
+MAX_PAGE_BYTES = 1 << 31
 
 Kind = Literal["mha", "mla"]
 HostLayout = Literal["layer_first", "page_first"]
@@ -122,20 +149,21 @@ class KVLayout:
 
     # ---------------------------------------------------------------- validation
     def _bad(self, name: str, why: str) -> LayoutError:
-        return LayoutError(f"KVLayout.{name}={getattr(self, name)!r}: {why}")
+        value = getattr(self, name)
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else f"{shown[:80]}... ({len(shown)} characters)"
+        return LayoutError(f"KVLayout.{name}={shown}: {why}", name, value, why)
 
     def _validate(self) -> None:
-        if not isinstance(self.model_id, str) or not self.model_id:
-            raise self._bad("model_id", "must be a non-empty string naming the model")
-        for name in ("num_layers", "page_size", "tp_size", "cp_size"):
+        if not isinstance(self.model_id, str) or not self.model_id or len(self.model_id) > MAX_MODEL_ID_CHARS:
+            raise self._bad("model_id", f"must be a non-empty string of at most {MAX_MODEL_ID_CHARS} "
+                            "characters naming the model")
+        for name in ("num_layers", "page_size", "tp_size", "cp_size", "draft_layers", "tp_rank", "cp_rank",
+                     "num_kv_heads", "head_dim", "kv_lora_rank", "rope_dim"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise self._bad(name, "must be an integer >= 1")
-        for name in ("draft_layers", "tp_rank", "cp_rank", "num_kv_heads", "head_dim",
-                     "kv_lora_rank", "rope_dim"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise self._bad(name, "must be an integer >= 0")
+            low = 1 if name in ("num_layers", "page_size", "tp_size", "cp_size") else 0
+            if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= LIMITS[name]:
+                raise self._bad(name, f"must be an integer in [{low}, {LIMITS[name]}]")
         if self.tp_rank >= self.tp_size:
             raise self._bad("tp_rank", f"must be < tp_size={self.tp_size}")
         if self.cp_rank >= self.cp_size:
@@ -154,18 +182,32 @@ class KVLayout:
             if self.num_kv_heads or self.head_dim:
                 raise self._bad("num_kv_heads", "is MHA-only; MLA uses kv_lora_rank/rope_dim")
         if self.dtype not in _DTYPES:
-            raise self._bad("dtype", f"must be one of {sorted(_DTYPES)}")
+            raise self._bad("dtype", f"must be one of {', '.join(sorted(MODEL_DTYPES))}")
         if self.host_layout not in ("layer_first", "page_first"):
             raise self._bad("host_layout", "must be 'layer_first' or 'page_first'")
         names = {"k", "v", "latent"}
+        if len(self.extra_planes) > MAX_EXTRA_PLANES:
+            raise self._bad("extra_planes", f"at most {MAX_EXTRA_PLANES} extra planes, got "
+                            f"{len(self.extra_planes)}")
         for p in self.extra_planes:
-            if not p.name or not p.name.isidentifier() or p.name in names or p.name.startswith("draft_"):
+            if (not isinstance(p.name, str) or not p.name.isidentifier() or len(p.name) > 64
+                    or p.name in names or p.name.startswith("draft_")):
                 raise self._bad("extra_planes", f"plane name {p.name!r} must be a unique identifier, "
                                 "not k/v/latent and not starting with 'draft_'")
-            if not isinstance(p.bytes_per_token, int) or p.bytes_per_token < 1:
-                raise self._bad("extra_planes", f"plane {p.name!r} needs bytes_per_token >= 1, "
-                                f"got {p.bytes_per_token!r}")
+            b = p.bytes_per_token
+            if not isinstance(b, int) or isinstance(b, bool) or not 1 <= b <= MAX_PLANE_BYTES_PER_TOKEN:
+                raise self._bad("extra_planes", f"plane {p.name!r} needs bytes_per_token in "
+                                f"[1, {MAX_PLANE_BYTES_PER_TOKEN}], got {b!r}")
             names.add(p.name)
+        # Computed before any plane is built: bounded arithmetic on bounded fields.
+        size = _DTYPES[self.dtype][1]
+        row = (size * 2 * self.num_kv_heads * self.head_dim if self.kind == "mha"
+               else size * (self.kv_lora_rank + self.rope_dim))
+        row += sum(p.bytes_per_token for p in self.extra_planes)
+        page = row * self.page_size * (self.num_layers + self.draft_layers)
+        if page > MAX_PAGE_BYTES:
+            raise self._bad("num_layers", f"the layout's page would hold {page} bytes, above the limit of "
+                            f"{MAX_PAGE_BYTES}; check num_layers, heads, head_dim and page_size")
 
     # ------------------------------------------------------------------ planes
     def _layer_planes(self) -> list[tuple[str, tuple[int, ...], str, int]]:

@@ -60,7 +60,7 @@ OPS = frozenset({"lookup", "fetch", "reserve", "commit", "cancel", "acquire", "r
 # Error kinds a server may send (the client also uses ``closed``).
 ERROR_KINDS = ("bad_frame", "too_large", "bad_request", "unknown_op", "not_handshaken", "version",
                "bad_layout", "contract", "bad_args", "foreign_page", "not_reserved", "not_acquired",
-               "out_of_pages", "integrity", "timeout", "internal")
+               "out_of_pages", "integrity", "internal", "not_written", "forbidden", "busy", "timeout")
 
 
 def pack(obj: dict[str, Any]) -> bytes:

@@ -246,11 +246,11 @@ class TransferController:
         self._pending.append(t)
         return t
 
-    def storage_probe(self, hashes: Sequence[bytes]) -> int:
-        """Leading pages L3 holds (synchronous, bounded by the backend timeout)."""
+    def storage_probe(self, hashes: Sequence[bytes], budget_s: float | None = None) -> int:
+        """Leading pages L3 holds (synchronous; 0 when L3 does not answer within ``budget_s``)."""
         if self.storage is None or not hashes:
             return 0
-        return self.storage.prefix_hits(list(hashes))
+        return self.storage.prefix_hits(list(hashes), budget_s)
 
     # ------------------------------------------------------------- completion
     def poll(self) -> list[Transfer]:

@@ -22,7 +22,7 @@ from hicache.engine.engine import Engine, EngineRun, iter_progress
 from hicache.engine.model_spec import ModelSpec
 from hicache.errors import ConfigError
 from hicache.hicache import HiCache
-from hicache.storage.base import redact_url
+from hicache.redact import redact_url
 
 
 def model_spec_for(cfg: HiCacheConfig, vocab: int) -> ModelSpec:

@@ -34,6 +34,9 @@ from typing import Iterable, NamedTuple, Sequence
 from hicache.errors import TraceError
 
 TRACE_VERSION = 1
+# The reference model allocates a vocab x hidden embedding: bound it far above
+# any real tokenizer (the largest have ~256K entries).
+MAX_VOCAB = 1 << 20
 _FIELDS = {"rid", "arrival", "max_new_tokens", "prompt", "parent", "append", "namespace", "conversation"}
 
 
@@ -113,6 +116,10 @@ def request_from_json(obj: object, vocab: int, where: str = "request") -> TraceR
         raise _field_error(where, "namespace", "expected a string", ns)
     if conv is not None and not isinstance(conv, str):
         raise _field_error(where, "conversation", "expected a string or null", conv)
+    for f, v in (("rid", rid), ("namespace", ns), ("conversation", conv), ("parent", obj.get("parent"))):
+        if isinstance(v, str) and not _is_unicode(v):
+            raise _field_error(where, f, "expected valid Unicode text (it holds a lone surrogate escape)",
+                               v.encode("utf-8", "backslashreplace").decode())
     has_prompt, has_parent = "prompt" in obj, "parent" in obj or "append" in obj
     if has_prompt == has_parent:
         raise TraceError(f"{where}: give either 'prompt' or both 'parent' and 'append' (got "
@@ -162,23 +169,52 @@ def write_trace(path: str | Path, requests: Sequence[TraceRequest], *, name: str
             f.write(json.dumps(r.to_json(), separators=(",", ":")) + "\n")
 
 
+def _is_unicode(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _lines(path: str | Path) -> Iterable[tuple[int, str]]:
+    """Numbered lines of a UTF-8 file; ``TraceError`` for a missing, unreadable or non-UTF-8 file."""
+    try:
+        with open(path, "rb") as f:
+            for no, raw in enumerate(f, start=1):
+                try:
+                    yield no, raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise TraceError(f"{path}:{no}: not UTF-8 (byte {e.start} of the line); a trace is "
+                                     "UTF-8 JSON Lines") from None
+    except FileNotFoundError:
+        raise TraceError(f"trace {str(path)!r} does not exist; give the path of a JSONL trace, or no "
+                         "path for the built-in one") from None
+    except IsADirectoryError:
+        raise TraceError(f"trace {str(path)!r} is a directory; give the path of a JSONL trace file") from None
+    except OSError as e:
+        raise TraceError(f"trace {str(path)!r} cannot be read ({e.strerror})") from None
+
+
 def read_trace(path: str | Path) -> Trace:
     """Parse and validate a trace file; ``TraceError`` names the line number and field."""
     requests: list[TraceRequest] = []
     header = None
-    with open(path, encoding="utf-8") as f:
-        for no, line in enumerate(f, start=1):
-            where = f"{path}:{no}"
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if header is None:
-                header = _header(obj, where)
-                continue
-            requests.append(request_from_json(obj, header.vocab, where))
+    for no, line in _lines(path):
+        where = f"{path}:{no}"
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise TraceError(f"{where}: JSON nested too deeply; a trace line is one flat request "
+                             "object") from None
+        if header is None:
+            header = _header(obj, where)
+            continue
+        requests.append(request_from_json(obj, header.vocab, where))
     if header is None:
         raise TraceError(f"{path}: empty file; a trace starts with a header line "
                          f'{{"hicache_trace": {TRACE_VERSION}, "name": ..., "vocab": ...}}')
@@ -197,10 +233,11 @@ def _header(obj: object, where: str) -> Trace:
     if unknown:
         raise TraceError(f"{where}: unknown header field(s) {unknown}")
     name, vocab = obj.get("name", ""), obj.get("vocab")
-    if not isinstance(name, str):
-        raise _field_error(where, "name", "expected a string", name)
-    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
-        raise _field_error(where, "vocab", "expected an integer >= 1 (the model's vocabulary size)", vocab)
+    if not isinstance(name, str) or not _is_unicode(name):
+        raise _field_error(where, "name", "expected a string of valid Unicode", name)
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or not 1 <= vocab <= MAX_VOCAB:
+        raise _field_error(where, "vocab", f"expected an integer in [1, {MAX_VOCAB}] (the model's "
+                           "vocabulary size)", vocab)
     return Trace(name, vocab, [])
 
 

@@ -8,18 +8,25 @@ behind one lock; raw I/O runs outside it.
 Failure model: L3 is a cache. Raw primitives raise the backend's
 ``OUTAGE_ERRORS`` when L3 is unreachable or slow; the base turns that into
 misses / ``False`` / 0 and dropped writes, logs one warning per outage, and
-then answers at once (without touching the network) until a probe is due,
-probing with redis-py's ``ExponentialBackoff`` up to ``probe_max_ms`` apart.
-The first call after the probe time that succeeds ends the outage. Only
+opens a circuit breaker: every call then answers at once, without touching
+the network, while a background thread pings L3 with redis-py's
+``ExponentialBackoff`` (up to ``probe_max_ms`` apart). The first ping that
+succeeds closes the circuit; callers never probe a dead L3 themselves. Only
 misuse (a key that is not a 16-byte page hash, a payload that does not match
 its plane sizes) raises, as ``ValueError``.
+
+Bounded lookups: ``prefix_hits(keys, budget_s=...)`` runs on a worker
+thread and answers 0 (a miss) when L3 has not answered within ``budget_s``;
+the late answer is discarded. A scheduler passes its prefetch policy's
+budget, so a slow L3 never holds a scheduler step longer than the policy
+allows.
 """
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import dataclasses
 import logging
-import re
 import threading
 import time
 from dataclasses import dataclass
@@ -28,6 +35,8 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Sequence
 
 from hicache.errors import ConfigError, IntegrityError
 from hicache.hashing import HASH_BYTES
+from hicache.ratelimit import LogLimiter
+from hicache.redact import redact_url  # noqa: F401  (re-exported: backends name themselves with it)
 from hicache.storage import codec
 from hicache.storage.codec import Buffer, ReadStatus
 
@@ -35,6 +44,9 @@ if TYPE_CHECKING:
     from hicache.layout import KVLayout
 
 log = logging.getLogger(__name__)
+
+# A shorter MAC key is guessable; 16 bytes (e.g. 22 base64 characters) is the floor.
+MIN_AUTH_KEY_BYTES = 16
 
 # A page put: (page hash, payload in canonical plane order, plane sizes).
 PutItem = tuple[bytes, Buffer, Sequence[int]]
@@ -60,6 +72,7 @@ class StorageStats:
     bytes_read: int = 0  # payload bytes returned by get()
     bytes_written: int = 0  # payload bytes stored by put()
     reconnects: int = 0  # outages that ended (L3 answered again after failing)
+    lookup_timeouts: int = 0  # bounded prefix_hits() that answered 0: L3 slower than the budget, or busy
 
     def check(self) -> None:
         """Raise ``IntegrityError`` when the counters contradict each other."""
@@ -85,6 +98,8 @@ class StorageOptions:
     # The whole layout, for backends that must present it (the node-local
     # service's handshake); object stores need only the fingerprint.
     layout: "KVLayout | None" = None
+    # Secret for the objects' MAC (b"": none); see hicache.storage.codec. repr=False: never printed.
+    auth_key: bytes = dataclasses.field(default=b"", repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.fingerprint, str) or len(self.fingerprint) < 8:
@@ -104,6 +119,11 @@ class StorageOptions:
         if not isinstance(prefix, bytes):
             raise ConfigError(f"storage key_prefix={prefix!r}: must be str or bytes")
         object.__setattr__(self, "key_prefix", prefix or f"hicache:{self.fingerprint[:8]}:".encode())
+        key = self.auth_key.encode() if isinstance(self.auth_key, str) else self.auth_key
+        if not isinstance(key, bytes) or (key and len(key) < MIN_AUTH_KEY_BYTES):
+            raise ConfigError(f"storage auth_key: must be at least {MIN_AUTH_KEY_BYTES} bytes (or empty for "
+                              f"no MAC), got {len(key) if isinstance(key, bytes) else type(key).__name__}")
+        object.__setattr__(self, "auth_key", codec.mac_key(key) if key else b"")
 
     @property
     def timeout_s(self) -> float:
@@ -138,9 +158,16 @@ class _Health:
         self.probe_at = 0.0
 
     def allow(self) -> bool:
-        return not self.down or self.clock() >= self.probe_at
+        """Calls may go to L3: the circuit is closed (while open, only the pinger probes)."""
+        return not self.down
 
-    def failed(self, op: str, exc: BaseException) -> None:
+    def failed(self, op: str, exc: BaseException) -> bool:
+        """Count a failed call; True when it opens the circuit (an outage starts)."""
+        started = not self.down
+        self._failed(op, exc)
+        return started
+
+    def _failed(self, op: str, exc: BaseException) -> None:
         self.failures += 1
         wait = self.backoff.compute(self.failures)
         self.probe_at = self.clock() + wait
@@ -169,10 +196,12 @@ class PutBatch(Sequence[tuple[bytes, bytes, memoryview]]):
     while the payload is still in cache. Headers are kept once built.
     """
 
-    __slots__ = ("_fingerprint", "_rows", "_headers")
+    __slots__ = ("_fingerprint", "_rows", "_headers", "_auth_key")
 
-    def __init__(self, fingerprint: str, rows: list[tuple[bytes, bytes, memoryview, codec.PlaneSizes]]):
+    def __init__(self, fingerprint: str, rows: list[tuple[bytes, bytes, memoryview, codec.PlaneSizes]],
+                 auth_key: bytes = b""):
         self._fingerprint = fingerprint
+        self._auth_key = auth_key
         self._rows = rows  # (full key, page hash, payload, plane sizes), lengths already checked
         self._headers: list[bytes | None] = [None] * len(rows)
 
@@ -189,7 +218,7 @@ class PutBatch(Sequence[tuple[bytes, bytes, memoryview]]):
         full, key, mv, sizes = self._rows[i]
         hdr = self._headers[i]
         if hdr is None:
-            hdr = self._headers[i] = codec.encode_header(self._fingerprint, key, sizes, mv)
+            hdr = self._headers[i] = codec.encode_header(self._fingerprint, key, sizes, mv, self._auth_key)
         return full, hdr, mv
 
 
@@ -207,6 +236,10 @@ class StorageBackend(abc.ABC):
     OUTAGE_ERRORS: ClassVar[tuple[type[BaseException], ...]] = (OSError,)
     CALL_ERRORS: ClassVar[tuple[type[BaseException], ...]] = ()
     PREFIX_CHUNK: ClassVar[int] = 8  # first prefix_hits() batch; grows 4x up to 256
+    # prefix_hits(budget_s=...) hops to a worker thread only where a call can
+    # block on another machine; in-process and local-file stores answer inline
+    # (deterministic, and the file store bounds its own I/O).
+    BOUNDED_LOOKUPS: ClassVar[bool] = True
 
     def __init__(self, options: StorageOptions, name: str):
         self.options = options
@@ -218,6 +251,10 @@ class StorageBackend(abc.ABC):
         self._health = _Health(name, options)
         self._closed = False
         self._warned: set[str] = set()  # one warning per kind of per-call problem
+        self._object_log = LogLimiter(log)  # per-object problems: a few lines per kind and minute
+        self._wake = threading.Event()  # set by close(): the pinger stops
+        self._lookups: concurrent.futures.ThreadPoolExecutor | None = None  # bounded prefix_hits
+        self._lookup_busy = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, prefix={self.key_prefix!r})"
@@ -284,7 +321,10 @@ class StorageBackend(abc.ABC):
         except self.OUTAGE_ERRORS as e:
             with self._lock:
                 self._stats.errors += 1
-                self._health.failed(op, e)
+                opened = self._health.failed(op, e)
+            if opened:
+                threading.Thread(target=self._ping_until_up, name=f"hicache-l3-ping-{self.name}",
+                                 daemon=True).start()
             return _DOWN
         except self.CALL_ERRORS as e:
             self._count(errors=1)
@@ -295,6 +335,29 @@ class StorageBackend(abc.ABC):
             if self._health.succeeded():
                 self._stats.reconnects += 1
         return out
+
+    def _ping_until_up(self) -> None:
+        """The circuit breaker's probe: ping on the backoff schedule until L3 answers (or close)."""
+        while True:
+            with self._lock:
+                if self._closed or not self._health.down:
+                    return
+                wait = max(0.0, self._health.probe_at - self._health.clock())
+            if self._wake.wait(wait):
+                return
+            try:
+                ok, exc = bool(self._raw_ping()), None
+            except (*self.OUTAGE_ERRORS, *self.CALL_ERRORS) as e:
+                ok, exc = False, e
+            with self._lock:
+                if self._closed:
+                    return
+                if ok:
+                    if self._health.succeeded():
+                        self._stats.reconnects += 1
+                    return
+                self._stats.errors += 1
+                self._health.failed("ping", exc or ConnectionError("ping answered False"))
 
     # ------------------------------------------------------------ public API
     def get(self, keys: Sequence[bytes], plane_sizes: Sequence[int]) -> list[memoryview | None]:
@@ -321,8 +384,12 @@ class StorageBackend(abc.ABC):
                 c["errors"] += obj is not None
                 c["misses"] += 1
                 out.append(None)
+                if obj is not None:  # e.g. WRONGTYPE: another program's key under our prefix
+                    self._object_log.warning(f"get:{type(obj).__name__}", "L3 %s: reading object %r failed "
+                                             "(%s: %s); counted as a miss", self.name, fk, type(obj).__name__,
+                                             str(obj)[:200])
                 continue
-            d = codec.decode(obj, key, self.fingerprint, sizes)
+            d = codec.decode(obj, key, self.fingerprint, sizes, self.options.auth_key)
             if d.status is ReadStatus.OK:
                 c["hits"] += 1
                 c["bytes_read"] += d.payload.nbytes
@@ -337,7 +404,8 @@ class StorageBackend(abc.ABC):
             else:
                 c["corrupt"] += 1
                 bad.append(fk)
-                log.warning("L3 %s: corrupt object %r (%s); deleted, counted as a miss", self.name, fk, d.why)
+                self._object_log.warning("corrupt", "L3 %s: corrupt object %r (%s); deleted, counted as a miss",
+                                         self.name, fk, d.why)
         self._count(gets=len(full), **c)
         if bad:
             self._call("delete", self._raw_delete, bad)
@@ -360,7 +428,7 @@ class StorageBackend(abc.ABC):
             rows.append((self._full(key), key, mv, last[1]))
         if not rows:
             return 0
-        prepared = PutBatch(self.fingerprint, rows)
+        prepared = PutBatch(self.fingerprint, rows, self.options.auth_key)
         res = self._call("put", self._raw_put, prepared)
         if res is _DOWN:
             self._count(put_dropped=len(prepared))
@@ -384,13 +452,47 @@ class StorageBackend(abc.ABC):
         res = self._call("exists", self._raw_exists, full)
         return [False] * len(full) if res is _DOWN else [bool(r) for r in res]
 
-    def prefix_hits(self, keys: Sequence[bytes]) -> int:
+    def prefix_hits(self, keys: Sequence[bytes], budget_s: float | None = None) -> int:
         """How many leading keys are stored; stops at the first absent one.
 
         Keys are chained page hashes, so the answer is the L3 prefix hit in
         pages. Asks in growing batches so a short hit costs one round trip.
+        ``budget_s``: answer 0 unless L3 answers within it (the lookup runs
+        on a worker thread; one at a time, a second meanwhile answers 0).
         """
         full = [self._full(k) for k in keys]
+        if budget_s is None or not full or not self.BOUNDED_LOOKUPS:
+            return self._prefix_hits(full)
+        with self._lock:
+            if self._closed or not self._health.allow():
+                return 0
+            if self._lookup_busy:
+                self._stats.lookup_timeouts += 1
+                return 0
+            self._lookup_busy = True
+            if self._lookups is None:
+                self._lookups = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-lookup")
+            pool = self._lookups
+        try:
+            fut = pool.submit(self._prefix_hits_then_free, full)
+        except RuntimeError:  # closed in between
+            with self._lock:
+                self._lookup_busy = False
+            return 0
+        try:
+            return fut.result(max(0.0, budget_s))
+        except concurrent.futures.TimeoutError:
+            self._count(lookup_timeouts=1)
+            return 0
+
+    def _prefix_hits_then_free(self, full: list[bytes]) -> int:
+        try:
+            return self._prefix_hits(full)
+        finally:
+            with self._lock:
+                self._lookup_busy = False
+
+    def _prefix_hits(self, full: list[bytes]) -> int:
         done, chunk = 0, self.PREFIX_CHUNK
         while done < len(full):
             res = self._call("exists", self._raw_exists, full[done:done + chunk])
@@ -448,6 +550,10 @@ class StorageBackend(abc.ABC):
             if self._closed:
                 return
             self._closed = True
+            pool, self._lookups = self._lookups, None
+        self._wake.set()
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
         self._raw_close()
 
     def check_integrity(self) -> None:
@@ -460,7 +566,7 @@ class StorageBackend(abc.ABC):
         bad = []
         for fk, obj in scan:
             assert fk.startswith(self.key_prefix), (fk, self.key_prefix)
-            d = codec.decode(obj, fk[len(self.key_prefix):], self.fingerprint, None)
+            d = codec.decode(obj, fk[len(self.key_prefix):], self.fingerprint, None, self.options.auth_key)
             if d.status is not ReadStatus.OK:
                 bad.append(f"{fk!r}: {d.status.value}: {d.why}")
         if bad:
@@ -472,21 +578,3 @@ class StorageBackend(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# Query options that carry secrets: redis-py takes ``?password=`` (and
-# ``ssl_password=``) from the query string as readily as from the userinfo.
-_SECRET_QUERY = re.compile(r"([?&][^=&#]*(?:pass|secret|token)[^=&#]*=)[^&#]*", re.IGNORECASE)
-
-
-def redact_url(url: str) -> str:
-    """``scheme://user:***@host...?password=***`` for a URL carrying a password
-    (userinfo or query option); other URLs unchanged. For names, logs and APIs."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    rest = _SECRET_QUERY.sub(r"\1***", rest)
-    userinfo, at, hosts = rest.rpartition("@")
-    if not at or ":" not in userinfo:
-        return f"{scheme}{sep}{rest}"
-    return f"{scheme}{sep}{userinfo.split(':', 1)[0]}:***@{hosts}"

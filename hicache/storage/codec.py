@@ -5,8 +5,21 @@ Layout of an object (all integers little-endian)::
     magic      4 bytes  b"HCL3"
     hdr_len    4 bytes  uint32, length of the msgpack header
     header     hdr_len  msgpack map: version, fingerprint, hash, plane_sizes,
-                        length, checksum (xxh3_64 of the payload)
+                        length, checksum (xxh3_64 of the payload), hck
+                        (xxh3_64 of the msgpack map of the fields before it)
     payload    length   the page's planes in canonical order, raw bytes
+
+With an authentication key (``storage.auth_key``), the header also carries
+``mac``: keyed BLAKE2b-256 over the msgpack map of the fields before it
+followed by the payload. A reader with the key rejects (as corrupt, so a
+counted miss) an object without a valid ``mac``: checksums catch damage, the
+MAC catches forgery by anyone who can write the store but lacks the key. A
+reader without a key ignores ``mac``.
+
+``hck`` makes a damaged header corrupt rather than "another layout": without
+it, a bit flip inside the fingerprint read as a well-formed object of some
+other layout, which is kept and only warned about. Objects written before
+``hck`` existed (same format version) are verified without it.
 
 The header and the payload travel as two buffers (``encode_header`` never
 copies the payload); ``decode`` slices a memoryview, so a verified payload is a
@@ -15,6 +28,8 @@ zero-copy view of the object it came from.
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import struct
 from typing import NamedTuple, Sequence
 
@@ -27,6 +42,19 @@ MAGIC = b"HCL3"
 FORMAT_VERSION = 1
 _PREFIX = struct.Struct("<4sI")
 PREFIX_BYTES = _PREFIX.size
+_FIELDS = frozenset({"version", "fingerprint", "hash", "plane_sizes", "length", "checksum", "mac", "hck"})
+MAC_BYTES = 32
+
+
+def mac_key(secret: bytes) -> bytes:
+    """The BLAKE2b key for a configured secret of any length (BLAKE2b keys are <= 64 bytes)."""
+    return secret if len(secret) <= 64 else hashlib.blake2b(secret, digest_size=64).digest()
+
+
+def _mac(key: bytes, fields_packed: bytes, payload: memoryview) -> bytes:
+    h = hashlib.blake2b(fields_packed, key=key, digest_size=MAC_BYTES, person=b"hicache-l3-v1")
+    h.update(payload)
+    return h.digest()
 # A header is ~100 bytes plus 1-5 per plane; anything far beyond is garbage.
 _MAX_HEADER = 1 << 20
 
@@ -81,7 +109,7 @@ def check_length(payload: memoryview, sizes: PlaneSizes) -> None:
 
 
 def encode_header(fingerprint: str, page_hash: bytes, sizes: Sequence[int] | PlaneSizes,
-                  payload: Buffer) -> bytes:
+                  payload: Buffer, auth_key: bytes = b"") -> bytes:
     """Magic, length prefix and msgpack header for ``payload``; the object is
     this header followed by ``payload`` unchanged. Raises ``ValueError`` when
     the payload length is not the sum of the plane sizes."""
@@ -89,14 +117,19 @@ def encode_header(fingerprint: str, page_hash: bytes, sizes: Sequence[int] | Pla
     ps = plane_sizes(sizes)
     check_length(mv, ps)
     n = mv.nbytes
-    hdr = msgpack.packb({"version": FORMAT_VERSION, "fingerprint": fingerprint, "hash": bytes(page_hash),
-                         "plane_sizes": ps.sizes, "length": n, "checksum": checksum(mv)})
+    fields = {"version": FORMAT_VERSION, "fingerprint": fingerprint, "hash": bytes(page_hash),
+              "plane_sizes": ps.sizes, "length": n, "checksum": checksum(mv)}
+    if auth_key:
+        fields["mac"] = _mac(auth_key, msgpack.packb(fields), mv)
+    fields["hck"] = checksum(msgpack.packb(fields))
+    hdr = msgpack.packb(fields)
     return _PREFIX.pack(MAGIC, len(hdr)) + hdr
 
 
-def encode(fingerprint: str, page_hash: bytes, sizes: Sequence[int] | PlaneSizes, payload: Buffer) -> bytes:
+def encode(fingerprint: str, page_hash: bytes, sizes: Sequence[int] | PlaneSizes, payload: Buffer,
+           auth_key: bytes = b"") -> bytes:
     """The whole object as one ``bytes`` (copies the payload; for in-memory stores and tests)."""
-    return encode_header(fingerprint, page_hash, sizes, payload) + bytes(payload)
+    return encode_header(fingerprint, page_hash, sizes, payload, auth_key) + bytes(payload)
 
 
 def _bad(why: str) -> Decoded:
@@ -104,11 +137,12 @@ def _bad(why: str) -> Decoded:
 
 
 def decode(obj: Buffer, page_hash: bytes, fingerprint: str,
-           expected: Sequence[int] | PlaneSizes | None) -> Decoded:
+           expected: Sequence[int] | PlaneSizes | None, auth_key: bytes = b"") -> Decoded:
     """Verify ``obj`` against what the reader expects; never raises on bad data.
 
     ``expected=None`` checks only internal consistency (used by
     ``check_integrity``, which does not know the layout's planes).
+    ``auth_key`` (from ``mac_key``): also require a valid MAC.
     """
     mv = as_bytes_view(obj)
     if mv.nbytes < PREFIX_BYTES:
@@ -126,6 +160,17 @@ def decode(obj: Buffer, page_hash: bytes, fingerprint: str,
         return _bad(f"header is a {type(hdr).__name__}, not a map")
     if hdr.get("version") != FORMAT_VERSION:
         return _bad(f"format version {hdr.get('version')!r} != {FORMAT_VERSION}")
+    extra = set(hdr) - _FIELDS
+    if extra:
+        return _bad(f"unknown header field(s) {sorted(map(repr, extra))[:4]} (damaged header)")
+    if "hck" in hdr:
+        fields = {k: v for k, v in hdr.items() if k != "hck"}
+        try:
+            ok = hdr["hck"] == checksum(msgpack.packb(fields))
+        except (TypeError, ValueError, OverflowError):
+            ok = False
+        if not ok:
+            return _bad("header checksum does not match its fields (damaged header)")
     if hdr.get("fingerprint") != fingerprint:
         return Decoded(ReadStatus.FINGERPRINT, None,
                        f"fingerprint {hdr.get('fingerprint')!r} != ours {fingerprint!r}")
@@ -149,4 +194,11 @@ def decode(obj: Buffer, page_hash: bytes, fingerprint: str,
     ck = checksum(payload)
     if hdr.get("checksum") != ck:
         return _bad(f"checksum {hdr.get('checksum')!r} != computed {ck}")
+    if auth_key:
+        mac = hdr.get("mac")
+        if not isinstance(mac, bytes):
+            return _bad("no MAC: written without storage.auth_key, or forged")
+        fields = {k: v for k, v in hdr.items() if k not in ("mac", "hck")}
+        if not hmac.compare_digest(mac, _mac(auth_key, msgpack.packb(fields), payload)):
+            return _bad("MAC does not verify: forged, or written with another storage.auth_key")
     return Decoded(ReadStatus.OK, payload, "")

@@ -8,11 +8,23 @@ layouts never share files. Writes go to a temp file in the same directory
 ``os.replace``d into place, so a reader sees a whole old object, a whole new
 one, or none; a crash leaves at most a ``*.tmp.*`` file behind, which readers
 ignore. ``fsync=True`` also makes a written page survive power loss.
+
+Safety against other local users who can write the directory: temp files
+are created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` under a random name (a
+symlink planted at a temp name is never followed), fan-out directories must
+be real directories, and objects are opened with ``O_NOFOLLOW | O_NONBLOCK``
+and must be regular files (a FIFO or device at an object path is a counted
+error, not a hang). Every batch runs on a worker thread and the caller waits
+at most ``timeout_ms`` per page (times ``1 + max_retries``), like the network
+backends: a hung file system turns into an outage, not a stalled caller.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
+import secrets
+import stat
 import threading
 from pathlib import Path
 from typing import Iterator
@@ -39,6 +51,7 @@ def parse_file_url(url: str) -> Path:
 
 class FileBackend(StorageBackend):
     scheme = "file"
+    BOUNDED_LOOKUPS = False  # its own per-page deadline bounds a hung file system
 
     def __init__(self, options: StorageOptions, root: str | os.PathLike, *, fsync: bool = False,
                  name: str = ""):
@@ -54,6 +67,10 @@ class FileBackend(StorageBackend):
                               f"{e}; pick a writable directory") from None
         self._made: set[str] = set()  # fan-out directories known to exist
         self._mu = threading.Lock()
+        # One worker: calls are serialised, as a caller would make them; a call
+        # stuck in the kernel keeps it, and later calls fail their deadline.
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hicache-file-l3")
+        self._budget_s = options.timeout_s * (1 + options.max_retries)
 
     @classmethod
     def from_url(cls, url: str, options: StorageOptions, **opts) -> "FileBackend":
@@ -68,11 +85,28 @@ class FileBackend(StorageBackend):
     def _ensure_dir(self, d: str, again: bool = False) -> None:
         if again or d not in self._made:
             os.makedirs(d, exist_ok=True)
+            if not stat.S_ISDIR(os.lstat(d).st_mode):  # a symlink planted in place of a fan-out dir
+                raise NotADirectoryError(f"{d} is not a directory (a symlink?); refusing to write through it")
             with self._mu:
                 self._made.add(d)
 
+    def _deadline(self, fn, n: int, *args):
+        """``fn(*args)`` on the worker thread, waiting at most the per-page budget for ``n`` pages.
+
+        Raises ``TimeoutError`` (an outage for the base class) when it takes longer.
+        """
+        fut = self._pool.submit(fn, *args)
+        try:
+            return fut.result(self._budget_s * max(1, n))
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"file I/O on {self.dir} took longer than {self._budget_s * max(1, n):.3f}s "
+                               "(storage.timeout_ms per page)") from None
+
     # ------------------------------------------------------------- primitives
     def _raw_get(self, keys: list[bytes]) -> list[Buffer | None | BaseException]:
+        return self._deadline(self._get_all, len(keys), keys)
+
+    def _get_all(self, keys: list[bytes]) -> list[Buffer | None | BaseException]:
         out: list[Buffer | None | BaseException] = []
         for k in keys:
             try:
@@ -85,9 +119,13 @@ class FileBackend(StorageBackend):
 
     @staticmethod
     def _read(path: str) -> bytearray:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer.
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(f"{path} is not a regular file (mode {st.st_mode:o}); refusing to read it")
+            size = st.st_size
             buf = bytearray(size)
             mv, got = memoryview(buf), 0
             while got < size:
@@ -100,6 +138,9 @@ class FileBackend(StorageBackend):
             os.close(fd)
 
     def _raw_put(self, items: PutBatch) -> list[bool | BaseException]:
+        return self._deadline(self._put_all, len(items), items)
+
+    def _put_all(self, items: PutBatch) -> list[bool | BaseException]:
         out: list[bool | BaseException] = []
         for k, hdr, payload in items:
             d, path = self._path(k)
@@ -112,8 +153,9 @@ class FileBackend(StorageBackend):
 
     def _write(self, d: str, path: str, hdr: bytes, payload: memoryview) -> None:
         self._ensure_dir(d)
-        tmp = f"{path}{_TMP}{os.getpid()}.{threading.get_ident()}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        # A fresh random name, created exclusively and never through a symlink.
+        tmp = f"{path}{_TMP}{os.getpid()}.{secrets.token_hex(8)}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             fd = os.open(tmp, flags, 0o644)
         except FileNotFoundError:  # the directory was removed under us
@@ -140,9 +182,12 @@ class FileBackend(StorageBackend):
         os.replace(tmp, path)
 
     def _raw_exists(self, keys: list[bytes]) -> list[bool]:
-        return [os.path.exists(self._path(k)[1]) for k in keys]
+        return self._deadline(lambda: [os.path.exists(self._path(k)[1]) for k in keys], len(keys))
 
     def _raw_delete(self, keys: list[bytes]) -> int:
+        return self._deadline(self._delete_all, len(keys), keys)
+
+    def _delete_all(self, keys: list[bytes]) -> int:
         n = 0
         for k in keys:
             try:
@@ -156,7 +201,7 @@ class FileBackend(StorageBackend):
         return os.access(self.dir, os.W_OK)
 
     def _raw_close(self) -> None:
-        pass
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _raw_scan(self) -> Iterator[tuple[bytes, Buffer]]:
         for sub in sorted(os.scandir(self.dir), key=lambda e: e.name):
@@ -168,7 +213,12 @@ class FileBackend(StorageBackend):
                 if not _HEX_NAME.match(f.name) or f.name[:2] != sub.name:
                     yield self.key_prefix + b"?" + f.name.encode(), b""  # stray file: reported bad
                     continue
-                yield self.key_prefix + bytes.fromhex(f.name), self._read(f.path)
+                try:
+                    obj = self._read(f.path)
+                except OSError:  # not a regular file, a symlink, unreadable: reported bad
+                    yield self.key_prefix + b"?" + f.name.encode(), b""
+                    continue
+                yield self.key_prefix + bytes.fromhex(f.name), obj
 
     def path_of(self, key: bytes) -> Path:
         """Where the object of a page hash lives (for tools and corruption tests)."""

@@ -17,6 +17,7 @@ from hicache.storage.codec import Buffer
 
 class MemoryBackend(StorageBackend):
     scheme = "memory"
+    BOUNDED_LOOKUPS = False  # never blocks
 
     def __init__(self, options: StorageOptions, *, max_bytes: int = 0, name: str = "memory://"):
         super().__init__(options, name)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
 from typing import Any, Callable, Iterator
 
 import redis
@@ -33,6 +34,7 @@ from redis.exceptions import ClusterDownError, RedisClusterException, RedisError
 from redis.retry import Retry
 
 from hicache.errors import ConfigError
+from hicache.redact import Redactor, url_secrets
 from hicache.storage.base import PutBatch, StorageBackend, StorageOptions, redact_url
 from hicache.storage.codec import Buffer
 from hicache.storage.redis_wire import FramedConnection, FramedSSLConnection, FramedValue
@@ -72,12 +74,28 @@ class RedisBackend(StorageBackend):
         try:
             kw = parse_url(url)
         except ValueError as e:
-            raise ConfigError(f"storage url {redact_url(url)!r}: {e}") from None
+            # redis-py's message may quote part of the password (``... as 'Pa55'``).
+            why = Redactor([*url_secrets(url)]).text(str(e))
+            raise ConfigError(f"storage url {redact_url(url)!r}: {why}; expected "
+                              "a URL like redis://localhost:6379/0 (a user and password go before the host, "
+                              "followed by @)") from None
+        path = urlsplit(url).path.strip("/")
+        if path and not path.isdigit():
+            # redis-py silently falls back to db 0 for a non-numeric path.
+            raise ConfigError(f"storage url {redact_url(url)!r}: database {path!r} is not a number; "
+                              "use redis://host:port/N with N a database index (0 by default)")
         ssl = kw.pop("connection_class", None) is SSLConnection
         kw.update(redis_kwargs)
         kw.update(socket_timeout=options.timeout_s, socket_connect_timeout=options.timeout_s,
                   retry=_retry(options),
                   connection_class=FramedSSLConnection if ssl else FramedConnection)
+
+        try:
+            ConnectionPool(**kw).make_connection()  # builds a connection object; does not connect
+        except TypeError as e:
+            why = Redactor([*url_secrets(url)]).text(str(e))
+            raise ConfigError(f"storage url {redact_url(url)!r}: an option is not supported here ({why}); "
+                              "remove it (ssl_* options need rediss://)") from None
 
         def make() -> redis.Redis:
             return redis.Redis(connection_pool=ConnectionPool(**kw))

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from hicache.errors import ConfigError
 from hicache.layout import KVLayout
+from hicache.redact import redact_url
 from hicache.storage.base import StorageBackend, StorageOptions
 from hicache.storage.file import FileBackend
 from hicache.storage.memory import MemoryBackend
@@ -46,18 +47,19 @@ class StorageRegistry:
 
     def open(self, url: str, *, fingerprint: str, timeout_ms: int = 50, max_retries: int = 2,
              key_prefix: str | bytes = b"", probe_max_ms: int = 1000, layout: KVLayout | None = None,
-             **opts: Any) -> StorageBackend:
+             auth_key: str | bytes = b"", **opts: Any) -> StorageBackend:
         """See ``open_storage``."""
         scheme, sep, _ = url.partition("://")
         if not sep:
-            raise ConfigError(f"storage url {url!r}: expected scheme://..., one of "
+            raise ConfigError(f"storage url {redact_url(url)!r}: expected scheme://..., one of "
                               f"{', '.join(s + '://' for s in self.schemes())}")
         factory = self._factories.get(scheme.lower())
         if factory is None:
             raise ConfigError(f"storage url scheme {scheme!r} is not registered; known: "
                               f"{', '.join(self.schemes())}")
         options = StorageOptions(fingerprint=fingerprint, timeout_ms=timeout_ms, max_retries=max_retries,
-                                 key_prefix=key_prefix, probe_max_ms=probe_max_ms, layout=layout)
+                                 key_prefix=key_prefix, probe_max_ms=probe_max_ms, layout=layout,
+                                 auth_key=auth_key)
         try:
             return factory(url, options, **opts)
         except TypeError as e:

@@ -176,8 +176,8 @@ class ServiceBackend(StorageBackend):
         n = self._io_call(lambda c: c.lookup(keys, need_draft=True).num_pages)
         return [i < n for i in range(len(keys))]
 
-    def _fetch(self, keys: list[bytes]) -> int:
-        return self._io_call(lambda c: c.fetch(keys, self.wait_ms, need_draft=True).num_pages)
+    def _fetch(self, keys: list[bytes], wait_ms: float) -> int:
+        return self._io_call(lambda c: c.fetch(keys, wait_ms, need_draft=True).num_pages)
 
     def _raw_delete(self, keys: list[bytes]) -> int:
         self._warn_once("delete", "L3 %s: the service does not delete pages for engines (they age out "
@@ -230,13 +230,15 @@ class ServiceBackend(StorageBackend):
         self._count(put_ok=stored, put_dropped=len(rows) - stored, bytes_written=stored * self.layout.page_bytes)
         return stored
 
-    def prefix_hits(self, keys: Sequence[bytes]) -> int:
+    def prefix_hits(self, keys: Sequence[bytes], budget_s: float | None = None) -> int:
         """Leading ``keys`` in the service's L2 after it loads what it can from its
-        own L3 (waiting up to ``timeout_ms * (1 + max_retries)``). One round trip."""
+        own L3, waiting up to ``timeout_ms * (1 + max_retries)`` or ``budget_s``,
+        whichever is shorter (pages it loads later land in its L2). One round trip."""
         keys = [self._full(k) for k in keys]
         if not keys:
             return 0
-        res = self._call("fetch", self._fetch, keys)
+        wait_ms = self.wait_ms if budget_s is None else min(self.wait_ms, max(0.0, budget_s) * 1000)
+        res = self._call("fetch", self._fetch, keys, wait_ms)
         return 0 if res is _DOWN else int(res)
 
     def clear(self) -> int | None:

@@ -17,7 +17,7 @@ from hicache.config import HiCacheConfig
 from hicache.errors import ConfigError
 from hicache.hashing import page_hashes
 
-TOKEN = "tok-123"
+TOKEN = "tok-1234567890abcdef"
 
 
 @pytest.mark.parametrize("host,loop", [("127.0.0.1", True), ("localhost", True), ("::1", True),
@@ -43,7 +43,8 @@ def test_flush_needs_the_token_beyond_loopback(make_state, app_of, host):
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
         r = c.post("/v1/flush", json={"tier": "all"}, headers={"Authorization": f"Bearer {TOKEN}"})
         assert r.status_code == 200 and r.json() == {"L2": 0, "L3": 0}
-        cfg = c.get("/v1/config")
+        assert c.get("/v1/config").status_code == 401  # admin whenever a token is configured
+        cfg = c.get("/v1/config", headers={"Authorization": f"Bearer {TOKEN}"})
         assert cfg.status_code == 200 and TOKEN not in cfg.text
         assert cfg.json()["config"]["service"]["admin_token"] == "***"
 

@@ -212,7 +212,8 @@ def test_admin_token_from_a_file_guards_flush_and_is_never_shown(tmp_path):
             assert bad.status_code == 401
             ok = c.post("/v1/flush", json={"tier": "L2"}, headers={"Authorization": "Bearer s3cret-token-value"})
             assert ok.status_code == 200 and ok.json() == {"L2": 0, "L3": None}
-            cfg = c.get("/v1/config")
+            assert c.get("/v1/config").status_code == 401  # admin whenever a token is configured
+            cfg = c.get("/v1/config", headers={"Authorization": "Bearer s3cret-token-value"})
             assert cfg.status_code == 200 and "s3cret" not in cfg.text
             assert cfg.json()["config"]["service"]["admin_token_file"] == str(secret)
     finally:

@@ -46,6 +46,8 @@ def main(mode: str, args: dict) -> dict:
             return {"num_pages": n, "pages": pages, "data": data}
         assert mode == "hold", mode
         pages = c.reserve(len(hashes))
+        for i, p in enumerate(pages):
+            c.pool.write_page(p, payload(0, i, layout.page_bytes))
         c.commit(hashes, pages)
         reserved = c.reserve(args["reserve"])
         acquired = c.acquire(hashes)

@@ -121,6 +121,8 @@ def test_eviction_and_out_of_pages_through_the_service(service, client):
     lay = service.layout
     hashes = page_hashes(list(range(7000, 7000 + 4 * lay.page_size)), lay.page_size)
     pages = client.reserve(4)
+    for p in pages:
+        client.pool.write_page(p, bytes(lay.page_bytes))
     client.commit(hashes, pages)
     assert client.acquire(hashes[:1]) == pages[:1]
     s = client.stats()

@@ -41,6 +41,7 @@ def test_start_serve_stop_removes_socket_and_segment(cfg):
         with EngineClient(cfg.service.socket_path, lay) as c:
             h = page_hashes(list(range(2 * lay.page_size)), lay.page_size)
             p = c.reserve(2)
+            c.pool.write_page(p[0], bytes(lay.page_bytes))
             c.pool.write_page(p[1], bytes(range(256)) * (lay.page_bytes // 256))
             c.commit(h, p)
             assert srv.pool.read_page(p[1]) == bytes(range(256)) * (lay.page_bytes // 256)

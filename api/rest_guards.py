@@ -1,0 +1,102 @@
+"""REST input guards: a request-body size limit enforced before parsing, and
+validation errors that never echo the input.
+
+``BodyLimit`` is plain ASGI middleware: a ``Content-Length`` above the limit
+is answered 413 without reading the body, and a chunked body is counted as
+it streams and cut off with 413 once it passes the limit, so a 50 MB body
+never reaches the JSON parser (``service.max_request_bytes``).
+
+``validation_error`` replaces FastAPI's default 422 handler. The default one
+echoes each invalid input (three times for a long token list) and fails with
+a 500 when the input cannot be encoded back (``NaN``, ``Infinity``, a lone
+surrogate). Ours reports each error's location, type and message only.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+MAX_ERRORS = 10  # errors listed in one 422
+
+
+class BodyLimit:
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    await self._reject(send, 400, "Content-Length is not a number")
+                    return
+                if declared > self.max_bytes:
+                    await self._too_large(send, declared)
+                    return
+        seen = 0
+        started = False
+
+        async def counted_receive() -> Message:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge(seen)
+            return msg
+
+        async def tracked_send(msg: Message) -> None:
+            nonlocal started
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except _TooLarge as e:
+            if not started:
+                await self._too_large(send, e.seen)
+
+    async def _too_large(self, send: Send, n: int) -> None:
+        await self._reject(send, 413, f"request body of {n}+ bytes exceeds the limit of {self.max_bytes} "
+                           "bytes (service.max_request_bytes); send a shorter prompt or page-hash list")
+
+    @staticmethod
+    async def _reject(send: Send, status: int, detail: str) -> None:
+        resp = JSONResponse({"detail": detail}, status_code=status, headers={"Connection": "close"})
+        await send({"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers})
+        await send({"type": "http.response.body", "body": resp.body})
+
+
+class _TooLarge(BaseException):
+    """Not an ``Exception``: FastAPI turns any ``Exception`` raised while reading
+    a body into a 400, so this must pass through it to ``BodyLimit``."""
+
+    def __init__(self, seen: int):
+        self.seen = seen
+
+
+async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    detail: list[dict[str, Any]] = [
+        {"loc": [x if isinstance(x, int) else _safe(str(x), 64) for x in e.get("loc", ())],
+         "type": _safe(str(e.get("type", "")), 64), "msg": _safe(str(e.get("msg", "")), 200)}
+        for e in errors[:MAX_ERRORS]]
+    if len(errors) > MAX_ERRORS:
+        detail.append({"loc": [], "type": "truncated", "msg": f"{len(errors) - MAX_ERRORS} more error(s)"})
+    return JSONResponse({"detail": detail}, status_code=422)
+
+
+def _safe(s: str, limit: int) -> str:
+    """Encodable text of bounded length (a lone surrogate becomes ``\\udXXX``)."""
+    s = s.encode("utf-8", "backslashreplace").decode("utf-8")
+    return s if len(s) <= limit else s[:limit] + "..."
