@@ -19,9 +19,12 @@ Equivalents: SGLang ``match_prefix`` = ``match``, ``cache_unfinished_req`` =
 Hit rules. Scheduler-visible hits are whole pages: ``device_tokens``, then
 ``host_tokens`` continuing it. A request's partial last page is private to
 it; only its own refresh (``req.match()`` while it holds that page, also
-after ``preempt``) counts it, in ``exact_tokens``. Nothing here copies KV:
-``set_host`` / ``set_device`` / ``on_device_evict`` / ``on_insert`` are the
-hooks a tiering controller drives. Not thread-safe: one scheduler thread.
+after ``preempt``) counts it, in ``exact_tokens``. Nothing here copies KV and
+nothing calls up: eviction is ``device_victims`` -> the caller's write-back ->
+``drop_device``; an insert reports the nodes it created and the draft planes
+the caller must copy (``hicache.hicache`` acts on both); ``set_host`` /
+``set_device`` record what a tiering controller moved. Not thread-safe: one
+scheduler thread.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import dataclasses
 import enum
 import logging
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -41,8 +44,10 @@ from hicache.eviction import EvictionPolicy, make_policy
 from hicache.hashing import tokens_to_bytes
 from hicache.layout import KVLayout
 from hicache.pools import DevicePool, HostPool
-from hicache.radix import DRAFT_CUTS, Node, NodeHook, RadixTree
-from hicache.types import PageHash
+from hicache.draft import DRAFT_CUTS, check_request_pages, draft_prefix_pages
+from hicache.node import Dropped, InsertResult, Node
+from hicache.radix import RadixTree
+from hicache.types import DevicePageId, HostPageId, PageHash
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +192,7 @@ class Request:
         """Owned L1 ids this request holds outside the index (a fresh list)."""
         if self.state is RequestState.PREEMPTED:
             return list(self._tail)
-        return self.pages[self.cache.tree.owned(0, self.shared_pages):]
+        return self.pages[self.cache.owned(0, self.shared_pages):]
 
     # ------------------------------------------------------------- lifecycle
     def match(self) -> MatchResult:
@@ -235,7 +240,7 @@ class Request:
             self.pages += self._tail
             self.computed_tokens = m.exact_tokens
         elif self._tail:
-            c._free_device(self._tail)
+            c.free_device(self._tail)
         self._tail, self._tail_tokens = [], 0
         self.allocated_tokens = self.computed_tokens
         self.node = c._lock_target(m.device_node, self.shared_pages) if self.shared_pages else None
@@ -264,13 +269,16 @@ class Request:
         if num_tokens < 0 or end > self.num_tokens:
             raise CacheStateError(f"request {self.rid!r}: alloc({num_tokens}) would reserve {end} "
                                   f"tokens but it has {self.num_tokens}; extend() first")
-        c = self.cache
-        ps = c.page_size
-        first, last = -(-self.allocated_tokens // ps), -(-end // ps)
-        ids = c._alloc_device(c.tree.owned(first, last - first))
+        ids = self.cache.alloc_device(self._pages_for(end))
         self.pages += ids
         self.allocated_tokens = end
         return ids
+
+    def _pages_for(self, end: int) -> int:
+        """Owned L1 pages that reserving slots up to token ``end`` allocates."""
+        ps = self.cache.page_size
+        first, last = -(-self.allocated_tokens // ps), -(-end // ps)
+        return self.cache.owned(first, last - first)
 
     def commit(self, num_tokens: int | None = None, *, draft_tokens: int | None = None) -> int:
         """Mark ``num_tokens`` more tokens computed (default: all allocated) and
@@ -283,6 +291,12 @@ class Request:
         next token, so the last one is pending. Only pages whose draft rows are
         all valid are shared as draft-complete."""
         self._check(RequestState.RUNNING, op="commit")
+        self._advance(num_tokens, draft_tokens)
+        self._adopt(self._share())
+        return self.computed_tokens
+
+    def _advance(self, num_tokens: int | None, draft_tokens: int | None) -> None:
+        """``commit``'s accounting: more computed tokens and draft rows."""
         n = self.allocated_tokens - self.computed_tokens if num_tokens is None else num_tokens
         if not 0 <= n <= self.allocated_tokens - self.computed_tokens:
             raise CacheStateError(f"request {self.rid!r}: commit({num_tokens}) but only "
@@ -297,8 +311,6 @@ class Request:
             self.draft_tokens = draft_tokens
         elif self.draft:
             self.draft_tokens = max(self.draft_tokens, self.computed_tokens - 1)
-        self._share()
-        return self.computed_tokens
 
     def replace_uncommitted(self, tokens: Tokens) -> None:
         """Replace the tokens after ``computed_tokens`` with ``tokens`` (speculative
@@ -310,15 +322,18 @@ class Request:
         self._buf = self._buf[:self.computed_tokens * 4] + as_key(tokens)
         self._key = None
         self.allocated_tokens = min(self.allocated_tokens, self.num_tokens)
-        keep = c.tree.owned(0, -(-self.allocated_tokens // ps))
-        c._free_device(self.pages[keep:])
+        keep = c.owned(0, -(-self.allocated_tokens // ps))
+        c.free_device(self.pages[keep:])
         del self.pages[keep:]
 
     def finish(self) -> None:
         """Share the computed full pages, free every private page, unlock. -> FINISHED."""
         self._check(RequestState.WAITING, RequestState.RUNNING, RequestState.PREEMPTED, op="finish")
         if self.state is RequestState.RUNNING:
-            self._share()
+            self._adopt(self._share())
+        self._end_finish()
+
+    def _end_finish(self) -> None:
         self._release()
         self.state = RequestState.FINISHED
         self.cache._stats.requests_finished += 1
@@ -335,14 +350,17 @@ class Request:
         partial last page (at most one page, kept for an exact refresh).
         RUNNING -> PREEMPTED; resume with ``match`` + ``lock``."""
         self._check(RequestState.RUNNING, op="preempt")
+        self._adopt(self._share())
+        self._end_preempt()
+
+    def _end_preempt(self) -> None:
         c = self.cache
-        self._share()
         ps = c.page_size
         tail_tokens = self.computed_tokens - self.shared_pages * ps
         private = self.private_pages
-        keep = c.tree.owned(self.shared_pages, 1) if tail_tokens else 0
+        keep = c.owned(self.shared_pages, 1) if tail_tokens else 0
         tail, rest = private[:keep], private[keep:]
-        c._free_device(rest)
+        c.free_device(rest)
         self._unlock()
         self._tail, self._tail_page, self._tail_tokens = tail, self.shared_pages, tail_tokens
         self.pages, self.shared_pages, self.computed_tokens, self.allocated_tokens = [], 0, 0, 0
@@ -355,28 +373,34 @@ class Request:
             raise CacheStateError(f"request {self.rid!r}: {op}() needs state "
                                   f"{'/'.join(s.value for s in ok)}, it is {self.state.value}")
 
-    def _share(self) -> None:
+    def _share(self) -> InsertResult | None:
+        """Insert the computed full pages (and newly valid draft rows); move the lock
+        to the new deepest node and take the index's ids. Returns what the insert
+        did (None if nothing changed); the caller acts on it (``_adopt``)."""
         c = self.cache
-        tree, ps = c.tree, c.page_size
+        ps = c.page_size
         full = self.computed_tokens // ps
         dp = min(full, self.draft_tokens // ps)
         if full <= self.shared_pages and dp <= self._draft_shared:
-            return  # (a shared page whose pending draft row was just written is re-inserted)
-        k = tree.owned(0, full)
-        res = tree.insert(self.key[:full * 4 * ps], self.namespace, self.pages[:k], dp)
-        if c.on_share is not None:
-            c.on_share(res.node)
+            return None  # (a shared page whose pending draft row was just written is re-inserted)
+        k = c.owned(0, full)
+        res = c.tree.insert(self.key[:full * 4 * ps], self.namespace, self.pages[:k], dp)
         self._draft_shared = dp
         self.pages[:k] = res.pages
-        if res.draft_copies:  # before the duplicates (the copies' sources) are freed
-            c._copy_draft(res.draft_copies)
-        if res.duplicates:
-            c._free_device(res.duplicates)
-        tree.lock(res.node)
+        c.tree.lock(res.node)
         self._unlock()
         self.node, self.shared_pages = res.node, full
         c._stats.inserted_pages += res.new_pages
         c._stats.duplicate_pages += len(res.duplicates)
+        return res
+
+    def _adopt(self, res: InsertResult | None) -> None:
+        """Free the duplicates of a share: call after the draft planes listed in
+        ``res.draft_copies`` were copied (their sources are those duplicates)."""
+        if res is None:
+            return
+        self.cache._stats.draft_upgraded_pages += len(res.draft_copies)
+        self.cache.free_device(res.duplicates)
 
     def _unlock(self) -> None:
         if self.node is not None:
@@ -385,7 +409,7 @@ class Request:
 
     def _release(self) -> None:
         c = self.cache
-        c._free_device(self.private_pages)
+        c.free_device(self.private_pages)
         self._unlock()
         self.pages, self._tail, self._tail_tokens = [], [], 0
         self.shared_pages = self.computed_tokens = self.allocated_tokens = 0
@@ -413,21 +437,18 @@ class PrefixCache:
     Layouts with draft planes: requests are draft requests by default (they
     hit only draft-complete pages, see ``RadixTree.match``); an engine that
     does not run its draft head passes ``draft=False`` to ``new_request``.
-    When ``device`` is a ``DevicePool`` the cache copies draft planes itself
-    when a request supplies the draft rows a cached page lacked.
+    When a request supplies the draft rows a cached page lacked, the index
+    flags the page complete; copying those rows onto the cached page is the
+    caller's (``InsertResult.draft_copies``, done by ``hicache.HiCache``).
+
+    This is the only way into the index: nothing outside reaches ``tree``.
     """
 
     def __init__(self, layout: KVLayout, device: DevicePool | PageAllocator,
                  host: HostPool | PageAllocator | None = None, *,
                  eviction: str | EvictionPolicy = "lru", host_eviction: str | EvictionPolicy = "lru",
-                 ownership: str | PageOwnership = "round_robin",
-                 on_insert: NodeHook | None = None, on_device_evict: NodeHook | None = None,
-                 on_share: NodeHook | None = None):
+                 ownership: str | PageOwnership = "round_robin"):
         self.layout = layout
-        # Runs when a request's pages join ``node``'s path, before the request
-        # adopts the index's page ids or writes draft rows into them: a tiering
-        # controller makes it wait for loads still filling those pages.
-        self.on_share = on_share
         self.page_size = layout.page_size
         self.device_allocator = _allocator(device)
         self.device_pool = device if isinstance(device, DevicePool) else None
@@ -437,7 +458,6 @@ class PrefixCache:
         self.policy = make_policy(eviction)
         self.host_policy = make_policy(host_eviction)
         self.tree = RadixTree(layout.page_size, self.ownership, layout.cp_rank,
-                              on_insert=on_insert, on_device_evict=on_device_evict,
                               draft=layout.draft_layers > 0)
         self._draft_warned: set[int] = set()  # causes already logged (one warning per cause)
         self.requests: dict[str, Request] = {}  # live (not finished/aborted) requests by id
@@ -449,10 +469,16 @@ class PrefixCache:
     def new_request(self, rid: str, tokens: Tokens, namespace: str = "", *, draft: bool | None = None) -> Request:
         """A WAITING handle for ``tokens``; ``rid`` must not be live. ``draft``: the
         request runs the draft head (default: the layout has draft planes)."""
+        return self.add_request(Request(self, rid, as_key(tokens), namespace,
+                                        self.tree.draft if draft is None else draft))
+
+    def add_request(self, req: Request) -> Request:
+        """Register a handle built on this cache (a subclass of ``Request``, e.g.
+        ``hicache.hicache.TieredRequest``); its ``rid`` must not be live."""
+        rid = req.rid
         if rid in self.requests:
             raise CacheStateError(f"request id {rid!r} is already live ({self.requests[rid]!r}); "
                                   "finish or abort it first")
-        req = Request(self, rid, as_key(tokens), namespace, self.tree.draft if draft is None else draft)
         self.requests[rid] = req
         self._stats.requests += 1
         return req
@@ -489,43 +515,40 @@ class PrefixCache:
     def _draft_prefix(self, node: Node | None) -> int:
         """Tokens from 0 whose L1 draft planes are complete on ``node``'s path."""
         path = self.tree.path(node) if node is not None else []
-        for n in path:
-            if not n.draft_device:
-                return n.start_page * self.page_size
-        return (path[-1].start_page + path[-1].num_pages) * self.page_size if path else 0
-
-    def _copy_draft(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy the draft planes of page ``a`` onto page ``b`` for each ``(a, b)``."""
-        self._stats.draft_upgraded_pages += len(pairs)
-        if self.device_pool is None:
-            return  # an index without a pool (tests, services) has no bytes to move
-        from hicache.kernels.page_copy import copy_pages
-        planes = [s.index for s in self.layout.planes if s.draft]
-        copy_pages(self.device_pool, self.device_pool, [a for a, _ in pairs], [b for _, b in pairs],
-                   planes=planes)
+        return draft_prefix_pages(path) * self.page_size
 
     # ---------------------------------------------------------------- eviction
-    def evict(self, num_pages: int, policy: str | EvictionPolicy | None = None) -> int:
-        """Take at least ``num_pages`` logical pages off L1 (unlocked leaves first,
-        by ``policy`` or the cache's), freeing their ids. Returns pages evicted
-        (fewer only when nothing else is evictable). Invalidates older matches."""
+    def device_victims(self, num_pages: int, policy: str | EvictionPolicy | None = None) -> list[Node]:
+        """Step 1 of L1 eviction (pure): unlocked L1 leaves covering at least
+        ``num_pages`` logical pages, in eviction order (see ``RadixTree.device_victims``).
+        Back up what must survive on L2 (``set_host``), then ``drop_device``."""
         pol = self.policy if policy is None else make_policy(policy)
-        freed, got = self.tree.evict_device(num_pages, pol)
-        if freed:
-            self.device_allocator.free(freed)
-        self._stats.device_evicted_pages += got
-        return got
+        return self.tree.device_victims(num_pages, pol)
 
-    def evict_host(self, num_pages: int, policy: str | EvictionPolicy | None = None) -> list[int]:
+    def drop_device(self, victims: list[Node]) -> int:
+        """Step 3 of L1 eviction: take ``victims`` off L1 and free their ids.
+        Returns the logical pages evicted. Invalidates older matches."""
+        d = self.tree.drop_device(victims)
+        self.free_device(d.freed)
+        self._stats.device_evicted_pages += d.pages
+        return d.pages
+
+    def evict(self, num_pages: int, policy: str | EvictionPolicy | None = None) -> int:
+        """Take at least ``num_pages`` logical pages off L1 without a write-back
+        (unlocked leaves first, by ``policy`` or the cache's), freeing their ids.
+        Returns pages evicted (fewer only when nothing else is evictable)."""
+        return self.drop_device(self.device_victims(num_pages, policy))
+
+    def evict_host(self, num_pages: int, policy: str | EvictionPolicy | None = None) -> list[HostPageId]:
         """Drop at least ``num_pages`` logical pages from L2 (never host-locked
         ones; L2 stays prefix-closed). Returns the freed L2 ids, already
         returned to the host allocator when the cache has one."""
         pol = self.host_policy if policy is None else make_policy(policy)
-        freed, got = self.tree.evict_host(num_pages, pol)
-        if freed and self.host_allocator is not None:
-            self.host_allocator.free(freed)
-        self._stats.host_evicted_pages += got
-        return freed
+        d: Dropped = self.tree.drop_host(self.tree.host_victims(num_pages, pol))
+        if d.freed and self.host_allocator is not None:
+            self.host_allocator.free(d.freed)
+        self._stats.host_evicted_pages += d.pages
+        return d.freed
 
     def _lock_target(self, node: Node, num_pages: int) -> Node:
         """The node ending exactly at logical page ``num_pages`` on ``node``'s path,
@@ -534,7 +557,10 @@ class PrefixCache:
             node = node.parent
         return self.tree.split_at(node, num_pages - node.start_page)
 
-    def _alloc_device(self, n: int) -> list[int]:
+    def alloc_device(self, n: int) -> list[DevicePageId]:
+        """``n`` L1 pages held privately by the caller (free them with ``free_device``
+        or hand them to the index); evicts without a write-back when short.
+        Raises ``OutOfPages`` (allocating nothing) if eviction cannot make room."""
         a = self.device_allocator
         while a.num_free < n:
             if not self.evict(n - a.num_free):
@@ -543,11 +569,55 @@ class PrefixCache:
                                  "finish or preempt requests, or enlarge the pool")
         return a.alloc(n)
 
-    def _free_device(self, ids: list[int]) -> None:
+    def free_device(self, ids: list[DevicePageId]) -> None:
         if ids:
             self.device_allocator.free(ids)
 
-    # ------------------------------------------------------------ tiering hooks
+    # ------------------------------------------------------------ tier records
+    def owned(self, start_page: int, num_pages: int) -> int:
+        """Pages this CP rank owns among logical pages ``[start_page, start_page + num_pages)``."""
+        return self.tree.owned(start_page, num_pages)
+
+    @property
+    def epoch(self) -> int:
+        """Bumps whenever pages leave a tier: a ``MatchResult`` from an older epoch is stale."""
+        return self.tree.epoch
+
+    @property
+    def has_draft(self) -> bool:
+        """The layout has draft planes (their completeness is tracked per node and tier)."""
+        return self.tree.draft
+
+    def owns(self, logical_page: int) -> bool:
+        """This CP rank holds ``logical_page`` on its tiers."""
+        return self.ownership.owner(logical_page) == self.tree.cp_rank
+
+    def nodes(self) -> Iterator[Node]:
+        """Every indexed node, parents before children (read-only; do not mutate the
+        cache while iterating)."""
+        return self.tree.iter_nodes()
+
+    def pages(self, node: Node | None, end_page: int, first_page: int = 0, *,
+              host: bool = False) -> list[int]:
+        """Owned L1 (``host``: L2) ids of logical pages ``[first_page, end_page)`` on
+        the path to ``node``, which holds page ``end_page - 1``. A fresh list."""
+        return self.tree.pages(node, end_page, first_page, host=host)
+
+    def path(self, node: Node, stop: Node | None = None) -> list[Node]:
+        """Nodes from just below ``stop`` (default: the root) down to ``node``, top-down."""
+        return self.tree.path(node, stop)
+
+    def split_at(self, node: Node, num_pages: int) -> Node:
+        """Make a node boundary ``num_pages`` into ``node``; returns the upper part."""
+        return self.tree.split_at(node, num_pages)
+
+    def insert_host(self, key: bytes, namespace: str, first_page: int,
+                    host_pages: list[HostPageId]) -> tuple[Node | None, list[HostPageId]]:
+        """Record L3 pages that landed in L2 (see ``RadixTree.insert_host``): returns
+        the deepest new L2 node (None if nothing new) and the ids the index did
+        not take, which the caller frees."""
+        return self.tree.insert_host(key, namespace, first_page, host_pages)
+
     def set_host(self, node: Node, host_pages: list[int], *, draft: bool | None = None) -> None:
         """Record complete L2 copies of ``node`` (ids from ``host_allocator``); ``draft``:
         their draft rows are valid (default: ``node.draft_device``, see ``RadixTree.set_host``)."""
@@ -671,8 +741,5 @@ class PrefixCache:
             raise IntegrityError(f"{r!r}: shared pages {r.pages[:k]} are not the index's "
                                  f"{ids} ({h.device_num_pages} pages)")
         if r.draft and tree.draft:  # invariant 5: a draft request holds no draft-incomplete page it vouched for
-            dp = min(r.shared_pages, r.draft_tokens // ps)
-            for n in tree.path(h.device_node) if h.device_node is not None else ():
-                if n.start_page < dp and not n.draft_device:
-                    raise IntegrityError(f"{r!r}: uses {n!r} whose L1 draft planes are incomplete "
-                                         f"(its draft rows are valid up to page {dp})")
+            path = tree.path(h.device_node) if h.device_node is not None else []
+            check_request_pages(path, min(r.shared_pages, r.draft_tokens // ps), r)

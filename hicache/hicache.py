@@ -2,7 +2,10 @@
 
 It composes the index (``PrefixCache``), the L1/L2 pools, an L3 backend and
 the transfer controller, and implements the write policies, load back and
-prefetch on top of the index's tiering hooks::
+prefetch on top of the index. The index never calls up: requests made here
+are ``TieredRequest`` handles, which act on what each index call returns
+(back up the nodes an insert created, wait for loads and copy draft planes
+before adopting the index's pages, write back eviction victims)::
 
     hc = HiCache(HiCacheConfig.load())
     req = hc.new_request("r1", prompt_ids)
@@ -25,13 +28,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hicache.cache import MatchResult, PrefixCache, Request, Tokens, as_key
+from hicache.cache import MatchResult, PrefixCache, Request, RequestState, Tokens, as_key
 from hicache.config import HiCacheConfig
 from hicache.errors import CacheStateError, OutOfPages, TransferError
 from hicache.hashing import page_hashes
 from hicache.layout import KVLayout
 from hicache.pools import DevicePool, HostPool
-from hicache.radix import Node
+from hicache.node import InsertResult, Node
 from hicache.transfer import LoadHandle, Transfer, TransferController
 
 log = logging.getLogger(__name__)
@@ -98,9 +101,7 @@ class HiCache:
         self.policy = cfg.policy
         self.transfers = TransferController(self.device_pool, self.host_pool, storage)
         self.cache = PrefixCache(self.layout, self.device_pool, self.host_pool,
-                                 eviction=cfg.policy.device_eviction, host_eviction=cfg.policy.host_eviction,
-                                 on_insert=self._on_insert, on_device_evict=self._on_device_evict,
-                                 on_share=self._wait_loads)
+                                 eviction=cfg.policy.device_eviction, host_eviction=cfg.policy.host_eviction)
         self.tier_stats = TierStats()
         self._loading: dict[Node, LoadHandle] = {}  # L1 pages of these nodes are still arriving
         self._backing_up: set[Node] = set()
@@ -112,7 +113,9 @@ class HiCache:
     def new_request(self, rid: str, tokens: Tokens, namespace: str = "", *, draft: bool | None = None) -> Request:
         """A WAITING request handle (see ``hicache.cache.Request``). ``draft``: the
         request runs the draft head (default: the layout has draft planes)."""
-        return self.cache.new_request(rid, tokens, namespace, draft=draft)
+        c = self.cache
+        return c.add_request(TieredRequest(self, rid, as_key(tokens), namespace,
+                                           c.has_draft if draft is None else draft))
 
     def match(self, tokens: Tokens, namespace: str = "", *, storage: bool = False) -> tuple[MatchResult, int]:
         """Page-floored hits per tier without side effects beyond statistics:
@@ -138,15 +141,15 @@ class HiCache:
         m = req.match()
         device_tokens = m.device_tokens
         storage_tokens = self._maybe_prefetch(req, m)
-        if storage_tokens or m.epoch != self.cache.tree.epoch:
+        if storage_tokens or m.epoch != self.cache.epoch:
             m = req.match()  # prefetched pages joined L2, or L2 room was made by eviction
         own = self._load_host_hit(m)
-        if own is not None or m.epoch != self.cache.tree.epoch:
+        if own is not None or m.epoch != self.cache.epoch:
             m = req.match()
         req.lock(m)
         loads = [own] if own is not None else []
         if m.device_node is not None:
-            for n in self.cache.tree.path(m.device_node):
+            for n in self.cache.path(m.device_node):
                 h = self._loading.get(n)
                 if h is not None and h not in loads:
                     loads.append(h)
@@ -183,7 +186,7 @@ class HiCache:
             got = host[:n]
             unused = host[n:]
             if n:
-                node, dup = self.cache.tree.insert_host(end_key[:(have + n) * ps * 4], req.namespace, have, got)
+                node, dup = self.cache.insert_host(end_key[:(have + n) * ps * 4], req.namespace, have, got)
                 unused = unused + dup
                 if node is not None:
                     self.cache.set_stored(node)
@@ -214,17 +217,18 @@ class HiCache:
         """Give the L2-only part of ``m`` L1 pages and start copying it in."""
         if not m.host_tokens or m.host_node is None:
             return None
-        tree, ps = self.cache.tree, self.layout.page_size
+        cache, ps = self.cache, self.layout.page_size
         end_page = m.tokens // ps
-        last = tree.split_at(m.host_node, end_page - m.host_node.start_page)
-        path = tree.path(last, stop=m.device_node)
+        last = cache.split_at(m.host_node, end_page - m.host_node.start_page)
+        path = cache.path(last, stop=m.device_node)
         assert path and all(n.device_pages is None and n.host_pages is not None for n in path), path
         self.cache.inc_host_lock(last)
         if m.device_node is not None:
             self.cache.inc_lock(m.device_node)
         try:
             need = sum(len(n.host_pages) for n in path)
-            dev = self.cache._alloc_device(need)
+            self._make_room(need)
+            dev = self.cache.alloc_device(need)
         except OutOfPages:
             self.cache.dec_host_lock(last)
             return None
@@ -267,21 +271,17 @@ class HiCache:
             self.cache.evict_host(n - a.num_free)
         return a.alloc(n) if a.num_free >= n else None
 
-    def _on_insert(self, node: Node) -> None:
-        if self.policy.write_policy == "write_through":
-            self._backup(node)
-
     def _selective_backup(self, deepest: Node) -> None:
-        for n in self.cache.tree.path(deepest):
+        for n in self.cache.path(deepest):
             if (n.host_pages is None and n not in self._backing_up
                     and n.hit_count >= self.policy.write_through_threshold):
                 self._backup(n)
 
-    def _on_device_evict(self, node: Node) -> None:
-        """write_back: save the node (and its path) to L2 before its L1 pages go."""
-        if self.policy.write_policy != "write_back" or node.host_pages is not None:
+    def _write_back(self, node: Node) -> None:
+        """write_back: save an eviction victim (and its path) to L2 before its L1 pages go."""
+        if node.host_pages is not None:
             return
-        for n in self.cache.tree.path(node):
+        for n in self.cache.path(node):
             if n.host_pages is None and n not in self._backing_up:
                 t = self._backup(n, synchronous=True)
                 if t is None:
@@ -342,7 +342,7 @@ class HiCache:
         """L2 -> L3 once the L2 copy is complete."""
         if not self._storage_enabled or node.in_storage:
             return
-        if self.cache.tree.draft and not node.draft_host:  # L3 holds complete pages only
+        if self.cache.has_draft and not node.draft_host:  # L3 holds complete pages only
             self.tier_stats.storage_put_skipped_draft_pages += len(node.host_pages)
             return
         self.cache.inc_host_lock(node)
@@ -359,6 +359,62 @@ class HiCache:
 
         self.transfers.storage_put(host, hashes, on_done=stored)
 
+    # ------------------------------------------------------------- eviction
+    def evict(self, num_pages: int) -> int:
+        """Take at least ``num_pages`` logical pages off L1 (unlocked leaves, by the
+        device eviction policy). Under ``write_back`` each victim and its path are
+        first backed up to L2 (waiting for the copy), so they stay as L2 hits.
+        Returns pages evicted (fewer only when nothing else is evictable)."""
+        got = 0
+        while got < num_pages:
+            victims = self.cache.device_victims(num_pages - got)
+            if not victims:
+                break
+            if self.policy.write_policy == "write_back":
+                for n in victims:
+                    self._write_back(n)
+            dropped = self.cache.drop_device(victims)
+            if not dropped:
+                break  # the write-back's completions changed every victim: give up this round
+            got += dropped
+        return got
+
+    def evict_host(self, num_pages: int) -> list[int]:
+        """Drop at least ``num_pages`` logical pages from L2 (never pages a transfer
+        holds); returns the freed L2 ids (already free in the host pool)."""
+        return self.cache.evict_host(num_pages)
+
+    def _make_room(self, num_pages: int) -> None:
+        """Before allocating ``num_pages`` L1 pages: under ``write_back`` evict with
+        the write-back here (the index's own eviction would drop dirty pages)."""
+        if self.policy.write_policy != "write_back":
+            return
+        a = self.cache.device_allocator
+        if a.num_free < num_pages:
+            self.evict(num_pages - a.num_free)
+
+    # ------------------------------------------------------------- sharing
+    def _settle_share(self, req: Request, res: InsertResult | None) -> None:
+        """Act on what a request's insert returned: wait for loads still filling the
+        index pages it now uses, copy the draft planes it supplied onto them,
+        free its duplicates, then back up the new nodes (write_through)."""
+        if res is None:
+            return
+        self._wait_loads(res.node)
+        if res.draft_copies:  # before the duplicates (the copies' sources) are freed
+            self._copy_draft(res.draft_copies)
+        req._adopt(res)
+        if self.policy.write_policy == "write_through":
+            for n in res.created:
+                self._backup(n)
+
+    def _copy_draft(self, pairs) -> None:
+        """Copy the draft planes of L1 page ``a`` onto page ``b`` for each ``(a, b)``."""
+        from hicache.kernels.page_copy import copy_pages
+        planes = [s.index for s in self.layout.planes if s.draft]
+        copy_pages(self.device_pool, self.device_pool, [a for a, _ in pairs], [b for _, b in pairs],
+                   planes=planes)
+
     # ------------------------------------------------------------- lifecycle
     def poll(self) -> int:
         """Observe finished transfers without blocking; returns how many. Raises
@@ -374,7 +430,7 @@ class HiCache:
     def _wait_loads(self, node: Node) -> None:
         """A request is about to use the index's L1 pages on ``node``'s path (or
         write draft rows into them): wait for loads still filling them."""
-        for n in self.cache.tree.path(node):
+        for n in self.cache.path(node):
             h = self._loading.get(n)
             if h is not None:
                 h.wait()
@@ -407,3 +463,36 @@ class HiCache:
         if self.storage is not None:
             self.storage.close()
 
+
+
+class TieredRequest(Request):
+    """A request of a ``HiCache``: the same handle and states as ``Request``; each
+    step that changes the index hands the index's answer to its ``HiCache``,
+    which acts on it (see ``HiCache._settle_share`` and ``HiCache._make_room``)."""
+
+    def __init__(self, hc: HiCache, rid: str, key: bytes, namespace: str, draft: bool):
+        super().__init__(hc.cache, rid, key, namespace, draft)
+        self._hc = hc
+
+    def alloc(self, num_tokens: int) -> list[int]:
+        end = self.allocated_tokens + num_tokens
+        if self.state is RequestState.RUNNING and 0 <= num_tokens and end <= self.num_tokens:
+            self._hc._make_room(self._pages_for(end))
+        return super().alloc(num_tokens)
+
+    def commit(self, num_tokens: int | None = None, *, draft_tokens: int | None = None) -> int:
+        self._check(RequestState.RUNNING, op="commit")
+        self._advance(num_tokens, draft_tokens)
+        self._hc._settle_share(self, self._share())
+        return self.computed_tokens
+
+    def finish(self) -> None:
+        self._check(RequestState.WAITING, RequestState.RUNNING, RequestState.PREEMPTED, op="finish")
+        if self.state is RequestState.RUNNING:
+            self._hc._settle_share(self, self._share())
+        self._end_finish()
+
+    def preempt(self) -> None:
+        self._check(RequestState.RUNNING, op="preempt")
+        self._hc._settle_share(self, self._share())
+        self._end_preempt()
