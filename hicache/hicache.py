@@ -23,42 +23,25 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
 from hicache.cache import MatchResult, PrefixCache, Request, RequestState, Tokens, as_key
 from hicache.config import HiCacheConfig
-from hicache.errors import CacheStateError, OutOfPages, TransferError
+from hicache.errors import OutOfPages, TransferError
 from hicache.hashing import page_hashes
 from hicache.layout import KVLayout
 from hicache.pools import DevicePool, HostPool
 from hicache.node import InsertResult, Node
-from hicache.transfer import LoadHandle, Transfer, TransferController
+from hicache.plans import BackupPlan, LoadPlan, StorePlan
+from hicache.tiers import TierManager, TierMoveStats
+from hicache.transfer import LoadHandle, Plan, TransferController, TransferResult
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class TierStats:
-    """Tier movement counters (pages unless named otherwise)."""
-
-    storage_lookups: int = 0
-    storage_hit_pages: int = 0  # L3 pages continuing the L2 hit, at admission
-    prefetch_started: int = 0
-    prefetch_pages: int = 0  # pages that landed in L2 from L3
-    prefetch_waited_ms: float = 0.0
-    load_back_pages: int = 0  # L2 -> L1
-    backup_pages: int = 0  # L1 -> L2 completed
-    backup_dropped_pages: int = 0  # no L2 space, or the path was not on L2
-    storage_put_pages: int = 0  # L2 -> L3 completed
-    storage_put_dropped_pages: int = 0
-    storage_put_skipped_draft_pages: int = 0  # not stored: their L2 draft rows are incomplete
-    transfer_errors: int = 0
-
-    def as_dict(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
+TierStats = TierMoveStats  # the name HiCache.tier_stats had before the tier manager
 
 
 class Admission(NamedTuple):
@@ -102,10 +85,10 @@ class HiCache:
         self.transfers = TransferController(self.device_pool, self.host_pool, storage)
         self.cache = PrefixCache(self.layout, self.device_pool, self.host_pool,
                                  eviction=cfg.policy.device_eviction, host_eviction=cfg.policy.host_eviction)
-        self.tier_stats = TierStats()
-        self._loading: dict[Node, LoadHandle] = {}  # L1 pages of these nodes are still arriving
-        self._backing_up: set[Node] = set()
-        self._host_in_flight: dict[int, list[int]] = {}  # transfer id -> host pages it holds (for integrity)
+        self.tiers = TierManager(self.cache)
+        self.tier_stats = self.tiers.stats
+        self._jobs: dict[int, Plan] = {}  # submitted, not yet completed: job id -> its plan
+        self._load_handles: dict[int, LoadHandle] = {}  # id(LoadPlan) -> its layer-wise handle
         self._storage_enabled = storage is not None and self.layout.cp_size == 1
         self._failed: TransferError | None = None  # set by a failed load back; fatal
 
@@ -150,7 +133,8 @@ class HiCache:
         loads = [own] if own is not None else []
         if m.device_node is not None:
             for n in self.cache.path(m.device_node):
-                h = self._loading.get(n)
+                plan = self.tiers.loading.get(n)
+                h = None if plan is None else self._load_handles[id(plan)]
                 if h is not None and h not in loads:
                     loads.append(h)
             if self.policy.write_policy == "write_through_selective":
@@ -167,113 +151,54 @@ class HiCache:
         cap = max(0, req.num_tokens - 1) // ps
         if cap - have < self.policy.storage_hit_min_pages:
             return 0
-        key = req.key
-        hashes = self._page_hashes(key, req.namespace, cap)
+        hashes = self._page_hashes(req.key, req.namespace, cap)
         self.tier_stats.storage_lookups += 1
         s = self.transfers.storage_probe(hashes[have:cap])
         if s < self.policy.storage_hit_min_pages:
             return 0
         self.tier_stats.storage_hit_pages += s
-        host = self._alloc_host(s)
-        if host is None:
+        plan = self.tiers.prepare_prefetch(req.key, req.namespace, have, hashes[have:have + s])
+        if plan is None:
             return 0
-        self.tier_stats.prefetch_started += 1
-        end_key = key[:(have + s) * ps * 4]
+        job = self._submit(plan)
+        self._wait_prefetch(job, req.num_tokens)
+        return s * ps if job not in self._jobs else 0
 
-        def landed(t: Transfer) -> None:
-            self._host_in_flight.pop(id(t), None)
-            n = t.result or 0
-            got = host[:n]
-            unused = host[n:]
-            if n:
-                node, dup = self.cache.insert_host(end_key[:(have + n) * ps * 4], req.namespace, have, got)
-                unused = unused + dup
-                if node is not None:
-                    self.cache.set_stored(node)
-            if unused:
-                self.cache.host_allocator.free(unused)
-            self.tier_stats.prefetch_pages += s - len(unused)
-
-        t = self.transfers.storage_get(hashes[have:have + s], host, on_done=landed)
-        self._host_in_flight[id(t)] = host
-        self._wait_prefetch(t, req.num_tokens)
-        return s * ps if t.done else 0
-
-    def _wait_prefetch(self, t: Transfer, num_tokens: int) -> None:
+    def _wait_prefetch(self, job: int, num_tokens: int) -> None:
         p = self.policy
         if p.prefetch_policy == "best_effort":
-            self.transfers.poll()
+            self._observe()
             return
         timeout = None
         if p.prefetch_policy == "timeout":
             timeout = min(p.prefetch_timeout_cap_ms,
                           p.prefetch_timeout_base_ms + p.prefetch_timeout_per_1k_tokens_ms * num_tokens / 1000) / 1e3
         t0 = time.perf_counter()
-        self.transfers.wait(t, timeout)
+        self._wait(job, timeout)
         self.tier_stats.prefetch_waited_ms += (time.perf_counter() - t0) * 1e3
 
     # ----------------------------------------------------------------- L2 -> L1
     def _load_host_hit(self, m: MatchResult) -> LoadHandle | None:
         """Give the L2-only part of ``m`` L1 pages and start copying it in."""
-        if not m.host_tokens or m.host_node is None:
+        lr = self.tiers.plan_load(m)
+        if lr is None:
             return None
-        cache, ps = self.cache, self.layout.page_size
-        end_page = m.tokens // ps
-        last = cache.split_at(m.host_node, end_page - m.host_node.start_page)
-        path = cache.path(last, stop=m.device_node)
-        assert path and all(n.device_pages is None and n.host_pages is not None for n in path), path
-        self.cache.inc_host_lock(last)
-        if m.device_node is not None:
-            self.cache.inc_lock(m.device_node)
         try:
-            need = sum(len(n.host_pages) for n in path)
-            self._make_room(need)
-            dev = self.cache.alloc_device(need)
+            self._make_room(lr.num_pages)
+            dev = self.cache.alloc_device(lr.num_pages)
         except OutOfPages:
-            self.cache.dec_host_lock(last)
+            self.tiers.cancel_load(lr)
             return None
-        finally:
-            if m.device_node is not None:
-                self.cache.dec_lock(m.device_node)
-        host_ids, at = [], 0
-        for n in path:
-            k = len(n.host_pages)
-            host_ids += n.host_pages
-            self.cache.set_device(n, dev[at:at + k])
-            at += k
-        # The transfer itself pins the L1 pages it fills: the admitting request
-        # may abort, finish or be preempted before the copy completes.
-        self.cache.inc_lock(last)
-
-        def loaded(t: Transfer) -> None:
-            self.cache.dec_host_lock(last)
-            self.cache.dec_lock(last)
-            for n in path:
-                if self._loading.get(n) is handle:
-                    del self._loading[n]
-            if t.error is not None:
-                self.tier_stats.transfer_errors += 1
-                self._failed = TransferError(
-                    f"load back of L2 pages {host_ids[:8]}{'...' if len(host_ids) > 8 else ''} into L1 "
-                    f"pages {dev[:8]}{'...' if len(dev) > 8 else ''} failed ({t.error!r}); those L1 pages "
-                    "are indexed with unknown bytes, so this cache refuses to serve; rebuild it")
-
-        handle = self.transfers.load_back(host_ids, dev, on_done=loaded)
-        for n in path:
-            self._loading[n] = handle
-        self.tier_stats.load_back_pages += need
+        plan = self.tiers.prepare_load(lr, dev)
+        job = self._submit(plan)
+        handle = self.transfers.load_handle(job)
+        self._load_handles[id(plan)] = handle
         return handle
 
     # ----------------------------------------------------------------- L1 -> L2
-    def _alloc_host(self, n: int) -> list[int] | None:
-        a = self.cache.host_allocator
-        if a.num_free < n:
-            self.cache.evict_host(n - a.num_free)
-        return a.alloc(n) if a.num_free >= n else None
-
     def _selective_backup(self, deepest: Node) -> None:
         for n in self.cache.path(deepest):
-            if (n.host_pages is None and n not in self._backing_up
+            if (n.host_pages is None and n not in self.tiers.backing_up
                     and n.hit_count >= self.policy.write_through_threshold):
                 self._backup(n)
 
@@ -282,82 +207,64 @@ class HiCache:
         if node.host_pages is not None:
             return
         for n in self.cache.path(node):
-            if n.host_pages is None and n not in self._backing_up:
-                t = self._backup(n, synchronous=True)
-                if t is None:
+            if n.host_pages is None and n not in self.tiers.backing_up:
+                job = self._backup(n, synchronous=True)
+                if job is None:
                     return
 
-    def _backup(self, node: Node, synchronous: bool = False) -> Transfer | None:
-        dev = list(node.device_pages)
-        draft = node.draft_device  # what the copy will hold: rows upgraded later are not in it
-        host = self._alloc_host(len(dev))
-        if host is None:
-            self.tier_stats.backup_dropped_pages += len(dev)
+    def _backup(self, node: Node, synchronous: bool = False) -> int | None:
+        """Start copying ``node`` to L2 (``synchronous``: and wait for it); the job id."""
+        plan = self.tiers.prepare_backup(node, pin=not synchronous)
+        if plan is None:
             return None
-        if not synchronous:
-            self.cache.inc_lock(node)
-        self._backing_up.add(node)
-
-        def done(t: Transfer) -> None:
-            self._host_in_flight.pop(id(t), None)
-            self._backing_up.discard(node)
-            if not synchronous:
-                self.cache.dec_lock(node)
-            self._attach_backup(node, dev, host, t, draft)
-
-        t = self.transfers.backup(dev, host, on_done=done)
-        self._host_in_flight[id(t)] = host
+        job = self._submit(plan)
         if synchronous:
-            self.transfers.wait(t)
-        return t
-
-    def _attach_backup(self, node: Node, dev: list[int], host: list[int], t: Transfer, draft: bool) -> None:
-        """Record the L2 copy on ``node`` and on the upper parts split off it meanwhile."""
-        if t.error is not None:
-            self.tier_stats.transfer_errors += 1
-            self.cache.host_allocator.free(host)
-            return
-        where = {d: i for i, d in enumerate(dev)}
-        chain, n = [], node
-        while (n.parent is not None and n.device_pages and n.host_pages is None
-               and all(d in where for d in n.device_pages)):
-            chain.append(n)
-            n = n.parent
-        used: set[int] = set()
-        for n in reversed(chain):
-            ids = [host[where[d]] for d in n.device_pages]
-            try:
-                self.cache.set_host(n, ids, draft=draft)
-            except CacheStateError:
-                break  # the parent never reached L2: drop this copy
-            used.update(ids)
-            self.tier_stats.backup_pages += len(ids)
-            self._store(n)
-        rest = [h for h in host if h not in used]
-        if rest:
-            self.tier_stats.backup_dropped_pages += len(rest)
-            self.cache.host_allocator.free(rest)
+            self._wait(job)
+        return job
 
     def _store(self, node: Node) -> None:
         """L2 -> L3 once the L2 copy is complete."""
-        if not self._storage_enabled or node.in_storage:
-            return
-        if self.cache.has_draft and not node.draft_host:  # L3 holds complete pages only
-            self.tier_stats.storage_put_skipped_draft_pages += len(node.host_pages)
-            return
-        self.cache.inc_host_lock(node)
-        hashes = self.cache.hashes(node)
-        host = list(node.host_pages)
+        if self._storage_enabled:
+            plan = self.tiers.prepare_store(node)
+            if plan is not None:
+                self._submit(plan)
 
-        def stored(t: Transfer) -> None:
-            self.cache.dec_host_lock(node)
-            n = t.result or 0
-            self.tier_stats.storage_put_pages += n
-            self.tier_stats.storage_put_dropped_pages += len(host) - n
-            if n == len(host):
-                self.cache.set_stored(node)
+    # --------------------------------------------------------- completions
+    def _submit(self, plan: Plan) -> int:
+        job = self.transfers.submit(plan)
+        self._jobs[job] = plan
+        return job
 
-        self.transfers.storage_put(host, hashes, on_done=stored)
+    def _observe(self) -> int:
+        """Hand every finished transfer to the tier manager; returns how many."""
+        results = self.transfers.finished()
+        for r in results:
+            self._complete(self._jobs.pop(r.job), r)
+        return len(results)
+
+    def _complete(self, plan: Plan, r: TransferResult) -> None:
+        tiers = self.tiers
+        if isinstance(plan, BackupPlan):
+            for n in tiers.complete_backup(plan, r.ok):
+                self._store(n)
+        elif isinstance(plan, LoadPlan):
+            tiers.complete_load(plan, r.ok)
+            del self._load_handles[id(plan)]
+            if not r.ok:
+                h, d = plan.host, plan.device
+                self._failed = TransferError(
+                    f"load back of L2 pages {h[:8]}{'...' if len(h) > 8 else ''} into L1 "
+                    f"pages {d[:8]}{'...' if len(d) > 8 else ''} failed ({r.error!r}); those L1 pages "
+                    "are indexed with unknown bytes, so this cache refuses to serve; rebuild it")
+        elif isinstance(plan, StorePlan):
+            tiers.complete_store(plan, r.pages if r.ok else 0)
+        else:
+            tiers.complete_prefetch(plan, r.pages)
+
+    def _wait(self, job: int, timeout: float | None = None) -> None:
+        """Block until ``job`` is done (or ``timeout`` s), then observe what finished."""
+        if self.transfers.wait(job, timeout):
+            self._observe()
 
     # ------------------------------------------------------------- eviction
     def evict(self, num_pages: int) -> int:
@@ -419,7 +326,7 @@ class HiCache:
     def poll(self) -> int:
         """Observe finished transfers without blocking; returns how many. Raises
         ``TransferError`` once a load back has failed (see ``_check_healthy``)."""
-        n = len(self.transfers.poll())
+        n = self._observe()
         self._check_healthy()
         return n
 
@@ -431,13 +338,14 @@ class HiCache:
         """A request is about to use the index's L1 pages on ``node``'s path (or
         write draft rows into them): wait for loads still filling them."""
         for n in self.cache.path(node):
-            h = self._loading.get(n)
-            if h is not None:
-                h.wait()
+            plan = self.tiers.loading.get(n)
+            if plan is not None:
+                self._load_handles[id(plan)].wait()
 
     def drain(self) -> None:
         """Block until every transfer has finished and been observed."""
-        self.transfers.drain()
+        while self._jobs:
+            self._wait(next(iter(self._jobs)))
 
     def stats(self) -> dict:
         """A JSON-ready snapshot: index, tiers, bytes moved, L3 backend."""
@@ -451,14 +359,15 @@ class HiCache:
 
     def check_integrity(self) -> None:
         """Index invariants + pool accounting, counting pages held by transfers."""
-        host_in_flight = [h for ids in self._host_in_flight.values() for h in ids]
-        self.cache.check_integrity(host_in_flight=host_in_flight)
+        self.cache.check_integrity(host_in_flight=self.tiers.host_in_flight)
+        self.tiers.check_integrity()
         self.device_pool.check_integrity()
         self.host_pool.check_integrity()
         if self.storage is not None:
             self.storage.check_integrity()
 
     def close(self) -> None:
+        self.drain()
         self.transfers.close()
         if self.storage is not None:
             self.storage.close()

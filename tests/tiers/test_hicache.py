@@ -251,7 +251,7 @@ def test_failed_load_back_stops_the_cache_from_serving(monkeypatch):
     adm = hc.admit(req)
     with pytest.raises(RuntimeError, match="simulated"):
         adm.wait()  # the request itself sees the failure
-    hc.transfers.drain()  # observe it: the callback records the failure
+    hc.transfers.wait_all()  # done, not yet observed: poll() hands the result to complete_load
     with pytest.raises(TransferError, match="unknown bytes"):
         hc.poll()
     with pytest.raises(TransferError):
