@@ -77,6 +77,14 @@ class PolicyConfig(_Section):
     prefetch_timeout_cap_ms: float = Field(200.0, ge=0)
     storage_hit_min_pages: int = Field(1, ge=1)  # smaller L3 hits are not worth a prefetch
 
+    @field_validator("device_eviction", "host_eviction")
+    @classmethod
+    def _known_eviction(cls, v: str) -> str:
+        from hicache.eviction import POLICIES
+        if v not in POLICIES:
+            raise ValueError(f"unknown eviction policy {v!r}; known: {sorted(POLICIES)}")
+        return v
+
 
 class ServiceConfig(_Section):
     host: str = "127.0.0.1"
