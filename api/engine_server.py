@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from hicache.api.engine_ops import Dispatcher
 from hicache.api.l2_index import L2Index, L2Listener
-from hicache.api.l3_tier import L3_OWNER, L3Tier, StoredPages
+from hicache.api.l3_tier import L3Tier, StoredPages
 from hicache.config import HiCacheConfig, parse_set_flags
 from hicache.errors import ConfigError, HiCacheError, ServiceError
 from hicache.layout import KVLayout

@@ -143,7 +143,7 @@ def main() -> int:
     kv_bytes = want_hit * layout.token_bytes
     se, lw = runs["serial"], runs["layerwise"]
     load = _median([s.loaded for s in se])
-    print(f"\n| where the time goes (median ms) | serial | layerwise |")
+    print("\n| where the time goes (median ms) | serial | layerwise |")
     print("|---|---:|---:|")
     print(f"| admit (host: match, lock, launch {a.layers} per-layer copies) | {_median([s.admit for s in se]):.2f} "
           f"| {_median([s.admit for s in lw]):.2f} |")
@@ -190,7 +190,7 @@ def _profile(serve, reset, prompt: list[int]) -> None:
         else:
             model_us += e.time_range.elapsed_us()
             kernels += 1
-    print(f"\n| profiled layerwise serve (one, under torch.profiler) | value |")
+    print("\n| profiled layerwise serve (one, under torch.profiler) | value |")
     print("|---|---:|")
     print(f"| TTFT under the profiler | {s.ttft * 1e3:.1f} ms |")
     print(f"| page-copy kernel time (copy stream) | {copy_us / 1e3:.1f} ms in {copies} launches |")

@@ -280,12 +280,12 @@ class PrefixCache:
         not take, which the caller frees."""
         return self.tree.insert_host(key, namespace, first_page, host_pages)
 
-    def set_host(self, node: Node, host_pages: list[int], *, draft: bool | None = None) -> None:
+    def set_host(self, node: Node, host_pages: Sequence[HostPageId], *, draft: bool | None = None) -> None:
         """Record complete L2 copies of ``node`` (ids from ``host_allocator``); ``draft``:
         their draft rows are valid (default: ``node.draft_device``, see ``RadixTree.set_host``)."""
         self.tree.set_host(node, host_pages, draft)
 
-    def set_device(self, node: Node, device_pages: list[int]) -> None:
+    def set_device(self, node: Node, device_pages: Sequence[DevicePageId]) -> None:
         """Record a completed load back of an L2-only node into these L1 ids."""
         self.tree.set_device(node, device_pages)
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 import heapq
 from typing import Callable, Iterable
 
-from hicache.eviction import EvictionPolicy
+from hicache.eviction import EvictionPolicy, Key
 from hicache.node import Node
 
-Entry = tuple[tuple, int, Node]  # (policy key, nid, node): nid is unique, nodes are never compared
+Entry = tuple[Key, int, Node]  # (policy key, nid, node): nid is unique, nodes are never compared
 
 
 class _Candidates:
@@ -103,7 +103,7 @@ class _Candidates:
                 break
             if top is None and not extra:
                 break
-            if extra and (top is None or extra[0] < top):
+            if top is None or (extra and extra[0] < top):
                 n = heapq.heappop(extra)[2]
             else:
                 restore.append(heapq.heappop(heap))

@@ -15,30 +15,37 @@ a node is used) is ordered by a fresh scan per call.
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import ClassVar, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Protocol, TypeVar
 
 from hicache.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hicache.node import Node
+
+Key = tuple[Any, ...]  # compared lexicographically; ends on the node's nid
 
 
 class EvictionPolicy(Protocol):
     name: str
     monotone: bool  # a candidate's key only grows: the lazy heap is exact
 
-    def key(self, node) -> tuple:
+    def key(self, node: Node) -> Key:
         """Sort key of a candidate; the smallest is evicted first. Must not mutate."""
 
 
-_REGISTRY: dict[str, type] = {}
-POLICIES: Mapping[str, type] = MappingProxyType(_REGISTRY)
+_REGISTRY: dict[str, type[EvictionPolicy]] = {}
+POLICIES: Mapping[str, type[EvictionPolicy]] = MappingProxyType(_REGISTRY)
+P = TypeVar("P", bound=type)
 
 
-def register_policy(cls: type) -> type:
+def register_policy(cls: P) -> P:
     """Class decorator: make ``cls`` selectable by its ``name`` (config, ``make_policy``)."""
     if not isinstance(getattr(cls, "name", None), str) or not isinstance(getattr(cls, "monotone", None), bool):
         raise TypeError(f"eviction policy {cls!r} needs a str `name` and a bool `monotone`")
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise ValueError(f"eviction policy name {cls.name!r} is taken by {_REGISTRY[cls.name]!r}")
-    _REGISTRY[cls.name] = cls
+    name: str = getattr(cls, "name")
+    if name in _REGISTRY and _REGISTRY[name] is not cls:
+        raise ValueError(f"eviction policy name {name!r} is taken by {_REGISTRY[name]!r}")
+    _REGISTRY[name] = cls
     return cls
 
 
@@ -49,7 +56,7 @@ class LRU:
     name: ClassVar[str] = "lru"
     monotone: ClassVar[bool] = True
 
-    def key(self, node) -> tuple:
+    def key(self, node: Node) -> Key:
         return (node.last_access, node.nid)
 
 
@@ -60,7 +67,7 @@ class LFU:
     name: ClassVar[str] = "lfu"
     monotone: ClassVar[bool] = True
 
-    def key(self, node) -> tuple:
+    def key(self, node: Node) -> Key:
         return (node.hit_count, node.last_access, node.nid)
 
 
@@ -71,7 +78,7 @@ class FIFO:
     name: ClassVar[str] = "fifo"
     monotone: ClassVar[bool] = True
 
-    def key(self, node) -> tuple:
+    def key(self, node: Node) -> Key:
         return (node.nid,)
 
 
@@ -83,7 +90,7 @@ class MRU:
     name: ClassVar[str] = "mru"
     monotone: ClassVar[bool] = False
 
-    def key(self, node) -> tuple:
+    def key(self, node: Node) -> Key:
         return (-node.last_access, node.nid)
 
 
@@ -98,11 +105,11 @@ class SLRU:
     monotone: ClassVar[bool] = True
     protect_hits: ClassVar[int] = 2
 
-    def key(self, node) -> tuple:
+    def key(self, node: Node) -> Key:
         return (node.hit_count >= self.protect_hits, node.last_access, node.nid)
 
 
-def make_policy(spec: "str | EvictionPolicy") -> EvictionPolicy:
+def make_policy(spec: str | EvictionPolicy) -> EvictionPolicy:
     """A policy from a registered name or an object with ``key(node)`` and ``monotone``.
 
     Raises ``ConfigError`` for an unknown name, ``TypeError`` for an object

@@ -4,7 +4,7 @@ typed results tree operations return (``Hit``, ``InsertResult``, ``Dropped``,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 
@@ -36,7 +36,7 @@ class Node:
     @property
     def tokens(self) -> list[int]:
         """Token ids of the edge (a copy)."""
-        return np.frombuffer(self.key, dtype="<u4").tolist()
+        return cast(list[int], np.frombuffer(self.key, dtype="<u4").tolist())
 
     @property
     def on_device(self) -> bool:

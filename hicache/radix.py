@@ -338,7 +338,7 @@ class RadixTree:
             node = node.parent
 
     # -------------------------------------------------------------- tier hooks
-    def set_host(self, node: Node, host_pages: list[int], draft: bool | None = None) -> None:
+    def set_host(self, node: Node, host_pages: Sequence[HostPageId], draft: bool | None = None) -> None:
         """Attach L2 copies. Call only once every plane of every page is on L2.
         ``draft``: the copies' draft rows are valid (default: they were on L1
         when copied, ``node.draft_device``; pass the value seen at copy time)."""
@@ -354,7 +354,7 @@ class RadixTree:
         self.host_ids_held += want
         self.host_candidates.push(node)
 
-    def set_device(self, node: Node, device_pages: list[int]) -> None:
+    def set_device(self, node: Node, device_pages: Sequence[DevicePageId]) -> None:
         """Attach L1 pages to an L2-only node (after a load back completed)."""
         if node.device_pages is not None or node.parent is None or node.parent.device_pages is None:
             raise CacheStateError(f"set_device on {node!r}: it is already on L1 or its parent is "

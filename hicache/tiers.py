@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
+from hicache.allocator import PageAllocator
 from hicache.cache import MatchResult, PrefixCache
 from hicache.errors import CacheStateError
 from hicache.node import Node
@@ -72,6 +73,7 @@ class TierManager:
         if cache.host_allocator is None:
             raise CacheStateError("TierManager needs a PrefixCache with a host (L2) allocator")
         self.cache = cache
+        self._host: PageAllocator = cache.host_allocator
         self.stats = TierMoveStats()
         self.loading: dict[Node, LoadPlan] = {}  # L1 pages of these nodes are still arriving
         self.backing_up: set[Node] = set()
@@ -84,17 +86,17 @@ class TierManager:
 
     def alloc_host(self, n: int) -> list[HostPageId] | None:
         """``n`` L2 pages, evicting unpinned L2 pages when short; None if that is not enough."""
-        a = self.cache.host_allocator
+        a = self._host
         if a.num_free < n:
             self.cache.evict_host(n - a.num_free)
-        return a.alloc(n) if a.num_free >= n else None
+        return cast(list[HostPageId], a.alloc(n)) if a.num_free >= n else None
 
     # ----------------------------------------------------------------- L1 -> L2
     def prepare_backup(self, node: Node, *, pin: bool = True) -> BackupPlan | None:
         """Reserve L2 pages for ``node``'s L1 pages. ``pin``: lock the node on L1 until
         completion (an asynchronous backup; a synchronous write-back completes
         before anything can evict). None (counted as dropped) without L2 room."""
-        dev = list(node.device_pages)
+        dev = list(_on_l1(node))
         host = self.alloc_host(len(dev))
         if host is None:
             self.stats.backup_dropped_pages += len(dev)
@@ -117,7 +119,7 @@ class TierManager:
             self.cache.dec_lock(node)
         if not ok:
             self.stats.transfer_errors += 1
-            self.cache.host_allocator.free(host)
+            self._host.free(host)
             return []
         where = {d: i for i, d in enumerate(dev)}
         chain, n = [], node
@@ -128,7 +130,7 @@ class TierManager:
         used: set[HostPageId] = set()
         attached = []
         for n in reversed(chain):
-            ids = [host[where[d]] for d in n.device_pages]
+            ids = [host[where[d]] for d in _on_l1(n)]
             try:
                 self.cache.set_host(n, ids, draft=plan.draft)
             except CacheStateError:
@@ -139,7 +141,7 @@ class TierManager:
         rest = [h for h in host if h not in used]
         if rest:
             self.stats.backup_dropped_pages += len(rest)
-            self.cache.host_allocator.free(rest)
+            self._host.free(rest)
         return attached
 
     # ----------------------------------------------------------------- L2 -> L1
@@ -158,7 +160,7 @@ class TierManager:
         cache.inc_host_lock(last)
         if m.device_node is not None:
             cache.inc_lock(m.device_node)
-        return LoadRequest(last, path, m.device_node, sum(len(n.host_pages) for n in path))
+        return LoadRequest(last, path, m.device_node, sum(len(_on_l2(n)) for n in path))
 
     def cancel_load(self, req: LoadRequest) -> None:
         """Release a ``plan_load`` that got no L1 pages."""
@@ -175,8 +177,9 @@ class TierManager:
         host: list[HostPageId] = []
         at = 0
         for n in req.path:
-            k = len(n.host_pages)
-            host += n.host_pages
+            ids = _on_l2(n)
+            k = len(ids)
+            host += ids
             self.cache.set_device(n, device_pages[at:at + k])
             at += k
         # The transfer itself pins the L1 pages it fills: the admitting request
@@ -210,10 +213,10 @@ class TierManager:
         if node.in_storage:
             return None
         if self.cache.has_draft and not node.draft_host:
-            self.stats.storage_put_skipped_draft_pages += len(node.host_pages)
+            self.stats.storage_put_skipped_draft_pages += len(_on_l2(node))
             return None
         self.cache.inc_host_lock(node)
-        return StorePlan(node, list(node.host_pages), self.cache.hashes(node))
+        return StorePlan(node, list(_on_l2(node)), self.cache.hashes(node))
 
     def complete_store(self, plan: StorePlan, stored: int) -> None:
         """``stored``: leading pages L3 accepted; the node is flagged only when all were."""
@@ -249,7 +252,7 @@ class TierManager:
             if node is not None:
                 self.cache.set_stored(node)
         if unused:
-            self.cache.host_allocator.free(unused)
+            self._host.free(unused)
         taken = len(plan.host) - len(unused)
         self.stats.prefetch_pages += taken
         return taken
@@ -264,3 +267,15 @@ class TierManager:
         for n in self.backing_up:
             if n.device_pages is None:
                 raise IntegrityError(f"{n!r} is being backed up but is not on L1")
+
+
+def _on_l1(n: Node) -> list[DevicePageId]:
+    if n.device_pages is None:
+        raise CacheStateError(f"{n!r} is not on L1")
+    return n.device_pages
+
+
+def _on_l2(n: Node) -> list[HostPageId]:
+    if n.host_pages is None:
+        raise CacheStateError(f"{n!r} is not on L2")
+    return n.host_pages
