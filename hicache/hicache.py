@@ -27,12 +27,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hicache.cache import MatchResult, PrefixCache, Request, RequestState, Tokens, as_key
+from hicache.cache import CacheStats, MatchResult, PrefixCache, Request, RequestState, Tokens, as_key
 from hicache.config import HiCacheConfig
 from hicache.errors import OutOfPages, TransferError
 from hicache.hashing import page_hashes
 from hicache.layout import KVLayout
 from hicache.pools import DevicePool, HostPool
+from hicache.storage.base import StorageStats
 from hicache.node import InsertResult, Node
 from hicache.plans import BackupPlan, LoadPlan, StorePlan
 from hicache.tiers import TierManager, TierMoveStats
@@ -41,7 +42,22 @@ from hicache.transfer import LoadHandle, Plan, TransferController, TransferResul
 log = logging.getLogger(__name__)
 
 
-TierStats = TierMoveStats  # the name HiCache.tier_stats had before the tier manager
+@dataclasses.dataclass(slots=True, frozen=True)
+class HiCacheStats:
+    """A snapshot of an embedded cache (``HiCache.stats``); ``as_dict`` for JSON."""
+
+    index: CacheStats  # the index: lookups, hits (exact and page-floored), pages per tier
+    tiers: TierMoveStats  # pages moved between tiers, dropped, failed
+    bytes_moved: dict[str, int]  # per direction: d2h, h2d, l3_put, l3_get
+    capacity_pages: dict[str, int]  # "L1", "L2"
+    storage: StorageStats | None  # the L3 backend's counters; None without L3
+
+    def as_dict(self) -> dict:
+        out = {"index": self.index.as_dict(), "tiers": self.tiers.as_dict(),
+               "bytes_moved": dict(self.bytes_moved), "capacity_pages": dict(self.capacity_pages)}
+        if self.storage is not None:
+            out["storage"] = dataclasses.asdict(self.storage)
+        return out
 
 
 class Admission(NamedTuple):
@@ -347,15 +363,12 @@ class HiCache:
         while self._jobs:
             self._wait(next(iter(self._jobs)))
 
-    def stats(self) -> dict:
-        """A JSON-ready snapshot: index, tiers, bytes moved, L3 backend."""
-        out = {"index": self.cache.stats().as_dict(), "tiers": self.tier_stats.as_dict(),
-               "bytes_moved": dict(self.transfers.bytes_moved),
-               "capacity_pages": {"L1": self.device_pool.num_pages, "L2": self.host_pool.num_pages}}
-        if self.storage is not None:
-            s = self.storage.stats()
-            out["storage"] = dataclasses.asdict(s)
-        return out
+    def stats(self) -> HiCacheStats:
+        """A snapshot (new objects): index, tier movements, bytes moved, L3 backend."""
+        return HiCacheStats(self.cache.stats(), dataclasses.replace(self.tier_stats),
+                            dict(self.transfers.bytes_moved),
+                            {"L1": self.device_pool.num_pages, "L2": self.host_pool.num_pages},
+                            None if self.storage is None else self.storage.stats())
 
     def check_integrity(self) -> None:
         """Index invariants + pool accounting, counting pages held by transfers."""

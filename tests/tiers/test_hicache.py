@@ -116,7 +116,7 @@ def test_prefetch_policies_from_l3(policy, tmp_path):
     a = make(url)
     serve(a, "a", TOK)
     a.drain()
-    assert a.stats()["tiers"]["storage_put_pages"] == 5
+    assert a.stats().tiers.storage_put_pages == 5
     a.close()
     b = make(url, **{"policy.prefetch_policy": policy})  # a new process: empty L1/L2
     adm, req = serve(b, "b", TOK)
@@ -146,7 +146,8 @@ def test_l3_down_is_a_miss_and_writes_are_dropped(tmp_path):
     hc.drain()
     assert adm.storage_tokens == 0
     st = hc.stats()
-    assert st["tiers"]["storage_put_dropped_pages"] + st["storage"]["put_dropped"] >= 5
+    assert st.tiers.storage_put_dropped_pages + st.storage.put_dropped >= 5
+    assert st.as_dict()["tiers"]["storage_put_dropped_pages"] == st.tiers.storage_put_dropped_pages
     hc.check_integrity()
     hc.close()
 
