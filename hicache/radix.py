@@ -179,7 +179,8 @@ class RadixTree:
         n = node
         while n is not None and n.parent is not None and n.start_page + n.num_pages > first_page:
             ids = n.host_pages if host else n.device_pages
-            assert ids is not None, f"{n!r} is not on {'L2' if host else 'L1'}"
+            if ids is None:
+                raise CacheStateError(f"pages({end_page}) through {n!r}: it is not on {'L2' if host else 'L1'}")
             a = self.owned(n.start_page, max(0, first_page - n.start_page))
             b = self.owned(n.start_page, min(n.num_pages, end_page - n.start_page))
             parts.append(ids[a:b])
@@ -201,8 +202,9 @@ class RadixTree:
         """
         pb = self.page_bytes
         n = len(key)
-        assert n % pb == 0, f"key of {n} bytes is not whole pages of {pb} bytes"
-        assert len(device_pages) == self.owned(0, n // pb), (len(device_pages), n // pb)
+        if n % pb or len(device_pages) != self.owned(0, n // pb):
+            raise CacheStateError(f"insert: a key of {n} bytes (pages of {pb}) with {len(device_pages)} "
+                                  f"page ids; it needs whole pages and one id per owned page")
         self.clock += 1
         node = self.root(namespace)
         pos = at = new = 0
@@ -268,7 +270,6 @@ class RadixTree:
         start = parent.start_page + parent.num_pages
         node = Node(key, len(key) // pb, start, parent, parent.namespace, self._nid(),
                     device_pages=list(device_pages), last_access=self.clock)
-        assert len(device_pages) == self.owned(start, node.num_pages)
         parent.children[key[:pb]] = node
         self.device_ids_held += len(device_pages)
         self.device_candidates.add(node)
@@ -310,7 +311,8 @@ class RadixTree:
 
     def unlock(self, node: Node) -> None:
         while node.parent is not None:
-            assert node.lock_ref > 0, f"unlock of unlocked {node!r}"
+            if node.lock_ref <= 0:
+                raise CacheStateError(f"unlock of unlocked {node!r}")
             node.lock_ref -= 1
             node = node.parent
 
@@ -324,7 +326,8 @@ class RadixTree:
 
     def host_unlock(self, node: Node) -> None:
         while node.parent is not None:
-            assert node.host_lock_ref > 0, f"host unlock of unlocked {node!r}"
+            if node.host_lock_ref <= 0:
+                raise CacheStateError(f"host unlock of unlocked {node!r}")
             node.host_lock_ref -= 1
             node = node.parent
 
@@ -380,7 +383,9 @@ class RadixTree:
         """
         pb = self.page_bytes
         n = len(key)
-        assert n % pb == 0 and len(host_pages) == n // pb - first_page, (n, first_page, len(host_pages))
+        if n % pb or len(host_pages) != n // pb - first_page:
+            raise CacheStateError(f"insert_host: a key of {n} bytes (pages of {pb}) from page {first_page} "
+                                  f"with {len(host_pages)} L2 ids; it needs one id per page from there")
         node = self.root(namespace)
         pos = 0
         while pos < n:
