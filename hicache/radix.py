@@ -232,27 +232,30 @@ class RadixTree:
                 p = dp - s  # the draft boundary falls inside: the upper part changes flag
                 child = self._split(child, p)
             cnt = self.owned(s, p)
-            mine = device_pages[at:at + cnt]
-            vouched = s + p <= dp
-            if child.device_pages is None:  # L2-only: the caller's pages bring it back to L1
-                child.device_pages = list(mine)
-                child.draft_device = vouched
-                self.device_ids_held += cnt
-                self.device_candidates.add(child)
-                self.device_candidates.discard(node)
-                pages += mine
-            else:
-                if mine != child.device_pages:
-                    dups += [a for a, b in zip(mine, child.device_pages) if a != b]
-                if vouched and not child.draft_device:
-                    copies += [(a, b) for a, b in zip(mine, child.device_pages) if a != b]
-                    child.draft_device = True
-                pages += child.device_pages
+            pages += self._meet(child, device_pages[at:at + cnt], s + p <= dp, dups, copies)
             child.last_access = self.clock
             at += cnt
             pos += p * pb
             node = child
         return InsertResult(node, pages, dups, new, tuple(copies), tuple(created))
+
+    def _meet(self, child: Node, mine: list[int], vouched: bool, dups: list[int],
+              copies: list[tuple[int, int]]) -> list[int]:
+        """``insert`` reached ``child`` (fully covered) with the caller's ids ``mine``
+        (``vouched``: their draft rows are valid). Returns the ids now serving it."""
+        if child.device_pages is None:  # L2-only: the caller's pages bring it back to L1
+            child.device_pages = list(mine)
+            child.draft_device = vouched
+            self.device_ids_held += len(mine)
+            self.device_candidates.add(child)
+            self.device_candidates.discard(child.parent)
+            return mine
+        if mine != child.device_pages:
+            dups += [a for a, b in zip(mine, child.device_pages) if a != b]
+        if vouched and not child.draft_device:
+            copies += [(a, b) for a, b in zip(mine, child.device_pages) if a != b]
+            child.draft_device = True
+        return child.device_pages
 
     def _add_new(self, parent: Node, key: bytes, device_pages: list[int], draft_pages: int) -> list[Node]:
         """New node(s) for ``key`` under ``parent``: two when the draft boundary falls inside."""
