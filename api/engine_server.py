@@ -8,7 +8,7 @@ segment themselves; the server only decides which page ids hold what.
 
 With an L3 backend (``storage=``; ``storage.url`` when run from the command
 line) committed pages are written behind to L3 and ``fetch`` loads L2 misses
-back from it, on worker threads (``hicache.api.l3_tier``).
+back from it, on worker threads (``hicache.service.l3_tier``).
 
 Concurrency: one asyncio event loop owns every piece of state. ``start()``
 runs it in a thread (tests, embedding next to a REST app), ``run_forever()``
@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TypeVar
 
 from hicache.api.engine_ops import Dispatcher
-from hicache.api.l2_index import L2Index, L2Listener
-from hicache.api.l3_tier import L3Tier, StoredPages
 from hicache.config import HiCacheConfig, parse_set_flags
 from hicache.errors import ConfigError, HiCacheError, ServiceError
 from hicache.layout import KVLayout
+from hicache.service.l2_index import L2Index, L2Listener
+from hicache.service.l3_tier import L3Tier, StoredPages
 from hicache.pools import HostPool
 from hicache.protocol import HEADER_BYTES, body_length, pack, unpack
 from hicache.shm import SharedSegment
