@@ -13,10 +13,10 @@ import logging
 from collections import Counter
 from typing import Any, Callable, NamedTuple
 
-from hicache.api.l2_index import L2Index, Reclaimed
-from hicache.api.l3_tier import L3Tier
-from hicache.consensus import AgreeRounds
 from hicache.api.write_marks import WriteMarks
+from hicache.consensus import AgreeRounds
+from hicache.service.l2_index import L2Index, Reclaimed
+from hicache.service.l3_tier import L3Tier
 from hicache.errors import (ContractMismatch, ForeignPage, IntegrityError, LayoutError, OutOfPages,
                             ServiceError)
 from hicache.layout import KVLayout

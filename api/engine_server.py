@@ -8,7 +8,7 @@ segment themselves; the server only decides which page ids hold what.
 
 With an L3 backend (``storage=``; ``storage.url`` when run from the command
 line) committed pages are written behind to L3 and ``fetch`` loads L2 misses
-back from it, on worker threads (``hicache.api.l3_tier``).
+back from it, on worker threads (``hicache.service.l3_tier``).
 
 Concurrency: one asyncio event loop owns every piece of state. ``start()``
 runs it in a thread (tests, embedding next to a REST app), ``run_forever()``
@@ -32,14 +32,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TypeVar
 
 from hicache.api.engine_ops import Dispatcher
-from hicache.api.l2_index import L2Index, L2Listener
-from hicache.api.l3_tier import L3_OWNER, L3Tier, StoredPages
 from hicache.api.socket_guard import PeerPolicy, bind_unix_socket, peer_cred, resolve_group
 from hicache.api.write_marks import WriteMarks
 from hicache.config import HiCacheConfig, parse_set_flags
 from hicache.errors import ConfigError, HiCacheError, IntegrityError, ServiceError
 from hicache.l2_segment import L2Segment
 from hicache.layout import KVLayout
+from hicache.service.l2_index import L2Index, L2Listener
+from hicache.service.l3_tier import L3Tier, StoredPages
 from hicache.pools import HostPool
 from hicache.protocol import HEADER_BYTES, body_length, pack, unpack
 from hicache.ratelimit import LogLimiter
@@ -205,6 +205,7 @@ class EngineServer:
             self._close_state()
 
     def _open_state(self) -> None:
+        self.config.check_host_memory(self.layout)
         opened = L2Segment.open_for_server(self.shm_name, self.layout, self.num_pages)
         self.segment, self.segment_origin = opened.segment, opened.action
         if opened.action == "created":

@@ -21,7 +21,6 @@ import json
 import statistics
 import time
 
-import numpy as np
 import torch
 
 from hicache.cache import PrefixCache

@@ -103,7 +103,7 @@ def main() -> int:
 
     def reset() -> None:
         hc.drain()  # write-through backups to L2 done
-        hc.cache.evict(10**9)  # drop L1: the next hit must come from L2
+        hc.evict(10**9)  # drop L1: the next hit must come from L2
         hc.check_integrity()
 
     prompts = [torch.randint(1, spec.vocab, (a.tokens,), generator=g).tolist() for _ in range(a.reps + 1)]
@@ -113,7 +113,7 @@ def main() -> int:
     reset()
     serve("warmup-layerwise", prompts[-1], "layerwise")
     reset()
-    hc.cache.evict_host(10**9)
+    hc.evict_host(10**9)
     runs: dict[str, list[Sample]] = {"cold": [], "serial": [], "layerwise": []}
     diffs, same_first, same_logits = [], 0, 0
     want_hit = (a.tokens - 1) // ps * ps
@@ -127,7 +127,7 @@ def main() -> int:
         same_first += se.first == c.first == lw.first
         same_logits += torch.equal(se.logits, lw.logits)
         diffs.append((lw.logits - c.logits).abs().max().item())
-        hc.cache.evict_host(10**9)
+        hc.evict_host(10**9)
     c = _median([s.ttft for s in runs["cold"]])
     name = torch.cuda.get_device_name()
     print(f"# TTFT, {name}, torch {torch.__version__}, {a.layers} layers x 8 KV heads x 128 dims bf16, "
@@ -143,7 +143,7 @@ def main() -> int:
     kv_bytes = want_hit * layout.token_bytes
     se, lw = runs["serial"], runs["layerwise"]
     load = _median([s.loaded for s in se])
-    print(f"\n| where the time goes (median ms) | serial | layerwise |")
+    print("\n| where the time goes (median ms) | serial | layerwise |")
     print("|---|---:|---:|")
     print(f"| admit (host: match, lock, launch {a.layers} per-layer copies) | {_median([s.admit for s in se]):.2f} "
           f"| {_median([s.admit for s in lw]):.2f} |")
@@ -190,7 +190,7 @@ def _profile(serve, reset, prompt: list[int]) -> None:
         else:
             model_us += e.time_range.elapsed_us()
             kernels += 1
-    print(f"\n| profiled layerwise serve (one, under torch.profiler) | value |")
+    print("\n| profiled layerwise serve (one, under torch.profiler) | value |")
     print("|---|---:|")
     print(f"| TTFT under the profiler | {s.ttft * 1e3:.1f} ms |")
     print(f"| page-copy kernel time (copy stream) | {copy_us / 1e3:.1f} ms in {copies} launches |")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from hicache.errors import ConfigError, LayoutError
 from hicache.layout import BytePlane, KVLayout
@@ -30,7 +30,7 @@ class _Section(BaseModel):
         # pydantic's lax mode turns ``true`` into 1; a boolean is never a count.
         ann = cls.model_fields[info.field_name].annotation
         if isinstance(v, bool) and ann in (int, float):
-            raise ValueError(f"must be a number, not a boolean")
+            raise ValueError("must be a number, not a boolean")
         return v
 
 
@@ -229,13 +229,18 @@ class HiCacheConfig(BaseSettings):
         redact = Redactor.from_config_data(data).text
         try:
             cfg = cls(**data)
-            layout = cfg.layout()  # validate the layout too
+            cfg.layout()  # validate the layout too
         except ValidationError as e:
             raise ConfigError(redact(_explain(e, sources))) from None
         except LayoutError as e:
             raise ConfigError(redact(_explain_layout(e))) from None
-        _check_memory(cfg, layout)
         return cfg
+
+    def check_host_memory(self, layout: KVLayout | None = None) -> None:
+        """``ConfigError`` when the L2 (host) pool would exceed this machine's memory.
+        Called by whoever is about to allocate it (``HiCache``, ``hicache serve``), not at
+        load: a config for a bigger machine can still be described (``hicache info``)."""
+        _check_memory(self, layout or self.layout())
 
     def layout(self) -> KVLayout:
         return self.model.to_layout()

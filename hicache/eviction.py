@@ -1,86 +1,125 @@
-"""Eviction policies, chosen by name, and the loop that applies one.
+"""Eviction policies: registered classes, chosen by name.
 
 A policy only orders candidates: ``key(node)`` returns a tuple, smallest is
 evicted first. Ties end on ``node.nid`` (creation order), so the order is
 deterministic — every CP rank evicts the same nodes given the same history.
-The tree decides what a candidate is and what evicting one means
-(``RadixTree.evict_device`` / ``evict_host``).
+The eviction index decides what a candidate is (``hicache.evict_index``) and
+the tree what evicting one means.
+
+``monotone`` declares that a node's key never decreases while it is a
+candidate (it depends on a clock, a hit count or the creation order). Only
+such policies may be served from the persistent lazy heap, whose stale
+entries are fixed on pop; any other policy (e.g. ``MRU``, whose key shrinks as
+a node is used) is ordered by a fresh scan per call.
 """
 from __future__ import annotations
 
-import heapq
 from types import MappingProxyType
-from typing import Callable, Iterable, Mapping, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Protocol, TypeVar
+
+from hicache.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hicache.node import Node
+
+Key = tuple[Any, ...]  # compared lexicographically; ends on the node's nid
 
 
 class EvictionPolicy(Protocol):
     name: str
+    monotone: bool  # a candidate's key only grows: the lazy heap is exact
 
-    def key(self, node) -> tuple:
+    def key(self, node: Node) -> Key:
         """Sort key of a candidate; the smallest is evicted first. Must not mutate."""
 
 
+_REGISTRY: dict[str, type[EvictionPolicy]] = {}
+POLICIES: Mapping[str, type[EvictionPolicy]] = MappingProxyType(_REGISTRY)
+P = TypeVar("P", bound=type)
+
+
+def register_policy(cls: P) -> P:
+    """Class decorator: make ``cls`` selectable by its ``name`` (config, ``make_policy``)."""
+    if not isinstance(getattr(cls, "name", None), str) or not isinstance(getattr(cls, "monotone", None), bool):
+        raise TypeError(f"eviction policy {cls!r} needs a str `name` and a bool `monotone`")
+    name: str = getattr(cls, "name")
+    if name in _REGISTRY and _REGISTRY[name] is not cls:
+        raise ValueError(f"eviction policy name {name!r} is taken by {_REGISTRY[name]!r}")
+    _REGISTRY[name] = cls
+    return cls
+
+
+@register_policy
 class LRU:
     """Least recently used first (``last_access`` is the tree's logical clock)."""
 
-    name = "lru"
+    name: ClassVar[str] = "lru"
+    monotone: ClassVar[bool] = True
 
-    def key(self, node) -> tuple:
+    def key(self, node: Node) -> Key:
         return (node.last_access, node.nid)
 
 
+@register_policy
 class LFU:
     """Fewest hits first, least recently used among equals."""
 
-    name = "lfu"
+    name: ClassVar[str] = "lfu"
+    monotone: ClassVar[bool] = True
 
-    def key(self, node) -> tuple:
+    def key(self, node: Node) -> Key:
         return (node.hit_count, node.last_access, node.nid)
 
 
+@register_policy
 class FIFO:
     """Oldest node first (creation order), whatever its use."""
 
-    name = "fifo"
+    name: ClassVar[str] = "fifo"
+    monotone: ClassVar[bool] = True
 
-    def key(self, node) -> tuple:
+    def key(self, node: Node) -> Key:
         return (node.nid,)
 
 
-POLICIES: Mapping[str, type] = MappingProxyType({"lru": LRU, "lfu": LFU, "fifo": FIFO})
+@register_policy
+class MRU:
+    """Most recently used first (scan-resistant for one-off sweeps). Its key
+    shrinks as a node is used, so it is never served from the lazy heap."""
+
+    name: ClassVar[str] = "mru"
+    monotone: ClassVar[bool] = False
+
+    def key(self, node: Node) -> Key:
+        return (-node.last_access, node.nid)
 
 
-def make_policy(spec: "str | EvictionPolicy") -> EvictionPolicy:
-    """A policy from a name in ``POLICIES`` or an object with ``key(node)``."""
+@register_policy
+class SLRU:
+    """Segmented LRU: nodes hit at least ``protect_hits`` times (the protected
+    segment) go only after every probationary node, LRU inside each segment.
+    One-hit prefixes (a long unique prompt) cannot flush the shared system
+    prompts. Keys only grow (a node moves probationary -> protected)."""
+
+    name: ClassVar[str] = "slru"
+    monotone: ClassVar[bool] = True
+    protect_hits: ClassVar[int] = 2
+
+    def key(self, node: Node) -> Key:
+        return (node.hit_count >= self.protect_hits, node.last_access, node.nid)
+
+
+def make_policy(spec: str | EvictionPolicy) -> EvictionPolicy:
+    """A policy from a registered name or an object with ``key(node)`` and ``monotone``.
+
+    Raises ``ConfigError`` for an unknown name, ``TypeError`` for an object
+    that is not a policy."""
     if isinstance(spec, str):
-        try:
-            return POLICIES[spec]()
-        except KeyError:
-            raise ValueError(f"unknown eviction policy {spec!r}; known: {sorted(POLICIES)}") from None
-    if not callable(getattr(spec, "key", None)):
-        raise TypeError(f"eviction policy {spec!r} needs a key(node) method")
+        cls = _REGISTRY.get(spec)
+        if cls is None:
+            raise ConfigError(f"unknown eviction policy {spec!r}; known: {sorted(_REGISTRY)}")
+        return cls()
+    if not callable(getattr(spec, "key", None)) or not isinstance(getattr(spec, "monotone", None), bool):
+        raise TypeError(f"eviction policy {spec!r} needs a key(node) method and a bool `monotone` "
+                        "(True only if a node's key never decreases)")
     return spec
-
-
-N = TypeVar("N")
-
-
-def run_eviction(candidates: Iterable[N], policy: EvictionPolicy, num_pages: int,
-                 evict_one: Callable[[N], tuple[int, N | None]]) -> int:
-    """Evict candidates in policy order until ``num_pages`` logical pages are freed.
-
-    ``evict_one(node)`` evicts a node and returns ``(pages freed, new candidate
-    or None)`` (the parent may become a candidate). Returns the pages freed,
-    which is less than asked only when candidates run out.
-    """
-    key = policy.key
-    heap = [(key(n), n.nid, n) for n in candidates]
-    heapq.heapify(heap)
-    freed = 0
-    while freed < num_pages and heap:
-        _, _, node = heapq.heappop(heap)
-        got, nxt = evict_one(node)
-        freed += got
-        if nxt is not None:
-            heapq.heappush(heap, (key(nxt), nxt.nid, nxt))
-    return freed

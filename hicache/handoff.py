@@ -59,7 +59,9 @@ def check_peer(ours: KVLayout, peer: Mapping, *, shared_l2: bool = False) -> Non
                                "(different contract version?)",
                                [("fingerprint", theirs.fingerprint(), peer.get("fingerprint"))])
     ours.check_compatible(theirs, shared_l2=shared_l2)
-    assert ours.fingerprint() == theirs.fingerprint(), (ours, theirs)
+    if ours.fingerprint() != theirs.fingerprint():  # check_compatible missed a field
+        raise ContractMismatch("handoff bootstrap: compatible layouts with different fingerprints",
+                               [("fingerprint", ours.fingerprint(), theirs.fingerprint())])
 
 
 class Ticket(NamedTuple):

@@ -2,7 +2,10 @@
 
 It composes the index (``PrefixCache``), the L1/L2 pools, an L3 backend and
 the transfer controller, and implements the write policies, load back and
-prefetch on top of the index's tiering hooks::
+prefetch on top of the index. The index never calls up: requests made here
+are ``TieredRequest`` handles, which act on what each index call returns
+(back up the nodes an insert created, wait for loads and copy draft planes
+before adopting the index's pages, write back eviction victims)::
 
     hc = HiCache(HiCacheConfig.load())
     req = hc.new_request("r1", prompt_ids)
@@ -20,43 +23,42 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
-from hicache.cache import MatchResult, PrefixCache, Request, Tokens, as_key
+from hicache.cache import CacheStats, MatchResult, PrefixCache, Request, RequestState, Tokens, as_key
 from hicache.config import HiCacheConfig
 from hicache.consensus import HitConsensus, admitted_hit
-from hicache.errors import CacheStateError, OutOfPages, TransferError
+from hicache.errors import OutOfPages, TransferError
 from hicache.hashing import page_hashes
 from hicache.layout import KVLayout
 from hicache.pools import DevicePool, HostPool
-from hicache.radix import Node
-from hicache.transfer import LoadHandle, Transfer, TransferController
+from hicache.storage.base import StorageStats
+from hicache.node import InsertResult, Node
+from hicache.plans import BackupPlan, LoadPlan, StorePlan
+from hicache.tiers import TierManager, TierMoveStats
+from hicache.transfer import LoadHandle, Plan, TransferController, TransferResult
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class TierStats:
-    """Tier movement counters (pages unless named otherwise)."""
+@dataclasses.dataclass(slots=True, frozen=True)
+class HiCacheStats:
+    """A snapshot of an embedded cache (``HiCache.stats``); ``as_dict`` for JSON."""
 
-    storage_lookups: int = 0
-    storage_hit_pages: int = 0  # L3 pages continuing the L2 hit, at admission
-    prefetch_started: int = 0
-    prefetch_pages: int = 0  # pages that landed in L2 from L3
-    prefetch_waited_ms: float = 0.0
-    load_back_pages: int = 0  # L2 -> L1
-    backup_pages: int = 0  # L1 -> L2 completed
-    backup_dropped_pages: int = 0  # no L2 space, or the path was not on L2
-    storage_put_pages: int = 0  # L2 -> L3 completed
-    storage_put_dropped_pages: int = 0
-    storage_put_skipped_draft_pages: int = 0  # not stored: their L2 draft rows are incomplete
-    transfer_errors: int = 0
+    index: CacheStats  # the index: lookups, hits (exact and page-floored), pages per tier
+    tiers: TierMoveStats  # pages moved between tiers, dropped, failed
+    bytes_moved: dict[str, int]  # per direction: d2h, h2d, l3_put, l3_get
+    capacity_pages: dict[str, int]  # "L1", "L2"
+    storage: StorageStats | None  # the L3 backend's counters; None without L3
 
-    def as_dict(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
+    def as_dict(self) -> dict:
+        out = {"index": self.index.as_dict(), "tiers": self.tiers.as_dict(),
+               "bytes_moved": dict(self.bytes_moved), "capacity_pages": dict(self.capacity_pages)}
+        if self.storage is not None:
+            out["storage"] = dataclasses.asdict(self.storage)
+        return out
 
 
 class Admission(NamedTuple):
@@ -90,6 +92,7 @@ class HiCache:
         the hit every rank agrees on (see ``hicache.consensus``)."""
         self.config = cfg = config or HiCacheConfig.load()
         self.layout = layout or cfg.layout()
+        cfg.check_host_memory(self.layout)
         self.device_pool = DevicePool(self.layout, cfg.pool.device_pages, cfg.resolved_device(),
                                       buffers=device_buffers)
         self.host_pool = HostPool(self.layout, cfg.pool.host_pages)
@@ -102,13 +105,11 @@ class HiCache:
         self.policy = cfg.policy
         self.transfers = TransferController(self.device_pool, self.host_pool, storage)
         self.cache = PrefixCache(self.layout, self.device_pool, self.host_pool,
-                                 eviction=cfg.policy.device_eviction, host_eviction=cfg.policy.host_eviction,
-                                 on_insert=self._on_insert, on_device_evict=self._on_device_evict,
-                                 on_share=self._wait_loads)
-        self.tier_stats = TierStats()
-        self._loading: dict[Node, LoadHandle] = {}  # L1 pages of these nodes are still arriving
-        self._backing_up: set[Node] = set()
-        self._host_in_flight: dict[int, list[int]] = {}  # transfer id -> host pages it holds (for integrity)
+                                 eviction=cfg.policy.device_eviction, host_eviction=cfg.policy.host_eviction)
+        self.tiers = TierManager(self.cache)
+        self.tier_stats = self.tiers.stats
+        self._jobs: dict[int, Plan] = {}  # submitted, not yet completed: job id -> its plan
+        self._load_handles: dict[int, LoadHandle] = {}  # id(LoadPlan) -> its layer-wise handle
         self._storage_enabled = storage is not None and self.layout.cp_size == 1
         self._failed: TransferError | None = None  # set by a failed load back; fatal
         self.consensus = consensus
@@ -117,7 +118,9 @@ class HiCache:
     def new_request(self, rid: str, tokens: Tokens, namespace: str = "", *, draft: bool | None = None) -> Request:
         """A WAITING request handle (see ``hicache.cache.Request``). ``draft``: the
         request runs the draft head (default: the layout has draft planes)."""
-        return self.cache.new_request(rid, tokens, namespace, draft=draft)
+        c = self.cache
+        return c.add_request(TieredRequest(self, rid, as_key(tokens), namespace,
+                                           c.has_draft if draft is None else draft))
 
     def match(self, tokens: Tokens, namespace: str = "", *, storage: bool = False) -> tuple[MatchResult, int]:
         """Page-floored hits per tier without side effects beyond statistics:
@@ -143,10 +146,10 @@ class HiCache:
         m = req.match()
         device_tokens = m.device_tokens
         storage_tokens = self._maybe_prefetch(req, m)
-        if storage_tokens or m.epoch != self.cache.tree.epoch:
+        if storage_tokens or m.epoch != self.cache.epoch:
             m = req.match()  # prefetched pages joined L2, or L2 room was made by eviction
         own = self._load_host_hit(m)
-        if own is not None or m.epoch != self.cache.tree.epoch:
+        if own is not None or m.epoch != self.cache.epoch:
             m = req.match()
         if self.consensus is not None:
             m = self._agreed(req, m)
@@ -154,8 +157,9 @@ class HiCache:
         req.lock(m)
         loads = [own] if own is not None else []
         if m.device_node is not None:
-            for n in self.cache.tree.path(m.device_node):
-                h = self._loading.get(n)
+            for n in self.cache.path(m.device_node):
+                plan = self.tiers.loading.get(n)
+                h = None if plan is None else self._load_handles[id(plan)]
                 if h is not None and h not in loads:
                     loads.append(h)
             if self.policy.write_policy == "write_through_selective":
@@ -180,8 +184,7 @@ class HiCache:
         cap = max(0, req.num_tokens - 1) // ps
         if cap - have < self.policy.storage_hit_min_pages:
             return 0
-        key = req.key
-        hashes = self._page_hashes(key, req.namespace, cap)
+        hashes = self._page_hashes(req.key, req.namespace, cap)
         self.tier_stats.storage_lookups += 1
         budget = self._prefetch_budget_s(req.num_tokens)
         t0 = time.perf_counter()
@@ -189,30 +192,12 @@ class HiCache:
         if s < self.policy.storage_hit_min_pages:
             return 0
         self.tier_stats.storage_hit_pages += s
-        host = self._alloc_host(s)
-        if host is None:
+        plan = self.tiers.prepare_prefetch(req.key, req.namespace, have, hashes[have:have + s])
+        if plan is None:
             return 0
-        self.tier_stats.prefetch_started += 1
-        end_key = key[:(have + s) * ps * 4]
-
-        def landed(t: Transfer) -> None:
-            self._host_in_flight.pop(id(t), None)
-            n = t.result or 0
-            got = host[:n]
-            unused = host[n:]
-            if n:
-                node, dup = self.cache.tree.insert_host(end_key[:(have + n) * ps * 4], req.namespace, have, got)
-                unused = unused + dup
-                if node is not None:
-                    self.cache.set_stored(node)
-            if unused:
-                self.cache.host_allocator.free(unused)
-            self.tier_stats.prefetch_pages += s - len(unused)
-
-        t = self.transfers.storage_get(hashes[have:have + s], host, on_done=landed)
-        self._host_in_flight[id(t)] = host
-        self._wait_prefetch(t, None if budget is None else budget - (time.perf_counter() - t0))
-        return s * ps if t.done else 0
+        job = self._submit(plan)
+        self._wait_prefetch(job, None if budget is None else budget - (time.perf_counter() - t0))
+        return s * ps if job not in self._jobs else 0
 
     def _prefetch_budget_s(self, num_tokens: int) -> float | None:
         """How long the scheduler may wait on L3 for one request (probe and fetch together);
@@ -225,170 +210,165 @@ class HiCache:
         return min(p.prefetch_timeout_cap_ms,
                    p.prefetch_timeout_base_ms + p.prefetch_timeout_per_1k_tokens_ms * num_tokens / 1000) / 1e3
 
-    def _wait_prefetch(self, t: Transfer, timeout: float | None) -> None:
-        """Wait for the prefetch ``t`` up to ``timeout`` (what is left of the policy's budget)."""
+    def _wait_prefetch(self, job: int, timeout: float | None) -> None:
+        """Wait for the prefetch ``job`` up to ``timeout`` (what is left of the policy's budget)."""
         if self.policy.prefetch_policy == "best_effort":
-            self.transfers.poll()
+            self._observe()
             return
         t0 = time.perf_counter()
-        self.transfers.wait(t, None if timeout is None else max(0.0, timeout))
+        self._wait(job, None if timeout is None else max(0.0, timeout))
         self.tier_stats.prefetch_waited_ms += (time.perf_counter() - t0) * 1e3
 
     # ----------------------------------------------------------------- L2 -> L1
     def _load_host_hit(self, m: MatchResult) -> LoadHandle | None:
         """Give the L2-only part of ``m`` L1 pages and start copying it in."""
-        if not m.host_tokens or m.host_node is None:
+        lr = self.tiers.plan_load(m)
+        if lr is None:
             return None
-        tree, ps = self.cache.tree, self.layout.page_size
-        end_page = m.tokens // ps
-        last = tree.split_at(m.host_node, end_page - m.host_node.start_page)
-        path = tree.path(last, stop=m.device_node)
-        assert path and all(n.device_pages is None and n.host_pages is not None for n in path), path
-        self.cache.inc_host_lock(last)
-        if m.device_node is not None:
-            self.cache.inc_lock(m.device_node)
         try:
-            need = sum(len(n.host_pages) for n in path)
-            dev = self.cache._alloc_device(need)
+            self._make_room(lr.num_pages)
+            dev = self.cache.alloc_device(lr.num_pages)
         except OutOfPages:
-            self.cache.dec_host_lock(last)
+            self.tiers.cancel_load(lr)
             return None
-        finally:
-            if m.device_node is not None:
-                self.cache.dec_lock(m.device_node)
-        host_ids, at = [], 0
-        for n in path:
-            k = len(n.host_pages)
-            host_ids += n.host_pages
-            self.cache.set_device(n, dev[at:at + k])
-            at += k
-        # The transfer itself pins the L1 pages it fills: the admitting request
-        # may abort, finish or be preempted before the copy completes.
-        self.cache.inc_lock(last)
-
-        def loaded(t: Transfer) -> None:
-            self.cache.dec_host_lock(last)
-            self.cache.dec_lock(last)
-            for n in path:
-                if self._loading.get(n) is handle:
-                    del self._loading[n]
-            if t.error is not None:
-                self.tier_stats.transfer_errors += 1
-                self._failed = TransferError(
-                    f"load back of L2 pages {host_ids[:8]}{'...' if len(host_ids) > 8 else ''} into L1 "
-                    f"pages {dev[:8]}{'...' if len(dev) > 8 else ''} failed ({t.error!r}); those L1 pages "
-                    "are indexed with unknown bytes, so this cache refuses to serve; rebuild it")
-
-        handle = self.transfers.load_back(host_ids, dev, on_done=loaded)
-        for n in path:
-            self._loading[n] = handle
-        self.tier_stats.load_back_pages += need
+        plan = self.tiers.prepare_load(lr, dev)
+        job = self._submit(plan)
+        handle = self.transfers.load_handle(job)
+        self._load_handles[id(plan)] = handle
         return handle
 
     # ----------------------------------------------------------------- L1 -> L2
-    def _alloc_host(self, n: int) -> list[int] | None:
-        a = self.cache.host_allocator
-        if a.num_free < n:
-            self.cache.evict_host(n - a.num_free)
-        return a.alloc(n) if a.num_free >= n else None
-
-    def _on_insert(self, node: Node) -> None:
-        if self.policy.write_policy == "write_through":
-            self._backup(node)
-
     def _selective_backup(self, deepest: Node) -> None:
-        for n in self.cache.tree.path(deepest):
-            if (n.host_pages is None and n not in self._backing_up
+        for n in self.cache.path(deepest):
+            if (n.host_pages is None and n not in self.tiers.backing_up
                     and n.hit_count >= self.policy.write_through_threshold):
                 self._backup(n)
 
-    def _on_device_evict(self, node: Node) -> None:
-        """write_back: save the node (and its path) to L2 before its L1 pages go."""
-        if self.policy.write_policy != "write_back" or node.host_pages is not None:
+    def _write_back(self, node: Node) -> None:
+        """write_back: save an eviction victim (and its path) to L2 before its L1 pages go."""
+        if node.host_pages is not None:
             return
-        for n in self.cache.tree.path(node):
-            if n.host_pages is None and n not in self._backing_up:
-                t = self._backup(n, synchronous=True)
-                if t is None:
+        for n in self.cache.path(node):
+            if n.host_pages is None and n not in self.tiers.backing_up:
+                job = self._backup(n, synchronous=True)
+                if job is None:
                     return
 
-    def _backup(self, node: Node, synchronous: bool = False) -> Transfer | None:
-        dev = list(node.device_pages)
-        draft = node.draft_device  # what the copy will hold: rows upgraded later are not in it
-        host = self._alloc_host(len(dev))
-        if host is None:
-            self.tier_stats.backup_dropped_pages += len(dev)
+    def _backup(self, node: Node, synchronous: bool = False) -> int | None:
+        """Start copying ``node`` to L2 (``synchronous``: and wait for it); the job id."""
+        plan = self.tiers.prepare_backup(node, pin=not synchronous)
+        if plan is None:
             return None
-        if not synchronous:
-            self.cache.inc_lock(node)
-        self._backing_up.add(node)
-
-        def done(t: Transfer) -> None:
-            self._host_in_flight.pop(id(t), None)
-            self._backing_up.discard(node)
-            if not synchronous:
-                self.cache.dec_lock(node)
-            self._attach_backup(node, dev, host, t, draft)
-
-        t = self.transfers.backup(dev, host, on_done=done)
-        self._host_in_flight[id(t)] = host
+        job = self._submit(plan)
         if synchronous:
-            self.transfers.wait(t)
-        return t
-
-    def _attach_backup(self, node: Node, dev: list[int], host: list[int], t: Transfer, draft: bool) -> None:
-        """Record the L2 copy on ``node`` and on the upper parts split off it meanwhile."""
-        if t.error is not None:
-            self.tier_stats.transfer_errors += 1
-            self.cache.host_allocator.free(host)
-            return
-        where = {d: i for i, d in enumerate(dev)}
-        chain, n = [], node
-        while (n.parent is not None and n.device_pages and n.host_pages is None
-               and all(d in where for d in n.device_pages)):
-            chain.append(n)
-            n = n.parent
-        used: set[int] = set()
-        for n in reversed(chain):
-            ids = [host[where[d]] for d in n.device_pages]
-            try:
-                self.cache.set_host(n, ids, draft=draft)
-            except CacheStateError:
-                break  # the parent never reached L2: drop this copy
-            used.update(ids)
-            self.tier_stats.backup_pages += len(ids)
-            self._store(n)
-        rest = [h for h in host if h not in used]
-        if rest:
-            self.tier_stats.backup_dropped_pages += len(rest)
-            self.cache.host_allocator.free(rest)
+            self._wait(job)
+        return job
 
     def _store(self, node: Node) -> None:
         """L2 -> L3 once the L2 copy is complete."""
-        if not self._storage_enabled or node.in_storage:
-            return
-        if self.cache.tree.draft and not node.draft_host:  # L3 holds complete pages only
-            self.tier_stats.storage_put_skipped_draft_pages += len(node.host_pages)
-            return
-        self.cache.inc_host_lock(node)
-        hashes = self.cache.hashes(node)
-        host = list(node.host_pages)
+        if self._storage_enabled:
+            plan = self.tiers.prepare_store(node)
+            if plan is not None:
+                self._submit(plan)
 
-        def stored(t: Transfer) -> None:
-            self.cache.dec_host_lock(node)
-            n = t.result or 0
-            self.tier_stats.storage_put_pages += n
-            self.tier_stats.storage_put_dropped_pages += len(host) - n
-            if n == len(host):
-                self.cache.set_stored(node)
+    # --------------------------------------------------------- completions
+    def _submit(self, plan: Plan) -> int:
+        job = self.transfers.submit(plan)
+        self._jobs[job] = plan
+        return job
 
-        self.transfers.storage_put(host, hashes, on_done=stored)
+    def _observe(self) -> int:
+        """Hand every finished transfer to the tier manager; returns how many."""
+        results = self.transfers.finished()
+        for r in results:
+            self._complete(self._jobs.pop(r.job), r)
+        return len(results)
+
+    def _complete(self, plan: Plan, r: TransferResult) -> None:
+        tiers = self.tiers
+        if isinstance(plan, BackupPlan):
+            for n in tiers.complete_backup(plan, r.ok):
+                self._store(n)
+        elif isinstance(plan, LoadPlan):
+            tiers.complete_load(plan, r.ok)
+            del self._load_handles[id(plan)]
+            if not r.ok:
+                h, d = plan.host, plan.device
+                self._failed = TransferError(
+                    f"load back of L2 pages {h[:8]}{'...' if len(h) > 8 else ''} into L1 "
+                    f"pages {d[:8]}{'...' if len(d) > 8 else ''} failed ({r.error!r}); those L1 pages "
+                    "are indexed with unknown bytes, so this cache refuses to serve; rebuild it")
+        elif isinstance(plan, StorePlan):
+            tiers.complete_store(plan, r.pages if r.ok else 0)
+        else:
+            tiers.complete_prefetch(plan, r.pages)
+
+    def _wait(self, job: int, timeout: float | None = None) -> None:
+        """Block until ``job`` is done (or ``timeout`` s), then observe what finished."""
+        if self.transfers.wait(job, timeout):
+            self._observe()
+
+    # ------------------------------------------------------------- eviction
+    def evict(self, num_pages: int) -> int:
+        """Take at least ``num_pages`` logical pages off L1 (unlocked leaves, by the
+        device eviction policy). Under ``write_back`` each victim and its path are
+        first backed up to L2 (waiting for the copy), so they stay as L2 hits.
+        Returns pages evicted (fewer only when nothing else is evictable)."""
+        got = 0
+        while got < num_pages:
+            victims = self.cache.device_victims(num_pages - got)
+            if not victims:
+                break
+            if self.policy.write_policy == "write_back":
+                for n in victims:
+                    self._write_back(n)
+            dropped = self.cache.drop_device(victims)
+            if not dropped:
+                break  # the write-back's completions changed every victim: give up this round
+            got += dropped
+        return got
+
+    def evict_host(self, num_pages: int) -> list[int]:
+        """Drop at least ``num_pages`` logical pages from L2 (never pages a transfer
+        holds); returns the freed L2 ids (already free in the host pool)."""
+        return self.cache.evict_host(num_pages)
+
+    def _make_room(self, num_pages: int) -> None:
+        """Before allocating ``num_pages`` L1 pages: under ``write_back`` evict with
+        the write-back here (the index's own eviction would drop dirty pages)."""
+        if self.policy.write_policy != "write_back":
+            return
+        a = self.cache.device_allocator
+        if a.num_free < num_pages:
+            self.evict(num_pages - a.num_free)
+
+    # ------------------------------------------------------------- sharing
+    def _settle_share(self, req: Request, res: InsertResult | None) -> None:
+        """Act on what a request's insert returned: wait for loads still filling the
+        index pages it now uses, copy the draft planes it supplied onto them,
+        free its duplicates, then back up the new nodes (write_through)."""
+        if res is None:
+            return
+        self._wait_loads(res.node)
+        if res.draft_copies:  # before the duplicates (the copies' sources) are freed
+            self._copy_draft(res.draft_copies)
+        req._adopt(res)
+        if self.policy.write_policy == "write_through":
+            for n in res.created:
+                self._backup(n)
+
+    def _copy_draft(self, pairs) -> None:
+        """Copy the draft planes of L1 page ``a`` onto page ``b`` for each ``(a, b)``."""
+        from hicache.kernels.page_copy import copy_pages
+        planes = [s.index for s in self.layout.planes if s.draft]
+        copy_pages(self.device_pool, self.device_pool, [a for a, _ in pairs], [b for _, b in pairs],
+                   planes=planes)
 
     # ------------------------------------------------------------- lifecycle
     def poll(self) -> int:
         """Observe finished transfers without blocking; returns how many. Raises
         ``TransferError`` once a load back has failed (see ``_check_healthy``)."""
-        n = len(self.transfers.poll())
+        n = self._observe()
         self._check_healthy()
         return n
 
@@ -399,36 +379,68 @@ class HiCache:
     def _wait_loads(self, node: Node) -> None:
         """A request is about to use the index's L1 pages on ``node``'s path (or
         write draft rows into them): wait for loads still filling them."""
-        for n in self.cache.tree.path(node):
-            h = self._loading.get(n)
-            if h is not None:
-                h.wait()
+        for n in self.cache.path(node):
+            plan = self.tiers.loading.get(n)
+            if plan is not None:
+                self._load_handles[id(plan)].wait()
 
     def drain(self) -> None:
         """Block until every transfer has finished and been observed."""
-        self.transfers.drain()
+        while self._jobs:
+            self._wait(next(iter(self._jobs)))
 
-    def stats(self) -> dict:
-        """A JSON-ready snapshot: index, tiers, bytes moved, L3 backend."""
-        out = {"index": self.cache.stats().as_dict(), "tiers": self.tier_stats.as_dict(),
-               "bytes_moved": dict(self.transfers.bytes_moved),
-               "capacity_pages": {"L1": self.device_pool.num_pages, "L2": self.host_pool.num_pages}}
-        if self.storage is not None:
-            s = self.storage.stats()
-            out["storage"] = dataclasses.asdict(s)
-        return out
+    def stats(self) -> HiCacheStats:
+        """A snapshot (new objects): index, tier movements, bytes moved, L3 backend."""
+        return HiCacheStats(self.cache.stats(), dataclasses.replace(self.tier_stats),
+                            dict(self.transfers.bytes_moved),
+                            {"L1": self.device_pool.num_pages, "L2": self.host_pool.num_pages},
+                            None if self.storage is None else self.storage.stats())
 
     def check_integrity(self) -> None:
         """Index invariants + pool accounting, counting pages held by transfers."""
-        host_in_flight = [h for ids in self._host_in_flight.values() for h in ids]
-        self.cache.check_integrity(host_in_flight=host_in_flight)
+        self.cache.check_integrity(host_in_flight=self.tiers.host_in_flight)
+        self.tiers.check_integrity()
         self.device_pool.check_integrity()
         self.host_pool.check_integrity()
         if self.storage is not None:
             self.storage.check_integrity()
 
     def close(self) -> None:
+        self.drain()
         self.transfers.close()
         if self.storage is not None:
             self.storage.close()
 
+
+
+class TieredRequest(Request):
+    """A request of a ``HiCache``: the same handle and states as ``Request``; each
+    step that changes the index hands the index's answer to its ``HiCache``,
+    which acts on it (see ``HiCache._settle_share`` and ``HiCache._make_room``)."""
+
+    def __init__(self, hc: HiCache, rid: str, key: bytes, namespace: str, draft: bool):
+        super().__init__(hc.cache, rid, key, namespace, draft)
+        self._hc = hc
+
+    def alloc(self, num_tokens: int) -> list[int]:
+        end = self.allocated_tokens + num_tokens
+        if self.state is RequestState.RUNNING and 0 <= num_tokens and end <= self.num_tokens:
+            self._hc._make_room(self._pages_for(end))
+        return super().alloc(num_tokens)
+
+    def commit(self, num_tokens: int | None = None, *, draft_tokens: int | None = None) -> int:
+        self._check(RequestState.RUNNING, op="commit")
+        self._advance(num_tokens, draft_tokens)
+        self._hc._settle_share(self, self._share())
+        return self.computed_tokens
+
+    def finish(self) -> None:
+        self._check(RequestState.WAITING, RequestState.RUNNING, RequestState.PREEMPTED, op="finish")
+        if self.state is RequestState.RUNNING:
+            self._hc._settle_share(self, self._share())
+        self._end_finish()
+
+    def preempt(self) -> None:
+        self._check(RequestState.RUNNING, op="preempt")
+        self._hc._settle_share(self, self._share())
+        self._end_preempt()

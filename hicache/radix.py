@@ -25,142 +25,60 @@ context parallelism those lists hold only the pages this rank owns (see
 ``hicache.cp``); ``[]`` means "on the tier, no page owned here". A non-root
 node is always on L1 or L2; L3-only prefixes live in the storage backend.
 
-The tree allocates and frees nothing: it records page ids and hands freed
-ids back to its caller (``hicache.cache.PrefixCache``). Not thread-safe.
+The tree allocates, frees and copies nothing, and never calls up: it
+records page ids, returns what it created (``InsertResult.created``) and what
+it would evict (``device_victims`` / ``host_victims``), and drops what it is
+told to (``drop_device`` / ``drop_host``), handing freed ids back to its caller
+(``hicache.cache.PrefixCache``). Eviction candidates live in
+``hicache.evict_index``, draft-plane completeness in ``hicache.draft``, the
+integrity check in ``hicache.radix_check``. Not thread-safe.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-import heapq
-from typing import Callable, Iterator, NamedTuple
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from hicache.cp import PageOwnership, RoundRobin
-from hicache.errors import CacheStateError, IntegrityError
-from hicache.eviction import POLICIES, EvictionPolicy, run_eviction
+from hicache.errors import CacheStateError
+from hicache.evict_index import DeviceCandidates, HostCandidates
+from hicache.eviction import EvictionPolicy
 from hicache.hashing import namespace_root, page_hashes
-from hicache.types import PageHash
+from hicache.node import Dropped, Hit, InsertResult, Node, TreeCensus
+from hicache.types import DevicePageId, HostPageId, PageHash
 
-NodeHook = Callable[["Node"], None]
-
-
-@dataclass(slots=True, eq=False)
-class Node:
-    """One edge of the tree. Identity-hashed; fields are mutated only by ``RadixTree``."""
-
-    key: bytes  # token ids of the edge, uint32 LE, a whole number of pages
-    num_pages: int  # logical pages on the edge
-    start_page: int  # logical index of the edge's first page in its sequence
-    parent: "Node | None"  # None only for a namespace root
-    namespace: str
-    nid: int  # creation order; final tie-break of every eviction policy
-    children: dict[bytes, "Node"] = field(default_factory=dict)  # first page bytes -> child
-    device_pages: list[int] | None = None  # owned L1 page ids; None = not on L1
-    host_pages: list[int] | None = None  # owned L2 page ids; None = not on L2
-    hashes: list[PageHash] | None = None  # chained page hashes, computed lazily
-    in_storage: bool = False  # L3 holds every page of the edge
-    lock_ref: int = 0  # holders of this node or a descendant on L1 (pins L1)
-    host_lock_ref: int = 0  # holders of this node or a descendant on L2 (pins L2)
-    last_access: int = 0  # tree clock at the last lock/insert
-    hit_count: int = 0  # times a request locked this node or a descendant
-    draft_device: bool = False  # every page's draft rows are valid on L1 (False when not on L1)
-    draft_host: bool = False  # ... on L2 (False when not on L2)
-
-    @property
-    def tokens(self) -> list[int]:
-        """Token ids of the edge (a copy)."""
-        return np.frombuffer(self.key, dtype="<u4").tolist()
-
-    @property
-    def on_device(self) -> bool:
-        return self.device_pages is not None
-
-    @property
-    def on_host(self) -> bool:
-        return self.host_pages is not None
-
-    def __repr__(self) -> str:
-        return (f"Node(nid={self.nid}, pages=[{self.start_page}, {self.start_page + self.num_pages}), "
-                f"dev={self.device_pages}, host={self.host_pages}, lock={self.lock_ref}, "
-                f"hlock={self.host_lock_ref})")
-
-
-class Hit(NamedTuple):
-    """A prefix lookup: counts and end nodes; ids come from ``pages`` on demand."""
-
-    device_num_pages: int  # logical pages hit on L1
-    host_num_pages: int  # logical pages hit on L2 after the device hit
-    device_node: "Node | None"  # node holding the last device-hit page (root if none; None: no root)
-    host_node: "Node | None"  # node holding the last host-hit page (== device_node if none)
-    draft_cut: int = 0  # need_draft stopped the hit: 0 no, 1 on L1, 2 on L2 (see DRAFT_CUTS)
-
-
-DRAFT_CUTS = {1: "draft planes missing on L1", 2: "draft planes missing on L2"}
-
-
-class InsertResult(NamedTuple):
-    node: Node  # the node holding the key's last page
-    pages: list[int]  # the tree's owned L1 ids for the whole key (use these from now on)
-    duplicates: list[int]  # caller's ids the tree did not take (already cached): free them
-    new_pages: int  # logical pages that were not in the tree before
-    # (caller id, tree id): the tree's page lacked valid draft rows, the caller's has
-    # them: copy the caller's draft planes onto the tree's page BEFORE freeing duplicates
-    draft_copies: tuple[tuple[int, int], ...] = ()
-
-
-class TreeCensus(NamedTuple):
-    """What ``check_integrity`` counted: every page id the tree holds."""
-
-    device_ids: set[int]
-    host_ids: set[int]
-    nodes: int
-
-
-def _monotone(policy: EvictionPolicy) -> bool:
-    """Built-in policies' keys never decrease over time (clock, hit count, nid),
-    which is what the lazy heap needs; custom policies rebuild per call."""
-    return type(policy) is POLICIES.get(getattr(policy, "name", None))
+__all__ = ["RadixTree", "Node", "Hit", "InsertResult", "Dropped", "TreeCensus"]
 
 
 class RadixTree:
-    """The index. ``page_size`` tokens per page; ``ownership``/``cp_rank`` pick owned pages.
-
-    ``on_insert(node)`` runs after a node gets L1 pages by insertion
-    (write-through hook); ``on_device_evict(node)`` runs before a node leaves
-    L1, while its device pages are still valid (write-back hook; it may call
-    ``set_host`` on ``path(node)`` top-down so the node stays on L2; a node
-    without L2 copies is dropped).
-    """
+    """The index. ``page_size`` tokens per page; ``ownership``/``cp_rank`` pick owned pages."""
 
     def __init__(self, page_size: int, ownership: PageOwnership | None = None, cp_rank: int = 0, *,
-                 on_insert: NodeHook | None = None, on_device_evict: NodeHook | None = None,
                  draft: bool = False):
         self.page_size = page_size
         self.draft = draft  # pages have draft planes: track their validity per node and tier
         self.page_bytes = 4 * page_size
         self.ownership = ownership or RoundRobin(1)
         self.cp_rank = cp_rank
-        self.on_insert = on_insert
-        self.on_device_evict = on_device_evict
         self.clock = 0  # logical time: bumps on every lock/insert
         self.epoch = 0  # bumps whenever pages leave a tier: older Hits may be stale
         self.device_ids_held = 0
-        self.host_ids_held = 0
         self.num_nodes = 0
         self._roots: dict[str, Node] = {}
         self._next_nid = 0
-        # L1 leaves (on L1, no child on L1): the device eviction candidates, kept
-        # incrementally so eviction does not scan the whole tree.
-        self._dev_leaves: set[Node] = set()
-        # Per built-in policy, a lazily maintained heap over the L1 leaves: entries
-        # go stale (keys only grow: clock, hit count) and are fixed on pop, so an
-        # eviction costs O(evicted log n) instead of a heap build over every leaf.
-        self._leaf_heaps: dict[str, list[tuple[tuple, int, Node]]] = {}
-        # The same for L2 eviction: candidates are pushed when they may have become
-        # L2 leaves (set_host, insert_host, a child's L2 eviction); a popped entry
-        # is re-validated, so non-leaves and dropped nodes simply fall out.
-        self._host_heaps: dict[str, list[tuple[tuple, int, Node]]] = {}
+        # L1 leaves, kept incrementally so eviction does not scan the whole tree.
+        self.device_candidates = DeviceCandidates()
+        # L2 candidates are pushed when they may have become L2 leaves (set_host,
+        # insert_host, a child's L2 eviction) and re-validated on pop.
+        self.host_candidates = HostCandidates(self.iter_nodes)
+
+    @property
+    def host_ids_held(self) -> int:
+        return self.host_candidates.held
+
+    @host_ids_held.setter
+    def host_ids_held(self, v: int) -> None:
+        self.host_candidates.held = v
 
     # ------------------------------------------------------------------ helpers
     def owned(self, start_page: int, num_pages: int) -> int:
@@ -261,7 +179,8 @@ class RadixTree:
         n = node
         while n is not None and n.parent is not None and n.start_page + n.num_pages > first_page:
             ids = n.host_pages if host else n.device_pages
-            assert ids is not None, f"{n!r} is not on {'L2' if host else 'L1'}"
+            if ids is None:
+                raise CacheStateError(f"pages({end_page}) through {n!r}: it is not on {'L2' if host else 'L1'}")
             a = self.owned(n.start_page, max(0, first_page - n.start_page))
             b = self.owned(n.start_page, min(n.num_pages, end_page - n.start_page))
             parts.append(ids[a:b])
@@ -278,12 +197,14 @@ class RadixTree:
         valid draft rows: new nodes are flagged accordingly (split at that
         boundary), and tree pages on L1 without valid draft rows are upgraded,
         listing in ``draft_copies`` the ids whose draft planes the caller must
-        copy over. Splits nodes as needed. Runs ``on_insert`` on each new node.
+        copy over. Splits nodes as needed. ``created`` lists the new nodes (what
+        a write-through caller backs up); the tree calls nothing.
         """
         pb = self.page_bytes
         n = len(key)
-        assert n % pb == 0, f"key of {n} bytes is not whole pages of {pb} bytes"
-        assert len(device_pages) == self.owned(0, n // pb), (len(device_pages), n // pb)
+        if n % pb or len(device_pages) != self.owned(0, n // pb):
+            raise CacheStateError(f"insert: a key of {n} bytes (pages of {pb}) with {len(device_pages)} "
+                                  f"page ids; it needs whole pages and one id per owned page")
         self.clock += 1
         node = self.root(namespace)
         pos = at = new = 0
@@ -311,30 +232,30 @@ class RadixTree:
                 p = dp - s  # the draft boundary falls inside: the upper part changes flag
                 child = self._split(child, p)
             cnt = self.owned(s, p)
-            mine = device_pages[at:at + cnt]
-            vouched = s + p <= dp
-            if child.device_pages is None:  # L2-only: the caller's pages bring it back to L1
-                child.device_pages = list(mine)
-                child.draft_device = vouched
-                self.device_ids_held += cnt
-                self._add_dev_leaf(child)
-                self._dev_leaves.discard(node)
-                pages += mine
-            else:
-                if mine != child.device_pages:
-                    dups += [a for a, b in zip(mine, child.device_pages) if a != b]
-                if vouched and not child.draft_device:
-                    copies += [(a, b) for a, b in zip(mine, child.device_pages) if a != b]
-                    child.draft_device = True
-                pages += child.device_pages
+            pages += self._meet(child, device_pages[at:at + cnt], s + p <= dp, dups, copies)
             child.last_access = self.clock
             at += cnt
             pos += p * pb
             node = child
-        if self.on_insert is not None:
-            for c in created:
-                self.on_insert(c)
-        return InsertResult(node, pages, dups, new, tuple(copies))
+        return InsertResult(node, pages, dups, new, tuple(copies), tuple(created))
+
+    def _meet(self, child: Node, mine: list[int], vouched: bool, dups: list[int],
+              copies: list[tuple[int, int]]) -> list[int]:
+        """``insert`` reached ``child`` (fully covered) with the caller's ids ``mine``
+        (``vouched``: their draft rows are valid). Returns the ids now serving it."""
+        if child.device_pages is None:  # L2-only: the caller's pages bring it back to L1
+            child.device_pages = list(mine)
+            child.draft_device = vouched
+            self.device_ids_held += len(mine)
+            self.device_candidates.add(child)
+            self.device_candidates.discard(child.parent)
+            return mine
+        if mine != child.device_pages:
+            dups += [a for a, b in zip(mine, child.device_pages) if a != b]
+        if vouched and not child.draft_device:
+            copies += [(a, b) for a, b in zip(mine, child.device_pages) if a != b]
+            child.draft_device = True
+        return child.device_pages
 
     def _add_new(self, parent: Node, key: bytes, device_pages: list[int], draft_pages: int) -> list[Node]:
         """New node(s) for ``key`` under ``parent``: two when the draft boundary falls inside."""
@@ -352,11 +273,10 @@ class RadixTree:
         start = parent.start_page + parent.num_pages
         node = Node(key, len(key) // pb, start, parent, parent.namespace, self._nid(),
                     device_pages=list(device_pages), last_access=self.clock)
-        assert len(device_pages) == self.owned(start, node.num_pages)
         parent.children[key[:pb]] = node
         self.device_ids_held += len(device_pages)
-        self._add_dev_leaf(node)
-        self._dev_leaves.discard(parent)
+        self.device_candidates.add(node)
+        self.device_candidates.discard(parent)
         self.num_nodes += 1
         return node
 
@@ -394,7 +314,8 @@ class RadixTree:
 
     def unlock(self, node: Node) -> None:
         while node.parent is not None:
-            assert node.lock_ref > 0, f"unlock of unlocked {node!r}"
+            if node.lock_ref <= 0:
+                raise CacheStateError(f"unlock of unlocked {node!r}")
             node.lock_ref -= 1
             node = node.parent
 
@@ -408,7 +329,8 @@ class RadixTree:
 
     def host_unlock(self, node: Node) -> None:
         while node.parent is not None:
-            assert node.host_lock_ref > 0, f"host unlock of unlocked {node!r}"
+            if node.host_lock_ref <= 0:
+                raise CacheStateError(f"host unlock of unlocked {node!r}")
             node.host_lock_ref -= 1
             node = node.parent
 
@@ -422,7 +344,7 @@ class RadixTree:
             node = node.parent
 
     # -------------------------------------------------------------- tier hooks
-    def set_host(self, node: Node, host_pages: list[int], draft: bool | None = None) -> None:
+    def set_host(self, node: Node, host_pages: Sequence[HostPageId], draft: bool | None = None) -> None:
         """Attach L2 copies. Call only once every plane of every page is on L2.
         ``draft``: the copies' draft rows are valid (default: they were on L1
         when copied, ``node.draft_device``; pass the value seen at copy time)."""
@@ -436,9 +358,9 @@ class RadixTree:
         node.host_pages = list(host_pages)
         node.draft_host = node.draft_device if draft is None else draft
         self.host_ids_held += want
-        self._push_host_candidate(node)
+        self.host_candidates.push(node)
 
-    def set_device(self, node: Node, device_pages: list[int]) -> None:
+    def set_device(self, node: Node, device_pages: Sequence[DevicePageId]) -> None:
         """Attach L1 pages to an L2-only node (after a load back completed)."""
         if node.device_pages is not None or node.parent is None or node.parent.device_pages is None:
             raise CacheStateError(f"set_device on {node!r}: it is already on L1 or its parent is "
@@ -449,8 +371,8 @@ class RadixTree:
         node.device_pages = list(device_pages)
         node.draft_device = node.draft_host  # the load back copies every plane
         self.device_ids_held += want
-        self._add_dev_leaf(node)
-        self._dev_leaves.discard(node.parent)
+        self.device_candidates.add(node)
+        self.device_candidates.discard(node.parent)
 
     def insert_host(self, key: bytes, namespace: str, first_page: int,
                     host_pages: list[int], draft: bool = True) -> tuple[Node | None, list[int]]:
@@ -464,7 +386,9 @@ class RadixTree:
         """
         pb = self.page_bytes
         n = len(key)
-        assert n % pb == 0 and len(host_pages) == n // pb - first_page, (n, first_page, len(host_pages))
+        if n % pb or len(host_pages) != n // pb - first_page:
+            raise CacheStateError(f"insert_host: a key of {n} bytes (pages of {pb}) from page {first_page} "
+                                  f"with {len(host_pages)} L2 ids; it needs one id per page from there")
         node = self.root(namespace)
         pos = 0
         while pos < n:
@@ -489,7 +413,7 @@ class RadixTree:
         node.children[key[pos:pos + pb]] = new
         self.host_ids_held += len(used)
         self.num_nodes += 1
-        self._push_host_candidate(new)
+        self.host_candidates.push(new)
         return new, list(host_pages[:start - first_page])
 
     def set_stored(self, node: Node, stored: bool = True) -> None:
@@ -542,74 +466,55 @@ class RadixTree:
         return (n.parent is not None and n.host_pages is not None and n.host_lock_ref == 0
                 and not any(c.host_pages is not None for c in n.children.values()))
 
-    def evict_device(self, num_pages: int, policy: EvictionPolicy) -> tuple[list[int], int]:
-        """Take at least ``num_pages`` logical pages off L1, unlocked L1 leaves first in
-        ``policy`` order. Nodes with L2 copies stay as L2-only nodes; others are
-        removed. Returns ``(freed L1 ids, logical pages evicted)``."""
-        freed: list[int] = []
+    def device_victims(self, num_pages: int, policy: EvictionPolicy) -> list[Node]:
+        """Step 1 of L1 eviction: the unlocked L1 leaves to evict, in ``policy``
+        order, covering at least ``num_pages`` logical pages (fewer only when
+        nothing else is evictable); parents that become leaves once their
+        children go are included after them. Mutates no node. Step 2 is the
+        caller's: back up (``set_host``) what must stay on L2; step 3 is
+        ``drop_device`` of the same list."""
+        return self.device_candidates.choose(num_pages, policy)
 
-        def evict_one(n: Node) -> tuple[int, Node | None]:
-            if self.on_device_evict is not None:
-                self.on_device_evict(n)
+    def drop_device(self, victims: Sequence[Node]) -> Dropped:
+        """Take ``victims`` off L1 in order (skipping any no longer an unlocked L1
+        leaf). A victim with L2 copies stays as an L2-only node; others are
+        removed. Returns the freed L1 ids (the caller frees them) and the
+        logical pages evicted; bumps ``epoch`` if any."""
+        freed: list[DevicePageId] = []
+        got = 0
+        for n in victims:
+            if not self._device_evictable(n):
+                continue
             freed.extend(n.device_pages)
             self.device_ids_held -= len(n.device_pages)
             n.device_pages = None
             n.draft_device = False
-            self._dev_leaves.discard(n)
+            self.device_candidates.discard(n)
             parent = n.parent
             if n.host_pages is None:
                 self._remove(n)
             if self._device_evictable(parent, unlocked=False):
-                self._add_dev_leaf(parent)
-                return n.num_pages, (parent if parent.lock_ref == 0 else None)
-            return n.num_pages, None
-
-        if _monotone(policy):
-            got = self._evict_from_heap(policy, num_pages, evict_one)
-        else:
-            cands = [n for n in self._dev_leaves if n.lock_ref == 0]
-            got = run_eviction(cands, policy, num_pages, evict_one)
+                self.device_candidates.add(parent)
+            got += n.num_pages
         if got:
             self.epoch += 1
-        return freed, got
+        return Dropped(freed, got)
 
-    def _add_dev_leaf(self, n: Node) -> None:
-        self._dev_leaves.add(n)
-        for name, heap in self._leaf_heaps.items():
-            heapq.heappush(heap, (POLICIES[name]().key(n), n.nid, n))
+    def host_victims(self, num_pages: int, policy: EvictionPolicy) -> list[Node]:
+        """L2 leaves with ``host_lock_ref == 0`` to drop, in ``policy`` order,
+        covering at least ``num_pages`` logical pages (parents that become L2
+        leaves after them). Mutates no node; pass the list to ``drop_host``."""
+        return self.host_candidates.choose(num_pages, policy)
 
-    def _evict_from_heap(self, policy: EvictionPolicy, num_pages: int,
-                         evict_one: Callable[[Node], tuple[int, Node | None]]) -> int:
-        """``run_eviction`` over the persistent heap of ``policy`` (same order)."""
-        heap = self._leaf_heaps.get(policy.name)
-        if heap is None or len(heap) > 2 * len(self._dev_leaves) + 1024:  # first use, or too stale
-            heap = [(policy.key(n), n.nid, n) for n in self._dev_leaves]
-            heapq.heapify(heap)
-            self._leaf_heaps[policy.name] = heap
-        key, got, locked = policy.key, 0, []
-        while got < num_pages and heap:
-            k, nid, n = heapq.heappop(heap)
-            if n not in self._dev_leaves:
-                continue  # no longer an L1 leaf (evicted, removed or grew children)
-            cur = key(n)
-            if cur != k:
-                heapq.heappush(heap, (cur, nid, n))
+    def drop_host(self, victims: Sequence[Node]) -> Dropped:
+        """Drop ``victims``' L2 copies in order (skipping any no longer an
+        unpinned L2 leaf); L2 stays prefix-closed. A node also on L1 keeps its
+        L1 pages; others are removed. Returns the freed L2 ids and pages."""
+        freed: list[HostPageId] = []
+        got = 0
+        for n in victims:
+            if not self._host_evictable(n):
                 continue
-            if n.lock_ref:
-                locked.append((k, nid, n))
-                continue
-            got += evict_one(n)[0]  # a parent that becomes a leaf is pushed by _add_dev_leaf
-        for e in locked:
-            heapq.heappush(heap, e)
-        return got
-
-    def evict_host(self, num_pages: int, policy: EvictionPolicy) -> tuple[list[int], int]:
-        """Drop at least ``num_pages`` logical pages from L2, L2 leaves with
-        ``host_lock_ref == 0`` first in ``policy`` order; L2 stays prefix-closed.
-        A node also on L1 keeps its L1 pages. Returns ``(freed L2 ids, pages)``."""
-        freed: list[int] = []
-
-        def evict_one(n: Node) -> tuple[int, Node | None]:
             freed.extend(n.host_pages)
             self.host_ids_held -= len(n.host_pages)
             n.host_pages = None
@@ -618,120 +523,29 @@ class RadixTree:
             if n.device_pages is None:
                 self._remove(n)
             if parent.parent is not None and parent.host_pages is not None:
-                self._push_host_candidate(parent)
-            return n.num_pages, (parent if self._host_evictable(parent) else None)
-
-        if _monotone(policy):
-            got = self._evict_host_from_heap(policy, num_pages, evict_one)
-        else:
-            cands = [n for n in self.iter_nodes() if self._host_evictable(n)]
-            got = run_eviction(cands, policy, num_pages, evict_one)
+                self.host_candidates.push(parent)
+            got += n.num_pages
         if got:
             self.epoch += 1
-        return freed, got
+        return Dropped(freed, got)
 
-    def _push_host_candidate(self, n: Node) -> None:
-        for name, heap in self._host_heaps.items():
-            heapq.heappush(heap, (POLICIES[name]().key(n), n.nid, n))
+    def evict_device(self, num_pages: int, policy: EvictionPolicy) -> Dropped:
+        """``drop_device(device_victims(...))``: L1 eviction without a write-back."""
+        return self.drop_device(self.device_victims(num_pages, policy))
 
-    def _evict_host_from_heap(self, policy: EvictionPolicy, num_pages: int,
-                              evict_one: Callable[[Node], tuple[int, Node | None]]) -> int:
-        """``run_eviction`` over the persistent L2 candidate heap of ``policy`` (same order)."""
-        heap = self._host_heaps.get(policy.name)
-        if heap is None or len(heap) > 2 * self.host_ids_held + 1024:  # first use, or too stale
-            heap = [(policy.key(n), n.nid, n) for n in self.iter_nodes() if n.host_pages is not None]
-            heapq.heapify(heap)
-            self._host_heaps[policy.name] = heap
-        key, got, locked = policy.key, 0, []
-        while got < num_pages and heap:
-            k, nid, n = heapq.heappop(heap)
-            if n.host_pages is None or any(c.host_pages is not None for c in n.children.values()):
-                continue  # not on L2 any more, or not an L2 leaf: pushed again if it becomes one
-            cur = key(n)
-            if cur != k:
-                heapq.heappush(heap, (cur, nid, n))
-                continue
-            if n.host_lock_ref:
-                locked.append((k, nid, n))
-                continue
-            got += evict_one(n)[0]
-        for e in locked:
-            heapq.heappush(heap, e)
-        return got
+    def evict_host(self, num_pages: int, policy: EvictionPolicy) -> Dropped:
+        """``drop_host(host_victims(...))``."""
+        return self.drop_host(self.host_victims(num_pages, policy))
 
     def _remove(self, n: Node) -> None:
-        assert not n.children and n.lock_ref == 0 and n.host_lock_ref == 0, n
+        if n.children or n.lock_ref or n.host_lock_ref:
+            raise CacheStateError(f"cannot remove {n!r}: it has children or holders")
         del n.parent.children[n.key[:self.page_bytes]]
         self.num_nodes -= 1
 
-    # ---------------------------------------------------------------- integrity
-    def _check_draft(self, n: Node, bad: Callable[[Node, str], IntegrityError]) -> None:
-        """Invariant 5 (draft half): a draft flag only on a tier the node is on. (What a
-        request holds is checked by ``PrefixCache``; L3 is written only from
-        ``draft_host`` copies, by the controller.)"""
-        if n.draft_device and n.device_pages is None:
-            raise bad(n, "draft_device set but the node is not on L1")
-        if n.draft_host and n.host_pages is None:
-            raise bad(n, "draft_host set but the node is not on L2")
-
     def check_integrity(self) -> TreeCensus:
-        """Check invariants 1-3 and 5 of DESIGN.md and the tree's own bookkeeping;
-        return every page id held (the cache checks pool accounting, invariant 4)."""
-        pb = self.page_bytes
-        dev: set[int] = set()
-        host: set[int] = set()
-        nodes = dev_n = host_n = 0
-
-        def bad(n: Node, why: str) -> IntegrityError:
-            return IntegrityError(f"radix {n!r}: {why}")
-
-        for ns, r in self._roots.items():
-            if (r.namespace != ns or r.key or r.device_pages != [] or r.host_pages != []
-                    or not (r.draft_device and r.draft_host)):
-                raise bad(r, f"malformed root of namespace {ns!r}")
-        for n in self.iter_nodes():
-            p = n.parent
-            nodes += 1
-            if not n.key or len(n.key) % pb or n.num_pages != len(n.key) // pb:  # invariant 1
-                raise bad(n, f"key of {len(n.key)} bytes is not {n.num_pages} whole pages of {pb}")
-            if p.children.get(n.key[:pb]) is not n or n.namespace != p.namespace:
-                raise bad(n, "not reachable from its parent under its first page")
-            if n.start_page != p.start_page + p.num_pages:
-                raise bad(n, f"start_page {n.start_page} != parent end {p.start_page + p.num_pages}")
-            if n.device_pages is None and n.host_pages is None:
-                raise bad(n, "is on neither L1 nor L2")
-            if n.device_pages is not None and p.device_pages is None:  # invariant 2
-                raise bad(n, "on L1 but its parent is not (L1 not prefix-closed)")
-            if n.host_pages is not None and p.host_pages is None:
-                raise bad(n, "on L2 but its parent is not (L2 not prefix-closed)")
-            if n.lock_ref < sum(c.lock_ref for c in n.children.values()) or \
-                    n.host_lock_ref < sum(c.host_lock_ref for c in n.children.values()):
-                raise bad(n, "lock count below its children's (locks must cover ancestors)")
-            if n.lock_ref and n.device_pages is None:  # invariant 3
-                raise bad(n, "locked but evicted from L1")
-            if n.host_lock_ref and n.host_pages is None:
-                raise bad(n, "host-locked but evicted from L2")
-            self._check_draft(n, bad)
-            want = self.owned(n.start_page, n.num_pages)  # invariant 5: no page missing on a tier
-            for ids, seen, tier in ((n.device_pages, dev, "L1"), (n.host_pages, host, "L2")):
-                if ids is None:
-                    continue
-                if len(ids) != want:
-                    raise bad(n, f"holds {len(ids)} {tier} pages, owns {want}")
-                for i in ids:
-                    if i in seen:
-                        raise bad(n, f"{tier} page {i} is held twice in the tree")
-                    seen.add(i)
-            dev_n += len(n.device_pages or ())
-            host_n += len(n.host_pages or ())
-            if n.hashes is not None and len(n.hashes) != n.num_pages:
-                raise bad(n, f"{len(n.hashes)} hashes for {n.num_pages} pages")
-        leaves = {n for n in self.iter_nodes() if self._device_evictable(n, unlocked=False)}
-        if leaves != self._dev_leaves:
-            raise IntegrityError(f"L1 leaf set is stale: missing {leaves - self._dev_leaves}, "
-                                 f"extra {self._dev_leaves - leaves}")
-        if (nodes, dev_n, host_n) != (self.num_nodes, self.device_ids_held, self.host_ids_held):
-            raise IntegrityError(f"radix counters (nodes, L1 ids, L2 ids) = "
-                                 f"{(self.num_nodes, self.device_ids_held, self.host_ids_held)}, "
-                                 f"counted {(nodes, dev_n, host_n)}")
-        return TreeCensus(dev, host, nodes)
+        """Check invariants 1-3 and 5 of DESIGN.md and the tree's own bookkeeping
+        (``hicache.radix_check``); return every page id held (the cache checks
+        pool accounting, invariant 4)."""
+        from hicache.radix_check import check_tree
+        return check_tree(self)

@@ -1,10 +1,12 @@
-"""Asynchronous page movement between tiers, index-agnostic.
+"""Worker side of tiering: the transfer engine, index-agnostic.
 
-The controller moves pages; it never touches the index. Each submission
-returns a handle, and its completion callback runs **in the caller's thread**
-during ``poll()`` (or ``wait``), so the index is only ever mutated by the
-scheduler thread. Until the caller has observed completion, the pages a
-transfer uses stay owned by that transfer (the caller holds lock refs).
+It moves pages and never touches the index or calls its caller:
+``submit(plan) -> job id`` starts the copy or I/O a plan of
+``hicache.tiers`` describes, ``finished()`` returns the ``TransferResult`` of
+every job done since the last call (in submission order), and the caller
+(``HiCache.poll``) hands each to the matching ``TierManager.complete_*`` in
+its own thread, so the index is only ever mutated by the scheduler thread.
+Until then the pages a job uses stay pinned by its plan.
 
 Concurrency model: on a GPU, page copies run on a dedicated CUDA stream and
 completion is observed through CUDA events; without a GPU, one worker thread
@@ -17,11 +19,13 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
+from hicache.errors import TransferError
 from hicache.pools import DevicePool, HostPool
+from hicache.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan
 
 log = logging.getLogger(__name__)
 
@@ -31,23 +35,45 @@ def _copy_pages(src, dst, src_pages, dst_pages, planes=None) -> None:
     copy_pages(src, dst, src_pages, dst_pages, planes=planes)
 
 
+Plan = BackupPlan | LoadPlan | StorePlan | PrefetchPlan
+
+
+def _same_len(a: Sequence, b: Sequence) -> None:
+    if len(a) != len(b):
+        raise TransferError(f"a transfer pairs {len(a)} source pages with {len(b)} destinations")
+
+
+class TransferResult(NamedTuple):
+    """The outcome of one job, as ``finished()`` reports it."""
+
+    job: int  # the id ``submit`` returned
+    kind: str  # "d2h" | "h2d" | "l3_put" | "l3_get"
+    pages: int  # pages moved: all of them for a copy; leading pages stored / loaded for L3
+    error: BaseException | None  # what the worker raised (None: it completed)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
 @dataclass(eq=False)
 class Transfer:
-    """One submitted operation. ``done`` flips when its completion is observed."""
+    """One submitted operation. ``done`` flips when ``finished()`` reported it."""
 
     kind: str  # "d2h" | "h2d" | "l3_put" | "l3_get"
-    on_done: Callable[["Transfer"], None] | None
-    result: object = None
+    job: int = 0
+    pages: int = 0  # pages a copy moves
+    result: int | None = None  # L3 jobs: leading pages stored / loaded
     error: BaseException | None = None
     done: bool = False
-    _ready: threading.Event = field(default_factory=threading.Event, repr=False)
-    _cuda_event: object = None
+    ready_flag: threading.Event = field(default_factory=threading.Event, repr=False)  # CPU jobs: set when done
+    cuda_event: object = None  # GPU jobs: recorded after the last copy
 
     def ready(self) -> bool:
         """True once the work itself has finished (completion not yet observed)."""
-        if self._cuda_event is not None:
-            return self._cuda_event.query()
-        return self._ready.is_set()
+        if self.cuda_event is not None:
+            return self.cuda_event.query()
+        return self.ready_flag.is_set()
 
 
 class LoadHandle:
@@ -75,6 +101,17 @@ class LoadHandle:
         for i in range(self.num_layers + 1):
             self._wait(i)
 
+    def layer_launched(self, i: int, event=None) -> None:
+        """The engine's worker: layer ``i`` is copied (CPU) or its copy is enqueued
+        with ``event`` recorded after it (GPU)."""
+        self._layer_events[i] = event
+        self._layer_flags[i].set()
+
+    def release_all(self) -> None:
+        """The engine's worker: the job failed; wake every waiter (they see ``transfer.error``)."""
+        for f in self._layer_flags:
+            f.set()
+
     def layer_ready(self, i: int) -> bool:
         ev = self._layer_events[i]
         return ev.query() if self._on_gpu and ev is not None else self._layer_flags[i].is_set()
@@ -97,7 +134,10 @@ class TransferController:
         self.host_pool = host_pool
         self.storage = storage
         self.on_gpu = device_pool.device.type == "cuda"
-        self._pending: list[Transfer] = []
+        self._pending: list[Transfer] = []  # submitted, not yet reported by finished()
+        self._jobs: dict[int, Transfer] = {}  # the same, by job id
+        self._handles: dict[int, LoadHandle] = {}  # load jobs' layer-wise handles
+        self._next_job = 0
         self._plane_groups = self._layer_plane_groups()
         self.bytes_moved = {"d2h": 0, "h2d": 0, "l3_put": 0, "l3_get": 0}
         self._copy_q: queue.Queue | None = None
@@ -139,11 +179,11 @@ class TransferController:
         for t in idx:
             t.record_stream(self._stream)
 
-    def backup(self, device_pages: Sequence[int], host_pages: Sequence[int],
-               on_done: Callable[[Transfer], None] | None = None) -> Transfer:
+    def backup(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Transfer:
         """Copy L1 pages to L2 (all planes). The caller holds both sets of pages."""
-        assert len(device_pages) == len(host_pages), (len(device_pages), len(host_pages))
-        t = Transfer("d2h", on_done)
+        _same_len(device_pages, host_pages)
+        t = self._new("d2h")
+        t.pages = len(device_pages)
         nbytes = len(device_pages) * self.device_pool.layout.page_bytes
         src, dst = self._idx(device_pages), self._idx(host_pages)
         if self.on_gpu:
@@ -151,25 +191,25 @@ class TransferController:
             self._keep_for_copy(src, dst)
             with torch.cuda.stream(self._stream):
                 _copy_pages(self.device_pool, self.host_pool, src, dst)
-                t._cuda_event = torch.cuda.Event()
-                t._cuda_event.record(self._stream)
+                t.cuda_event = torch.cuda.Event()
+                t.cuda_event.record(self._stream)
         else:
             def job():
                 try:
                     _copy_pages(self.device_pool, self.host_pool, src, dst)
                 except BaseException as e:  # surfaced to the caller at poll()
                     t.error = e
-                t._ready.set()
+                t.ready_flag.set()
             self._copy_q.put(job)
         self.bytes_moved["d2h"] += nbytes
         self._pending.append(t)
         return t
 
-    def load_back(self, host_pages: Sequence[int], device_pages: Sequence[int],
-                  on_done: Callable[[Transfer], None] | None = None) -> LoadHandle:
+    def load_back(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> LoadHandle:
         """Copy L2 pages into L1 layer by layer; returns a ``LoadHandle``."""
-        assert len(device_pages) == len(host_pages), (len(device_pages), len(host_pages))
-        t = Transfer("h2d", on_done)
+        _same_len(device_pages, host_pages)
+        t = self._new("h2d")
+        t.pages = len(device_pages)
         h = LoadHandle(t, self.device_pool.layout.num_layers, self.on_gpu)
         src, dst = self._idx(host_pages), self._idx(device_pages)
         if self.on_gpu:
@@ -181,32 +221,34 @@ class TransferController:
                         _copy_pages(self.host_pool, self.device_pool, src, dst, planes=planes)
                     ev = torch.cuda.Event()
                     ev.record(self._stream)
-                    h._layer_events[i] = ev
-                    h._layer_flags[i].set()
-                t._cuda_event = h._layer_events[-1]
+                    h.layer_launched(i, ev)
+                t.cuda_event = ev
         else:
             def job():
                 try:
                     for i, planes in enumerate(self._plane_groups):
                         if planes:
                             _copy_pages(self.host_pool, self.device_pool, src, dst, planes=planes)
-                        h._layer_flags[i].set()
+                        h.layer_launched(i)
                 except BaseException as e:
                     t.error = e
-                    for f in h._layer_flags:
-                        f.set()
-                t._ready.set()
+                    h.release_all()
+                t.ready_flag.set()
             self._copy_q.put(job)
         self.bytes_moved["h2d"] += len(host_pages) * self.device_pool.layout.page_bytes
         self._pending.append(t)
         return h
 
     # ----------------------------------------------------------------- L2 <-> L3
-    def storage_put(self, host_pages: Sequence[int], hashes: Sequence[bytes],
-                    on_done: Callable[[Transfer], None] | None = None) -> Transfer:
+    def _need_storage(self) -> None:
+        if self.storage is None:
+            raise TransferError("an L3 job was submitted to a transfer engine without a storage backend")
+
+    def storage_put(self, host_pages: Sequence[int], hashes: Sequence[bytes]) -> Transfer:
         """Write L2 pages to L3. ``result`` = number stored. Caller host-locks the pages."""
-        assert self.storage is not None and len(host_pages) == len(hashes)
-        t = Transfer("l3_put", on_done)
+        self._need_storage()
+        _same_len(host_pages, hashes)
+        t = self._new("l3_put")
         sizes = [p.page_bytes for p in self.host_pool.layout.planes]
 
         def job():
@@ -215,18 +257,18 @@ class TransferController:
                 t.result = self.storage.put(items)
             except BaseException as e:
                 t.error = e
-            t._ready.set()
+            t.ready_flag.set()
         self._io_q.put(job)
         self.bytes_moved["l3_put"] += len(host_pages) * self.host_pool.layout.page_bytes
         self._pending.append(t)
         return t
 
-    def storage_get(self, hashes: Sequence[bytes], host_pages: Sequence[int],
-                    on_done: Callable[[Transfer], None] | None = None) -> Transfer:
+    def storage_get(self, hashes: Sequence[bytes], host_pages: Sequence[int]) -> Transfer:
         """Read pages from L3 into L2. ``result`` = number of leading pages loaded
         (a miss or corrupt object stops the prefix there)."""
-        assert self.storage is not None and len(host_pages) == len(hashes)
-        t = Transfer("l3_get", on_done)
+        self._need_storage()
+        _same_len(host_pages, hashes)
+        t = self._new("l3_get")
         sizes = [p.page_bytes for p in self.host_pool.layout.planes]
 
         def job():
@@ -241,7 +283,7 @@ class TransferController:
                 t.error = e
             t.result = n
             self.bytes_moved["l3_get"] += n * self.host_pool.layout.page_bytes
-            t._ready.set()
+            t.ready_flag.set()
         self._io_q.put(job)
         self._pending.append(t)
         return t
@@ -252,44 +294,75 @@ class TransferController:
             return 0
         return self.storage.prefix_hits(list(hashes), budget_s)
 
+    # ---------------------------------------------------------------- plans
+    def submit(self, plan: Plan) -> int:
+        """Start the job ``plan`` describes; returns its id (see ``finished``).
+        The caller keeps the plan's pages pinned until the result is reported."""
+        if isinstance(plan, BackupPlan):
+            t = self.backup(plan.device, plan.host)
+        elif isinstance(plan, LoadPlan):
+            h = self.load_back(plan.host, plan.device)
+            self._handles[h.transfer.job] = h
+            t = h.transfer
+        elif isinstance(plan, StorePlan):
+            t = self.storage_put(plan.host, plan.hashes)
+        elif isinstance(plan, PrefetchPlan):
+            t = self.storage_get(plan.hashes, plan.host)
+        else:
+            raise TypeError(f"cannot submit {plan!r}: not a BackupPlan, LoadPlan, StorePlan or PrefetchPlan")
+        return t.job
+
+    def load_handle(self, job: int) -> "LoadHandle":
+        """The layer-wise handle of a submitted ``LoadPlan`` (valid until reported finished)."""
+        return self._handles[job]
+
     # ------------------------------------------------------------- completion
-    def poll(self) -> list[Transfer]:
-        """Observe finished transfers without blocking; run their callbacks here."""
+    def _new(self, kind: str) -> Transfer:
+        self._next_job += 1
+        t = Transfer(kind, self._next_job)
+        self._jobs[t.job] = t
+        return t
+
+    def finished(self) -> list[TransferResult]:
+        """Results of jobs done since the last call, in submission order; never blocks."""
         done, still = [], []
         for t in self._pending:
             (done if t.ready() else still).append(t)
         self._pending = still
+        out = []
         for t in done:
-            self._finish(t)
-        return done
+            t.done = True
+            del self._jobs[t.job]
+            self._handles.pop(t.job, None)
+            if t.error is not None:
+                log.warning("transfer %s failed: %s", t.kind, t.error)
+            pages = t.result if t.result is not None else t.pages
+            out.append(TransferResult(t.job, t.kind, pages, t.error))
+        return out
 
-    def wait(self, t: Transfer, timeout: float | None = None) -> bool:
-        """Block until ``t`` is finished, then observe it (and whatever else is done)."""
-        if t._cuda_event is not None:
-            t._cuda_event.synchronize()
-        elif not t._ready.wait(timeout):
-            return False
-        self.poll()
-        return True
+    def wait(self, job: int, timeout: float | None = None) -> bool:
+        """Block until job ``job`` is done (not reported: call ``finished``); False
+        on timeout. A job already reported counts as done."""
+        t = self._jobs.get(job)
+        if t is None:
+            return True
+        if t.cuda_event is not None:
+            t.cuda_event.synchronize()
+            return True
+        return t.ready_flag.wait(timeout)
 
-    def drain(self) -> None:
-        """Block until every pending transfer is observed."""
-        while self._pending:
-            self.wait(self._pending[0])
-
-    def _finish(self, t: Transfer) -> None:
-        t.done = True
-        if t.error is not None:
-            log.warning("transfer %s failed: %s", t.kind, t.error)
-        if t.on_done is not None:
-            t.on_done(t)
+    def wait_all(self) -> None:
+        """Block until every submitted job is done (still to be reported by ``finished``)."""
+        for job in list(self._jobs):
+            self.wait(job)
 
     @property
     def num_pending(self) -> int:
         return len(self._pending)
 
     def close(self) -> None:
-        self.drain()
+        """Wait for every job, then stop the worker threads (unreported results are dropped)."""
+        self.wait_all()
         for q in (self._copy_q, self._io_q):
             if q is not None:
                 q.put(None)

@@ -11,7 +11,6 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 from typing import Any
 
@@ -104,7 +103,7 @@ def replay(cfg: HiCacheConfig, trace_path: str | None, *, progress: bool = True,
     prompt_total = sum(r.prompt_tokens for r in run.results.values())
     rows = [_summarise("hicache (L1+L2+L3)", run, hc, prompt_total)]
     series = [dataclasses.asdict(s) for s in run.samples]
-    stats = hc.stats()
+    stats = hc.stats().as_dict()
     hc.close()
     if baselines:
         forced = {rid: r.output for rid, r in run.results.items()}

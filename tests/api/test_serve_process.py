@@ -7,7 +7,6 @@ import threading
 import time
 
 import httpx
-import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 

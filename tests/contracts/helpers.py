@@ -20,11 +20,11 @@ def make_hc(layout: KVLayout, url: str = "", device_pages: int = 48, host_pages:
 def indexed_pages(hc: HiCache):
     """``(tier, tokens of the page, {plane index: rows})`` for every page the index
     holds on L1, L2 and (cp_size 1) L3 on this rank."""
-    lay, tree, ps = hc.layout, hc.cache.tree, hc.layout.page_size
+    lay, ps = hc.layout, hc.layout.page_size
     sizes = [s.page_bytes for s in lay.planes]
-    for n in tree.iter_nodes():
+    for n in hc.cache.nodes():
         toks = n.tokens
-        owned = [j for j in range(n.num_pages) if tree.ownership.owner(n.start_page + j) == tree.cp_rank]
+        owned = [j for j in range(n.num_pages) if hc.cache.owns(n.start_page + j)]
         hashes = hc.cache.hashes(n) if n.in_storage else None
         for k, j in enumerate(owned):
             page_toks = toks[j * ps:(j + 1) * ps]

@@ -72,14 +72,14 @@ def test_accept_length_warm_equals_cold_on_every_tier(models, kind, host_layout,
     assert (l1.device_hit, l1.computed) == (36, 1)
     assert (l1.output, l1.accept_lengths) == (cold.output, cold.accept_lengths)
     hc.drain()
-    hc.cache.evict(10_000)
+    hc.evict(10_000)
     hc.check_integrity()
     l2 = serve(eng, "l2", prompt)
     assert (l2.device_hit, l2.host_hit, l2.storage_hit) == (0, 36, 0)
     assert (l2.output, l2.accept_lengths) == (cold.output, cold.accept_lengths)
     hc.drain()
-    hc.cache.evict(10_000)
-    hc.cache.evict_host(10_000)
+    hc.evict(10_000)
+    hc.evict_host(10_000)
     l3 = serve(eng, "l3", prompt)
     assert (l3.device_hit, l3.host_hit, l3.storage_hit) == (0, 36, 36)
     assert (l3.output, l3.accept_lengths) == (cold.output, cold.accept_lengths)
@@ -144,7 +144,7 @@ def test_l2_copy_without_draft_truncates_and_skips_l3(models, tmp_path):
     hc.drain()
     assert hc.tier_stats.backup_pages > 0 and hc.tier_stats.storage_put_pages == 0
     assert hc.tier_stats.storage_put_skipped_draft_pages == hc.tier_stats.backup_pages
-    hc.cache.evict(10_000)
+    hc.evict(10_000)
     m = hc.cache.match(prompt, need_draft=True)
     assert (m.tokens, m.draft_cut, m.draft_cut_tokens) == (0, 2, 36)
     assert hc.cache.match(prompt).host_tokens == 36  # a non-draft engine may still use them
@@ -166,8 +166,8 @@ def test_integrity_catches_a_draft_request_on_incomplete_pages(models):
     node.draft_device = True
     req.abort()
     hc.drain()
-    hc.cache.evict(10_000)
-    n = next(hc.cache.tree.iter_nodes())
+    hc.evict(10_000)
+    n = next(hc.cache.nodes())
     n.draft_device = True  # a flag for a tier the node is not on
     with pytest.raises(IntegrityError, match="draft_device set but the node is not on L1"):
         hc.check_integrity()

@@ -25,6 +25,9 @@ def test_bad_values_say_what_to_change(tmp_path):
     assert "pool.host_pages='0'" in str(e.value) and "HICACHE_POOL__HOST_PAGES" in str(e.value)
     with pytest.raises(ConfigError, match="policy.write_policy"):
         HiCacheConfig.load(env={"HICACHE_POLICY__WRITE_POLICY": "sometimes"})
+    with pytest.raises(ConfigError, match=r"policy.host_eviction.*must be one of .*slru"):
+        HiCacheConfig.load(overrides={"policy.host_eviction": "lfru"}, env={})
+    assert HiCacheConfig.load(overrides={"policy.device_eviction": "slru"}, env={}).policy.device_eviction == "slru"
     with pytest.raises(ConfigError, match=r"model.page_size=0: must be an integer in \[1, 4096\] \(set it in the config file"):
         HiCacheConfig.load(overrides={"model.page_size": 0}, env={})
     with pytest.raises(ConfigError, match="does not exist"):

@@ -34,6 +34,6 @@ def test_layer_ready_before_last_layer(host_layout):
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     h.wait()
     torch.cuda.synchronize()
-    tc.drain()
-    assert h.transfer.done
+    tc.wait_all()
+    assert [r.job for r in tc.finished()] == [h.transfer.job] and h.transfer.done
     tc.close()

@@ -66,15 +66,15 @@ def test_warm_equals_cold_on_every_tier(kind, host_layout, tmp_path):
     assert torch.equal(l1.last_logits, cold.last_logits) and l1.output == cold.output
 
     hc.drain()
-    hc.cache.evict(10_000)
+    hc.evict(10_000)
     hc.check_integrity()
     l2 = serve(eng, "l2", prompt)
     assert (l2.device_hit, l2.host_hit, l2.storage_hit) == (0, 36, 0)
     assert torch.equal(l2.last_logits, cold.last_logits) and l2.output == cold.output
 
     hc.drain()
-    hc.cache.evict(10_000)
-    hc.cache.evict_host(10_000)
+    hc.evict(10_000)
+    hc.evict_host(10_000)
     hc.check_integrity()
     l3 = serve(eng, "l3", prompt)
     assert (l3.device_hit, l3.host_hit, l3.storage_hit) == (0, 36, 36)

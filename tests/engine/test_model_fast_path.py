@@ -173,7 +173,7 @@ def test_l2_hit_with_layerwise_wait_equals_waiting_for_all(attention):
         req.commit()
         req.finish()
         hc.drain()
-        hc.cache.evict(10**6)  # the next serve hits L2 only
+        hc.evict(10**6)  # the next serve hits L2 only
         hc.check_integrity()
         return start, adm.host_tokens, out.logits_last
 
@@ -220,7 +220,7 @@ def test_gpu_sdpa_forward_never_syncs_and_overlaps_a_load():
         req.commit()
         req.finish()
         hc.drain()
-        hc.cache.evict(10**6)
+        hc.evict(10**6)
         hc.check_integrity()
     (s0, cold), (s1, serial), (s2, layerwise) = outs
     assert (s0, s1, s2) == (0, 3984, 3984)

@@ -1,21 +1,20 @@
-"""The persistent eviction heaps (built-in policies) evict exactly what a fresh
-per-call scan over all candidates would, on L1 and on L2."""
+"""The persistent eviction heaps (policies whose key only grows) evict exactly
+what a fresh per-call scan over all candidates would, on L1 and on L2; a
+policy whose key can shrink (MRU) is never served from a heap."""
 import random
 
 import pytest
 
 from hicache.allocator import PageAllocator
 from hicache.cache import PrefixCache
-from hicache.eviction import LFU, LRU
+from hicache.errors import ConfigError
+from hicache.eviction import FIFO, LFU, LRU, MRU, SLRU, make_policy
 from hicache.layout import KVLayout
 
 
-class ScanLRU(LRU):
-    name = "scan-lru"  # not a built-in: the tree falls back to a per-call scan
-
-
-class ScanLFU(LFU):
-    name = "scan-lfu"
+def scan(cls):
+    """The same order, declared non-monotone: the index falls back to a per-call scan."""
+    return type(f"Scan{cls.__name__}", (cls,), {"name": f"scan-{cls.name}", "monotone": False})()
 
 
 def drive(policy, seed):
@@ -43,9 +42,36 @@ def drive(policy, seed):
     return log
 
 
-@pytest.mark.parametrize("builtin,scan", [("lru", ScanLRU()), ("lfu", ScanLFU())])
+@pytest.mark.parametrize("cls", [LRU, LFU, FIFO, SLRU])
 @pytest.mark.parametrize("seed", range(6))
-def test_heap_eviction_equals_scan(builtin, scan, seed):
-    log = drive(builtin, seed)
+def test_heap_eviction_equals_scan(cls, seed):
+    log = drive(cls.name, seed)
     assert any(e[0] == "L1" and e[1] for e in log) and any(e[0] == "L2" and e[1] for e in log)
-    assert log == drive(scan, seed)
+    assert log == drive(scan(cls), seed)
+
+
+def test_mru_is_scanned_and_evicts_most_recent_first():
+    lay = KVLayout("t", 1, num_kv_heads=1, head_dim=2, page_size=2)
+    c = PrefixCache(lay, PageAllocator(16), eviction="mru")
+    for rid, toks in (("a", [1, 1, 9]), ("b", [2, 2, 9]), ("c", [3, 3, 9])):
+        r = c.new_request(rid, toks)
+        r.lock(r.match())
+        r.alloc(3)
+        r.commit()
+        r.finish()
+    assert [n.tokens for n in c.device_victims(2)] == [[3, 3], [2, 2]]  # most recent first
+    assert c.evict(2) == 2 and [n.tokens for n in c.device_victims(9)] == [[1, 1]]
+    assert not c.tree.device_candidates._heaps  # a shrinking key never uses the lazy heap
+    c.check_integrity()
+
+
+def test_unknown_policy_is_a_config_error_and_custom_policies_declare_monotone():
+    with pytest.raises(ConfigError, match="unknown eviction policy 'lfru'.*known: .*'slru'"):
+        make_policy("lfru")
+
+    class NoDeclaration:
+        def key(self, node):
+            return (node.nid,)
+    with pytest.raises(TypeError, match="monotone"):
+        make_policy(NoDeclaration())
+    assert make_policy(MRU()).monotone is False

@@ -1,4 +1,5 @@
-"""Tiering hooks: L2 copies, write-through/back hooks, host hits, L2 eviction, load back."""
+"""Tier records: L2 copies, what inserts create and what eviction would take (the
+caller acts: write-through, write-back), host hits, L2 eviction, load back."""
 from __future__ import annotations
 
 import pytest
@@ -17,29 +18,50 @@ def backup(c, node):
 
 
 def backup_path(c, node):
-    """Write-back hook: L2 must stay prefix-closed, so copy the ancestors first."""
-    for n in c.tree.path(node):
+    """Write-back: L2 must stay prefix-closed, so copy the ancestors first."""
+    for n in c.path(node):
         if n.host_pages is None:
             backup(c, n)
 
 
-def test_hooks_see_new_nodes_and_evictions(mk, run_req):
-    inserted, evicted = [], []
-    c = mk(host_pages=16, on_insert=lambda n: inserted.append((n.start_page, n.num_pages)),
-           on_device_evict=lambda n: evicted.append((n.start_page, list(n.device_pages))))
-    run_req(c, "x", X)
-    run_req(c, "y", Y)
-    assert inserted == [(0, 4), (2, 2)]
-    c.evict(2)
-    assert evicted == [(2, [2, 3])]  # LRU: X's tail, its device ids still readable in the hook
+def evict_with(c, num_pages, write_back):
+    """Eviction in three steps: the index chooses, the caller writes back, the index drops."""
+    victims = c.device_victims(num_pages)
+    for n in victims:
+        write_back(c, n)
+    return c.drop_device(victims)
+
+
+def share(c, rid, tokens):
+    """Run a request through commit; returns what its insert created (what write-through backs up)."""
+    req = c.new_request(rid, tokens)
+    req.lock(req.match())
+    req.alloc(req.num_tokens - req.allocated_tokens)
+    req._advance(None, None)
+    res = req._share()
+    req._adopt(res)
+    req.finish()
+    return res
+
+
+def test_insert_returns_new_nodes_and_victims_are_a_pure_choice(mk):
+    c = mk(host_pages=16)
+    created = [(n.start_page, n.num_pages) for n in share(c, "x", X).created]
+    created += [(n.start_page, n.num_pages) for n in share(c, "y", Y).created]
+    assert created == [(0, 4), (2, 2)]
+    before = [(n.nid, n.device_pages, n.lock_ref) for n in c.tree.iter_nodes()]
+    victims = c.device_victims(2)
+    assert [(n.start_page, n.device_pages) for n in victims] == [(2, [2, 3])]  # LRU: X's tail
+    assert [(n.nid, n.device_pages, n.lock_ref) for n in c.tree.iter_nodes()] == before  # chose only
+    assert [(n.start_page, n.num_pages) for n in c.device_victims(100)] == [(2, 2), (2, 2), (0, 2)]
+    assert c.drop_device(victims) == 2 and c.device_allocator.num_free == 32 - 4
     c.check_integrity()
 
 
 def test_write_back_keeps_node_on_host_and_hit_continues(mk, run_req):
     c = mk(host_pages=16)
-    c.tree.on_device_evict = lambda n: backup(c, n)
     run_req(c, "x", X)
-    assert c.evict(4) == 4 and c.device_allocator.num_free == 32
+    assert evict_with(c, 4, backup) == 4 and c.device_allocator.num_free == 32
     assert c.tree.num_nodes == 1 and c.stats().host_pages_cached == 4
     m = c.match(X)
     assert (m.device_tokens, m.host_tokens, m.host_pages, m.exact_tokens) == (0, 16, [0, 1, 2, 3], 16)
@@ -73,10 +95,9 @@ def test_device_then_host_hit_and_load_back(mk, run_req):
 
 def test_evict_host_keeps_l2_prefix_closed(mk, run_req):
     c = mk(host_pages=16)
-    c.tree.on_device_evict = lambda n: backup_path(c, n)
     run_req(c, "x", X)
     run_req(c, "y", Y)
-    c.evict(100)  # everything L2-only: [X0 X1] -> {[X2 X3], [Y2 Y3]}
+    evict_with(c, 100, backup_path)  # everything L2-only: [X0 X1] -> {[X2 X3], [Y2 Y3]}
     assert c.tree.num_nodes == 3 and c.device_allocator.num_free == 32
     m = c.match(Y)
     c.inc_host_lock(m.host_node)
@@ -90,9 +111,8 @@ def test_evict_host_keeps_l2_prefix_closed(mk, run_req):
 
 def test_insert_brings_host_only_node_back_to_device(mk, run_req):
     c = mk(host_pages=16)
-    c.tree.on_device_evict = lambda n: backup(c, n)
     run_req(c, "x", X)
-    c.evict(4)
+    evict_with(c, 4, backup)
     r = run_req(c, "again", X + [1])  # recomputes X instead of loading it
     assert r.state.value == "finished"
     m = c.match(X)

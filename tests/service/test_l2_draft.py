@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.allocator import PageAllocator
-from hicache.api.l2_index import CommitResult, L2Index
+from hicache.service.l2_index import CommitResult, L2Index
 from hicache.cache import PrefixCache
 from hicache.errors import OutOfPages, ServiceError
 from hicache.hashing import page_hashes

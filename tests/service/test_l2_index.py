@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.allocator import PageAllocator
-from hicache.api.l2_index import CommitResult, L2Index, Reclaimed
+from hicache.service.l2_index import CommitResult, L2Index, Reclaimed
 from hicache.errors import ForeignPage, OutOfPages, ServiceError
 from hicache.hashing import page_hashes
 

@@ -2,8 +2,8 @@
 its counters balanced."""
 import time
 
-from api.l2_index import L2Index
-from api.l3_tier import L3Tier
+from hicache.service.l2_index import L2Index
+from hicache.service.l3_tier import L3Tier
 from hicache.layout import KVLayout
 from hicache.pools import HostPool
 from hicache.storage import open_storage

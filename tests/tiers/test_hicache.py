@@ -59,7 +59,7 @@ def test_write_through_backs_up_every_inserted_page():
     serve(hc, "a", TOK)
     hc.drain()
     assert hc.cache.stats().host_pages_cached == 5
-    hc.cache.evict(100)
+    hc.evict(100)
     adm, _ = serve(hc, "b", TOK)
     assert (adm.device_tokens, adm.host_tokens) == (0, 20)
     assert check_l1_values(hc, TOK) == 20
@@ -85,7 +85,7 @@ def test_write_back_saves_on_eviction_only():
     serve(hc, "a", TOK)
     hc.drain()
     assert hc.cache.stats().host_pages_cached == 0
-    hc.cache.evict(100)
+    hc.evict(100)
     assert hc.cache.stats().host_pages_cached == 5 and hc.cache.stats().device_pages_cached == 0
     adm, _ = serve(hc, "b", TOK)
     assert adm.host_tokens == 20 and check_l1_values(hc, TOK) == 20
@@ -97,13 +97,13 @@ def test_l2_eviction_skips_pages_in_flight_and_locked():
     hc = make(**{"pool.host_pages": "5"})
     serve(hc, "a", TOK)
     hc.drain()
-    hc.cache.evict(100)  # TOK now L2-only (5 pages, L2 full)
+    hc.evict(100)  # TOK now L2-only (5 pages, L2 full)
     req = hc.new_request("b", TOK)
     adm = hc.admit(req)  # load back in flight: its L2 pages are host-locked until observed
-    assert adm.loads and hc.cache.evict_host(100) == []
+    assert adm.loads and hc.evict_host(100) == []
     adm.wait()
     hc.poll()
-    freed = hc.cache.evict_host(100)  # observed: now the L2 copies may go
+    freed = hc.evict_host(100)  # observed: now the L2 copies may go
     assert len(freed) == 5
     req.abort()
     hc.check_integrity()
@@ -116,7 +116,7 @@ def test_prefetch_policies_from_l3(policy, tmp_path):
     a = make(url)
     serve(a, "a", TOK)
     a.drain()
-    assert a.stats()["tiers"]["storage_put_pages"] == 5
+    assert a.stats().tiers.storage_put_pages == 5
     a.close()
     b = make(url, **{"policy.prefetch_policy": policy})  # a new process: empty L1/L2
     adm, req = serve(b, "b", TOK)
@@ -140,13 +140,14 @@ def test_l3_down_is_a_miss_and_writes_are_dropped(tmp_path):
     hc = make(f"redis://127.0.0.1:{port}/0", **{"storage.timeout_ms": 30})
     serve(hc, "a", TOK)
     hc.drain()
-    hc.cache.evict(100)
-    hc.cache.evict_host(100)
+    hc.evict(100)
+    hc.evict_host(100)
     adm, _ = serve(hc, "b", TOK)  # L3 probe fails fast: recompute
     hc.drain()
     assert adm.storage_tokens == 0
     st = hc.stats()
-    assert st["tiers"]["storage_put_dropped_pages"] + st["storage"]["put_dropped"] >= 5
+    assert st.tiers.storage_put_dropped_pages + st.storage.put_dropped >= 5
+    assert st.as_dict()["tiers"]["storage_put_dropped_pages"] == st.tiers.storage_put_dropped_pages
     hc.check_integrity()
     hc.close()
 
@@ -186,7 +187,7 @@ class _Gate:
 def _l2_only(hc, tokens):
     serve(hc, "warm", tokens)
     hc.drain()
-    hc.cache.evict(100)
+    hc.evict(100)
     assert hc.cache.match(tokens).host_tokens == 20
 
 
@@ -251,7 +252,7 @@ def test_failed_load_back_stops_the_cache_from_serving(monkeypatch):
     adm = hc.admit(req)
     with pytest.raises(RuntimeError, match="simulated"):
         adm.wait()  # the request itself sees the failure
-    hc.transfers.drain()  # observe it: the callback records the failure
+    hc.transfers.wait_all()  # done, not yet observed: poll() hands the result to complete_load
     with pytest.raises(TransferError, match="unknown bytes"):
         hc.poll()
     with pytest.raises(TransferError):

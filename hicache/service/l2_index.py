@@ -29,7 +29,7 @@ so that a restarted server can adopt the segment (``restore``).
 
 Not thread-safe: the server touches it only from its event loop thread. The
 one exception is ``generation(page)``, a single list read that any thread may
-make (the L3 writer uses it as a seqlock, see ``hicache.api.l3_tier``).
+make (the L3 writer uses it as a seqlock, see ``hicache.service.l3_tier``).
 """
 from __future__ import annotations
 
@@ -134,7 +134,8 @@ class L2Index:
 
     # ---------------------------------------------------------------- owners
     def add_owner(self, owner: OwnerId) -> None:
-        assert owner not in self._owners, owner
+        if owner in self._owners:
+            raise IntegrityError(f"L2 index: owner {owner!r} is already registered (owner ids are never reused)")
         self._owners[owner] = _Owner()
 
     def drop_owner(self, owner: OwnerId) -> Reclaimed:
@@ -251,7 +252,8 @@ class L2Index:
         return h
 
     def _drop_entry(self, h: PageHash) -> None:
-        assert h not in self._refs, h
+        if h in self._refs:
+            raise IntegrityError(f"L2 index: dropping page {h.hex()} while {self._refs[h]} holders use it")
         page = self._page_of.pop(h)
         del self._hash_of[page]
         self._incomplete.discard(h)
@@ -431,7 +433,8 @@ class L2Index:
 
     def _unref(self, h: PageHash, n: int) -> None:
         left = self._refs[h] - n
-        assert left >= 0, (h, self._refs[h], n)
+        if left < 0:
+            raise IntegrityError(f"L2 index: releasing {n} holds of page {h.hex()}, which has {self._refs[h]}")
         if left:
             self._refs[h] = left
             return

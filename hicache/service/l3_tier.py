@@ -33,9 +33,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
-from hicache.api.l2_index import L2Index
-from hicache.errors import IntegrityError, OutOfPages
+from hicache.errors import ConfigError, IntegrityError, OutOfPages
 from hicache.pools import HostPool
+from hicache.service.l2_index import L2Index
 from hicache.storage import StorageBackend
 from hicache.types import PageHash
 
@@ -94,7 +94,8 @@ class L3Tier:
 
     def __init__(self, storage: StorageBackend, index: L2Index, pool: HostPool, *, max_wait_s: float,
                  queue_pages: int, on_l3_stored: Callable[[StoredPages], None] | None = None):
-        assert queue_pages >= 1, queue_pages
+        if queue_pages < 1:
+            raise ConfigError(f"L3 writer: queue_pages={queue_pages}; it must be >= 1")
         self.storage = storage
         self.index = index
         self.pool = pool
@@ -127,7 +128,8 @@ class L3Tier:
                 self._count(skipped_draft=1)
                 continue
             page = self.index.page_of(h)
-            assert page is not None, h
+            if page is None:
+                raise IntegrityError(f"L3 writer: page {h.hex()} was announced as stored but the L2 index lacks it")
             item = _Pending(h, parent, page, self.index.generation(page))
             with self._lock:
                 try:

@@ -1,0 +1,55 @@
+"""The plans the tier manager (``hicache.tiers``) prepares and the transfer
+engine (``hicache.transfer``) executes: small typed records, valid from
+``prepare_*`` until the matching ``complete_*``."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from hicache.node import Node
+from hicache.types import DevicePageId, HostPageId, PageHash
+
+
+class BackupPlan(NamedTuple):
+    """Copy every plane of ``device[i]`` (L1) to ``host[i]`` (L2)."""
+
+    node: Node  # whose L1 pages are copied
+    device: list[DevicePageId]
+    host: list[HostPageId]
+    draft: bool  # the source's draft rows are valid (what the copy will hold)
+    pinned: bool  # ``node`` stays locked on L1 until ``complete_backup``
+
+
+class LoadRequest(NamedTuple):
+    """An L2 hit to load back, pinned on L2 and not yet given L1 pages."""
+
+    last: Node  # deepest node to load (its path from ``anchor`` is L2-only)
+    path: tuple[Node, ...]  # top-down, below ``anchor``
+    anchor: Node | None  # the device hit it continues (pinned on L1 meanwhile)
+    num_pages: int  # L1 pages to allocate for it (owned pages)
+
+
+class LoadPlan(NamedTuple):
+    """Copy ``host[i]`` (L2) into ``device[i]`` (L1), layer by layer."""
+
+    last: Node
+    path: tuple[Node, ...]
+    host: list[HostPageId]
+    device: list[DevicePageId]
+
+
+class StorePlan(NamedTuple):
+    """Write L2 pages ``host`` to L3 under ``hashes``."""
+
+    node: Node
+    host: list[HostPageId]
+    hashes: list[PageHash]
+
+
+class PrefetchPlan(NamedTuple):
+    """Read ``hashes`` from L3 into L2 pages ``host`` (a prefix of them may land)."""
+
+    key: bytes  # tokens of the sequence up to the last page asked for
+    namespace: str
+    first_page: int  # logical index of the first page asked for
+    host: list[HostPageId]
+    hashes: list[PageHash]
