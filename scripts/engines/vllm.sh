@@ -16,8 +16,9 @@ STAMP="$VENV/.hicache-setup"
 PY=${PYTHON:-python3}
 export VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1
 
-want="vllm=$VLLM_VERSION torch=$TORCH_VERSION reqs=$(sha256sum "$REQS" pyproject.toml | sha256sum | cut -c1-16)"
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -d "$TESTS/tests/v1/kv_offload" ]; then
+want="vllm=$VLLM_VERSION torch=$TORCH_VERSION setup=$(sha256sum "$REQS" pyproject.toml "$0" | sha256sum | cut -c1-16)"
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -d "$TESTS/tests/v1/kv_offload" ] \
+   && [ -f .engines/hf/hub/models--facebook--opt-125m/refs/main ]; then
   echo "vLLM $VLLM_VERSION test environment is up to date ($VENV, $TESTS)"
   exit 0
 fi
@@ -50,5 +51,16 @@ if [ ! -d "$TESTS/tests/v1/kv_offload" ]; then
     "vllm-$VLLM_VERSION/tests" "vllm-$VLLM_VERSION/pyproject.toml"
   rm -rf "$TESTS" && mv "$TESTS.tmp" "$TESTS"
 fi
+# vLLM's connector test utilities build a ModelConfig for facebook/opt-125m; with
+# HF_HUB_OFFLINE=1 and HF_HOME=.engines/hf it resolves to this local config.json.
+snap=.engines/hf/hub/models--facebook--opt-125m
+mkdir -p "$snap/snapshots/hicache-local" "$snap/refs"
+printf hicache-local > "$snap/refs/main"
+cat > "$snap/snapshots/hicache-local/config.json" <<'JSON'
+{"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 768, "num_attention_heads": 12,
+ "num_hidden_layers": 12, "ffn_dim": 3072, "vocab_size": 50272, "max_position_embeddings": 2048,
+ "word_embed_proj_dim": 768, "do_layer_norm_before": true, "activation_function": "relu",
+ "bos_token_id": 2, "eos_token_id": 2, "pad_token_id": 1, "torch_dtype": "float16"}
+JSON
 echo "$want" > "$STAMP"
 echo "vLLM $VLLM_VERSION test environment ready: $VENV, vLLM's tests in $TESTS"

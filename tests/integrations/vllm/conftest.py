@@ -16,6 +16,7 @@ if not (VLLM_TESTS / "tests" / "v1" / "kv_offload").is_dir():
     raise pytest.UsageError(f"vLLM's tests are missing under {VLLM_TESTS}; run bash scripts/setup-engines.sh vllm")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HOME", str(ROOT / ".engines" / "hf"))  # local facebook/opt-125m config.json
 # pytest (importlib mode) registers this checkout's test folder as the package
 # ``tests``; vLLM's test modules import their helpers as ``tests.v1...``. One
 # package spanning both folders serves both (names do not overlap: ``v1`` is vLLM's).
