@@ -3,4 +3,4 @@
 the main ``.venv``. Where an engine is not importable, its folder is not collected."""
 import importlib.util
 
-collect_ignore_glob = [f"{engine}/*" for engine in ("vllm",) if importlib.util.find_spec(engine) is None]
+collect_ignore_glob = [f"{engine}*" for engine in ("vllm",) if importlib.util.find_spec(engine) is None]
