@@ -245,6 +245,7 @@ class HiCacheTier(SecondaryTierManager):
     def shutdown(self) -> None:
         """Finish queued transfers, stop the threads, close L3. Idempotent."""
         self._pool.shutdown(wait=True)
+        self._flat.release()  # our view of vLLM's region: vLLM unmaps it at its own shutdown
         if self._lookup is not None:
             self._lookup.shutdown()
             self._lookup = None

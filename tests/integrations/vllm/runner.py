@@ -14,14 +14,16 @@ from __future__ import annotations
 import hashlib
 from unittest.mock import MagicMock
 
-from vllm.v1.kv_offload.base import OffloadingManager, PrepareStoreOutput
+from vllm.v1.kv_offload.base import OffloadingManager, PrepareStoreOutput, ScheduleEndContext
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from tests.v1.kv_connector.unit.offloading_connector.utils import (
     MockLoadStoreSpec,
     MockOffloadingSpec,
     MockOffloadingWorker,
+    RequestRunner,
 )
+from tests.v1.kv_connector.unit.utils import EOS_TOKEN_ID
 
 
 def content(key: bytes, nbytes: int) -> bytes:
@@ -99,3 +101,49 @@ class HiCacheRunnerSpec(MockOffloadingSpec):
             m.prepare_load, m.prepare_store = prepare_load, prepare_store
             self.manager, self.real_manager = m, real
         return self.manager
+
+
+BLOCK = 16
+
+
+def make_runner(url: str | None, prefix: str = "", cpu_chunks: int = 4, gpu_blocks: int = 8) -> RequestRunner:
+    """RequestRunner over TieringOffloadingSpec with ``cpu_chunks`` primary slots (+ HiCacheTier at ``url``)."""
+    tiers = [] if url is None else [{"type": "HiCacheTier", "module_path": "hicache.integrations.vllm",
+                                     "url": url, "key_prefix": prefix, "probe_l3": False}]
+    # RequestRunner's 128-byte chunks are padded to the region's alignment.
+    cpu_bytes = cpu_chunks * TieringOffloadingSpec.BLOCK_SIZE_ALIGNMENT
+    extra = {"spec_name": "HiCacheRunnerSpec", "spec_module_path": "tests.integrations.vllm.runner",
+             "cpu_bytes_to_use": cpu_bytes, "secondary_tiers": tiers}
+    runner = RequestRunner(block_size=BLOCK, num_gpu_blocks=gpu_blocks, async_scheduling=False,
+                           extra_config_overrides=extra)
+    assert isinstance(runner.offloading_spec, HiCacheRunnerSpec)
+    assert tiering(runner).primary_tier.get_kv_memoryview().shape[0] == cpu_chunks
+    return runner
+
+
+def tiering(runner: RequestRunner):
+    """vLLM's TieringOffloadingManager behind RequestRunner's MagicMock."""
+    return runner.manager._mock_wraps
+
+
+def settle(runner: RequestRunner) -> None:
+    """The idle engine steps vLLM takes while ``has_pending_work()`` (RequestRunner
+    stops at its own GPU<->CPU jobs): cascades finish and unpin their CPU slots."""
+    manager = tiering(runner)
+    for tier in manager.secondary_tiers:
+        tier.drain_jobs()
+    with manager.lock:
+        for _ in range(2):  # a step polls the tiers at most once
+            manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+    assert not manager.has_pending_work()
+
+
+def prompt(seed: int, blocks: int) -> list[int]:
+    return [1000 * seed + i for i in range(blocks * BLOCK)]
+
+
+def cycle(runner: RequestRunner, seeds: list[int], blocks: int = 4) -> None:
+    for seed in seeds:
+        runner.new_request(prompt(seed, blocks))
+        runner.run(decoded_tokens=[EOS_TOKEN_ID], expected_stored=tuple(range(blocks)))
+        settle(runner)
