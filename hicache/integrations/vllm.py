@@ -40,6 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, ClassVar
 
 from vllm.v1.kv_offload.base import (
+    Locality,
     LookupResult,
     Medium,
     OffloadKey,
@@ -159,7 +160,6 @@ class HiCacheTier(SecondaryTierManager):
                  key_prefix: str = "", timeout_ms: int = 50, max_retries: int = 2, io_threads: int = 2,
                  probe_l3: bool = True, locality: str | None = None, backpressure_detector: Any = None):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        from vllm.v1.kv_offload.base import Locality
         self.locality = Locality(locality) if locality is not None else None
         if primary_kv_view.ndim != 2:
             raise ConfigError(f"HiCacheTier: primary_kv_view has shape {primary_kv_view.shape}; "

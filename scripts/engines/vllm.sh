@@ -16,7 +16,7 @@ STAMP="$VENV/.hicache-setup"
 PY=${PYTHON:-python3}
 export VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1
 
-want="vllm=$VLLM_VERSION torch=$TORCH_VERSION setup=$(sha256sum "$REQS" pyproject.toml "$0" | sha256sum | cut -c1-16)"
+want="vllm=$VLLM_VERSION torch=$TORCH_VERSION setup=$(sha256sum "$REQS" pyproject.toml scripts/engines/vllm.sh | sha256sum | cut -c1-16)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -d "$TESTS/tests/v1/kv_offload" ] \
    && [ -f .engines/hf/hub/models--facebook--opt-125m/refs/main ]; then
   echo "vLLM $VLLM_VERSION test environment is up to date ($VENV, $TESTS)"
