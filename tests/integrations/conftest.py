@@ -1,8 +1,7 @@
-"""Engine suites run inside the engines' own environments (scripts/setup-engines.sh);
-where an engine does not import, its folder is not collected and
-test_<engine>_suite.py runs it in that environment instead."""
+"""Engine integration tests run inside each engine's own environment
+(``bash scripts/setup-engines.sh``); ``test_<engine>_suite*.py`` here drives them
+from the main ``.venv``. Where an engine is not importable, its folder is not
+collected (the folder itself: its conftest imports the engine)."""
 import importlib.util
 
-collect_ignore_glob = []
-if importlib.util.find_spec("sglang") is None:
-    collect_ignore_glob.append("sglang")  # the folder: its conftest imports sglang
+collect_ignore_glob = [engine for engine in ("vllm", "sglang") if importlib.util.find_spec(engine) is None]
