@@ -29,6 +29,11 @@ VLLM_SUITES = [
 CPU_EXCLUDED = {
     # CPUOffloadingWorker asserts its source tensors are CUDA or XPU (gpu_worker.py:331).
     "tests/v1/kv_offload/cpu/test_gpu_worker.py": "GPU<->CPU copy worker needs CUDA/XPU tensors",
+    # vLLM's P2P tier (another SecondaryTierManager, not hicache's path) waits at most
+    # 5 s of wall time for a ZMQ re-handshake: it passes alone (3.9 s) and failed once
+    # with the 2-core machine at load average 10. A wall-clock bound cannot gate CI.
+    "tests/v1/kv_offload/tiering/p2p/test_manager.py::TestBidirectionalManager::"
+    "test_lookup_expiry_allows_zmq_reconnect": "wall-clock ZMQ handshake deadline; flaky on a loaded machine",
 }
 
 
