@@ -33,6 +33,7 @@ import redis
 import yaml
 
 from hicache.cli import build_parser
+from hicache.config import HiCacheConfig
 
 DOCKER = Path(__file__).resolve().parents[2] / "docker"
 TOKEN = "compose-test-token"
@@ -81,7 +82,7 @@ def interpolate(value, env: dict[str, str]):
 def user_env() -> dict[str, str]:
     """What an operator's docker/.env holds: the example with the token filled in."""
     env = dotenv(DOCKER / "hicache.env.example")
-    env["HICACHE_ADMIN_TOKEN"] = TOKEN
+    env["HC_ADMIN_TOKEN"] = TOKEN
     return env
 
 
@@ -150,7 +151,7 @@ def test_compose_deployment_contract(compose):
     assert hc["environment"]["HICACHE_STORAGE__URL"] == "redis://redis:6379/0"
     assert hc["environment"]["HICACHE_SERVICE__HOST"] == "0.0.0.0"
     assert hc["ports"] == ["127.0.0.1:8177:8177"]
-    assert hc["shm_size"] == "2gb"  # from HICACHE_SHM_SIZE
+    assert hc["shm_size"] == "2gb"  # from HC_SHM_SIZE
     assert "hicache-run:/run/hicache" in hc["volumes"] and "hicache-run:/run/hicache" in s["engine"]["volumes"]
     assert s["engine"]["ipc"] == "service:hicache" and hc["ipc"] == "shareable"
     assert s["engine"]["command"][:3] == ["replay", "--service", hc["environment"]["HICACHE_SERVICE__SOCKET_PATH"]]
@@ -159,11 +160,32 @@ def test_compose_deployment_contract(compose):
     assert s["hicache"]["depends_on"]["redis"]["condition"] == "service_healthy"
     assert s["engine"]["depends_on"]["hicache"]["condition"] == "service_healthy"
     # The token is a secret from the environment, never a plain variable or a layer of the image.
-    assert hc["secrets"] == ["admin_token"] and compose["secrets"]["admin_token"] == {"environment": "HICACHE_ADMIN_TOKEN"}
+    assert hc["secrets"] == ["admin_token"] and compose["secrets"]["admin_token"] == {"environment": "HC_ADMIN_TOKEN"}
     assert not any("ADMIN_TOKEN" in k and "FILE" not in k for k in hc["environment"])
     assert "ADMIN_TOKEN" not in (DOCKER / "Dockerfile").read_text().replace("ADMIN_TOKEN_FILE", "")
-    assert not re.search(r"HICACHE_ADMIN_TOKEN=\S", (DOCKER / "hicache.env.example").read_text())
+    assert not re.search(r"HC_ADMIN_TOKEN=\S", (DOCKER / "hicache.env.example").read_text())
     assert dockerfile_entrypoint() == ["hicache"]
+
+
+def test_compose_variables_stay_out_of_the_settings_namespace():
+    """``docker/.env`` names may be exported in a shell: none may be read as a hicache setting."""
+    used = set(re.findall(r"\$\{(\w+)", (DOCKER / "compose.yaml").read_text()))
+    used |= {v["environment"] for v in yaml.safe_load((DOCKER / "compose.yaml").read_text())["secrets"].values()}
+    assert used and not [n for n in used if n.startswith("HICACHE_")], used
+    env = user_env()
+    assert set(env) <= used, set(env) - used  # the example documents only variables compose reads
+    # Exported in the shell, they leave every local command working.
+    cfg = HiCacheConfig.load(env={**env, "HC_STORAGE_URL": "redis://x:1/0"})
+    assert cfg == HiCacheConfig.load(env={})
+
+
+def test_docker_env_is_git_ignored():
+    root = DOCKER.parent
+    if not (root / ".git").exists():
+        pytest.fail(f"{root} is not a git checkout; this test reads its .gitignore through git")
+    for path in ("docker/.env", "docker/hicache.env", "docker/wheelhouse/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"):
+        r = subprocess.run(["git", "check-ignore", "-q", path], cwd=root)
+        assert r.returncode == 0, f"{path} is not git-ignored"
 
 
 def test_docker_compose_config_passes():
@@ -204,7 +226,7 @@ def test_hicache_and_engine_container_commands_against_real_redis(compose, redis
     s = compose["services"]
     d = tempfile.mkdtemp(prefix="hc-")
     secret = Path(d) / "admin_token"
-    secret.write_text(user_env()["HICACHE_ADMIN_TOKEN"])  # what Compose mounts from the environment
+    secret.write_text(user_env()["HC_ADMIN_TOKEN"])  # what Compose mounts from the environment
     port = free_port()
     host_port = redis_url.split("//", 1)[1].split("/", 1)[0]
     rewrites = {"redis:6379": host_port, "0.0.0.0": "127.0.0.1", "8177": str(port),
