@@ -141,7 +141,30 @@ def test_compose_refers_only_to_files_that_exist(compose):
                 continue
             assert (DOCKER / (ef["path"] if isinstance(ef, dict) else ef)).is_file(), (name, ef)
     for name, sec in compose.get("secrets", {}).items():
-        assert "file" not in sec or (DOCKER / sec["file"]).is_file(), name
+        assert "file" not in sec or (DOCKER / sec["file"]).exists(), name
+
+
+def test_build_context_keeps_what_the_dockerfile_reads():
+    """``.dockerignore`` is an allow-list: every COPY and bind-mount source must be on it."""
+    text = (DOCKER / "Dockerfile").read_text()
+    sources = set(re.findall(r"--mount=type=bind,source=([^,\s]+)", text))
+    for line in re.findall(r"^COPY (.+)$", text, re.M):
+        sources |= set(line.split()[:-1])
+    allowed = {ln[1:].rstrip("/") for ln in (DOCKER.parent / ".dockerignore").read_text().splitlines()
+               if ln.startswith("!")}
+    assert sources == {"docker/wheelhouse", "docker/pip-sources.sh", "pyproject.toml", "README.md",
+                       "hicache", "api", "kernels"}
+    assert sources <= allowed, sources - allowed
+    assert (DOCKER / "wheelhouse").is_dir()  # bind-mounted even when empty
+
+
+def test_build_takes_the_ca_bundle_as_a_secret_and_offline_as_an_argument(compose):
+    build = compose["services"]["hicache"]["build"]
+    assert build["secrets"] == ["ca"] and build["args"]["OFFLINE"] == "0"
+    assert compose["secrets"]["ca"] == {"file": "/dev/null"}  # HC_CA_BUNDLE unset: an empty secret
+    text = (DOCKER / "Dockerfile").read_text()
+    assert text.count("--mount=type=secret,id=ca") == 3  # every pip step
+    assert "PIP_CERT=/run/secrets/ca" in (DOCKER / "pip-sources.sh").read_text()
 
 
 def test_compose_deployment_contract(compose):
@@ -170,7 +193,8 @@ def test_compose_deployment_contract(compose):
 def test_compose_variables_stay_out_of_the_settings_namespace():
     """``docker/.env`` names may be exported in a shell: none may be read as a hicache setting."""
     used = set(re.findall(r"\$\{(\w+)", (DOCKER / "compose.yaml").read_text()))
-    used |= {v["environment"] for v in yaml.safe_load((DOCKER / "compose.yaml").read_text())["secrets"].values()}
+    used |= {v["environment"] for v in yaml.safe_load((DOCKER / "compose.yaml").read_text())["secrets"].values()
+             if "environment" in v}
     assert used and not [n for n in used if n.startswith("HICACHE_")], used
     env = user_env()
     assert set(env) <= used, set(env) - used  # the example documents only variables compose reads
