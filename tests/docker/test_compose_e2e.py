@@ -17,10 +17,12 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -61,6 +63,8 @@ class Stack:
     token: str
     timings: dict[str, float] = field(default_factory=dict)
     helper_name: str = ""
+    engine_exit: int = -1  # the example engine's exit code and log, kept when its container is removed
+    engine_log: str = ""
 
     @property
     def url(self) -> str:
@@ -174,6 +178,9 @@ def stack(tmp_path_factory) -> Stack:
         st.timings["up_healthy_s"] = time.monotonic() - t0
         st.wait("the engine exited", lambda: st.inspect("engine")["State"]["Status"] == "exited", timeout=600)
         st.timings["up_engine_done_s"] = time.monotonic() - t0
+        st.engine_exit = st.inspect("engine")["State"]["ExitCode"]
+        st.engine_log = st.compose("logs", "--no-color", "engine").stdout
+        st.compose("rm", "-f", "engine")  # on vfs every container is a full copy of the image: free it
         yield st
     finally:
         logs = st.compose("logs", "--no-color", "--tail", "40", check=False).stdout
@@ -186,9 +193,8 @@ def stack(tmp_path_factory) -> Stack:
 
 def test_the_stack_comes_up_and_the_example_engine_replays_through_the_socket(stack):
     assert stack.health("redis") == "healthy" and stack.health("hicache") == "healthy"
-    eng = stack.inspect("engine")
-    out = stack.compose("logs", "--no-color", "engine").stdout
-    assert eng["State"]["ExitCode"] == 0, out[-3000:]
+    out = stack.engine_log
+    assert stack.engine_exit == 0, out[-3000:]
     assert f"L3 hicache+unix://{SOCKET}" in out, out[-3000:]
     st = stack.stats()
     assert st["engine"]["clients_total"] >= 1 and st["tiers"]["L2"]["bytes_written"] > 0
@@ -285,3 +291,47 @@ def test_with_redis_stopped_readyz_fails_and_the_engine_keeps_working_on_l2(stac
     assert stack.stats()["tiers"]["L3"]["service"]["failed"] >= failed > 0
     stack.wait("hicache healthy again", lambda: stack.health("hicache") == "healthy", timeout=120)
     assert stack.inspect("redis")["RestartCount"] == 0 and stack.inspect("hicache")["RestartCount"] == 0
+
+
+def _certs(text: str) -> set[str]:
+    return set(re.findall(r"-----BEGIN CERTIFICATE-----.*?-----END CERTIFICATE-----", text, re.S))
+
+
+def test_image_layers_hold_no_ca_bundle_and_no_wheel(stack):
+    """The build's secret and wheelhouse are mounts, never layer content.
+
+    Needles: the certificates of the CA bundle (``HC_CA_BUNDLE``, else the
+    system one) that the image's own bundle lacks, i.e. the proxy's; every
+    layer file under 8 MiB is searched for them, and no layer may hold a
+    ``.whl`` file or anything under ``run/secrets``.
+    """
+    bundle = Path(os.environ.get("HC_CA_BUNDLE") or "/etc/ssl/certs/ca-certificates.crt")
+    assert bundle.is_file(), f"no CA bundle at {bundle} to look for; set HC_CA_BUNDLE"
+    history = subprocess.run(["docker", "history", "--no-trunc", "--format", "{{.CreatedBy}}", "hicache:cpu"],
+                             capture_output=True, text=True, check=True).stdout
+    assert "BEGIN CERTIFICATE" not in history and stack.token not in history
+    proc = subprocess.Popen(["docker", "save", "hicache:cpu"], stdout=subprocess.PIPE)
+    image_certs: set[str] = set()
+    texts: list[bytes] = []
+    names: list[str] = []
+    with tarfile.open(fileobj=proc.stdout, mode="r|") as outer:
+        for m in outer:
+            if not m.name.endswith("layer.tar"):
+                continue
+            with tarfile.open(fileobj=outer.extractfile(m), mode="r|") as layer:
+                for f in layer:
+                    names.append(f.name)
+                    if f.isfile() and f.size < 8 << 20:
+                        data = layer.extractfile(f).read()
+                        if b"BEGIN CERTIFICATE" in data:
+                            texts.append(data)
+                            if f.name == "etc/ssl/certs/ca-certificates.crt":
+                                image_certs |= _certs(data.decode())
+    assert proc.wait() == 0
+    assert image_certs, "the image's own CA bundle was not found in its layers"
+    foreign = _certs(bundle.read_text()) - image_certs
+    for cert in foreign:
+        body = cert.splitlines()[1].encode()
+        assert not any(body in t for t in texts), f"a certificate of {bundle} is in a layer"
+    assert not [n for n in names if n.endswith(".whl") or n.startswith("run/secrets")]
+    print(f"\nlayers: {len(names)} files; {len(foreign)} certificate(s) of {bundle} the image lacks: in no layer")
