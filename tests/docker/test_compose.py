@@ -240,6 +240,8 @@ def test_redis_container_command_and_healthcheck(compose, tmp_path):
         assert c.config_get("save") == {"save": ""} and c.config_get("appendonly") == {"appendonly": "no"}
         assert c.config_get("maxmemory-policy") == {"maxmemory-policy": "allkeys-lru"}
         assert int(c.config_get("maxmemory")["maxmemory"]) == 4 << 30
+        assert c.config_get("protected-mode") == {"protected-mode": "no"}
+        assert "ports" not in svc  # which is why protected mode can be off
     finally:
         proc.terminate()
         proc.wait(10)
