@@ -173,9 +173,11 @@ def test_compose_deployment_contract(compose):
     assert hc["environment"]["HICACHE_STORAGE__URL"] == "redis://redis:6379/0"
     assert hc["environment"]["HICACHE_SERVICE__HOST"] == "0.0.0.0"
     assert hc["ports"] == ["127.0.0.1:8177:8177"]
-    assert hc["shm_size"] == "2gb"  # from HC_SHM_SIZE
+    shm = compose["volumes"]["hicache-shm"]["driver_opts"]
+    assert shm == {"type": "tmpfs", "device": "tmpfs", "o": "size=2g"}  # from HC_SHM_SIZE
     assert "hicache-run:/run/hicache" in hc["volumes"] and "hicache-run:/run/hicache" in s["engine"]["volumes"]
-    assert s["engine"]["ipc"] == "service:hicache" and hc["ipc"] == "shareable"
+    assert "hicache-shm:/dev/shm" in hc["volumes"] and "hicache-shm:/dev/shm" in s["engine"]["volumes"]
+    assert "ipc" not in hc and "ipc" not in s["engine"]  # a restarted hicache would strand joined engines
     assert s["engine"]["command"][:3] == ["replay", "--service", hc["environment"]["HICACHE_SERVICE__SOCKET_PATH"]]
     for name in ("redis", "hicache"):
         assert s[name]["restart"] == "unless-stopped" and "healthcheck" in s[name]
