@@ -68,6 +68,18 @@ class StatsCollector(Collector):
                     [([t.tier], 0.0 if t.down else 1.0) for t in tiers])
         yield gauge("engine_clients", "Engines connected to the local socket.", [([], st.engine.clients)],
                     labels=())
+        yield gauge("engine_pages", "L2 pages engines hold now: reserved (being filled) or locked (being read).",
+                    [(["reserved"], st.engine.reserved_pages), (["locked"], st.engine.locked_pages)],
+                    labels=("state",))
+        wb = st.tiers["L3"].service
+        if wb is not None:  # the service's write-behind to L3 and its read-through
+            yield gauge("l3_write_queue_pages", "Committed pages waiting for the L3 writer.",
+                        [([], wb.queue_pages)], labels=())
+            yield counter("l3_writeback_pages", "Committed pages by write-behind outcome.",
+                          [([op], getattr(wb, op)) for op in ("queued", "written", "dropped", "stale", "failed")],
+                          labels=("op",))
+            yield counter("l3_fetch_pages", "Pages engines asked the service to fetch from L3, by outcome.",
+                          [(["fetched"], wb.fetched), (["no_room"], wb.fetch_no_room)], labels=("op",))
         yield counter("events_published", "KV events published.", [([], st.events.published)], labels=())
         yield counter("events_dropped", "KV event deliveries dropped (a subscriber's queue was full).",
                       [([], st.events.dropped)], labels=())

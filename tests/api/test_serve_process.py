@@ -98,6 +98,15 @@ def test_metrics_agree_with_stats(served):
     assert m[("hicache_lookup_pages_total", (("op", "hit"), ("tier", "L2")))] == l2["hit_pages"]
     assert m[("hicache_up", (("tier", "L3"),))] == 1.0
     assert ("hicache_bandwidth_bytes_per_second", (("op", "read"), ("tier", "L3"))) in m
+    wb = st["tiers"]["L3"]["service"]
+    assert wb["queued"] >= 2  # the two committed pages went to the L3 writer
+    for op in ("queued", "written", "dropped", "stale", "failed"):
+        assert m[("hicache_l3_writeback_pages_total", (("op", op),))] == wb[op], op
+    assert m[("hicache_l3_write_queue_pages", ())] == wb["queue_pages"]
+    assert m[("hicache_l3_fetch_pages_total", (("op", "fetched"),))] == wb["fetched"]
+    eng_st = st["engine"]
+    assert m[("hicache_engine_pages", (("state", "reserved"),))] == eng_st["reserved_pages"]
+    assert m[("hicache_engine_pages", (("state", "locked"),))] == eng_st["locked_pages"]
     assert all(name.startswith("hicache_") for name, _ in m)
 
 

@@ -33,6 +33,7 @@ import redis
 import yaml
 
 from hicache.cli import build_parser
+from hicache.config import HiCacheConfig
 
 DOCKER = Path(__file__).resolve().parents[2] / "docker"
 TOKEN = "compose-test-token"
@@ -81,7 +82,7 @@ def interpolate(value, env: dict[str, str]):
 def user_env() -> dict[str, str]:
     """What an operator's docker/.env holds: the example with the token filled in."""
     env = dotenv(DOCKER / "hicache.env.example")
-    env["HICACHE_ADMIN_TOKEN"] = TOKEN
+    env["HC_ADMIN_TOKEN"] = TOKEN
     return env
 
 
@@ -134,13 +135,35 @@ def test_compose_refers_only_to_files_that_exist(compose):
             ctx = (DOCKER / svc["build"]["context"]).resolve()
             assert (ctx / svc["build"]["dockerfile"]).is_file(), name
             for d in ("hicache", "api", "kernels", "pyproject.toml", "README.md"):
-                assert (ctx / d).exists(), d  # what the Dockerfile COPYs
+                assert (ctx / d).exists(), d  # what the Dockerfile installs
         for ef in svc.get("env_file", []):
             if isinstance(ef, dict) and ef.get("required") is False:
                 continue
             assert (DOCKER / (ef["path"] if isinstance(ef, dict) else ef)).is_file(), (name, ef)
     for name, sec in compose.get("secrets", {}).items():
-        assert "file" not in sec or (DOCKER / sec["file"]).is_file(), name
+        assert "file" not in sec or (DOCKER / sec["file"]).exists(), name
+
+
+def test_build_context_keeps_what_the_dockerfile_reads():
+    """``.dockerignore`` is an allow-list: what the build mounts must be on it, and what
+    ``pip install /src`` of the whole context needs."""
+    text = (DOCKER / "Dockerfile").read_text()
+    sources = set(re.findall(r"--mount=type=bind,source=([^,\s]+)", text))
+    assert "--mount=type=bind,target=/src,rw" in text  # the whole (allow-listed) context
+    allowed = {ln[1:].rstrip("/") for ln in (DOCKER.parent / ".dockerignore").read_text().splitlines()
+               if ln.startswith("!")}
+    assert sources == {"docker/wheelhouse", "docker/pip-sources.sh", "pyproject.toml"}
+    assert sources | {"README.md", "hicache", "api", "kernels"} <= allowed, sources - allowed
+    assert (DOCKER / "wheelhouse").is_dir()  # bind-mounted even when empty
+
+
+def test_build_takes_the_ca_bundle_as_a_secret_and_offline_as_an_argument(compose):
+    build = compose["services"]["hicache"]["build"]
+    assert build["secrets"] == ["ca"] and build["args"]["OFFLINE"] == "0"
+    assert compose["secrets"]["ca"] == {"file": "/dev/null"}  # HC_CA_BUNDLE unset: an empty secret
+    text = (DOCKER / "Dockerfile").read_text()
+    assert text.count("--mount=type=secret,id=ca") == 3  # every pip step
+    assert "PIP_CERT=/run/secrets/ca" in (DOCKER / "pip-sources.sh").read_text()
 
 
 def test_compose_deployment_contract(compose):
@@ -150,20 +173,44 @@ def test_compose_deployment_contract(compose):
     assert hc["environment"]["HICACHE_STORAGE__URL"] == "redis://redis:6379/0"
     assert hc["environment"]["HICACHE_SERVICE__HOST"] == "0.0.0.0"
     assert hc["ports"] == ["127.0.0.1:8177:8177"]
-    assert hc["shm_size"] == "2gb"  # from HICACHE_SHM_SIZE
+    shm = compose["volumes"]["hicache-shm"]["driver_opts"]
+    assert shm == {"type": "tmpfs", "device": "tmpfs", "o": "size=2g"}  # from HC_SHM_SIZE
     assert "hicache-run:/run/hicache" in hc["volumes"] and "hicache-run:/run/hicache" in s["engine"]["volumes"]
-    assert s["engine"]["ipc"] == "service:hicache" and hc["ipc"] == "shareable"
+    assert "hicache-shm:/dev/shm" in hc["volumes"] and "hicache-shm:/dev/shm" in s["engine"]["volumes"]
+    assert "ipc" not in hc and "ipc" not in s["engine"]  # a restarted hicache would strand joined engines
     assert s["engine"]["command"][:3] == ["replay", "--service", hc["environment"]["HICACHE_SERVICE__SOCKET_PATH"]]
     for name in ("redis", "hicache"):
         assert s[name]["restart"] == "unless-stopped" and "healthcheck" in s[name]
     assert s["hicache"]["depends_on"]["redis"]["condition"] == "service_healthy"
     assert s["engine"]["depends_on"]["hicache"]["condition"] == "service_healthy"
     # The token is a secret from the environment, never a plain variable or a layer of the image.
-    assert hc["secrets"] == ["admin_token"] and compose["secrets"]["admin_token"] == {"environment": "HICACHE_ADMIN_TOKEN"}
+    assert hc["secrets"] == ["admin_token"] and compose["secrets"]["admin_token"] == {"environment": "HC_ADMIN_TOKEN"}
     assert not any("ADMIN_TOKEN" in k and "FILE" not in k for k in hc["environment"])
     assert "ADMIN_TOKEN" not in (DOCKER / "Dockerfile").read_text().replace("ADMIN_TOKEN_FILE", "")
-    assert not re.search(r"HICACHE_ADMIN_TOKEN=\S", (DOCKER / "hicache.env.example").read_text())
+    assert not re.search(r"HC_ADMIN_TOKEN=\S", (DOCKER / "hicache.env.example").read_text())
     assert dockerfile_entrypoint() == ["hicache"]
+
+
+def test_compose_variables_stay_out_of_the_settings_namespace():
+    """``docker/.env`` names may be exported in a shell: none may be read as a hicache setting."""
+    used = set(re.findall(r"\$\{(\w+)", (DOCKER / "compose.yaml").read_text()))
+    used |= {v["environment"] for v in yaml.safe_load((DOCKER / "compose.yaml").read_text())["secrets"].values()
+             if "environment" in v}
+    assert used and not [n for n in used if n.startswith("HICACHE_")], used
+    env = user_env()
+    assert set(env) <= used, set(env) - used  # the example documents only variables compose reads
+    # Exported in the shell, they leave every local command working.
+    cfg = HiCacheConfig.load(env={**env, "HC_STORAGE_URL": "redis://x:1/0"})
+    assert cfg == HiCacheConfig.load(env={})
+
+
+def test_docker_env_is_git_ignored():
+    root = DOCKER.parent
+    if not (root / ".git").exists():
+        pytest.fail(f"{root} is not a git checkout; this test reads its .gitignore through git")
+    for path in ("docker/.env", "docker/hicache.env", "docker/wheelhouse/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"):
+        r = subprocess.run(["git", "check-ignore", "-q", path], cwd=root)
+        assert r.returncode == 0, f"{path} is not git-ignored"
 
 
 def test_docker_compose_config_passes():
@@ -195,6 +242,8 @@ def test_redis_container_command_and_healthcheck(compose, tmp_path):
         assert c.config_get("save") == {"save": ""} and c.config_get("appendonly") == {"appendonly": "no"}
         assert c.config_get("maxmemory-policy") == {"maxmemory-policy": "allkeys-lru"}
         assert int(c.config_get("maxmemory")["maxmemory"]) == 4 << 30
+        assert c.config_get("protected-mode") == {"protected-mode": "no"}
+        assert "ports" not in svc  # which is why protected mode can be off
     finally:
         proc.terminate()
         proc.wait(10)
@@ -204,7 +253,7 @@ def test_hicache_and_engine_container_commands_against_real_redis(compose, redis
     s = compose["services"]
     d = tempfile.mkdtemp(prefix="hc-")
     secret = Path(d) / "admin_token"
-    secret.write_text(user_env()["HICACHE_ADMIN_TOKEN"])  # what Compose mounts from the environment
+    secret.write_text(user_env()["HC_ADMIN_TOKEN"])  # what Compose mounts from the environment
     port = free_port()
     host_port = redis_url.split("//", 1)[1].split("/", 1)[0]
     rewrites = {"redis:6379": host_port, "0.0.0.0": "127.0.0.1", "8177": str(port),
