@@ -21,7 +21,6 @@ import re
 import secrets
 import shutil
 import subprocess
-import sys
 import tarfile
 import threading
 import time

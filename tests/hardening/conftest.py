@@ -2,19 +2,15 @@
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import msgpack
 import pytest
 
 from hicache.api.engine_server import EngineServer
 from hicache.config import HiCacheConfig
-from hicache.layout import KVLayout
-from hicache.protocol import HEADER, hello_request
 
 LAYOUT = dict(model_id="tiny-hard", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=4,
               host_layout="page_first")
@@ -42,58 +38,6 @@ def server() -> Iterator[Callable[..., EngineServer]]:
     yield make
     for s in made:
         s.stop()
-
-
-class Raw:
-    """A hand-driven connection to the engine socket."""
-
-    def __init__(self, path: str, timeout: float = 10.0):
-        self.s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.s.settimeout(timeout)
-        self.s.connect(path)
-
-    def send(self, obj: Any) -> None:
-        body = msgpack.packb(obj, use_bin_type=True)
-        self.s.sendall(HEADER.pack(len(body)) + body)
-
-    def recv(self) -> dict | None:
-        head = self._exact(4)
-        if head is None:
-            return None
-        body = self._exact(HEADER.unpack(head)[0])
-        assert body is not None, "server closed mid-frame"
-        return msgpack.unpackb(body, raw=False)
-
-    def call(self, obj: Any) -> dict | None:
-        self.send(obj)
-        return self.recv()
-
-    def hello(self, layout: KVLayout) -> dict:
-        rep = self.call(hello_request(layout.to_dict(), layout.fingerprint(), os.getpid()))
-        assert rep is not None and rep["ok"], rep
-        return rep
-
-    def closed(self) -> bool:
-        """True once the server has hung up (reads EOF)."""
-        try:
-            return self.s.recv(1) == b""
-        except ConnectionResetError:
-            return True
-
-    def _exact(self, n: int) -> bytes | None:
-        buf = b""
-        while len(buf) < n:
-            try:
-                chunk = self.s.recv(n - len(buf))
-            except ConnectionResetError:
-                chunk = b""
-            if not chunk:
-                return None
-            buf += chunk
-        return buf
-
-    def close(self) -> None:
-        self.s.close()
 
 
 @pytest.fixture

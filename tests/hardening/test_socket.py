@@ -21,8 +21,8 @@ from hicache.errors import LayoutError, ServiceError
 from hicache.hashing import page_hashes
 from hicache.layout import LIMITS, KVLayout
 from hicache.protocol import HEADER, hello_request
+from tests.raw_socket import RawConn
 
-from .conftest import Raw
 
 
 @pytest.mark.parametrize("field,value", [("num_layers", 1_000_000), ("num_layers", 10**18),
@@ -42,7 +42,7 @@ def test_a_page_too_large_for_memory_is_refused():
 def test_huge_hello_is_refused_and_others_are_served(server):
     srv = server()
     lay = srv.layout
-    r = Raw(srv.socket_path)
+    r = RawConn(srv.socket_path)
     rep = r.call(hello_request(lay.to_dict() | {"num_layers": 10**18}, "x" * 32, 1))
     assert rep["ok"] is False and rep["kind"] == "bad_layout" and "num_layers" in rep["message"]
     assert r.closed()
@@ -52,7 +52,7 @@ def test_huge_hello_is_refused_and_others_are_served(server):
 
 def test_no_hello_within_the_handshake_timeout_is_hung_up(server):
     srv = server(handshake_timeout_s=0.2)
-    r = Raw(srv.socket_path)
+    r = RawConn(srv.socket_path)
     rep = r.recv()  # blocks until the server gives up on us (before the fix: forever)
     assert rep["kind"] == "timeout" and "handshake_timeout_s" in rep["message"]
     assert r.closed()
@@ -60,7 +60,7 @@ def test_no_hello_within_the_handshake_timeout_is_hung_up(server):
 
 def test_a_half_sent_frame_is_hung_up(server):
     srv = server(handshake_timeout_s=0.2)
-    r = Raw(srv.socket_path)
+    r = RawConn(srv.socket_path)
     r.hello(srv.layout)
     r.s.sendall(HEADER.pack(100) + b"\x81")  # a 100-byte body announced, one byte sent
     rep = r.recv()
@@ -70,7 +70,7 @@ def test_a_half_sent_frame_is_hung_up(server):
 
 def test_an_idle_client_is_closed_and_its_reservations_reclaimed(server):
     srv = server(idle_timeout_s=0.3)
-    r = Raw(srv.socket_path)
+    r = RawConn(srv.socket_path)
     r.hello(srv.layout)
     assert r.call({"op": "reserve", "n": 3})["ok"]
     assert r.closed()  # the server hangs up quietly after idle_timeout_s
@@ -81,10 +81,10 @@ def test_an_idle_client_is_closed_and_its_reservations_reclaimed(server):
 
 def test_connections_are_capped_with_a_clear_refusal(server):
     srv = server(max_connections=3)
-    held = [Raw(srv.socket_path) for _ in range(3)]
+    held = [RawConn(srv.socket_path) for _ in range(3)]
     for h in held:
         h.hello(srv.layout)
-    extra = Raw(srv.socket_path)
+    extra = RawConn(srv.socket_path)
     rep = extra.recv()
     assert rep["kind"] == "busy" and "service.max_connections=3" in rep["message"]
     assert extra.closed()
@@ -123,7 +123,7 @@ def test_a_peer_outside_the_allow_list_is_refused(server):
     srv = server()
     # A policy that trusts neither this process's uid nor root stands in for another user.
     srv.policy = PeerPolicy(owner_uid=-1, allowed_uids=frozenset(), group_gid=None, allow_root=False)
-    r = Raw(srv.socket_path)
+    r = RawConn(srv.socket_path)
     rep = r.recv()
     assert rep["kind"] == "forbidden" and f"uid {os.geteuid()}" in rep["message"]
     assert r.closed()
@@ -154,7 +154,7 @@ def test_commit_of_unwritten_pages_is_refused(server):
 
 def test_repeated_refusals_are_rate_limited(server, caplog):
     srv = server()
-    r = Raw(srv.socket_path)
+    r = RawConn(srv.socket_path)
     r.hello(srv.layout)
     with caplog.at_level(logging.INFO, logger="hicache.api.engine_ops"):
         for _ in range(200):

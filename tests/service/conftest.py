@@ -5,7 +5,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,13 +13,12 @@ import uuid
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import msgpack
 import pytest
 
 from hicache.client import EngineClient
 from hicache.layout import BytePlane, KVLayout
-from hicache.protocol import HEADER, hello_request
 from hicache.shm import shm_path
+from tests.raw_socket import RawConn
 
 WORKER = str(Path(__file__).with_name("engine_worker.py"))
 HOST_PAGES = 16
@@ -102,61 +100,6 @@ def run_worker(mode: str, **args: Any) -> dict:
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-class RawConn:
-    """A hand-driven connection for sending malformed or unusual frames."""
-
-    def __init__(self, sock_path: str):
-        self.s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.s.settimeout(10)
-        self.s.connect(sock_path)
-
-    def send_raw(self, data: bytes) -> None:
-        self.s.sendall(data)
-
-    def send(self, obj: Any) -> None:
-        body = msgpack.packb(obj, use_bin_type=True)
-        self.s.sendall(HEADER.pack(len(body)) + body)
-
-    def recv(self) -> dict | None:
-        """The next reply frame, or None once the server has closed the connection."""
-        head = self._exact(4)
-        if head is None:
-            return None
-        body = self._exact(HEADER.unpack(head)[0])
-        assert body is not None, "server closed mid-frame"
-        return msgpack.unpackb(body, raw=False)
-
-    def call(self, obj: Any) -> dict | None:
-        self.send(obj)
-        return self.recv()
-
-    def hello(self, layout: KVLayout) -> dict:
-        rep = self.call(hello_request(layout.to_dict(), layout.fingerprint(), os.getpid()))
-        assert rep is not None and rep["ok"], rep
-        return rep
-
-    def _exact(self, n: int) -> bytes | None:
-        buf = b""
-        while len(buf) < n:
-            try:
-                chunk = self.s.recv(n - len(buf))
-            except ConnectionResetError:
-                chunk = b""
-            if not chunk:
-                return None
-            buf += chunk
-        return buf
-
-    def close(self) -> None:
-        self.s.close()
-
-    def __enter__(self) -> "RawConn":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 @pytest.fixture
