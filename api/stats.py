@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 from hicache.api.models import StatsResponse
 from hicache.errors import IntegrityError
 from hicache.service.l3_tier import L3TierStats
-from hicache.service.snapshot import EngineSnapshot, EventSnapshot, StatsSnapshot, TierSnapshot
+from hicache.service.snapshot import EngineReport, EngineSnapshot, EventSnapshot, StatsSnapshot, TierSnapshot
 
 if TYPE_CHECKING:
     from hicache.api.deps import RestState
@@ -96,7 +96,8 @@ def snapshot(state: "RestState") -> StatsSnapshot:
                               locked_pages=s.locked_pages, duplicates=s.duplicates, reclaimed=s.reclaimed,
                               draft_cut_pages=s.draft_cut_pages, draft_upgraded=s.draft_upgraded,
                               segment_origin=s.segment_origin),
-        events=EventSnapshot(subscribers=bus.num_subscribers, published=bus.published, dropped=bus.dropped))
+        events=EventSnapshot(subscribers=bus.num_subscribers, published=bus.published, dropped=bus.dropped),
+        engines={k: EngineReport(**v) for k, v in s.engines.items()})
 
 
 def collect(state: "RestState") -> StatsResponse:

@@ -240,6 +240,12 @@ class EngineClient(Link):
         """The server's ``ServiceStats`` as a dict."""
         return self._call({"op": "stats"})["stats"]
 
+    def report(self, name: str = "", **figures: int) -> None:
+        """Push this engine's own L1/L2 figures (``EngineReport`` fields, totals
+        since start; absent ones are 0) for the service's REST stats. Each call
+        replaces the last; the service forgets them when this client disconnects."""
+        self._call({"op": "report", "name": name, "figures": figures})
+
     def check_integrity(self) -> None:
         """Ask the server to run its ``check_integrity()``; raises ``ServiceError('integrity')``."""
         self._call({"op": "check"})

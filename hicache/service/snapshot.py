@@ -82,6 +82,40 @@ class EventSnapshot:
 
 
 @dataclass(slots=True)
+class EngineReport:
+    """Figures one engine pushed over the socket (op ``report``): its own L1
+    (device) and L2 (host) hits since it started. Exact hit tokens count a
+    request's private partial page; visible ones are floored to a page
+    boundary, as the scheduler sees them. Gone when the engine disconnects."""
+
+    name: str = stat("The engine's self-chosen name (may be empty).", metric=None, default="")
+    requests: int = stat("Requests the engine looked up.", metric="engine_requests", default=0)
+    prompt_tokens: int = stat("Prompt tokens of those requests.", metric="engine_prompt_tokens", default=0)
+    l1_hit_tokens_exact: int = stat("Tokens found in the engine's L1, exact.", metric="engine_hit_tokens",
+                                    labels={"level": "L1", "op": "exact"}, default=0,
+                                    family_help="Hit tokens an engine reported, by level: exact and "
+                                                "scheduler-visible (page-floored).")
+    l1_hit_tokens_visible: int = stat("Tokens found in the engine's L1, page-floored.", metric="engine_hit_tokens",
+                                      labels={"level": "L1", "op": "visible"}, default=0)
+    l2_hit_tokens_exact: int = stat("Tokens found in L2 by the engine, exact.", metric="engine_hit_tokens",
+                                    labels={"level": "L2", "op": "exact"}, default=0)
+    l2_hit_tokens_visible: int = stat("Tokens found in L2 by the engine, page-floored.",
+                                      metric="engine_hit_tokens", labels={"level": "L2", "op": "visible"},
+                                      default=0)
+    l1_used_pages: int = stat("Pages the engine's L1 holds now.", metric="engine_l1_pages", kind="gauge",
+                              labels={"state": "used"}, family_help="The engine's L1 pages: used and capacity.",
+                              default=0)
+    l1_capacity_pages: int = stat("The engine's L1 capacity in pages.", metric="engine_l1_pages", kind="gauge",
+                                  labels={"state": "capacity"}, default=0)
+    l1_evictions: int = stat("Pages the engine evicted from L1.", metric="engine_l1_evictions", default=0)
+
+
+REPORT_FIELDS = tuple(f for f in EngineReport.__dataclass_fields__ if f != "name")
+MAX_REPORT_NAME = 64
+MAX_REPORT_VALUE = 2**63 - 1
+
+
+@dataclass(slots=True)
 class StatsSnapshot:
     fingerprint: str = stat("Layout fingerprint.", metric=None)
     page_size: int = stat("Tokens per page.", kind="gauge")
@@ -90,3 +124,5 @@ class StatsSnapshot:
     tiers: dict[Tier, TierSnapshot] = stat("Per-tier counters.", key_label="tier")
     engine: EngineSnapshot = stat("Engine connections and the L2 pages they hold.")
     events: EventSnapshot = stat("KV event stream.")
+    engines: dict[str, EngineReport] = stat("Figures engines pushed, by client id (op report).",
+                                            key_label="engine", default_factory=dict)
