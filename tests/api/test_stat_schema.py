@@ -13,11 +13,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from hicache.api.metrics import families
 from hicache.api.models import model_from_dataclass
 from hicache.api.stats import snapshot
+from hicache.cache import CacheStats
 from hicache.client import EngineClient
 from hicache.errors import ServiceError
 from hicache.hashing import page_hashes
+from hicache.hicache import HiCacheStats
 from hicache.service.snapshot import REPORT_FIELDS, EngineReport, StatsSnapshot
 from hicache.stat_schema import help_of, metric_of, stat
+from hicache.tiers import TierMoveStats
 
 from .test_serve_process import commit
 
@@ -148,3 +151,17 @@ def test_bad_reports_are_refused_and_change_nothing(served, req, why):
 
 def test_report_fields_are_the_dataclass_fields():
     assert set(REPORT_FIELDS) | {"name"} == {f.name for f in dataclasses.fields(EngineReport)}
+
+
+def test_an_embedded_caches_stats_are_reported(served):
+    """``report_stats`` maps ``HiCache.stats()``: exact vs page-floored L1/L2 hit tokens."""
+    idx = CacheStats(requests=2, admitted_tokens=40, device_hit_tokens=16, device_hit_exact_tokens=18,
+                     host_hit_tokens=8, host_hit_exact_tokens=8, device_pages_cached=3, device_pages_private=1,
+                     device_evicted_pages=6)
+    hs = HiCacheStats(idx, TierMoveStats(), {}, {"L1": 32, "L2": 64}, None)
+    with served.client() as c, EngineClient(served.socket_path, served.config.layout(), pin=False) as eng:
+        eng.report_stats(hs, name="embedded")
+        got = c.get("/v1/stats").json()["engines"][str(eng.client_id)]
+    assert got == {"name": "embedded", "requests": 2, "prompt_tokens": 40, "l1_hit_tokens_exact": 18,
+                   "l1_hit_tokens_visible": 16, "l2_hit_tokens_exact": 8, "l2_hit_tokens_visible": 8,
+                   "l1_used_pages": 4, "l1_capacity_pages": 32, "l1_evictions": 6}
