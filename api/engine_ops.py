@@ -17,6 +17,7 @@ from hicache.api.write_marks import WriteMarks
 from hicache.consensus import AgreeRounds
 from hicache.service.l2_index import L2Index, Reclaimed
 from hicache.service.l3_tier import L3Tier
+from hicache.service.snapshot import MAX_REPORT_NAME, MAX_REPORT_VALUE, REPORT_FIELDS, EngineReport
 from hicache.errors import (ContractMismatch, ForeignPage, IntegrityError, LayoutError, OutOfPages,
                             ServiceError)
 from hicache.layout import KVLayout
@@ -63,8 +64,9 @@ class Dispatcher:
             "lookup": self._lookup, "reserve": self._reserve, "commit": self._commit,
             "cancel": self._cancel, "acquire": self._acquire, "release": self._release,
             "stats": lambda o, r: {"stats": self.snapshot()},
-            "check": self._check, "bye": lambda o, r: {},
+            "check": self._check, "report": self._report, "bye": lambda o, r: {},
         }
+        self.reports: dict[int, EngineReport] = {}  # per connection: its last ``report``
 
     def error(self, kind: str, message: str, close: bool = False, **extra: Any) -> Reply:
         self.errors[kind] += 1
@@ -137,7 +139,24 @@ class Dispatcher:
     def drop(self, owner: int) -> Reclaimed:
         """Forget a closed connection; returns what the index reclaimed from it."""
         self._consensus_only.discard(owner)
+        self.reports.pop(owner, None)
         return self.index.drop_owner(owner)
+
+    def _report(self, owner: int, req: dict[str, Any]) -> dict[str, Any]:
+        """Replace this connection's pushed figures (``EngineReport``); absent ones are 0."""
+        figures, name = req.get("figures"), req.get("name", "")
+        if not isinstance(figures, dict) or len(figures) > len(REPORT_FIELDS):
+            raise ServiceError("bad_args", f"report: figures must be a map of at most {len(REPORT_FIELDS)} "
+                               f"entries from {list(REPORT_FIELDS)}")
+        if not isinstance(name, str) or len(name) > MAX_REPORT_NAME or not name.isprintable():
+            raise ServiceError("bad_args", f"report: name must be printable text of at most {MAX_REPORT_NAME} chars")
+        for k, v in figures.items():
+            if k not in REPORT_FIELDS:
+                raise ServiceError("bad_args", f"report: unknown figure {str(k)[:40]!r}; known: {list(REPORT_FIELDS)}")
+            if type(v) is not int or not 0 <= v <= MAX_REPORT_VALUE:
+                raise ServiceError("bad_args", f"report: {k} must be an int in [0, 2**63), got {plain(v)!r:.40}")
+        self.reports[owner] = EngineReport(name=name, **figures)
+        return {}
 
     def _refusal(self, op: str, e: Exception) -> Reply:
         if isinstance(e, ServiceError):

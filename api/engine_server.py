@@ -84,6 +84,7 @@ class ServiceStats:
     clients_total: int  # connections accepted since start
     errors: dict[str, int] = field(default_factory=dict)  # refusals by kind
     l3: dict[str, int] = field(default_factory=dict)  # L3TierStats; empty without an L3
+    engines: dict[str, dict[str, Any]] = field(default_factory=dict)  # client id -> its EngineReport
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -423,7 +424,8 @@ class EngineServer:
             cancelled=c.cancelled, reclaimed=c.reclaimed, draft_cut_pages=c.draft_cut_pages,
             draft_upgraded=c.draft_upgraded, segment_origin=self.segment_origin,
             clients=idx.num_owners - (self.l3 is not None), clients_total=self._next_client,
-            errors=dict(d.errors), l3=self.l3.stats().to_dict() if self.l3 is not None else {})
+            errors=dict(d.errors), l3=self.l3.stats().to_dict() if self.l3 is not None else {},
+            engines={str(o): dataclasses.asdict(r) for o, r in sorted(d.reports.items())})
 
 
 class _Fanout:

@@ -1,24 +1,85 @@
 """Prometheus exposition of the live statistics (``/metrics``).
 
-``StatsCollector`` is a custom collector: every scrape calls ``collect()``,
-which takes one ``hicache.api.stats.collect`` snapshot and yields metric
-families from it, so nothing is cached between scrapes. It is registered on a
-registry the app owns (``build_registry``); there is no module-global registry.
-Names carry the ``hicache_`` prefix; per-tier series carry ``tier`` and
-direction/outcome series an ``op`` label.
+``StatsCollector`` is a custom collector: every scrape takes one
+``hicache.api.stats.snapshot`` and turns it into metric families with
+``families``, a loop over the snapshot dataclasses' field declarations
+(``hicache.stat_schema``): each field names its family, kind, help and fixed
+labels, so nothing here lists statistics and nothing is cached between
+scrapes. It is registered on a registry the app owns (``build_registry``);
+there is no module-global registry. Names carry the ``hicache_`` prefix;
+per-tier series carry ``tier`` and direction/outcome series an ``op`` label.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+import dataclasses
+from typing import TYPE_CHECKING, Any, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from hicache.api.stats import collect
+from hicache.api.stats import snapshot
+from hicache.stat_schema import help_of, metric_of
 
 if TYPE_CHECKING:
     from hicache.api.deps import RestState
+
+PREFIX = "hicache_"
+
+
+class _Family:
+    def __init__(self, kind: str, doc: str):
+        self.kind, self.doc = kind, doc
+        self.samples: list[tuple[dict[str, str], float]] = []
+
+
+def _walk(obj: Any, labels: dict[str, str], out: dict[str, _Family]) -> None:
+    if any(f.metadata.get("gate") and not getattr(obj, f.name) for f in dataclasses.fields(obj)):
+        return
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        meta = f.metadata
+        if value is None:
+            continue
+        if dataclasses.is_dataclass(value):
+            _walk(value, {} if meta.get("scoped") else labels, out)
+            continue
+        if isinstance(value, dict) and meta.get("key_label"):
+            for key, v in sorted(value.items()):
+                if dataclasses.is_dataclass(v):
+                    _walk(v, {**labels, meta["key_label"]: str(key)}, out)
+                else:
+                    _add(f, v, {**labels, **meta.get("labels", {}), meta["key_label"]: str(key)}, out)
+            continue
+        if metric_of(f) is None or isinstance(value, str):
+            continue
+        _add(f, value, {**labels, **meta.get("labels", {})}, out)
+
+
+def _add(f: dataclasses.Field, value: Any, labels: dict[str, str], out: dict[str, _Family]) -> None:
+    name = metric_of(f) or f.name
+    v = float(value)
+    if f.metadata.get("invert"):
+        v = 1.0 - v
+    fam = out.get(name)
+    if fam is None:
+        fam = out[name] = _Family(f.metadata.get("kind", "counter"), f.metadata.get("family_help") or help_of(f))
+    fam.samples.append((labels, v))
+
+
+def families(snap: Any) -> list[Metric]:
+    """Metric families of one snapshot dataclass, in field declaration order."""
+    out: dict[str, _Family] = {}
+    _walk(snap, {}, out)
+    metrics: list[Metric] = []
+    for name, fam in out.items():
+        names = sorted({k for lv, _ in fam.samples for k in lv})
+        cls = CounterMetricFamily if fam.kind == "counter" else GaugeMetricFamily
+        m = cls(PREFIX + name, fam.doc, labels=names)
+        for lv, v in fam.samples:
+            m.add_metric([lv.get(k, "") for k in names], v)
+        metrics.append(m)
+    return metrics
 
 
 class StatsCollector(Collector):
@@ -26,64 +87,7 @@ class StatsCollector(Collector):
         self.state = state
 
     def collect(self) -> Iterator[Metric]:
-        st = collect(self.state)
-        tiers = [t for t in st.tiers.values() if t.configured]
-
-        def gauge(name: str, doc: str, values: list[tuple[list[str], float]], labels=("tier",)) -> Metric:
-            g = GaugeMetricFamily(f"hicache_{name}", doc, labels=list(labels))
-            for lv, v in values:
-                g.add_metric(lv, v)
-            return g
-
-        def counter(name: str, doc: str, values: list[tuple[list[str], float]], labels=("tier",)) -> Metric:
-            c = CounterMetricFamily(f"hicache_{name}", doc, labels=list(labels))
-            for lv, v in values:
-                c.add_metric(lv, v)
-            return c
-
-        sized = [t for t in tiers if t.capacity_bytes is not None]
-        yield gauge("capacity_bytes", "Tier capacity in bytes.", [([t.tier], t.capacity_bytes) for t in sized])
-        yield gauge("capacity_pages", "Tier capacity in pages.", [([t.tier], t.capacity_pages) for t in sized])
-        yield gauge("used_bytes", "Bytes held by the tier.", [([t.tier], t.used_bytes) for t in sized])
-        yield gauge("used_pages", "Pages held by the tier.", [([t.tier], t.used_pages) for t in sized])
-        yield counter("lookup_pages", "Pages looked up, by outcome.",
-                      [([t.tier, "hit"], t.hit_pages) for t in tiers]
-                      + [([t.tier, "miss"], t.miss_pages) for t in tiers], labels=("tier", "op"))
-        yield counter("hit_tokens", "Tokens served from the tier: exact and scheduler-visible (page-floored).",
-                      [([t.tier, "exact"], t.hit_tokens_exact) for t in tiers]
-                      + [([t.tier, "visible"], t.hit_tokens_visible) for t in tiers], labels=("tier", "op"))
-        yield counter("evictions", "Pages evicted to make room.", [([t.tier], t.evictions) for t in tiers])
-        yield counter("flushed_pages", "Pages dropped by admin flush.", [([t.tier], t.flushed) for t in tiers])
-        yield counter("bytes", "Payload bytes moved, by direction.",
-                      [([t.tier, "read"], t.bytes_read) for t in tiers]
-                      + [([t.tier, "write"], t.bytes_written) for t in tiers], labels=("tier", "op"))
-        yield gauge("bandwidth_bytes_per_second", "Payload bandwidth over the last few seconds.",
-                    [([t.tier, "read"], t.read_bytes_per_s) for t in tiers]
-                    + [([t.tier, "write"], t.write_bytes_per_s) for t in tiers], labels=("tier", "op"))
-        yield counter("errors", "Errors by tier and kind.",
-                      [([t.tier, "total"], t.errors) for t in tiers]
-                      + [([t.tier, k], v) for t in tiers for k, v in sorted(t.errors_by_kind.items())],
-                      labels=("tier", "op"))
-        yield gauge("up", "1 when the tier answers (L3: no outage in progress).",
-                    [([t.tier], 0.0 if t.down else 1.0) for t in tiers])
-        yield gauge("engine_clients", "Engines connected to the local socket.", [([], st.engine.clients)],
-                    labels=())
-        yield gauge("engine_pages", "L2 pages engines hold now: reserved (being filled) or locked (being read).",
-                    [(["reserved"], st.engine.reserved_pages), (["locked"], st.engine.locked_pages)],
-                    labels=("state",))
-        wb = st.tiers["L3"].service
-        if wb is not None:  # the service's write-behind to L3 and its read-through
-            yield gauge("l3_write_queue_pages", "Committed pages waiting for the L3 writer.",
-                        [([], wb.queue_pages)], labels=())
-            yield counter("l3_writeback_pages", "Committed pages by write-behind outcome.",
-                          [([op], getattr(wb, op)) for op in ("queued", "written", "dropped", "stale", "failed")],
-                          labels=("op",))
-            yield counter("l3_fetch_pages", "Pages engines asked the service to fetch from L3, by outcome.",
-                          [(["fetched"], wb.fetched), (["no_room"], wb.fetch_no_room)], labels=("op",))
-        yield counter("events_published", "KV events published.", [([], st.events.published)], labels=())
-        yield counter("events_dropped", "KV event deliveries dropped (a subscriber's queue was full).",
-                      [([], st.events.dropped)], labels=())
-        yield gauge("event_subscribers", "Open /v1/events streams.", [([], st.events.subscribers)], labels=())
+        yield from families(snapshot(self.state))
 
 
 def build_registry(state: "RestState") -> CollectorRegistry:

@@ -1,16 +1,21 @@
 """Pydantic models of the REST API: every route's request and response body.
 
-Sizes are pages and bytes; token counts are ``pages * page_size``. The service
-indexes whole pages only, so a hit's exact token count and its
-scheduler-visible (page-floored) count are equal here; both are reported so
-that the schema matches the embedded cache's statistics, where a request's
-private partial page makes them differ.
+The statistics models (``StatsResponse`` and the models nested in it) are
+generated from the snapshot dataclasses of ``hicache.service.snapshot``,
+which declare each figure once with its help text.
 """
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, create_model
+
+from hicache.service.l3_tier import L3TierStats
+from hicache.service.snapshot import EngineSnapshot, EventSnapshot, StatsSnapshot, TierSnapshot
+from hicache.stat_schema import help_of
 
 Tier = Literal["L2", "L3"]
 
@@ -40,76 +45,50 @@ class Readiness(_Out):
     l3: L3Readiness
 
 
-class L3WriteReadStats(_Out):
-    """L3 only: the service's write-behind of committed pages and its read-through
-    (``fetch``), in pages since start."""
+def model_from_dataclass(cls: type, name: str, names: dict[type, str] | None = None,
+                         _made: dict[type, type[BaseModel]] | None = None) -> type[BaseModel]:
+    """A pydantic model with ``cls``'s fields, types and help (``description``).
 
-    queued: int  # committed pages handed to the L3 writer
-    written: int  # stored in L3
-    dropped: int  # not queued: the writer's queue was full
-    stale: int  # evicted from L2 before the writer copied them
-    failed: int  # L3 did not store them (down, or a per-page error)
-    queue_pages: int  # waiting for the writer now
-    fetches: int  # engine fetches that asked L3
-    fetched: int  # pages loaded from L3 into L2
-    fetch_timeouts: int  # fetches answered before their load finished (it lands later)
-    fetch_busy: int  # fetches answered from L2 only: too many loads in flight
-    fetch_no_room: int  # pages L3 held that L2 had no room for
-    skipped_draft: int  # committed without valid draft rows: never written to L3
+    Nested snapshot dataclasses become models too (named by ``names``, else
+    after the dataclass); fields stay in declaration order. This is how every
+    statistics model of the REST API is made: the dataclass is the declaration.
+    """
+    made = {} if _made is None else _made
+    if cls in made:
+        return made[cls]
+    hints = typing.get_type_hints(cls)
 
+    def sub(tp: Any) -> Any:
+        if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+            return model_from_dataclass(tp, (names or {}).get(tp, tp.__name__), names, made)
+        args = typing.get_args(tp)
+        if not args:
+            return tp
+        origin = typing.get_origin(tp)
+        new = tuple(sub(a) for a in args)
+        if origin is types.UnionType or origin is typing.Union:
+            return typing.Union[new]  # noqa: UP007 (built from a tuple)
+        if origin is Literal:
+            return tp
+        return origin[new] if len(new) > 1 else origin[new[0]]
 
-class TierStats(_Out):
-    """Counters since start for one tier (``None``: the tier cannot know it)."""
-
-    tier: Tier
-    configured: bool
-    capacity_pages: int | None
-    capacity_bytes: int | None
-    used_pages: int | None
-    used_bytes: int | None
-    lookups: int  # L2: engine lookup calls; L3: pages asked for by get()
-    hit_pages: int
-    miss_pages: int
-    hit_tokens_exact: int
-    hit_tokens_visible: int  # floored to a page boundary
-    evictions: int
-    flushed: int  # pages dropped by POST /v1/flush
-    bytes_read: int  # L2: pages acquired by engines; L3: verified payload bytes returned
-    bytes_written: int  # L2: pages committed by engines; L3: payload bytes stored
-    read_bytes_per_s: float  # over the last few seconds
-    write_bytes_per_s: float
-    errors: int
-    errors_by_kind: dict[str, int]
-    down: bool = False  # L3 only: an outage is in progress
-    service: L3WriteReadStats | None = None  # L3 only: what the service moved between L2 and L3
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        default = ... if f.default is dataclasses.MISSING else f.default
+        fields[f.name] = (sub(hints[f.name]), Field(default, description=help_of(f) or None))
+    model = create_model(name, __base__=_Out, __doc__=cls.__doc__, **fields)
+    made[cls] = model
+    return model
 
 
-class EngineStats(_Out):
-    clients: int  # connected engines
-    clients_total: int
-    reserved_pages: int
-    locked_pages: int
-    duplicates: int
-    reclaimed: int
-    draft_cut_pages: int  # present pages need_draft lookups did not return (draft rows missing)
-    draft_upgraded: int  # draft-incomplete shared pages replaced by a complete copy
-    segment_origin: str  # the L2 segment was "created", "adopted" (after a crash) or "recreated"
-
-
-class EventStats(_Out):
-    subscribers: int
-    published: int
-    dropped: int  # events not delivered because a subscriber's queue was full
-
-
-class StatsResponse(_Out):
-    fingerprint: str
-    page_size: int
-    page_bytes: int
-    uptime_s: float
-    tiers: dict[Tier, TierStats]
-    engine: EngineStats
-    events: EventStats
+_STATS_NAMES: dict[type, str] = {L3TierStats: "L3WriteReadStats", TierSnapshot: "TierStats",
+                                 EngineSnapshot: "EngineStats", EventSnapshot: "EventStats"}
+_STATS_MODELS: dict[type, type[BaseModel]] = {}
+StatsResponse = model_from_dataclass(StatsSnapshot, "StatsResponse", _STATS_NAMES, _STATS_MODELS)
+TierStats = _STATS_MODELS[TierSnapshot]
+L3WriteReadStats = _STATS_MODELS[L3TierStats]
+EngineStats = _STATS_MODELS[EngineSnapshot]
+EventStats = _STATS_MODELS[EventSnapshot]
 
 
 HexHash = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{32}$")]

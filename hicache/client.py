@@ -24,14 +24,18 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 from hicache.errors import ContractMismatch, ForeignPage, OutOfPages, ServiceError
 from hicache.layout import KVLayout
 from hicache.pools import HostPool
 from hicache.protocol import HEADER_BYTES, body_length, hello_request, pack, unpack
 from hicache.shm import SharedSegment
+from hicache.service.snapshot import report_figures
 from hicache.types import HostPageId, PageHash
+
+if TYPE_CHECKING:
+    from hicache.hicache import HiCacheStats
 
 # Page ids arrive as plain ints: ``HostPageId`` is a NewType (static typing
 # only), and wrapping 512 of them per lookup would cost ~25 us for nothing.
@@ -239,6 +243,16 @@ class EngineClient(Link):
     def stats(self) -> dict[str, Any]:
         """The server's ``ServiceStats`` as a dict."""
         return self._call({"op": "stats"})["stats"]
+
+    def report(self, name: str = "", **figures: int) -> None:
+        """Push this engine's own L1/L2 figures (``EngineReport`` fields, totals
+        since start; absent ones are 0) for the service's REST stats. Each call
+        replaces the last; the service forgets them when this client disconnects."""
+        self._call({"op": "report", "name": name, "figures": figures})
+
+    def report_stats(self, stats: "HiCacheStats", name: str = "") -> None:
+        """``report`` an embedded cache's ``HiCache.stats()`` (its L1 and L2 hits)."""
+        self.report(name, **report_figures(stats))
 
     def check_integrity(self) -> None:
         """Ask the server to run its ``check_integrity()``; raises ``ServiceError('integrity')``."""

@@ -25,6 +25,10 @@ release    hashes: [bin16]             (undoes acquire, one count per hash)
 agree      group, round, rank, world,      values: [int] (element-wise minimum over
            values: [int], wait_ms          the group's ranks; see hicache.consensus)
 stats      -                           stats: map
+report     figures: {str: int}, name   (this engine's own L1/L2 figures, replacing
+                                       its last report; see EngineReport in
+                                       hicache.service.snapshot; dropped on
+                                       disconnect)
 check      -                           (runs the server's check_integrity)
 bye        -                           (server closes after replying)
 =========  ==========================  ==========================================
@@ -55,7 +59,7 @@ HEADER = struct.Struct(">I")
 HEADER_BYTES = HEADER.size
 
 OPS = frozenset({"lookup", "fetch", "reserve", "commit", "cancel", "acquire", "release", "agree", "stats",
-                 "check", "bye"})
+                 "report", "check", "bye"})
 
 # Error kinds a server may send (the client also uses ``closed``).
 ERROR_KINDS = ("bad_frame", "too_large", "bad_request", "unknown_op", "not_handshaken", "version",

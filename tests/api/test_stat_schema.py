@@ -1,0 +1,167 @@
+"""Every statistic is declared once (``hicache.service.snapshot``) and reaches
+both ``/v1/stats`` and ``/metrics``; engines push their own figures (op ``report``)."""
+from __future__ import annotations
+
+import dataclasses
+import time
+import typing
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from hicache.api.metrics import families
+from hicache.api.models import model_from_dataclass
+from hicache.api.stats import snapshot
+from hicache.cache import CacheStats
+from hicache.client import EngineClient
+from hicache.errors import ServiceError
+from hicache.hashing import page_hashes
+from hicache.hicache import HiCacheStats
+from hicache.service.snapshot import REPORT_FIELDS, EngineReport, StatsSnapshot
+from hicache.stat_schema import help_of, metric_of, stat
+from hicache.tiers import TierMoveStats
+
+from .test_serve_process import commit
+
+FIGURES = {"requests": 3, "prompt_tokens": 50, "l1_hit_tokens_exact": 13, "l1_hit_tokens_visible": 12,
+           "l2_hit_tokens_exact": 9, "l2_hit_tokens_visible": 8, "l1_used_pages": 5, "l1_capacity_pages": 64,
+           "l1_evictions": 2}
+
+
+def samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for fam in text_string_to_metric_families(text):
+        out.setdefault(fam.name, []).extend((dict(s.labels), s.value) for s in fam.samples)
+    return out
+
+
+def check_declared(cls: type, data: dict, exported: dict, where: str, seen: set[str]) -> None:
+    """Each field of ``cls`` has help and is in ``data`` (JSON); each value field's family is exported."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        here = f"{where}.{f.name}"
+        assert help_of(f), f"{here} has no help"
+        assert f.name in data, f"{here} missing from /v1/stats"
+        seen.add(here)
+        tp, value = hints[f.name], data[f.name]
+        inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        if value is None and inner:
+            continue  # optional part (L2 has no ``service``); ``seen`` shows it was checked elsewhere
+        if dataclasses.is_dataclass(tp) or inner and typing.get_origin(tp) is not dict:
+            check_declared(tp if dataclasses.is_dataclass(tp) else inner[0], value, exported, here, seen)
+        elif inner:  # dict[str, <dataclass>]
+            assert value, f"{here} is empty: the test must fill it"
+            for k, v in value.items():
+                check_declared(inner[0], v, exported, f"{here}[{k}]", seen)
+        elif metric_of(f) is not None and not isinstance(value, str):
+            name = "hicache_" + metric_of(f)  # type: ignore[operator]
+            assert name in exported, f"{here}: {name} not in /metrics"
+            want = f.metadata["labels"]
+            assert any(want.items() <= ls.items() for ls, _ in exported[name]), (here, want, exported[name])
+
+
+def test_every_declared_field_is_in_stats_json_and_metrics(served):
+    layout = served.config.layout()
+    with served.client() as c, EngineClient(served.socket_path, layout, pin=False) as eng:
+        eng.report(name="engine-a", **FIGURES)
+        h = page_hashes(list(range(9000, 9000 + 2 * layout.page_size)), layout.page_size)
+        commit(eng, h)
+        st = c.get("/v1/stats").json()
+        exported = samples(c.get("/metrics").text)
+    assert st["tiers"]["L3"]["service"] is not None  # memory:// L3: the write-behind figures are there too
+    seen: set[str] = set()
+    check_declared(StatsSnapshot, st, exported, "stats", seen)
+    assert "stats.engines[%d].l1_hit_tokens_exact" % eng.client_id in seen
+    assert "stats.tiers[L3].service.fetch_busy" in seen
+
+
+def test_a_field_added_to_a_snapshot_reaches_json_and_metrics(make_state, app_of):
+    """Adding a statistic is one declaration: model and family follow from it."""
+    st = make_state()
+    snap = snapshot(st)
+    Extended = dataclasses.make_dataclass(
+        "Extended", [("widgets", int, stat("Widgets made.", kind="gauge", labels={"op": "made"}, default=0))],
+        bases=(StatsSnapshot,))
+    ext = Extended(**{f.name: getattr(snap, f.name) for f in dataclasses.fields(StatsSnapshot)}, widgets=7)
+    model = model_from_dataclass(Extended, "ExtendedResponse")
+    body = model.model_validate(dataclasses.asdict(ext)).model_dump(mode="json")
+    assert body["widgets"] == 7 and body["tiers"]["L2"]["capacity_pages"] == 16
+    assert model.model_json_schema()["properties"]["widgets"]["description"] == "Widgets made."
+    fams = {m.name: m for m in families(ext)}
+    assert fams["hicache_widgets"].documentation == "Widgets made."
+    assert [(s.labels, s.value) for s in fams["hicache_widgets"].samples] == [({"op": "made"}, 7.0)]
+    # The app's own JSON is the same snapshot through the generated StatsResponse.
+    with TestClient(app_of(st)) as c:
+        real = c.get("/v1/stats").json()
+    assert set(real) == set(body) - {"widgets"}
+
+
+def test_engine_report_is_per_engine_and_gone_on_disconnect(served):
+    layout = served.config.layout()
+    with served.client() as c:
+        a = EngineClient(served.socket_path, layout, pin=False)
+        b = EngineClient(served.socket_path, layout, pin=False)
+        a.report(name="a", **FIGURES)
+        b.report(l2_hit_tokens_exact=5)
+        a.report(name="a", **{**FIGURES, "l1_hit_tokens_exact": 21})  # replaces a's last report
+        engines = c.get("/v1/stats").json()["engines"]
+        ka, kb = str(a.client_id), str(b.client_id)
+        assert engines[ka] == {"name": "a", **FIGURES, "l1_hit_tokens_exact": 21}
+        assert engines[kb] == {**{k: 0 for k in REPORT_FIELDS}, "name": "", "l2_hit_tokens_exact": 5}
+        m = samples(c.get("/metrics").text)
+        hits = {(ls["engine"], ls["level"], ls["op"]): v for ls, v in m["hicache_engine_hit_tokens"]}
+        assert hits[(ka, "L1", "exact")] == 21 and hits[(ka, "L1", "visible")] == 12
+        assert hits[(kb, "L2", "exact")] == 5 and hits[(kb, "L2", "visible")] == 0
+        l1 = {(ls["engine"], ls["state"]): v for ls, v in m["hicache_engine_l1_pages"]}
+        assert l1[(ka, "capacity")] == 64 and l1[(ka, "used")] == 5
+        a.close()
+        for _ in range(400):  # the server drops the connection after a's bye
+            time.sleep(0.02)
+            engines = c.get("/v1/stats").json()["engines"]
+            if ka not in engines:
+                break
+        assert set(engines) == {kb}
+        b.close()
+
+
+@pytest.mark.parametrize("req,why", [
+    ({"figures": {"bogus": 1}}, "unknown figure"),
+    ({"figures": {"requests": -1}}, "must be an int"),
+    ({"figures": {"requests": True}}, "must be an int"),
+    ({"figures": {"requests": 2**63}}, "must be an int"),
+    ({"figures": {"requests": 1.5}}, "must be an int"),
+    ({"figures": [1, 2]}, "figures must be a map"),
+    ({"figures": {f"x{i}": 1 for i in range(len(REPORT_FIELDS) + 1)}}, "figures must be a map"),
+    ({"figures": {}, "name": "x" * 65}, "name must be printable"),
+    ({"figures": {}, "name": "a\nb"}, "name must be printable"),
+    ({"figures": {}, "name": 7}, "name must be printable"),
+])
+def test_bad_reports_are_refused_and_change_nothing(served, req, why):
+    layout = served.config.layout()
+    with served.client() as c, EngineClient(served.socket_path, layout, pin=False) as eng:
+        eng.report(requests=4)
+        with pytest.raises(ServiceError, match=why) as e:
+            eng._call({"op": "report", **req})
+        assert e.value.kind == "bad_args"
+        assert c.get("/v1/stats").json()["engines"][str(eng.client_id)]["requests"] == 4
+        eng.report(requests=5)  # the connection still serves
+        assert c.get("/v1/stats").json()["engines"][str(eng.client_id)]["requests"] == 5
+
+
+def test_report_fields_are_the_dataclass_fields():
+    assert set(REPORT_FIELDS) | {"name"} == {f.name for f in dataclasses.fields(EngineReport)}
+
+
+def test_an_embedded_caches_stats_are_reported(served):
+    """``report_stats`` maps ``HiCache.stats()``: exact vs page-floored L1/L2 hit tokens."""
+    idx = CacheStats(requests=2, admitted_tokens=40, device_hit_tokens=16, device_hit_exact_tokens=18,
+                     host_hit_tokens=8, host_hit_exact_tokens=8, device_pages_cached=3, device_pages_private=1,
+                     device_evicted_pages=6)
+    hs = HiCacheStats(idx, TierMoveStats(), {}, {"L1": 32, "L2": 64}, None)
+    with served.client() as c, EngineClient(served.socket_path, served.config.layout(), pin=False) as eng:
+        eng.report_stats(hs, name="embedded")
+        got = c.get("/v1/stats").json()["engines"][str(eng.client_id)]
+    assert got == {"name": "embedded", "requests": 2, "prompt_tokens": 40, "l1_hit_tokens_exact": 18,
+                   "l1_hit_tokens_visible": 16, "l2_hit_tokens_exact": 8, "l2_hit_tokens_visible": 8,
+                   "l1_used_pages": 4, "l1_capacity_pages": 32, "l1_evictions": 6}
