@@ -362,7 +362,8 @@ class EngineServer:
         it may scan the backend); callable from any thread."""
         def check() -> None:
             index = self._serving()
-            assert self.pool is not None and self.segment is not None, "_open_state sets index, pool, segment"
+            if self.pool is None or self.segment is None:  # _close_state drops them on stop
+                raise ServiceError("not_serving", "engine server was stopped; its pool and segment are gone")
             index.check_integrity()
             self.pool.check_integrity()
             bad = self.segment.check_against(index.committed_pages())

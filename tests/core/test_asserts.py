@@ -44,8 +44,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("api/engine_server.py", "self.dispatcher is not None"): "connections are accepted only after _open_state",
     ("api/engine_server.py", "d is not None"): "_open_state sets index and dispatcher together",
     ("api/engine_server.py", "self._loop is not None and self._stop is not None"): "_main sets both before on_ready",
-    ("api/engine_server.py", "self.pool is not None and self.segment is not None"):
-        "_open_state sets index, pool and segment together",
     ("api/stats.py", "state.storage is not None"): "type narrowing: the L3 stats were read from it above",
     ("kernels/plan.py", "anchor % ALIGN == 0"): "torch allocations are 256-byte aligned",
     ("kernels/plan.py", "self.max_chunk_bytes <= self.tile_bytes and self.num_warps >= 1"):
