@@ -25,6 +25,7 @@ from hicache.api.deps import RestState, check_bind
 from hicache.api.metrics import build_registry
 from hicache.api.rest_guards import BodyLimit, validation_error
 from hicache.api.stats import collect
+from hicache.errors import ConfigError, ServiceError
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ async def _sample_forever(state: RestState) -> None:
         await asyncio.sleep(SAMPLE_INTERVAL_S)
         try:
             await asyncio.to_thread(collect, state)
-        except (AssertionError, RuntimeError, TimeoutError) as e:  # engine stopping; try again later
+        except (ServiceError, RuntimeError, TimeoutError) as e:  # engine stopping; try again later
             log.debug("stats sample skipped: %s", e)
 
 
@@ -74,7 +75,9 @@ def swagger_ui_dir() -> str:
     """The Swagger UI dist files (JS, CSS, favicon, license) that the
     ``swagger-ui-py`` package ships; found without importing it."""
     spec = importlib.util.find_spec("swagger_ui")
-    assert spec is not None and spec.submodule_search_locations, "swagger-ui-py is a dependency of hicache"
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("the swagger-ui-py package (a dependency of hicache) is not installed; "
+                          "reinstall hicache or `pip install swagger-ui-py`")
     return os.path.join(next(iter(spec.submodule_search_locations)), "static")
 
 

@@ -18,9 +18,9 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from hicache.api.engine_server import EngineServer
 from hicache.api.events import EventBus
 from hicache.api.stats import RateTracker
+from hicache.api.view import ServiceView
 from hicache.config import HiCacheConfig
 from hicache.errors import ConfigError, IntegrityError
 from hicache.layout import KVLayout
@@ -34,14 +34,16 @@ ADMIN_TOKEN_HELP = ("set service.admin_token (HICACHE_SERVICE__ADMIN_TOKEN, or a
 class RestState:
     """Everything the routes use. Built by ``serve`` (or a test) before the app.
 
-    ``engine`` must be started before requests arrive; ``storage`` is None when
-    no L3 is configured. The app does not own either: whoever built them stops
-    and closes them.
+    ``engine`` is the node service as the routes see it (``ServiceView``: an
+    ``EngineServer`` in ``serve``, anything with those four methods in a test);
+    it must be serving before requests arrive. ``storage`` is None when no L3
+    is configured. The app does not own either: whoever built them stops and
+    closes them.
     """
 
     config: HiCacheConfig
     layout: KVLayout
-    engine: EngineServer
+    engine: ServiceView
     storage: StorageBackend | None
     admin_token: str  # resolved (file read); never logged or returned
     bus: EventBus = field(default_factory=EventBus)
@@ -90,7 +92,8 @@ def check_bind(host: str, admin_token: str) -> None:
 
 
 def get_state(request: Request) -> RestState:
-    return request.app.state.rest
+    state: RestState = request.app.state.rest  # set by create_app
+    return state
 
 
 StateDep = Annotated[RestState, Depends(get_state)]
@@ -103,8 +106,14 @@ def require_admin(state: StateDep,
                   creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
     token = state.admin_token
     if not token:
-        # check_bind guarantees this only happens on loopback.
-        assert is_loopback(state.config.service.host), state.config.service.host
+        # check_bind refuses this beyond loopback when the app is built; refuse
+        # here too, so an app built some other way fails closed.
+        host = state.config.service.host
+        if not is_loopback(host):
+            raise HTTPException(status.HTTP_401_UNAUTHORIZED,
+                                detail=f"admin route: service.host={host!r} is beyond loopback and no "
+                                       f"service.admin_token is configured; {ADMIN_TOKEN_HELP}",
+                                headers={"WWW-Authenticate": "Bearer"})
         return
     given = creds.credentials if creds is not None else ""
     if not hmac.compare_digest(given.encode(), token.encode()):

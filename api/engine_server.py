@@ -28,11 +28,11 @@ import signal
 import socket
 import sys
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 from hicache.api.engine_ops import Dispatcher
 from hicache.api.socket_guard import PeerPolicy, bind_unix_socket, peer_cred, resolve_group
+from .view import ServiceStats, ServiceView  # relative, so mypy resolves it (api/ is hicache.api only at run time)
 from hicache.api.write_marks import WriteMarks
 from hicache.config import HiCacheConfig, parse_set_flags
 from hicache.errors import ConfigError, HiCacheError, IntegrityError, ServiceError
@@ -52,42 +52,6 @@ T = TypeVar("T")
 
 # Longest path a Unix socket address can hold on Linux (sun_path minus NUL).
 MAX_SOCKET_PATH = 107
-
-
-@dataclass(slots=True)
-class ServiceStats:
-    """A snapshot of the service, plain values only (``to_dict`` for JSON)."""
-
-    capacity_pages: int
-    page_bytes: int
-    segment_bytes: int
-    used_pages: int  # reserved + committed
-    free_pages: int
-    committed_pages: int  # lookup-able
-    reserved_pages: int  # being written by clients
-    locked_pages: int  # committed and acquired by at least one client
-    lookups: int
-    hits: int  # pages
-    misses: int  # pages
-    evictions: int
-    reservations: int  # pages reserved since start
-    commits: int  # pages inserted since start
-    acquired: int  # pages locked for reading by clients since start
-    flushed: int  # pages dropped by flush_l2() since start
-    duplicates: int
-    cancelled: int
-    reclaimed: int  # reservations and acquisitions taken back from closed connections
-    draft_cut_pages: int  # present pages need_draft lookups did not return (draft rows missing)
-    draft_upgraded: int  # draft-incomplete pages replaced by a complete copy
-    segment_origin: str  # the L2 segment was "created", "adopted" (after a crash) or "recreated"
-    clients: int  # connected and handshaken now
-    clients_total: int  # connections accepted since start
-    errors: dict[str, int] = field(default_factory=dict)  # refusals by kind
-    l3: dict[str, int] = field(default_factory=dict)  # L3TierStats; empty without an L3
-    engines: dict[str, dict[str, Any]] = field(default_factory=dict)  # client id -> its EngineReport
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 class EngineServer:
@@ -138,7 +102,8 @@ class EngineServer:
     # -------------------------------------------------------------- lifecycle
     def start(self, timeout: float = 30.0) -> None:
         """Serve in a background thread; returns once the socket accepts."""
-        assert self._thread is None, "already started"
+        if self._thread is not None:
+            raise ServiceError("already_started", "EngineServer.start() called twice; build a new server")
         ready = threading.Event()
         failure: list[BaseException] = []
 
@@ -173,7 +138,7 @@ class EngineServer:
     def run_forever(self) -> None:
         """Serve in this thread until SIGINT/SIGTERM (or ``stop()`` from another thread)."""
         def on_ready() -> None:
-            assert self._loop is not None and self._stop is not None
+            assert self._loop is not None and self._stop is not None, "_main sets loop and stop before on_ready"
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._loop.add_signal_handler(sig, self._stop.set)
             log.info("serving %d L2 pages (%d bytes) in shm %r on %s", self.num_pages,
@@ -264,7 +229,7 @@ class EngineServer:
         cid = self._next_client
         self._next_client += 1
         self._conns[cid] = writer
-        assert self.dispatcher is not None and self.index is not None
+        assert self.dispatcher is not None and self.index is not None, "clients are served only after _open_state"
         d, registered = self.dispatcher, False
         try:
             while True:
@@ -311,7 +276,7 @@ class EngineServer:
         return None
 
     async def _refuse(self, writer: asyncio.StreamWriter, kind: str, message: str) -> None:
-        assert self.dispatcher is not None
+        assert self.dispatcher is not None, "connections are accepted only after _open_state"
         self._log.warning(kind, "refused a connection (%s): %s", kind, message)
         try:
             writer.write(pack(self.dispatcher.error(kind, message).body))
@@ -323,14 +288,14 @@ class EngineServer:
             writer.close()
 
     async def _read_request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                            handshaken: bool) -> dict | ServiceError | None:
+                            handshaken: bool) -> dict[str, Any] | ServiceError | None:
         """The next request; a ``ServiceError`` to answer; None to hang up (framing lost, or timed out).
 
         The first byte must arrive within idle_timeout_s (handshaken) or
         handshake_timeout_s (not yet); once a frame has begun, the rest of it
         must arrive within handshake_timeout_s.
         """
-        assert self.dispatcher is not None
+        assert self.dispatcher is not None, "connections are accepted only after _open_state"
         try:
             async with asyncio.timeout(self.idle_timeout_s if handshaken else self.handshake_timeout_s):
                 first = await reader.readexactly(1)
@@ -359,7 +324,7 @@ class EngineServer:
             return e
 
     async def _hang_up(self, writer: asyncio.StreamWriter, kind: str, message: str) -> None:
-        assert self.dispatcher is not None
+        assert self.dispatcher is not None, "connections are accepted only after _open_state"
         writer.write(pack(self.dispatcher.error(kind, message).body))
         try:
             async with asyncio.timeout(self.handshake_timeout_s):
@@ -384,35 +349,40 @@ class EngineServer:
     def peek_l2(self, hashes: list[PageHash]) -> int:
         """Leading ``hashes`` present in L2, without touching recency or counters; any thread."""
         def peek() -> int:
-            assert self.index is not None, "server not started"
-            return self.index.peek(hashes)
+            return self._serving().peek(hashes)
         return self._on_loop(peek)
 
     def flush_l2(self) -> int:
         """Drop every unlocked committed L2 page; returns how many. Any thread."""
         def flush() -> int:
-            assert self.index is not None, "server not started"
-            return self.index.flush()
+            return self._serving().flush()
         return self._on_loop(flush)
 
     def check_integrity(self) -> None:
         """Index, allocator and pool invariants, then the L3 side (off the loop:
         it may scan the backend); callable from any thread."""
         def check() -> None:
-            assert self.index is not None and self.pool is not None, "server not started"
-            self.index.check_integrity()
+            index = self._serving()
+            if self.pool is None or self.segment is None:  # _close_state drops them on stop
+                raise ServiceError("not_serving", "engine server was stopped; its pool and segment are gone")
+            index.check_integrity()
             self.pool.check_integrity()
-            assert self.segment is not None
-            bad = self.segment.check_against(self.index.committed_pages())
+            bad = self.segment.check_against(index.committed_pages())
             if bad:
                 raise IntegrityError(f"L2 segment page table disagrees with the index: {bad}")
         self._on_loop(check)
         if self.l3 is not None:
             self.l3.check_integrity()
 
+    def _serving(self) -> L2Index:
+        """The index; ``ServiceError`` when the server is not serving (not started, or stopped)."""
+        if self.index is None:
+            raise ServiceError("not_serving", "engine server is not serving: start() it first (or it was stopped)")
+        return self.index
+
     def _snapshot(self) -> ServiceStats:
-        idx, d = self.index, self.dispatcher
-        assert idx is not None and d is not None, "server not started"
+        idx, d = self._serving(), self.dispatcher
+        assert d is not None, "_open_state sets index and dispatcher together"
         c, a = idx.counters, idx.allocator
         return ServiceStats(
             capacity_pages=a.capacity, page_bytes=self.layout.page_bytes,
@@ -484,3 +454,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+if TYPE_CHECKING:  # mypy (pyproject [tool.mypy] files) checks that the REST routes' view fits
+    _VIEW: type[ServiceView] = EngineServer

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Sequence
 
-from hicache.errors import IntegrityError
+from hicache.errors import IntegrityError, InvalidArgument
 from hicache.types import PageHash
 
 EventType = Literal["stored", "removed"]
@@ -81,7 +81,8 @@ class EventBus:
     # ------------------------------------------------------------- consumers
     def subscribe(self, maxsize: int) -> Subscription:
         """A new subscription on the running loop; call ``unsubscribe`` when done."""
-        assert maxsize >= 1, maxsize
+        if maxsize < 1:
+            raise InvalidArgument(f"subscription queue size must be >= 1, got maxsize={maxsize}")
         s = Subscription(maxsize, asyncio.get_running_loop())
         with self._lock:
             s.closed = self._closed

@@ -24,7 +24,7 @@ def readyz(state: StateDep, response: Response) -> Readiness:
     try:
         state.engine.stats()
         engine = True
-    except (ServiceError, AssertionError, FutureTimeout, RuntimeError):
+    except (ServiceError, FutureTimeout, RuntimeError):
         engine = False
     st = state.storage
     l3 = L3Readiness(configured=st is not None, url=redact_url(state.config.storage.url),

@@ -64,6 +64,10 @@ class ProvenanceError(HiCacheError, ValueError):
     """Row provenance does not explain the rows handed to a write."""
 
 
+class InvalidArgument(HiCacheError, ValueError):
+    """A call got an argument outside its documented range; the message names the argument and value."""
+
+
 class StorageError(HiCacheError):
     """An L3 backend failed; callers turn this into a counted miss."""
 

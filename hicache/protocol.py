@@ -76,9 +76,11 @@ def pack(obj: dict[str, Any]) -> bytes:
 def body_length(header: bytes, max_bytes: int) -> int:
     """Length announced by a 4-byte header; raises ``ServiceError`` when out of range.
 
-    ``too_large`` when above ``max_bytes``; ``bad_frame`` for an empty body.
+    ``too_large`` when above ``max_bytes``; ``bad_frame`` for an empty body or a
+    header that is not ``HEADER_BYTES`` long.
     """
-    assert len(header) == HEADER_BYTES, len(header)
+    if len(header) != HEADER_BYTES:
+        raise ServiceError("bad_frame", f"frame header must be {HEADER_BYTES} bytes, got {len(header)}")
     (n,) = HEADER.unpack(header)
     if n > max_bytes:
         raise ServiceError("too_large", f"frame body of {n} bytes exceeds the limit of {max_bytes} "
@@ -105,7 +107,7 @@ def hello_request(layout_dict: dict[str, Any], fingerprint: str, pid: int) -> di
 
 
 def error_reply(kind: str, message: str, **extra: Any) -> dict[str, Any]:
-    assert kind in ERROR_KINDS, kind
+    assert kind in ERROR_KINDS, f"error kind {kind!r} is not in protocol.ERROR_KINDS"
     return {"ok": False, "kind": kind, "message": message, **extra}
 
 

@@ -15,11 +15,15 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
+from hicache.errors import InvalidArgument
+
 
 class LogLimiter:
     def __init__(self, logger: logging.Logger, *, burst: int = 5, interval_s: float = 60.0,
                  max_keys: int = 1024, clock: Callable[[], float] = time.monotonic):
-        assert burst >= 1 and interval_s > 0 and max_keys >= 1, (burst, interval_s, max_keys)
+        if burst < 1 or not interval_s > 0 or max_keys < 1:
+            raise InvalidArgument(f"LogLimiter needs burst >= 1, interval_s > 0, max_keys >= 1; got burst={burst}, "
+                                  f"interval_s={interval_s}, max_keys={max_keys}")
         self.logger = logger
         self.burst = burst
         self.interval_s = interval_s

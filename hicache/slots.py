@@ -110,7 +110,7 @@ class MetaSlotPool:
             return None
         i = self._free.pop()
         s = self._slots[i]
-        assert s.owner is None and not s.written, (i, s)
+        assert s.owner is None and not s.written, f"free list holds slot {i} that is in use: {s}"
         s.owner = owner
         self.stats.acquired += 1
         return SlotView(i, s.generation, owner)

@@ -207,7 +207,7 @@ class ReferenceModel:
         positions ``[logits_from, hi)``.
         """
         if self.attention == "sdpa":
-            assert slots.host is not None
+            assert slots.host is not None, "sdpa attention builds host slot ids in _Slots"
             # Provenance is made here, on the host: every computed row is VALID.
             prov = torch.full((hi - lo,), int(Row.VALID), dtype=torch.int8)
             batch = check_rows(pool, slots.host[lo:hi], prov, device_slots=slots.dev[lo:hi])

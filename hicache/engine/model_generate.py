@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from hicache.engine.model import ChunkOutput, Generation, ReferenceModel, verify_greedy
+from hicache.errors import InvalidArgument
 from hicache.pools import DevicePool
 
 
@@ -26,14 +27,14 @@ def prefill(model: ReferenceModel, pool: DevicePool, prompt: Sequence[int], slot
     """
     n = len(prompt)
     if not 0 <= start_pos < n:
-        raise ValueError(f"start_pos={start_pos} must be in [0, len(prompt)={n})")
+        raise InvalidArgument(f"start_pos={start_pos} must be in [0, len(prompt)={n})")
     step = chunk or n
     out = None
     for a in range(start_pos, n, step):
         b = min(n, a + step)
         out = model.forward_chunk(pool, prompt[a:b], a, slot_ids, draft=draft,
                                   next_token=prompt[b] if (draft and b < n) else None)
-    assert out is not None
+    assert out is not None, f"start_pos={start_pos} < n={n} runs at least one chunk"
     return out
 
 

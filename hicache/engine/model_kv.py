@@ -18,7 +18,7 @@ from typing import Mapping, NamedTuple
 
 import torch
 
-from hicache.errors import PoolError, ProvenanceError
+from hicache.errors import InvalidArgument, PoolError, ProvenanceError
 from hicache.pools import DevicePool
 from hicache.provenance import Row, check_provenance
 
@@ -104,7 +104,8 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def check_slot_bounds(pool: DevicePool, slot_ids: torch.Tensor, what: str) -> None:
     """Raise ``PoolError`` unless every id of ``slot_ids`` (host tensor) addresses a row of ``pool``."""
-    assert slot_ids.device.type == "cpu", f"check on the host, got {slot_ids.device}"
+    if slot_ids.device.type != "cpu":
+        raise InvalidArgument(f"{what}: slot ids are checked on the host, got a tensor on {slot_ids.device}")
     limit = pool.num_pages * pool.page_size
     if slot_ids.numel():
         lo, hi = (int(x) for x in torch.aminmax(slot_ids))
@@ -182,7 +183,8 @@ def gather_context(pool: DevicePool, layer: int, slot_ids: torch.Tensor, length:
     """Rows of ``slot_ids`` (the context's page table, in token order) from every plane of
     ``layer``, zero-padded to ``length`` rows. Returns fresh tensors (copies)."""
     n = int(slot_ids.numel())
-    assert n <= length, (n, length)
+    if n > length:
+        raise InvalidArgument(f"gather_context: {n} slot ids do not fit in length={length} rows")
     prefix = "draft_" if draft else ""
     out = {}
     for name in plane_names(pool, layer, draft):

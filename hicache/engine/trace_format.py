@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, NamedTuple, Sequence
 
-from hicache.errors import TraceError
+from hicache.errors import IntegrityError, TraceError
 
 TRACE_VERSION = 1
 # The reference model allocates a vocab x hidden embedding: bound it far above
@@ -284,5 +284,7 @@ class PromptResolver:
 
     def check_integrity(self) -> None:
         stray = set(self._seq) - set(self._children)
-        assert not stray, f"sequences kept with no follow-up left: {sorted(stray)}"
-        assert all(n > 0 for n in self._children.values()), self._children
+        if stray:
+            raise IntegrityError(f"sequences kept with no follow-up left: {sorted(stray)}")
+        if any(n <= 0 for n in self._children.values()):
+            raise IntegrityError(f"follow-up counts must be positive: {self._children}")

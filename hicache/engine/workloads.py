@@ -166,7 +166,7 @@ def builtin_trace(name: str = "mixed", scale: str = "small", seed: int = 0) -> T
     parts = SCALES[scale]
     if name == "mixed":
         docs = parts["docs"]
-        assert isinstance(docs, DocumentQAWorkload)
+        assert isinstance(docs, DocumentQAWorkload), f"SCALES[{scale!r}]['docs'] is {type(docs).__name__}"
         parts = {**parts, "docs": dataclasses.replace(docs, namespace="rag")}
         reqs = mix(*(w.generate(seed, _VOCAB) for w in parts.values()))
     elif name in parts:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Sequence
 
 
-from hicache.errors import ConfigError, IntegrityError
+from hicache.errors import ConfigError, IntegrityError, StorageError
 from hicache.hashing import HASH_BYTES
 from hicache.ratelimit import LogLimiter
 from hicache.redact import redact_url  # noqa: F401  (re-exported: backends name themselves with it)
@@ -374,7 +374,8 @@ class StorageBackend(abc.ABC):
         if raw is _DOWN:
             self._count(gets=len(full), misses=len(full))
             return [None] * len(full)
-        assert len(raw) == len(full), (self.name, len(raw), len(full))
+        if len(raw) != len(full):
+            raise StorageError(f"L3 backend {self.name}: get of {len(full)} keys returned {len(raw)} results")
         sizes = codec.plane_sizes(plane_sizes)
         out: list[memoryview | None] = []
         c = dict(hits=0, misses=0, corrupt=0, fingerprint_mismatch=0, errors=0, bytes_read=0)
@@ -433,7 +434,8 @@ class StorageBackend(abc.ABC):
         if res is _DOWN:
             self._count(put_dropped=len(prepared))
             return 0
-        assert len(res) == len(prepared), (self.name, len(res), len(prepared))
+        if len(res) != len(prepared):
+            raise StorageError(f"L3 backend {self.name}: put of {len(prepared)} objects returned {len(res)} results")
         ok = [r is True for r in res]
         failed = [r for r in res if isinstance(r, BaseException)]
         if failed:
@@ -565,7 +567,8 @@ class StorageBackend(abc.ABC):
             return
         bad = []
         for fk, obj in scan:
-            assert fk.startswith(self.key_prefix), (fk, self.key_prefix)
+            if not fk.startswith(self.key_prefix):
+                raise IntegrityError(f"L3 backend {self.name} listed key {fk!r} outside its prefix {self.key_prefix!r}")
             d = codec.decode(obj, fk[len(self.key_prefix):], self.fingerprint, None, self.options.auth_key)
             if d.status is not ReadStatus.OK:
                 bad.append(f"{fk!r}: {d.status.value}: {d.why}")
