@@ -150,7 +150,11 @@ class PrefixCache:
         """Page-floored hits of ``tokens`` (L1, then L2 continuing it). Mutates only
         ``stats.lookups``; pass a bytes key (``as_key``) to skip conversion.
         ``need_draft``: only pages whose draft planes are complete on the tier
-        they would be served from (the hit stops at the first that is not)."""
+        they would be served from (the hit stops at the first that is not).
+
+        Unlike ``Request.match``, the hit is not capped below the last token: a
+        fully cached prompt is a full hit here (what a router asks), while a
+        request's own refresh keeps at least one token to compute."""
         key = tokens if type(tokens) is bytes else as_key(tokens)
         ps = self.page_size
         tree = self.tree
