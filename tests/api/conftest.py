@@ -18,10 +18,8 @@ import pytest
 
 from hicache.api.app import create_app
 from hicache.api.deps import RestState
-from hicache.api.engine_server import EngineServer
-from hicache.api.events import EventBus
 from hicache.config import HiCacheConfig
-from hicache.storage import open_storage
+from tests.rest_state import close_state, open_state
 
 # A small layout keeps segments and payloads tiny: 4-token pages, 2 layers.
 BASE_SETTINGS = {"model.num_layers": "2", "model.num_kv_heads": "1", "model.head_dim": "4",
@@ -110,21 +108,13 @@ def make_state():
         settings = {**BASE_SETTINGS, "service.socket_path": f"{d}/h.sock", "service.shm_name": unique_name(),
                     "storage.url": "memory://", **(extra or {})}
         cfg = HiCacheConfig.load(None, settings, env={})
-        layout = cfg.layout()
-        bus = EventBus()
-        engine = EngineServer(cfg, layout, listener=bus)
-        engine.start()
-        storage = open_storage(cfg.storage.url, fingerprint=layout.fingerprint()) if cfg.storage.url else None
-        st = RestState(config=cfg, layout=layout, engine=engine, storage=storage, admin_token=admin_token, bus=bus)
+        st = open_state(cfg, admin_token)
         made.append(st)
         return st
 
     yield make
     for st in made:
-        st.check_integrity()
-        st.engine.stop()
-        if st.storage is not None:
-            st.storage.close()
+        close_state(st)
         shutil.rmtree(os.path.dirname(st.config.service.socket_path), ignore_errors=True)
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from hicache.api.engine_server import EngineServer
 from hicache.config import HiCacheConfig
+from tests.rest_state import close_state, open_state
 
 LAYOUT = dict(model_id="tiny-hard", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=4,
               host_layout="page_first")
@@ -43,25 +44,18 @@ def server() -> Iterator[Callable[..., EngineServer]]:
 @pytest.fixture
 def make_state():
     """``make_state(settings, admin_token)``: a ``RestState`` over a started in-process engine server."""
-    from hicache.api.deps import RestState
-    from hicache.api.events import EventBus
     made: list = []
 
     def make(extra: dict[str, str] | None = None, admin_token: str = ""):
         cfg = config()
         if extra:
             cfg = HiCacheConfig.load(overrides={**_flat(cfg), **extra}, env={})
-        bus = EventBus()
-        engine = EngineServer(cfg, listener=bus)
-        engine.start()
-        st = RestState(config=cfg, layout=cfg.layout(), engine=engine, storage=None, admin_token=admin_token,
-                       bus=bus)
+        st = open_state(cfg, admin_token)
         made.append(st)
         return st
     yield make
     for st in made:
-        st.check_integrity()
-        st.engine.stop()
+        close_state(st)
 
 
 def _flat(cfg: HiCacheConfig) -> dict[str, Any]:

@@ -1,0 +1,28 @@
+"""A ``RestState`` over a started in-process ``EngineServer``, for the REST tests
+(tests/api, tests/hardening): each builds its own configuration, both build and
+tear down the state the same way."""
+from __future__ import annotations
+
+from hicache.api.deps import RestState
+from hicache.api.engine_server import EngineServer
+from hicache.api.events import EventBus
+from hicache.config import HiCacheConfig
+from hicache.storage import open_storage
+
+
+def open_state(cfg: HiCacheConfig, admin_token: str = "") -> RestState:
+    """Start an engine server for ``cfg`` (and its L3, when configured) behind a ``RestState``."""
+    layout = cfg.layout()
+    bus = EventBus()
+    engine = EngineServer(cfg, layout, listener=bus)
+    engine.start()
+    storage = open_storage(cfg.storage.url, fingerprint=layout.fingerprint()) if cfg.storage.url else None
+    return RestState(config=cfg, layout=layout, engine=engine, storage=storage, admin_token=admin_token, bus=bus)
+
+
+def close_state(st: RestState) -> None:
+    """Check the service's integrity, then stop it and close its L3."""
+    st.check_integrity()
+    st.engine.stop()
+    if st.storage is not None:
+        st.storage.close()
