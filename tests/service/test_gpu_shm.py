@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+from contextlib import contextmanager
+from typing import Iterator
 
 import pytest
 import torch
@@ -11,21 +13,33 @@ from hicache.api.engine_server import EngineServer
 from hicache.client import EngineClient
 from hicache.config import HiCacheConfig
 from hicache.hashing import page_hashes
+from hicache.layout import KVLayout
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
-def test_pinned_segment_round_trips_pages_through_the_gpu(host_layout):
+@contextmanager
+def gpu_service(host_layout: str, tag: str) -> Iterator[tuple[str, KVLayout]]:
+    """A started in-process service with an 8-page bf16 segment: ``(socket path, layout)``;
+    its integrity is checked and it is stopped afterwards."""
     d = tempfile.mkdtemp(prefix="hcg", dir="/tmp")
     cfg = HiCacheConfig.load(env={}, overrides={
-        "service.socket_path": d + "/s.sock", "service.shm_name": f"hicache-gpu-{os.getpid()}-{host_layout}",
+        "service.socket_path": d + "/s.sock", "service.shm_name": f"hicache-{tag}-{os.getpid()}-{host_layout}",
         "pool.host_pages": 8, "model.host_layout": host_layout, "model.dtype": "bfloat16"})
-    lay = cfg.layout()
     srv = EngineServer(cfg)
     srv.start()
     try:
-        with EngineClient(cfg.service.socket_path, lay) as a, EngineClient(cfg.service.socket_path, lay) as b:
+        yield cfg.service.socket_path, cfg.layout()
+        srv.check_integrity()
+    finally:
+        srv.stop()
+        os.rmdir(d)
+
+
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
+def test_pinned_segment_round_trips_pages_through_the_gpu(host_layout):
+    with gpu_service(host_layout, "gpu") as (sock, lay):
+        with EngineClient(sock, lay) as a, EngineClient(sock, lay) as b:
             assert a.pool.buffer.is_pinned() and b.pool.buffer.is_pinned()
             hashes = page_hashes(list(range(3 * lay.page_size)), lay.page_size)
             src = {k: torch.randn(3, *v.shape, device="cuda").to(v.dtype)
@@ -44,10 +58,6 @@ def test_pinned_segment_round_trips_pages_through_the_gpu(host_layout):
                     torch.cuda.synchronize()
                     assert torch.equal(back, src[k][i]), (k, i)
             b.release(hashes)
-        srv.check_integrity()
-    finally:
-        srv.stop()
-        os.rmdir(d)
 
 
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
@@ -56,15 +66,8 @@ def test_shared_l2_kernels_copy_between_gpu_l1_and_the_segment(host_layout):
     registered segment directly (engine A's L1 -> shared pages -> engine B's L1)."""
     from hicache.pools import DevicePool
     from hicache.shared_l2 import SharedL2
-    d = tempfile.mkdtemp(prefix="hcg", dir="/tmp")
-    cfg = HiCacheConfig.load(env={}, overrides={
-        "service.socket_path": d + "/s.sock", "service.shm_name": f"hicache-gpuz-{os.getpid()}-{host_layout}",
-        "pool.host_pages": 8, "model.host_layout": host_layout, "model.dtype": "bfloat16"})
-    lay = cfg.layout()
-    srv = EngineServer(cfg)
-    srv.start()
-    try:
-        with EngineClient(cfg.service.socket_path, lay) as a, EngineClient(cfg.service.socket_path, lay) as b:
+    with gpu_service(host_layout, "gpuz") as (sock, lay):
+        with EngineClient(sock, lay) as a, EngineClient(sock, lay) as b:
             src, dst = DevicePool(lay, 8, "cuda"), DevicePool(lay, 8, "cuda")
             for buf in src.buffers:
                 buf.copy_(torch.randn(buf.shape, device="cuda").to(buf.dtype))
@@ -74,7 +77,3 @@ def test_shared_l2_kernels_copy_between_gpu_l1_and_the_segment(host_layout):
             for s, t in zip([6, 1, 4], [0, 5, 2]):
                 for k, v in src.page_view(s).items():
                     assert torch.equal(dst.page_view(t)[k], v), (k, s, t)
-        srv.check_integrity()
-    finally:
-        srv.stop()
-        os.rmdir(d)
