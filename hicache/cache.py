@@ -40,7 +40,7 @@ from hicache.draft import DRAFT_CUTS, draft_prefix_pages
 from hicache.errors import CacheStateError, IntegrityError, OutOfPages
 from hicache.eviction import EvictionPolicy, make_policy
 from hicache.layout import KVLayout
-from hicache.node import Dropped, Node
+from hicache.node import Dropped, InsertResult, Node
 from hicache.pools import DevicePool, HostPool
 from hicache.radix import RadixTree
 from hicache.request import MatchResult, Request, RequestState, Tokens, as_key
@@ -288,6 +288,14 @@ class PrefixCache:
         the deepest new L2 node (None if nothing new) and the ids the index did
         not take, which the caller frees."""
         return self.tree.insert_host(key, namespace, first_page, host_pages)
+
+    def insert_device(self, key: bytes, namespace: str, device_pages: list[DevicePageId],
+                      draft_pages: int = 0) -> InsertResult:
+        """Index whole pages ``key`` held in L1 ``device_pages`` outside any request
+        (pages loaded from the node's shared L2; see ``RadixTree.insert``)."""
+        res = self.tree.insert(key, namespace, list(device_pages), draft_pages)
+        self._stats.inserted_pages += res.new_pages
+        return res
 
     def set_host(self, node: Node, host_pages: Sequence[HostPageId], *, draft: bool | None = None) -> None:
         """Record complete L2 copies of ``node`` (ids from ``host_allocator``); ``draft``:

@@ -32,11 +32,13 @@ from hicache.config import HiCacheConfig
 from hicache.consensus import HitConsensus, admitted_hit
 from hicache.errors import OutOfPages, TransferError
 from hicache.hashing import page_hashes
+from hicache.allocator import PageAllocator
 from hicache.layout import KVLayout
 from hicache.pools import DevicePool, HostPool
 from hicache.storage.base import StorageStats
 from hicache.node import InsertResult, Node
 from hicache.plans import BackupPlan, LoadPlan, StorePlan
+from hicache.shared_l2 import ServiceHostTier, socket_path_of
 from hicache.tiers import TierManager, TierMoveStats
 from hicache.transfer import LoadHandle, Plan, TransferController, TransferResult
 
@@ -92,11 +94,16 @@ class HiCache:
         the hit every rank agrees on (see ``hicache.consensus``)."""
         self.config = cfg = config or HiCacheConfig.load()
         self.layout = layout or cfg.layout()
-        cfg.check_host_memory(self.layout)
-        self.device_pool = DevicePool(self.layout, cfg.pool.device_pages, cfg.resolved_device(),
-                                      buffers=device_buffers)
-        self.host_pool = HostPool(self.layout, cfg.pool.host_pages)
-        if storage is None and cfg.storage.url:
+        device = cfg.resolved_device()
+        self.shared: ServiceHostTier | None = None
+        if storage is None and cfg.storage.url.startswith("hicache+unix:"):
+            self.shared = _open_shared(cfg, self.layout, device)
+            self.host_pool = self.shared.pool  # L2 is the segment; the index keeps no L2 ids of its own
+        else:
+            cfg.check_host_memory(self.layout)
+            self.host_pool = HostPool(self.layout, cfg.pool.host_pages)
+        self.device_pool = DevicePool(self.layout, cfg.pool.device_pages, device, buffers=device_buffers)
+        if storage is None and cfg.storage.url and self.shared is None:
             from hicache.storage import open_storage
             storage = open_storage(cfg.storage.url, fingerprint=self.layout.fingerprint(), layout=self.layout,
                                    timeout_ms=cfg.storage.timeout_ms, max_retries=cfg.storage.max_retries,
@@ -104,7 +111,8 @@ class HiCache:
         self.storage = storage
         self.policy = cfg.policy
         self.transfers = TransferController(self.device_pool, self.host_pool, storage)
-        self.cache = PrefixCache(self.layout, self.device_pool, self.host_pool,
+        self.cache = PrefixCache(self.layout, self.device_pool,
+                                 self.host_pool if self.shared is None else PageAllocator(0, "L2 (shared)"),
                                  eviction=cfg.policy.device_eviction, host_eviction=cfg.policy.host_eviction)
         self.tiers = TierManager(self.cache)
         self.tier_stats = self.tiers.stats
@@ -148,7 +156,10 @@ class HiCache:
         storage_tokens = self._maybe_prefetch(req, m)
         if storage_tokens or m.epoch != self.cache.epoch:
             m = req.match()  # prefetched pages joined L2, or L2 room was made by eviction
-        own = self._load_host_hit(m)
+        if self.shared is None:
+            own = self._load_host_hit(m)
+        else:
+            own, storage_tokens = self._load_shared(req, m)
         if own is not None or m.epoch != self.cache.epoch:
             m = req.match()
         if self.consensus is not None:
@@ -240,22 +251,31 @@ class HiCache:
     # ----------------------------------------------------------------- L1 -> L2
     def _selective_backup(self, deepest: Node) -> None:
         for n in self.cache.path(deepest):
-            if (n.host_pages is None and n not in self.tiers.backing_up
-                    and n.hit_count >= self.policy.write_through_threshold):
+            if self._unbacked(n) and n.hit_count >= self.policy.write_through_threshold:
                 self._backup(n)
 
     def _write_back(self, node: Node) -> None:
         """write_back: save an eviction victim (and its path) to L2 before its L1 pages go."""
-        if node.host_pages is not None:
+        if not self._unbacked(node):
             return
         for n in self.cache.path(node):
-            if n.host_pages is None and n not in self.tiers.backing_up:
+            if self._unbacked(n):
                 job = self._backup(n, synchronous=True)
                 if job is None:
                     return
 
+    def _unbacked(self, n: Node) -> bool:
+        """``n`` has no L2 copy and none is being made. Service mode: it was never
+        committed to the shared L2 by this engine (the service may evict it later;
+        it then comes back as a miss, never as wrong bytes)."""
+        if n in self.tiers.backing_up:
+            return False
+        return n.host_pages is None if self.shared is None else not n.in_storage
+
     def _backup(self, node: Node, synchronous: bool = False) -> int | None:
         """Start copying ``node`` to L2 (``synchronous``: and wait for it); the job id."""
+        if self.shared is not None:
+            return self._shared_backup(node, synchronous)
         plan = self.tiers.prepare_backup(node, pin=not synchronous)
         if plan is None:
             return None
@@ -289,9 +309,13 @@ class HiCache:
         if isinstance(plan, BackupPlan):
             for n in tiers.complete_backup(plan, r.ok):
                 self._store(n)
+            if plan.shared is not None:
+                self._shared_backup_done(plan, r.ok)
         elif isinstance(plan, LoadPlan):
             tiers.complete_load(plan, r.ok)
             del self._load_handles[id(plan)]
+            if plan.shared is not None:
+                self.shared.call(self.shared.shared.end_load, plan.shared)
             if not r.ok:
                 h, d = plan.host, plan.device
                 self._failed = TransferError(
@@ -342,6 +366,93 @@ class HiCache:
         if a.num_free < num_pages:
             self.evict(num_pages - a.num_free)
 
+    # ------------------------------------------------- service mode (shared L2)
+    def _load_shared(self, req: Request, m: MatchResult) -> tuple[LoadHandle | None, int]:
+        """Acquire the shared-L2 pages continuing ``m``'s L1 hit, give them L1 pages and
+        start copying them in (the kernels read the segment directly). Returns the
+        layer-wise handle (None: nothing loaded) and the tokens the service fetched
+        from its own L3 for this request."""
+        sh, ps = self.shared, self.layout.page_size
+        self._shared_reconnect()
+        have, cap = m.tokens // ps, max(0, req.num_tokens - 1) // ps
+        if sh.down or cap - have < max(1, self.policy.storage_hit_min_pages):
+            return None, 0
+        if self.cache.match(req.key, req.namespace).tokens != m.tokens:
+            return None, 0  # L1 holds more of it, without draft rows: not a shared load's business
+        hashes = self._page_hashes(req.key, req.namespace, cap)[have:]
+        need_draft = req.draft and self.cache.has_draft
+        fetched = 0
+        budget = self._prefetch_budget_s(req.num_tokens)
+        wait_s = sh.max_wait_s if budget is None else min(budget, sh.max_wait_s)
+        wait_ms = 0 if self.policy.prefetch_policy == "best_effort" else int(1e3 * wait_s)
+        self.tier_stats.storage_lookups += 1
+        got = sh.call(sh.client.fetch, hashes, wait_ms, need_draft=need_draft)
+        if got is not None:
+            fetched = got.fetched
+        pages = sh.call(sh.shared.begin_load, hashes, need_draft=need_draft, default=[])
+        n = len(pages)
+        if n < max(1, self.policy.storage_hit_min_pages):
+            if n:
+                sh.call(sh.shared.end_load, hashes[:n])
+            return None, 0
+        try:
+            self._make_room(n)
+            dev = self.cache.alloc_device(n)
+        except OutOfPages:
+            sh.call(sh.shared.end_load, hashes[:n])
+            return None, 0
+        m = req.match()  # eviction for room may have cut the anchor
+        if m.tokens != have * ps:
+            self.cache.free_device(dev)
+            sh.call(sh.shared.end_load, hashes[:n])
+            return None, 0
+        plan = self.tiers.prepare_shared_load(req.key, req.namespace, m.device_node, have, pages,
+                                              hashes[:n], dev, draft=need_draft)
+        self.tier_stats.storage_hit_pages += n
+        job = self._submit(plan)
+        handle = self.transfers.load_handle(job)
+        self._load_handles[id(plan)] = handle
+        return handle, min(fetched, n) * ps
+
+    def _shared_backup(self, node: Node, synchronous: bool) -> int | None:
+        """L1 -> shared L2: reserve, copy with the kernels, commit on completion.
+        Pages the service already holds complete are not copied."""
+        sh = self.shared
+        if sh.down:
+            return None
+        hashes = self.cache.hashes(node)
+        draft = node.draft_device or not self.cache.has_draft
+        skip = sh.call(sh.shared.lookup, hashes, need_draft=self.cache.has_draft and draft, default=None)
+        if skip is None:
+            return None
+        if skip == len(hashes):
+            self.cache.set_stored(node)
+            return None
+        pages = sh.call(sh.shared.begin_store, len(hashes) - skip, default=None)
+        if pages is None:
+            self.tier_stats.backup_dropped_pages += len(hashes) - skip
+            return None
+        plan = self.tiers.prepare_shared_backup(node, skip, pages, hashes[skip:])
+        job = self._submit(plan)
+        if synchronous:
+            self._wait(job)
+        return job
+
+    def _shared_backup_done(self, plan: BackupPlan, ok: bool) -> None:
+        sh = self.shared
+        if not ok:
+            sh.call(sh.shared.abort_store, plan.host)
+            return
+        dp = len(plan.host) if plan.draft else 0
+        if sh.call(sh.shared.end_store, plan.shared, plan.host, dp) is not None:
+            self.cache.set_stored(plan.node)
+
+    def _shared_reconnect(self) -> None:
+        """After an outage, map the restarted service's segment once no copy uses the old one."""
+        sh = self.shared
+        if sh.down and not self._jobs and sh.reconnect():
+            self.host_pool = self.transfers.host_pool = sh.pool
+
     # ------------------------------------------------------------- sharing
     def _settle_share(self, req: Request, res: InsertResult | None) -> None:
         """Act on what a request's insert returned: wait for loads still filling the
@@ -389,6 +500,12 @@ class HiCache:
         while self._jobs:
             self._wait(next(iter(self._jobs)))
 
+    @property
+    def private_host_bytes(self) -> int:
+        """Host memory this engine holds for L2 pages of its own: the pinned L2 pool in
+        embedded mode, 0 in service mode (its L2 is the node's shared segment)."""
+        return 0 if self.shared is not None else self.host_pool.nbytes()
+
     def stats(self) -> HiCacheStats:
         """A snapshot (new objects): index, tier movements, bytes moved, L3 backend."""
         return HiCacheStats(self.cache.stats(), dataclasses.replace(self.tier_stats),
@@ -401,16 +518,34 @@ class HiCache:
         self.cache.check_integrity(host_in_flight=self.tiers.host_in_flight)
         self.tiers.check_integrity()
         self.device_pool.check_integrity()
-        self.host_pool.check_integrity()
+        if self.shared is None:
+            self.host_pool.check_integrity()  # (the segment's pages are the service's to check)
         if self.storage is not None:
             self.storage.check_integrity()
+        if self.shared is not None and not self.shared.down:
+            self.shared.call(self.shared.client.check_integrity)
 
     def close(self) -> None:
         self.drain()
         self.transfers.close()
         if self.storage is not None:
             self.storage.close()
+        if self.shared is not None:
+            self.shared.close()
 
+
+
+def _open_shared(cfg: HiCacheConfig, layout: KVLayout, device: str) -> ServiceHostTier:
+    """Service mode: map the node service's segment as this engine's L2."""
+    from hicache.errors import ConfigError
+    from hicache.storage.service import SOCKET_SLACK_S
+    if layout.cp_size > 1:
+        raise ConfigError(f"storage.url {cfg.storage.url!r} with cp_size={layout.cp_size}: the shared L2 holds "
+                          "whole pages; context-parallel ranks use a private L2 (another storage.url)")
+    wait_s = cfg.storage.timeout_ms * (1 + cfg.storage.max_retries) / 1e3
+    wait_s = max(wait_s, cfg.policy.prefetch_timeout_cap_ms / 1e3)
+    return ServiceHostTier(socket_path_of(cfg.storage.url), layout, pin=device.startswith("cuda"),
+                           max_wait_s=wait_s, timeout_s=wait_s + SOCKET_SLACK_S)
 
 
 class TieredRequest(Request):

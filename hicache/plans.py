@@ -17,6 +17,9 @@ class BackupPlan(NamedTuple):
     host: list[HostPageId]
     draft: bool  # the source's draft rows are valid (what the copy will hold)
     pinned: bool  # ``node`` stays locked on L1 until ``complete_backup``
+    # Service mode: ``host`` are pages reserved in the node's shared L2, to be
+    # committed under these hashes once filled (None: pages of the private L2).
+    shared: list[PageHash] | None = None
 
 
 class LoadRequest(NamedTuple):
@@ -35,6 +38,9 @@ class LoadPlan(NamedTuple):
     path: tuple[Node, ...]
     host: list[HostPageId]
     device: list[DevicePageId]
+    # Service mode: ``host`` are shared-L2 pages acquired under these hashes,
+    # released once the copy completed (None: pages of the private L2).
+    shared: list[PageHash] | None = None
 
 
 class StorePlan(NamedTuple):

@@ -124,3 +124,109 @@ class SharedL2:
 def _wait(device: DevicePool) -> None:
     if device.device.type == "cuda":
         torch.cuda.current_stream(device.device).synchronize()
+
+
+def socket_path_of(url: str) -> str:
+    """The socket path of a ``hicache+unix:///abs/path.sock`` URL (``ConfigError`` otherwise)."""
+    from hicache.errors import ConfigError
+    scheme, sep, path = url.partition("://")
+    if scheme != "hicache+unix" or not sep or not path.startswith("/"):
+        raise ConfigError(f"storage url {url!r}: expected hicache+unix:///absolute/path/to/hicache.sock "
+                          "(three slashes: the socket path is absolute)")
+    return path
+
+
+class ServiceHostTier:
+    """The node's shared L2 as ``HiCache``'s host tier (service mode), with the
+    failure model of a tier living in another process.
+
+    The service must be up when the engine starts (the segment is mapped then;
+    ``ConfigError`` names the socket otherwise). Afterwards a service that goes
+    away turns every call into a miss, a dropped backup or a no-op release, with
+    one warning per outage; ``reconnect`` maps the restarted service's segment
+    (the caller first lets every copy into the old mapping finish). A layout
+    the service refuses is ``ContractMismatch`` at start.
+    """
+
+    def __init__(self, socket_path: str, layout, *, pin: bool, timeout_s: float, max_wait_s: float = 0.0):
+        """``timeout_s``: the socket timeout; ``max_wait_s``: the longest ``fetch`` wait
+        for the service's L3 (below ``timeout_s``)."""
+        from hicache.errors import ConfigError, ContractMismatch, PoolError, ServiceError
+        self.socket_path, self.layout, self.max_wait_s = socket_path, layout, max_wait_s
+        self._pin, self._timeout = pin, timeout_s
+        self.outages = self.reconnects = 0
+        self.down = False
+        self._down_since = 0.0
+        self._old: list[EngineClient] = []  # clients of dead services, closed by reconnect
+        try:
+            self.shared = SharedL2(self._connect())
+        except ContractMismatch:
+            raise
+        except (OSError, PoolError, ServiceError) as e:
+            raise ConfigError(f"storage.url hicache+unix://{socket_path}: no hicache service answers there "
+                              f"({type(e).__name__}: {e}). In service mode the engine's L2 is the service's "
+                              "shared segment: start `hicache serve` first (its service.socket_path is this "
+                              "path), or set storage.url to another L3 for a private L2") from None
+
+    def _connect(self) -> EngineClient:
+        return EngineClient(self.socket_path, self.layout, timeout=self._timeout, pin=self._pin)
+
+    @property
+    def client(self) -> EngineClient:
+        return self.shared.client
+
+    @property
+    def pool(self) -> HostPool:
+        return self.shared.pool
+
+    def call(self, fn, *args, default=None, **kw):
+        """``fn(*args, **kw)``; during an outage (or when it starts one) ``default``.
+        ``OutOfPages`` (the service cannot free pages now) is also ``default``."""
+        from hicache.errors import OutOfPages, ServiceError
+        if self.down:
+            return default
+        try:
+            return fn(*args, **kw)
+        except OutOfPages:
+            return default
+        except ServiceError as e:
+            if e.kind != "closed":
+                raise
+            self._outage(e)
+        except OSError as e:
+            self._outage(e)
+        return default
+
+    def _outage(self, e: BaseException) -> None:
+        import logging
+        import time
+        self.down, self._down_since = True, time.monotonic()
+        self.outages += 1
+        logging.getLogger(__name__).warning(
+            "shared L2 hicache+unix://%s unreachable (%s: %s): running without it until it is back",
+            self.socket_path, type(e).__name__, e)
+
+    def reconnect(self, min_interval_s: float = 1.0) -> bool:
+        """After an outage, try (at most every ``min_interval_s``) to map the service's
+        segment again; True when reconnected (``pool`` is then a new mapping)."""
+        import time
+        if not self.down or time.monotonic() - self._down_since < min_interval_s:
+            return False
+        try:
+            client = self._connect()
+        except Exception:  # still down (or refusing us): try again later
+            self._down_since = time.monotonic()
+            return False
+        self._old.append(self.shared.client)
+        for c in self._old:
+            c.close(send_bye=False)
+        self._old.clear()
+        self.shared = SharedL2(client, self.shared.copier)
+        self.down = False
+        self.reconnects += 1
+        return True
+
+    def close(self) -> None:
+        for c in [*self._old, self.shared.client]:
+            c.close(send_bye=not self.down)
+        self._old.clear()

@@ -14,6 +14,14 @@ two calls the plan's pages are protected from eviction:
 | ``plan_load`` + ``prepare_load`` / ``complete_load`` | L2 -> L1 | the path on L2 and its new L1 pages |
 | ``prepare_store`` / ``complete_store`` | L2 -> L3 | the node on L2 |
 | ``prepare_prefetch`` / ``complete_prefetch`` | L3 -> L2 | the new L2 ids |
+| ``prepare_shared_backup`` / ``complete_backup`` | L1 -> shared L2 | the node on L1 |
+| ``prepare_shared_load`` / ``complete_load`` | shared L2 -> L1 | the new L1 pages |
+
+Service mode (``hicache+unix://``): the node's shared L2 segment is the host
+tier and the service's index its authority. The index then records no L2
+pages of its own: the shared pages of a plan are reserved (backup) or
+acquired (load) at the service by the caller, who commits or releases them
+after ``complete_*`` (plans carry their hashes in ``shared``).
 
 L1 pages for a load come from the caller (``prepare_load(..., device_pages)``):
 hicache's own allocator (``PrefixCache.alloc_device``) or an engine's block
@@ -112,11 +120,17 @@ class TierManager:
         """Record the L2 copy on ``plan.node`` and on the upper parts split off it
         meanwhile (top-down, while their parents are on L2); free what was not
         used. Returns the nodes that got L2 copies (ready for ``prepare_store``)."""
-        del self._host_in_flight[id(plan)]
+        self._host_in_flight.pop(id(plan), None)
         node, dev, host = plan.node, plan.device, plan.host
         self.backing_up.discard(node)
         if plan.pinned:
             self.cache.dec_lock(node)
+        if plan.shared is not None:  # the caller commits (ok) or cancels the reservation
+            if ok:
+                self.stats.backup_pages += len(host)
+            else:
+                self.stats.transfer_errors += 1
+            return []
         if not ok:
             self.stats.transfer_errors += 1
             self._host.free(host)
@@ -198,13 +212,57 @@ class TierManager:
     def complete_load(self, plan: LoadPlan, ok: bool) -> None:
         """Unpin a finished load. A failed one leaves the L1 pages indexed with
         unknown bytes: the caller must stop serving (``HiCache`` raises)."""
-        self.cache.dec_host_lock(plan.last)
+        if plan.shared is None:
+            self.cache.dec_host_lock(plan.last)
         self.cache.dec_lock(plan.last)
         for n in plan.path:
             if self.loading.get(n) is plan:
                 del self.loading[n]
         if not ok:
             self.stats.transfer_errors += 1
+
+    # ------------------------------------------------------ service mode (shared L2)
+    def prepare_shared_backup(self, node: Node, skip: int, host: list[HostPageId],
+                              hashes: list[PageHash]) -> BackupPlan:
+        """Copy ``node``'s L1 pages after its first ``skip`` (which the shared L2 holds
+        already) into the reserved shared pages ``host``, to be committed under
+        ``hashes``. Pins ``node`` on L1 until ``complete_backup``."""
+        dev = list(_on_l1(node))[skip:]
+        if not (len(dev) == len(host) == len(hashes)):
+            raise CacheStateError(f"prepare_shared_backup: {len(dev)} L1 pages after {skip}, "
+                                  f"{len(host)} shared pages, {len(hashes)} hashes")
+        self.cache.inc_lock(node)
+        self.backing_up.add(node)
+        return BackupPlan(node, dev, host, node.draft_device, True, list(hashes))
+
+    def prepare_shared_load(self, key: bytes, namespace: str, anchor: Node | None, first_page: int,
+                            host: list[HostPageId], hashes: list[PageHash],
+                            device_pages: list[DevicePageId], *, draft: bool) -> LoadPlan:
+        """Index acquired shared pages ``host`` (logical pages ``first_page`` on of
+        ``key``, continuing the L1 hit ``anchor``) as L1 pages ``device_pages``,
+        loading until ``complete_load``. ``draft``: the shared pages' draft rows
+        are valid. The caller checked that nothing on L1 continues ``anchor``
+        along ``key`` (so every page is new to the index)."""
+        n = len(host)
+        if not (n == len(hashes) == len(device_pages)) or n == 0:
+            raise CacheStateError(f"prepare_shared_load: {n} shared pages, {len(hashes)} hashes, "
+                                  f"{len(device_pages)} L1 pages")
+        end = first_page + n
+        prefix = self.cache.pages(anchor, first_page) if first_page else []
+        res = self.cache.insert_device(key[:end * self.cache.page_size * 4], namespace,
+                                       prefix + list(device_pages), end if draft else 0)
+        if res.new_pages != n or res.duplicates or res.draft_copies:
+            raise CacheStateError(f"prepare_shared_load: the index already held part of pages "
+                                  f"[{first_page}, {end}) ({res.new_pages} new of {n}); match again")
+        path = tuple(res.created)
+        for node in path:
+            self.cache.set_stored(node)  # the shared L2 holds them (a backup would copy nothing)
+        self.cache.inc_lock(path[-1])
+        plan = LoadPlan(path[-1], path, list(host), list(device_pages), list(hashes))
+        for node in path:
+            self.loading[node] = plan
+        self.stats.load_back_pages += n
+        return plan
 
     # ----------------------------------------------------------------- L2 -> L3
     def prepare_store(self, node: Node) -> StorePlan | None:
@@ -262,7 +320,8 @@ class TierManager:
         through the cache check, which counts ``host_in_flight``)."""
         from hicache.errors import IntegrityError
         for n, plan in self.loading.items():
-            if n.device_pages is None or plan.last.lock_ref < 1 or plan.last.host_lock_ref < 1:
+            if n.device_pages is None or plan.last.lock_ref < 1 or (plan.shared is None
+                                                                      and plan.last.host_lock_ref < 1):
                 raise IntegrityError(f"{n!r} is loading (plan for {plan.last!r}) but not pinned on L1 and L2")
         for n in self.backing_up:
             if n.device_pages is None:

@@ -104,6 +104,7 @@ def replay(cfg: HiCacheConfig, trace_path: str | None, *, progress: bool = True,
     rows = [_summarise("hicache (L1+L2+L3)", run, hc, prompt_total)]
     series = [dataclasses.asdict(s) for s in run.samples]
     stats = hc.stats().as_dict()
+    shared_l2 = hc.shared is not None
     hc.close()
     if baselines:
         forced = {rid: r.output for rid, r in run.results.items()}
@@ -119,7 +120,8 @@ def replay(cfg: HiCacheConfig, trace_path: str | None, *, progress: bool = True,
         rows.append({"name": "no cache", "requests": len(items), "prompt_tokens": prompt_total,
                      "hit_tokens": 0, "hit_rate": 0.0, "l1_hit_tokens": 0, "l2_hit_tokens": 0,
                      "l3_hit_tokens": 0, "recomputed_tokens": prompt_total, "time_s": None})
-    return {"trace": trace.name, "config": {"L1_pages": cfg.pool.device_pages, "L2_pages": cfg.pool.host_pages,
+    return {"trace": trace.name, "config": {"L1_pages": cfg.pool.device_pages,
+                                            "L2_pages": stats["capacity_pages"]["L2"], "L2_shared": shared_l2,
                                             "L3": redact_url(cfg.storage.url) or "(none)",
                                             "page_size": cfg.model.page_size},
             "rows": rows, "series": series, "stats": stats}
@@ -173,7 +175,8 @@ def format_table(report: dict[str, Any]) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     first = report["rows"][0]
     head = (f"trace {report['trace']}: {first['requests']} requests, {first['prompt_tokens']:,} prompt tokens; "
-            f"L1 {report['config']['L1_pages']} pages, L2 {report['config']['L2_pages']} pages, "
+            f"L1 {report['config']['L1_pages']} pages, L2 {report['config']['L2_pages']} pages"
+            f"{' (the service segment, shared)' if report['config'].get('L2_shared') else ''}, "
             f"L3 {report['config']['L3']}")
     moved = first.get("bytes_moved", {})
     tail = ["bytes moved: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in moved.items())]

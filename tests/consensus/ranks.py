@@ -28,10 +28,10 @@ def value(token: int, plane: int) -> float:
     return float(token * 10 + plane)
 
 
-def make_cache(tp_rank: int, tp_size: int, cp_rank: int, cp_size: int, consensus) -> HiCache:
+def make_cache(tp_rank: int, tp_size: int, cp_rank: int, cp_size: int, consensus, device: str = "cpu") -> HiCache:
     layout = KVLayout(model_id="t", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=PS,
                       host_layout="page_first", tp_rank=tp_rank, tp_size=tp_size, cp_rank=cp_rank, cp_size=cp_size)
-    o = {"storage.url": "", "pool.device": "cpu", "pool.device_pages": "32", "pool.host_pages": "64",
+    o = {"storage.url": "", "pool.device": device, "pool.device_pages": "32", "pool.host_pages": "64",
          "policy.write_policy": "write_through"}
     return HiCache(HiCacheConfig.load(env={}, overrides=o), layout=layout, consensus=consensus)
 
@@ -110,18 +110,24 @@ def scenario_tail(hc: HiCache, rank: int, world: int, lose_on: int) -> dict:
 
 
 def run_rank(rank: int, world: int, transport: str, cp_size: int, rendezvous: str, out_dir: str) -> None:
-    """Entry point for ``torch.multiprocessing.spawn`` (rank first)."""
-    if transport == "torch":
+    """Entry point for ``torch.multiprocessing.spawn`` (rank first). ``transport``:
+    ``torch`` (gloo, CPU pools), ``nccl`` (one GPU per rank, GPU pools) or ``service``."""
+    device = "cpu"
+    if transport in ("torch", "nccl"):
         import torch.distributed as dist
         from hicache.consensus import TorchConsensus
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+        if transport == "nccl":
+            device = f"cuda:{rank}"
+            torch.cuda.set_device(rank)
+        dist.init_process_group("gloo" if transport == "torch" else "nccl", init_method=f"file://{rendezvous}",
+                                rank=rank, world_size=world)
         consensus = TorchConsensus()
     else:
         from hicache.consensus import ServiceConsensus
         consensus = ServiceConsensus(rendezvous, "test-group", rank, world, timeout_s=120)
     tp_size = world // cp_size
     try:
-        hc = make_cache(rank % tp_size, tp_size, rank // tp_size, cp_size, consensus)
+        hc = make_cache(rank % tp_size, tp_size, rank // tp_size, cp_size, consensus, device)
         out = {"differ": scenario_differ(hc, rank, world)}
         if cp_size == 1:
             out["tail_kept"] = scenario_tail(hc, rank, world, lose_on=-1)
@@ -130,7 +136,7 @@ def run_rank(rank: int, world: int, transport: str, cp_size: int, rendezvous: st
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
     finally:
         consensus.close()
-        if transport == "torch":
+        if transport in ("torch", "nccl"):
             import torch.distributed as dist
             dist.destroy_process_group()
 

@@ -79,6 +79,16 @@ def test_service_ranks_admit_the_minimum(world, server):
     assert st.clients == 0 and server.dispatcher.rounds.completed == 3 * 2 and server.dispatcher.rounds.num_open == 0
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_nccl_ranks_on_two_gpus_admit_the_minimum(tmp_path):
+    """Two TP ranks, one H200 each, GPU pools, all-reduce MIN over NCCL."""
+    import torch
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA devices, this machine has {torch.cuda.device_count()} (run it on nvidia-h200-x2)")
+    _check(_run(2, "nccl", 1, str(tmp_path / "rdzv")), 2, 1)
+
+
 @pytest.mark.slow
 def test_tp2_cp2_ranks_admit_the_minimum(tmp_path):
     _check(_run(4, "torch", 2, str(tmp_path / "rdzv")), 4, 2)

@@ -10,6 +10,9 @@ pool (``read_page`` / ``write_page``) is disabled here, so using it fails.
 * ``warm``: load the shared prefix into L1 (scattered page ids), compute the
   rest, and compute the whole prompt cold in a second pool; prints
   ``{"loaded", "warm", "cold"}`` (logits as hex of their float32 bytes).
+* ``hc_prefill`` / ``hc_warm``: the same through ``HiCache`` in service mode
+  (``storage.url = hicache+unix://``): admission, layer-wise load back and
+  write-through backup run the page-copy kernels between L1 and the segment.
 """
 from __future__ import annotations
 
@@ -41,12 +44,52 @@ def _slots(pages: list[int]) -> torch.Tensor:
     return (torch.tensor(pages)[:, None] * PS + torch.arange(PS)).reshape(-1)
 
 
+def hicache_mode(mode: str, args: dict, model, layout) -> dict:
+    """One engine process using ``HiCache`` with the service's segment as its L2."""
+    from hicache.config import HiCacheConfig
+    from hicache.hicache import HiCache
+    cfg = HiCacheConfig.load(env={}, overrides={
+        "storage.url": f"hicache+unix://{args['socket']}", "pool.device": "cpu",
+        "pool.device_pages": str(NUM_PAGES), "policy.write_policy": "write_through",
+        "policy.prefetch_policy": "wait_complete"})
+    prompt = args["prompt"]
+    hc = HiCache(cfg, layout=layout)
+    try:
+        held = hc.cache.alloc_device(3) if mode == "hc_warm" else []  # B's L1 pages differ from A's
+        req = hc.new_request("r", prompt, draft=False)
+        adm = hc.admit(req)
+        start = req.computed_tokens
+        req.alloc(len(prompt) - start)
+        hc.cache.free_device(held)
+        slots = hc.device_pool.slot_ids(req.pages)[:len(prompt)]
+        out = model.forward_chunk(hc.device_pool, prompt[start:], start, slots, draft=False,
+                                  before_layer=adm.wait_layer)
+        req.commit()
+        req.finish()
+        hc.drain()
+        hc.check_integrity()
+        st = hc.stats()
+        cold_pool = DevicePool(layout, NUM_PAGES, "cpu")
+        n_pages = -(-len(prompt) // PS)
+        cold = model.forward_chunk(cold_pool, prompt, 0, _slots(list(range(n_pages))), draft=False)
+        svc = hc.shared.client.stats()
+        return {"hit": adm.hit_tokens, "host_tokens": adm.host_tokens, "backup_pages": st.tiers.backup_pages,
+                "load_back_pages": st.tiers.load_back_pages, "private_l2_bytes": hc.private_host_bytes,
+                "logits": out.logits_last.numpy().tobytes().hex(),
+                "cold": cold.logits_last.numpy().tobytes().hex(),
+                "locked_after": svc["locked_pages"], "reserved_after": svc["reserved_pages"]}
+    finally:
+        hc.close()
+
+
 def main(mode: str, args: dict) -> dict:
     torch.set_num_threads(1)  # one reduction order: bit-exact comparisons
     HostPool.read_page = HostPool.write_page = _no_cpu_copy  # type: ignore[method-assign]
     spec = ModelSpec.tiny(args["kind"])
     layout = layout_of(args["kind"], args["host_layout"])
     model = ReferenceModel(spec, draft=False)
+    if mode.startswith("hc_"):
+        return hicache_mode(mode, args, model, layout)
     prompt = args["prompt"]
     n_pages = -(-len(prompt) // PS)
     full = (len(prompt) - 1) // PS  # shareable: whole pages before the last token

@@ -85,6 +85,35 @@ def test_engine_b_loads_engine_a_prefix_from_the_segment_bit_exact(kind, host_la
     assert bad["loaded"] == 6 and bad["warm"] != bad["cold"] == a["logits"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,host_layout", [("mha", "page_first"), ("mla", "layer_first")])
+def test_hicache_in_service_mode_shares_l2_through_the_segment_bit_exact(kind, host_layout, start_service):
+    """Two engine processes running ``HiCache`` with ``storage.url = hicache+unix://``:
+    A's write-through backup lands in the segment (no private L2, no CPU copy); B's
+    admission loads it layer by layer into scattered L1 pages; B's logits are
+    bit-identical to B computing cold."""
+    layout = layout_of(kind, host_layout)
+    sock = start_service(layout)
+    prompt = list(range(7, 7 + 6 * PS + 1))
+    a = _worker("hc_prefill", socket=sock, kind=kind, host_layout=host_layout, prompt=prompt)
+    assert (a["hit"], a["backup_pages"], a["private_l2_bytes"]) == (0, 6, 0)
+    assert a["logits"] == a["cold"]
+    b = _worker("hc_warm", socket=sock, kind=kind, host_layout=host_layout, prompt=prompt)
+    assert (b["hit"], b["host_tokens"], b["load_back_pages"]) == (6 * PS, 6 * PS, 6)
+    assert b["backup_pages"] == 0  # the pages B computed or loaded are in the segment already
+    assert b["logits"] == b["cold"] == a["logits"]
+    assert (b["locked_after"], b["reserved_after"]) == (0, 0)
+    with EngineClient(sock, layout, pin=False) as c:
+        assert c.stats()["committed_pages"] == 6
+        c.check_integrity()
+        h = page_hashes(prompt[:6 * PS], PS)
+        page = c.acquire(h[4:5])[0]
+        c.pool.write_page(page, bytes(reversed(c.pool.read_page(page))))
+        c.release(h[4:5])
+    bad = _worker("hc_warm", socket=sock, kind=kind, host_layout=host_layout, prompt=prompt)
+    assert bad["hit"] == 6 * PS and bad["logits"] != bad["cold"]  # the comparison can fail
+
+
 def test_store_and_load_move_exact_pages_and_give_back_on_failure(start_service, monkeypatch):
     layout = layout_of("mha", "page_first")
     sock = start_service(layout)

@@ -336,7 +336,8 @@ def free_port() -> int:
 
 
 def test_two_replays_in_two_processes_share_pages_through_the_service(tmpdir_short):
-    """The second engine process hits (as L3) the pages the first one stored in the service."""
+    """Service mode: the second engine process hits, in the shared L2 segment, the
+    pages the first one backed up there (no private L2 in either)."""
     port, sock, shm = free_port(), str(tmpdir_short / "h.sock"), unique_shm_name()
     argv = [sys.executable, "-m", "hicache.cli", "serve", "--set", f"service.port={port}",
             "--set", f"service.socket_path={sock}", "--set", f"service.shm_name={shm}",
@@ -351,17 +352,19 @@ def test_two_replays_in_two_processes_share_pages_through_the_service(tmpdir_sho
         first = _replay(sock, tmpdir_short / "r1.json", tmpdir_short)
         second = _replay(sock, tmpdir_short / "r2.json", tmpdir_short)
         a, b = first["rows"][0], second["rows"][0]
-        assert first["config"]["L3"] == f"hicache+unix://{sock}"
-        assert a["l3_hit_tokens"] == 0 and first["stats"]["storage"]["put_ok"] > 0
-        assert b["l3_hit_tokens"] > 0 and b["l3_hit_tokens"] % 16 == 0
-        assert b["hit_tokens"] > a["hit_tokens"] and b["recomputed_tokens"] < a["recomputed_tokens"]
-        s2 = second["stats"]["storage"]
-        assert s2["hits"] * 16 >= b["l3_hit_tokens"] and s2["errors"] == 0 and s2["reconnects"] == 0
+        assert first["config"]["L3"] == f"hicache+unix://{sock}" and first["config"]["L2_shared"] is True
         st = httpx.get(f"http://127.0.0.1:{port}/v1/stats").json()
+        assert first["config"]["L2_pages"] == st["tiers"]["L2"]["capacity_pages"]
+        assert "storage" not in first["stats"]  # no L3 of its own: the service persists
+        backed = [r["stats"]["tiers"]["backup_pages"] for r in (first, second)]
+        assert a["l2_hit_tokens"] + a["l3_hit_tokens"] < b["l2_hit_tokens"] + b["l3_hit_tokens"]
+        assert b["l2_hit_tokens"] > 0 and b["l2_hit_tokens"] % 16 == 0
+        assert b["hit_tokens"] > a["hit_tokens"] and b["recomputed_tokens"] < a["recomputed_tokens"]
+        assert backed[0] > 0 and backed[1] < backed[0]  # the second found most pages shared already
         assert st["engine"]["clients_total"] >= 2 and st["engine"]["clients"] == 0
         assert st["engine"]["segment_origin"] == "created"
-        # Every page an engine put is in the service: committed once, or a duplicate of a committed one.
-        put = first["stats"]["storage"]["put_ok"] + s2["put_ok"]
-        assert st["tiers"]["L2"]["bytes_written"] == (put - st["engine"]["duplicates"]) * st["page_bytes"]
+        assert (st["engine"]["locked_pages"], st["engine"]["reserved_pages"]) == (0, 0)
+        # Every page an engine backed up went into the segment: committed once, or a duplicate.
+        assert st["tiers"]["L2"]["bytes_written"] == (sum(backed) - st["engine"]["duplicates"]) * st["page_bytes"]
     finally:
         stop_service(p)
