@@ -248,7 +248,7 @@ class TierManager:
             raise CacheStateError(f"prepare_shared_load: {n} shared pages, {len(hashes)} hashes, "
                                   f"{len(device_pages)} L1 pages")
         end = first_page + n
-        prefix = self.cache.pages(anchor, first_page) if first_page else []
+        prefix = cast(list[DevicePageId], self.cache.pages(anchor, first_page)) if first_page else []
         res = self.cache.insert_device(key[:end * self.cache.page_size * 4], namespace,
                                        prefix + list(device_pages), end if draft else 0)
         if res.new_pages != n or res.duplicates or res.draft_copies:

@@ -90,7 +90,9 @@ class LoadHandle:
         self.num_layers = num_layers
         self._on_gpu = on_gpu
         self._layer_events: list = [None] * (num_layers + 1)  # last slot: draft planes
-        self._layer_flags = [threading.Event() for _ in range(num_layers + 1)]
+        # On a GPU every layer is enqueued before load_back returns (its event is the
+        # signal); on the CPU a worker thread copies and sets a flag per layer.
+        self._layer_flags = None if on_gpu else [threading.Event() for _ in range(num_layers + 1)]
 
     def wait_layer(self, i: int) -> None:
         if not 0 <= i < self.num_layers:
@@ -105,20 +107,21 @@ class LoadHandle:
         """The engine's worker: layer ``i`` is copied (CPU) or its copy is enqueued
         with ``event`` recorded after it (GPU)."""
         self._layer_events[i] = event
-        self._layer_flags[i].set()
+        if self._layer_flags is not None:
+            self._layer_flags[i].set()
 
     def release_all(self) -> None:
         """The engine's worker: the job failed; wake every waiter (they see ``transfer.error``)."""
-        for f in self._layer_flags:
+        for f in self._layer_flags or ():
             f.set()
 
     def layer_ready(self, i: int) -> bool:
-        ev = self._layer_events[i]
-        return ev.query() if self._on_gpu and ev is not None else self._layer_flags[i].is_set()
+        if self._on_gpu:
+            return self._layer_events[i].query()
+        return self._layer_flags[i].is_set()
 
     def _wait(self, i: int) -> None:
-        if self._on_gpu:
-            self._layer_flags[i].wait()  # event recorded (set right after launch)
+        if self._on_gpu:  # (recorded when load_back returned)
             torch.cuda.current_stream().wait_event(self._layer_events[i])
         else:
             self._layer_flags[i].wait()
@@ -129,7 +132,9 @@ class LoadHandle:
 class TransferController:
     """Runs L1<->L2 copies and L2<->L3 I/O without blocking the scheduler."""
 
-    def __init__(self, device_pool: DevicePool, host_pool: HostPool, storage=None):
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool, storage=None, *, graphs: bool = True):
+        """``graphs`` (GPU): run each layer-wise load back as one CUDA-graph replay
+        (``hicache.load_graph``) instead of one launch per layer."""
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.storage = storage
@@ -143,6 +148,8 @@ class TransferController:
         self._copy_q: queue.Queue | None = None
         self._io_q: queue.Queue = queue.Queue()
         self._threads: list[threading.Thread] = []
+        self._graphs = graphs and self.on_gpu
+        self._graph = None  # LoadGraph of (host_pool, device_pool), captured on the first load back
         if self.on_gpu:
             self._stream = torch.cuda.Stream(device=device_pool.device)
         else:
@@ -211,6 +218,16 @@ class TransferController:
         t = self._new("h2d")
         t.pages = len(device_pages)
         h = LoadHandle(t, self.device_pool.layout.num_layers, self.on_gpu)
+        graph = self._load_graph() if self.on_gpu and host_pages else None
+        if graph is not None:
+            self._stream.wait_stream(torch.cuda.current_stream())
+            for i, ev in enumerate(graph.launch(host_pages, device_pages)):
+                h.layer_launched(i, ev)
+            t.cuda_event = torch.cuda.Event()
+            t.cuda_event.record(self._stream)
+            self.bytes_moved["h2d"] += len(host_pages) * self.device_pool.layout.page_bytes
+            self._pending.append(t)
+            return h
         src, dst = self._idx(host_pages), self._idx(device_pages)
         if self.on_gpu:
             self._stream.wait_stream(torch.cuda.current_stream())
@@ -238,6 +255,22 @@ class TransferController:
         self.bytes_moved["h2d"] += len(host_pages) * self.device_pool.layout.page_bytes
         self._pending.append(t)
         return h
+
+    def _load_graph(self):
+        """The captured load back for the current pools (None: graphs off or capture failed)."""
+        g = self._graph
+        if not self._graphs:
+            return None
+        if g is None or g.host is not self.host_pool:  # first use, or a new host pool (service reconnect)
+            from hicache.load_graph import LoadGraph
+            try:
+                g = self._graph = LoadGraph(self.host_pool, self.device_pool, self._plane_groups, self._stream)
+            except Exception as e:  # an older CUDA/torch without external graph events: launch per layer
+                log.warning("layer-wise load back: CUDA-graph capture failed (%s: %s); launching per layer",
+                            type(e).__name__, e)
+                self._graphs, self._graph = False, None
+                return None
+        return g
 
     # ----------------------------------------------------------------- L2 <-> L3
     def _need_storage(self) -> None:

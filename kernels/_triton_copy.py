@@ -41,7 +41,8 @@ def _page_copy_kernel(
     src_idx_ptr,  # int64 [n] source page (or row) id of each pair
     dst_idx_ptr,  # int64 [n] destination page (or slot) id of each pair
     keep_ptr,  # [n] provenance codes; only pairs with code 0 (VALID) move (unused unless HAS_KEEP)
-    n,  # number of pairs
+    n_ptr,  # int64 [1]: the number of pairs, read on the device (unused unless N_FROM_PTR)
+    n,  # number of pairs (unless N_FROM_PTR)
     t_wide,  # wide entries per pair
     t_narrow,  # narrow entries per pair
     ROWS: tl.constexpr,  # wide units per tile
@@ -50,13 +51,18 @@ def _page_copy_kernel(
     NBYTES: tl.constexpr,  # bytes per narrow unit (power of two >= every narrow LEN)
     HAS_NARROW: tl.constexpr,
     HAS_KEEP: tl.constexpr,
+    N_FROM_PTR: tl.constexpr,  # the pair count lives in device memory (CUDA-graph replays)
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     table = wide_ptr.to(tl.pointer_type(tl.int64))
     rows = tl.arange(0, ROWS)
     words = tl.arange(0, WORDS)
-    n_units = n * t_wide
+    if N_FROM_PTR:
+        n_pairs = tl.load(n_ptr)
+    else:
+        n_pairs = n
+    n_units = n_pairs * t_wide
     # while, not range(): Triton 3.6's interpreter cannot turn a program id
     # into a Python int under numpy 2.x; both compile to the same loop.
     start = pid * ROWS
@@ -82,7 +88,7 @@ def _page_copy_kernel(
         anchor = wide_ptr.to(tl.pointer_type(tl.uint8))
         nrows = tl.arange(0, NROWS)
         nbytes = tl.arange(0, NBYTES)
-        n_units = n * t_narrow
+        n_units = n_pairs * t_narrow
         start = pid * NROWS
         while start < n_units:
             u = start + nrows

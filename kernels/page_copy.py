@@ -118,15 +118,18 @@ class PageCopier:
     # ------------------------------------------------------------------ copies
     def copy_pages(self, src: Pool, dst: Pool, src_pages: Indices, dst_pages: Indices, *,
                    planes: Sequence[int] | None = None, num_blocks: int | None = None,
-                   backend: Backend = "auto", debug: bool = False) -> None:
+                   backend: Backend = "auto", debug: bool = False, count: torch.Tensor | None = None) -> None:
         """Copy page ``src_pages[k]`` of ``src`` to page ``dst_pages[k]`` of ``dst``.
 
         ``planes``: plane indices to move (``None`` = every plane, target and
         draft). Mutates ``dst`` only. On a GPU the copy is asynchronous on the
         current CUDA stream: keep both index tensors and both pools alive and
         unchanged until the caller's event completes. ``debug`` checks index
-        bounds and destination uniqueness (synchronises). Raises ``ValueError``
-        / ``TypeError`` naming the offending argument.
+        bounds and destination uniqueness (synchronises). ``count`` (kernel path
+        only): a one-element int64 tensor on the launch device; only the first
+        ``count`` pairs move, read at run time (for CUDA-graph capture: the
+        index tensors are then fixed-size buffers). Raises ``ValueError`` /
+        ``TypeError`` naming the offending argument.
         """
         pair = self._pair(src, dst)
         key = None if planes is None else tuple(planes)
@@ -141,6 +144,11 @@ class PageCopier:
         if debug:
             _check_bounds(s_idx, src.num_pages, "src_pages")
             _check_bounds(d_idx, dst.num_pages, "dst_pages", unique=True)
+        if count is not None and (not use_triton or count.numel() != 1 or count.dtype != torch.int64
+                                  or _norm(count.device) != _norm(launch_dev)):
+            raise ValueError(f"count: a one-element int64 tensor on {launch_dev} with the kernel backend; "
+                             f"got {tuple(count.shape)} {count.dtype} on {count.device} "
+                             f"({'kernel' if use_triton else 'torch'} backend)")
         if not use_triton:
             if s_idx.numel():
                 torch_copy(src, dst, s_idx, d_idx, _check_planes(src, planes))
@@ -150,7 +158,7 @@ class PageCopier:
             if plan is None:
                 plan = pair.plans[key] = self._build(src, dst, pair, _check_planes(src, planes), launch_dev)
         if s_idx.numel():
-            _launch(plan, pair.tiles, s_idx, d_idx, None, launch_dev, num_blocks or pair.blocks)
+            _launch(plan, pair.tiles, s_idx, d_idx, None, launch_dev, num_blocks or pair.blocks, count)
 
     def plan(self, src: Pool, dst: Pool, planes: Sequence[int] | None = None) -> CopyPlan:
         """The (cached) plan ``copy_pages`` launches with; for benchmarks and tests."""
@@ -239,16 +247,21 @@ class PageCopier:
 
 
 def _launch(plan: CopyPlan, tiles: TileConfig, s_idx: torch.Tensor, d_idx: torch.Tensor,
-            keep: torch.Tensor | None, dev: torch.device, num_blocks: int) -> None:
+            keep: torch.Tensor | None, dev: torch.device, num_blocks: int,
+            count: torch.Tensor | None = None) -> None:
+    """``count``: a one-element int64 tensor on ``dev`` holding how many leading
+    pairs of ``s_idx``/``d_idx`` to copy, read by the kernel (a CUDA graph
+    captures the launch once and replays it for any count); the grid is sized
+    for every pair."""
     n = s_idx.numel()
     if num_blocks < 1:
         raise ValueError(f"num_blocks={num_blocks}; pass None (tuned default) or >= 1")
     units = max(-(-n * plan.t_wide // plan.rows), -(-n * plan.t_narrow // plan.nrows), 1)
     grid = (min(num_blocks, units),)
     args = (plan.wide_i32, plan.narrow, s_idx, d_idx, keep if keep is not None else s_idx,
-            n, plan.t_wide, plan.t_narrow)
+            count if count is not None else s_idx, n, plan.t_wide, plan.t_narrow)
     meta = dict(ROWS=plan.rows, WORDS=plan.words, NROWS=plan.nrows, NBYTES=plan.nbytes,
-                HAS_NARROW=plan.t_narrow > 0, HAS_KEEP=keep is not None)
+                HAS_NARROW=plan.t_narrow > 0, HAS_KEEP=keep is not None, N_FROM_PTR=count is not None)
     if dev.type != "cuda":
         _interpreted_kernel()[grid](*args, **meta)
     elif dev.index is None or dev.index == torch.cuda.current_device():
@@ -371,10 +384,10 @@ def default_copier() -> PageCopier:
 
 def copy_pages(src: Pool, dst: Pool, src_pages: Indices, dst_pages: Indices, *,
                planes: Sequence[int] | None = None, num_blocks: int | None = None,
-               backend: Backend = "auto", debug: bool = False) -> None:
+               backend: Backend = "auto", debug: bool = False, count: torch.Tensor | None = None) -> None:
     """``default_copier().copy_pages(...)``; see ``PageCopier.copy_pages``."""
     default_copier().copy_pages(src, dst, src_pages, dst_pages, planes=planes,
-                                num_blocks=num_blocks, backend=backend, debug=debug)
+                                num_blocks=num_blocks, backend=backend, debug=debug, count=count)
 
 
 def store_rows(pool: DevicePool, plane_indices: Sequence[int], rows: Sequence[torch.Tensor],

@@ -37,3 +37,67 @@ def test_layer_ready_before_last_layer(host_layout):
     tc.wait_all()
     assert [r.job for r in tc.finished()] == [h.transfer.job] and h.transfer.done
     tc.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+@pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
+def test_graphed_load_back_equals_per_layer_launches(host_layout):
+    """The CUDA-graph load back (one replay, page count read on the device) moves exactly
+    the pages the per-layer launches move, for any count, and nothing else; draft planes too."""
+    lay = KVLayout(model_id="m", num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16",
+                   page_size=16, host_layout=host_layout, draft_layers=1)
+    pages = 64
+    host = HostPool(lay, pages)
+    g = torch.Generator().manual_seed(1)
+    host.buffer.copy_(torch.randint(0, 256, host.buffer.shape, generator=g, dtype=torch.uint8))
+    pools = {}
+    for graphs in (True, False):
+        dev = DevicePool(lay, pages, "cuda")
+        for b in dev.buffers:
+            b.view(torch.uint8).fill_(0xA5)  # untouched pages keep this
+        tc = TransferController(dev, host, graphs=graphs)
+        g = torch.Generator().manual_seed(2)
+        for n in (1, 7, 33, pages, 5):  # several loads in a row, counts up and down
+            src = torch.randperm(pages, generator=g)[:n].tolist()
+            dst = torch.randperm(pages, generator=g)[:n].tolist()
+            h = tc.load_back(src, dst)
+            for i in range(lay.num_layers):
+                h.wait_layer(i)
+            h.wait()
+        torch.cuda.synchronize()
+        tc.wait_all()
+        assert len(tc.finished()) == 5
+        assert (tc._graph is not None) == graphs
+        pools[graphs] = [b.clone() for b in dev.buffers]
+        tc.close()
+    for a, b in zip(pools[True], pools[False]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    # ...and both are right: every destination page of the last load holds its source's bytes.
+    dev_view = {spec.index: pools[True][spec.index].view(pages, -1) for spec in lay.planes}
+    for spec in lay.planes:  # draft planes included
+        for s_, d_ in zip(src, dst):
+            assert torch.equal(dev_view[spec.index][d_].cpu().view(torch.uint8),
+                               host.plane_page(spec.index, s_).reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+def test_graphed_load_back_follows_a_new_host_pool():
+    """Service mode maps a restarted service's segment as a new host pool: the next load
+    back captures a new graph over it (never replays the old pool's addresses)."""
+    lay = KVLayout(model_id="m", num_layers=2, num_kv_heads=1, head_dim=64, dtype="bfloat16",
+                   page_size=16, host_layout="page_first")
+    dev = DevicePool(lay, 8, "cuda")
+    old, new = HostPool(lay, 8), HostPool(lay, 8)
+    old.buffer.fill_(1)
+    new.buffer.fill_(2)
+    tc = TransferController(dev, old)
+    tc.load_back([0], [0]).wait()
+    first = tc._graph
+    tc.host_pool = new
+    tc.load_back([3], [1]).wait()
+    torch.cuda.synchronize()
+    assert tc._graph is not first and tc._graph.host is new
+    assert all(bool((b.view(torch.uint8)[0] == 1).all()) and bool((b.view(torch.uint8)[1] == 2).all())
+               for b in dev.buffers)
+    tc.wait_all()
+    tc.close()

@@ -52,8 +52,17 @@ def test_second_process_is_served_from_l3(tmp_path, capsys):
     assert b["bytes_moved"]["l3_get"] == b["l3"]["bytes_read"] > 0
 
 
+def test_replay_against_a_service_that_is_not_running_says_to_start_it(tmp_path, capsys):
+    """Service mode maps the service's segment as L2 at start: no service, no run (exit 2, no traceback)."""
+    sock = tmp_path / "no-such.sock"
+    assert main(["replay", "--quiet", "--scale", "tiny", "--no-baselines", "--service", str(sock)]) == 2
+    err = capsys.readouterr().err
+    assert f"hicache+unix://{sock}: no hicache service answers there" in err
+    assert "start `hicache serve` first" in err and "Traceback" not in err
+
+
 def test_unreachable_l3_reports_no_stored_bytes_and_says_it_was_down(tmp_path, capsys):
-    for flags in (["--service", str(tmp_path / "no-such.sock")], ["--set", "storage.url=redis://127.0.0.1:1/0"]):
+    for flags in (["--set", "storage.url=redis://127.0.0.1:1/0"],):
         out = tmp_path / "down.json"
         assert main(["replay", "--quiet", "--scale", "tiny", "--no-baselines", "--json", str(out), *flags]) == 0
         row = json.loads(out.read_text())["rows"][0]

@@ -142,6 +142,39 @@ def test_grid_size_does_not_change_bytes(device, num_blocks):
             assert torch.equal(page_bytes_of(dst, j, q).cpu(), page_bytes_of(src, j, p).cpu())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("count", [0, 1, 9, 13])
+def test_count_from_device_memory_moves_only_the_leading_pairs(device, count):
+    """``count=``: the kernel reads the number of pairs at run time (CUDA-graph replays
+    of fixed-size index buffers); pairs past it are not touched."""
+    layout = make_layout("fp8_bytes_draft", 16, "page_first")
+    gen = torch.Generator().manual_seed(11)
+    src, dst = make_pools("h2d", layout, device, 13, 13)
+    fill_random(src, gen)
+    poison(dst)
+    perm = torch.randperm(13, generator=gen)
+    s_idx, d_idx = perm.to(device), perm.flip(0).contiguous().to(device)
+    copy_pages(src, dst, s_idx, d_idx, backend="triton",
+               count=torch.tensor([count], dtype=torch.int64, device=device))
+    for k, (p, q) in enumerate(zip(perm.tolist(), perm.flip(0).tolist())):
+        for j in range(len(layout.planes)):
+            got = page_bytes_of(dst, j, q).cpu()
+            if k < count:
+                assert torch.equal(got, page_bytes_of(src, j, p).cpu()), (k, j)
+            else:
+                assert bool((got == SENTINEL).all()), (k, j)
+
+
+def test_count_must_be_one_int64_on_the_launch_device():
+    layout = make_layout("mha", 4, "layer_first")
+    d, h = DevicePool(layout, 4), HostPool(layout, 4)
+    for bad in (torch.tensor([1, 2]), torch.tensor([1], dtype=torch.int32)):
+        with pytest.raises(ValueError, match="count: a one-element int64"):
+            copy_pages(d, h, [0], [0], backend="triton", count=bad)
+    with pytest.raises(ValueError, match="torch backend"):
+        copy_pages(d, h, [0], [0], backend="torch", count=torch.tensor([1]))
+
+
 def test_plan_is_cached_per_pair_and_planes():
     layout = make_layout("mha", 16, "layer_first")
     d, h = DevicePool(layout, 4), HostPool(layout, 4)
