@@ -386,10 +386,14 @@ class HiCache:
         wait_s = sh.max_wait_s if budget is None else min(budget, sh.max_wait_s)
         wait_ms = 0 if self.policy.prefetch_policy == "best_effort" else int(1e3 * wait_s)
         self.tier_stats.storage_lookups += 1
-        got = sh.call(sh.client.fetch, hashes, wait_ms, need_draft=need_draft)
-        if got is not None:
-            fetched = got.fetched
         pages = sh.call(sh.shared.begin_load, hashes, need_draft=need_draft, default=[])
+        if len(pages) < len(hashes) and wait_ms > 0 and not sh.down:
+            # The rest may be in the service's L3: let it load what it has (bounded wait), lock that too.
+            rest = hashes[len(pages):]
+            got = sh.call(sh.client.fetch, rest, wait_ms, need_draft=need_draft)
+            if got is not None and got.num_pages:
+                fetched = got.fetched
+                pages = pages + sh.call(sh.shared.begin_load, rest, need_draft=need_draft, default=[])
         n = len(pages)
         if n < max(1, self.policy.storage_hit_min_pages):
             if n:

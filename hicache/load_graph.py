@@ -31,7 +31,7 @@ _RING = 4  # pinned staging buffers in rotation (a busy one falls back to a page
 class LoadGraph:
     """The captured load back from ``host`` into ``device`` for ``groups`` (plane sets per layer)."""
 
-    def __init__(self, host: HostPool, device: DevicePool, groups: Sequence[Sequence[int]], stream):
+    def __init__(self, host: HostPool, device: DevicePool, groups: Sequence[Sequence[int]]):
         from hicache.kernels.page_copy import default_copier
         self.host, self.device = host, device
         dev = device.device
@@ -57,11 +57,11 @@ class LoadGraph:
                 if planes:
                     copier.copy_pages(host, device, src, dst, planes=list(planes), count=count)
                 ev.record()
-        self._stream = stream
 
-    def launch(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> list[torch.cuda.Event]:
-        """Enqueue the load of ``host_pages[k]`` into ``device_pages[k]`` on the copy
-        stream (the caller made it wait for the engine's stream); the per-group events."""
+    def launch(self, host_pages: Sequence[int], device_pages: Sequence[int], stream) -> list[torch.cuda.Event]:
+        """Enqueue the load of ``host_pages[k]`` into ``device_pages[k]`` on ``stream`` (the
+        caller made it wait for the engine's stream; the replay runs at its priority);
+        returns the per-group events."""
         n = len(host_pages)
         if n != len(device_pages) or not 0 < n <= self.capacity:
             raise ValueError(f"LoadGraph.launch: {n} host pages, {len(device_pages)} device pages "
@@ -78,11 +78,11 @@ class LoadGraph:
         arr[0] = n
         arr[1:1 + n] = host_pages
         arr[1 + cap:1 + cap + n] = device_pages
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(stream):
             self._buf[:1 + n].copy_(stage[:1 + n], non_blocking=True)
             self._buf[1 + cap:1 + cap + n].copy_(stage[1 + cap:1 + cap + n], non_blocking=True)
             if stage is self._stage[i]:
                 ev = self._stage_done[i] = torch.cuda.Event()
-                ev.record(self._stream)
+                ev.record(stream)
             self.graph.replay()
         return self.events

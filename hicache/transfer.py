@@ -129,6 +129,10 @@ class LoadHandle:
                 raise self.transfer.error
 
 
+# CUDA maps a priority past the device's range to its highest (lower is higher).
+COPY_STREAM_PRIORITY = -16
+
+
 class TransferController:
     """Runs L1<->L2 copies and L2<->L3 I/O without blocking the scheduler."""
 
@@ -151,7 +155,9 @@ class TransferController:
         self._graphs = graphs and self.on_gpu
         self._graph = None  # LoadGraph of (host_pool, device_pool), captured on the first load back
         if self.on_gpu:
-            self._stream = torch.cuda.Stream(device=device_pool.device)
+            # The copy stream outranks the engine's: a load back's few blocks are
+            # dispatched ahead of the forward's kernels that wait on its layers.
+            self._stream = torch.cuda.Stream(device=device_pool.device, priority=COPY_STREAM_PRIORITY)
         else:
             self._copy_q = queue.Queue()
             self._threads.append(self._start(self._copy_q, "hicache-copy"))
@@ -221,7 +227,7 @@ class TransferController:
         graph = self._load_graph() if self.on_gpu and host_pages else None
         if graph is not None:
             self._stream.wait_stream(torch.cuda.current_stream())
-            for i, ev in enumerate(graph.launch(host_pages, device_pages)):
+            for i, ev in enumerate(graph.launch(host_pages, device_pages, self._stream)):
                 h.layer_launched(i, ev)
             t.cuda_event = torch.cuda.Event()
             t.cuda_event.record(self._stream)
@@ -264,7 +270,7 @@ class TransferController:
         if g is None or g.host is not self.host_pool:  # first use, or a new host pool (service reconnect)
             from hicache.load_graph import LoadGraph
             try:
-                g = self._graph = LoadGraph(self.host_pool, self.device_pool, self._plane_groups, self._stream)
+                g = self._graph = LoadGraph(self.host_pool, self.device_pool, self._plane_groups)
             except Exception as e:  # an older CUDA/torch without external graph events: launch per layer
                 log.warning("layer-wise load back: CUDA-graph capture failed (%s: %s); launching per layer",
                             type(e).__name__, e)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache.api.engine_server import EngineServer
+from hicache.api.engine_server import EngineServer, open_l3
 from hicache.config import HiCacheConfig
 from hicache.errors import ConfigError
 from hicache.hicache import HiCache
@@ -30,7 +30,8 @@ def value(token: int, plane: int) -> float:
 class Node:
     """One in-process service; ``restart`` stops it and starts a new one on the same socket."""
 
-    def __init__(self, host_pages: int = 64):
+    def __init__(self, host_pages: int = 64, l3: str = ""):
+        self.l3 = l3  # the service's own L3 ("" = none)
         self.dir = Path(tempfile.mkdtemp(prefix="hcm", dir="/tmp"))
         self.sock = str(self.dir / "s.sock")
         self.host_pages = host_pages
@@ -39,8 +40,9 @@ class Node:
     def _start(self) -> EngineServer:
         cfg = HiCacheConfig.load(env={}, overrides={
             "service.socket_path": self.sock, "service.shm_name": f"hicache-test-{uuid.uuid4().hex[:10]}",
-            "pool.host_pages": str(self.host_pages), "storage.url": ""})
-        srv = EngineServer(cfg, LAYOUT)
+            "pool.host_pages": str(self.host_pages), "storage.url": self.l3})
+        self.storage = open_l3(cfg, LAYOUT)
+        srv = EngineServer(cfg, LAYOUT, storage=self.storage)
         srv.start()
         return srv
 
@@ -52,6 +54,8 @@ class Node:
         if self.srv is not None:
             self.srv.stop()
             self.srv = None
+            if self.storage is not None:
+                self.storage.close()
 
     def engine(self, **overrides) -> HiCache:
         o = {"storage.url": f"hicache+unix://{self.sock}", "pool.device": "cpu", "pool.device_pages": "32",
@@ -185,6 +189,39 @@ def test_an_outage_is_a_miss_and_the_engine_reconnects_after_a_restart(node, cap
             b.close()
     finally:
         a.close()
+
+
+def test_pages_in_the_services_l3_are_fetched_into_the_segment_and_loaded(tmp_path):
+    """After a service restart its L2 is empty; what it wrote behind to its L3 comes
+    back on admission (fetch into the segment, acquire, kernel load), by value."""
+    import time
+    n = Node(l3=f"file://{tmp_path}/l3")
+    try:
+        a = n.engine()
+        serve(a, "a", PROMPT)
+        a.close()
+        deadline = time.monotonic() + 30
+        while n.srv.stats().l3["written"] < 5:
+            assert time.monotonic() < deadline, "the service never wrote the pages to its L3"
+            time.sleep(0.01)
+        n.restart()
+        assert n.srv.stats().committed_pages == 0
+        b = n.engine()
+        try:
+            req = b.new_request("b", PROMPT)
+            adm = b.admit(req)
+            adm.wait()
+            assert (adm.hit_tokens, adm.host_tokens, adm.storage_tokens) == (5 * PS, 5 * PS, 5 * PS)
+            assert values_ok(b, req)
+            compute(b, req)
+            req.finish()
+            b.drain()
+            b.check_integrity()
+        finally:
+            b.close()
+        assert (n.srv.stats().locked_pages, n.srv.stats().reserved_pages) == (0, 0)
+    finally:
+        n.stop()
 
 
 def test_configuration_errors_name_the_socket_and_the_setting():
