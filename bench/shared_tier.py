@@ -279,7 +279,9 @@ def main() -> int:
               f"{ms['emb_cold'] / ms['cold']:.1%} |")
         print(f"| its own prompt from a private pinned L2 (embedded, layer-wise) | {ms['embedded']:.1f} | "
               f"{adm['embedded']:.2f} | {ms['embedded'] / ms['emb_cold']:.1%} of its cold |")
-        print(f"\nsame first token (A cold, B shared, B cold, embedded warm) in {same_first}/{a.reps} reps; "
+        print("\nper rep (ms): " + "; ".join(f"{k} " + " ".join(f"{x['ttft'] * 1e3:.1f}" for x in v)
+                                           for k, v in runs.items()))
+        print(f"same first token (A cold, B shared, B cold, embedded warm) in {same_first}/{a.reps} reps; "
               f"max |logit diff| shared vs cold {max(diffs):.3g}")
         share = ms["shared"] / ms["cold"]
         print(f"target shared <= 15% of cold: {'met' if share <= 0.15 else 'MISSED'} ({share:.1%})\n")
