@@ -38,7 +38,8 @@ from hicache.pools import DevicePool, HostPool
 from hicache.storage.base import StorageStats
 from hicache.node import InsertResult, Node
 from hicache.plans import BackupPlan, LoadPlan, StorePlan
-from hicache.shared_l2 import ServiceHostTier, socket_path_of
+from hicache.service_mode import ServiceMode, open_service_tier
+from hicache.shared_l2 import ServiceHostTier
 from hicache.tiers import TierManager, TierMoveStats
 from hicache.transfer import LoadHandle, Plan, TransferController, TransferResult
 
@@ -95,9 +96,9 @@ class HiCache:
         self.config = cfg = config or HiCacheConfig.load()
         self.layout = layout or cfg.layout()
         device = cfg.resolved_device()
-        self.shared: ServiceHostTier | None = None
+        self.shared: ServiceHostTier | None = None  # service mode: the connection to the node's service
         if storage is None and cfg.storage.url.startswith("hicache+unix:"):
-            self.shared = _open_shared(cfg, self.layout, device)
+            self.shared = open_service_tier(cfg, self.layout, device)
             self.host_pool = self.shared.pool  # L2 is the segment; the index keeps no L2 ids of its own
         else:
             cfg.check_host_memory(self.layout)
@@ -115,6 +116,7 @@ class HiCache:
                                  self.host_pool if self.shared is None else PageAllocator(0, "L2 (shared)"),
                                  eviction=cfg.policy.device_eviction, host_eviction=cfg.policy.host_eviction)
         self.tiers = TierManager(self.cache)
+        self.service = None if self.shared is None else ServiceMode(self.shared, self.cache, self.tiers)
         self.tier_stats = self.tiers.stats
         self._jobs: dict[int, Plan] = {}  # submitted, not yet completed: job id -> its plan
         self._load_handles: dict[int, LoadHandle] = {}  # id(LoadPlan) -> its layer-wise handle
@@ -274,9 +276,10 @@ class HiCache:
 
     def _backup(self, node: Node, synchronous: bool = False) -> int | None:
         """Start copying ``node`` to L2 (``synchronous``: and wait for it); the job id."""
-        if self.shared is not None:
-            return self._shared_backup(node, synchronous)
-        plan = self.tiers.prepare_backup(node, pin=not synchronous)
+        if self.service is not None:
+            plan = self.service.prepare_backup(node)
+        else:
+            plan = self.tiers.prepare_backup(node, pin=not synchronous)
         if plan is None:
             return None
         job = self._submit(plan)
@@ -310,12 +313,12 @@ class HiCache:
             for n in tiers.complete_backup(plan, r.ok):
                 self._store(n)
             if plan.shared is not None:
-                self._shared_backup_done(plan, r.ok)
+                self.service.backup_done(plan, r.ok)
         elif isinstance(plan, LoadPlan):
             tiers.complete_load(plan, r.ok)
             del self._load_handles[id(plan)]
             if plan.shared is not None:
-                self.shared.call(self.shared.shared.end_load, plan.shared)
+                self.service.load_done(plan)
             if not r.ok:
                 h, d = plan.host, plan.device
                 self._failed = TransferError(
@@ -372,88 +375,40 @@ class HiCache:
         start copying them in (the kernels read the segment directly). Returns the
         layer-wise handle (None: nothing loaded) and the tokens the service fetched
         from its own L3 for this request."""
-        sh, ps = self.shared, self.layout.page_size
+        svc, ps = self.service, self.layout.page_size
         self._shared_reconnect()
         have, cap = m.tokens // ps, max(0, req.num_tokens - 1) // ps
-        if sh.down or cap - have < max(1, self.policy.storage_hit_min_pages):
+        if cap <= have:
             return None, 0
-        if self.cache.match(req.key, req.namespace).tokens != m.tokens:
-            return None, 0  # L1 holds more of it, without draft rows: not a shared load's business
-        hashes = self._page_hashes(req.key, req.namespace, cap)[have:]
-        need_draft = req.draft and self.cache.has_draft
-        fetched = 0
         budget = self._prefetch_budget_s(req.num_tokens)
-        wait_s = sh.max_wait_s if budget is None else min(budget, sh.max_wait_s)
-        wait_ms = 0 if self.policy.prefetch_policy == "best_effort" else int(1e3 * wait_s)
-        self.tier_stats.storage_lookups += 1
-        pages = sh.call(sh.shared.begin_load, hashes, need_draft=need_draft, default=[])
-        if len(pages) < len(hashes) and wait_ms > 0 and not sh.down:
-            # The rest may be in the service's L3: let it load what it has (bounded wait), lock that too.
-            rest = hashes[len(pages):]
-            got = sh.call(sh.client.fetch, rest, wait_ms, need_draft=need_draft)
-            if got is not None and got.num_pages:
-                fetched = got.fetched
-                pages = pages + sh.call(sh.shared.begin_load, rest, need_draft=need_draft, default=[])
-        n = len(pages)
-        if n < max(1, self.policy.storage_hit_min_pages):
-            if n:
-                sh.call(sh.shared.end_load, hashes[:n])
+        wait_s = svc.tier.max_wait_s if budget is None else min(budget, svc.tier.max_wait_s)
+        acq = svc.acquire(req.key, req.namespace, m, self._page_hashes(req.key, req.namespace, cap)[have:],
+                          need_draft=req.draft and self.cache.has_draft,
+                          wait_ms=0 if self.policy.prefetch_policy == "best_effort" else int(1e3 * wait_s),
+                          min_pages=max(1, self.policy.storage_hit_min_pages))
+        if acq is None:
             return None, 0
+        n = len(acq.host)
         try:
             self._make_room(n)
             dev = self.cache.alloc_device(n)
         except OutOfPages:
-            sh.call(sh.shared.end_load, hashes[:n])
+            svc.cancel(acq)
             return None, 0
         m = req.match()  # eviction for room may have cut the anchor
         if m.tokens != have * ps:
             self.cache.free_device(dev)
-            sh.call(sh.shared.end_load, hashes[:n])
+            svc.cancel(acq)
             return None, 0
-        plan = self.tiers.prepare_shared_load(req.key, req.namespace, m.device_node, have, pages,
-                                              hashes[:n], dev, draft=need_draft)
-        self.tier_stats.storage_hit_pages += n
+        plan = svc.prepare_load(req.key, req.namespace, m.device_node, acq, dev)
         job = self._submit(plan)
         handle = self.transfers.load_handle(job)
         self._load_handles[id(plan)] = handle
-        return handle, min(fetched, n) * ps
-
-    def _shared_backup(self, node: Node, synchronous: bool) -> int | None:
-        """L1 -> shared L2: reserve, copy with the kernels, commit on completion.
-        Pages the service already holds complete are not copied."""
-        sh = self.shared
-        if sh.down:
-            return None
-        hashes = self.cache.hashes(node)
-        draft = node.draft_device or not self.cache.has_draft
-        skip = sh.call(sh.shared.lookup, hashes, need_draft=self.cache.has_draft and draft, default=None)
-        if skip is None:
-            return None
-        if skip == len(hashes):
-            self.cache.set_stored(node)
-            return None
-        pages = sh.call(sh.shared.begin_store, len(hashes) - skip, default=None)
-        if pages is None:
-            self.tier_stats.backup_dropped_pages += len(hashes) - skip
-            return None
-        plan = self.tiers.prepare_shared_backup(node, skip, pages, hashes[skip:])
-        job = self._submit(plan)
-        if synchronous:
-            self._wait(job)
-        return job
-
-    def _shared_backup_done(self, plan: BackupPlan, ok: bool) -> None:
-        sh = self.shared
-        if not ok:
-            sh.call(sh.shared.abort_store, plan.host)
-            return
-        dp = len(plan.host) if plan.draft else 0
-        if sh.call(sh.shared.end_store, plan.shared, plan.host, dp) is not None:
-            self.cache.set_stored(plan.node)
+        return handle, acq.fetched * ps
 
     def _shared_reconnect(self) -> None:
         """After an outage, map the restarted service's segment once no copy uses the old one."""
-        sh = self.shared
+        sh = self.service.tier
         if sh.down and not self._jobs and sh.reconnect():
             self.host_pool = self.transfers.host_pool = sh.pool
 
@@ -537,19 +492,6 @@ class HiCache:
         if self.shared is not None:
             self.shared.close()
 
-
-
-def _open_shared(cfg: HiCacheConfig, layout: KVLayout, device: str) -> ServiceHostTier:
-    """Service mode: map the node service's segment as this engine's L2."""
-    from hicache.errors import ConfigError
-    from hicache.storage.service import SOCKET_SLACK_S
-    if layout.cp_size > 1:
-        raise ConfigError(f"storage.url {cfg.storage.url!r} with cp_size={layout.cp_size}: the shared L2 holds "
-                          "whole pages; context-parallel ranks use a private L2 (another storage.url)")
-    wait_s = cfg.storage.timeout_ms * (1 + cfg.storage.max_retries) / 1e3
-    wait_s = max(wait_s, cfg.policy.prefetch_timeout_cap_ms / 1e3)
-    return ServiceHostTier(socket_path_of(cfg.storage.url), layout, pin=device.startswith("cuda"),
-                           max_wait_s=wait_s, timeout_s=wait_s + SOCKET_SLACK_S)
 
 
 class TieredRequest(Request):
