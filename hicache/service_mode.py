@@ -77,7 +77,6 @@ class ServiceMode:
             return None
         if self.cache.match(key, namespace).tokens != m.tokens:
             return None  # L1 holds more of it, without draft rows: not a shared load's business
-        self.tiers.stats.storage_lookups += 1
         pages = sh.call(sh.shared.begin_load, hashes, need_draft=need_draft, default=[])
         fetched = 0
         if len(pages) < len(hashes) and wait_ms > 0 and not sh.down:
@@ -102,7 +101,6 @@ class ServiceMode:
                      device_pages: list[DevicePageId]) -> LoadPlan:
         """Index ``acq``'s pages as L1 ``device_pages`` continuing ``anchor``, loading
         until ``complete_load`` (see ``TierManager.prepare_shared_load``)."""
-        self.tiers.stats.storage_hit_pages += len(acq.host)
         return self.tiers.prepare_shared_load(key, namespace, anchor, acq.first_page, acq.host, acq.hashes,
                                               device_pages, draft=acq.draft)
 
