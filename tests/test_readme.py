@@ -130,8 +130,9 @@ def test_readme_example_toml_asks_for_what_its_comments_say(tmp_path):
     assert [(float(v), u) for v, u in said] == [(page_mib, "MiB"), (gib["L1"], "GiB"), (gib["L2"], "GiB")], said
 
 
-def test_readme_engine_client_example_runs_against_hicache_serve(tmp_path):
-    example = block(README, "test_readme_engine_client_example_runs_against_hicache_serve", "python")
+def _run_against_hicache_serve(tmp_path, name: str) -> str:
+    """Run the README block ``name`` with a real ``hicache serve`` at its socket path."""
+    example = block(README, name, "python")
     d = tempfile.mkdtemp(prefix="hc-")  # Unix socket paths are short
     sock = f"{d}/hicache.sock"
     import socket
@@ -151,8 +152,18 @@ def test_readme_engine_client_example_runs_against_hicache_serve(tmp_path):
     finally:
         serve.send_signal(signal.SIGTERM)
         serve.communicate(timeout=60)
-    assert out == "stored 4 pages; read back 4, identical: True\n"
     assert serve.returncode == 0
+    return out
+
+
+def test_readme_engine_client_example_runs_against_hicache_serve(tmp_path):
+    out = _run_against_hicache_serve(tmp_path, "test_readme_engine_client_example_runs_against_hicache_serve")
+    assert out == "stored 4 pages; read back 4, identical: True\n"
+
+
+def test_readme_service_mode_example_runs_against_hicache_serve(tmp_path):
+    out = _run_against_hicache_serve(tmp_path, "test_readme_service_mode_example_runs_against_hicache_serve")
+    assert out == "engine B hit 80 tokens, 80 loaded from the shared segment; private L2 bytes: 0\n"
 
 
 def test_trace_docs_example_replays_as_shown(tmp_path):
