@@ -1,0 +1,94 @@
+"""Host time of ``HiCache.admit`` for an 8K-token L2 hit, and where it goes.
+
+    PYTHONPATH=. python bench/admit.py [--tokens 8192] [--layers 32] [--reps 50] [--profile]
+
+No model: the pools of an 8B-shaped layout (32 layers x 8 KV heads x 128 dims,
+bf16, page 16, ``page_first``), a prompt cached on L2 only, then admitted
+(match, lock, start the layer-wise load back) ``--reps`` times, each followed
+by waiting for the load and dropping L1 again. Prints the median admission
+with the CUDA-graph load back and with one launch per layer (same process,
+interleaved), and with ``--profile`` the functions that take the host time.
+Runs on the CPU too (the load back is then a worker thread's job).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import random
+import statistics
+import time
+
+import torch
+
+from hicache.config import HiCacheConfig
+from hicache.hicache import HiCache
+from hicache.layout import KVLayout
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--profile", action="store_true", help="then profile 20 more graph admissions")
+    ap.add_argument("--idle-ms", type=float, default=0.0,
+                    help="sleep before each admission (a host that idled runs it slower: clocks, caches)")
+    a = ap.parse_args()
+    gpu = torch.cuda.is_available()
+    heads, dim = (8, 128) if gpu else (1, 8)  # on the CPU only the host side matters
+    lay = KVLayout("bench-admit", num_layers=a.layers, num_kv_heads=heads, head_dim=dim, dtype="bfloat16",
+                   page_size=16, host_layout="page_first")
+    pages = a.tokens // 16 + 16
+    cfg = HiCacheConfig.load(env={}, overrides={"storage.url": "", "pool.device": "cuda:0" if gpu else "cpu",
+                                                "pool.device_pages": str(pages), "pool.host_pages": str(pages)})
+    hc = HiCache(cfg, layout=lay)
+    prompt = [random.randrange(1, 32000) for _ in range(a.tokens)]
+    req = hc.new_request("fill", prompt)
+    hc.admit(req)
+    req.alloc(len(prompt))
+    req.commit()
+    req.finish()
+    hc.drain()
+    times: dict[bool, list[float]] = {True: [], False: []}
+    prof = cProfile.Profile()
+    profiled = 20 if a.profile else 0
+    for i in range(a.reps + 2 + profiled):
+        for graphs in (True, False):
+            if i >= a.reps + 2 and not graphs:
+                continue
+            hc.evict(10**9)
+            hc.transfers._graphs = graphs and gpu
+            r = hc.new_request(f"r{i}{graphs}", prompt)
+            if gpu:
+                torch.cuda.synchronize()
+            if a.idle_ms:
+                time.sleep(a.idle_ms / 1e3)
+            if i >= a.reps + 2:
+                prof.enable()
+            t0 = time.perf_counter()
+            adm = hc.admit(r)
+            dt = time.perf_counter() - t0
+            prof.disable()
+            assert adm.host_tokens == (a.tokens - 1) // 16 * 16, adm
+            if 2 <= i < a.reps + 2:  # after warm-up (capture, plans, allocator); not profiled
+                times[graphs].append(dt)
+            adm.wait()
+            r.finish()
+            hc.drain()
+    hc.check_integrity()
+    where = torch.cuda.get_device_name() if gpu else "CPU"
+    print(f"# admission of a {a.tokens}-token L2 hit ({(a.tokens - 1) // 16} pages, {a.layers} layers), {where}, "
+          f"{a.reps} reps, idle before each {a.idle_ms:g} ms")
+    print(f"median host time: {statistics.median(times[True]) * 1e3:.3f} ms with the CUDA-graph load back"
+          + (f", {statistics.median(times[False]) * 1e3:.3f} ms launching per layer" if gpu else ""))
+    if a.profile:
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+        print(out.getvalue())
+    hc.close()
+
+
+if __name__ == "__main__":
+    main()
