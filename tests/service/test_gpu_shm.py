@@ -77,3 +77,53 @@ def test_shared_l2_kernels_copy_between_gpu_l1_and_the_segment(host_layout):
             for s, t in zip([6, 1, 4], [0, 5, 2]):
                 for k, v in src.page_view(s).items():
                     assert torch.equal(dst.page_view(t)[k], v), (k, s, t)
+
+
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
+def test_hicache_service_mode_on_a_gpu_moves_exact_pages_through_the_segment(host_layout):
+    """Two ``HiCache`` engines on the GPU in service mode: A's write-through backup
+    (kernel, L1 -> pinned segment) is B's layer-wise load back (CUDA-graph replay,
+    segment -> scattered L1 pages), byte for byte."""
+    from hicache.hicache import HiCache
+    with gpu_service(host_layout, "gpuhc") as (sock, lay):
+        cfg = HiCacheConfig.load(env={}, overrides={
+            "storage.url": f"hicache+unix://{sock}", "pool.device": "cuda:0", "pool.device_pages": 16,
+            "model.host_layout": host_layout, "model.dtype": "bfloat16", "policy.write_policy": "write_through"})
+        a, b = HiCache(cfg, layout=lay), HiCache(cfg, layout=lay)
+        try:
+            assert a.host_pool.buffer.is_pinned() and a.private_host_bytes == 0
+            prompt = list(range(5, 5 + 5 * lay.page_size + 1))  # 5 whole pages (the segment holds 8)
+            ra = a.new_request("a", prompt)
+            a.admit(ra)
+            ra.alloc(len(prompt))
+            g = torch.Generator(device="cuda").manual_seed(3)
+            for buf in a.device_pool.buffers:
+                buf.copy_(torch.randn(buf.shape, generator=g, device="cuda").to(buf.dtype))
+            want = [a.device_pool.page_view(p) for p in ra.pages[:5]]
+            want = [{k: v.clone() for k, v in w.items()} for w in want]
+            ra.commit()
+            ra.finish()
+            a.drain()
+            assert a.stats().tiers.backup_pages == 5
+            rb = b.new_request("pre", list(range(900, 900 + 3 * lay.page_size)))  # B's first pages are taken
+            b.admit(rb)
+            rb.alloc(rb.num_tokens)
+            req = b.new_request("b", prompt)
+            adm = b.admit(req)
+            assert (adm.hit_tokens, adm.host_tokens) == (5 * lay.page_size, 5 * lay.page_size)
+            assert b.transfers._graph is not None  # the layer-wise load went through the captured graph
+            adm.wait()
+            torch.cuda.synchronize()
+            got = [b.device_pool.page_view(p) for p in req.pages[:5]]
+            assert req.pages[:5] != ra.pages[:5]
+            for i, (w, g_) in enumerate(zip(want, got)):
+                for k in w:
+                    assert torch.equal(w[k], g_[k]), (i, k)
+            req.finish()
+            rb.finish()
+            b.drain()
+            a.check_integrity()
+            b.check_integrity()
+        finally:
+            a.close()
+            b.close()
