@@ -58,6 +58,16 @@ def start_service():
         shutil.rmtree(d, ignore_errors=True)
 
 
+def _alter_shared_page(sock: str, layout, prompt: list[int], i: int) -> None:
+    """Reverse the bytes of the shared page holding page ``i`` of ``prompt`` (after an integrity check)."""
+    with EngineClient(sock, layout, pin=False) as c:
+        c.check_integrity()
+        h = page_hashes(prompt[:6 * PS], PS)[i:i + 1]
+        page = c.acquire(h)[0]
+        c.pool.write_page(page, bytes(reversed(c.pool.read_page(page))))
+        c.release(h)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,host_layout", [("mha", "page_first"), ("mla", "layer_first")])
 def test_engine_b_loads_engine_a_prefix_from_the_segment_bit_exact(kind, host_layout, start_service):
@@ -75,12 +85,8 @@ def test_engine_b_loads_engine_a_prefix_from_the_segment_bit_exact(kind, host_la
     with EngineClient(sock, layout, pin=False) as c:
         st = c.stats()
         assert (st["committed_pages"], st["reserved_pages"], st["locked_pages"]) == (6, 0, 0)
-        c.check_integrity()
-        # The comparison can fail: with one shared page's bytes altered, B's logits differ.
-        h = page_hashes(prompt[:6 * PS], PS)
-        page = c.acquire(h[2:3])[0]
-        c.pool.write_page(page, bytes(reversed(c.pool.read_page(page))))
-        c.release(h[2:3])
+    # The comparison can fail: with one shared page's bytes altered, B's logits differ.
+    _alter_shared_page(sock, layout, prompt, 2)
     bad = _worker("warm", socket=sock, kind=kind, host_layout=host_layout, prompt=prompt)
     assert bad["loaded"] == 6 and bad["warm"] != bad["cold"] == a["logits"]
 
@@ -105,11 +111,7 @@ def test_hicache_in_service_mode_shares_l2_through_the_segment_bit_exact(kind, h
     assert (b["locked_after"], b["reserved_after"]) == (0, 0)
     with EngineClient(sock, layout, pin=False) as c:
         assert c.stats()["committed_pages"] == 6
-        c.check_integrity()
-        h = page_hashes(prompt[:6 * PS], PS)
-        page = c.acquire(h[4:5])[0]
-        c.pool.write_page(page, bytes(reversed(c.pool.read_page(page))))
-        c.release(h[4:5])
+    _alter_shared_page(sock, layout, prompt, 4)
     bad = _worker("hc_warm", socket=sock, kind=kind, host_layout=host_layout, prompt=prompt)
     assert bad["hit"] == 6 * PS and bad["logits"] != bad["cold"]  # the comparison can fail
 
