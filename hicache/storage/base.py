@@ -216,14 +216,24 @@ class PutBatch(Sequence[tuple[bytes, bytes, memoryview]]):
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        full, key, mv, sizes = self._rows[i]
+        row = self._rows[i]
+        return row[0], self.header(i), row[2]
+
+    def key_payload(self, i: int) -> tuple[bytes, memoryview]:
+        """Full key and payload of page ``i`` (builds no header)."""
+        row = self._rows[i]
+        return row[0], row[2]
+
+    def header(self, i: int) -> bytes:
+        """Page ``i``'s header, built (checksum over the payload) on the first call."""
         hdr = self._headers[i]
         if hdr is None:
+            _, key, mv, sizes = self._rows[i]
             t = self._templates.get(id(sizes))
             if t is None:
                 t = self._templates[id(sizes)] = codec.header_template(self._fingerprint, sizes)
             hdr = self._headers[i] = codec.encode_header(self._fingerprint, key, sizes, mv, self._auth_key, t)
-        return full, hdr, mv
+        return hdr
 
 
 class StorageBackend(abc.ABC):
