@@ -224,6 +224,18 @@ class PutBatch(Sequence[tuple[bytes, bytes, memoryview]]):
         row = self._rows[i]
         return row[0], row[2]
 
+    def header_ahead(self, i: int, nbytes: int) -> bytes:
+        """Page ``i``'s header; if it is not built yet, the headers of the pages
+        after it are built with it, up to ``nbytes`` of payload in all (a group
+        that the send following it still finds in cache)."""
+        if self._headers[i] is None:
+            acc, j = 0, i
+            while j < len(self._rows) and acc < nbytes:
+                self.header(j)
+                acc += self._rows[j][2].nbytes
+                j += 1
+        return self.header(i)
+
     def header(self, i: int) -> bytes:
         """Page ``i``'s header, built (checksum over the payload) on the first call."""
         hdr = self._headers[i]

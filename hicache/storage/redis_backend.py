@@ -54,6 +54,10 @@ OVERLAP_CHUNK_BYTES = 4 << 20
 # server) the helper thread takes the server's core and the put is slower
 # than the serial one (bench/RESULTS.md, L3 section, 2026-11-30).
 OVERLAP_MIN_CPUS = 4
+# Without the helper, headers are built in groups of about this many payload
+# bytes (L2-sized), each just before the group is sent: page by page measured
+# slower than all-first below ~512 KiB pages, and faster above (2-core box).
+LAZY_GROUP_BYTES = 1 << 20
 
 
 def _usable_cpus() -> int:
@@ -137,8 +141,8 @@ class RedisBackend(StorageBackend):
     def _raw_put(self, items: PutBatch) -> list[bool | BaseException]:
         chunks = _put_chunks(items) if self.overlap_checksums else None
         if chunks is None:
-            # One pipeline; each page's header is built (its checksum read) just
-            # before that page is sent, so the send reads the payload from cache.
+            # One pipeline; headers are built (checksums read) group by group just
+            # before the group is sent, so the send reads the payloads from cache.
             return self._put_pipeline(items, range(len(items)), lazy=True)
         # Checksum chunk j+1 on the helper thread while chunk j is on the wire:
         # sendall releases the GIL, so the two run on two cores. Headers are
@@ -159,7 +163,8 @@ class RedisBackend(StorageBackend):
         p = self._pipe()
         for i in idx:
             k, payload = items.key_payload(i)
-            p.set(k, FramedValue(partial(items.header, i) if lazy else items.header(i), payload))
+            hdr = partial(items.header_ahead, i, LAZY_GROUP_BYTES) if lazy else items.header(i)
+            p.set(k, FramedValue(hdr, payload))
         return [r if isinstance(r, BaseException) else bool(r) for r in p.execute(raise_on_error=False)]
 
     def _hasher(self) -> ThreadPoolExecutor:
