@@ -164,7 +164,7 @@ class RedisBackend(StorageBackend):
         for i in idx:
             k, payload = items.key_payload(i)
             hdr = partial(items.header_ahead, i, LAZY_GROUP_BYTES) if lazy else items.header(i)
-            p.set(k, FramedValue(hdr, payload))
+            p.execute_command("SET", k, FramedValue(hdr, payload))  # p.set() minus its option parsing
         return [r if isinstance(r, BaseException) else bool(r) for r in p.execute(raise_on_error=False)]
 
     def _hasher(self) -> ThreadPoolExecutor:

@@ -41,6 +41,7 @@ _BUFFER_CUTOFF = 6000
 # own buffer is allocated; a pipeline of small replies still takes few calls.
 _LINE_READ = 16 << 10
 _CRLF = b"\r\n"
+_OK = b"+OK\r\n"
 _CLOSED = "Connection closed by server."
 
 
@@ -202,6 +203,9 @@ class DirectReplyParser(BaseParser):
         return out
 
     def read_response(self, disable_decoding: bool = False, timeout: object = _SENTINEL):
+        if self._buf.startswith(_OK, self._start, self._end):  # a put's replies
+            self._start += len(_OK)
+            return b"OK" if disable_decoding else self.encoder.decode(b"OK")
         raw = self._line(timeout)
         kind, rest = raw[:1], raw[1:]
         if kind == b"$":

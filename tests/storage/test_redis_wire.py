@@ -259,3 +259,14 @@ def test_a_corrupt_page_mid_pipeline_is_a_miss_and_its_neighbours_verify(redis_u
     b.delete(keys)
     b.close()
     raw.close()
+
+
+def test_ok_replies_read_from_the_buffer_match_the_general_path():
+    p, a, b, t = parser_on(b"+OK\r\n" * 4 + b"+OKAY\r\n")
+    t.join()
+    got = [p.read_response(), p.read_response(disable_decoding=True)]
+    p.encoder = Encoder("utf-8", "strict", True)  # decode_responses=True
+    got += [p.read_response(), p.read_response(), p.read_response()]
+    assert got == [b"OK", b"OK", "OK", "OK", "OKAY"]
+    a.close()
+    b.close()
