@@ -27,6 +27,7 @@ whose push messages an L3 of GET/SET does not use); a URL or caller that sets
 from __future__ import annotations
 
 import socket
+import ssl
 from typing import Callable, Iterator
 
 from redis._parsers import BaseParser
@@ -129,8 +130,8 @@ class DirectReplyParser(BaseParser):
             return False
         try:
             self._recv(timeout)
-        except (socket.timeout, BlockingIOError, InterruptedError):
-            return False
+        except (socket.timeout, BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            return False  # nothing to read now (a TLS socket may also want a write first)
         return True
 
     def _recv(self, timeout: object = _SENTINEL) -> None:

@@ -270,3 +270,37 @@ def test_ok_replies_read_from_the_buffer_match_the_general_path():
     assert got == [b"OK", b"OK", "OK", "OK", "OKAY"]
     a.close()
     b.close()
+
+
+def test_tls_connections_read_through_the_direct_parser(tmp_path):
+    import shutil
+    import subprocess
+
+    from .conftest import free_port, redis_server, stop
+    if not shutil.which("openssl"):
+        pytest.skip("openssl is not on PATH")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)
+    port = free_port()
+    try:
+        proc = redis_server(port, str(tmp_path), "--port", "0", "--tls-port", str(port), "--tls-cert-file",
+                            str(cert), "--tls-key-file", str(key), "--tls-auth-clients", "no")
+    except RuntimeError:
+        pytest.skip("this redis-server was built without TLS")
+    try:
+        b = open_storage(f"rediss://127.0.0.1:{port}/0?ssl_cert_reqs=none", fingerprint=FP, timeout_ms=2000)
+        keys = page_hashes(list(range(4 * 5)), 4)
+        pages = [bytes([i]) * 300_000 for i in range(len(keys))]
+        assert b.put([(k, p, [len(p)]) for k, p in zip(keys, pages)]) == len(keys)
+        for _ in range(3):  # the pooled connection is checked (can_read) before each reuse
+            assert [bytes(x) for x in b.get(keys, [300_000])] == pages
+        conn = b._client().connection_pool.get_connection()
+        assert type(conn).__name__ == "FramedSSLConnection" and isinstance(conn._parser, DirectReplyParser)
+        b._client().connection_pool.release(conn)
+        assert b.prefix_hits(keys) == len(keys) and b.delete(keys) == len(keys)
+        s = b.stats()
+        assert (s.hits, s.errors, s.put_dropped) == (15, 0, 0)
+        b.close()
+    finally:
+        stop(proc)
