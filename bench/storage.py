@@ -17,9 +17,9 @@ hicache without it.
 
 hicache put has two checksum schedules (``RedisBackend.overlap_checksums``,
 on by default with >= 4 usable CPUs): a helper thread checksums the next 4 MiB
-chunk while this one is sent, or one pipeline in which each page's header is
-built just before the page is sent. "other schedule" is the same put with the
-other one (the header row names which is the default here).
+chunk while this one is sent, or ("groups") one pipeline whose headers are built
+in ~1 MiB groups, each just before the group is sent. "other schedule" is the
+same put with the other one (the line above the table names the default here).
 ``--redis-benchmark`` adds the C client (redis-benchmark, one connection, the
 same pipeline depth) and hicache's ratio to it.
 
@@ -230,14 +230,15 @@ def main() -> None:
             if proc is not None:
                 proc.terminate()
                 proc.wait()
+    schedule, other = ("helper thread", "groups") if OVERLAP_DEFAULT else ("groups", "helper thread")
     print(f"\nbatch {a.batch} pages, median of {a.rounds} interleaved rounds, GB/s of payload; put's default "
-          f"checksum schedule here: {'helper thread' if OVERLAP_DEFAULT else 'page by page'} ({os.cpu_count()} CPUs)")
+          f"checksum schedule here: {schedule} ({os.cpu_count()} CPUs)")
     print("| page size | raw SET (default) | raw SET (py packer) | hicache put | put / best raw "
           "| put / raw, paired per round [range] "
-          f"| hicache put, other schedule ({'page by page' if OVERLAP_DEFAULT else 'helper thread'}) | put with MAC | raw GET | hicache get | get / raw "
+          f"| hicache put, other schedule ({other}) | put with MAC | raw GET | hicache get | get / raw "
           "| get / raw, paired per round [range] | get with MAC |"
           + (" C client SET | C client GET | put / C | get / C |" if rows and "cb_set" in rows[0] else ""))
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if rows and "cb_set" in rows[0] else ""))
+    print("|---" * 13 + "|" + ("---|" * 4 if rows and "cb_set" in rows[0] else ""))
     for r in rows:
         best = max(r["raw_put"], r["raw_py_put"])
         line = (f"| {human(r['size'])} | {r['raw_put']:.2f} | {r['raw_py_put']:.2f} | {r['l3_put']:.2f} "
