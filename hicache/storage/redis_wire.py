@@ -210,7 +210,7 @@ class DirectReplyParser(BaseParser):
         raw = self._line(timeout)
         kind, rest = raw[:1], raw[1:]
         if kind == b"$":
-            n = int(rest)
+            n = _int(raw)
             if n < 0:
                 return None
             if disable_decoding:
@@ -221,7 +221,7 @@ class DirectReplyParser(BaseParser):
                 raise InvalidResponse(f"Protocol Error: bulk string of {n} bytes is not followed by CRLF")
             return value if disable_decoding else self.encoder.decode(value)
         if kind == b":":
-            return int(rest)
+            return _int(raw)
         if kind == b"+":
             return rest if disable_decoding else self.encoder.decode(rest)
         if kind == b"-":
@@ -230,11 +230,18 @@ class DirectReplyParser(BaseParser):
                 raise error
             return error
         if kind == b"*":
-            n = int(rest)
+            n = _int(raw)
             if n < 0:
                 return None
             return [self.read_response(disable_decoding, timeout) for _ in range(n)]
         raise InvalidResponse(f"Protocol Error: {raw!r}")
+
+
+def _int(line: bytes) -> int:
+    try:
+        return int(line[1:])
+    except ValueError:
+        raise InvalidResponse(f"Protocol Error: {line[:100]!r}") from None
 
 
 def _framed_kwargs(kwargs: dict) -> dict:

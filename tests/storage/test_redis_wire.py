@@ -180,7 +180,7 @@ def test_a_server_that_closes_mid_reply_is_a_connection_error(cut):
 
 
 def test_a_bulk_not_followed_by_crlf_is_a_protocol_error():
-    for data in (b"$3\r\nabcXY", b"*1\r\n!x\r\n"):
+    for data in (b"$3\r\nabcXY", b"*1\r\n!x\r\n", b"$x1\r\n", b":4.5\r\n", b"*two\r\n"):
         p, a, b, t = parser_on(data)
         with pytest.raises(InvalidResponse):
             p.read_response(disable_decoding=True)
