@@ -15,10 +15,18 @@ length, xxh3 checksum). "with MAC" columns: the same with ``storage.auth_key``
 set (keyed BLAKE2b over header and payload), in parentheses relative to
 hicache without it.
 
-hicache put overlaps checksums with sends for batches over 4 MiB (``RedisBackend.
-overlap_checksums``); "serial checksums" is the same put with that turned off.
+hicache put has two checksum schedules (``RedisBackend.overlap_checksums``,
+on by default with >= 4 usable CPUs): a helper thread checksums the next 4 MiB
+chunk while this one is sent, or ("groups") one pipeline whose headers are built
+in ~1 MiB groups, each just before the group is sent. "other schedule" is the
+same put with the other one (the line above the table names the default here).
 ``--redis-benchmark`` adds the C client (redis-benchmark, one connection, the
 same pipeline depth) and hicache's ratio to it.
+
+Ratios to raw redis-py are also given paired: each round's hicache figure over
+the same round's reference (put: the better raw SET of that round), then the
+median and the range of those ratios, which cancels load that drifts between
+rounds on a shared machine.
 
     python bench/storage.py [--sizes 64K,512K,2M] [--batch 32] [--rounds 7] [--redis-benchmark]
 """
@@ -39,6 +47,9 @@ from redis.connection import Encoder, PythonRespSerializer
 
 from hicache.hashing import page_hashes
 from hicache.storage import open_storage
+from hicache.storage.redis_backend import RedisBackend
+
+OVERLAP_DEFAULT = RedisBackend.overlap_checksums
 
 FP = "b3nchb3nchb3nchb3nchb3nchb3nch00"
 
@@ -99,7 +110,7 @@ def run(url: str, sizes: list[int], batch: int, rounds: int, target_bytes: int, 
     raw_py = redis.Redis(connection_pool=redis.ConnectionPool.from_url(url, command_packer=packer))
     l3 = open_storage(url, fingerprint=FP, timeout_ms=timeout_ms)
     l3_serial = open_storage(url, fingerprint=FP, timeout_ms=timeout_ms)
-    l3_serial.overlap_checksums = False  # the previous put path: every checksum, then every send
+    l3_serial.overlap_checksums = not l3.overlap_checksums  # the other checksum schedule
     # The same store with storage.auth_key set (a keyed BLAKE2b MAC per object),
     # under its own prefix: the difference is the MAC's cost.
     l3_mac = open_storage(url, fingerprint=FP, timeout_ms=timeout_ms, key_prefix=b"hicache-mac:",
@@ -153,6 +164,10 @@ def run(url: str, sizes: list[int], batch: int, rounds: int, target_bytes: int, 
             for name, fn in ops:
                 res[name].append(reps * batch * size / timed(fn, reps) / 1e9)
         med = {n: statistics.median(v) for n, v in res.items()}
+        put_r = sorted(p / max(a, b) for p, a, b in zip(res["l3_put"], res["raw_put"], res["raw_py_put"]))
+        get_r = sorted(g / r for g, r in zip(res["l3_get"], res["raw_get"]))
+        med.update(put_pair=statistics.median(put_r), put_lo=put_r[0], put_hi=put_r[-1],
+                   get_pair=statistics.median(get_r), get_lo=get_r[0], get_hi=get_r[-1])
         if bench_exe:
             med.update(redis_benchmark(bench_exe, url, size, batch, target_bytes))
         rows.append(dict(size=size, **med))
@@ -215,17 +230,23 @@ def main() -> None:
             if proc is not None:
                 proc.terminate()
                 proc.wait()
-    print(f"\nbatch {a.batch} pages, median of {a.rounds} interleaved rounds, GB/s of payload")
+    schedule, other = ("helper thread", "groups") if OVERLAP_DEFAULT else ("groups", "helper thread")
+    print(f"\nbatch {a.batch} pages, median of {a.rounds} interleaved rounds, GB/s of payload; put's default "
+          f"checksum schedule here: {schedule} ({os.cpu_count()} CPUs)")
     print("| page size | raw SET (default) | raw SET (py packer) | hicache put | put / best raw "
-          "| hicache put, serial checksums | put with MAC | raw GET | hicache get | get / raw | get with MAC |"
+          "| put / raw, paired per round [range] "
+          f"| hicache put, other schedule ({other}) | put with MAC | raw GET | hicache get | get / raw "
+          "| get / raw, paired per round [range] | get with MAC |"
           + (" C client SET | C client GET | put / C | get / C |" if rows and "cb_set" in rows[0] else ""))
-    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if rows and "cb_set" in rows[0] else ""))
+    print("|---" * 13 + "|" + ("---|" * 4 if rows and "cb_set" in rows[0] else ""))
     for r in rows:
         best = max(r["raw_put"], r["raw_py_put"])
         line = (f"| {human(r['size'])} | {r['raw_put']:.2f} | {r['raw_py_put']:.2f} | {r['l3_put']:.2f} "
-                f"| {r['l3_put'] / best:.0%} | {r['l3_put_serial']:.2f} ({r['l3_put_serial'] / best:.0%}) "
+                f"| {r['l3_put'] / best:.0%} | {r['put_pair']:.0%} [{r['put_lo']:.0%}-{r['put_hi']:.0%}] "
+                f"| {r['l3_put_serial']:.2f} ({r['l3_put_serial'] / best:.0%}) "
                 f"| {r['mac_put']:.2f} ({r['mac_put'] / r['l3_put']:.0%}) "
                 f"| {r['raw_get']:.2f} | {r['l3_get']:.2f} | {r['l3_get'] / r['raw_get']:.0%} "
+                f"| {r['get_pair']:.0%} [{r['get_lo']:.0%}-{r['get_hi']:.0%}] "
                 f"| {r['mac_get']:.2f} ({r['mac_get'] / r['l3_get']:.0%}) |")
         if "cb_set" in r:
             line += (f" {r['cb_set']:.2f} | {r['cb_get']:.2f} | {r['l3_put'] / r['cb_set']:.0%} "

@@ -196,7 +196,7 @@ class PutBatch(Sequence[tuple[bytes, bytes, memoryview]]):
     while the payload is still in cache. Headers are kept once built.
     """
 
-    __slots__ = ("_fingerprint", "_rows", "_headers", "_auth_key")
+    __slots__ = ("_fingerprint", "_rows", "_headers", "_auth_key", "_templates")
 
     def __init__(self, fingerprint: str, rows: list[tuple[bytes, bytes, memoryview, codec.PlaneSizes]],
                  auth_key: bytes = b""):
@@ -204,6 +204,7 @@ class PutBatch(Sequence[tuple[bytes, bytes, memoryview]]):
         self._auth_key = auth_key
         self._rows = rows  # (full key, page hash, payload, plane sizes), lengths already checked
         self._headers: list[bytes | None] = [None] * len(rows)
+        self._templates: dict[int, codec.HeaderTemplate] = {}  # per plane-sizes object (one per batch, usually)
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -215,11 +216,36 @@ class PutBatch(Sequence[tuple[bytes, bytes, memoryview]]):
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        full, key, mv, sizes = self._rows[i]
+        row = self._rows[i]
+        return row[0], self.header(i), row[2]
+
+    def key_payload(self, i: int) -> tuple[bytes, memoryview]:
+        """Full key and payload of page ``i`` (builds no header)."""
+        row = self._rows[i]
+        return row[0], row[2]
+
+    def header_ahead(self, i: int, nbytes: int) -> bytes:
+        """Page ``i``'s header; if it is not built yet, the headers of the pages
+        after it are built with it, up to ``nbytes`` of payload in all (a group
+        that the send following it still finds in cache)."""
+        if self._headers[i] is None:
+            acc, j = 0, i
+            while j < len(self._rows) and acc < nbytes:
+                self.header(j)
+                acc += self._rows[j][2].nbytes
+                j += 1
+        return self.header(i)
+
+    def header(self, i: int) -> bytes:
+        """Page ``i``'s header, built (checksum over the payload) on the first call."""
         hdr = self._headers[i]
         if hdr is None:
-            hdr = self._headers[i] = codec.encode_header(self._fingerprint, key, sizes, mv, self._auth_key)
-        return full, hdr, mv
+            _, key, mv, sizes = self._rows[i]
+            t = self._templates.get(id(sizes))
+            if t is None:
+                t = self._templates[id(sizes)] = codec.header_template(self._fingerprint, sizes)
+            hdr = self._headers[i] = codec.encode_header(self._fingerprint, key, sizes, mv, self._auth_key, t)
+        return hdr
 
 
 class StorageBackend(abc.ABC):
@@ -377,6 +403,7 @@ class StorageBackend(abc.ABC):
         if len(raw) != len(full):
             raise StorageError(f"L3 backend {self.name}: get of {len(full)} keys returned {len(raw)} results")
         sizes = codec.plane_sizes(plane_sizes)
+        template = codec.header_template(self.fingerprint, sizes)
         out: list[memoryview | None] = []
         c = dict(hits=0, misses=0, corrupt=0, fingerprint_mismatch=0, errors=0, bytes_read=0)
         bad: list[bytes] = []
@@ -390,7 +417,7 @@ class StorageBackend(abc.ABC):
                                              "(%s: %s); counted as a miss", self.name, fk, type(obj).__name__,
                                              str(obj)[:200])
                 continue
-            d = codec.decode(obj, key, self.fingerprint, sizes, self.options.auth_key)
+            d = codec.decode(obj, key, self.fingerprint, sizes, self.options.auth_key, template)
             if d.status is ReadStatus.OK:
                 c["hits"] += 1
                 c["bytes_read"] += d.payload.nbytes

@@ -20,9 +20,11 @@ URL forms::
 """
 from __future__ import annotations
 
+import os
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from urllib.parse import urlsplit
 from typing import Any, Callable, Iterator
 
@@ -45,6 +47,26 @@ def _retry(options: StorageOptions) -> Retry:
     return Retry(EqualJitterBackoff(cap=t, base=t / 4), retries=options.max_retries)
 
 
+# Overlapping checksums with sends pays only for batches of several MiB: each
+# chunk is one more round trip. Chunks of at least this many payload bytes.
+OVERLAP_CHUNK_BYTES = 4 << 20
+# ... and only with cores to spare: on a 2-core box (client + a loopback
+# server) the helper thread takes the server's core and the put is slower
+# than the serial one (bench/RESULTS.md, L3 section, 2026-11-30).
+OVERLAP_MIN_CPUS = 4
+# Without the helper, headers are built in groups of about this many payload
+# bytes (L2-sized), each just before the group is sent: page by page measured
+# slower than all-first below ~512 KiB pages, and faster above (2-core box).
+LAZY_GROUP_BYTES = 1 << 20
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 class RedisBackend(StorageBackend):
     """One Redis server (``RedisClusterBackend`` below: a cluster).
 
@@ -57,8 +79,9 @@ class RedisBackend(StorageBackend):
     OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, RedisClusterException,
                      OSError)
     CALL_ERRORS = (RedisError,)
-    # Large puts checksum the next chunk while this one is sent; benchmarks turn it off to compare.
-    overlap_checksums = True
+    # Large puts checksum the next chunk on a helper thread while this one is sent, where
+    # there are cores for it (OVERLAP_MIN_CPUS); benchmarks set it to compare.
+    overlap_checksums = _usable_cpus() >= OVERLAP_MIN_CPUS
 
     def __init__(self, options: StorageOptions, make_client: Callable[[], Any], name: str):
         super().__init__(options, name)
@@ -85,6 +108,7 @@ class RedisBackend(StorageBackend):
             raise ConfigError(f"storage url {redact_url(url)!r}: database {path!r} is not a number; "
                               "use redis://host:port/N with N a database index (0 by default)")
         ssl = kw.pop("connection_class", None) is SSLConnection
+        kw.setdefault("protocol", 2)  # RESP2: replies parsed by redis_wire.DirectReplyParser
         kw.update(redis_kwargs)
         kw.update(socket_timeout=options.timeout_s, socket_connect_timeout=options.timeout_s,
                   retry=_retry(options),
@@ -117,7 +141,9 @@ class RedisBackend(StorageBackend):
     def _raw_put(self, items: PutBatch) -> list[bool | BaseException]:
         chunks = _put_chunks(items) if self.overlap_checksums else None
         if chunks is None:
-            return self._put_pipeline(items, range(len(items)))
+            # One pipeline; headers are built (checksums read) group by group just
+            # before the group is sent, so the send reads the payloads from cache.
+            return self._put_pipeline(items, range(len(items)), lazy=True)
         # Checksum chunk j+1 on the helper thread while chunk j is on the wire:
         # sendall releases the GIL, so the two run on two cores. Headers are
         # built once (PutBatch caches them) and only by the helper.
@@ -133,11 +159,12 @@ class RedisBackend(StorageBackend):
                 f.cancel()  # after an outage: no hashing for chunks that will not be sent
         return out
 
-    def _put_pipeline(self, items: PutBatch, idx: range) -> list[bool | BaseException]:
+    def _put_pipeline(self, items: PutBatch, idx: range, lazy: bool = False) -> list[bool | BaseException]:
         p = self._pipe()
         for i in idx:
-            k, hdr, payload = items[i]
-            p.set(k, FramedValue(hdr, payload))
+            k, payload = items.key_payload(i)
+            hdr = partial(items.header_ahead, i, LAZY_GROUP_BYTES) if lazy else items.header(i)
+            p.execute_command("SET", k, FramedValue(hdr, payload))  # p.set() minus its option parsing
         return [r if isinstance(r, BaseException) else bool(r) for r in p.execute(raise_on_error=False)]
 
     def _hasher(self) -> ThreadPoolExecutor:
@@ -147,9 +174,11 @@ class RedisBackend(StorageBackend):
             return self._hash_pool
 
     def _raw_get(self, keys: list[bytes]) -> list[Buffer | None | BaseException]:
+        # NEVER_DECODE: the reply parser receives each value straight into the
+        # bytearray it returns (redis_wire.DirectReplyParser), no extra copies.
         p = self._pipe()
         for k in keys:
-            p.get(k)
+            p.execute_command("GET", k, NEVER_DECODE=[])
         return p.execute(raise_on_error=False)
 
     def _raw_exists(self, keys: list[bytes]) -> list[bool]:
@@ -181,11 +210,6 @@ class RedisBackend(StorageBackend):
             pool.shutdown(wait=True)
         if c is not None:
             c.close()
-
-
-# Overlapping checksums with sends pays only for batches of several MiB: each
-# chunk is one more round trip. Chunks of at least this many payload bytes.
-OVERLAP_CHUNK_BYTES = 4 << 20
 
 
 def _put_chunks(items: PutBatch) -> list[range] | None:
@@ -237,6 +261,7 @@ class RedisClusterBackend(RedisBackend):
             url=first, startup_nodes=nodes[1:], retry=_retry(options), socket_timeout=options.timeout_s,
             socket_connect_timeout=options.timeout_s, require_full_coverage=False,
             connection_class=FramedSSLConnection if tls else FramedConnection)
+        kw.setdefault("protocol", 2)  # as in RedisBackend.from_url
         kw.update(cluster_kwargs)
         return cls(options, lambda: RedisCluster(**kw), redact_url(url))
 

@@ -107,3 +107,77 @@ def test_plane_sizes_are_validated_once():
     assert codec.decode(obj(), KEY, FP, ps).status is ReadStatus.OK
     with pytest.raises(ValueError, match="must be >= 0"):
         codec.plane_sizes([4, -4])
+
+
+# --- header templates: the same bytes as packing the fields' dict, and decode's byte-compare path
+
+@pytest.mark.parametrize("auth", [b"", codec.mac_key(b"k" * 16)])
+@pytest.mark.parametrize("sizes", [[], [0], [64], SIZES, [4] * 16, list(range(200)), [70000, 3]])
+def test_template_header_is_the_dict_header(sizes, auth):
+    fps = [FP, "f" * 8, "é" * 40, "x" * 300]
+    for i, fp in enumerate(fps):
+        t = codec.header_template(fp, sizes)
+        payload = memoryview(bytes((j * 13 + i) % 256 for j in range(sum(sizes))))
+        key = bytes(range(i, i + 16))
+        ref = codec._encode_header_dict(fp, key, sizes, payload, auth)
+        assert codec.encode_header(fp, key, sizes, payload, auth) == ref
+        assert codec.encode_header(fp, key, sizes, payload, auth, t) == ref
+
+
+def test_uint_is_msgpacks_smallest_encoding():
+    for v in [0, 1, 127, 128, 255, 256, 65535, 65536, (1 << 32) - 1, 1 << 32, (1 << 64) - 1]:
+        assert codec._uint(v) == msgpack.packb(v), v
+
+
+def _same(a: codec.Decoded, b: codec.Decoded) -> bool:
+    return a.status is b.status and (a.payload is None) == (b.payload is None) and (
+        a.payload is None or bytes(a.payload) == bytes(b.payload))
+
+
+@pytest.mark.parametrize("xor", [0x01, 0x80])
+def test_template_decode_agrees_with_the_field_by_field_decode(xor):
+    t = codec.header_template(FP, SIZES)
+    o = obj()
+    d = codec.decode(o, KEY, FP, SIZES, template=t)
+    assert d.status is ReadStatus.OK and bytes(d.payload) == PAYLOAD and d.why == ""
+    for i in range(len(o)):  # every flipped byte: the same verdict (never OK) and the same reason
+        bad = bytearray(o)
+        bad[i] ^= xor
+        fast, slow = codec.decode(bytes(bad), KEY, FP, SIZES, template=t), codec.decode(bytes(bad), KEY, FP, SIZES)
+        assert fast == slow and fast.status is not ReadStatus.OK, (i, fast)
+    for n in range(len(o)):  # every truncation, and one byte too many
+        assert codec.decode(o[:n], KEY, FP, SIZES, template=t) == codec.decode(o[:n], KEY, FP, SIZES)
+    assert codec.decode(o + b"x", KEY, FP, SIZES, template=t).status is ReadStatus.CORRUPT
+
+
+def test_template_decode_falls_back_for_what_it_does_not_write():
+    t = codec.header_template(FP, SIZES)
+    cases = {
+        "other key": (obj(), bytes(16), FP, SIZES, b""),
+        "other layout": (codec.encode("b" * 32, KEY, SIZES, PAYLOAD), KEY, FP, SIZES, b""),
+        "other sizes": (codec.encode(FP, KEY, [32, 32], PAYLOAD), KEY, FP, SIZES, b""),
+        "with a MAC, read with the key": (codec.encode(FP, KEY, SIZES, PAYLOAD, b"m" * 32), KEY, FP, SIZES,
+                                          b"m" * 32),
+        "with a MAC, read without": (codec.encode(FP, KEY, SIZES, PAYLOAD, b"m" * 32), KEY, FP, SIZES, b""),
+        "no MAC, read with a key": (obj(), KEY, FP, SIZES, b"m" * 32),
+    }
+    for name, (o, key, fp, sizes, auth) in cases.items():
+        fast = codec.decode(o, key, fp, sizes, auth, t if fp == FP and sizes == SIZES else None)
+        assert _same(fast, codec.decode(o, key, fp, sizes, auth)), name
+    # An object without hck (written before it existed) still verifies, field by field.
+    fields = {"version": FORMAT_VERSION, "fingerprint": FP, "hash": KEY, "plane_sizes": SIZES,
+              "length": 64, "checksum": codec.checksum(PAYLOAD)}
+    hdr = msgpack.packb(fields)
+    old = struct.pack("<4sI", MAGIC, len(hdr)) + hdr + PAYLOAD
+    assert codec.decode(old, KEY, FP, SIZES, template=t).status is ReadStatus.OK
+    # A valid header in a longer encoding ("length" as a uint32) is not byte-equal: the
+    # field-by-field path decides (OK, as before templates).
+    o = obj()
+    hlen = struct.unpack_from("<I", o, 4)[0]
+    short = msgpack.packb("length") + msgpack.packb(64)
+    assert o[8:8 + hlen].count(short) == 1
+    hdr = o[8:8 + hlen].replace(short, msgpack.packb("length") + b"\xce" + (64).to_bytes(4, "big"))
+    long_ = struct.pack("<4sI", MAGIC, len(hdr)) + hdr + PAYLOAD
+    assert codec._decode_exact(memoryview(long_), KEY, t) is None
+    d = codec.decode(long_, KEY, FP, SIZES, template=t)
+    assert d.status is ReadStatus.OK and bytes(d.payload) == PAYLOAD

@@ -10,6 +10,7 @@ import redis
 
 from hicache.hashing import page_hashes
 from hicache.storage import codec, open_storage, redis_backend
+from hicache.storage.base import PutBatch
 
 from .conftest import FP
 
@@ -46,5 +47,30 @@ def test_small_batches_take_one_pipeline(redis_url):
     keys = page_hashes(list(range(8)), 4)
     assert b.put([(k, b"x" * 64, [64]) for k in keys]) == 2
     assert b._hash_pool is None  # under OVERLAP_CHUNK_BYTES: no helper thread
+    b.delete(keys)
+    b.close()
+
+
+def test_lazy_put_builds_headers_in_groups_as_the_pipeline_is_sent(redis_url, monkeypatch):
+    monkeypatch.setattr(redis_backend, "LAZY_GROUP_BYTES", 3 * 4096)  # groups of three 4 KiB pages
+    groups: list[list[int]] = []
+    real = PutBatch.header_ahead
+
+    def spy(self, i, nbytes):
+        before = [j for j in range(len(self)) if self._headers[j] is not None]
+        out = real(self, i, nbytes)
+        built = [j for j in range(len(self)) if self._headers[j] is not None and j not in before]
+        if built:
+            groups.append(built)
+        return out
+    monkeypatch.setattr(PutBatch, "header_ahead", spy)
+    prefix = f"lazy-{uuid.uuid4().hex[:8]}:"
+    b = open_storage(redis_url, fingerprint=FP, key_prefix=prefix)
+    b.overlap_checksums = False
+    keys = page_hashes(list(range(7 * 4)), 4, namespace=prefix)
+    payloads = [os.urandom(4096) for _ in keys]
+    assert b.put([(k, p, [4096]) for k, p in zip(keys, payloads)]) == len(keys)
+    assert groups == [[0, 1, 2], [3, 4, 5], [6]]
+    assert [bytes(x) for x in b.get(keys, [4096])] == payloads
     b.delete(keys)
     b.close()
