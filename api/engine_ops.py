@@ -102,7 +102,7 @@ class Dispatcher:
             return self.error("contract", str(e), close=True, differences=[list(d) for d in diffs])
         self.index.add_owner(owner)
         return Reply({"ok": True, "protocol": PROTOCOL_VERSION, "client_id": owner,
-                      "fingerprint": self.layout.fingerprint(), **self.segment})
+                      "fingerprint": self.layout.fingerprint(), "has_l3": self.l3 is not None, **self.segment})
 
     # ------------------------------------------------------------------- ops
     def handle(self, owner: int, req: dict[str, Any]) -> Reply:

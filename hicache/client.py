@@ -182,6 +182,9 @@ class EngineClient(Link):
         rep = self._call(hello_request(self.layout.to_dict(), self.layout.fingerprint(), os.getpid()))
         self.client_id: int = rep["client_id"]
         self.num_pages: int = rep["num_pages"]
+        # The service persists to an L3 of its own (``fetch`` can load from it); a
+        # service that does not say is assumed to.
+        self.has_l3: bool = bool(rep.get("has_l3", True))
         pool_bytes, off = HostPool.nbytes_for(self.layout, self.num_pages), rep["pool_offset"]
         if rep["shm_size"] != off + pool_bytes:
             raise ServiceError("bad_layout", f"server segment holds {rep['shm_size']} bytes with its pool at "

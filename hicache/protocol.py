@@ -5,8 +5,11 @@ Requests carry ``op``; replies carry ``ok`` and either the op's result fields
 or ``kind`` + ``message`` (+ ``differences`` for a contract mismatch).
 
 The first request on a connection must be ``hello`` (see ``hello_request``);
-anything else is refused. A hello with ``role: "consensus"`` (and no layout)
-opens a connection for ``agree``, ``stats``, ``check`` and ``bye`` only.
+anything else is refused. Its reply carries the segment to map (``shm_name``,
+``shm_size``, ``pool_offset``, ``num_pages``), ``client_id``, ``fingerprint``
+and ``has_l3`` (the service has an L3 of its own for ``fetch``). A hello with
+``role: "consensus"`` (and no layout) opens a connection for ``agree``,
+``stats``, ``check`` and ``bye`` only.
 Ops after the handshake, with their fields:
 
 =========  ==========================  ==========================================

@@ -79,7 +79,7 @@ class ServiceMode:
             return None  # L1 holds more of it, without draft rows: not a shared load's business
         pages = sh.call(sh.shared.begin_load, hashes, need_draft=need_draft, default=[])
         fetched = 0
-        if len(pages) < len(hashes) and wait_ms > 0 and not sh.down:
+        if len(pages) < len(hashes) and wait_ms > 0 and not sh.down and sh.client.has_l3:
             rest = hashes[len(pages):]  # maybe in the service's L3: let it load them, then lock them too
             got = sh.call(sh.client.fetch, rest, wait_ms, need_draft=need_draft)
             if got is not None and got.num_pages:

@@ -236,3 +236,35 @@ def test_configuration_errors_name_the_socket_and_the_setting():
     bad = HiCacheConfig.load(env={}, overrides={"storage.url": "hicache+unix://relative.sock", "pool.device": "cpu"})
     with pytest.raises(ConfigError, match="absolute"):
         HiCache(bad, layout=LAYOUT)
+
+
+def test_a_miss_costs_one_round_trip_when_the_service_has_no_l3(node, monkeypatch):
+    """Without an L3 behind the service there is nothing to fetch: a miss is one ``acquire``."""
+    a = node.engine()
+    try:
+        assert a.shared.client.has_l3 is False
+        calls = []
+        real = a.shared.client._call
+        monkeypatch.setattr(a.shared.client, "_call", lambda req: (calls.append(req["op"]), real(req))[1])
+        req = a.new_request("x", list(range(3000, 3000 + 5 * PS + 1)))
+        a.admit(req)
+        assert calls == ["acquire"]
+        req.abort()
+    finally:
+        a.close()
+    n = Node(l3="memory://")
+    try:
+        b = n.engine()
+        try:
+            assert b.shared.client.has_l3 is True
+            calls = []
+            real = b.shared.client._call
+            monkeypatch.setattr(b.shared.client, "_call", lambda req: (calls.append(req["op"]), real(req))[1])
+            req = b.new_request("y", list(range(4000, 4000 + 5 * PS + 1)))
+            b.admit(req)
+            assert calls == ["acquire", "fetch"]  # nothing in L2: the service's L3 is asked too
+            req.abort()
+        finally:
+            b.close()
+    finally:
+        n.stop()
