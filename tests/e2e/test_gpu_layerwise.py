@@ -101,3 +101,43 @@ def test_graphed_load_back_follows_a_new_host_pool():
                and bool((b.view(8, -1).view(torch.uint8)[1] == 2).all()) for b in dev.buffers)
     tc.wait_all()
     tc.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+@pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
+def test_copy_engine_load_of_long_runs_equals_the_kernel(host_layout):
+    """Pages in long runs (ascending, then descending on both sides) load through the copy
+    engines on a worker thread; layer waits and completion work; bytes equal the kernel's."""
+    from hicache import copy_engine
+    lay = KVLayout(model_id="m", num_layers=3, num_kv_heads=1, head_dim=64, dtype="bfloat16",
+                   page_size=16, host_layout=host_layout, draft_layers=1)
+    n = 2 * copy_engine.MIN_RUN_PAGES
+    pages = 2 * n
+    host = HostPool(lay, pages)
+    g = torch.Generator().manual_seed(5)
+    host.buffer.copy_(torch.randint(0, 256, host.buffer.shape, generator=g, dtype=torch.uint8))
+    src = list(range(7, 7 + n // 2)) + list(range(pages - 3, pages - 3 - n // 2, -1))
+    dst = list(range(n, n + n // 2)) + list(range(n - 1, n - 1 - n // 2, -1))
+    assert copy_engine.runs(src, dst) is not None
+    out = {}
+    for ce in (True, False):
+        dev = DevicePool(lay, pages, "cuda")
+        for b in dev.buffers:
+            b.view(torch.uint8).fill_(0x5A)
+        tc = TransferController(dev, host, copy_engines=ce)
+        h = tc.load_back(src, dst)
+        assert (h._layer_flags is not None) == ce  # the copy-engine path hands layers over from its thread
+        for i in range(lay.num_layers):
+            h.wait_layer(i)
+        h.wait()
+        tc.wait_all()
+        assert [r.ok for r in tc.finished()] == [True]
+        assert (tc._ce is not None) == ce
+        out[ce] = [b.clone() for b in dev.buffers]
+        tc.close()
+    for a, b in zip(out[True], out[False]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    for spec in lay.planes:  # and right: every destination holds its source, draft planes included
+        v = out[True][spec.index].view(pages, -1)
+        for s_, d_ in list(zip(src, dst))[::37]:
+            assert torch.equal(v[d_].cpu().view(torch.uint8), host.plane_page(spec.index, s_).reshape(-1).view(torch.uint8))
