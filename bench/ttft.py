@@ -68,15 +68,11 @@ def main() -> int:
         "pool.host_pages": str(pages * 3)})
     hc = HiCache(cfg, layout=layout)
     pool = hc.device_pool
-    paths: dict[str, set[str]] = {}  # which load path each mode took
     g = torch.Generator().manual_seed(0)
 
     def serve(rid: str, prompt: list[int], mode: str) -> Sample:
         torch.cuda.synchronize()
-        # The same run through each load path: the copy engines where the pages come in long
-        # runs (default), the page-copy kernel as one CUDA-graph replay, one launch per layer.
-        hc.transfers._copy_engines = mode not in ("layerwise-kernel", "layerwise-launches")
-        hc.transfers._graphs = mode != "layerwise-launches"
+        hc.transfers._graphs = mode != "layerwise-launches"  # the same run without the CUDA-graph load
         t0 = time.perf_counter()
         req = hc.new_request(rid, prompt)
         adm = hc.admit(req)
@@ -107,9 +103,6 @@ def main() -> int:
         req.commit()
         req.finish()
         syncs = sum("synchroniz" in str(w.message) for w in caught)
-        if adm.loads:
-            paths.setdefault(mode, set()).add("copy engines" if adm.loads[0]._layer_flags is not None
-                                              else "kernel")
         return Sample(dt, t_admit, loaded, enq, syncs, start, first, out.logits_last.float())
 
     def reset() -> None:
@@ -126,16 +119,13 @@ def main() -> int:
     reset()
     serve("warmup-launches", prompts[-1], "layerwise-launches")
     reset()
-    serve("warmup-kernel", prompts[-1], "layerwise-kernel")
-    reset()
 
     hc.evict_host(10**9)
-    runs: dict[str, list[Sample]] = {"cold": [], "serial": [], "layerwise": [], "layerwise-kernel": [],
-                                     "layerwise-launches": []}
+    runs: dict[str, list[Sample]] = {"cold": [], "serial": [], "layerwise": [], "layerwise-launches": []}
     diffs, same_first, same_logits = [], 0, 0
     want_hit = (a.tokens - 1) // ps * ps
     for i in range(a.reps):
-        for mode in ("cold", "serial", "layerwise", "layerwise-kernel", "layerwise-launches"):
+        for mode in ("cold", "serial", "layerwise", "layerwise-launches"):
             s = serve(f"{mode}{i}", prompts[i], mode)
             assert s.hit == (0 if mode == "cold" else want_hit), (mode, s.hit)
             runs[mode].append(s)
@@ -154,8 +144,7 @@ def main() -> int:
     print(f"| cold (full prefill) | {c:.1f} | 100% |")
     for mode, what in (("serial", "warm, serial: whole load back, then the last page"),
                        ("layerwise", "warm, layerwise: layer i waits for its own pages only"),
-                       ("layerwise-kernel", "warm, layerwise, page-copy kernel (CUDA graph), no copy engines"),
-                       ("layerwise-launches", "warm, layerwise, kernel launched per layer")):
+                       ("layerwise-launches", "warm, layerwise, one launch per layer (no CUDA graph)")):
         w = _median([s.ttft for s in runs[mode]])
         print(f"| {what} | {w:.1f} | {w / c:.1%} |")
 
@@ -182,14 +171,10 @@ def main() -> int:
           f"{same_first}/{a.reps} reps; serial and layerwise logits bit-identical in {same_logits}/{a.reps}")
     w = _median([s.ttft for s in lw])
     print(f"target warm (layerwise) <= 15% of cold: {'met' if w / c <= 0.15 else 'MISSED'} ({w / c:.1%})")
-    print(f"load paths taken: {', '.join(f'{m}: {sorted(p)}' for m, p in paths.items())}")
-    lk = runs["layerwise-kernel"]
-    print(f"layer-wise load landed (beside the forward): {lw_load:.1f} ms with {sorted(paths.get('layerwise', []))}, "
-          f"{_median([s.loaded for s in lk]):.1f} ms with the kernel (CUDA graph)")
     la = runs["layerwise-launches"]
-    adm_g, adm_l, adm_k = (_median([s.admit for s in x]) for x in (lw, la, lk))
-    print(f"admission host time: {adm_g:.2f} ms (default path), {adm_k:.2f} ms with the CUDA-graph kernel load, "
-          f"{adm_l:.2f} ms launching per layer; target <= 0.5 ms: {'met' if adm_g <= 0.5 else 'MISSED'}")
+    adm_g, adm_l = _median([s.admit for s in lw]), _median([s.admit for s in la])
+    print(f"admission host time: {adm_g:.2f} ms with the CUDA-graph load back, {adm_l:.2f} ms launching "
+          f"per layer; target <= 0.5 ms: {'met' if adm_g <= 0.5 else 'MISSED'}")
     fwd = _median([s.ttft - s.loaded for s in se])
     bound = fwd + adm_g + 1.5 * (load - _median([s.admit for s in se])) / a.layers
     print(f"warm TTFT {w:.1f} ms vs forward alone + admission + 1.5 x one layer's load = {bound:.1f} ms: "

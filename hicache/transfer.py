@@ -85,16 +85,14 @@ class LoadHandle:
     the owning request finishes or aborts.
     """
 
-    def __init__(self, transfer: Transfer, num_layers: int, on_gpu: bool, threaded: bool = False):
+    def __init__(self, transfer: Transfer, num_layers: int, on_gpu: bool):
         self.transfer = transfer
         self.num_layers = num_layers
         self._on_gpu = on_gpu
         self._layer_events: list = [None] * (num_layers + 1)  # last slot: draft planes
-        # On a GPU every layer is usually enqueued before load_back returns (its event is
-        # the signal); a worker thread that copies (CPU) or issues the copies (``threaded``:
-        # the copy engines) sets a flag per layer as well.
-        self._layer_flags = [threading.Event() for _ in range(num_layers + 1)] \
-            if threaded or not on_gpu else None
+        # On a GPU every layer is enqueued before load_back returns (its event is the
+        # signal); on the CPU a worker thread copies and sets a flag per layer.
+        self._layer_flags = None if on_gpu else [threading.Event() for _ in range(num_layers + 1)]
 
     def wait_layer(self, i: int) -> None:
         if not 0 <= i < self.num_layers:
@@ -118,16 +116,12 @@ class LoadHandle:
             f.set()
 
     def layer_ready(self, i: int) -> bool:
-        if self._layer_flags is not None and not self._layer_flags[i].is_set():
-            return False
-        return self._layer_events[i].query() if self._on_gpu else True
+        if self._on_gpu:
+            return self._layer_events[i].query()
+        return self._layer_flags[i].is_set()
 
     def _wait(self, i: int) -> None:
-        if self._on_gpu:
-            if self._layer_flags is not None:  # a worker issues the copies: wait until layer i's are
-                self._layer_flags[i].wait()
-                if self.transfer.error is not None:
-                    raise self.transfer.error
+        if self._on_gpu:  # (recorded when load_back returned)
             torch.cuda.current_stream().wait_event(self._layer_events[i])
         else:
             self._layer_flags[i].wait()
@@ -138,12 +132,9 @@ class LoadHandle:
 class TransferController:
     """Runs L1<->L2 copies and L2<->L3 I/O without blocking the scheduler."""
 
-    def __init__(self, device_pool: DevicePool, host_pool: HostPool, storage=None, *, graphs: bool = True,
-                 copy_engines: bool = True):
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool, storage=None, *, graphs: bool = True):
         """``graphs`` (GPU): run each layer-wise load back as one CUDA-graph replay
-        (``hicache.load_graph``) instead of one launch per layer. ``copy_engines`` (GPU):
-        a load whose pages form long runs goes through the copy engines instead
-        (``hicache.copy_engine``: faster over PCIe, no SMs taken from the forward)."""
+        (``hicache.load_graph``) instead of one launch per layer."""
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.storage = storage
@@ -159,10 +150,6 @@ class TransferController:
         self._threads: list[threading.Thread] = []
         self._graphs = graphs and self.on_gpu
         self._graph = None  # LoadGraph of (host_pool, device_pool), captured on the first load back
-        # Loads whose pages come in long runs go through the copy engines (hicache.copy_engine).
-        self._copy_engines = copy_engines and self.on_gpu
-        self._ce = None  # CopyEngine of (host_pool, device_pool), built on first use
-        self._ce_q: queue.Queue | None = None  # its worker thread's jobs
         if self.on_gpu:
             # (A high-priority copy stream was measured: no TTFT change, bench/RESULTS.md.)
             self._stream = torch.cuda.Stream(device=device_pool.device)
@@ -231,13 +218,7 @@ class TransferController:
         _same_len(device_pages, host_pages)
         t = self._new("h2d")
         t.pages = len(device_pages)
-        page_runs = self._ce_runs(host_pages, device_pages)
-        h = LoadHandle(t, self.device_pool.layout.num_layers, self.on_gpu, threaded=page_runs is not None)
-        if page_runs is not None:
-            self._ce_load(t, h, page_runs)
-            self.bytes_moved["h2d"] += len(host_pages) * self.device_pool.layout.page_bytes
-            self._pending.append(t)
-            return h
+        h = LoadHandle(t, self.device_pool.layout.num_layers, self.on_gpu)
         graph = self._load_graph() if self.on_gpu and host_pages else None
         if graph is not None:
             self._stream.wait_stream(torch.cuda.current_stream())
@@ -275,50 +256,6 @@ class TransferController:
         self.bytes_moved["h2d"] += len(host_pages) * self.device_pool.layout.page_bytes
         self._pending.append(t)
         return h
-
-    def _ce_runs(self, host_pages: Sequence[int], device_pages: Sequence[int]):
-        """The runs to copy with the copy engines, or None (kernel path)."""
-        if not self._copy_engines:
-            return None
-        from hicache import copy_engine
-        page_runs = copy_engine.runs(host_pages, device_pages)
-        if page_runs is None:
-            return None
-        if self._ce is None or self._ce.host is not self.host_pool:
-            try:
-                self._ce = copy_engine.CopyEngine(self.host_pool, self.device_pool)
-            except Exception as e:  # no cudart beside torch: the kernel path
-                log.warning("copy engines unavailable (%s: %s); loading with the page-copy kernel",
-                            type(e).__name__, e)
-                self._copy_engines = False
-                return None
-        return page_runs
-
-    def _ce_load(self, t: Transfer, h: LoadHandle, page_runs) -> None:
-        """Issue the layer-wise copy-engine load on the worker thread (after the engine's work)."""
-        self._stream.wait_stream(torch.cuda.current_stream())
-        ce, stream, dev = self._ce, self._stream, self.device_pool.device
-        groups = self._plane_groups
-
-        def job():
-            try:
-                torch.cuda.set_device(dev)
-                ev = None
-                for i, planes in enumerate(groups):
-                    if planes:
-                        ce.load(planes, page_runs, stream.cuda_stream)
-                    ev = torch.cuda.Event()
-                    ev.record(stream)
-                    h.layer_launched(i, ev)
-                t.cuda_event = ev
-            except BaseException as e:  # surfaced at poll(); waiters wake and raise
-                t.error = e
-                h.release_all()
-            t.ready_flag.set()
-        if self._ce_q is None:
-            self._ce_q = queue.Queue()
-            self._threads.append(self._start(self._ce_q, "hicache-copy-engine"))
-        self._ce_q.put(job)
 
     def _load_graph(self):
         """The captured load back for the current pools (None: graphs off or capture failed)."""
@@ -443,11 +380,10 @@ class TransferController:
         t = self._jobs.get(job)
         if t is None:
             return True
-        if t.cuda_event is None and not t.ready_flag.wait(timeout):
-            return False  # (a copy-engine job sets its event, then the flag)
         if t.cuda_event is not None:
             t.cuda_event.synchronize()
-        return True
+            return True
+        return t.ready_flag.wait(timeout)
 
     def wait_all(self) -> None:
         """Block until every submitted job is done (still to be reported by ``finished``)."""
@@ -461,7 +397,7 @@ class TransferController:
     def close(self) -> None:
         """Wait for every job, then stop the worker threads (unreported results are dropped)."""
         self.wait_all()
-        for q in (self._copy_q, self._io_q, self._ce_q):
+        for q in (self._copy_q, self._io_q):
             if q is not None:
                 q.put(None)
         for th in self._threads:
