@@ -64,9 +64,10 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", default="small", choices=("tiny", "small", "medium"),
                    help="size of the built-in trace (ignored with TRACE)")
     p.add_argument("--service", metavar="SOCKET",
-                   help="use the node's hicache service (its engine socket, an absolute path) as L3: "
-                        "storage.url becomes hicache+unix://SOCKET and the KV layout takes the configured "
-                        "model.model_id, which the service must share")
+                   help="service mode: the node's running hicache service (its engine socket, an absolute "
+                        "path) is L2 (its shared segment) and, behind it, L3: storage.url becomes "
+                        "hicache+unix://SOCKET and the KV layout takes the configured model.model_id, "
+                        "which the service must share")
 
 
 def build_parser() -> argparse.ArgumentParser:
