@@ -238,32 +238,32 @@ def test_configuration_errors_name_the_socket_and_the_setting():
         HiCache(bad, layout=LAYOUT)
 
 
+def _ops_of_a_miss(hc: HiCache, monkeypatch, prompt: list[int]) -> list[str]:
+    """The socket ops one admission of a prompt nobody shared sends to the service."""
+    calls: list[str] = []
+    real = hc.shared.client._call
+    monkeypatch.setattr(hc.shared.client, "_call", lambda req: (calls.append(req["op"]), real(req))[1])
+    req = hc.new_request("miss", prompt)
+    hc.admit(req)
+    req.abort()
+    monkeypatch.undo()
+    return calls
+
+
 def test_a_miss_costs_one_round_trip_when_the_service_has_no_l3(node, monkeypatch):
     """Without an L3 behind the service there is nothing to fetch: a miss is one ``acquire``."""
     a = node.engine()
     try:
         assert a.shared.client.has_l3 is False
-        calls = []
-        real = a.shared.client._call
-        monkeypatch.setattr(a.shared.client, "_call", lambda req: (calls.append(req["op"]), real(req))[1])
-        req = a.new_request("x", list(range(3000, 3000 + 5 * PS + 1)))
-        a.admit(req)
-        assert calls == ["acquire"]
-        req.abort()
+        assert _ops_of_a_miss(a, monkeypatch, list(range(3000, 3000 + 5 * PS + 1))) == ["acquire"]
     finally:
         a.close()
     n = Node(l3="memory://")
     try:
         b = n.engine()
         try:
-            assert b.shared.client.has_l3 is True
-            calls = []
-            real = b.shared.client._call
-            monkeypatch.setattr(b.shared.client, "_call", lambda req: (calls.append(req["op"]), real(req))[1])
-            req = b.new_request("y", list(range(4000, 4000 + 5 * PS + 1)))
-            b.admit(req)
-            assert calls == ["acquire", "fetch"]  # nothing in L2: the service's L3 is asked too
-            req.abort()
+            assert b.shared.client.has_l3 is True  # nothing in L2: the service's L3 is asked too
+            assert _ops_of_a_miss(b, monkeypatch, list(range(4000, 4000 + 5 * PS + 1))) == ["acquire", "fetch"]
         finally:
             b.close()
     finally:
