@@ -96,15 +96,15 @@ class HiCache:
         self.config = cfg = config or HiCacheConfig.load()
         self.layout = layout or cfg.layout()
         device = cfg.resolved_device()
-        self.shared: ServiceHostTier | None = None  # service mode: the connection to the node's service
+        tier: ServiceHostTier | None = None  # service mode: the connection to the node's service
         if storage is None and cfg.storage.url.startswith("hicache+unix:"):
-            self.shared = open_service_tier(cfg, self.layout, device)
-            self.host_pool = self.shared.pool  # L2 is the segment; the index keeps no L2 ids of its own
+            tier = open_service_tier(cfg, self.layout, device)
+            self.host_pool = tier.pool  # L2 is the segment; the index keeps no L2 ids of its own
         else:
             cfg.check_host_memory(self.layout)
             self.host_pool = HostPool(self.layout, cfg.pool.host_pages)
         self.device_pool = DevicePool(self.layout, cfg.pool.device_pages, device, buffers=device_buffers)
-        if storage is None and cfg.storage.url and self.shared is None:
+        if storage is None and cfg.storage.url and tier is None:
             from hicache.storage import open_storage
             storage = open_storage(cfg.storage.url, fingerprint=self.layout.fingerprint(), layout=self.layout,
                                    timeout_ms=cfg.storage.timeout_ms, max_retries=cfg.storage.max_retries,
@@ -113,10 +113,10 @@ class HiCache:
         self.policy = cfg.policy
         self.transfers = TransferController(self.device_pool, self.host_pool, storage)
         self.cache = PrefixCache(self.layout, self.device_pool,
-                                 self.host_pool if self.shared is None else PageAllocator(0, "L2 (shared)"),
+                                 self.host_pool if tier is None else PageAllocator(0, "L2 (shared)"),
                                  eviction=cfg.policy.device_eviction, host_eviction=cfg.policy.host_eviction)
         self.tiers = TierManager(self.cache)
-        self.service = None if self.shared is None else ServiceMode(self.shared, self.cache, self.tiers)
+        self.service = None if tier is None else ServiceMode(tier, self.cache, self.tiers)
         self.tier_stats = self.tiers.stats
         self._jobs: dict[int, Plan] = {}  # submitted, not yet completed: job id -> its plan
         self._load_handles: dict[int, LoadHandle] = {}  # id(LoadPlan) -> its layer-wise handle
@@ -158,7 +158,7 @@ class HiCache:
         storage_tokens = self._maybe_prefetch(req, m)
         if storage_tokens or m.epoch != self.cache.epoch:
             m = req.match()  # prefetched pages joined L2, or L2 room was made by eviction
-        if self.shared is None:
+        if self.service is None:
             own = self._load_host_hit(m)
         else:
             own, storage_tokens = self._load_shared(req, m)
@@ -244,9 +244,11 @@ class HiCache:
         except OutOfPages:
             self.tiers.cancel_load(lr)
             return None
-        plan = self.tiers.prepare_load(lr, dev)
-        job = self._submit(plan)
-        handle = self.transfers.load_handle(job)
+        return self._start_load(self.tiers.prepare_load(lr, dev))
+
+    def _start_load(self, plan: LoadPlan) -> LoadHandle:
+        """Submit a prepared load back; its layer-wise handle (kept until it completes)."""
+        handle = self.transfers.load_handle(self._submit(plan))
         self._load_handles[id(plan)] = handle
         return handle
 
@@ -272,7 +274,7 @@ class HiCache:
         it then comes back as a miss, never as wrong bytes)."""
         if n in self.tiers.backing_up:
             return False
-        return n.host_pages is None if self.shared is None else not n.in_storage
+        return n.host_pages is None if self.service is None else not n.in_storage
 
     def _backup(self, node: Node, synchronous: bool = False) -> int | None:
         """Start copying ``node`` to L2 (``synchronous``: and wait for it); the job id."""
@@ -401,10 +403,7 @@ class HiCache:
             svc.cancel(acq)
             return None, 0
         plan = svc.prepare_load(req.key, req.namespace, m.device_node, acq, dev)
-        job = self._submit(plan)
-        handle = self.transfers.load_handle(job)
-        self._load_handles[id(plan)] = handle
-        return handle, acq.fetched * ps
+        return self._start_load(plan), acq.fetched * ps
 
     def _shared_reconnect(self) -> None:
         """After an outage, map the restarted service's segment once no copy uses the old one."""
@@ -460,10 +459,15 @@ class HiCache:
             self._wait(next(iter(self._jobs)))
 
     @property
+    def shared(self) -> ServiceHostTier | None:
+        """Service mode: the connection to the node's service and its segment (None: embedded L2)."""
+        return None if self.service is None else self.service.tier
+
+    @property
     def private_host_bytes(self) -> int:
         """Host memory this engine holds for L2 pages of its own: the pinned L2 pool in
         embedded mode, 0 in service mode (its L2 is the node's shared segment)."""
-        return 0 if self.shared is not None else self.host_pool.nbytes()
+        return 0 if self.service is not None else self.host_pool.nbytes()
 
     def stats(self) -> HiCacheStats:
         """A snapshot (new objects): index, tier movements, bytes moved, L3 backend."""
@@ -477,20 +481,20 @@ class HiCache:
         self.cache.check_integrity(host_in_flight=self.tiers.host_in_flight)
         self.tiers.check_integrity()
         self.device_pool.check_integrity()
-        if self.shared is None:
+        if self.service is None:
             self.host_pool.check_integrity()  # (the segment's pages are the service's to check)
         if self.storage is not None:
             self.storage.check_integrity()
-        if self.shared is not None and not self.shared.down:
-            self.shared.call(self.shared.client.check_integrity)
+        if self.service is not None and not self.service.tier.down:
+            self.service.tier.call(self.service.tier.client.check_integrity)
 
     def close(self) -> None:
         self.drain()
         self.transfers.close()
         if self.storage is not None:
             self.storage.close()
-        if self.shared is not None:
-            self.shared.close()
+        if self.service is not None:
+            self.service.tier.close()
 
 
 

@@ -60,8 +60,7 @@ class LoadGraph:
 
     def launch(self, host_pages: Sequence[int], device_pages: Sequence[int], stream) -> list[torch.cuda.Event]:
         """Enqueue the load of ``host_pages[k]`` into ``device_pages[k]`` on ``stream`` (the
-        caller made it wait for the engine's stream; the replay runs at its priority);
-        returns the per-group events."""
+        caller made it wait for the engine's stream); returns the per-group events."""
         n = len(host_pages)
         if n != len(device_pages) or not 0 < n <= self.capacity:
             raise ValueError(f"LoadGraph.launch: {n} host pages, {len(device_pages)} device pages "

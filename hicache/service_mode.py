@@ -32,7 +32,7 @@ from hicache.layout import KVLayout
 from hicache.node import Node
 from hicache.plans import BackupPlan, LoadPlan
 from hicache.request import MatchResult
-from hicache.shared_l2 import ServiceHostTier, socket_path_of
+from hicache.shared_l2 import ServiceHostTier
 from hicache.tiers import TierManager
 from hicache.types import DevicePageId, HostPageId, PageHash
 
@@ -49,7 +49,7 @@ class Acquired(NamedTuple):
 
 def open_service_tier(cfg: HiCacheConfig, layout: KVLayout, device: str) -> ServiceHostTier:
     """Map the node service's segment as this engine's L2 (``ConfigError`` if it cannot be)."""
-    from hicache.storage.service import SOCKET_SLACK_S
+    from hicache.storage.service import SOCKET_SLACK_S, socket_path_of
     if layout.cp_size > 1:
         raise ConfigError(f"storage.url {cfg.storage.url!r} with cp_size={layout.cp_size}: the shared L2 holds "
                           "whole pages; context-parallel ranks use a private L2 (another storage.url)")

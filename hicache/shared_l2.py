@@ -25,14 +25,19 @@ when its connection closes.
 """
 from __future__ import annotations
 
+import logging
+import time
 from typing import NamedTuple, Sequence
 
 import torch
 
 from hicache.client import EngineClient
+from hicache.errors import ConfigError, ContractMismatch, OutOfPages, PoolError, ServiceError
 from hicache.kernels.page_copy import PageCopier, default_copier
 from hicache.pools import DevicePool, HostPool
 from hicache.types import HostPageId, PageHash
+
+log = logging.getLogger(__name__)
 
 
 class StoreResult(NamedTuple):
@@ -126,16 +131,6 @@ def _wait(device: DevicePool) -> None:
         torch.cuda.current_stream(device.device).synchronize()
 
 
-def socket_path_of(url: str) -> str:
-    """The socket path of a ``hicache+unix:///abs/path.sock`` URL (``ConfigError`` otherwise)."""
-    from hicache.errors import ConfigError
-    scheme, sep, path = url.partition("://")
-    if scheme != "hicache+unix" or not sep or not path.startswith("/"):
-        raise ConfigError(f"storage url {url!r}: expected hicache+unix:///absolute/path/to/hicache.sock "
-                          "(three slashes: the socket path is absolute)")
-    return path
-
-
 class ServiceHostTier:
     """The node's shared L2 as ``HiCache``'s host tier (service mode), with the
     failure model of a tier living in another process.
@@ -151,13 +146,11 @@ class ServiceHostTier:
     def __init__(self, socket_path: str, layout, *, pin: bool, timeout_s: float, max_wait_s: float = 0.0):
         """``timeout_s``: the socket timeout; ``max_wait_s``: the longest ``fetch`` wait
         for the service's L3 (below ``timeout_s``)."""
-        from hicache.errors import ConfigError, ContractMismatch, PoolError, ServiceError
         self.socket_path, self.layout, self.max_wait_s = socket_path, layout, max_wait_s
         self._pin, self._timeout = pin, timeout_s
         self.outages = self.reconnects = 0
         self.down = False
         self._down_since = 0.0
-        self._old: list[EngineClient] = []  # clients of dead services, closed by reconnect
         try:
             self.shared = SharedL2(self._connect())
         except ContractMismatch:
@@ -182,7 +175,6 @@ class ServiceHostTier:
     def call(self, fn, *args, default=None, **kw):
         """``fn(*args, **kw)``; during an outage (or when it starts one) ``default``.
         ``OutOfPages`` (the service cannot free pages now) is also ``default``."""
-        from hicache.errors import OutOfPages, ServiceError
         if self.down:
             return default
         try:
@@ -198,18 +190,16 @@ class ServiceHostTier:
         return default
 
     def _outage(self, e: BaseException) -> None:
-        import logging
-        import time
         self.down, self._down_since = True, time.monotonic()
         self.outages += 1
-        logging.getLogger(__name__).warning(
+        log.warning(
             "shared L2 hicache+unix://%s unreachable (%s: %s): running without it until it is back",
             self.socket_path, type(e).__name__, e)
 
     def reconnect(self, min_interval_s: float = 1.0) -> bool:
         """After an outage, try (at most every ``min_interval_s``) to map the service's
-        segment again; True when reconnected (``pool`` is then a new mapping)."""
-        import time
+        segment again; True when reconnected (``pool`` is then a new mapping; the caller
+        let every copy into the old one finish, which is unmapped here)."""
         if not self.down or time.monotonic() - self._down_since < min_interval_s:
             return False
         try:
@@ -217,16 +207,11 @@ class ServiceHostTier:
         except Exception:  # still down (or refusing us): try again later
             self._down_since = time.monotonic()
             return False
-        self._old.append(self.shared.client)
-        for c in self._old:
-            c.close(send_bye=False)
-        self._old.clear()
-        self.shared = SharedL2(client, self.shared.copier)
+        old, self.shared = self.shared.client, SharedL2(client, self.shared.copier)
+        old.close(send_bye=False)
         self.down = False
         self.reconnects += 1
         return True
 
     def close(self) -> None:
-        for c in [*self._old, self.shared.client]:
-            c.close(send_bye=not self.down)
-        self._old.clear()
+        self.shared.client.close(send_bye=not self.down)

@@ -120,7 +120,6 @@ class TierManager:
         """Record the L2 copy on ``plan.node`` and on the upper parts split off it
         meanwhile (top-down, while their parents are on L2); free what was not
         used. Returns the nodes that got L2 copies (ready for ``prepare_store``)."""
-        self._host_in_flight.pop(id(plan), None)
         node, dev, host = plan.node, plan.device, plan.host
         self.backing_up.discard(node)
         if plan.pinned:
@@ -131,6 +130,7 @@ class TierManager:
             else:
                 self.stats.transfer_errors += 1
             return []
+        del self._host_in_flight[id(plan)]
         if not ok:
             self.stats.transfer_errors += 1
             self._host.free(host)
@@ -255,11 +255,10 @@ class TierManager:
             raise CacheStateError(f"prepare_shared_load: the index already held part of pages "
                                   f"[{first_page}, {end}) ({res.new_pages} new of {n}); match again")
         path = tuple(res.created)
-        for node in path:
-            self.cache.set_stored(node)  # the shared L2 holds them (a backup would copy nothing)
         self.cache.inc_lock(path[-1])
         plan = LoadPlan(path[-1], path, list(host), list(device_pages), list(hashes))
         for node in path:
+            self.cache.set_stored(node)  # the shared L2 holds them (a backup would copy nothing)
             self.loading[node] = plan
         self.stats.load_back_pages += n
         return plan

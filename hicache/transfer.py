@@ -220,18 +220,15 @@ class TransferController:
         t.pages = len(device_pages)
         h = LoadHandle(t, self.device_pool.layout.num_layers, self.on_gpu)
         graph = self._load_graph() if self.on_gpu and host_pages else None
-        if graph is not None:
+        if self.on_gpu:
             self._stream.wait_stream(torch.cuda.current_stream())
+        if graph is not None:  # one replay: every layer's copy and event
             for i, ev in enumerate(graph.launch(host_pages, device_pages, self._stream)):
                 h.layer_launched(i, ev)
             t.cuda_event = torch.cuda.Event()
             t.cuda_event.record(self._stream)
-            self.bytes_moved["h2d"] += len(host_pages) * self.device_pool.layout.page_bytes
-            self._pending.append(t)
-            return h
-        src, dst = self._idx(host_pages), self._idx(device_pages)
-        if self.on_gpu:
-            self._stream.wait_stream(torch.cuda.current_stream())
+        elif self.on_gpu:
+            src, dst = self._idx(host_pages), self._idx(device_pages)
             self._keep_for_copy(src, dst)
             with torch.cuda.stream(self._stream):
                 for i, planes in enumerate(self._plane_groups):
@@ -242,6 +239,8 @@ class TransferController:
                     h.layer_launched(i, ev)
                 t.cuda_event = ev
         else:
+            src, dst = self._idx(host_pages), self._idx(device_pages)
+
             def job():
                 try:
                     for i, planes in enumerate(self._plane_groups):

@@ -45,6 +45,15 @@ SCHEME = "hicache+unix"
 SOCKET_SLACK_S = 2.0
 
 
+def socket_path_of(url: str) -> str:
+    """The socket path of a ``hicache+unix:///abs/path.sock`` URL (``ConfigError`` otherwise)."""
+    scheme, sep, path = url.partition("://")
+    if scheme.lower() != SCHEME or not sep or not path.startswith("/"):
+        raise ConfigError(f"storage url {url!r}: expected {SCHEME}:///absolute/path/to/hicache.sock "
+                          "(three slashes: the socket path is absolute)")
+    return path
+
+
 class _Unreachable(OSError):
     """The service cannot be reached (down, restarting, hung, or refusing us after a restart)."""
 
@@ -79,11 +88,7 @@ class ServiceBackend(StorageBackend):
 
     @classmethod
     def from_url(cls, url: str, options: StorageOptions) -> "ServiceBackend":
-        path = url.split("://", 1)[1]
-        if not path.startswith("/"):
-            raise ConfigError(f"storage url {url!r}: expected {SCHEME}:///absolute/path/to/hicache.sock "
-                              "(three slashes: the socket path is absolute)")
-        return cls(options, path, name=url)
+        return cls(options, socket_path_of(url), name=url)
 
     # ------------------------------------------------------------- connection
     def _connect_now(self) -> bool:
