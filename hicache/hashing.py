@@ -35,7 +35,8 @@ def tokens_to_bytes(tokens: Sequence[int] | np.ndarray | array) -> bytes:
     or tuple goes through ``array('I')``, whose C loop converts and range-checks
     each int (about 4 ns a token, 15x ``np.asarray``); a uint32 array is copied
     as is; other integer arrays (numpy, or ``array.array`` such as SGLang's
-    ``array('q')`` buffers) take a min/max check and one conversion. Anything
+    ``array('q')`` buffers) take one range check (a single max over the
+    int64 ids seen as uint64) and one conversion. Anything
     else (floats, nested sequences) takes the general numpy path, as before.
     """
     if _ARRAY_U32 and type(tokens) in (list, tuple):
@@ -60,7 +61,11 @@ def tokens_to_bytes(tokens: Sequence[int] | np.ndarray | array) -> bytes:
     if arr.dtype == np.dtype("<u4"):
         return arr.tobytes()
     if arr.dtype.kind in "iu" and arr.size:
-        if (arr.dtype.kind == "i" and arr.min() < 0) or (arr.dtype.itemsize > 4 and arr.max() >= 2**32):
+        if arr.dtype.itemsize == 8:  # one pass: seen as uint64, a negative id is >= 2**63
+            bad = arr.view(np.uint64).max() >= 2**32
+        else:
+            bad = arr.dtype.kind == "i" and arr.min() < 0
+        if bad:
             raise ValueError(f"token ids must be in [0, 2**32), got min {arr.min()} max {arr.max()}")
         return arr.astype("<u4").tobytes()
     if arr.size and (arr.min() < 0 or arr.max() >= 2**32):

@@ -36,6 +36,7 @@ def test_small_signed_arrays_and_bools():
     [5, -1], [2**32], (3, 2**40), [2**40, None],
     np.array([4, -1], dtype=np.int64), np.array([-5], dtype=np.int32), np.array([2**32], dtype=np.uint64),
     array("q", [1, -2]), array("Q", [2**33]),
+    np.array([1, -2**63], dtype=np.int64), np.array([1, 0, -7, 0], dtype=np.int64)[::2],  # strided
 ])
 def test_out_of_range_raises_value_error(bad):
     with pytest.raises(ValueError, match=r"\[0, 2\*\*32\)"):
