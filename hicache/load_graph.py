@@ -9,8 +9,8 @@ admission's host time. ``LoadGraph`` captures the whole sequence once per
 device buffers and the number of pairs from device memory
 (``copy_pages(..., count=)``), and every per-layer event is recorded as an
 *external* event node, so streams outside the graph can wait on it. A load
-then costs two small uploads (the count with the source ids, the destination
-ids) and one replay.
+then costs one small upload (the count, the source and the destination ids;
+two when the pool is much larger than the load) and one replay.
 
 The events are the graph's, shared by every replay: a stream that waits on
 layer ``i`` waits for the latest replay's layer ``i`` at the time of the
@@ -26,6 +26,9 @@ import torch
 from hicache.pools import DevicePool, HostPool
 
 _RING = 4  # pinned staging buffers in rotation (a busy one falls back to a pageable upload)
+# Up to this many unused ids (256 KiB, ~5 us on PCIe, about one launch's host time) are
+# uploaded between the source and destination lists to save the second copy's launch.
+_GAP_MAX = 32768
 
 
 class LoadGraph:
@@ -78,8 +81,11 @@ class LoadGraph:
         arr[1:1 + n] = host_pages
         arr[1 + cap:1 + cap + n] = device_pages
         with torch.cuda.stream(stream):
-            self._buf[:1 + n].copy_(stage[:1 + n], non_blocking=True)
-            self._buf[1 + cap:1 + cap + n].copy_(stage[1 + cap:1 + cap + n], non_blocking=True)
+            if cap - n <= _GAP_MAX:  # one upload, the unused ids between the two lists included
+                self._buf[:1 + cap + n].copy_(stage[:1 + cap + n], non_blocking=True)
+            else:
+                self._buf[:1 + n].copy_(stage[:1 + n], non_blocking=True)
+                self._buf[1 + cap:1 + cap + n].copy_(stage[1 + cap:1 + cap + n], non_blocking=True)
             if stage is self._stage[i]:
                 ev = self._stage_done[i] = torch.cuda.Event()
                 ev.record(stream)

@@ -41,9 +41,13 @@ def test_layer_ready_before_last_layer(host_layout):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
 @pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
-def test_graphed_load_back_equals_per_layer_launches(host_layout):
+@pytest.mark.parametrize("uploads", ["one", "two"])
+def test_graphed_load_back_equals_per_layer_launches(host_layout, uploads, monkeypatch):
     """The CUDA-graph load back (one replay, page count read on the device) moves exactly
-    the pages the per-layer launches move, for any count, and nothing else; draft planes too."""
+    the pages the per-layer launches move, for any count, and nothing else; draft planes too.
+    ``uploads``: the ids go up in one copy (small pools) or two (pools far larger than the load)."""
+    import hicache.load_graph
+    monkeypatch.setattr(hicache.load_graph, "_GAP_MAX", 32768 if uploads == "one" else 0)
     lay = KVLayout(model_id="m", num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16",
                    page_size=16, host_layout=host_layout, draft_layers=1)
     pages = 64
