@@ -24,6 +24,7 @@ from hicache.config import HiCacheConfig
 from hicache.engine.model import ReferenceModel
 from hicache.engine.model_spec import ModelSpec
 from hicache.hicache import HiCache
+from hicache.kernels.page_copy import PageCopier
 
 
 @dataclass(slots=True)
@@ -52,6 +53,9 @@ def main() -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--host-layout", default="page_first")
     ap.add_argument("--profile", action="store_true", help="torch.profiler breakdown of one layerwise serve")
+    ap.add_argument("--load-blocks", default="",
+                    help="also serve layerwise with the load back's kernels on these grids (e.g. 16,32), "
+                         "captured once each, to see whether more blocks hold the rate beside the forward")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/ttft.py needs a CUDA GPU", file=sys.stderr)
@@ -70,9 +74,31 @@ def main() -> int:
     pool = hc.device_pool
     g = torch.Generator().manual_seed(0)
 
+    extra_blocks = [int(b) for b in a.load_blocks.split(",") if b]
+    graphs: dict[int | None, object] = {}  # load-back graph per grid (None: the tuned default)
+    real_copy = PageCopier.copy_pages
+    override: list[int | None] = [None]
+
+    def copy_with_grid(self, *args, **kw):
+        if override[0] is not None and kw.get("count") is not None:  # the load graph's launches
+            kw["num_blocks"] = override[0]
+        return real_copy(self, *args, **kw)
+
+    PageCopier.copy_pages = copy_with_grid
+
+    def use_graph(blocks: int | None) -> None:
+        if blocks not in graphs:
+            override[0] = blocks
+            hc.transfers._graph = None
+            graphs[blocks] = hc.transfers._load_graph()  # captured here, outside any timing
+            override[0] = None
+        hc.transfers._graph = graphs[blocks]
+
     def serve(rid: str, prompt: list[int], mode: str) -> Sample:
         torch.cuda.synchronize()
         hc.transfers._graphs = mode != "layerwise-launches"  # the same run without the CUDA-graph load
+        if hc.transfers._graphs:
+            use_graph(int(mode[len("layerwise-b"):]) if mode.startswith("layerwise-b") else None)
         t0 = time.perf_counter()
         req = hc.new_request(rid, prompt)
         adm = hc.admit(req)
@@ -119,13 +145,17 @@ def main() -> int:
     reset()
     serve("warmup-launches", prompts[-1], "layerwise-launches")
     reset()
+    for b in extra_blocks:
+        serve(f"warmup-b{b}", prompts[-1], f"layerwise-b{b}")
+        reset()
 
     hc.evict_host(10**9)
-    runs: dict[str, list[Sample]] = {"cold": [], "serial": [], "layerwise": [], "layerwise-launches": []}
+    modes = ("cold", "serial", "layerwise", "layerwise-launches", *(f"layerwise-b{b}" for b in extra_blocks))
+    runs: dict[str, list[Sample]] = {m: [] for m in modes}
     diffs, same_first, same_logits = [], 0, 0
     want_hit = (a.tokens - 1) // ps * ps
     for i in range(a.reps):
-        for mode in ("cold", "serial", "layerwise", "layerwise-launches"):
+        for mode in modes:
             s = serve(f"{mode}{i}", prompts[i], mode)
             assert s.hit == (0 if mode == "cold" else want_hit), (mode, s.hit)
             runs[mode].append(s)
@@ -133,6 +163,8 @@ def main() -> int:
         c, se, lw = runs["cold"][-1], runs["serial"][-1], runs["layerwise"][-1]
         same_first += se.first == c.first == lw.first
         same_logits += torch.equal(se.logits, lw.logits)
+        for b in extra_blocks:  # another grid moves the same bytes: the same logits, bit for bit
+            assert torch.equal(runs[f"layerwise-b{b}"][-1].logits, lw.logits), f"grid {b}: logits differ"
         diffs.append((lw.logits - c.logits).abs().max().item())
         hc.evict_host(10**9)
     c = _median([s.ttft for s in runs["cold"]])
@@ -179,6 +211,15 @@ def main() -> int:
     bound = fwd + adm_g + 1.5 * (load - _median([s.admit for s in se])) / a.layers
     print(f"warm TTFT {w:.1f} ms vs forward alone + admission + 1.5 x one layer's load = {bound:.1f} ms: "
           f"{'met' if w <= bound else 'MISSED'} (launching per layer: {_median([s.ttft for s in la]):.1f} ms)")
+    if extra_blocks:
+        print("\n| load back grid (blocks per layer kernel) | warm layerwise TTFT ms | load landed ms (GB/s), "
+              "beside the forward |")
+        print("|---|---:|---:|")
+        for mode in ("layerwise", *(f"layerwise-b{b}" for b in extra_blocks)):
+            r = runs[mode]
+            ld = _median([s.loaded for s in r])
+            print(f"| {'default' if mode == 'layerwise' else mode[len('layerwise-b'):]} | "
+                  f"{_median([s.ttft for s in r]):.1f} | {ld:.1f} ({kv_bytes / (ld * 1e-3) / 1e9:.1f}) |")
     if a.profile:
         try:
             _profile(serve, reset, prompts[0])
