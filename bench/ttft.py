@@ -256,6 +256,30 @@ def _profile(serve, reset, prompt: list[int]) -> None:
     print(f"| other GPU work: model kernels, small copies (compute stream) | {model_us / 1e3:.1f} ms in "
           f"{kernels} kernels/copies |")
     print(f"| host: forward queued / first token | {s.enqueued * 1e3:.1f} ms / {s.ttft * 1e3:.1f} ms |")
+    # Timeline on the GPU clock, from the first GPU event: when each layer's copy ended, and
+    # how busy the model kernels were before and after the last copy.
+    gpu = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    if not gpu:
+        return
+    t0 = gpu[0].time_range.start
+    ends = [e.time_range.end - t0 for e in gpu if "page_copy" in e.name]
+    model = [e for e in gpu if "page_copy" not in e.name]
+    last_copy = max(ends) if ends else 0.0
+    last_model = max(e.time_range.end for e in model) - t0 if model else 0.0
+    busy_after = sum(max(0.0, e.time_range.end - t0 - max(last_copy, e.time_range.start - t0)) for e in model)
+    busy_before = sum(e.time_range.elapsed_us() for e in model) - busy_after
+    print("\n| GPU timeline of that serve (us from its first GPU event) | value |")
+    print("|---|---:|")
+    if ends:
+        picks = sorted({0, 1, len(ends) // 2, len(ends) - 2, len(ends) - 1})
+        print("| copy kernel i ends at (i: " + ", ".join(str(i) for i in picks) + ") | "
+              + ", ".join(f"{ends[i]:.0f}" for i in picks) + " |")
+        if len(ends) > 1:
+            steps = [b - a for a, b in zip(ends, ends[1:])]
+            print(f"| gap between consecutive copy ends: median / max | {statistics.median(steps):.0f} / "
+                  f"{max(steps):.0f} |")
+    print(f"| last model kernel ends at | {last_model:.0f} |")
+    print(f"| model kernel time before / after the last copy ended | {busy_before:.0f} / {busy_after:.0f} |")
 
 
 if __name__ == "__main__":
