@@ -25,6 +25,7 @@ from hicache.engine.model import ReferenceModel
 from hicache.engine.model_spec import ModelSpec
 from hicache.hicache import HiCache
 from hicache.kernels.page_copy import PageCopier
+from hicache.kernels.plan import TileConfig
 
 
 @dataclass(slots=True)
@@ -54,8 +55,8 @@ def main() -> int:
     ap.add_argument("--host-layout", default="page_first")
     ap.add_argument("--profile", action="store_true", help="torch.profiler breakdown of one layerwise serve")
     ap.add_argument("--load-blocks", default="",
-                    help="also serve layerwise with the load back's kernels on these grids (e.g. 16,32), "
-                         "captured once each, to see whether more blocks hold the rate beside the forward")
+                    help="also serve layerwise with other launch shapes of the load back's kernels, captured "
+                         "once each: comma-separated BLOCKS or BLOCKS:TILE_KIB:WARPS (e.g. 4,16,8:32:4)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/ttft.py needs a CUDA GPU", file=sys.stderr)
@@ -74,31 +75,39 @@ def main() -> int:
     pool = hc.device_pool
     g = torch.Generator().manual_seed(0)
 
-    extra_blocks = [int(b) for b in a.load_blocks.split(",") if b]
-    graphs: dict[int | None, object] = {}  # load-back graph per grid (None: the tuned default)
+    extra_blocks = [b for b in a.load_blocks.split(",") if b]
+    graphs: dict[str | None, object] = {}  # load-back graph per launch shape (None: the tuned default)
     real_copy = PageCopier.copy_pages
-    override: list[int | None] = [None]
+    override: list[tuple[int, PageCopier] | None] = [None]
+    copiers: list[PageCopier] = []
 
-    def copy_with_grid(self, *args, **kw):
+    def copy_with_shape(self, *args, **kw):
         if override[0] is not None and kw.get("count") is not None:  # the load graph's launches
-            kw["num_blocks"] = override[0]
+            blocks, copier = override[0]
+            kw["num_blocks"] = blocks
+            return real_copy(copier, *args, **kw)
         return real_copy(self, *args, **kw)
 
-    PageCopier.copy_pages = copy_with_grid
+    PageCopier.copy_pages = copy_with_shape
 
-    def use_graph(blocks: int | None) -> None:
-        if blocks not in graphs:
-            override[0] = blocks
+    def use_graph(shape: str | None) -> None:
+        if shape not in graphs:
+            if shape is not None:
+                blocks, *tile = (int(x) for x in shape.split(":"))
+                kib = tile[0] * 1024 if tile else 0
+                copier = PageCopier(pcie=TileConfig(kib, 4096, kib, tile[1])) if tile else PageCopier()
+                copiers.append(copier)  # its plans (chunk tables) are read by every replay: keep it alive
+                override[0] = (blocks, copier)
             hc.transfers._graph = None
-            graphs[blocks] = hc.transfers._load_graph()  # captured here, outside any timing
+            graphs[shape] = hc.transfers._load_graph()  # captured here, outside any timing
             override[0] = None
-        hc.transfers._graph = graphs[blocks]
+        hc.transfers._graph = graphs[shape]
 
     def serve(rid: str, prompt: list[int], mode: str) -> Sample:
         torch.cuda.synchronize()
         hc.transfers._graphs = mode != "layerwise-launches"  # the same run without the CUDA-graph load
         if hc.transfers._graphs:
-            use_graph(int(mode[len("layerwise-b"):]) if mode.startswith("layerwise-b") else None)
+            use_graph(mode[len("layerwise-b"):] if mode.startswith("layerwise-b") else None)
         t0 = time.perf_counter()
         req = hc.new_request(rid, prompt)
         adm = hc.admit(req)
@@ -212,13 +221,13 @@ def main() -> int:
     print(f"warm TTFT {w:.1f} ms vs forward alone + admission + 1.5 x one layer's load = {bound:.1f} ms: "
           f"{'met' if w <= bound else 'MISSED'} (launching per layer: {_median([s.ttft for s in la]):.1f} ms)")
     if extra_blocks:
-        print("\n| load back grid (blocks per layer kernel) | warm layerwise TTFT ms | load landed ms (GB/s), "
+        print("\n| load back launch (blocks[:tile KiB:warps]) | warm layerwise TTFT ms | load landed ms (GB/s), "
               "beside the forward |")
         print("|---|---:|---:|")
         for mode in ("layerwise", *(f"layerwise-b{b}" for b in extra_blocks)):
             r = runs[mode]
             ld = _median([s.loaded for s in r])
-            print(f"| {'default' if mode == 'layerwise' else mode[len('layerwise-b'):]} | "
+            print(f"| {'default (8:64:8)' if mode == 'layerwise' else mode[len('layerwise-b'):]} | "
                   f"{_median([s.ttft for s in r]):.1f} | {ld:.1f} ({kv_bytes / (ld * 1e-3) / 1e9:.1f}) |")
     if a.profile:
         try:
@@ -235,6 +244,13 @@ def _profile(serve, reset, prompt: list[int]) -> None:
 
     serve("prof-cold", prompt, "cold")
     reset()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof_serial:
+        serve("prof-serial", prompt, "serial")
+    reset()
+    # model kernels alone (the load has landed before the forward starts): their GPU time
+    # without a copy kernel beside them, to compare with the layerwise serve's below
+    serial_model_us = sum(e.time_range.elapsed_us() for e in prof_serial.events()
+                          if e.device_type.name == "CUDA" and "page_copy" not in e.name)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         s = serve("prof-layerwise", prompt, "layerwise")
     reset()
@@ -255,6 +271,7 @@ def _profile(serve, reset, prompt: list[int]) -> None:
     print(f"| page-copy kernel time (copy stream) | {copy_us / 1e3:.1f} ms in {copies} launches |")
     print(f"| other GPU work: model kernels, small copies (compute stream) | {model_us / 1e3:.1f} ms in "
           f"{kernels} kernels/copies |")
+    print(f"| the same model kernels in a serial serve (no copy beside them) | {serial_model_us / 1e3:.1f} ms |")
     print(f"| host: forward queued / first token | {s.enqueued * 1e3:.1f} ms / {s.ttft * 1e3:.1f} ms |")
     # Timeline on the GPU clock, from the first GPU event: when each layer's copy ended, and
     # how busy the model kernels were before and after the last copy.
