@@ -107,7 +107,7 @@ def main() -> int:
         torch.cuda.synchronize()
         hc.transfers._graphs = mode != "layerwise-launches"  # the same run without the CUDA-graph load
         if hc.transfers._graphs:
-            use_graph(mode[len("layerwise-b"):] if mode.startswith("layerwise-b") else None)
+            use_graph(mode.split("-b", 1)[1] if "-b" in mode else None)
         t0 = time.perf_counter()
         req = hc.new_request(rid, prompt)
         adm = hc.admit(req)
@@ -115,7 +115,7 @@ def main() -> int:
         start = req.computed_tokens
         req.alloc(len(prompt) - start)
         loaded = None
-        if mode == "serial":
+        if mode.startswith("serial"):
             adm.wait()
             torch.cuda.synchronize()  # only to time the load; the forward would wait for it anyway
             loaded = time.perf_counter() - t0
@@ -157,9 +157,12 @@ def main() -> int:
     for b in extra_blocks:
         serve(f"warmup-b{b}", prompts[-1], f"layerwise-b{b}")
         reset()
+        serve(f"warmup-sb{b}", prompts[-1], f"serial-b{b}")
+        reset()
 
     hc.evict_host(10**9)
-    modes = ("cold", "serial", "layerwise", "layerwise-launches", *(f"layerwise-b{b}" for b in extra_blocks))
+    modes = ("cold", "serial", "layerwise", "layerwise-launches",
+             *(f"{m}-b{b}" for b in extra_blocks for m in ("layerwise", "serial")))
     runs: dict[str, list[Sample]] = {m: [] for m in modes}
     diffs, same_first, same_logits = [], 0, 0
     want_hit = (a.tokens - 1) // ps * ps
@@ -173,7 +176,8 @@ def main() -> int:
         same_first += se.first == c.first == lw.first
         same_logits += torch.equal(se.logits, lw.logits)
         for b in extra_blocks:  # another grid moves the same bytes: the same logits, bit for bit
-            assert torch.equal(runs[f"layerwise-b{b}"][-1].logits, lw.logits), f"grid {b}: logits differ"
+            for m in ("layerwise", "serial"):
+                assert torch.equal(runs[f"{m}-b{b}"][-1].logits, lw.logits), f"{m} with {b}: logits differ"
         diffs.append((lw.logits - c.logits).abs().max().item())
         hc.evict_host(10**9)
     c = _median([s.ttft for s in runs["cold"]])
@@ -222,13 +226,17 @@ def main() -> int:
           f"{'met' if w <= bound else 'MISSED'} (launching per layer: {_median([s.ttft for s in la]):.1f} ms)")
     if extra_blocks:
         print("\n| load back launch (blocks[:tile KiB:warps]) | warm layerwise TTFT ms | load landed ms (GB/s), "
-              "beside the forward |")
-        print("|---|---:|---:|")
-        for mode in ("layerwise", *(f"layerwise-b{b}" for b in extra_blocks)):
-            r = runs[mode]
-            ld = _median([s.loaded for s in r])
-            print(f"| {'default (8:64:8)' if mode == 'layerwise' else mode[len('layerwise-b'):]} | "
-                  f"{_median([s.ttft for s in r]):.1f} | {ld:.1f} ({kv_bytes / (ld * 1e-3) / 1e9:.1f}) |")
+              "beside the forward | serial: load alone ms (GB/s) | model kernels' GPU ms beside the load "
+              "(one profiled serve; serial: none beside) |")
+        print("|---|---:|---:|---:|---:|")
+        for b in (None, *extra_blocks):
+            r = runs["layerwise" if b is None else f"layerwise-b{b}"]
+            sr = runs["serial" if b is None else f"serial-b{b}"]
+            ld, sld = _median([s.loaded for s in r]), _median([s.loaded - s.admit for s in sr])
+            print(f"| {'default (8:64:8)' if b is None else b} | {_median([s.ttft for s in r]):.1f} | "
+                  f"{ld:.1f} ({kv_bytes / (ld * 1e-3) / 1e9:.1f}) | {sld:.1f} ({kv_bytes / (sld * 1e-3) / 1e9:.1f}) | "
+                  f"{_model_ms(serve, reset, prompts[0], 'layerwise' if b is None else f'layerwise-b{b}'):.1f} "
+                  f"({_model_ms(serve, reset, prompts[0], 'serial'):.1f}) |")
     if a.profile:
         try:
             _profile(serve, reset, prompts[0])
@@ -236,6 +244,17 @@ def main() -> int:
             print(f"\nprofile unavailable: {e!r}")
     hc.close()
     return 0
+
+
+def _model_ms(serve, reset, prompt: list[int], mode: str) -> float:
+    """GPU time of the model's kernels (everything but the page copies) in one profiled serve."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        serve(f"prof-{mode}", prompt, mode)
+    reset()
+    return sum(e.time_range.elapsed_us() for e in prof.events()
+               if e.device_type.name == "CUDA" and "page_copy" not in e.name) / 1e3
 
 
 def _profile(serve, reset, prompt: list[int]) -> None:
