@@ -30,6 +30,13 @@ def copier(shape: str) -> tuple[int, PageCopier]:
     return blocks, PageCopier(pcie=TileConfig(kib * 1024, 4096, kib * 1024, warps))
 
 
+def contiguous_h2d_gbps(nbytes: int, dev: torch.device) -> float:
+    """GB/s of one contiguous pinned host -> device copy of ``nbytes`` (the limit)."""
+    hbuf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dbuf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    return nbytes / triton.testing.do_bench(lambda: dbuf.copy_(hbuf, non_blocking=True), return_mode="median") / 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="8:64:8,8:32:4,16:16:2,4:64:8")
@@ -54,11 +61,7 @@ def main() -> None:
         sp = torch.randperm(cap, generator=g)[:n].to(dev)
         dp = torch.randperm(cap, generator=g)[:n].to(dev)
         nbytes = n * lay0.page_bytes
-        hbuf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        dbuf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-        limit = nbytes / triton.testing.do_bench(lambda: dbuf.copy_(hbuf, non_blocking=True),
-                                                 return_mode="median") / 1e6
-        del hbuf, dbuf
+        limit = contiguous_h2d_gbps(nbytes, dev)
         for hl in ("page_first", "layer_first"):
             lay = lay0.replace(host_layout=hl)
             host = HostPool(lay, cap, pin=True)
@@ -75,7 +78,7 @@ def main() -> None:
                 for b in d.buffers:
                     b.view(torch.uint8).fill_(0x5A)
 
-                def run(cp=cp, d=d, blocks=blocks):
+                def run(cp=cp, d=d, blocks=blocks, host=host):
                     for grp in groups:
                         cp.copy_pages(host, d, sp, dp, planes=grp, num_blocks=blocks)
 
