@@ -23,10 +23,16 @@ from hicache.kernels.page_copy import PageCopier
 from hicache.kernels.plan import TileConfig
 from hicache.layout import BytePlane, KVLayout
 from hicache.pools import DevicePool, HostPool
+from hicache.transfer import layer_plane_groups
 
 
-def copier(shape: str) -> tuple[int, PageCopier]:
-    blocks, kib, warps = (int(x) for x in shape.split(":"))
+def launch_shape(spec: str) -> tuple[int, PageCopier]:
+    """``BLOCKS`` (the tuned tile) or ``BLOCKS:TILE_KIB:WARPS`` -> (blocks, a copier with that PCIe tile).
+    Keep the copier alive while anything replays a graph captured with it (its plans)."""
+    blocks, *tile = (int(x) for x in spec.split(":"))
+    if not tile:
+        return blocks, PageCopier()
+    kib, warps = tile
     return blocks, PageCopier(pcie=TileConfig(kib * 1024, 4096, kib * 1024, warps))
 
 
@@ -44,7 +50,7 @@ def main() -> None:
     a = ap.parse_args()
     dev = torch.device("cuda")
     shapes = a.shapes.split(",")
-    copiers = {s: copier(s) for s in shapes}
+    copiers = {s: launch_shape(s) for s in shapes}
     kv = {"qwen8b-p1": KVLayout("q", 36, num_kv_heads=8, head_dim=128, page_size=1),
           "qwen8b-p16": KVLayout("q", 36, num_kv_heads=8, head_dim=128, page_size=16),
           "qwen8b-p64": KVLayout("q", 36, num_kv_heads=8, head_dim=128, page_size=64),
@@ -66,10 +72,7 @@ def main() -> None:
             lay = lay0.replace(host_layout=hl)
             host = HostPool(lay, cap, pin=True)
             host.buffer.copy_(torch.randint(0, 256, host.buffer.shape, generator=g, dtype=torch.uint8))
-            groups = [[p.index for p in lay.planes_of_layer(i)] for i in range(lay.num_layers)]
-            extra = [p.index for p in lay.planes if p.index not in {j for grp in groups for j in grp}]
-            if extra:
-                groups.append(extra)
+            groups = [grp for grp in layer_plane_groups(lay) if grp]  # as the load back's launches
             ref = None
             row = []
             for s in shapes:

@@ -12,6 +12,7 @@ weights). Prints markdown tables: TTFT, then where the time goes.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -25,7 +26,9 @@ from hicache.engine.model import ReferenceModel
 from hicache.engine.model_spec import ModelSpec
 from hicache.hicache import HiCache
 from hicache.kernels.page_copy import PageCopier
-from hicache.kernels.plan import TileConfig
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from load_shape import launch_shape  # noqa: E402  (bench-local)
 
 
 @dataclass(slots=True)
@@ -93,11 +96,8 @@ def main() -> int:
     def use_graph(shape: str | None) -> None:
         if shape not in graphs:
             if shape is not None:
-                blocks, *tile = (int(x) for x in shape.split(":"))
-                kib = tile[0] * 1024 if tile else 0
-                copier = PageCopier(pcie=TileConfig(kib, 4096, kib, tile[1])) if tile else PageCopier()
-                copiers.append(copier)  # its plans (chunk tables) are read by every replay: keep it alive
-                override[0] = (blocks, copier)
+                override[0] = launch_shape(shape)
+                copiers.append(override[0][1])  # its plans (chunk tables) are read by every replay: keep it alive
             hc.transfers._graph = None
             graphs[shape] = hc.transfers._load_graph()  # captured here, outside any timing
             override[0] = None
@@ -229,6 +229,7 @@ def main() -> int:
               "beside the forward | serial: load alone ms (GB/s) | model kernels' GPU ms beside the load "
               "(one profiled serve; serial: none beside) |")
         print("|---|---:|---:|---:|---:|")
+        serial_ms = _model_ms(serve, reset, prompts[0], "serial")  # the reference: no copy beside the model
         for b in (None, *extra_blocks):
             r = runs["layerwise" if b is None else f"layerwise-b{b}"]
             sr = runs["serial" if b is None else f"serial-b{b}"]
@@ -236,7 +237,7 @@ def main() -> int:
             print(f"| {'default (8:64:8)' if b is None else b} | {_median([s.ttft for s in r]):.1f} | "
                   f"{ld:.1f} ({kv_bytes / (ld * 1e-3) / 1e9:.1f}) | {sld:.1f} ({kv_bytes / (sld * 1e-3) / 1e9:.1f}) | "
                   f"{_model_ms(serve, reset, prompts[0], 'layerwise' if b is None else f'layerwise-b{b}'):.1f} "
-                  f"({_model_ms(serve, reset, prompts[0], 'serial'):.1f}) |")
+                  f"({serial_ms:.1f}) |")
     if a.profile:
         try:
             _profile(serve, reset, prompts[0])
@@ -246,8 +247,14 @@ def main() -> int:
     return 0
 
 
+def _model_us(prof) -> float:
+    """GPU time of the model's kernels (every GPU event but the page copies) in a profile."""
+    return sum(e.time_range.elapsed_us() for e in prof.events()
+               if e.device_type.name == "CUDA" and "page_copy" not in e.name)
+
+
 def _model_ms(serve, reset, prompt: list[int], mode: str) -> float:
-    """GPU time of the model's kernels (everything but the page copies) in one profiled serve."""
+    """``_model_us`` of one profiled serve of ``prompt`` in ``mode``, in ms."""
     from torch.profiler import ProfilerActivity, profile
 
     serve(f"prof-cold-{mode}", prompt, "cold")  # puts the prompt on L2 (reset: backups drained)
@@ -255,8 +262,7 @@ def _model_ms(serve, reset, prompt: list[int], mode: str) -> float:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         serve(f"prof-{mode}", prompt, mode)
     reset()
-    return sum(e.time_range.elapsed_us() for e in prof.events()
-               if e.device_type.name == "CUDA" and "page_copy" not in e.name) / 1e3
+    return _model_us(prof) / 1e3
 
 
 def _profile(serve, reset, prompt: list[int]) -> None:
@@ -270,8 +276,7 @@ def _profile(serve, reset, prompt: list[int]) -> None:
     reset()
     # model kernels alone (the load has landed before the forward starts): their GPU time
     # without a copy kernel beside them, to compare with the layerwise serve's below
-    serial_model_us = sum(e.time_range.elapsed_us() for e in prof_serial.events()
-                          if e.device_type.name == "CUDA" and "page_copy" not in e.name)
+    serial_model_us = _model_us(prof_serial)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         s = serve("prof-layerwise", prompt, "layerwise")
     reset()

@@ -46,7 +46,7 @@ class LoadGraph:
         self._stage_done: list[torch.cuda.Event | None] = [None] * _RING
         self._next = 0
         self.events = [torch.cuda.Event(external=True) for _ in groups]
-        copier = self._copier = default_copier()  # holds the plans (chunk tables) every replay reads
+        copier = default_copier()  # process-wide: its plans (read by every replay) live as long as the pools
         side = torch.cuda.Stream(device=dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # compile and build every plan outside the capture (count is 0)

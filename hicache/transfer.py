@@ -24,6 +24,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from hicache.errors import TransferError
+from hicache.layout import KVLayout
 from hicache.pools import DevicePool, HostPool
 from hicache.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan
 
@@ -129,6 +130,13 @@ class LoadHandle:
                 raise self.transfer.error
 
 
+def layer_plane_groups(lay: KVLayout) -> list[list[int]]:
+    """Plane indices a layer-wise load back copies per step: each layer's planes, then the draft planes."""
+    groups = [[s.index for s in lay.planes_of_layer(i)] for i in range(lay.num_layers)]
+    groups.append([s.index for s in lay.planes if s.draft])
+    return groups
+
+
 class TransferController:
     """Runs L1<->L2 copies and L2<->L3 I/O without blocking the scheduler."""
 
@@ -143,7 +151,7 @@ class TransferController:
         self._jobs: dict[int, Transfer] = {}  # the same, by job id
         self._handles: dict[int, LoadHandle] = {}  # load jobs' layer-wise handles
         self._next_job = 0
-        self._plane_groups = self._layer_plane_groups()
+        self._plane_groups = layer_plane_groups(device_pool.layout)
         self.bytes_moved = {"d2h": 0, "h2d": 0, "l3_put": 0, "l3_get": 0}
         self._copy_q: queue.Queue | None = None
         self._io_q: queue.Queue = queue.Queue()
@@ -157,12 +165,6 @@ class TransferController:
             self._copy_q = queue.Queue()
             self._threads.append(self._start(self._copy_q, "hicache-copy"))
         self._threads.append(self._start(self._io_q, "hicache-l3"))
-
-    def _layer_plane_groups(self) -> list[list[int]]:
-        lay = self.device_pool.layout
-        groups = [[s.index for s in lay.planes_of_layer(i)] for i in range(lay.num_layers)]
-        groups.append([s.index for s in lay.planes if s.draft])
-        return groups
 
     @staticmethod
     def _start(q: queue.Queue, name: str) -> threading.Thread:
