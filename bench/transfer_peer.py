@@ -2,7 +2,7 @@
 peer kernel in SGLang's style, TMA bulk copies, copy-engine batches and the
 contiguous copy of the same bytes (the limit), on the same random page ids.
 
-    PYTHONPATH=. python3 bench/transfer_peer.py [--group main|tma] [--out DIR]
+    PYTHONPATH=. python3 bench/transfer_peer.py [--group main|tma|d2d] [--out DIR]
 
 Shapes: Qwen3-8B KV (36 layers, K+V, 8 heads x 128, bf16) at pages 1, 16 and
 64; DeepSeek-V3 MLA (61 layers of 576-dim bf16 latents, an fp8 index-K byte
@@ -11,7 +11,9 @@ once into a destination poisoned with fresh random bytes and then compared with
 the expected pool byte for byte: copied pages equal their sources, every other
 page is untouched. Only then is it timed (median of ``triton.testing.do_bench``).
 ``--group tma`` runs the TMA variants alone (a separate process, so that a
-fault there cannot take the other figures with it). Needs a CUDA GPU and nvcc.
+fault there cannot take the other figures with it). ``--group d2d`` sweeps hicache's
+device-to-device tiles, row chunks and grids alone (no extension). Needs a CUDA GPU
+(and nvcc, except for ``--group d2d``).
 """
 from __future__ import annotations
 
@@ -186,6 +188,13 @@ def run_case(rows, shape, direction, src, dst, sp, dp, limit, group, ext):
             arrs = ce_arrays(src, dst, sp, dp)
             with torch.cuda.stream(torch.cuda.Stream()):  # the batch API refuses the legacy default stream
                 add(f"copy engine batch ({arrs[0].numel()} copies)", lambda: ext.ce_batch(*arrs), measure_cpu=True)
+    elif group == "d2d":  # D2D tile / row-chunk / grid sweep of hicache's kernel alone
+        sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+        for tb, ch, w in D2D_SWEEP:
+            c = PageCopier(d2d=TileConfig(tb, 4096, ch, w), d2d_whole_32k=TileConfig(tb, 4096, ch, w))
+            for per_sm in (2, 3, 4):
+                add(f"hicache triton tile={tb // 1024}K chunk={ch // 1024}K w={w} blocks={per_sm}/SM",
+                    lambda c=c, nb=per_sm * sms: c.copy_pages(src, dst, sp, dp, num_blocks=nb))
     else:
         for chunk, grid in ((32768, (132, 264) if d2d else (4, 8, 16, 32)), (16384, (264,) if d2d else (8,))):
             tbl = chunk_table(src, dst, chunk)
@@ -193,6 +202,11 @@ def run_case(rows, shape, direction, src, dst, sp, dp, limit, group, ext):
                 add(f"tma blocks={b} chunk={chunk // 1024}K",
                     lambda b=b, tbl=tbl, c=chunk: ext.tma_copy(tbl, sp, dp, b, c))
 
+
+
+# (tile bytes, row chunk bytes, warps) tried by ``--group d2d``
+D2D_SWEEP = ((32768, 32768, 8), (65536, 65536, 16), (32768, 8192, 8), (65536, 8192, 16), (32768, 16384, 8),
+             (65536, 16384, 16), (16384, 8192, 4), (65536, 32768, 16))
 
 
 def contiguous_limits(hbuf: torch.Tensor, nbytes: int) -> dict[str, float]:
@@ -207,7 +221,7 @@ def contiguous_limits(hbuf: torch.Tensor, nbytes: int) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--group", choices=("main", "tma"), default="main")
+    ap.add_argument("--group", choices=("main", "tma", "d2d"), default="main")
     ap.add_argument("--shape", default="all")
     ap.add_argument("--out", default="")
     ap.add_argument("--directions", default="D2H,H2D,D2D", help="subset of D2H,H2D,D2D")
@@ -215,7 +229,7 @@ def main() -> None:
     a = ap.parse_args()
     t0 = time.time()
     try:
-        ext = None if a.no_ext else peer_cuda.load()
+        ext = None if a.no_ext or a.group == "d2d" else peer_cuda.load()
     except Exception as e:  # report and go on with hicache's own variants
         print(f"EXTENSION BUILD FAILED: {type(e).__name__}: {str(e)[-3000:]}", flush=True)
         if a.group == "tma":

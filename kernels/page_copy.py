@@ -46,12 +46,20 @@ PCIE_BLOCKS = 8
 # SM reached 89-92% of a contiguous copy; tiles of 16-64 KiB and row chunks of
 # 2-64 KiB made no difference beyond noise.
 D2D_TILES = TileConfig(tile_bytes=32768, narrow_tile_bytes=4096, max_chunk_bytes=32768, num_warps=8)
-# ... except when every plane's page is a whole number of 32 KiB chunks (MHA at page >= 16):
-# 64 KiB tiles of 16 warps measured 90.6-91.0% at page 16 (32 KiB planes) and 91.5-91.9% at
-# page 64 (128 KiB), against 88.7-89.0 / 88.9-89.2% for D2D_TILES, in two runs on an H200
-# (bench/transfer_peer.py, 2026-11-30). They lose where a plane leaves a short tail chunk
-# (page 1: 86.6-86.9 vs 89.7-89.9%; MLA 72 KiB + 8 KiB planes: 82.9-83.6 vs 86.6-87.0%).
-D2D_TILES_WHOLE_32K = TileConfig(tile_bytes=65536, narrow_tile_bytes=4096, max_chunk_bytes=65536, num_warps=16)
+# ... except for large planes, where 64 KiB tiles of 16 warps win, with the row chunk chosen
+# by the plane sizes. Two runs on two H200 machines (`bench/transfer_peer.py --group d2d`,
+# 2026-11-30, 24 tile / chunk / grid variants per shape, bench/RESULTS.md), % of a contiguous
+# copy of the same bytes, against D2D_TILES in the same runs:
+# - every plane a whole number of 32 KiB (MHA at page >= 16): 8 KiB chunks, 91.3-91.5% at
+#   page 16 (32 KiB planes) and 91.8-91.9% at page 64 (128 KiB), against 88.3-88.4% / 88.4%
+#   (64 KiB chunks: 90.3-90.4 / 91.1-91.2%, the choice before);
+# - every plane >= 8 KiB but not whole 32 KiB (DeepSeek-V3 MLA at page 64: 72 KiB latents +
+#   an 8448-byte index-K plane): 32 KiB chunks, 90.2-90.3% against 86.2-86.3% (8 KiB chunks
+#   87.0-87.1%, 64 KiB 82.5-82.7%);
+# - small planes (2 KiB at page 1): D2D_TILES stays best (89.6%; 64 KiB tiles 86.1-86.7%).
+# Grids of 3 or 4 programs per SM gained at most 0.2 points and lost up to 6 on MLA.
+D2D_TILES_WHOLE_32K = TileConfig(tile_bytes=65536, narrow_tile_bytes=4096, max_chunk_bytes=8192, num_warps=16)
+D2D_TILES_LARGE = TileConfig(tile_bytes=65536, narrow_tile_bytes=4096, max_chunk_bytes=32768, num_warps=16)
 D2D_BLOCKS_PER_SM = 2
 _CPU = torch.device("cpu")
 
@@ -108,10 +116,11 @@ class PageCopier:
     """
 
     def __init__(self, pcie: TileConfig = PCIE_TILES, d2d: TileConfig = D2D_TILES,
-                 d2d_whole_32k: TileConfig = D2D_TILES_WHOLE_32K):
+                 d2d_whole_32k: TileConfig = D2D_TILES_WHOLE_32K, d2d_large: TileConfig = D2D_TILES_LARGE):
         self.pcie = pcie  # any copy with a host side (and CPU tests)
         self.d2d = d2d
         self.d2d_whole_32k = d2d_whole_32k  # device-to-device when every plane page is k x 32 KiB
+        self.d2d_large = d2d_large  # ... else when every plane page is >= 8 KiB
         self._pairs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()  # guards _pairs and every pair's plans
 
@@ -204,8 +213,11 @@ class PageCopier:
 
     def d2d_tiles(self, layout: KVLayout) -> TileConfig:
         """Tiles for device-to-device copies of ``layout`` (chosen by measurement, see the constants)."""
-        if all(p.page_bytes % 32768 == 0 for p in layout.planes):
+        sizes = [p.page_bytes for p in layout.planes]
+        if all(b % 32768 == 0 for b in sizes):
             return self.d2d_whole_32k
+        if min(sizes) >= 8192:
+            return self.d2d_large
         return self.d2d
 
     @staticmethod
