@@ -176,7 +176,7 @@ def run_case(rows, shape, direction, src, dst, sp, dp, limit, group, ext):
         tiles = ((65536, 65536, 16), (16384, 16384, 4)) if d2d else ((131072, 65536, 8),)
         for tb, ch, w in tiles:
             t = TileConfig(tb, 4096, ch, w)
-            c = PageCopier(pcie=t, d2d=t)
+            c = PageCopier(pcie=t, d2d=t, d2d_whole_32k=t, d2d_large=t)  # this tile whatever the planes
             add(f"hicache triton tile={tb // 1024}K chunk={ch // 1024}K w={w}",
                 lambda c=c: c.copy_pages(src, dst, sp, dp))
         if mha and ext is not None:
@@ -191,7 +191,8 @@ def run_case(rows, shape, direction, src, dst, sp, dp, limit, group, ext):
     elif group == "d2d":  # D2D tile / row-chunk / grid sweep of hicache's kernel alone
         sms = torch.cuda.get_device_properties(DEV).multi_processor_count
         for tb, ch, w in D2D_SWEEP:
-            c = PageCopier(d2d=TileConfig(tb, 4096, ch, w), d2d_whole_32k=TileConfig(tb, 4096, ch, w))
+            t = TileConfig(tb, 4096, ch, w)
+            c = PageCopier(d2d=t, d2d_whole_32k=t, d2d_large=t)
             for per_sm in (2, 3, 4):
                 add(f"hicache triton tile={tb // 1024}K chunk={ch // 1024}K w={w} blocks={per_sm}/SM",
                     lambda c=c, nb=per_sm * sms: c.copy_pages(src, dst, sp, dp, num_blocks=nb))

@@ -60,6 +60,9 @@ def main() -> int:
     ap.add_argument("--load-blocks", default="",
                     help="also serve layerwise with other launch shapes of the load back's kernels, captured "
                          "once each: comma-separated BLOCKS or BLOCKS:TILE_KIB:WARPS (e.g. 4,16,8:32:4)")
+    ap.add_argument("--forward-priority", type=int, default=None,
+                    help="run admission and forward on a stream of this priority (negative = higher than the "
+                         "copy stream's 0), e.g. -1; the block scheduler then prefers the forward's blocks")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/ttft.py needs a CUDA GPU", file=sys.stderr)
@@ -103,7 +106,15 @@ def main() -> int:
             override[0] = None
         hc.transfers._graph = graphs[shape]
 
+    fwd_stream = None if a.forward_priority is None else torch.cuda.Stream(priority=a.forward_priority)
+
     def serve(rid: str, prompt: list[int], mode: str) -> Sample:
+        if fwd_stream is None:
+            return _serve(rid, prompt, mode)
+        with torch.cuda.stream(fwd_stream):
+            return _serve(rid, prompt, mode)
+
+    def _serve(rid: str, prompt: list[int], mode: str) -> Sample:
         torch.cuda.synchronize()
         hc.transfers._graphs = mode != "layerwise-launches"  # the same run without the CUDA-graph load
         if hc.transfers._graphs:
@@ -183,7 +194,8 @@ def main() -> int:
     c = _median([s.ttft for s in runs["cold"]])
     name = torch.cuda.get_device_name()
     print(f"# TTFT, {name}, torch {torch.__version__}, {a.layers} layers x 8 KV heads x 128 dims bf16, "
-          f"{a.tokens}-token prompt, page {ps}, host layout {a.host_layout}, {a.reps} reps (median)\n")
+          f"{a.tokens}-token prompt, page {ps}, host layout {a.host_layout}, {a.reps} reps (median)"
+          + ("" if fwd_stream is None else f", forward on a stream of priority {a.forward_priority}") + "\n")
     print("| path | TTFT ms | share of cold |")
     print("|---|---:|---:|")
     print(f"| cold (full prefill) | {c:.1f} | 100% |")
