@@ -173,8 +173,8 @@ def run_page_size(ps: int, mib: int, layers: int, host_buf: torch.Tensor, rows: 
                                 gbps(nbytes, t), lim))
     for tile, chunk, warps in ((32768, 32768, 8), (32768, 8192, 8), (32768, 2048, 8), (65536, 65536, 8),
                                (16384, 16384, 4)):
-        t = TileConfig(tile, 4096, chunk, warps)
-        c = PageCopier(d2d=t, d2d_whole_32k=t, d2d_large=t)  # this tile whatever the plane sizes
+        tc = TileConfig(tile, 4096, chunk, warps)
+        c = PageCopier(d2d=tc, d2d_whole_32k=tc, d2d_large=tc)  # this tile whatever the plane sizes
         for nb in (132, 264, 528):
             t = timed_ms(lambda: c.copy_pages(dev, dev2, sp, dp, num_blocks=nb))
             rows.append(Row("blocks", ps, f"D2D tile={tile // 1024}K chunk={chunk // 1024}K warps={warps} "
