@@ -481,6 +481,7 @@ class HiCache:
         self.cache.check_integrity(host_in_flight=self.tiers.host_in_flight)
         self.tiers.check_integrity()
         self.device_pool.check_integrity()
+        self.transfers.check_integrity()
         if self.service is None:
             self.host_pool.check_integrity()  # (the segment's pages are the service's to check)
         if self.storage is not None:

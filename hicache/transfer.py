@@ -122,8 +122,8 @@ class LoadHandle:
         return self._layer_flags[i].is_set()
 
     def _wait(self, i: int) -> None:
-        if self._on_gpu:  # (recorded when load_back returned)
-            torch.cuda.current_stream().wait_event(self._layer_events[i])
+        if self._on_gpu:  # (recorded when load_back returned): the current stream waits for it
+            self._layer_events[i].wait()  # a torch.cuda.Event or a load_graph.LayerFlag
         else:
             self._layer_flags[i].wait()
             if self.transfer.error is not None:
@@ -257,6 +257,11 @@ class TransferController:
         self.bytes_moved["h2d"] += len(host_pages) * self.device_pool.layout.page_bytes
         self._pending.append(t)
         return h
+
+    def check_integrity(self) -> None:
+        """The captured load back's completion flags and counters (synchronises its GPU)."""
+        if self._graph is not None:
+            self._graph.check_integrity()
 
     def _load_graph(self):
         """The captured load back for the current pools (None: graphs off or capture failed)."""

@@ -22,6 +22,14 @@ the *wide* table, in 16-byte units, and move as int32 words four at a time;
 the rest (odd-sized byte planes) sit in the *narrow* table, in bytes, and move
 byte by byte. One launch walks both. The grid is persistent: program ``p``
 handles tiles ``p, p + grid, ...``.
+
+With ``SIGNAL`` the launch also says when it is complete, without an event: each
+program, after its last tile, adds one to a counter in device memory; the last
+of them resets the counter and writes the launch's epoch (read from device
+memory) to a flag, which may live in pinned host memory. Another stream waits
+for the flag with a stream memory operation (``hicache.load_graph``) and the
+host reads it directly. The counter's release/acquire orders every program's
+stores before the flag's write.
 """
 from __future__ import annotations
 
@@ -42,6 +50,9 @@ def _page_copy_kernel(
     dst_idx_ptr,  # int64 [n] destination page (or slot) id of each pair
     keep_ptr,  # [n] provenance codes; only pairs with code 0 (VALID) move (unused unless HAS_KEEP)
     n_ptr,  # int64 [1]: the number of pairs, read on the device (unused unless N_FROM_PTR)
+    sig_cnt_ptr,  # int64 [1], zero between launches: programs done (unused unless SIGNAL)
+    sig_flag_ptr,  # int64 [1]: set to *sig_epoch_ptr once every program is done (unused unless SIGNAL)
+    sig_epoch_ptr,  # int64 [1]: this launch's epoch (unused unless SIGNAL)
     n,  # number of pairs (unless N_FROM_PTR)
     t_wide,  # wide entries per pair
     t_narrow,  # narrow entries per pair
@@ -52,6 +63,7 @@ def _page_copy_kernel(
     HAS_NARROW: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     N_FROM_PTR: tl.constexpr,  # the pair count lives in device memory (CUDA-graph replays)
+    SIGNAL: tl.constexpr,  # write the epoch to the flag when the whole launch is done
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -106,3 +118,9 @@ def _page_copy_kernel(
             data = tl.load(anchor + src[:, None] + nbytes[None, :], mask=m)
             tl.store(anchor + dst[:, None] + nbytes[None, :], data, mask=m)
             start += nprog * NROWS
+    if SIGNAL:
+        tl.debug_barrier()  # every thread of this program has issued its stores
+        done = tl.atomic_add(sig_cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        if done == nprog - 1:  # the last program: every other one released its stores before counting
+            tl.store(sig_cnt_ptr, 0)  # ready for the next launch (a stream runs them in order)
+            tl.store(sig_flag_ptr, tl.load(sig_epoch_ptr))

@@ -32,6 +32,7 @@ from hicache.provenance import check_provenance
 Pool = DevicePool | HostPool
 Backend = Literal["auto", "triton", "torch"]
 Indices = torch.Tensor | Sequence[int]
+Signal = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (counter, flag, epoch): see copy_pages
 
 # ---------------------------------------------------------------- tuned constants
 # Measured on an H200 (bench/transfer.py; bench/RESULTS.md "Page-copy kernels").
@@ -127,7 +128,8 @@ class PageCopier:
     # ------------------------------------------------------------------ copies
     def copy_pages(self, src: Pool, dst: Pool, src_pages: Indices, dst_pages: Indices, *,
                    planes: Sequence[int] | None = None, num_blocks: int | None = None,
-                   backend: Backend = "auto", debug: bool = False, count: torch.Tensor | None = None) -> None:
+                   backend: Backend = "auto", debug: bool = False, count: torch.Tensor | None = None,
+                   signal: Signal | None = None) -> None:
         """Copy page ``src_pages[k]`` of ``src`` to page ``dst_pages[k]`` of ``dst``.
 
         ``planes``: plane indices to move (``None`` = every plane, target and
@@ -137,8 +139,12 @@ class PageCopier:
         bounds and destination uniqueness (synchronises). ``count`` (kernel path
         only): a one-element int64 tensor on the launch device; only the first
         ``count`` pairs move, read at run time (for CUDA-graph capture: the
-        index tensors are then fixed-size buffers). Raises ``ValueError`` /
-        ``TypeError`` naming the offending argument.
+        index tensors are then fixed-size buffers). ``signal`` (kernel path
+        only): ``(counter, flag, epoch)``, one-element int64 tensors the kernel
+        reaches (``counter`` and ``epoch`` on the launch device, zero ``counter``
+        between launches; ``flag`` there or in pinned host memory): once the whole
+        copy is done, ``flag`` holds ``epoch`` (see ``_triton_copy``). Raises
+        ``ValueError`` / ``TypeError`` naming the offending argument.
         """
         pair = self._pair(src, dst)
         key = None if planes is None else tuple(planes)
@@ -158,6 +164,8 @@ class PageCopier:
             raise ValueError(f"count: a one-element int64 tensor on {launch_dev} with the kernel backend; "
                              f"got {tuple(count.shape)} {count.dtype} on {count.device} "
                              f"({'kernel' if use_triton else 'torch'} backend)")
+        if signal is not None:
+            _check_signal(signal, use_triton, launch_dev)
         if not use_triton:
             if s_idx.numel():
                 torch_copy(src, dst, s_idx, d_idx, _check_planes(src, planes))
@@ -167,7 +175,7 @@ class PageCopier:
             if plan is None:
                 plan = pair.plans[key] = self._build(src, dst, pair, _check_planes(src, planes), launch_dev)
         if s_idx.numel():
-            _launch(plan, pair.tiles, s_idx, d_idx, None, launch_dev, num_blocks or pair.blocks, count)
+            _launch(plan, pair.tiles, s_idx, d_idx, None, launch_dev, num_blocks or pair.blocks, count, signal)
 
     def plan(self, src: Pool, dst: Pool, planes: Sequence[int] | None = None) -> CopyPlan:
         """The (cached) plan ``copy_pages`` launches with; for benchmarks and tests."""
@@ -260,7 +268,7 @@ class PageCopier:
 
 def _launch(plan: CopyPlan, tiles: TileConfig, s_idx: torch.Tensor, d_idx: torch.Tensor,
             keep: torch.Tensor | None, dev: torch.device, num_blocks: int,
-            count: torch.Tensor | None = None) -> None:
+            count: torch.Tensor | None = None, signal: Signal | None = None) -> None:
     """``count``: a one-element int64 tensor on ``dev`` holding how many leading
     pairs of ``s_idx``/``d_idx`` to copy, read by the kernel (a CUDA graph
     captures the launch once and replays it for any count); the grid is sized
@@ -271,9 +279,10 @@ def _launch(plan: CopyPlan, tiles: TileConfig, s_idx: torch.Tensor, d_idx: torch
     units = max(-(-n * plan.t_wide // plan.rows), -(-n * plan.t_narrow // plan.nrows), 1)
     grid = (min(num_blocks, units),)
     args = (plan.wide_i32, plan.narrow, s_idx, d_idx, keep if keep is not None else s_idx,
-            count if count is not None else s_idx, n, plan.t_wide, plan.t_narrow)
+            count if count is not None else s_idx, *(signal or (s_idx,) * 3), n, plan.t_wide, plan.t_narrow)
     meta = dict(ROWS=plan.rows, WORDS=plan.words, NROWS=plan.nrows, NBYTES=plan.nbytes,
-                HAS_NARROW=plan.t_narrow > 0, HAS_KEEP=keep is not None, N_FROM_PTR=count is not None)
+                HAS_NARROW=plan.t_narrow > 0, HAS_KEEP=keep is not None, N_FROM_PTR=count is not None,
+                SIGNAL=signal is not None)
     if dev.type != "cuda":
         _interpreted_kernel()[grid](*args, **meta)
     elif dev.index is None or dev.index == torch.cuda.current_device():
@@ -337,6 +346,20 @@ def _check_planes(pool: Pool, planes: Sequence[int] | None) -> tuple[int, ...]:
     return plane_t
 
 
+def _check_signal(signal: Signal, use_triton: bool, dev: torch.device) -> None:
+    bad = [] if use_triton else ["needs the kernel backend"]
+    if len(signal) != 3:
+        raise ValueError(f"signal: (counter, flag, epoch), got {len(signal)} items")
+    for name, t in zip(("counter", "flag", "epoch"), signal):
+        if t.numel() != 1 or t.dtype != torch.int64:
+            bad.append(f"{name} is {tuple(t.shape)} {t.dtype}, not one int64")
+        elif _norm(t.device) != _norm(dev) and not (name == "flag" and t.device.type == "cpu" and
+                                                     (dev.type == "cpu" or t.is_pinned())):
+            bad.append(f"{name} is on {t.device}, the copy runs on {dev}")
+    if bad:
+        raise ValueError("signal: " + "; ".join(bad))
+
+
 def _check_pinned(src: Pool, dst: Pool, dev: torch.device) -> None:
     if dev.type != "cuda":
         return
@@ -396,10 +419,11 @@ def default_copier() -> PageCopier:
 
 def copy_pages(src: Pool, dst: Pool, src_pages: Indices, dst_pages: Indices, *,
                planes: Sequence[int] | None = None, num_blocks: int | None = None,
-               backend: Backend = "auto", debug: bool = False, count: torch.Tensor | None = None) -> None:
+               backend: Backend = "auto", debug: bool = False, count: torch.Tensor | None = None,
+               signal: Signal | None = None) -> None:
     """``default_copier().copy_pages(...)``; see ``PageCopier.copy_pages``."""
-    default_copier().copy_pages(src, dst, src_pages, dst_pages, planes=planes,
-                                num_blocks=num_blocks, backend=backend, debug=debug, count=count)
+    default_copier().copy_pages(src, dst, src_pages, dst_pages, planes=planes, num_blocks=num_blocks,
+                                backend=backend, debug=debug, count=count, signal=signal)
 
 
 def store_rows(pool: DevicePool, plane_indices: Sequence[int], rows: Sequence[torch.Tensor],

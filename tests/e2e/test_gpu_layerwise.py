@@ -105,3 +105,47 @@ def test_graphed_load_back_follows_a_new_host_pool():
                and bool((b.view(8, -1).view(torch.uint8)[1] == 2).all()) for b in dev.buffers)
     tc.wait_all()
     tc.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+@pytest.mark.parametrize("completion", ["flags", "events"])
+def test_a_stream_that_waits_for_layer_i_reads_it_loaded(completion, monkeypatch):
+    """The forward's ordering, on the device: a consumer stream that waits for layer i
+    (``wait_layer``) and then copies that layer's planes sees them loaded, for every layer,
+    while later layers are still on the way (1024 pages: ~1.2 ms per layer). ``flags``: the
+    kernels write per-layer epochs (stream memory operations); ``events``: event nodes.
+    Two loads in a row, so the second waits on a later epoch of the same flags."""
+    import hicache.load_graph
+    if completion == "events":
+        monkeypatch.setattr(hicache.load_graph, "_stream_wait_value_works", lambda dev: False)
+    lay = KVLayout(model_id="m", num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16",
+                   page_size=16, host_layout="page_first")
+    pages = 1024
+    dev = DevicePool(lay, pages, "cuda")
+    host = HostPool(lay, pages)
+    g = torch.Generator().manual_seed(5)
+    tc = TransferController(dev, host)
+    consumer = torch.cuda.Stream()
+    for rep in range(2):
+        host.buffer.copy_(torch.randint(0, 256, host.buffer.shape, generator=g, dtype=torch.uint8))
+        for b in dev.buffers:
+            b.view(torch.uint8).fill_(0xA5)
+        torch.cuda.synchronize()
+        perm = torch.randperm(pages, generator=g).tolist()
+        h = tc.load_back(perm, list(range(pages)))
+        assert tc._graph.completion == completion
+        snaps = []
+        with torch.cuda.stream(consumer):
+            for i in range(lay.num_layers):
+                h.wait_layer(i)
+                snaps.append([dev.buffers[s.index].clone() for s in lay.planes_of_layer(i)])
+        consumer.synchronize()
+        assert h.layer_ready(lay.num_layers - 1)
+        for i in range(lay.num_layers):
+            for spec, snap in zip(lay.planes_of_layer(i), snaps[i]):
+                want = torch.stack([host.plane_page(spec.index, p).reshape(-1) for p in perm]).view(torch.uint8)
+                assert torch.equal(snap.view(pages, -1).view(torch.uint8).cpu(), want.cpu()), (rep, i, spec.name)
+        tc.wait_all()
+        tc.finished()
+    tc.check_integrity()
+    tc.close()

@@ -165,6 +165,46 @@ def test_count_from_device_memory_moves_only_the_leading_pairs(device, count):
                 assert bool((got == SENTINEL).all()), (k, j)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("blocks", [1, 3])
+def test_signal_sets_the_flag_to_the_epoch_once_the_whole_copy_is_done(device, blocks):
+    """``signal=``: after the copy every program has counted itself, the last one wrote the
+    epoch to the flag (pinned host memory on a GPU) and reset the counter for the next launch;
+    a launch with nothing to copy (count 0) still signals; values are those of a plain copy."""
+    layout = make_layout("fp8_bytes_draft", 16, "page_first")  # wide and narrow planes
+    gen = torch.Generator().manual_seed(12)
+    src, dst = make_pools("h2d", layout, device, 13, 13)
+    fill_random(src, gen)
+    poison(dst)
+    perm = torch.randperm(13, generator=gen)
+    s_idx, d_idx = perm.to(device), perm.flip(0).contiguous().to(device)
+    counter = torch.zeros(1, dtype=torch.int64, device=device)
+    flag = torch.zeros(1, dtype=torch.int64)
+    flag = flag.pin_memory() if device == "cuda" else flag
+    for epoch, count in ((1, 9), (2, 0), (3, 13)):
+        ep = torch.tensor([epoch], dtype=torch.int64, device=device)
+        copy_pages(src, dst, s_idx, d_idx, backend="triton", num_blocks=blocks,
+                   count=torch.tensor([count], dtype=torch.int64, device=device), signal=(counter, flag, ep))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert int(flag) == epoch and int(counter) == 0, (epoch, int(flag), int(counter))
+    for p, q in zip(perm.tolist(), perm.flip(0).tolist()):
+        for j in range(len(layout.planes)):
+            assert torch.equal(page_bytes_of(dst, j, q).cpu(), page_bytes_of(src, j, p).cpu()), (p, j)
+
+
+def test_signal_is_checked():
+    layout = make_layout("mha", 4, "layer_first")
+    d, h = DevicePool(layout, 4), HostPool(layout, 4)
+    one = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="needs the kernel backend"):
+        copy_pages(d, h, [0], [0], backend="torch", signal=(one, one, one))
+    with pytest.raises(ValueError, match="epoch is .* not one int64"):
+        copy_pages(d, h, [0], [0], backend="triton", signal=(one, one, one.int()))
+    with pytest.raises(ValueError, match="counter, flag, epoch"):
+        copy_pages(d, h, [0], [0], backend="triton", signal=(one, one))
+
+
 def test_count_must_be_one_int64_on_the_launch_device():
     layout = make_layout("mha", 4, "layer_first")
     d, h = DevicePool(layout, 4), HostPool(layout, 4)
