@@ -9,7 +9,8 @@ its own thread, so the index is only ever mutated by the scheduler thread.
 Until then the pages a job uses stay pinned by its plan.
 
 Concurrency model: on a GPU, page copies run on a dedicated CUDA stream and
-completion is observed through CUDA events; without a GPU, one worker thread
+completion is observed through CUDA events (a graphed load back's layers:
+through flags its kernels write, ``hicache.load_graph``); without a GPU, one worker thread
 executes copies in submission order. L3 I/O always runs on its own worker
 thread (a storage call may block up to its timeout).
 """
@@ -106,7 +107,8 @@ class LoadHandle:
 
     def layer_launched(self, i: int, event=None) -> None:
         """The engine's worker: layer ``i`` is copied (CPU) or its copy is enqueued
-        with ``event`` recorded after it (GPU)."""
+        with ``event`` completing after it (GPU: a ``torch.cuda.Event`` or a
+        ``load_graph.LayerFlag``, both with ``query()`` and ``wait()``)."""
         self._layer_events[i] = event
         if self._layer_flags is not None:
             self._layer_flags[i].set()
@@ -224,7 +226,7 @@ class TransferController:
         graph = self._load_graph() if self.on_gpu and host_pages else None
         if self.on_gpu:
             self._stream.wait_stream(torch.cuda.current_stream())
-        if graph is not None:  # one replay: every layer's copy and event
+        if graph is not None:  # one replay: every layer's copy and its completion (flag or event)
             for i, ev in enumerate(graph.launch(host_pages, device_pages, self._stream)):
                 h.layer_launched(i, ev)
             t.cuda_event = torch.cuda.Event()
