@@ -142,18 +142,24 @@ def test_grid_size_does_not_change_bytes(device, num_blocks):
             assert torch.equal(page_bytes_of(dst, j, q).cpu(), page_bytes_of(src, j, p).cpu())
 
 
+def reversed_pairs(device: str, seed: int):
+    """13 random host pages (wide and narrow planes, a draft layer) to a poisoned device pool:
+    pair k moves page perm[k] to page perm[12 - k]."""
+    layout = make_layout("fp8_bytes_draft", 16, "page_first")
+    gen = torch.Generator().manual_seed(seed)
+    src, dst = make_pools("h2d", layout, device, 13, 13)
+    fill_random(src, gen)
+    poison(dst)
+    perm = torch.randperm(13, generator=gen)
+    return layout, src, dst, perm, perm.to(device), perm.flip(0).contiguous().to(device)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("count", [0, 1, 9, 13])
 def test_count_from_device_memory_moves_only_the_leading_pairs(device, count):
     """``count=``: the kernel reads the number of pairs at run time (CUDA-graph replays
     of fixed-size index buffers); pairs past it are not touched."""
-    layout = make_layout("fp8_bytes_draft", 16, "page_first")
-    gen = torch.Generator().manual_seed(11)
-    src, dst = make_pools("h2d", layout, device, 13, 13)
-    fill_random(src, gen)
-    poison(dst)
-    perm = torch.randperm(13, generator=gen)
-    s_idx, d_idx = perm.to(device), perm.flip(0).contiguous().to(device)
+    layout, src, dst, perm, s_idx, d_idx = reversed_pairs(device, seed=11)
     copy_pages(src, dst, s_idx, d_idx, backend="triton",
                count=torch.tensor([count], dtype=torch.int64, device=device))
     for k, (p, q) in enumerate(zip(perm.tolist(), perm.flip(0).tolist())):
@@ -171,13 +177,7 @@ def test_signal_sets_the_flag_to_the_epoch_once_the_whole_copy_is_done(device, b
     """``signal=``: after the copy every program has counted itself, the last one wrote the
     epoch to the flag (pinned host memory on a GPU) and reset the counter for the next launch;
     a launch with nothing to copy (count 0) still signals; values are those of a plain copy."""
-    layout = make_layout("fp8_bytes_draft", 16, "page_first")  # wide and narrow planes
-    gen = torch.Generator().manual_seed(12)
-    src, dst = make_pools("h2d", layout, device, 13, 13)
-    fill_random(src, gen)
-    poison(dst)
-    perm = torch.randperm(13, generator=gen)
-    s_idx, d_idx = perm.to(device), perm.flip(0).contiguous().to(device)
+    layout, src, dst, perm, s_idx, d_idx = reversed_pairs(device, seed=12)
     counter = torch.zeros(1, dtype=torch.int64, device=device)
     flag = torch.zeros(1, dtype=torch.int64)
     flag = flag.pin_memory() if device == "cuda" else flag
