@@ -344,6 +344,25 @@ def _profile(serve, reset, prompt: list[int]) -> None:
                   f"{max(steps):.0f} |")
     print(f"| last model kernel ends at | {last_model:.0f} |")
     print(f"| model kernel time before / after the last copy ended | {busy_before:.0f} / {busy_after:.0f} |")
+    _kernels_slowed(prof_serial, prof)
+
+
+def _kernels_slowed(alone, beside, top: int = 10) -> None:
+    """Which of the model's kernels the copy slows: GPU time per kernel name in a serve with
+    no copy beside the forward (``alone``) and in a layerwise one (``beside``)."""
+    def by_name(prof) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {}
+        for e in prof.events():
+            if e.device_type.name == "CUDA" and "page_copy" not in e.name:
+                out.setdefault(e.name[:70], []).append(e.time_range.elapsed_us())
+        return out
+    a, b = by_name(alone), by_name(beside)
+    rows = sorted(((sum(b[k]) - sum(a.get(k, [0.0])), k) for k in b), reverse=True)[:top]
+    print("\n| model kernel (name, first 70 characters) | launches | GPU us alone | beside the copy | ratio |")
+    print("|---|---:|---:|---:|---:|")
+    for _, k in rows:
+        ta, tb = sum(a.get(k, [0.0])), sum(b[k])
+        print(f"| `{k}` | {len(b[k])} | {ta:.0f} | {tb:.0f} | {tb / ta if ta else float('nan'):.2f} |")
 
 
 if __name__ == "__main__":
