@@ -141,10 +141,10 @@ class LoadGraph:
 
     def check_integrity(self) -> None:
         """Flags never exceed the last epoch launched; counters are zero between launches
-        (synchronises the device)."""
-        torch.cuda.synchronize(self.device.device)
+        (synchronises the device; nothing to check with event nodes)."""
         if self.completion != "flags":
             return
+        torch.cuda.synchronize(self.device.device)
         top = int(self._flags_np.max())
         if top > self._epoch or int(self._counters.abs().sum()) != 0:
             from hicache.errors import IntegrityError
@@ -170,7 +170,7 @@ class LayerFlag:
     def wait(self, stream=None) -> None:
         """Make ``stream`` (default: the current one) wait until the layer is in L1. A layer
         already in L1 (the host read its flag) needs no wait on the device at all."""
-        if int(self._graph._flags_np[self._g]) >= self.epoch:
+        if self.query():
             return
         stream = torch.cuda.current_stream() if stream is None else stream
         if torch._C._cuda_isCurrentStreamCapturing():
