@@ -221,6 +221,15 @@ def test_host_pools_round_trip_real_pages_across_layouts(name):
         assert raw_bytes(b.plane_page(p.index, 1)) == want, p.index
         at += p.page_bytes
     assert at == len(payload)
+    layers = [(0, False), (lay.num_layers - 1, False)] + [(i, True) for i in range(lay.draft_layers)]
+    for pool, page in ((a, 2), (b, 1)):  # per-layer views (what a layer-wise load reads) over every page
+        for layer, draft in layers:
+            views = pool.layer_view(layer, draft)
+            specs = lay.planes_of_layer(layer, draft)
+            assert list(views) == [s.name for s in specs]
+            for s in specs:
+                assert tuple(views[s.name].shape) == (pool.num_pages, 16, *s.row_shape)
+                assert raw_bytes(views[s.name][page]) == raw_bytes(pool.plane_page(s.index, page))
     a.check_integrity()
     b.check_integrity()
 
@@ -234,3 +243,8 @@ def test_device_pool_views_at_real_rows(name):
         assert tuple(buf.shape) == (3 * 16, *s.row_shape) and buf.dtype == s.dtype
     assert dev.slot_ids([2]).tolist() == list(range(32, 48))
     dev.check_integrity()
+    # An engine's own KV tensors at the real row shapes register as the L1 pool.
+    own = {(s.name, s.layer): torch.zeros(3 * 16, *s.row_shape, dtype=s.dtype) for s in lay.planes}
+    reg = DevicePool(lay, 3, buffers=own)
+    assert all(reg.plane(s.name, s.layer) is own[(s.name, s.layer)] for s in lay.planes)
+    reg.check_integrity()
