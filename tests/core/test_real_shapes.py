@@ -28,14 +28,8 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 PAGE_SIZES = [1, 16, 64]  # SGLang pages 1 / 16, vLLM block 16, FlashMLA 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Many small tensor ops: one intra-op thread is several times faster than two on a
-    shared 2-core machine (threads spin against each other); restored for other modules."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Many small tensor ops: one torch thread (tests/conftest.py says why).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def expected(name: str) -> dict[str, int]:

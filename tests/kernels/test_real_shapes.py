@@ -32,14 +32,8 @@ DIRECTIONS = [("d2h", "layer_first"), ("d2h", "page_first"), ("h2d", "layer_firs
               ("d2d", "layer_first")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Many small copies: one intra-op thread is several times faster than two on a shared
-    2-core machine (threads spin against each other); restored for the other modules."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Many small tensor ops: one torch thread (tests/conftest.py says why).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def raw(pool) -> list[torch.Tensor]:

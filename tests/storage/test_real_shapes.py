@@ -25,14 +25,8 @@ CODEC_CASES = ([(n, 16) for n in SHAPES] + [(n, 1) for n in SHAPES]
 AUTH = codec.mac_key(b"real-shapes-test-key-0123456789")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Many small tensor ops: one intra-op thread is several times faster than two on a
-    shared 2-core machine (threads spin against each other); restored for other modules."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Many small tensor ops: one torch thread (tests/conftest.py says why).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def payload_of(nbytes: int, seed: str) -> bytes:

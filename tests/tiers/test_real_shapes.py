@@ -15,14 +15,8 @@ CASES = [(n, 16) for n in SHAPES] + [(n, 64) for n, m in SHAPES.items() if m.is_
 PAGES = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Many small tensor ops: one intra-op thread is several times faster than two on a
-    shared 2-core machine (threads spin against each other); restored for other modules."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Many small tensor ops: one torch thread (tests/conftest.py says why).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make(name: str, page_size: int, url: str, host_layout: str) -> HiCache:
