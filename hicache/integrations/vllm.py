@@ -118,6 +118,19 @@ def vllm_layout(config: OffloadingConfig, row_bytes: int) -> KVLayout:
     return KVLayout.rows(model_id, row_bytes, facts, host_layout="page_first")
 
 
+def _log_through_vllm() -> None:
+    """Send hicache's own loggers (storage outages, corrupt objects) to vLLM's handler
+    and level too, unless the user configured the ``hicache`` logger: in a vLLM
+    process nothing else would show them in vLLM's format, or at all below WARNING."""
+    ours, theirs = logging.getLogger("hicache"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for h in theirs.handlers:
+        ours.addHandler(h)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
 def _auth_key(auth_key: str, auth_key_file: str) -> bytes:
     """The tier's MAC secret: its extra config's ``auth_key`` / ``auth_key_file``, else the
     environment's ``HICACHE_STORAGE__AUTH_KEY`` / ``..._FILE`` (as the core's ``storage.auth_key``)."""
@@ -224,6 +237,7 @@ class HiCacheTier(SecondaryTierManager):
                  auth_key: str = "", auth_key_file: str = "", locality: str | None = None,
                  backpressure_detector: Any = None):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        _log_through_vllm()
         self.locality = Locality(locality) if locality is not None else None
         if primary_kv_view.ndim != 2:
             raise ConfigError(f"HiCacheTier: primary_kv_view has shape {primary_kv_view.shape}; "

@@ -68,6 +68,9 @@ def test_start_line_and_rate_limited_warnings_in_a_vllm_process(tmp_path):
     assert f"L3 redis://admin:***@127.0.0.1:{port}/0" in start and f"fingerprint {fp}" in start
     assert "4096-byte rows" in start and "vLLM CPU tier 256 rows" in start and "known-chunk cap 100000" in start
     assert "hunter2" not in log
+    # hicache's own storage warning (the outage), in vLLM's format too.
+    (outage,) = [ln for ln in log.splitlines() if "unreachable (put failed" in ln]
+    assert "WARNING" in outage and "[base.py:" in outage and f"redis://admin:***@127.0.0.1:{port}/0" in outage
     warned = [ln for ln in log.splitlines() if "a store job of 1 chunks did not fully succeed" in ln]
     assert 1 <= len(warned) <= 5 and all("WARNING" in ln for ln in warned), warned  # 20 failures, few lines
 
