@@ -52,9 +52,9 @@ class ModelConfig(_Section):
     tp_size: int = 1
     cp_rank: int = 0
     cp_size: int = 1
-    host_layout: Literal["layer_first", "page_first"] = "page_first"
     row_bytes: int = 0  # kind="rows" (an engine's opaque rows, e.g. vLLM's tier): bytes of one row
     engine_layout: str = ""  # kind="rows": the engine's description of a row (HiCacheTier logs it)
+    host_layout: Literal["layer_first", "page_first"] = "page_first"
 
     def to_layout(self) -> KVLayout:
         d = self.model_dump()

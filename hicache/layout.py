@@ -158,9 +158,9 @@ class KVLayout:
     tp_size: int = 1
     cp_rank: int = 0
     cp_size: int = 1
-    host_layout: HostLayout = "layer_first"
     row_bytes: int = 0  # rows only: bytes of one page (one engine row)
     engine_layout: str = ""  # rows only: the engine's description of a row, canonical JSON of an object
+    host_layout: HostLayout = "layer_first"
     _planes: tuple[PlaneSpec, ...] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -260,6 +260,10 @@ class KVLayout:
             raise self._bad("engine_layout", "must be canonical JSON (hicache.layout.canonical_json: sorted "
                             "keys, no spaces), so that one description has one fingerprint")
 
+    def _unset_rows_fields(self) -> tuple[str, ...]:
+        """The rows-only fields, for layouts of another kind (left out of fingerprint and dict)."""
+        return () if self.kind == "rows" else _ROWS_ONLY
+
     @classmethod
     def rows(cls, model_id: str, row_bytes: int, engine_layout: dict, **common: object) -> "KVLayout":
         """A ``kind="rows"`` layout: pages are opaque engine rows of ``row_bytes``
@@ -342,9 +346,7 @@ class KVLayout:
         """The fields that decide a page's bytes, JSON-ready, in a fixed order."""
         out: dict[str, object] = {"contract_version": CONTRACT_VERSION}
         for f in dataclasses.fields(self):
-            if f.name.startswith("_") or f.name in _NOT_IN_FINGERPRINT:
-                continue
-            if f.name in _ROWS_ONLY and self.kind != "rows":
+            if f.name.startswith("_") or f.name in _NOT_IN_FINGERPRINT or f.name in self._unset_rows_fields():
                 continue
             v = getattr(self, f.name)
             out[f.name] = [[p.name, p.bytes_per_token] for p in v] if f.name == "extra_planes" else v
@@ -387,7 +389,7 @@ class KVLayout:
     # ------------------------------------------------------------ (de)serialise
     def to_dict(self) -> dict[str, object]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-             if not f.name.startswith("_") and (self.kind == "rows" or f.name not in _ROWS_ONLY)}
+             if not f.name.startswith("_") and f.name not in self._unset_rows_fields()}
         d["extra_planes"] = [[p.name, p.bytes_per_token] for p in self.extra_planes]
         return d
 
