@@ -10,11 +10,6 @@ set of ``--prompts`` prompts of ``--blocks`` 16-token blocks is replayed
 
     bash scripts/setup-engines.sh vllm
     PYTHONPATH=. .venv-vllm/bin/python bench/engines.py [--redis redis://127.0.0.1:6379/0]
-
-``--tiers``: HiCacheTier (file:// on tmpfs, redis://) against vLLM's built-in
-``fs`` tier (tmpfs), store and load GB/s at rows of 16 KiB to 8 MiB, same run::
-
-    PYTHONPATH=. .venv-vllm/bin/python bench/engines.py --tiers [--reps 5] [--rows 16384,65536]
 """
 from __future__ import annotations
 
@@ -66,43 +61,12 @@ def run(url: str | None, args) -> dict:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--redis", default="redis://127.0.0.1:6379/0")
-    ap.add_argument("--prompts", type=int, default=6)
-    ap.add_argument("--blocks", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--cpu-chunks", type=int, default=8)
-    ap.add_argument("--gpu-blocks", type=int, default=8)
-    args = ap.parse_args()
-
-    # CPUAttentionBackend declares MultipleOf(32) block sizes; RequestRunner uses 16 (vLLM's own
-    # kv_connector unit conftest applies the same patch).
-    from vllm.v1.attention.backend import MultipleOf
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-    CPUAttentionBackend.get_supported_kernel_block_sizes = staticmethod(lambda kv_cache_spec=None: [MultipleOf(16)])
-
-    total = args.prompts * args.blocks * 16 * args.rounds
-    with tempfile.TemporaryDirectory() as d:
-        rows = [("vLLM CPU tier only", run(None, args)),
-                ("+ HiCacheTier file://", run(f"file://{d}/l3", args)),
-                ("+ HiCacheTier redis://", run(args.redis, args))]
-    print(f"working set {args.prompts} prompts x {args.blocks} blocks of 16 tokens, {args.rounds} rounds "
-          f"({total:,} prompt tokens); CPU tier {args.cpu_chunks} chunks, GPU {args.gpu_blocks} blocks")
-    print(f"{'run':<24} {'hit tokens':>10} {'hit rate':>8} {'from L3':>7} {'L3 written':>10} {'L3 read':>9} "
-          f"{'time':>6}")
-    for name, r in rows:
-        print(f"{name:<24} {r['hit_tokens']:>10,} {r['hit_tokens'] / total:>8.1%} {r['l3_loaded'] * 16:>7,} "
-              f"{r['l3_written_bytes'] / 1024:>8.0f} K {r['l3_read_bytes'] / 1024:>7.0f} K {r['elapsed']:>5.1f}s")
-    print(f"(one chunk = 16 tokens = {rows[0][1]['row_bytes']} bytes in vLLM's CPU region, padded to its alignment)")
-
-
-
-
 # ----------------------------------------------------------------------------- tiers side by side
 # HiCacheTier against vLLM's built-in ``fs`` tier (issue 24, item 6): both built by
 # vLLM's TieringOffloadingSpec over the same kind of primary region, store and
-# load of whole chunks at real row sizes, in one run.
+# load of whole chunks at real row sizes (16 KiB to 8 MiB), in one run:
+#
+#     PYTHONPATH=. .venv-vllm/bin/python bench/engines.py --tiers [--reps 5] [--rows 16384,65536]
 TIER_ROWS = (16 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
 
 
@@ -244,20 +208,50 @@ def tiers_main(args) -> None:
             print(f"{row // 1024:>6} K {name:<28} {s:>7.2f} {ld:>7.2f} {rs:>7.2f}x {rl:>6.2f}x")
 
 
-def main_entry() -> None:
-    if "--tiers" in sys.argv:
-        ap = argparse.ArgumentParser(description="HiCacheTier vs vLLM's fs tier: store/load GB/s at real row sizes")
-        ap.add_argument("--tiers", action="store_true")
-        ap.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=list(TIER_ROWS))
-        ap.add_argument("--reps", type=int, default=5)
-        ap.add_argument("--total-mib", type=int, default=64, help="bytes per round (chunks = this / row)")
-        ap.add_argument("--job-chunks", type=int, default=16)
-        ap.add_argument("--tmpfs", default="/dev/shm")
-        ap.add_argument("--redis", default="", help="default: a private redis-server started for the run")
-        tiers_main(ap.parse_args())
-    else:
-        main()
+def tiers_entry() -> None:
+    ap = argparse.ArgumentParser(description="HiCacheTier vs vLLM's fs tier: store/load GB/s at real row sizes")
+    ap.add_argument("--tiers", action="store_true")
+    ap.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=list(TIER_ROWS))
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--total-mib", type=int, default=64, help="bytes per round (chunks = this / row)")
+    ap.add_argument("--job-chunks", type=int, default=16)
+    ap.add_argument("--tmpfs", default="/dev/shm")
+    ap.add_argument("--redis", default="", help="default: a private redis-server started for the run")
+    tiers_main(ap.parse_args())
+
+
+def main() -> None:
+    if "--tiers" in sys.argv:  # HiCacheTier against vLLM's fs tier (above)
+        return tiers_entry()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--blocks", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cpu-chunks", type=int, default=8)
+    ap.add_argument("--gpu-blocks", type=int, default=8)
+    args = ap.parse_args()
+
+    # CPUAttentionBackend declares MultipleOf(32) block sizes; RequestRunner uses 16 (vLLM's own
+    # kv_connector unit conftest applies the same patch).
+    from vllm.v1.attention.backend import MultipleOf
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    CPUAttentionBackend.get_supported_kernel_block_sizes = staticmethod(lambda kv_cache_spec=None: [MultipleOf(16)])
+
+    total = args.prompts * args.blocks * 16 * args.rounds
+    with tempfile.TemporaryDirectory() as d:
+        rows = [("vLLM CPU tier only", run(None, args)),
+                ("+ HiCacheTier file://", run(f"file://{d}/l3", args)),
+                ("+ HiCacheTier redis://", run(args.redis, args))]
+    print(f"working set {args.prompts} prompts x {args.blocks} blocks of 16 tokens, {args.rounds} rounds "
+          f"({total:,} prompt tokens); CPU tier {args.cpu_chunks} chunks, GPU {args.gpu_blocks} blocks")
+    print(f"{'run':<24} {'hit tokens':>10} {'hit rate':>8} {'from L3':>7} {'L3 written':>10} {'L3 read':>9} "
+          f"{'time':>6}")
+    for name, r in rows:
+        print(f"{name:<24} {r['hit_tokens']:>10,} {r['hit_tokens'] / total:>8.1%} {r['l3_loaded'] * 16:>7,} "
+              f"{r['l3_written_bytes'] / 1024:>8.0f} K {r['l3_read_bytes'] / 1024:>7.0f} K {r['elapsed']:>5.1f}s")
+    print(f"(one chunk = 16 tokens = {rows[0][1]['row_bytes']} bytes in vLLM's CPU region, padded to its alignment)")
 
 
 if __name__ == "__main__":
-    main_entry()
+    main()
