@@ -39,7 +39,7 @@ class ModelConfig(_Section):
 
     model_id: str = "hicache-demo-tiny"
     num_layers: int = 4
-    kind: Literal["mha", "mla"] = "mha"
+    kind: Literal["mha", "mla", "rows"] = "mha"
     num_kv_heads: int = 2
     head_dim: int = 32
     kv_lora_rank: int = 0
@@ -52,6 +52,8 @@ class ModelConfig(_Section):
     tp_size: int = 1
     cp_rank: int = 0
     cp_size: int = 1
+    row_bytes: int = 0  # kind="rows" (an engine's opaque rows, e.g. vLLM's tier): bytes of one row
+    engine_layout: str = ""  # kind="rows": the engine's description of a row (HiCacheTier logs it)
     host_layout: Literal["layer_first", "page_first"] = "page_first"
 
     def to_layout(self) -> KVLayout:
