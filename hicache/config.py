@@ -97,6 +97,16 @@ class StorageConfig(_Section):
     # threat model). auth_key_file: read it from a file (a Compose/K8s secret).
     auth_key: str = ""
     auth_key_file: str = ""
+    # Byte cap of file:// and memory:// (bytes, "20GiB", 0 = unbounded); "auto":
+    # min(20 GiB, 10% of the file system / of RAM). See hicache.storage.capacity.
+    max_bytes: int | Literal["auto"] = "auto"
+    eviction: Literal["lru", "fifo"] = "lru"  # which objects go first at the cap
+
+    @field_validator("max_bytes", mode="before")
+    @classmethod
+    def _max_bytes(cls, v: Any) -> Any:
+        from hicache.storage.capacity import parse_size
+        return parse_size(v)
 
     def resolved_auth_key(self) -> bytes:
         """``auth_key``, else the stripped contents of ``auth_key_file``, else b"". Raises ``ConfigError``."""

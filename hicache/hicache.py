@@ -106,9 +106,10 @@ class HiCache:
         self.device_pool = DevicePool(self.layout, cfg.pool.device_pages, device, buffers=device_buffers)
         if storage is None and cfg.storage.url and tier is None:
             from hicache.storage import open_storage
+            from hicache.storage.capacity import backend_options
             storage = open_storage(cfg.storage.url, fingerprint=self.layout.fingerprint(), layout=self.layout,
                                    timeout_ms=cfg.storage.timeout_ms, max_retries=cfg.storage.max_retries,
-                                   auth_key=cfg.storage.resolved_auth_key())
+                                   auth_key=cfg.storage.resolved_auth_key(), **backend_options(cfg.storage))
         self.storage = storage
         self.policy = cfg.policy
         self.transfers = TransferController(self.device_pool, self.host_pool, storage)
