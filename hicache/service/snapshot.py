@@ -56,6 +56,13 @@ class TierSnapshot:
                       family_help="1 when the tier answers (L3: no outage in progress).", default=False)
     service: L3TierStats | None = stat("L3 only: what the service moved between L2 and L3.", scoped=True,
                                        default=None)
+    usage_scope: str | None = stat('L3 only: what used_pages/used_bytes cover: "store" (this directory or '
+                                   'in-process store) or "server" (the whole Redis server, other data included).',
+                                   metric=None, default=None)
+    usage_exact: bool | None = stat("L3 only: used_bytes is exact (False: the file:// ledger's running "
+                                    "estimate, never below the truth).", metric=None, default=None)
+    eviction_policy: str | None = stat("L3 only: what goes first at the byte cap (Redis: its maxmemory-policy).",
+                                       metric=None, default=None)
 
 
 @dataclass(slots=True)
