@@ -144,6 +144,20 @@ class PolicyConfig(_Section):
         return v
 
 
+class AdmissionConfig(_Section):
+    """Cost-based admission (``hicache.load_cost``): load an L2/L3 hit only when that
+    is estimated faster than recomputing it."""
+
+    policy: Literal["cost", "always_load"] = "cost"
+    # Prefill tokens/s of the engine; 0: measured (HiCache.observe_prefill), and
+    # until measured every hit is loaded.
+    prefill_tokens_per_s: float = Field(0.0, ge=0)
+    # Bandwidth priors (bytes/s) before the first transfer is measured; 0: unknown.
+    l2_bytes_per_s: float = Field(0.0, ge=0)  # L2 -> L1 load back
+    l3_bytes_per_s: float = Field(0.0, ge=0)  # L3 -> L2 prefetch
+    ewma_alpha: float = Field(0.2, gt=0, le=1)  # weight of each new measurement
+
+
 class ServiceConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8177, ge=0, le=65535)
@@ -195,6 +209,7 @@ class HiCacheConfig(BaseSettings):
     pool: PoolConfig = PoolConfig()
     storage: StorageConfig = Field(default_factory=StorageConfig)  # its default URL reads the environment
     policy: PolicyConfig = PolicyConfig()
+    admission: AdmissionConfig = AdmissionConfig()
     service: ServiceConfig = ServiceConfig()
     log_level: str = "WARNING"
 

@@ -118,6 +118,18 @@ class EngineReport:
     l1_capacity_pages: int = stat("The engine's L1 capacity in pages.", metric="engine_l1_pages", kind="gauge",
                                   labels={"state": "capacity"}, default=0)
     l1_evictions: int = stat("Pages the engine evicted from L1.", metric="engine_l1_evictions", default=0)
+    admission_load: int = stat("L2/L3 hits the engine loaded (the cost model chose to).",
+                               metric="engine_admission_decisions", labels={"choice": "load"}, default=0,
+                               family_help="An engine's admissions with an L2/L3 hit, by the cost model's choice "
+                                           "(hicache.load_cost).")
+    admission_load_l2: int = stat("Hits whose L2 part was loaded, L3 part recomputed.",
+                                  metric="engine_admission_decisions", labels={"choice": "load_l2"}, default=0)
+    admission_recompute: int = stat("Hits recomputed: loading was estimated slower.",
+                                    metric="engine_admission_decisions", labels={"choice": "recompute"}, default=0)
+    admission_unmeasured: int = stat("Hits loaded before the cost model's inputs were known.",
+                                     metric="engine_admission_decisions", labels={"choice": "unmeasured"}, default=0)
+    admission_recomputed_tokens: int = stat("L2/L3-hit tokens recomputed instead of loaded.",
+                                            metric="engine_admission_recomputed_tokens", default=0)
 
 
 def report_figures(stats: "HiCacheStats") -> dict[str, int]:
@@ -127,7 +139,17 @@ def report_figures(stats: "HiCacheStats") -> dict[str, int]:
             "l1_hit_tokens_exact": i.device_hit_exact_tokens, "l1_hit_tokens_visible": i.device_hit_tokens,
             "l2_hit_tokens_exact": i.host_hit_exact_tokens, "l2_hit_tokens_visible": i.host_hit_tokens,
             "l1_used_pages": i.device_pages_cached + i.device_pages_private,
-            "l1_capacity_pages": stats.capacity_pages.get("L1", 0), "l1_evictions": i.device_evicted_pages}
+            "l1_capacity_pages": stats.capacity_pages.get("L1", 0), "l1_evictions": i.device_evicted_pages,
+            **_admission_figures(stats)}
+
+
+def _admission_figures(stats: "HiCacheStats") -> dict[str, int]:
+    a = stats.admission
+    if a is None:
+        return {}
+    return {"admission_load": a.load, "admission_load_l2": a.load_l2, "admission_recompute": a.recompute,
+            "admission_unmeasured": a.unmeasured,
+            "admission_recomputed_tokens": a.recomputed_l2_tokens + a.recomputed_l3_tokens}
 
 
 REPORT_FIELDS = tuple(f for f in EngineReport.__dataclass_fields__ if f != "name")
