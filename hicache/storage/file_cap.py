@@ -219,3 +219,10 @@ def _unlink(path: str) -> int:
         return 1
     except FileNotFoundError:
         return 0
+
+
+def rescan_ledger(root: Path) -> None:
+    """After deleting from outside a backend (``hicache storage clear``): set the
+    ledger of ``root`` to what is on disk, if the directory has one (a capped store)."""
+    if (Path(root) / LEDGER).exists():
+        FileCap(Path(root), max_bytes=1).rescan()
