@@ -90,8 +90,9 @@ class Decision(NamedTuple):
     choice: Choice
     l2_tokens: int  # the L2 part of the hit
     l3_tokens: int  # the L3 part continuing it
-    load_s: float  # estimated seconds of the chosen plan (loads + the recompute it leaves)
-    recompute_s: float  # estimated seconds of recomputing the whole L2 + L3 part
+    load_s: float  # estimated seconds of loading the whole L2 + L3 part (nan: unmeasured)
+    recompute_s: float  # estimated seconds of recomputing the whole L2 + L3 part (nan: unmeasured)
+    plan_s: float  # estimated seconds of the chosen plan (its loads + the recompute it leaves)
 
     @property
     def load_l2(self) -> bool:
@@ -115,11 +116,12 @@ class CostInputs:
 def choose(l2_tokens: int, l3_tokens: int, inputs: CostInputs) -> Decision:
     """The cheapest of load both / load L2 only / recompute (see the module docstring). Pure."""
     if not l2_tokens and not l3_tokens:
-        return Decision(Choice.LOAD, 0, 0, 0.0, 0.0)
+        return Decision(Choice.LOAD, 0, 0, 0.0, 0.0, 0.0)
     rate = inputs.prefill_tokens_per_s
     bw = inputs.bandwidth
     if not rate or not bw.get("L2") or (l3_tokens and not bw.get("L3")):
-        return Decision(Choice.UNMEASURED, l2_tokens, l3_tokens, float("nan"), float("nan"))
+        nan = float("nan")
+        return Decision(Choice.UNMEASURED, l2_tokens, l3_tokens, nan, nan, nan)
     kw = dict(bytes_per_token=inputs.bytes_per_token, bandwidth={k: v for k, v in bw.items() if v},
               prefill_tokens_per_s=rate, queued_bytes=inputs.queued_bytes)
     whole = estimate({"L2": l2_tokens, "L3": l3_tokens}, **kw)  # type: ignore[arg-type]
@@ -129,7 +131,7 @@ def choose(l2_tokens: int, l3_tokens: int, inputs: CostInputs) -> Decision:
         options.append((part + l3_tokens / rate, 1, Choice.LOAD_L2))
     options.append((whole.recompute_s, 2, Choice.RECOMPUTE))
     best_s, _, best = min(options)  # ties: the option that loads more (listed first)
-    return Decision(best, l2_tokens, l3_tokens, best_s, whole.recompute_s)
+    return Decision(best, l2_tokens, l3_tokens, whole.load_s, whole.recompute_s, best_s)
 
 
 class BandwidthMeter:
@@ -212,7 +214,8 @@ class CostModel:
         """``choose`` on the current inputs, counted (hits of 0 tokens are not counted).
         With the model off (``admission.policy = "always_load"``): load, uncounted."""
         if not self.enabled:
-            return Decision(Choice.LOAD, l2_tokens, l3_tokens, float("nan"), float("nan"))
+            nan = float("nan")
+            return Decision(Choice.LOAD, l2_tokens, l3_tokens, nan, nan, nan)
         d = choose(l2_tokens, l3_tokens, self.inputs(queued_bytes))
         if l2_tokens or l3_tokens:
             s = self.stats

@@ -43,7 +43,8 @@ def test_choose_both_ways(l2_bw, l3_bw, l2, l3, want):
     assert d.load_l2 is (want is not Choice.RECOMPUTE)
     assert d.load_l3 is (want in (Choice.LOAD, Choice.UNMEASURED))
     if want is not Choice.UNMEASURED:
-        assert d.load_s <= d.recompute_s and d.recompute_s == (l2 + l3) / RATE
+        assert d.plan_s <= min(d.load_s, d.recompute_s) and d.recompute_s == (l2 + l3) / RATE
+        assert d.plan_s == {Choice.LOAD: d.load_s, Choice.RECOMPUTE: d.recompute_s}.get(want, d.plan_s)
 
 
 def test_choose_ties_load_and_queued_bytes_count():
