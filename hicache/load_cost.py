@@ -24,7 +24,9 @@ needed input is unknown the choice is to load (counted as ``unmeasured``): a
 cache with no measurement yet behaves as before.
 
 ``estimate`` and ``choose`` are pure; ``CostModel`` holds the meters and the
-decision counters of one cache.
+decision counters of one cache. In service mode (``hicache+unix://``) the
+node's service owns L2 and L3 and the engine's index sees no L2 hit before
+acquiring, so those admissions are not gated (a hit of 0 tokens: uncounted).
 """
 from __future__ import annotations
 
