@@ -90,6 +90,11 @@ class Admission(NamedTuple):
             h.wait()
 
 
+class _L3Hit(NamedTuple):
+    hashes: list  # page hashes of the L3 pages continuing the L1/L2 hit
+    probed_at: float  # perf_counter() when the probe began (the prefetch budget covers probe and fetch)
+
+
 class HiCache:
     """Embedded L1/L2/L3 cache. See the module docstring for the call order."""
 
@@ -129,7 +134,6 @@ class HiCache:
         self._failed: TransferError | None = None  # set by a failed load back; fatal
         self.consensus = consensus
         self.cost = CostModel.from_config(cfg.admission, self.layout.token_bytes)
-        self._probe_t0 = 0.0  # when the current admission began probing L3 (its prefetch budget runs from it)
 
     # ------------------------------------------------------------- requests
     def new_request(self, rid: str, tokens: Tokens, namespace: str = "", *, draft: bool | None = None) -> Request:
@@ -164,7 +168,8 @@ class HiCache:
         device_tokens = m.device_tokens
         l3_hit = self._storage_hit(req, m)
         # The one cost decision: load the L2 / L3 parts only where that beats recomputing them.
-        plan = self.cost.decide(m.host_tokens, len(l3_hit) * self.layout.page_size, self.transfers.queued_bytes())
+        plan = self.cost.decide(m.host_tokens, len(l3_hit.hashes) * self.layout.page_size,
+                                self.transfers.queued_bytes())
         storage_tokens = self._prefetch(req, m, l3_hit) if plan.load_l3 else 0
         if storage_tokens or m.epoch != self.cache.epoch:
             m = req.match()  # prefetched pages joined L2, or L2 room was made by eviction
@@ -199,36 +204,36 @@ class HiCache:
         return self.cache.match(req.key, req.namespace, max_tokens=agreed, need_draft=req.draft)
 
     # ----------------------------------------------------------------- L3 -> L2
-    def _storage_hit(self, req: Request, m: MatchResult) -> list:
-        """Hashes of the L3 pages continuing ``m`` (probed within the prefetch budget);
-        [] when there is no L3 or the hit is below ``storage_hit_min_pages``."""
+    def _storage_hit(self, req: Request, m: MatchResult) -> _L3Hit:
+        """The L3 pages continuing ``m`` (probed within the prefetch budget); none when
+        there is no L3 or the hit is below ``storage_hit_min_pages``."""
+        t0 = time.perf_counter()
         if not self._storage_enabled:
-            return []
+            return _L3Hit([], t0)
         ps = self.layout.page_size
         have = m.tokens // ps
         cap = max(0, req.num_tokens - 1) // ps
         if cap - have < self.policy.storage_hit_min_pages:
-            return []
+            return _L3Hit([], t0)
         hashes = self._page_hashes(req.key, req.namespace, cap)
         self.tier_stats.storage_lookups += 1
-        self._probe_t0 = time.perf_counter()
         s = self.transfers.storage_probe(hashes[have:cap], self._prefetch_budget_s(req.num_tokens))
         if s < self.policy.storage_hit_min_pages:
-            return []
+            return _L3Hit([], t0)
         self.tier_stats.storage_hit_pages += s
-        return hashes[have:have + s]
+        return _L3Hit(hashes[have:have + s], t0)
 
-    def _prefetch(self, req: Request, m: MatchResult, l3_hit: list) -> int:
-        """Fetch ``l3_hit`` into L2, waiting what is left of the policy's budget; tokens landed."""
-        if not l3_hit:
+    def _prefetch(self, req: Request, m: MatchResult, hit: _L3Hit) -> int:
+        """Fetch ``hit`` into L2, waiting what is left of the policy's budget; tokens landed."""
+        if not hit.hashes:
             return 0
-        plan = self.tiers.prepare_prefetch(req.key, req.namespace, m.tokens // self.layout.page_size, l3_hit)
+        plan = self.tiers.prepare_prefetch(req.key, req.namespace, m.tokens // self.layout.page_size, hit.hashes)
         if plan is None:
             return 0
         budget = self._prefetch_budget_s(req.num_tokens)
         job = self._submit(plan)
-        self._wait_prefetch(job, None if budget is None else budget - (time.perf_counter() - self._probe_t0))
-        return len(l3_hit) * self.layout.page_size if job not in self._jobs else 0
+        self._wait_prefetch(job, None if budget is None else budget - (time.perf_counter() - hit.probed_at))
+        return len(hit.hashes) * self.layout.page_size if job not in self._jobs else 0
 
     def _prefetch_budget_s(self, num_tokens: int) -> float | None:
         """How long the scheduler may wait on L3 for one request (probe and fetch together);

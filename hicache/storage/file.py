@@ -30,11 +30,13 @@ per-page I/O deadline.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 import re
 import secrets
 import stat
 import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -46,6 +48,7 @@ from hicache.storage.codec import Buffer
 from hicache.storage.file_cap import FileCap, scan
 
 _TMP = ".tmp."
+USAGE_SCAN_S = 30.0  # unbounded directories: how long one usage() scan is reused
 _HEX_NAME = re.compile(r"^[0-9a-f]{%d}$" % (2 * HASH_BYTES))
 
 
@@ -88,6 +91,7 @@ class FileBackend(StorageBackend):
         self.max_bytes = max_bytes
         self.eviction = check_eviction(eviction, f"storage url {self.name!r}:")
         self._cap = FileCap(self.root, max_bytes) if max_bytes else None
+        self._scanned: tuple[float, StorageUsage] | None = None  # unbounded: the last usage scan
         if self._cap is not None:
             self._trim()  # a cap lowered since the last run holds from the start
 
@@ -264,8 +268,16 @@ class FileBackend(StorageBackend):
         if self._cap is not None:
             nbytes, objects = self._cap.usage()
             return StorageUsage(objects, nbytes, self.max_bytes, self.eviction, exact=False)
+        # Unbounded: no ledger, so a scan; /v1/stats asks every second, a scan is
+        # reused for USAGE_SCAN_S (and then reported as not exact).
+        now = time.monotonic()
+        cached = self._scanned
+        if cached is not None and now - cached[0] < USAGE_SCAN_S:
+            return dataclasses.replace(cached[1], exact=False)
         objs, _ = scan(self.root)
-        return StorageUsage(len(objs), sum(f.size for f in objs), None, self.eviction)
+        u = StorageUsage(len(objs), sum(f.size for f in objs), None, self.eviction)
+        self._scanned = (now, u)
+        return u
 
     def check_integrity(self) -> None:
         """The base checks, and with a cap: the ledger covers the bytes on disk

@@ -70,10 +70,10 @@ def scan(root: Path, now: float | None = None) -> tuple[list[StoredFile], list[S
     except FileNotFoundError:
         return objs, stale
     for pd in prefixes:
-        for sub in os.scandir(pd.path):
+        for sub in _entries(pd.path):
             if len(sub.name) != 2 or not sub.is_dir(follow_symlinks=False):
                 continue
-            for f in os.scandir(sub.path):
+            for f in _entries(sub.path):
                 try:
                     st = f.stat(follow_symlinks=False)
                 except FileNotFoundError:  # deleted meanwhile
@@ -183,14 +183,18 @@ class FileCap:
         size = sum(f.size for f in objs)
         n, freed = 0, 0
         for f in stale:
-            n += _unlink(f.path)
-            freed += f.size
+            if _unlink(f.path) == "deleted":
+                n += 1
+                freed += f.size
         objs.sort()
         kept = len(objs)
         for f in objs:
             if size <= target:
                 break
-            if _unlink(f.path):
+            how = _unlink(f.path)
+            if how == "kept":  # not ours to delete (another user's file): it stays counted
+                continue
+            if how == "deleted":
                 n += 1
                 freed += f.size
             size -= f.size  # gone either way (deleted by us or by someone else)
@@ -213,12 +217,23 @@ class FileCap:
                                  "(a writer died between rename and accounting?); a trim or rescan fixes it")
 
 
-def _unlink(path: str) -> int:
+def _entries(path: str) -> list[os.DirEntry]:
+    """A directory's entries; none when it vanished or cannot be read (another user's)."""
+    try:
+        return list(os.scandir(path))
+    except OSError:
+        return []
+
+
+def _unlink(path: str) -> str:
+    """``"deleted"``, ``"gone"`` (someone else deleted it) or ``"kept"`` (not allowed)."""
     try:
         os.unlink(path)
-        return 1
+        return "deleted"
     except FileNotFoundError:
-        return 0
+        return "gone"
+    except OSError:
+        return "kept"
 
 
 def rescan_ledger(root: Path) -> None:

@@ -139,6 +139,9 @@ def test_unbounded_file_usage_scans(tmp_path):
     u = b.usage()
     assert (u.objects, u.used_bytes, u.max_bytes, u.exact) == (3, disk_bytes(tmp_path), None, True)
     assert not (tmp_path / LEDGER).exists()  # no cap, no ledger
+    b.put([(k, bytes(PAGE), SIZES) for k in keys(1, 3)])
+    again = b.usage()  # within USAGE_SCAN_S: the last scan, marked not exact
+    assert (again.objects, again.used_bytes, again.exact) == (3, u.used_bytes, False)
     b.close()
 
 
