@@ -8,7 +8,7 @@ import pytest
 
 from hicache.load_cost import AdmissionStats, BandwidthMeter, Choice, CostInputs, CostModel, choose, estimate
 
-from .test_hicache import TOK, check_l1_values, make, serve
+from .test_hicache import TOK, _Gate, _l2_only, check_l1_values, make, serve
 
 FAST, SLOW = 1e12, 10.0  # bytes/s
 RATE = 1000.0  # prefill tokens/s
@@ -139,3 +139,28 @@ def test_default_config_loads_unmeasured_and_always_load_counts_nothing(tmp_path
         assert adm.storage_tokens == 20 and b.stats().admission == want
         b.check_integrity()
         b.close()
+
+
+def test_a_load_in_flight_is_queued_bytes_that_tip_the_next_decision(monkeypatch):
+    # 20 tokens of 64 B = 1280 B per hit. L2 at 64 KB/s: one hit loads in 20 ms; prefill 20 tokens in 25 ms.
+    hc = make("", **cost(l2=64_000.0, rate=800.0))
+    other = [t + 1000 for t in TOK]
+    _l2_only(hc, TOK)
+    serve(hc, "o", other)
+    hc.drain()
+    hc.evict(100)
+    gate = _Gate(monkeypatch)  # the copy worker holds every load back
+    a = hc.new_request("a", TOK)
+    assert hc.admit(a).host_tokens == 20  # alone: 20 ms of load < 25 ms of prefill
+    assert hc.transfers.queued_bytes() == {"L2": 5 * hc.layout.page_bytes, "L3": 0}
+    b = hc.new_request("b", other)
+    adm = hc.admit(b)  # behind 1280 queued bytes: 40 ms > 25 ms
+    assert adm.host_tokens == 0
+    assert hc.stats().admission == AdmissionStats(load=1, recompute=1, recomputed_l2_tokens=20)
+    gate.open()
+    a.abort()
+    b.abort()
+    hc.drain()
+    assert hc.transfers.queued_bytes() == {"L2": 0, "L3": 0}
+    hc.check_integrity()
+    hc.close()
