@@ -21,7 +21,6 @@ from __future__ import annotations
 import pytest
 import torch
 from sglang.srt.managers.cache_controller import PrefetchOperation
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
@@ -29,8 +28,8 @@ from hicache.integrations.sglang import HiCacheBackend
 from hicache.shapes import ModelShape, model_shapes
 
 from .conftest import LAYOUTS, storage_config
+from .launch import page_bytes, real_pools
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 PAGES = 3  # pages stored and read back per round trip
 
 
@@ -39,42 +38,6 @@ def page_sizes(m: ModelShape) -> tuple[int, ...]:
 
 
 CASES = [pytest.param(m, ps, id=f"{m.name}-p{ps}") for m in model_shapes() for ps in page_sizes(m)]
-
-
-def real_pools(m: ModelShape, page: int, layout: str, dev_pages: int = 4):
-    """SGLang's device pool and host pool for model ``m`` (all its KV layers) on CPU,
-    the host pool filled with random bytes. The device pool holds ``dev_pages``; the
-    host pool twice that (SGLang's default --hicache-ratio 2). An MLA
-    ``page_first_direct`` host pool needs more pages than layers: SGLang 0.5.23's
-    ``MLATokenToKVPoolHost._initialize_transfer_views`` indexes its page axis by
-    layer there (an IndexError below that; real pools are far larger)."""
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-    layers, dtype = m.attention_layers, DTYPES[m.dtype]
-    if m.is_mla and layout == "page_first_direct":
-        dev_pages = max(dev_pages, layers // 2 + 1)
-    tokens = dev_pages * page
-    if m.is_mla:
-        dev = MLATokenToKVPool(tokens, page, dtype, m.kv_lora_rank, m.qk_rope_head_dim, layers, "cpu", False,
-                               start_layer=0, end_layer=layers)
-    else:
-        dev = MHATokenToKVPool(tokens, page, dtype, m.kv_heads_per_rank, m.head_dim, layers, "cpu", False,
-                               start_layer=0, end_layer=layers)
-    info = dev.get_device_pool_infos()[0].buffer_info
-    common = dict(pin_memory=False, device_capacity_tokens=dev.size, start_layer=0, end_layer=layers)
-    if m.is_mla:
-        host = MLATokenToKVPoolHost(info, 2.0, 0, page, layout, target_layer_num=layers, **common)
-    else:
-        host = MHATokenToKVPoolHost(info, 2.0, 0, page, layout, **common)
-    raw = host.kv_buffer.view(-1).view(torch.uint8)
-    gen = torch.Generator().manual_seed(page * 1000 + layers)
-    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
-    return dev, host
-
-
-def page_bytes(host, idx: torch.Tensor) -> list[torch.Tensor]:
-    return [host.get_data_page(int(idx[i]), flat=True).clone().view(torch.uint8)
-            for i in range(0, len(idx), host.page_size)]
 
 
 def keys_for(page: int, n: int, seed: int) -> list[str]:
