@@ -340,11 +340,16 @@ class HiCacheBackend(HiCacheStorage):
         return flat.contiguous().view(-1).view(torch.uint8)
 
     def _payload_into_flat(self, payload: memoryview, target: torch.Tensor) -> None:
+        # numpy on this thread, from the payload itself: no staging copy, and no torch
+        # intra-op threads for a page of MiBs (see HostPool.write_page).
         pool = self.mem_pool_host
-        src = torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy())
+        src = np.frombuffer(payload, dtype=np.uint8)
+        dst = target.view(-1).view(torch.uint8).numpy()
         if isinstance(pool, MHATokenToKVPoolHost) and pool.layout == "layer_first":
-            src = src.view(pool.layer_num, 2, -1).transpose(0, 1).contiguous().view(-1)
-        target.view(-1).view(torch.uint8).copy_(src)
+            # [L, 2, page, H, D] (stored) -> [2, L, page, H, D] (flat data page)
+            dst.reshape(2, pool.layer_num, -1)[:] = src.reshape(pool.layer_num, 2, -1).transpose(1, 0, 2)
+            return
+        dst[:] = src
 
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> List[Optional[torch.Tensor]]:
