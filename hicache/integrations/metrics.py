@@ -35,7 +35,7 @@ import dataclasses
 import logging
 import threading
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 from hicache.errors import IntegrityError
 from hicache.ratelimit import LogLimiter
@@ -147,9 +147,9 @@ class AdapterMetrics:
             raise IntegrityError(f"adapter metrics: series outside the declared families: {sorted(unknown)}")
 
 
-def _series(stats: AdapterStats):
+def _series(stats: AdapterStats) -> Iterator[tuple[str, dict[str, str], float]]:
     for f in dataclasses.fields(stats):
-        value, name, fixed = getattr(stats, f.name), metric_of(f), f.metadata["labels"]
+        value, name, fixed = getattr(stats, f.name), metric_of(f) or f.name, f.metadata["labels"]
         if isinstance(value, dict):
             for key, v in value.items():
                 yield name, {**fixed, f.metadata["key_label"]: str(key)}, float(v)
