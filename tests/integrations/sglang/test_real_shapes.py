@@ -31,6 +31,7 @@ from .conftest import LAYOUTS, storage_config
 from .launch import page_bytes, real_pools
 
 PAGES = 3  # pages stored and read back per round trip
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py: many MiB-sized tensor fills
 
 
 def page_sizes(m: ModelShape) -> tuple[int, ...]:
