@@ -76,7 +76,7 @@ SUPPORTED_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 # extra_config keys this backend reads (besides the factory's own).
 _OPTIONS = ("url", "timeout_ms", "max_retries", "key_prefix", "auth_key", "auth_key_file", "stats_window")
 # Per-call figures kept for get_stats() between two calls; SGLang calls it only with
-# --enable-cache-report style metrics on, so without a bound the lists would grow forever.
+# --enable-metrics (its storage metrics), so without a bound the lists would grow forever.
 STATS_WINDOW = 1024
 AUTH_ENV = ("HICACHE_STORAGE__AUTH_KEY", "HICACHE_STORAGE__AUTH_KEY_FILE")
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
