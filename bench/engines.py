@@ -10,6 +10,11 @@ set of ``--prompts`` prompts of ``--blocks`` 16-token blocks is replayed
 
     bash scripts/setup-engines.sh vllm
     PYTHONPATH=. .venv-vllm/bin/python bench/engines.py [--redis redis://127.0.0.1:6379/0]
+
+SGLang section (bench/engines_sglang.py: HiCacheBackend against SGLang's HiCacheFile at
+every listed model's page sizes; redis:// page_first against layer_first):
+
+    PYTHONPATH=. .venv-sglang/bin/python bench/engines.py sglang [--redis URL] [--rounds 7]
 """
 from __future__ import annotations
 
@@ -254,4 +259,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["sglang"]:  # the SGLang section runs in .venv-sglang
+        sys.path.insert(0, str(ROOT / "bench"))
+        import engines_sglang
+        engines_sglang.main(sys.argv[2:])
+    else:
+        main()

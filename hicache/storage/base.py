@@ -276,6 +276,9 @@ class StorageBackend(abc.ABC):
         self.name = name
         self._lock = threading.Lock()
         self._stats = StorageStats()
+        # StorageStats.errors split by operation (get, put, exists, delete, scan, ping); the
+        # keys are those fixed op names, so the dict stays small. Sums to stats.errors.
+        self._op_errors: dict[str, int] = {}
         self._health = _Health(name, options)
         self._closed = False
         self._warned: set[str] = set()  # one warning per kind of per-call problem
@@ -330,11 +333,17 @@ class StorageBackend(abc.ABC):
             raise ValueError(f"L3 key {key!r}: must be a {HASH_BYTES}-byte page hash from hicache.hashing")
         return self.key_prefix + key
 
-    def _count(self, **deltas: int) -> None:
+    def _count(self, op: str = "", **deltas: int) -> None:
         with self._lock:
             s = self._stats
             for k, v in deltas.items():
                 setattr(s, k, getattr(s, k) + v)
+            if deltas.get("errors"):
+                self._op_error(op, deltas["errors"])
+
+    def _op_error(self, op: str, n: int = 1) -> None:
+        """Attribute ``n`` errors to ``op`` (caller holds the lock and counts ``stats.errors`` itself)."""
+        self._op_errors[op] = self._op_errors.get(op, 0) + n
 
     def _warn_once(self, kind: str, msg: str, *args: object) -> None:
         with self._lock:
@@ -353,13 +362,14 @@ class StorageBackend(abc.ABC):
         except self.OUTAGE_ERRORS as e:
             with self._lock:
                 self._stats.errors += 1
+                self._op_error(op)
                 opened = self._health.failed(op, e)
             if opened:
                 threading.Thread(target=self._ping_until_up, name=f"hicache-l3-ping-{self.name}",
                                  daemon=True).start()
             return _DOWN
         except self.CALL_ERRORS as e:
-            self._count(errors=1)
+            self._count(op, errors=1)
             self._warn_once(f"{op}:{type(e).__name__}", "L3 %s: %s failed: %s: %s (further such "
                             "failures are only counted)", self.name, op, type(e).__name__, e)
             return _DOWN
@@ -389,6 +399,7 @@ class StorageBackend(abc.ABC):
                         self._stats.reconnects += 1
                     return
                 self._stats.errors += 1
+                self._op_error("ping")
                 self._health.failed("ping", exc or ConnectionError("ping answered False"))
 
     # ------------------------------------------------------------ public API
@@ -440,7 +451,7 @@ class StorageBackend(abc.ABC):
                 bad.append(fk)
                 self._object_log.warning("corrupt", "L3 %s: corrupt object %r (%s); deleted, counted as a miss",
                                          self.name, fk, d.why)
-        self._count(gets=len(full), **c)
+        self._count("get", gets=len(full), **c)
         if bad:
             self._call("delete", self._raw_delete, bad)
         return out
@@ -475,7 +486,7 @@ class StorageBackend(abc.ABC):
             self._warn_once(f"put:{type(failed[0]).__name__}", "L3 %s: put of a page failed: %r "
                             "(further such failures are only counted)", self.name, failed[0])
         stored = sum(ok)
-        self._count(put_ok=stored, put_dropped=len(ok) - stored, errors=len(failed),
+        self._count("put", put_ok=stored, put_dropped=len(ok) - stored, errors=len(failed),
                     bytes_written=sum(r[2].nbytes for r, good in zip(rows, ok) if good))
         return stored
 
@@ -586,6 +597,12 @@ class StorageBackend(abc.ABC):
         with self._lock:
             return dataclasses.replace(self._stats)
 
+    def errors_by_op(self) -> dict[str, int]:
+        """``stats().errors`` split by operation (``get``, ``put``, ``exists``, ``delete``,
+        ``scan``, ``ping``): a copy; only operations that failed appear."""
+        with self._lock:
+            return dict(self._op_errors)
+
     def close(self) -> None:
         """Release connections / handles. Later calls answer misses; idempotent."""
         with self._lock:
@@ -601,7 +618,11 @@ class StorageBackend(abc.ABC):
     def check_integrity(self) -> None:
         """Counters agree; where the backend can list its objects, every one
         verifies (format, fingerprint, key, length, checksum). Raises ``IntegrityError``."""
-        self.stats().check()
+        with self._lock:
+            stats, by_op = dataclasses.replace(self._stats), dict(self._op_errors)
+        stats.check()
+        if sum(by_op.values()) != stats.errors:
+            raise IntegrityError(f"L3 {self.name}: errors by operation {by_op} do not sum to errors={stats.errors}")
         scan = None if self._closed else self._raw_scan()
         if scan is None:
             return
