@@ -172,7 +172,7 @@ class EngineServer:
 
     def _open_state(self) -> None:
         self.config.check_host_memory(self.layout)
-        opened = L2Segment.open_for_server(self.shm_name, self.layout, self.num_pages)
+        opened = L2Segment.open_for_server(self.shm_name, self.layout, self.num_pages, self.socket_gid)
         self.segment, self.segment_origin = opened.segment, opened.action
         if opened.action == "created":
             log.info("L2 segment %s created", self.shm_name)

@@ -140,7 +140,9 @@ class ServiceConfig(_Section):
     socket_path: str = "/tmp/hicache.sock"
     admin_token: str = ""  # required when host is not loopback
     admin_token_file: str = ""  # read the token from this file (Compose/K8s secret) when admin_token is ""
-    shm_name: str = "hicache-l2"
+    # Per user by default, so one user's server never meets another's segment
+    # (and a segment planted under the name is refused: see hicache.shm).
+    shm_name: str = Field(default_factory=lambda: f"hicache-l2-{os.geteuid()}")
     max_request_bytes: int = Field(8 << 20, ge=1024)  # engine socket frames and REST bodies
     # Who may use the engine socket: the file's mode (octal) and group, and
     # the uids (besides the server's own and root) whose connections are accepted.
