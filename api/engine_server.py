@@ -25,12 +25,12 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 from hicache.api.engine_ops import Dispatcher
+from hicache.api.preflight import check_socket_path
 from hicache.api.socket_guard import PeerPolicy, bind_unix_socket, peer_cred, resolve_group
 from .view import ServiceStats, ServiceView  # relative, so mypy resolves it (api/ is hicache.api only at run time)
 from hicache.api.write_marks import WriteMarks
@@ -98,6 +98,7 @@ class EngineServer:
         self._loop_thread: int | None = None  # ident of the thread running the loop (either way)
         self._next_client = 0
         self._conns: dict[int, asyncio.StreamWriter] = {}
+        self._bound = False  # this server bound socket_path (so removes it on stop)
 
     # -------------------------------------------------------------- lifecycle
     def start(self, timeout: float = 30.0) -> None:
@@ -155,6 +156,7 @@ class EngineServer:
         server = None
         try:
             sock = bind_unix_socket(self.socket_path, self.config.service.socket_mode_bits, self.socket_gid)
+            self._bound = True
             server = await asyncio.start_unix_server(self._serve_client, sock=sock)
             on_ready()
             await self._stop.wait()
@@ -202,23 +204,22 @@ class EngineServer:
         self.pool = None  # drop the segment's views before unmapping it
         if self.segment is not None:
             self.segment.close()
-        try:
-            os.unlink(self.socket_path)
-        except FileNotFoundError:
-            pass
+        if self._bound:  # only the socket this server bound; never a file found under the path
+            self._bound = False
+            try:
+                os.unlink(self.socket_path)
+            except FileNotFoundError:
+                pass
 
     def _remove_stale_socket(self) -> None:
-        if not os.path.exists(self.socket_path):
-            return
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            try:
-                s.connect(self.socket_path)
-            except (ConnectionRefusedError, FileNotFoundError):
-                log.warning("removing stale socket %s", self.socket_path)
-                os.unlink(self.socket_path)
-                return
-        raise ConfigError(f"another server already listens on service.socket_path={self.socket_path!r}; "
-                          "stop it or choose another path")
+        """Remove a socket file no server answers on; ``ConfigError`` for a live server or
+        for anything that is not a socket (never deleted: see ``check_socket_path``)."""
+        check = check_socket_path(self.socket_path)
+        if check.problem:
+            raise ConfigError(check.problem)
+        if check.stale:
+            log.warning("removing stale socket %s", self.socket_path)
+            os.unlink(self.socket_path)
 
     # ------------------------------------------------------------ connections
     async def _serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

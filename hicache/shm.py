@@ -126,6 +126,25 @@ def live_owner_message(name: str) -> str:
             f"{name!r}): stop that server or pick another name")
 
 
+def probe_segment(name: str, gid: int | None = None) -> None:
+    """Whether a server could open segment ``name`` now; changes nothing that outlives the call.
+
+    Raises ``PoolError``: the name is invalid, the file under it is not this
+    user's (``check_trusted``), or a live server owns it (``live_owner_message``).
+    An orphan (no live owner) or no file at all is fine.
+    """
+    path = shm_path(name)
+    fd = _open_existing(path)
+    if fd is None:
+        return
+    try:
+        check_trusted(fd, path, uid=os.geteuid(), mode=segment_mode(gid), gid=gid)
+        if not _lock(fd, OWNER_BYTE, fcntl.F_WRLCK):
+            raise PoolError(live_owner_message(name))
+    finally:
+        os.close(fd)  # drops the probe's lock with its open file description
+
+
 def shm_path(name: str) -> str:
     if not _NAME.match(name) or name in (".", ".."):
         raise PoolError(f"shared memory name {name!r} must be 1-200 chars of [A-Za-z0-9_.-] "
