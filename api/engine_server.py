@@ -52,6 +52,10 @@ T = TypeVar("T")
 
 # Longest path a Unix socket address can hold on Linux (sun_path minus NUL).
 MAX_SOCKET_PATH = 107
+# Frames up to this size are decoded on the loop (tens of µs); larger ones
+# (up to service.max_request_bytes: ~1-2 s for 8 MiB of small arrays) on a
+# worker thread, so other clients are answered meanwhile.
+UNPACK_INLINE_BYTES = 256 << 10
 
 
 class EngineServer:
@@ -309,7 +313,7 @@ class EngineServer:
             async with asyncio.timeout(self.handshake_timeout_s):
                 header = first + await reader.readexactly(HEADER_BYTES - 1)
                 try:
-                    n = body_length(header, self.max_request_bytes)
+                    n = body_length(header, self.max_request_bytes, hello=not handshaken)
                 except ServiceError as e:
                     # The stream cannot be resynchronised: answer, then hang up.
                     await self._hang_up(writer, e.kind, e.detail)
@@ -320,6 +324,8 @@ class EngineServer:
                                 "(service.handshake_timeout_s); send whole frames")
             return None
         try:
+            if len(body) > UNPACK_INLINE_BYTES:  # decoding MiBs takes the loop for 100s of ms: not on it
+                return await asyncio.to_thread(unpack, body)
             return unpack(body)
         except ServiceError as e:
             return e
