@@ -122,8 +122,9 @@ def measure(mbr: int, flood: str) -> dict:
         p.stop.set()
         p.join()
         during = p.lat[base:] or [float("nan")]
+        idle = p.lat[:base] or [float("nan")]
         client.close()
-        return {"flood": flood, "mbr": mbr, "worst_ms": max(during) * 1e3, "median_ms": statistics.median(during) * 1e3,
+        return {"idle_ms": statistics.median(idle) * 1e3, "flood": flood, "mbr": mbr, "worst_ms": max(during) * 1e3, "median_ms": statistics.median(during) * 1e3,
                 "pings": len(during), "wall_s": wall, "out": out, "rss_peak_mb": rss_peak_mb(proc.pid)}
     finally:
         proc.terminate()
@@ -152,7 +153,7 @@ def main() -> None:
     ap.add_argument("--max-body-requests", type=int, nargs="+", default=[1024, 2])
     ap.add_argument("--floods", nargs="+", default=["rest-items", "rest-valid", "hello"])
     args = ap.parse_args()
-    print(f"{'flood':<11} {'max_body_req':>12} {'worst ms':>9} {'median ms':>9} {'pings':>5} {'flood s':>8} "
+    print(f"{'flood':<11} {'max_body_req':>12} {'idle ms':>8} {'worst ms':>9} {'median ms':>9} {'pings':>5} {'flood s':>8} "
           f"{'rss peak MB':>11}  outcome")
     for flood in args.floods:
         for mbr in (args.max_body_requests if flood != "hello" else args.max_body_requests[-1:]):
@@ -160,7 +161,7 @@ def main() -> None:
             out = r["out"]
             shown = ", ".join(f"{c}x{out.count(c)}" for c in sorted(set(out), key=str)) if isinstance(out, list) \
                 else f"{out[0]} after {out[1] * 1e3:.0f} ms"
-            print(f"{r['flood']:<11} {r['mbr']:>12} {r['worst_ms']:>9.1f} {r['median_ms']:>9.1f} {r['pings']:>5} "
+            print(f"{r['flood']:<11} {r['mbr']:>12} {r['idle_ms']:>8.1f} {r['worst_ms']:>9.1f} {r['median_ms']:>9.1f} {r['pings']:>5} "
                   f"{r['wall_s']:>8.2f} {r['rss_peak_mb']:>11.0f}  {shown}")
 
 

@@ -14,11 +14,14 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 from fastapi.testclient import TestClient
 
 from hicache.api.app import create_app
+from hicache.api.lookup_fast import MIN_FAST_BYTES, split_tokens
 from hicache.api.models import LOOKUP_MAX_ITEMS, MAX_LOOKUP_TOKENS
 from hicache.api.rest_guards import BodyGate
+from hicache.hashing import page_hashes
 
 MiB8 = 8 << 20
 
@@ -106,3 +109,33 @@ def test_lookup_with_more_items_than_allowed_is_refused_unparsed(make_state):
                     headers={"content-type": "application/json"})
         assert ok.status_code == 200 and ok.json()["query_pages"] == 64 // st.layout.page_size
     assert MAX_LOOKUP_TOKENS < LOOKUP_MAX_ITEMS
+
+
+@pytest.mark.parametrize("tokens,split", [
+    (b"[1, 2,3]", [1, 2, 3]), (b"[ ]", []), (b"[4294967295, 0]", [4294967295, 0]),
+    (b"[1, -2]", None), (b"[1,,2]", None), (b"[1, ,2]", None), (b"[1 2]", None), (b"[,1]", None), (b"[1,]", None),
+    (b"[4294967296]", None), (b"[1.5]", None), (b"[99999999999999999999999]", None), (b'["1"]', None),
+])
+def test_split_tokens_takes_only_what_json_and_the_model_accept(tokens, split):
+    got = split_tokens(b'{"tokens": ' + tokens + b', "namespace": "a,b"}')
+    if split is None:
+        assert got is None
+    else:
+        assert got == (b'{"tokens": [], "namespace": "a,b"}', split)
+
+
+def test_big_lookup_read_off_the_loop_answers_as_the_usual_path(make_state):
+    """A body over MIN_FAST_BYTES takes the split path; its answer equals a small body's for the same pages."""
+    st = make_state()
+    ps = st.layout.page_size
+    toks = [i * 7919 % 50_000 for i in range(40_000)]
+    body = json.dumps({"tokens": toks, "namespace": "ns"}).encode()
+    assert len(body) >= MIN_FAST_BYTES and split_tokens(body) is not None
+    want = page_hashes(toks, ps, namespace="ns")
+    with TestClient(create_app(st)) as c:
+        big = c.post("/v1/lookup", content=body, headers={"content-type": "application/json"})
+        by_hash = c.post("/v1/lookup", json={"hashes": [h.hex() for h in want[:64]]})
+        bad = c.post("/v1/lookup", content=body.replace(b"[", b"[-1, ", 1), headers={"content-type": "application/json"})
+    assert big.status_code == 200 and big.json()["query_pages"] == len(want) == len(toks) // ps
+    assert by_hash.json()["query_pages"] == 64
+    assert bad.status_code == 422 and "tokens" in bad.json()["detail"][0]["loc"], bad.text[:300]
