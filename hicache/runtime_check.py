@@ -3,7 +3,9 @@
 ``HiCacheConfig.load`` validates each value's type and range; some settings
 are only refused when a command acts on them: an ``auth_key`` shorter than
 ``MIN_AUTH_KEY_BYTES``, an ``auth_key_file`` that cannot be read, an L3 URL
-that no backend accepts. ``hicache replay`` and ``hicache serve`` meet those
+that no backend accepts, an admin token too short (or missing) for a
+``service.host`` beyond loopback or an ``admin_token_file`` that cannot be
+read. ``hicache replay`` and ``hicache serve`` meet those
 as they start; ``check_runtime`` lets ``hicache info`` report the same
 errors without connecting anywhere, creating a directory or importing torch.
 """
@@ -12,10 +14,18 @@ from __future__ import annotations
 from hicache.config import HiCacheConfig
 from hicache.errors import ConfigError
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
 
 def check_runtime(cfg: HiCacheConfig) -> None:
     """Raise the ``ConfigError`` that replay or serve would raise at start for ``cfg``'s
-    L3 settings. Pure: no connection, no file written (``auth_key_file`` is read)."""
+    L3 and admin settings. Pure: no connection, no file written (secret files are read)."""
+    svc = cfg.service
+    if svc.host not in LOOPBACK or svc.admin_token_file:
+        # What `hicache serve` checks before binding (imported only then: FastAPI is not light).
+        from hicache.api.deps import check_bind
+        from hicache.api.serve import resolve_admin_token
+        check_bind(svc.host, resolve_admin_token(cfg))
     from hicache.storage.base import StorageOptions
     from hicache.storage.registry import default_registry
     st, layout = cfg.storage, cfg.layout()

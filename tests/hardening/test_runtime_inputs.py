@@ -78,11 +78,20 @@ def test_in_range_settings_still_load():
     ("storage.url=redis://h:notaport/0", "Port could not be cast"),
     ("storage.url=file://", "needs a directory"),
     ("storage.auth_key_file=/nonexistent/key", "cannot be read"),
+    ("service.admin_token_file=/nonexistent/token", "cannot be read"),
 ])
 def test_info_refuses_what_replay_and_serve_refuse(setting, error, capsys):
     assert main(["info", "--set", setting]) == 2
     err = capsys.readouterr().err
     assert error in err, err
+
+
+@pytest.mark.parametrize("token,error", [("", "admin routes need a token"), ("short-token", "at least 16")])
+def test_info_refuses_a_bind_beyond_loopback_that_serve_refuses(token, error, capsys):
+    assert main(["info", "--set", "service.host=0.0.0.0", "--set", f"service.admin_token={token}"]) == 2
+    err = capsys.readouterr().err
+    assert error in err and (not token or token not in err), err
+    assert main(["info", "--set", "service.host=0.0.0.0", "--set", "service.admin_token=" + "t" * 16]) == 0
 
 
 def test_info_checks_without_side_effects(tmp_path, capsys):
