@@ -375,15 +375,17 @@ class StorageBackend(abc.ABC):
                 del self._inflight[call]
 
     def stalled(self) -> bool:
-        """L3 is not answering now: the circuit is open, or a call has been waiting
-        longer than one attempt's timeout (``timeout_ms``), i.e. it is failing or
-        retrying against an L3 that stopped answering (a SIGSTOPped Redis) before
-        the circuit opened. Pure; any thread. A scheduler stops waiting for L3
-        work when this turns True (``HiCache.drain``)."""
+        """L3 is not answering now: the circuit is open, or (a store on another
+        machine, ``BOUNDED_LOOKUPS``) a call has been waiting longer than one
+        attempt's timeout (``timeout_ms``, the socket timeout), i.e. it is failing
+        or retrying against an L3 that stopped answering (a SIGSTOPped Redis)
+        before the circuit opened. In-process and local-file stores bound their
+        own calls, and only an open circuit counts. Pure; any thread. A scheduler
+        stops waiting for L3 work when this turns True (``HiCache.drain``)."""
         with self._lock:
             if self._health.down:
                 return True
-            if not self._inflight:
+            if not self._inflight or not self.BOUNDED_LOOKUPS:
                 return False
             oldest = min(self._inflight.values())
             return self._health.clock() - oldest > self.options.timeout_s

@@ -141,6 +141,7 @@ def test_drain_does_not_wait_for_an_l3_call_stuck_before_the_circuit_opened():
     """An L3 write that never answers (a frozen server, no timeout at all): drain
     returns while it is still stuck; a later poll observes it once it returns."""
     hc = _hicache("memory://")
+    hc.storage.BOUNDED_LOOKUPS = True  # stands for a store on another machine (memory:// never blocks by itself)
     stuck, release, order = threading.Event(), threading.Event(), []
     real = hc.storage._raw_put
 
@@ -165,6 +166,29 @@ def test_drain_does_not_wait_for_an_l3_call_stuck_before_the_circuit_opened():
         assert not hc._jobs and not hc.storage.stalled()
         assert order == ["drain returned", "put returned"]
         hc.check_integrity()
+    finally:
+        release.set()
+        hc.close()
+
+
+def test_drain_waits_for_a_slow_local_store():
+    """In-process and file stores bound their own calls: drain waits for them as before."""
+    hc = _hicache("memory://")
+    release, real = threading.Event(), hc.storage._raw_put
+
+    def slow_put(items):
+        release.wait(60)
+        return real(items)
+    hc.storage._raw_put = slow_put
+    try:
+        _finish(hc, "a", list(range(100, 117)))
+        until(lambda: hc.poll() >= 0 and bool(hc.storage._inflight))
+        t = _drain_in_thread(hc)
+        t.join(0.3)  # (only gives drain the chance to return early; it must not)
+        assert t.is_alive() and not hc.storage.stalled()
+        release.set()
+        t.join(30)
+        assert not t.is_alive() and not hc._jobs
     finally:
         release.set()
         hc.close()
