@@ -7,7 +7,8 @@ it streams and cut off with 413 once it passes the limit, so a 50 MB body
 never reaches the JSON parser (``service.max_request_bytes``).
 
 ``BodyGate`` bounds what is buffered and parsed at once: at most
-``service.max_body_requests`` requests with a body are admitted together
+``service.max_body_requests`` requests with a large body (64 KiB or more, or
+chunked) are admitted together
 (the rest are answered 503 with ``Retry-After`` before a byte of their body
 is read), and a ``/v1/lookup`` body holding more JSON items than a lookup
 may carry is refused from a count of its commas, before the JSON parser and
@@ -102,7 +103,7 @@ class BodyGate:
         self.admitted = self.refused = 0  # counters, for tests and logs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not _has_body(scope):
+        if scope["type"] != "http" or not _big_body(scope):
             await self.app(scope, receive, send)
             return
         if self.in_flight >= self.max_bodies:
@@ -136,10 +137,12 @@ class BodyGate:
         assert self.admitted >= self.in_flight, (self.admitted, self.in_flight)
 
 
-def _has_body(scope: Scope) -> bool:
+def _big_body(scope: Scope) -> bool:
+    """A body of ``MIN_FAST_BYTES`` or more, or of unknown length (chunked). Smaller ones
+    (every router's lookup of a real prompt) parse in well under a millisecond: not gated."""
     for name, value in scope.get("headers", ()):
         if name == b"content-length":
-            return value.strip() not in (b"0", b"")
+            return value.strip().isdigit() and int(value) >= MIN_FAST_BYTES
         if name == b"transfer-encoding":
             return True
     return False
