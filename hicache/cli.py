@@ -124,8 +124,10 @@ def describe_device(setting: str) -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    from hicache.runtime_check import check_runtime
     from hicache.storage.base import redact_url  # torch-free
     cfg = _load(args)
+    check_runtime(cfg)  # what replay and serve would refuse at start (auth_key, L3 URL)
     layout = cfg.layout()
     dev_bytes = layout.page_bytes * cfg.pool.device_pages
     host_bytes = layout.host_addressing(cfg.pool.host_pages)[2]

@@ -12,7 +12,7 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -62,6 +62,11 @@ class ModelConfig(_Section):
         return KVLayout(**d)
 
 
+# Bounds that keep a typo from becoming a hang: a lookup waits up to
+# timeout_ms * (1 + max_retries); uids are uid_t values below (uid_t)-1.
+MAX_RETRIES = 10
+MAX_UID = 2**32 - 2
+
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d{1,3})?)$")
 
 
@@ -93,7 +98,7 @@ class StorageConfig(_Section):
     # rediss://..., redis+cluster://host:port[,host:port...]
     url: str = Field(default_factory=default_l3_url)
     timeout_ms: int = Field(50, ge=1)  # a lookup that takes longer answers "miss"
-    max_retries: int = Field(2, ge=0)
+    max_retries: int = Field(2, ge=0, le=MAX_RETRIES)  # each retry can wait timeout_ms again
     # A secret shared by every process that may write this L3: objects carry a
     # keyed MAC and objects without a valid one are misses (see the README's
     # threat model). auth_key_file: read it from a file (a Compose/K8s secret).
@@ -166,13 +171,16 @@ class ServiceConfig(_Section):
     socket_path: str = "/tmp/hicache.sock"
     admin_token: str = ""  # required when host is not loopback
     admin_token_file: str = ""  # read the token from this file (Compose/K8s secret) when admin_token is ""
-    shm_name: str = "hicache-l2"
+    # Per user by default, so one user's server never meets another's segment
+    # (and a segment planted under the name is refused: see hicache.shm).
+    shm_name: str = Field(default_factory=lambda: f"hicache-l2-{os.geteuid()}")
     max_request_bytes: int = Field(8 << 20, ge=1024)  # engine socket frames and REST bodies
+    max_body_requests: int = Field(2, ge=1, le=1024)  # REST requests with a body >= 64 KiB read at once; more get 503
     # Who may use the engine socket: the file's mode (octal) and group, and
     # the uids (besides the server's own and root) whose connections are accepted.
     socket_mode: str = "0600"
     socket_group: str = ""  # a group name or gid; its members are allowed too
-    allowed_uids: list[int] = Field(default_factory=list)
+    allowed_uids: list[Annotated[int, Field(ge=0, le=MAX_UID)]] = Field(default_factory=list, max_length=1024)
     max_connections: int = Field(256, ge=1, le=65536)
     handshake_timeout_s: float = Field(5.0, gt=0)  # for hello, and for finishing any frame once begun
     idle_timeout_s: float = Field(600.0, ge=0)  # between frames of a handshaken client; 0 = never

@@ -38,13 +38,15 @@ from hicache.load_cost import AdmissionStats, CostModel
 from hicache.pools import DevicePool, HostPool
 from hicache.storage.base import StorageStats
 from hicache.node import InsertResult, Node
-from hicache.plans import BackupPlan, LoadPlan, StorePlan
+from hicache.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan
 from hicache.service_mode import ServiceMode, open_service_tier
 from hicache.shared_l2 import ServiceHostTier
 from hicache.tiers import TierManager, TierMoveStats
 from hicache.transfer import LoadHandle, Plan, TransferController, TransferResult
 
 log = logging.getLogger(__name__)
+
+L3_PLANS = (StorePlan, PrefetchPlan)  # transfers that make L3 calls (drain does not wait on a stalled L3)
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -480,9 +482,21 @@ class HiCache:
                 self._load_handles[id(plan)].wait()
 
     def drain(self) -> None:
-        """Block until every transfer has finished and been observed."""
+        """Block until every transfer has finished and been observed, except L3
+        transfers while L3 is not answering (``StorageBackend.stalled``): those
+        stay pending, their pages pinned, until a later ``poll``/``drain``
+        observes them. So a scheduler that drains (to free L1 pages pinned by
+        backups) never waits on an L3 call stuck in a frozen L3, past one
+        attempt's ``storage.timeout_ms``; ``close`` waits for everything."""
         while self._jobs:
-            self._wait(next(iter(self._jobs)))
+            copy = next((j for j, p in self._jobs.items() if not isinstance(p, L3_PLANS)), None)
+            if copy is not None or self.storage is None:
+                self._wait(next(iter(self._jobs)) if copy is None else copy)
+            elif self.storage.stalled():
+                self._observe()
+                return
+            else:  # only L3 jobs left: wait in slices, re-checking that L3 answers
+                self._wait(next(iter(self._jobs)), self.storage.options.timeout_s / 4)
 
     @property
     def shared(self) -> ServiceHostTier | None:
@@ -524,7 +538,8 @@ class HiCache:
 
     def close(self) -> None:
         self.drain()
-        self.transfers.close()
+        self.transfers.close()  # waits for every job, L3 included
+
         if self.storage is not None:
             self.storage.close()
         if self.service is not None:

@@ -164,6 +164,12 @@ class KVLayout:
     _planes: tuple[PlaneSpec, ...] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
+        # Counted before anything is built from them: a hello may carry 800K.
+        n = len(self.extra_planes) if isinstance(self.extra_planes, (list, tuple)) else -1
+        if not 0 <= n <= MAX_EXTRA_PLANES:
+            why = f"got {n}" if n >= 0 else f"got a {type(self.extra_planes).__name__}, not a list"
+            raise LayoutError(f"KVLayout.extra_planes: at most {MAX_EXTRA_PLANES} extra planes, {why}",
+                              "extra_planes", f"<{n} planes>", f"at most {MAX_EXTRA_PLANES}")
         object.__setattr__(self, "extra_planes", tuple(
             p if isinstance(p, BytePlane) else BytePlane(*p) for p in self.extra_planes))
         self._validate()

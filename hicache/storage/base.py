@@ -286,6 +286,8 @@ class StorageBackend(abc.ABC):
         self._wake = threading.Event()  # set by close(): the pinger stops
         self._lookups: concurrent.futures.ThreadPoolExecutor | None = None  # bounded prefix_hits
         self._lookup_busy = False
+        self._inflight: dict[int, float] = {}  # raw calls in progress: id -> start (health clock)
+        self._next_call = 0
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, prefix={self.key_prefix!r})"
@@ -357,8 +359,11 @@ class StorageBackend(abc.ABC):
         with self._lock:
             if self._closed or (not probe and not self._health.allow()):
                 return _DOWN
+            call = self._next_call
+            self._next_call += 1
+            self._inflight[call] = self._health.clock()
         try:
-            out = fn(*args)
+            out = self._timed(call, fn, *args)
         except self.OUTAGE_ERRORS as e:
             with self._lock:
                 self._stats.errors += 1
@@ -377,6 +382,29 @@ class StorageBackend(abc.ABC):
             if self._health.succeeded():
                 self._stats.reconnects += 1
         return out
+
+    def _timed(self, call: int, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        finally:
+            with self._lock:
+                del self._inflight[call]
+
+    def stalled(self) -> bool:
+        """L3 is not answering now: the circuit is open, or (a store on another
+        machine, ``BOUNDED_LOOKUPS``) a call has been waiting longer than one
+        attempt's timeout (``timeout_ms``, the socket timeout), i.e. it is failing
+        or retrying against an L3 that stopped answering (a SIGSTOPped Redis)
+        before the circuit opened. In-process and local-file stores bound their
+        own calls, and only an open circuit counts. Pure; any thread. A scheduler
+        stops waiting for L3 work when this turns True (``HiCache.drain``)."""
+        with self._lock:
+            if self._health.down:
+                return True
+            if not self._inflight or not self.BOUNDED_LOOKUPS:
+                return False
+            oldest = min(self._inflight.values())
+            return self._health.clock() - oldest > self.options.timeout_s
 
     def _ping_until_up(self) -> None:
         """The circuit breaker's probe: ping on the backoff schedule until L3 answers (or close)."""
