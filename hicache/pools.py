@@ -171,8 +171,10 @@ class HostPool:
             return self.page_region(page).numpy().tobytes()
         return b"".join(self._raw(i, page).numpy().tobytes() for i in range(len(self.layout.planes)))
 
-    def write_page(self, page: int, payload: bytes | memoryview) -> None:
-        """Store a canonical-order payload into one page."""
+    def write_page(self, page: int, payload: "bytes | memoryview | torch.Tensor") -> None:
+        """Store a canonical-order payload (bytes, or a CPU uint8 tensor) into one page."""
+        if isinstance(payload, torch.Tensor):
+            payload = payload.detach().reshape(-1).view(torch.uint8).numpy()
         if len(payload) != self.layout.page_bytes:
             raise PoolError(f"payload of {len(payload)} bytes, a page holds {self.layout.page_bytes}")
         # numpy, not torch: torch's copy_ splits a region over its intra-op threads once it
