@@ -331,7 +331,9 @@ class KVLayout:
     def to_dict(self) -> dict[str, object]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
         d["extra_planes"] = [[p.name, p.bytes_per_token] for p in self.extra_planes]
-        d["groups"] = [g.to_list() for g in self.groups]
+        del d["groups"]
+        if self.groups:  # only hybrids carry it: other layouts' dicts (handshakes, stats) are unchanged
+            d["groups"] = [g.to_list() for g in self.groups]
         return d
 
     @classmethod

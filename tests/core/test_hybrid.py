@@ -199,3 +199,10 @@ def test_stored_bytes_qwen3_next():
     assert s.hybrid == kv_page * 256 + 4 * snap and s.state_every_page == 256 * snap
     assert snapshot_boundaries(256, 64) == [64, 128, 192, 256]
     assert stored_bytes(small(), 3) == (small().page_bytes * 3, small().page_bytes * 3, 0, 0)
+
+
+def test_to_dict_carries_groups_only_for_hybrids():
+    assert "groups" not in small().to_dict()
+    lay = small(groups=(SWA(128, 0, 2), FULL(1, 3)))
+    assert lay.to_dict()["groups"] == [["swa", [0, 2], 128, 0, 0], ["full", [1, 3], 0, 0, 0]]
+    assert lay.replace(page_size=8).groups == lay.groups and lay.replace(groups=()).to_dict() == small().to_dict()
