@@ -9,13 +9,17 @@ point: ``HiCache``'s hit gives the attention groups' pages, the store the
 snapshots. When the floor is below the hit, the chunk between them is
 *replayed* (computed to advance the recurrent state, its KV left as cached).
 
+Snapshots have two tiers of their own: host memory and, with ``state_url``,
+an L3 backend through the page codec (fingerprint, page hash, checksum).
+
 What is not wired: ``HiCache``'s index does not know the groups (it stores
-every SWA page and matches as for a full-attention model), and snapshots do
-not move between tiers (they stay in this host-memory store).
+every SWA page and matches as for a full-attention model), and snapshots are
+neither in ``HiCache``'s L2 pool nor in its eviction or prefetch.
 """
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -25,6 +29,7 @@ from hicache.engine.model_hybrid import HybridModel, HybridState
 from hicache.hashing import page_hashes
 from hicache.hicache import HiCache
 from hicache.hybrid import resumable_floor
+from hicache.storage import StorageBackend, open_storage
 from hicache.types import PageHash
 
 
@@ -42,23 +47,36 @@ def _digest(layers: tuple[torch.Tensor, ...]) -> bytes:
 
 
 class SnapshotStore:
-    """Recurrent-state snapshots by page hash, bound to one layout fingerprint."""
+    """Recurrent-state snapshots by page hash, bound to one layout fingerprint.
 
-    def __init__(self, fingerprint: str):
-        self.fingerprint = fingerprint
+    Two tiers: a host-memory dict (digest-checked) and, when ``storage`` is
+    given, an L3 backend written through on ``put``. L3 objects go through the
+    page codec: the header carries the layout fingerprint, the page hash and a
+    checksum, so a foreign, misplaced or corrupt snapshot reads as a miss. A
+    snapshot found only in L3 is promoted into memory on ``get``.
+    """
+
+    def __init__(self, fingerprint: str, shapes: list[tuple[int, ...]], storage: StorageBackend | None = None):
+        self.fingerprint, self.shapes, self.storage = fingerprint, shapes, storage
+        self.sizes = [4 * math.prod(s) for s in shapes]  # float32 bytes of each layer's state
         self._snaps: dict[PageHash, Snapshot] = {}
-        self.corrupt = 0  # snapshots whose digest failed on get (dropped)
+        self.corrupt = 0  # in-memory snapshots whose digest failed on get (dropped)
+        self.l3_hits = 0
 
     def __len__(self) -> int:
         return len(self._snaps)
 
     def put(self, key: PageHash, pages: int, layers: list[torch.Tensor]) -> None:
-        """Keep a copy of ``layers`` (mutates the store; overwrites an equal key)."""
-        t = tuple(x.detach().cpu().clone() for x in layers)
+        """Keep a copy of ``layers`` (mutates the store; overwrites an equal key) and
+        write it through to L3; an L3 that cannot take it drops it (counted there)."""
+        t = tuple(x.detach().to("cpu", torch.float32).clone() for x in layers)
         self._snaps[key] = Snapshot(pages, t, _digest(t))
+        if self.storage is not None:
+            self.storage.put([(_l3_key(key), _encode(pages, t), [8, *self.sizes])])
 
     def has(self, key: PageHash) -> bool:
-        return key in self._snaps
+        """In memory or stored in L3 (L3 presence is verified by ``get``, not here)."""
+        return key in self._snaps or (self.storage is not None and self.storage.exists([_l3_key(key)])[0])
 
     def get(self, key: PageHash, pages: int) -> Snapshot | None:
         """The snapshot at ``key`` if it is intact and at ``pages``; a corrupt one is
@@ -66,17 +84,55 @@ class SnapshotStore:
         ``key``; copy before mutating."""
         s = self._snaps.get(key)
         if s is None:
-            return None
+            return self._get_l3(key, pages)
         if s.pages != pages or _digest(s.layers) != s.digest:
             del self._snaps[key]
             self.corrupt += 1
-            return None
+            return self._get_l3(key, pages)
         return s
+
+    def _get_l3(self, key: PageHash, pages: int) -> Snapshot | None:
+        if self.storage is None:
+            return None
+        mv = self.storage.get([_l3_key(key)], [8, *self.sizes])[0]
+        if mv is None:
+            return None
+        got = int.from_bytes(mv[:8], "little")
+        if got != pages:  # the codec verified the bytes; a boundary mismatch is a logic error upstream
+            raise AssertionError(f"SnapshotStore: L3 snapshot {key.hex()} is at {got} pages, asked for {pages}")
+        t, off = [], 8
+        for shape, n in zip(self.shapes, self.sizes):
+            t.append(torch.frombuffer(bytearray(mv[off:off + n]), dtype=torch.float32).view(shape))
+            off += n
+        snap = self._snaps[key] = Snapshot(pages, tuple(t), _digest(tuple(t)))
+        self.l3_hits += 1
+        return snap
+
+    def evict_host(self) -> int:
+        """Drop every in-memory snapshot (L3 keeps its copies); returns how many."""
+        n = len(self._snaps)
+        self._snaps.clear()
+        return n
 
     def check_integrity(self) -> None:
         for key, s in self._snaps.items():
             if _digest(s.layers) != s.digest or s.pages < 1 or len(key) != 16:
                 raise AssertionError(f"SnapshotStore: snapshot {key.hex()} at {s.pages} pages is corrupt")
+            if [tuple(x.shape) for x in s.layers] != self.shapes:
+                raise AssertionError(f"SnapshotStore: snapshot {key.hex()} has shapes "
+                                     f"{[tuple(x.shape) for x in s.layers]}, expected {self.shapes}")
+        if self.storage is not None:
+            self.storage.check_integrity()
+
+
+def _l3_key(page: PageHash) -> bytes:
+    """The L3 key of the snapshot at ``page``: derived, so that it never equals a page
+    object's key even where a backend ignores key prefixes (file:// names by key)."""
+    return hashlib.blake2b(b"hicache-state\0" + page, digest_size=16).digest()
+
+
+def _encode(pages: int, layers: tuple[torch.Tensor, ...]) -> bytes:
+    return pages.to_bytes(8, "little") + b"".join(x.contiguous().view(torch.uint8).numpy().tobytes() for x in layers)
 
 
 class HybridResult(NamedTuple):
@@ -95,13 +151,23 @@ class HybridRunner:
     hc: HiCache
     model: HybridModel
     chunk_tokens: int = 8
+    state_url: str = ""  # L3 for state snapshots (an open_storage URL); "" keeps them in memory only
     store: SnapshotStore = field(init=False)
 
     def __post_init__(self) -> None:
-        self.store = SnapshotStore(self.hc.layout.fingerprint())
+        fp = self.hc.layout.fingerprint()
+        l3 = None
+        if self.state_url:  # snapshots under their own prefix: never confused with page objects
+            l3 = open_storage(self.state_url, fingerprint=fp, key_prefix=f"hicache:{fp[:8]}:state:")
+        self.store = SnapshotStore(fp, [self.model.hspec.state_shape] * self.model.hspec.num_linear, l3)
         self.pool = self.hc.device_pool
         self.ps = self.pool.layout.page_size
         self.groups = self.hc.layout.groups
+
+    def close(self) -> None:
+        """Close the snapshots' L3 backend (the ``HiCache`` is the caller's to close)."""
+        if self.store.storage is not None:
+            self.store.storage.close()
 
     def _admit(self, req, hashes: list[PageHash]) -> tuple[int, int, HybridState]:
         """Admit ``req``; returns (hit, floor, the state at the floor)."""

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from hicache.config import HiCacheConfig
-from hicache.engine.hybrid_runner import HybridRunner
+from hicache.engine.hybrid_runner import HybridRunner, SnapshotStore, _l3_key
 from hicache.engine.model_hybrid import HybridModel, HybridSpec, HybridState
 from hicache.engine.model_spec import ModelSpec
 from hicache.errors import PoolError
 from hicache.hashing import page_hashes
 from hicache.hicache import HiCache
 from hicache.hybrid import LayerGroup, swa_needed_pages
+from hicache.storage import open_storage
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -68,7 +69,8 @@ def test_layout_groups_and_pool_check(model):
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
 def test_warm_equals_cold_floored_to_the_snapshot_on_every_tier(model, cold, tmp_path, host_layout):
     hc = make_cache(f"file://{tmp_path}/l3", host_layout)
-    run = HybridRunner(hc, model, chunk_tokens=6)  # chunks end mid-page and mid-window (6 = W)
+    # chunks end mid-page and mid-window (6 = W); snapshots written through to the same file:// L3
+    run = HybridRunner(hc, model, chunk_tokens=6, state_url=f"file://{tmp_path}/l3")
     first = run.serve("first", PROMPT)
     assert (first.hit, first.resume) == (0, 0) and same(first, cold["base"])
     assert sorted(s.pages for s in run.store._snaps.values()) == [2, 4, 6, 8]
@@ -87,11 +89,14 @@ def test_warm_equals_cold_floored_to_the_snapshot_on_every_tier(model, cold, tmp
     hc.drain()
     hc.evict(10_000)
     hc.evict_host(10_000)
+    assert run.store.evict_host() == 4
     hc.check_integrity()
     l3 = run.serve("l3", PROMPT)
     assert (l3.hit, l3.resume, l3.replayed) == (36, 32, 4) and same(l3, cold["base"])
+    assert run.store.l3_hits == 1 and run.store.storage.stats().hits >= 1
     run.store.check_integrity()
     hc.check_integrity()
+    run.close()
     hc.close()
 
 
@@ -181,4 +186,30 @@ def test_state_must_be_at_the_chunk_start(model):
     st.layers[0][0, 0, 0] = float("nan")
     with pytest.raises(AssertionError, match="non-finite"):
         st.check_integrity(SPEC)
+    hc.close()
+
+
+def test_snapshots_in_l3_are_verified(model, cold, tmp_path):
+    url = f"file://{tmp_path}/l3"
+    hc = make_cache(url)
+    run = HybridRunner(hc, model, chunk_tokens=64, state_url=url)
+    run.serve("a", PROMPT)
+    run.store.evict_host()
+    # flip one payload byte of the page-8 snapshot object: the codec's checksum catches it
+    path = run.store.storage._path(run.store.storage._full(_l3_key(page_hashes(PROMPT, PS)[7])))[1]
+    raw = bytearray(open(path, "rb").read())
+    raw[-5] ^= 0x40
+    open(path, "wb").write(bytes(raw))
+    r = run.serve("b", PROMPT)
+    assert (r.hit, r.resume) == (36, 24) and same(r, cold["base"])
+    assert run.store.storage.stats().corrupt == 1 and run.store.l3_hits == 1
+    run.store.check_integrity()
+    # another layout's store (another window: another fingerprint) under the same prefix reads none
+    other = HybridSpec(BASE, SPEC.pattern, window=5, snapshot_every=2).kv_layout(PS).fingerprint()
+    foreign = SnapshotStore(other, run.store.shapes, open_storage(url, fingerprint=other,
+                                                                 key_prefix=run.store.storage.key_prefix))
+    assert foreign.has(page_hashes(PROMPT, PS)[5]) and foreign.get(page_hashes(PROMPT, PS)[5], 6) is None
+    assert foreign.storage.stats().fingerprint_mismatch == 1
+    foreign.storage.close()
+    run.close()
     hc.close()
