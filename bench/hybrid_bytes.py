@@ -11,13 +11,18 @@ timing, so the figures are exact on any machine.
   a snapshot at every page boundary (what a page-granular hit needs without
   flooring) -- and the KV alone for scale.
 
-    python bench/hybrid_bytes.py [--page-size 16] [--tokens 4096 32768 131072]
+With ``--trace NAME`` (a built-in trace: mixed, chat, system, docs) it also
+accounts a whole workload (``workload_bytes``): every distinct page of every
+request's sequence once, as the prefix tree holds them; generated tokens are
+placeholders distinct per request, as in ``workloads.oracle_reuse``.
+
+    python bench/hybrid_bytes.py [--page-size 16] [--tokens 4096 32768 131072] [--trace mixed --scale small]
 """
 from __future__ import annotations
 
 import argparse
 
-from hicache.hybrid import hybrid_layout, stored_bytes
+from hicache.hybrid import hybrid_layout, stored_bytes, workload_bytes
 from hicache.shapes import model_shape
 
 GiB = 1 << 30
@@ -28,6 +33,8 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768, 131072])
     ap.add_argument("--snapshot-every", type=int, nargs="+", default=[8, 64, 256])
+    ap.add_argument("--trace", default="", help="also account a built-in trace (mixed, chat, system, docs)")
+    ap.add_argument("--scale", default="small")
     a = ap.parse_args()
     ps = a.page_size
     print(f"page_size={ps}; one prefix, resumable at its end (and at every snapshot)\n")
@@ -51,6 +58,37 @@ def main() -> None:
     st = lay.groups[1]
     print(f"\nqwen3-next: one snapshot of all {len(st.layers)} state layers = "
           f"{len(st.layers) * st.state_bytes / 2**20:.1f} MiB (fp32); one page of KV = {lay.page_bytes / 2**10:.0f} KiB")
+
+    if a.trace:
+        trace_table(a.trace, a.scale, ps, a.snapshot_every)
+
+
+def trace_sequences(name: str, scale: str) -> list[tuple[list[int], str]]:
+    """Each request's computed sequence (prompt + placeholder answer but its last token)."""
+    from hicache.engine.workloads import builtin_trace
+    seqs: dict[str, list[int]] = {}
+    out, fresh = [], 1 << 20  # placeholder answer ids, above every trace token id
+    for r in sorted(builtin_trace(name, scale).requests, key=lambda r: r.arrival):
+        prompt = list(r.prompt) if r.parent is None else seqs[r.parent] + list(r.append)
+        full = prompt + list(range(fresh, fresh + r.max_new_tokens))
+        fresh += r.max_new_tokens
+        seqs[r.rid] = full
+        out.append((full[:-1], r.namespace))
+    return out
+
+
+def trace_table(name: str, scale: str, ps: int, every: list[int]) -> None:
+    seqs = trace_sequences(name, scale)
+    print(f"\ntrace {name}-{scale}: {len(seqs)} requests, {sum(len(s) for s, _ in seqs):,} tokens\n")
+    print("| model | snapshot every | every layer in full MiB | snapshots | hybrid MiB | snapshot at every page MiB | saved |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    rows = [("gpt-oss-120b", 0)] + [("qwen3-next-80b-a3b", k) for k in every]
+    for model, k in rows:
+        lay = hybrid_layout(model_shape(model), ps, snapshot_every=k or 1)
+        s = workload_bytes(lay, seqs)
+        base = s.every_layer_full + s.state_every_page
+        print(f"| {model} | {k or '-'} | {s.every_layer_full / 2**20:.1f} | {s.snapshots} | {s.hybrid / 2**20:.1f} | "
+              f"{base / 2**20:.1f} | {s.saved:.1%} |")
 
 
 if __name__ == "__main__":

@@ -234,6 +234,39 @@ def stored_bytes(layout: "KVLayout", num_pages: int, boundaries: Iterable[int] |
     return StoredBytes(hybrid + one * len(snaps), full, len(snaps), one * num_pages)
 
 
+def workload_bytes(layout: "KVLayout", sequences: Iterable[tuple[Sequence[int], str]]) -> StoredBytes:
+    """``stored_bytes`` for a whole workload: every distinct page of ``sequences``
+    (token ids, namespace) once, as a prefix tree would hold them. Each sequence
+    stays resumable at its page-floored end and at its snapshot boundaries; an
+    SWA page is kept when some sequence's boundary needs it. Pure."""
+    from hicache.hashing import page_hashes
+
+    ps = layout.page_size
+    state = next((g for g in layout.groups if g.kind == "state"), None)
+    pages: set[bytes] = set()
+    snaps: set[bytes] = set()
+    swa_keep: dict[int, set[bytes]] = {}
+    for tokens, namespace in sequences:
+        hashes = page_hashes(list(tokens), ps, namespace)
+        n = len(hashes)
+        pages.update(hashes)
+        every = snapshot_boundaries(n, state.snapshot_every) if state else []
+        snaps.update(hashes[b - 1] for b in every)
+        for gi, g in enumerate(layout.groups):
+            if g.kind == "swa":
+                keep = swa_keep.setdefault(gi, set())
+                keep.update(hashes[p] for p in swa_needed_pages({n, *every} if n else (), g.window, ps))
+    full = _layer_page_bytes(layout, range(layout.num_layers)) * len(pages)
+    hybrid = full if not layout.groups else 0
+    for gi, g in enumerate(layout.groups):
+        if g.kind == "full":
+            hybrid += _layer_page_bytes(layout, g.layers) * len(pages)
+        elif g.kind == "swa":
+            hybrid += _layer_page_bytes(layout, g.layers) * len(swa_keep.get(gi, ()))
+    one = state.state_bytes * len(state.layers) if state else 0
+    return StoredBytes(hybrid + one * len(snaps), full, len(snaps), one * len(pages))
+
+
 # -------------------------------------------------------------- real shapes
 # Gated DeltaNet facts of Qwen3-Next (its config.json: linear_num_key_heads 16,
 # linear_num_value_heads 32, linear_key_head_dim 128, linear_value_head_dim 128,

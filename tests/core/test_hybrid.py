@@ -7,7 +7,7 @@ import pytest
 
 from hicache.errors import LayoutError
 from hicache.hybrid import (LayerGroup, gdn_state_bytes, hybrid_layout, resumable_floor, snapshot_boundaries,
-                            stored_bytes, swa_freeable, swa_needed_pages)
+                            stored_bytes, swa_freeable, swa_needed_pages, workload_bytes)
 from hicache.layout import KVLayout
 from hicache.shapes import model_shape, model_shapes
 
@@ -206,3 +206,27 @@ def test_to_dict_carries_groups_only_for_hybrids():
     lay = small(groups=(SWA(128, 0, 2), FULL(1, 3)))
     assert lay.to_dict()["groups"] == [["swa", [0, 2], 128, 0, 0], ["full", [1, 3], 0, 0, 0]]
     assert lay.replace(page_size=8).groups == lay.groups and lay.replace(groups=()).to_dict() == small().to_dict()
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-120b", "qwen3-next-80b-a3b"])
+def test_workload_bytes_of_one_sequence_is_stored_bytes(name):
+    lay = hybrid_layout(model_shape(name), 16, snapshot_every=4)
+    for n in (0, 5, 16, 37):
+        tokens = list(range(1, 16 * n + 7))
+        assert workload_bytes(lay, [(tokens, "")]) == stored_bytes(lay, n)
+
+
+def test_workload_bytes_counts_shared_pages_once_and_keeps_each_windows_pages():
+    lay = small(groups=(SWA(5, 0, 2), FULL(1, 3)))
+    layer_page = 2 * 2 * 8 * 2 * 4  # K and V, 2 heads x 8, bf16, 4 tokens
+    shared = list(range(1, 33))  # 8 pages
+    a, b = shared + [40] * 8, shared + [50] * 8  # two forks of 10 pages each; 12 distinct pages
+    got = workload_bytes(lay, [(a, ""), (b, ""), (a, "")])
+    # SWA window 5 at page 4: resuming at token 40 needs keys 36..39, page 9 of each fork
+    assert got == (2 * layer_page * 12 + 2 * layer_page * 2, 4 * layer_page * 12, 0, 0)
+    # a namespace is a different tree
+    assert workload_bytes(lay, [(a, ""), (a, "lora")]).every_layer_full == 4 * layer_page * 20
+    # the shared prefix's own end, cached as a sequence of its own, keeps its window too
+    assert workload_bytes(lay, [(a, ""), (b, ""), (shared, "")]).hybrid == got.hybrid + 2 * layer_page * 1
+    wide = small(groups=(SWA(9, 0, 2), FULL(1, 3)))  # keys 32..39: pages 8 and 9 of each fork
+    assert workload_bytes(wide, [(a, ""), (b, "")]).hybrid == 2 * layer_page * 12 + 2 * layer_page * 4
