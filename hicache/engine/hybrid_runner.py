@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from hicache.engine.model_hybrid import HybridModel, HybridState
+from hicache.errors import CacheStateError, IntegrityError
 from hicache.hashing import page_hashes
 from hicache.hicache import HiCache
 from hicache.hybrid import resumable_floor
@@ -99,7 +100,7 @@ class SnapshotStore:
             return None
         got = int.from_bytes(mv[:8], "little")
         if got != pages:  # the codec verified the bytes; a boundary mismatch is a logic error upstream
-            raise AssertionError(f"SnapshotStore: L3 snapshot {key.hex()} is at {got} pages, asked for {pages}")
+            raise IntegrityError(f"SnapshotStore: L3 snapshot {key.hex()} is at {got} pages, asked for {pages}")
         t, off = [], 8
         for shape, n in zip(self.shapes, self.sizes):
             t.append(torch.frombuffer(bytearray(mv[off:off + n]), dtype=torch.float32).view(shape))
@@ -117,9 +118,9 @@ class SnapshotStore:
     def check_integrity(self) -> None:
         for key, s in self._snaps.items():
             if _digest(s.layers) != s.digest or s.pages < 1 or len(key) != 16:
-                raise AssertionError(f"SnapshotStore: snapshot {key.hex()} at {s.pages} pages is corrupt")
+                raise IntegrityError(f"SnapshotStore: snapshot {key.hex()} at {s.pages} pages is corrupt")
             if [tuple(x.shape) for x in s.layers] != self.shapes:
-                raise AssertionError(f"SnapshotStore: snapshot {key.hex()} has shapes "
+                raise IntegrityError(f"SnapshotStore: snapshot {key.hex()} has shapes "
                                      f"{[tuple(x.shape) for x in s.layers]}, expected {self.shapes}")
         if self.storage is not None:
             self.storage.check_integrity()
@@ -152,6 +153,9 @@ class HybridRunner:
     model: HybridModel
     chunk_tokens: int = 8
     state_url: str = ""  # L3 for state snapshots (an open_storage URL); "" keeps them in memory only
+    # Also snapshot each request's last full page (of the prompt, and of prompt + output):
+    # a follow-up turn then resumes at its parent's end instead of the last k-page boundary.
+    snapshot_ends: bool = False
     store: SnapshotStore = field(init=False)
 
     def __post_init__(self) -> None:
@@ -202,6 +206,8 @@ class HybridRunner:
         hashes = page_hashes(prompt, self.ps, namespace)
         req = self.hc.new_request(rid, prompt, namespace)
         hit, resume, st = self._admit(req, hashes)
+        ends = {len(prompt) // self.ps, (len(prompt) + new_tokens) // self.ps} if self.snapshot_ends else set()
+        st.marks = ends
         replayed = computed = 0
         logits = None
         while True:
@@ -226,10 +232,12 @@ class HybridRunner:
                     preempt_at = None
                     req.preempt()
                     hit, resume, st = self._admit(req, hashes)
+                    st.marks = ends
                     break
             else:
                 break
-        assert logits is not None, "the last prompt token is always computed (match caps at len - 1)"
+        if logits is None:  # the match caps at len - 1, so the last prompt token is always computed
+            raise CacheStateError(f"request {rid!r}: no prompt token was computed (prompt of {len(prompt)})")
         prompt_logits, out_tokens = logits.clone(), []
         for _ in range(new_tokens):
             tok = int(logits.argmax())
@@ -240,6 +248,6 @@ class HybridRunner:
             logits = self.model.decode_step(self.pool, tok, pos, self.pool.slot_ids(req.pages)[:pos + 1],
                                             state=st).logits_last
             req.commit(1)
-        st.snapshots.clear()  # decode snapshots would need the output's hashes; not kept
+        self._keep(st, page_hashes(req.tokens, self.ps, namespace))  # decode's, by the output's hashes
         req.finish()
         return HybridResult(hit, resume, replayed, computed, prompt_logits, out_tokens)

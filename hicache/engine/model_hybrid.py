@@ -33,7 +33,7 @@ from hicache.engine import model_layers as ml
 from hicache.engine.model import ChunkOutput, ReferenceModel, StoreFn, _Stack
 from hicache.engine.model_kv import gather_context
 from hicache.engine.model_spec import ModelSpec
-from hicache.errors import LayoutError, PoolError
+from hicache.errors import IntegrityError, InvalidArgument, LayoutError, PoolError
 from hicache.hybrid import LayerGroup
 from hicache.layout import HostLayout, KVLayout
 from hicache.pools import DevicePool
@@ -96,12 +96,14 @@ class HybridState:
 
     ``pos`` is the number of tokens consumed; ``snapshots`` maps a boundary
     (in pages) to copies of every linear layer's state there, taken since the
-    caller last cleared it.
+    caller last cleared it: at every ``snapshot_every``-th page and at the
+    boundaries in ``marks`` (e.g. the last full page of a request's sequence).
     """
 
     layers: list[torch.Tensor]
     pos: int = 0
     snapshots: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    marks: set[int] = field(default_factory=set)
 
     @classmethod
     def zeros(cls, spec: HybridSpec, device: torch.device | str = "cpu") -> "HybridState":
@@ -115,11 +117,11 @@ class HybridState:
 
     def check_integrity(self, spec: HybridSpec) -> None:
         if len(self.layers) != spec.num_linear or any(tuple(t.shape) != spec.state_shape for t in self.layers):
-            raise AssertionError(f"HybridState: {len(self.layers)} layers of shapes "
+            raise IntegrityError(f"HybridState: {len(self.layers)} layers of shapes "
                                  f"{[tuple(t.shape) for t in self.layers]}, spec wants {spec.num_linear} x "
                                  f"{spec.state_shape}")
         if self.pos < 0 or not all(bool(torch.isfinite(t).all()) for t in self.layers):
-            raise AssertionError(f"HybridState: pos={self.pos} or a non-finite state")
+            raise IntegrityError(f"HybridState: pos={self.pos} or a non-finite state")
 
 
 @dataclass(slots=True)
@@ -185,7 +187,8 @@ class HybridModel(ReferenceModel):
               store: StoreFn, ctx_slots: torch.Tensor, before_layer) -> torch.Tensor:
         s, w, hs = self.spec, self.weights, self.hspec
         st = self._state
-        assert st is not None, "HybridModel._tile runs inside forward_chunk"
+        if st is None:
+            raise InvalidArgument("HybridModel computes through forward_chunk(..., state=HybridState) only")
         pos = torch.arange(t0, t0 + T, device=self.device)
         rpos = pos.clamp(max=s.max_seq_len - 1)
         cos, sin = w.rope_cos[rpos], w.rope_sin[rpos]
@@ -195,7 +198,7 @@ class HybridModel(ReferenceModel):
         for kind in hs.pattern:
             if kind == "linear":
                 lw = self.linear[lin_i]
-                x = x + self._recur(lin_i, ml.rms_norm(x, lw.norm, s.norm_eps), t0, a, b, pool.page_size)
+                x = x + self._recur(st, lin_i, ml.rms_norm(x, lw.norm, s.norm_eps), t0, a, b, pool.page_size)
                 x = x + ml.mlp(lw.mlp, ml.rms_norm(x, lw.mlp.mlp_norm, s.norm_eps))
                 lin_i += 1
                 continue
@@ -214,11 +217,11 @@ class HybridModel(ReferenceModel):
         st.pos = max(st.pos, b)
         return x
 
-    def _recur(self, li: int, h: torch.Tensor, t0: int, a: int, b: int, page_size: int) -> torch.Tensor:
+    def _recur(self, st: HybridState, li: int, h: torch.Tensor, t0: int, a: int, b: int,
+               page_size: int) -> torch.Tensor:
         """Rows ``[a, b)`` of the tile at ``t0`` through linear layer ``li``'s recurrence
-        (mutates its state; records its snapshots); other rows output zeros."""
-        st, lw = self._state, self.linear[li]
-        assert st is not None, "_recur runs inside forward_chunk"
+        (mutates its state in ``st``; records its snapshots); other rows output zeros."""
+        lw = self.linear[li]
         S = st.layers[li]
         H, d = S.shape[0], S.shape[1]
         qkv = F.linear(h, lw.w_qkv).float().view(h.shape[0], 3, H, d)
@@ -230,7 +233,7 @@ class HybridModel(ReferenceModel):
             r = p - t0
             S.mul_(lw.decay[:, None, None]).add_(k[r][:, :, None] * v[r][:, None, :])
             out[r] = torch.bmm(q[r][:, None, :], S)[:, 0]
-            if (p + 1) % every == 0:
+            if (p + 1) % every == 0 or ((p + 1) % page_size == 0 and (p + 1) // page_size in st.marks):
                 st.snapshots.setdefault((p + 1) // page_size, [S] * len(st.layers))[li] = S.clone()
         return F.linear(out.view(h.shape[0], H * d).to(h.dtype), lw.w_o)
 

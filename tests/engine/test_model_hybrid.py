@@ -73,7 +73,8 @@ def test_warm_equals_cold_floored_to_the_snapshot_on_every_tier(model, cold, tmp
     run = HybridRunner(hc, model, chunk_tokens=6, state_url=f"file://{tmp_path}/l3")
     first = run.serve("first", PROMPT)
     assert (first.hit, first.resume) == (0, 0) and same(first, cold["base"])
-    assert sorted(s.pages for s in run.store._snaps.values()) == [2, 4, 6, 8]
+    # 10: taken while decoding (37 prompt + 3 answer tokens), keyed by the answer's page hash
+    assert sorted(s.pages for s in run.store._snaps.values()) == [2, 4, 6, 8, 10]
 
     # Hit: 9 pages (36 tokens, the last token is always computed); the last snapshot is at
     # page 8, so the floor is 32 and tokens 32..35 are replayed to advance the state.
@@ -89,7 +90,7 @@ def test_warm_equals_cold_floored_to_the_snapshot_on_every_tier(model, cold, tmp
     hc.drain()
     hc.evict(10_000)
     hc.evict_host(10_000)
-    assert run.store.evict_host() == 4
+    assert run.store.evict_host() == 5
     hc.check_integrity()
     l3 = run.serve("l3", PROMPT)
     assert (l3.hit, l3.resume, l3.replayed) == (36, 32, 4) and same(l3, cold["base"])
@@ -212,4 +213,25 @@ def test_snapshots_in_l3_are_verified(model, cold, tmp_path):
     assert foreign.storage.stats().fingerprint_mismatch == 1
     foreign.storage.close()
     run.close()
+    hc.close()
+
+
+@pytest.mark.parametrize("snapshot_ends, resume", [(False, 32), (True, 36)])
+def test_a_follow_up_turn_resumes_at_its_parents_end_with_end_snapshots(model, snapshot_ends, resume):
+    p1 = PROMPT[:33]  # 8 pages + 1; with 3 answer tokens the sequence ends at 36 = page 9
+    hc = make_cache()
+    cold1 = HybridRunner(hc, model, chunk_tokens=64).serve("c1", p1)
+    turn2 = p1 + cold1.output + [7, 8, 9, 10, 11, 12]
+    cold2 = HybridRunner(make_cache(), model, chunk_tokens=64).serve("c2", turn2)
+    hc.close()
+
+    hc = make_cache()
+    run = HybridRunner(hc, model, chunk_tokens=5, snapshot_ends=snapshot_ends)
+    first = run.serve("t1", p1)
+    assert same(first, cold1)
+    pages = sorted(s.pages for s in run.store._snaps.values())
+    assert pages == ([2, 4, 6, 8, 9] if snapshot_ends else [2, 4, 6, 8])  # 9: taken while decoding
+    second = run.serve("t2", turn2)
+    assert (second.hit, second.resume, second.replayed) == (36, resume, 36 - resume) and same(second, cold2)
+    run.store.check_integrity()
     hc.close()
