@@ -82,13 +82,13 @@ def trace_table(name: str, scale: str, ps: int, every: list[int]) -> None:
     print(f"\ntrace {name}-{scale}: {len(seqs)} requests, {sum(len(s) for s, _ in seqs):,} tokens\n")
     print("| model | snapshot every | every layer in full MiB | snapshots | hybrid MiB | snapshot at every page MiB | saved |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    rows = [("gpt-oss-120b", 0)] + [("qwen3-next-80b-a3b", k) for k in every]
-    for model, k in rows:
+    rows = [("gpt-oss-120b", 0, False)] + [("qwen3-next-80b-a3b", k, e) for e in (False, True) for k in every]
+    for model, k, ends in rows:
         lay = hybrid_layout(model_shape(model), ps, snapshot_every=k or 1)
-        s = workload_bytes(lay, seqs)
+        s = workload_bytes(lay, seqs, end_snapshots=ends)
         base = s.every_layer_full + s.state_every_page
-        print(f"| {model} | {k or '-'} | {s.every_layer_full / 2**20:.1f} | {s.snapshots} | {s.hybrid / 2**20:.1f} | "
-              f"{base / 2**20:.1f} | {s.saved:.1%} |")
+        print(f"| {model} | {k or '-'}{' + ends' if ends else ''} | {s.every_layer_full / 2**20:.1f} | {s.snapshots} | "
+              f"{s.hybrid / 2**20:.1f} | {base / 2**20:.1f} | {s.saved:.1%} |")
 
 
 if __name__ == "__main__":

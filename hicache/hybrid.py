@@ -234,11 +234,13 @@ def stored_bytes(layout: "KVLayout", num_pages: int, boundaries: Iterable[int] |
     return StoredBytes(hybrid + one * len(snaps), full, len(snaps), one * num_pages)
 
 
-def workload_bytes(layout: "KVLayout", sequences: Iterable[tuple[Sequence[int], str]]) -> StoredBytes:
+def workload_bytes(layout: "KVLayout", sequences: Iterable[tuple[Sequence[int], str]], *,
+                   end_snapshots: bool = False) -> StoredBytes:
     """``stored_bytes`` for a whole workload: every distinct page of ``sequences``
     (token ids, namespace) once, as a prefix tree would hold them. Each sequence
     stays resumable at its page-floored end and at its snapshot boundaries; an
-    SWA page is kept when some sequence's boundary needs it. Pure."""
+    SWA page is kept when some sequence's boundary needs it. ``end_snapshots``:
+    a state group also keeps a snapshot at each sequence's last full page. Pure."""
     from hicache.hashing import page_hashes
 
     ps = layout.page_size
@@ -252,6 +254,8 @@ def workload_bytes(layout: "KVLayout", sequences: Iterable[tuple[Sequence[int], 
         pages.update(hashes)
         every = snapshot_boundaries(n, state.snapshot_every) if state else []
         snaps.update(hashes[b - 1] for b in every)
+        if state and end_snapshots and n:
+            snaps.add(hashes[n - 1])
         for gi, g in enumerate(layout.groups):
             if g.kind == "swa":
                 keep = swa_keep.setdefault(gi, set())

@@ -230,3 +230,13 @@ def test_workload_bytes_counts_shared_pages_once_and_keeps_each_windows_pages():
     assert workload_bytes(lay, [(a, ""), (b, ""), (shared, "")]).hybrid == got.hybrid + 2 * layer_page * 1
     wide = small(groups=(SWA(9, 0, 2), FULL(1, 3)))  # keys 32..39: pages 8 and 9 of each fork
     assert workload_bytes(wide, [(a, ""), (b, "")]).hybrid == 2 * layer_page * 12 + 2 * layer_page * 4
+
+
+def test_workload_bytes_end_snapshots():
+    lay = small(groups=(FULL(0, 1, 2, 3), STATE(4, n=2, b=100)))
+    shared = list(range(1, 33))  # 8 pages: snapshots at pages 4 and 8 (shared by both forks)
+    a, b = shared + [40] * 11, shared + [50] * 8  # 10 pages each (a's last 3 tokens: no full page)
+    plain = workload_bytes(lay, [(a, ""), (b, "")])
+    assert (plain.snapshots, plain.hybrid) == (2, lay.page_bytes * 12 + 2 * 2 * 100)
+    ends = workload_bytes(lay, [(a, ""), (b, ""), (shared, "")], end_snapshots=True)
+    assert (ends.snapshots, ends.hybrid) == (4, lay.page_bytes * 12 + 4 * 2 * 100)  # + page 10 of each fork
