@@ -235,3 +235,19 @@ def test_a_follow_up_turn_resumes_at_its_parents_end_with_end_snapshots(model, s
     assert (second.hit, second.resume, second.replayed) == (36, resume, 36 - resume) and same(second, cold2)
     run.store.check_integrity()
     hc.close()
+
+
+@pytest.mark.parametrize("scheme", ["memory", "redis"])
+def test_snapshots_round_trip_through_other_l3_backends(model, cold, scheme, request):
+    url = "memory://" if scheme == "memory" else request.getfixturevalue("redis_url")
+    hc = make_cache()
+    run = HybridRunner(hc, model, chunk_tokens=64, state_url=url)
+    run.store.storage.clear()  # redis: a session-wide server
+    run.serve("a", PROMPT)
+    assert run.store.storage.stats().put_ok == 5 and run.store.evict_host() == 5
+    hc.evict(10_000)  # pages stay in L2, snapshots come back from L3
+    r = run.serve("b", PROMPT)
+    assert (r.hit, r.resume, run.store.l3_hits) == (36, 32, 1) and same(r, cold["base"])
+    run.store.check_integrity()
+    run.close()
+    hc.close()
