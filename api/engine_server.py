@@ -425,8 +425,9 @@ def open_l3(cfg: HiCacheConfig, layout: KVLayout) -> StorageBackend | None:
     if st.url.lower().startswith("hicache+"):
         raise ConfigError(f"storage.url={st.url!r}: the service's L3 must be a store (redis://, file://, "
                           "memory://, ...), not another hicache service")
+    from hicache.storage.capacity import backend_options
     return open_storage(st.url, fingerprint=layout.fingerprint(), layout=layout, timeout_ms=st.timeout_ms,
-                        max_retries=st.max_retries, auth_key=st.resolved_auth_key())
+                        max_retries=st.max_retries, auth_key=st.resolved_auth_key(), **backend_options(st))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,7 +39,7 @@ class ModelConfig(_Section):
 
     model_id: str = "hicache-demo-tiny"
     num_layers: int = 4
-    kind: Literal["mha", "mla"] = "mha"
+    kind: Literal["mha", "mla", "rows"] = "mha"
     num_kv_heads: int = 2
     head_dim: int = 32
     kv_lora_rank: int = 0
@@ -52,6 +52,8 @@ class ModelConfig(_Section):
     tp_size: int = 1
     cp_rank: int = 0
     cp_size: int = 1
+    row_bytes: int = 0  # kind="rows" (an engine's opaque rows, e.g. vLLM's tier): bytes of one row
+    engine_layout: str = ""  # kind="rows": the engine's description of a row (HiCacheTier logs it)
     host_layout: Literal["layer_first", "page_first"] = "page_first"
 
     def to_layout(self) -> KVLayout:
@@ -97,6 +99,16 @@ class StorageConfig(_Section):
     # threat model). auth_key_file: read it from a file (a Compose/K8s secret).
     auth_key: str = ""
     auth_key_file: str = ""
+    # Byte cap of file:// and memory:// (bytes, "20GiB", 0 = unbounded); "auto":
+    # min(20 GiB, 10% of the file system / of RAM). See hicache.storage.capacity.
+    max_bytes: int | Literal["auto"] = "auto"
+    eviction: Literal["lru", "fifo"] = "lru"  # which objects go first at the cap
+
+    @field_validator("max_bytes", mode="before")
+    @classmethod
+    def _max_bytes(cls, v: Any) -> Any:
+        from hicache.storage.capacity import parse_size
+        return parse_size(v)
 
     def resolved_auth_key(self) -> bytes:
         """``auth_key``, else the stripped contents of ``auth_key_file``, else b"". Raises ``ConfigError``."""
@@ -132,6 +144,20 @@ class PolicyConfig(_Section):
         if v not in POLICIES:
             raise ValueError(f"must be one of {', '.join(sorted(POLICIES))}")
         return v
+
+
+class AdmissionConfig(_Section):
+    """Cost-based admission (``hicache.load_cost``): load an L2/L3 hit only when that
+    is estimated faster than recomputing it."""
+
+    policy: Literal["cost", "always_load"] = "cost"
+    # Prefill tokens/s of the engine; 0: measured (HiCache.observe_prefill), and
+    # until measured every hit is loaded.
+    prefill_tokens_per_s: float = Field(0.0, ge=0)
+    # Bandwidth priors (bytes/s) before the first transfer is measured; 0: unknown.
+    l2_bytes_per_s: float = Field(0.0, ge=0)  # L2 -> L1 load back
+    l3_bytes_per_s: float = Field(0.0, ge=0)  # L3 -> L2 prefetch
+    ewma_alpha: float = Field(0.2, gt=0, le=1)  # weight of each new measurement
 
 
 class ServiceConfig(_Section):
@@ -185,6 +211,7 @@ class HiCacheConfig(BaseSettings):
     pool: PoolConfig = PoolConfig()
     storage: StorageConfig = Field(default_factory=StorageConfig)  # its default URL reads the environment
     policy: PolicyConfig = PolicyConfig()
+    admission: AdmissionConfig = AdmissionConfig()
     service: ServiceConfig = ServiceConfig()
     log_level: str = "WARNING"
 

@@ -38,6 +38,7 @@ from hicache.hashing import HASH_BYTES
 from hicache.ratelimit import LogLimiter
 from hicache.redact import redact_url  # noqa: F401  (re-exported: backends name themselves with it)
 from hicache.storage import codec
+from hicache.storage.capacity import StorageUsage
 from hicache.storage.codec import Buffer, ReadStatus
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ class StorageStats:
     bytes_written: int = 0  # payload bytes stored by put()
     reconnects: int = 0  # outages that ended (L3 answered again after failing)
     lookup_timeouts: int = 0  # bounded prefix_hits() that answered 0: L3 slower than the budget, or busy
+    evicted: int = 0  # objects this process removed to keep the store within its byte cap
 
     def check(self) -> None:
         """Raise ``IntegrityError`` when the counters contradict each other."""
@@ -307,6 +309,10 @@ class StorageBackend(abc.ABC):
 
     def _raw_scan(self) -> Iterator[tuple[bytes, Buffer]] | None:
         """Every stored (full key, object) under our prefix, or None if the backend cannot list."""
+        return None
+
+    def _raw_usage(self) -> StorageUsage | None:
+        """What the store holds now, or None if the backend cannot tell."""
         return None
 
     def _raw_keys(self) -> Iterator[bytes] | None:
@@ -558,6 +564,13 @@ class StorageBackend(abc.ABC):
             res = self._call("delete", self._raw_delete, keys[i:i + 512])
             n += 0 if res is _DOWN else int(res)
         return n
+
+    def usage(self) -> StorageUsage | None:
+        """Bytes and objects the store holds now and its cap (see ``StorageUsage``);
+        None when the backend cannot tell or L3 is down. Mutates nothing. Cheap
+        enough for every ``/v1/stats`` call (a ledger read, one Redis INFO)."""
+        out = self._call("usage", self._raw_usage)
+        return None if out is _DOWN else out
 
     def ping(self) -> bool:
         """True when L3 answers now. Always tries (ignores the probe schedule)."""
