@@ -31,6 +31,7 @@ from hicache.hashing import page_hashes
 from hicache.hicache import HiCache
 from hicache.hybrid import resumable_floor
 from hicache.storage import StorageBackend, open_storage
+from hicache.storage.capacity import backend_options
 from hicache.types import PageHash
 
 
@@ -161,8 +162,12 @@ class HybridRunner:
     def __post_init__(self) -> None:
         fp = self.hc.layout.fingerprint()
         l3 = None
-        if self.state_url:  # snapshots under their own prefix: never confused with page objects
-            l3 = open_storage(self.state_url, fingerprint=fp, key_prefix=f"hicache:{fp[:8]}:state:")
+        if self.state_url:  # snapshots under their own prefix, opened as HiCache opens its L3 (same
+            # cap and ledger on a shared file:// directory, same timeouts and MAC key)
+            st = self.hc.config.storage
+            l3 = open_storage(self.state_url, fingerprint=fp, key_prefix=f"hicache:{fp[:8]}:state:",
+                              timeout_ms=st.timeout_ms, max_retries=st.max_retries,
+                              auth_key=st.resolved_auth_key(), **backend_options(st, self.state_url))
         self.store = SnapshotStore(fp, [self.model.hspec.state_shape] * self.model.hspec.num_linear, l3)
         self.pool = self.hc.device_pool
         self.ps = self.pool.layout.page_size
