@@ -165,8 +165,7 @@ class HybridModel(ReferenceModel):
                             "; ".join(f"{f}: pool={a!r} model={b!r}" for f, a, b in diff))
 
     def forward_chunk(self, pool: DevicePool, tokens, start_pos: int, slot_ids: torch.Tensor, *,
-                      state: HybridState, replay: bool = False, all_logits: bool = False,
-                      **_unused) -> ChunkOutput:
+                      state: HybridState, replay: bool = False, all_logits: bool = False) -> ChunkOutput:
         """See the class docstring. Raises ``ValueError`` when ``state`` is not at ``start_pos``."""
         if state.pos != start_pos:
             raise ValueError(f"HybridModel.forward_chunk: state is at token {state.pos}, the chunk starts at "
@@ -179,7 +178,7 @@ class HybridModel(ReferenceModel):
             self._state, self._replay = None, False
 
     def decode_step(self, pool: DevicePool, token: int, pos: int, slot_ids: torch.Tensor, *,
-                    state: HybridState, **_unused) -> ChunkOutput:
+                    state: HybridState) -> ChunkOutput:
         return self.forward_chunk(pool, [token], pos, slot_ids, state=state)
 
     # ------------------------------------------------------------------ core
