@@ -27,6 +27,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Literal
 
 from hicache.errors import ContractMismatch, LayoutError
+from hicache.hybrid import LayerGroup, validate_groups
 
 # Bump when the meaning of a page's bytes changes in a way no field captures.
 CONTRACT_VERSION = 1
@@ -161,6 +162,9 @@ class KVLayout:
     row_bytes: int = 0  # rows only: bytes of one page (one engine row)
     engine_layout: str = ""  # rows only: the engine's description of a row, canonical JSON of an object
     host_layout: HostLayout = "layer_first"
+    # Hybrid models: layer groups (``hicache.hybrid``); () for a model whose every
+    # layer is full attention. In the fingerprint only when non-empty.
+    groups: tuple[LayerGroup, ...] = ()
     _planes: tuple[PlaneSpec, ...] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -172,7 +176,9 @@ class KVLayout:
                               "extra_planes", f"<{n} planes>", f"at most {MAX_EXTRA_PLANES}")
         object.__setattr__(self, "extra_planes", tuple(
             p if isinstance(p, BytePlane) else BytePlane(*p) for p in self.extra_planes))
+        object.__setattr__(self, "groups", tuple(LayerGroup.of(g) for g in self.groups))
         self._validate()
+        validate_groups(self.groups, self.num_layers)
         object.__setattr__(self, "_planes", self._build_planes())
 
     # ---------------------------------------------------------------- validation
@@ -355,6 +361,10 @@ class KVLayout:
             if f.name.startswith("_") or f.name in _NOT_IN_FINGERPRINT or f.name in self._unset_rows_fields():
                 continue
             v = getattr(self, f.name)
+            if f.name == "groups":
+                if v:  # absent for non-hybrid layouts: their fingerprints stay what they were
+                    out["groups"] = [g.to_list() for g in v]
+                continue
             out[f.name] = [[p.name, p.bytes_per_token] for p in v] if f.name == "extra_planes" else v
         return out
 
@@ -397,6 +407,9 @@ class KVLayout:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
              if not f.name.startswith("_") and f.name not in self._unset_rows_fields()}
         d["extra_planes"] = [[p.name, p.bytes_per_token] for p in self.extra_planes]
+        del d["groups"]
+        if self.groups:  # only hybrids carry it: other layouts' dicts (handshakes, stats) are unchanged
+            d["groups"] = [g.to_list() for g in self.groups]
         return d
 
     @classmethod
