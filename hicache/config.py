@@ -124,6 +124,8 @@ class PolicyConfig(_Section):
     prefetch_timeout_per_1k_tokens_ms: float = Field(2.0, ge=0)
     prefetch_timeout_cap_ms: float = Field(200.0, ge=0)
     storage_hit_min_pages: int = Field(1, ge=1)  # smaller L3 hits are not worth a prefetch
+    # Pages whose last tier the miss tracker remembers (hicache.misses; ~120 B each).
+    miss_window_pages: int = Field(1_000_000, ge=1)
 
     @field_validator("device_eviction", "host_eviction")
     @classmethod
@@ -132,6 +134,25 @@ class PolicyConfig(_Section):
         if v not in POLICIES:
             raise ValueError(f"must be one of {', '.join(sorted(POLICIES))}")
         return v
+
+
+GiB, TiB = 1 << 30, 1 << 40
+
+
+class SimulateConfig(_Section):
+    """``hicache replay --simulate``: tier capacities in bytes of a real model's KV
+    (``shape``, from ``hicache.shapes``); pages carry small stand-in payloads.
+    Defaults: llama-3.1-8b on one H200 (L1 = 100 GiB: 140 GiB x 0.9 utilisation,
+    minus 15 GiB of bf16 weights, minus ~11 GiB activations and graphs), a 1 TiB
+    host L2 and a 16 TiB L3. ``page_size`` 512 tokens: one Mooncake block."""
+
+    shape: str = "llama-3.1-8b"
+    page_size: int = Field(512, ge=3)
+    block_tokens: int = Field(512, ge=3)  # tokens per hash id of a hash-block trace
+    l1_bytes: int = Field(100 * GiB, ge=1)
+    l2_bytes: int = Field(1 * TiB, ge=0)
+    l3_bytes: int = Field(16 * TiB, ge=0)  # enforced on memory:// (its max_bytes); 0 = no L3
+    l3_url: str = "memory://"  # memory://, file:///dir, redis://host:port/db
 
 
 class ServiceConfig(_Section):
@@ -186,6 +207,7 @@ class HiCacheConfig(BaseSettings):
     storage: StorageConfig = Field(default_factory=StorageConfig)  # its default URL reads the environment
     policy: PolicyConfig = PolicyConfig()
     service: ServiceConfig = ServiceConfig()
+    simulate: SimulateConfig = SimulateConfig()
     log_level: str = "WARNING"
 
     @field_validator("log_level")

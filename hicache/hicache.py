@@ -34,6 +34,7 @@ from hicache.errors import OutOfPages, TransferError
 from hicache.hashing import page_hashes
 from hicache.allocator import PageAllocator
 from hicache.layout import KVLayout
+from hicache.misses import L2, L3, L3Outcome, MissStats, MissTracker, admission_misses
 from hicache.pools import DevicePool, HostPool
 from hicache.storage.base import StorageStats
 from hicache.node import InsertResult, Node
@@ -55,9 +56,10 @@ class HiCacheStats:
     bytes_moved: dict[str, int]  # per direction: d2h, h2d, l3_put, l3_get
     capacity_pages: dict[str, int]  # "L1", "L2"
     storage: StorageStats | None  # the L3 backend's counters; None without L3
+    misses: MissStats = dataclasses.field(default_factory=MissStats)  # missed pages by reason
 
     def as_dict(self) -> dict:
-        out = {"index": self.index.as_dict(), "tiers": self.tiers.as_dict(),
+        out = {"index": self.index.as_dict(), "tiers": self.tiers.as_dict(), "misses": self.misses.as_dict(),
                "bytes_moved": dict(self.bytes_moved), "capacity_pages": dict(self.capacity_pages)}
         if self.storage is not None:
             out["storage"] = dataclasses.asdict(self.storage)
@@ -90,9 +92,11 @@ class HiCache:
     """Embedded L1/L2/L3 cache. See the module docstring for the call order."""
 
     def __init__(self, config: HiCacheConfig | None = None, *, layout: KVLayout | None = None,
-                 device_buffers=None, storage=None, consensus: HitConsensus | None = None):
+                 device_buffers=None, storage=None, consensus: HitConsensus | None = None,
+                 inline_transfers: bool = False):
         """``consensus``: the TP/CP group's ``HitConsensus``; ``admit`` then locks
-        the hit every rank agrees on (see ``hicache.consensus``)."""
+        the hit every rank agrees on (see ``hicache.consensus``). ``inline_transfers``:
+        CPU pools run each copy and L3 call at submit, in this thread (``--simulate``)."""
         self.config = cfg = config or HiCacheConfig.load()
         self.layout = layout or cfg.layout()
         device = cfg.resolved_device()
@@ -111,7 +115,7 @@ class HiCache:
                                    auth_key=cfg.storage.resolved_auth_key())
         self.storage = storage
         self.policy = cfg.policy
-        self.transfers = TransferController(self.device_pool, self.host_pool, storage)
+        self.transfers = TransferController(self.device_pool, self.host_pool, storage, inline=inline_transfers)
         self.cache = PrefixCache(self.layout, self.device_pool,
                                  self.host_pool if tier is None else PageAllocator(0, "L2 (shared)"),
                                  eviction=cfg.policy.device_eviction, host_eviction=cfg.policy.host_eviction)
@@ -123,6 +127,9 @@ class HiCache:
         self._storage_enabled = storage is not None and self.layout.cp_size == 1
         self._failed: TransferError | None = None  # set by a failed load back; fatal
         self.consensus = consensus
+        self.misses = MissTracker(cfg.policy.miss_window_pages)
+        self._l3_outcome: L3Outcome | None = None  # what the last admission's L3 lookup found
+        self._prefetched = 0  # pages the last completed prefetch brought into L2
 
     # ------------------------------------------------------------- requests
     def new_request(self, rid: str, tokens: Tokens, namespace: str = "", *, draft: bool | None = None) -> Request:
@@ -153,6 +160,7 @@ class HiCache:
         the L2 hit back into L1 and lock the whole hit. WAITING/PREEMPTED -> RUNNING.
         Afterwards ``req.computed_tokens`` counts the hit; allocate and compute the rest."""
         self._check_healthy()
+        self._l3_outcome = None
         m = req.match()
         device_tokens = m.device_tokens
         storage_tokens = self._maybe_prefetch(req, m)
@@ -168,6 +176,7 @@ class HiCache:
             m = self._agreed(req, m)
             device_tokens = min(device_tokens, m.device_tokens)
         req.lock(m)
+        admission_misses(self.misses, self.cache, req.key, req.namespace, m.device_tokens, self._l3_outcome)
         loads = [own] if own is not None else []
         if m.device_node is not None:
             for n in self.cache.path(m.device_node):
@@ -201,6 +210,7 @@ class HiCache:
         self.tier_stats.storage_lookups += 1
         budget = self._prefetch_budget_s(req.num_tokens)
         t0 = time.perf_counter()
+        st0 = self.storage.stats()
         s = self.transfers.storage_probe(hashes[have:cap], budget)
         if s < self.policy.storage_hit_min_pages:
             return 0
@@ -208,8 +218,12 @@ class HiCache:
         plan = self.tiers.prepare_prefetch(req.key, req.namespace, have, hashes[have:have + s])
         if plan is None:
             return 0
+        self._prefetched = 0
         job = self._submit(plan)
         self._wait_prefetch(job, None if budget is None else budget - (time.perf_counter() - t0))
+        running = job in self._jobs
+        self._l3_outcome = _l3_outcome(have, s, 0 if running else self._prefetched, running, st0,
+                                       self.storage.stats())
         return s * ps if job not in self._jobs else 0
 
     def _prefetch_budget_s(self, num_tokens: int) -> float | None:
@@ -313,6 +327,7 @@ class HiCache:
         tiers = self.tiers
         if isinstance(plan, BackupPlan):
             for n in tiers.complete_backup(plan, r.ok):
+                self.misses.reached(self.cache.hashes(n), L2)
                 self._store(n)
             if plan.shared is not None:
                 self.service.backup_done(plan, r.ok)
@@ -329,8 +344,10 @@ class HiCache:
                     "are indexed with unknown bytes, so this cache refuses to serve; rebuild it")
         elif isinstance(plan, StorePlan):
             tiers.complete_store(plan, r.pages if r.ok else 0)
+            self.misses.reached(plan.hashes[:r.pages if r.ok else 0], L3)
         else:
             tiers.complete_prefetch(plan, r.pages)
+            self._prefetched = r.pages
 
     def _wait(self, job: int, timeout: float | None = None) -> None:
         """Block until ``job`` is done (or ``timeout`` s), then observe what finished."""
@@ -474,12 +491,13 @@ class HiCache:
         return HiCacheStats(self.cache.stats(), dataclasses.replace(self.tier_stats),
                             dict(self.transfers.bytes_moved),
                             {"L1": self.device_pool.num_pages, "L2": self.host_pool.num_pages},
-                            None if self.storage is None else self.storage.stats())
+                            None if self.storage is None else self.storage.stats(), self.misses.snapshot())
 
     def check_integrity(self) -> None:
         """Index invariants + pool accounting, counting pages held by transfers."""
         self.cache.check_integrity(host_in_flight=self.tiers.host_in_flight)
         self.tiers.check_integrity()
+        self.misses.check_integrity()
         self.device_pool.check_integrity()
         self.transfers.check_integrity()
         if self.service is None:
@@ -497,6 +515,14 @@ class HiCache:
         if self.service is not None:
             self.service.tier.close()
 
+
+
+def _l3_outcome(first_page: int, held: int, delivered: int, running: bool, before: StorageStats,
+                after: StorageStats) -> L3Outcome:
+    """What an admission's L3 lookup found (``hicache.misses``), from the backend's counters."""
+    return L3Outcome(first_page, held, delivered, running,
+                     (after.errors - before.errors) + (after.corrupt - before.corrupt),
+                     after.fingerprint_mismatch - before.fingerprint_mismatch)
 
 
 class TieredRequest(Request):
