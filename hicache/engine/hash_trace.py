@@ -117,7 +117,7 @@ def iter_hash_trace(path: str | Path, block_tokens: int = DEFAULT_BLOCK_TOKENS) 
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise TraceError(f"{where}: not valid JSON ({e})") from None
             req = _request(obj, index, where, block_tokens)
-            if req.arrival * 1e3 < last:
+            if obj["timestamp"] < last:
                 raise TraceError(f"{where}: timestamp {obj['timestamp']} is before the previous line's {last}; "
                                  "sort the trace by timestamp")
             last = obj["timestamp"]

@@ -28,7 +28,7 @@ import numpy as np
 
 from hicache.config import HiCacheConfig, SimulateConfig
 from hicache.engine.hash_trace import detect_format, iter_hash_trace
-from hicache.errors import ConfigError
+from hicache.errors import ConfigError, OutOfPages
 from hicache.hicache import HiCache
 from hicache.layout import KVLayout
 from hicache.shapes import ModelShape, model_shape
@@ -168,11 +168,15 @@ def run_hicache(name: str, cfg: HiCacheConfig, plan: SimPlan, requests: Iterable
             req = hc.new_request(r.rid, r.key, r.namespace)
             adm = hc.admit(req)
             t1 = perf()
-            req.alloc(req.num_tokens - adm.hit_tokens)
+            try:
+                req.alloc(req.num_tokens - adm.hit_tokens)
+            except OutOfPages:
+                raise ConfigError(f"request {r.rid} needs {-(-req.num_tokens // plan.page_size)} pages of L1, "
+                                  f"more than its {plan.l1_pages}; raise simulate.l1_bytes") from None
             t2 = perf()
             req.commit()
             req.finish()
-            hc.poll()
+            hc.drain()  # backups, then the stores they start: done before the next arrival
             t3 = perf()
             clock["match+load (admit)"] += t1 - t0
             clock["evict (alloc)"] += t2 - t1
