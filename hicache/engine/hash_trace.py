@@ -88,9 +88,9 @@ def detect_format(path: str | Path) -> TraceKind:
     except IsADirectoryError:
         raise TraceError(f"trace {str(path)!r} is a directory; give a JSONL trace file") from None
     try:
-        obj = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TraceError(f"{path}:1: not valid JSON ({e})") from None
+        obj = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):  # not UTF-8, not JSON: the hicache reader names the problem
+        return "hicache"
     if isinstance(obj, dict) and "hicache_trace" in obj:
         return "hicache"
     if isinstance(obj, dict) and "hash_ids" in obj:
