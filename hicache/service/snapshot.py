@@ -10,8 +10,9 @@ makes them differ.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+from hicache.misses import MissStats
 from hicache.service.l3_tier import L3TierStats
 from hicache.stat_schema import stat
 
@@ -111,16 +112,26 @@ class EngineReport:
     l1_capacity_pages: int = stat("The engine's L1 capacity in pages.", metric="engine_l1_pages", kind="gauge",
                                   labels={"state": "capacity"}, default=0)
     l1_evictions: int = stat("Pages the engine evicted from L1.", metric="engine_l1_evictions", default=0)
+    misses: MissStats = stat("The engine's missed pages by reason (hicache.misses).", default_factory=MissStats)
 
 
-def report_figures(stats: "HiCacheStats") -> dict[str, int]:
+def report_figures(stats: "HiCacheStats") -> dict[str, Any]:
     """An embedded cache's ``HiCache.stats()`` as ``report`` figures."""
     i = stats.index
     return {"requests": i.requests, "prompt_tokens": i.admitted_tokens,
             "l1_hit_tokens_exact": i.device_hit_exact_tokens, "l1_hit_tokens_visible": i.device_hit_tokens,
             "l2_hit_tokens_exact": i.host_hit_exact_tokens, "l2_hit_tokens_visible": i.host_hit_tokens,
             "l1_used_pages": i.device_pages_cached + i.device_pages_private,
-            "l1_capacity_pages": stats.capacity_pages.get("L1", 0), "l1_evictions": i.device_evicted_pages}
+            "l1_capacity_pages": stats.capacity_pages.get("L1", 0), "l1_evictions": i.device_evicted_pages,
+            "misses": stats.misses.as_dict()}
+
+
+def engine_report(fields: dict[str, Any]) -> EngineReport:
+    """An ``EngineReport`` from its ``dataclasses.asdict`` form (the nested ``misses`` too)."""
+    d = dict(fields)
+    if isinstance(d.get("misses"), dict):
+        d["misses"] = MissStats(**d["misses"])
+    return EngineReport(**d)
 
 
 REPORT_FIELDS = tuple(f for f in EngineReport.__dataclass_fields__ if f != "name")

@@ -18,6 +18,7 @@ from hicache.client import EngineClient
 from hicache.errors import ServiceError
 from hicache.hashing import page_hashes
 from hicache.hicache import HiCacheStats
+from hicache.misses import REASONS, MissStats
 from hicache.service.snapshot import REPORT_FIELDS, EngineReport, StatsSnapshot
 from hicache.stat_schema import help_of, metric_of, stat
 from hicache.tiers import TierMoveStats
@@ -26,7 +27,8 @@ from .test_serve_process import commit
 
 FIGURES = {"requests": 3, "prompt_tokens": 50, "l1_hit_tokens_exact": 13, "l1_hit_tokens_visible": 12,
            "l2_hit_tokens_exact": 9, "l2_hit_tokens_visible": 8, "l1_used_pages": 5, "l1_capacity_pages": 64,
-           "l1_evictions": 2}
+           "l1_evictions": 2, "misses": {"first_use": 4, "l2_evicted": 1, "partial_page": 3}}
+NO_MISSES = MissStats().as_dict()
 
 
 def samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -107,8 +109,10 @@ def test_engine_report_is_per_engine_and_gone_on_disconnect(served):
         a.report(name="a", **{**FIGURES, "l1_hit_tokens_exact": 21})  # replaces a's last report
         engines = c.get("/v1/stats").json()["engines"]
         ka, kb = str(a.client_id), str(b.client_id)
-        assert engines[ka] == {"name": "a", **FIGURES, "l1_hit_tokens_exact": 21}
-        assert engines[kb] == {**{k: 0 for k in REPORT_FIELDS}, "name": "", "l2_hit_tokens_exact": 5}
+        assert engines[ka] == {"name": "a", **FIGURES, "l1_hit_tokens_exact": 21,
+                               "misses": {**NO_MISSES, **FIGURES["misses"]}}
+        assert engines[kb] == {**{k: 0 for k in REPORT_FIELDS}, "name": "", "l2_hit_tokens_exact": 5,
+                               "misses": NO_MISSES}
         m = samples(c.get("/metrics").text)
         hits = {(ls["engine"], ls["level"], ls["op"]): v for ls, v in m["hicache_engine_hit_tokens"]}
         assert hits[(ka, "L1", "exact")] == 21 and hits[(ka, "L1", "visible")] == 12
@@ -131,6 +135,9 @@ def test_engine_report_is_per_engine_and_gone_on_disconnect(served):
     ({"figures": {"requests": True}}, "must be an int"),
     ({"figures": {"requests": 2**63}}, "must be an int"),
     ({"figures": {"requests": 1.5}}, "must be an int"),
+    ({"figures": {"misses": {"first_use": -1}}}, "misses must map"),
+    ({"figures": {"misses": {"bogus": 1}}}, "misses must map"),
+    ({"figures": {"misses": 3}}, "misses must map"),
     ({"figures": [1, 2]}, "figures must be a map"),
     ({"figures": {f"x{i}": 1 for i in range(len(REPORT_FIELDS) + 1)}}, "figures must be a map"),
     ({"figures": {}, "name": "x" * 65}, "name must be printable"),
@@ -158,10 +165,14 @@ def test_an_embedded_caches_stats_are_reported(served):
     idx = CacheStats(requests=2, admitted_tokens=40, device_hit_tokens=16, device_hit_exact_tokens=18,
                      host_hit_tokens=8, host_hit_exact_tokens=8, device_pages_cached=3, device_pages_private=1,
                      device_evicted_pages=6)
-    hs = HiCacheStats(idx, TierMoveStats(), {}, {"L1": 32, "L2": 64}, None)
+    misses = MissStats(first_use=5, l1_evicted=2, partial_page=2)
+    hs = HiCacheStats(idx, TierMoveStats(), {}, {"L1": 32, "L2": 64}, None, misses)
     with served.client() as c, EngineClient(served.socket_path, served.config.layout(), pin=False) as eng:
         eng.report_stats(hs, name="embedded")
         got = c.get("/v1/stats").json()["engines"][str(eng.client_id)]
+        exported = samples(c.get("/metrics").text)
     assert got == {"name": "embedded", "requests": 2, "prompt_tokens": 40, "l1_hit_tokens_exact": 18,
                    "l1_hit_tokens_visible": 16, "l2_hit_tokens_exact": 8, "l2_hit_tokens_visible": 8,
-                   "l1_used_pages": 4, "l1_capacity_pages": 32, "l1_evictions": 6}
+                   "l1_used_pages": 4, "l1_capacity_pages": 32, "l1_evictions": 6, "misses": misses.as_dict()}
+    by_reason = {ls["reason"]: v for ls, v in exported["hicache_miss_pages"] if ls["engine"] == str(eng.client_id)}
+    assert by_reason == {r: float(getattr(misses, r)) for r in REASONS}
