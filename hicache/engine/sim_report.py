@@ -111,16 +111,20 @@ def format_report(rep: dict[str, Any], trace: str) -> str:
 # ----------------------------------------------------------------- the sweep
 def sweep(cfg: HiCacheConfig, factory: Factory, fractions=SWEEP_FRACTIONS) -> dict[str, Any]:
     """Hit rate against each tier's capacity (the tiers above it at their configured
-    size, the tiers below it absent), at ``fractions`` of the working set."""
+    size, the tiers below it absent), at ``fractions`` of the working set; L2 and L3
+    points no larger than the tier above are skipped (they hold copies of it)."""
     s = cfg.simulate
     base = SimPlan.from_config(s)
     stream = bl.page_stream(factory(), base.page_size)
     ws = stream.unique_pages * base.page_bytes
     prompt = sum(stream.tokens)
     points = []
+    above = {"L1": 0, "L2": base.l1_pages * base.page_bytes, "L3": base.l2_pages * base.page_bytes}
     for tier in ("L1", "L2", "L3"):
         for f in fractions:
             b = max(base.page_bytes, int(ws * f))
+            if b <= above[tier]:
+                continue  # no larger than the tier above it: adds nothing (L2 and L3 hold copies)
             if tier == "L1":
                 plan = SimPlan.from_config(s, l1_bytes=b, l2_bytes=0, l3_bytes=0)
                 c = sim_config(cfg, plan, l3=False, backup=False)
@@ -155,7 +159,8 @@ def plot_sweep(sw: dict[str, Any], path: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, tier in enumerate(("L1", "L2", "L3")):
         pts = [p for p in sw["points"] if p["tier"] == tier]
-        ax.plot([p["bytes"] / (1 << 40) for p in pts], [p["hit_rate"] for p in pts], marker="o", color=f"C{i}",
+        ax.plot([p["bytes"] / (1 << 40) for p in pts], [p["hit_rate"] for p in pts], marker="os^"[i],
+                color=f"C{i}", linestyle=("-", "--", ":")[i], linewidth=2.5 - 0.5 * i,
                 label={"L1": "L1 alone (GPU-only prefix cache)", "L2": "L2, with the configured L1",
                        "L3": "L3, with the configured L1 and L2"}[tier])
     ax.axvline(sw["working_set_bytes"] / (1 << 40), color="gray", linestyle="--",
