@@ -184,13 +184,15 @@ def test_sweep_table_and_png(tmp_path):
     path = write_hash_trace(tmp_path / "h.jsonl", [(i, 9, [i % 4, 10 + i % 3, 20 + i]) for i in range(10)])
     cfg, _ = cfg_for(l1_pages=3, l2_pages=4, l3_pages=8)
     sw = sweep(cfg, trace_requests(path, cfg.simulate), fractions=(0.25, 1.0))
-    assert [p["tier"] for p in sw["points"]] == ["L1", "L1", "L2", "L2", "L3", "L3"]
+    # a quarter of the working set is 3.5 pages: more than L1 (3), no larger than L2 (4): no L3 point there
+    assert [(p["tier"], p["bytes"] / PAGE_BYTES) for p in sw["points"]] == [
+        ("L1", 3.5), ("L1", 14), ("L2", 3.5), ("L2", 14), ("L3", 14)]
     # full pages: block i % 4 (4 distinct), then (i % 4, i % 3) chained (10 distinct in 10 requests)
     assert sw["working_set_bytes"] == (4 + 10) * PAGE_BYTES
     full_l1 = sw["points"][1]["hit_rate"]
     assert full_l1 == pytest.approx(sw["infinite_hit_rate"])  # L1 = the working set: nothing evicted
     table = format_sweep(sw)
-    assert table.count("\n") == 1 + 6 and "L3" in table
+    assert table.count("\n") == 1 + 5 and "L3" in table
     png = tmp_path / "s.png"
     plot_sweep(sw, str(png), "test")
     with Image.open(png) as im:
