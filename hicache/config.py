@@ -117,8 +117,8 @@ class StorageConfig(_Section):
 class PolicyConfig(_Section):
     write_policy: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
     write_through_threshold: int = Field(2, ge=1)  # hits before a selective backup
-    device_eviction: str = "lru"
-    host_eviction: str = "lru"
+    device_eviction: str = "qd_lru"  # beat lru on Mooncake and the built-in traces (bench/RESULTS.md)
+    host_eviction: str = "qd_lru"
     prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = "timeout"
     prefetch_timeout_base_ms: float = Field(5.0, ge=0)
     prefetch_timeout_per_1k_tokens_ms: float = Field(2.0, ge=0)
