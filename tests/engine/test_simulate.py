@@ -215,3 +215,12 @@ def test_cli_refuses_a_hash_trace_without_simulate(tmp_path, capsys):
     path = write_hash_trace(tmp_path / "h.jsonl", [(0, 8, [1, 2])])
     assert cli_main(["replay", path]) == 2
     assert "replay it with --simulate" in capsys.readouterr().err
+
+
+def test_file_l3_serves_what_l1_and_l2_lost(tmp_path):
+    # L1 = L2 = 2 pages, an uncapped file:// L3: r1 pushes P1 P2 out of L1 and L2; r2's P1 comes from L3.
+    cfg, plan = cfg_for(l1_pages=2, l2_pages=2, l3_pages=64, l3_url=f"file://{tmp_path}/l3")
+    row = run(cfg, plan, reqs(([1, 2], 8), ([3, 4], 8), ([1, 5], 8)))
+    assert (row["l1_hit_tokens"], row["l2_hit_tokens"], row["l3_hit_tokens"]) == (0, 0, 4)
+    assert nonzero(row["misses"]) == {"first_use": 2, "partial_page": 3}
+    assert len(list((tmp_path / "l3").rglob("*"))) >= 5  # the stand-in objects are real files
