@@ -9,6 +9,7 @@ the service's L3 (``handle_async`` awaits it on the loop).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from typing import Any, Callable, NamedTuple
@@ -21,6 +22,7 @@ from hicache.service.snapshot import MAX_REPORT_NAME, MAX_REPORT_VALUE, REPORT_F
 from hicache.errors import (ContractMismatch, ForeignPage, IntegrityError, LayoutError, OutOfPages,
                             ServiceError)
 from hicache.layout import KVLayout
+from hicache.misses import MissStats
 from hicache.protocol import PROTOCOL_VERSION, error_reply, plain
 from hicache.ratelimit import LogLimiter
 
@@ -150,10 +152,13 @@ class Dispatcher:
                                f"entries from {list(REPORT_FIELDS)}")
         if not isinstance(name, str) or len(name) > MAX_REPORT_NAME or not name.isprintable():
             raise ServiceError("bad_args", f"report: name must be printable text of at most {MAX_REPORT_NAME} chars")
+        figures = dict(figures)
         for k, v in figures.items():
             if k not in REPORT_FIELDS:
                 raise ServiceError("bad_args", f"report: unknown figure {str(k)[:40]!r}; known: {list(REPORT_FIELDS)}")
-            if type(v) is not int or not 0 <= v <= MAX_REPORT_VALUE:
+            if k == "misses":
+                figures[k] = _miss_figures(v)
+            elif type(v) is not int or not 0 <= v <= MAX_REPORT_VALUE:
                 raise ServiceError("bad_args", f"report: {k} must be an int in [0, 2**63), got {plain(v)!r:.40}")
         self.reports[owner] = EngineReport(name=name, **figures)
         return {}
@@ -239,3 +244,12 @@ def _arg(req: dict, name: str) -> Any:
     if name not in req:
         raise ServiceError("bad_args", f"op {req.get('op')!r} needs field {name!r}")
     return req[name]
+
+
+def _miss_figures(v: Any) -> MissStats:
+    """A report's ``misses``: a map from ``MissStats`` fields to ints in [0, 2**63)."""
+    known = [f.name for f in dataclasses.fields(MissStats)]
+    if not isinstance(v, dict) or any(k not in known or type(x) is not int or not 0 <= x <= MAX_REPORT_VALUE
+                                      for k, x in v.items()):
+        raise ServiceError("bad_args", f"report: misses must map {known} to ints in [0, 2**63), got {plain(v)!r:.60}")
+    return MissStats(**v)

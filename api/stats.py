@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 from hicache.api.models import StatsResponse
 from hicache.errors import IntegrityError
 from hicache.service.l3_tier import L3TierStats
-from hicache.service.snapshot import EngineReport, EngineSnapshot, EventSnapshot, StatsSnapshot, TierSnapshot
+from hicache.service.snapshot import EngineSnapshot, EventSnapshot, StatsSnapshot, TierSnapshot, engine_report
 
 if TYPE_CHECKING:
     from hicache.api.deps import RestState
@@ -101,7 +101,7 @@ def snapshot(state: "RestState") -> StatsSnapshot:
                               draft_cut_pages=s.draft_cut_pages, draft_upgraded=s.draft_upgraded,
                               segment_origin=s.segment_origin),
         events=EventSnapshot(subscribers=bus.num_subscribers, published=bus.published, dropped=bus.dropped),
-        engines={k: EngineReport(**v) for k, v in s.engines.items()})
+        engines={k: engine_report(v) for k, v in s.engines.items()})
 
 
 def collect(state: "RestState") -> StatsResponse:

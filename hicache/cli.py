@@ -69,6 +69,21 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
                         "path) is L2 (its shared segment) and, behind it, L3: storage.url becomes "
                         "hicache+unix://SOCKET and the KV layout takes the configured model.model_id, "
                         "which the service must share")
+    sim = p.add_argument_group("simulation (--simulate; docs/traces.md)")
+    sim.add_argument("--simulate", action="store_true",
+                     help="no model: the real index, tiers, policies and L3 backend with stand-in payloads, bytes "
+                          "accounted at the real size of --shape; capacities are simulate.l1_bytes/l2_bytes/"
+                          "l3_bytes (default: one H200, 1 TiB, 16 TiB); reads hash-block traces (hash_ids)")
+    sim.add_argument("--shape", help="model shape whose page bytes are accounted (default simulate.shape, "
+                                     "llama-3.1-8b)")
+    sim.add_argument("--block-tokens", type=int, default=0,
+                     help="tokens per hash id of a hash-block trace (default simulate.block_tokens, 512)")
+    sim.add_argument("--sweep", action="store_true",
+                     help="hit rate against L1/L2/L3 capacity: a table and a PNG (--plot, default "
+                          "hicache-sweep.png) with the working set marked")
+    sim.add_argument("--policies", help="also replay L1+L2 under these eviction policies (comma-separated, "
+                                        "or 'all'); default: the configured one")
+    sim.add_argument("--limit", type=int, help="only the first N requests of the trace")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,6 +173,14 @@ def cmd_storage(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    if args.simulate or args.sweep:
+        from hicache.engine import sim_report
+        return sim_report.main(args, _load(args))
+    if args.trace:
+        from hicache.engine.hash_trace import detect_format
+        if detect_format(args.trace) == "hash_blocks":
+            raise HiCacheError(f"{args.trace} is a hash-block trace (hash_ids, no token ids): replay it with "
+                               "--simulate")
     from hicache.engine import replay
     return replay.main(args, _load(args))
 

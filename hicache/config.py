@@ -134,13 +134,15 @@ class StorageConfig(_Section):
 class PolicyConfig(_Section):
     write_policy: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
     write_through_threshold: int = Field(2, ge=1)  # hits before a selective backup
-    device_eviction: str = "lru"
-    host_eviction: str = "lru"
+    device_eviction: str = "qd_lru"  # beat lru on Mooncake and the built-in traces (bench/RESULTS.md)
+    host_eviction: str = "qd_lru"
     prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = "timeout"
     prefetch_timeout_base_ms: float = Field(5.0, ge=0)
     prefetch_timeout_per_1k_tokens_ms: float = Field(2.0, ge=0)
     prefetch_timeout_cap_ms: float = Field(200.0, ge=0)
     storage_hit_min_pages: int = Field(1, ge=1)  # smaller L3 hits are not worth a prefetch
+    # Pages whose last tier the miss tracker remembers (hicache.misses; ~120 B each).
+    miss_window_pages: int = Field(1_000_000, ge=1)
 
     @field_validator("device_eviction", "host_eviction")
     @classmethod
@@ -163,6 +165,25 @@ class AdmissionConfig(_Section):
     l2_bytes_per_s: float = Field(0.0, ge=0)  # L2 -> L1 load back
     l3_bytes_per_s: float = Field(0.0, ge=0)  # L3 -> L2 prefetch
     ewma_alpha: float = Field(0.2, gt=0, le=1)  # weight of each new measurement
+
+
+GiB, TiB = 1 << 30, 1 << 40
+
+
+class SimulateConfig(_Section):
+    """``hicache replay --simulate``: tier capacities in bytes of a real model's KV
+    (``shape``, from ``hicache.shapes``); pages carry small stand-in payloads.
+    Defaults: llama-3.1-8b on one H200 (L1 = 100 GiB: 140 GiB x 0.9 utilisation,
+    minus 15 GiB of bf16 weights, minus ~11 GiB activations and graphs), a 1 TiB
+    host L2 and a 16 TiB L3. ``page_size`` 512 tokens: one Mooncake block."""
+
+    shape: str = "llama-3.1-8b"
+    page_size: int = Field(512, ge=3)
+    block_tokens: int = Field(512, ge=3)  # tokens per hash id of a hash-block trace
+    l1_bytes: int = Field(100 * GiB, ge=1)
+    l2_bytes: int = Field(1 * TiB, ge=0)
+    l3_bytes: int = Field(16 * TiB, ge=0)  # enforced on memory:// (its max_bytes); 0 = no L3
+    l3_url: str = "memory://"  # memory://, file:///dir, redis://host:port/db
 
 
 class ServiceConfig(_Section):
@@ -221,6 +242,7 @@ class HiCacheConfig(BaseSettings):
     policy: PolicyConfig = PolicyConfig()
     admission: AdmissionConfig = AdmissionConfig()
     service: ServiceConfig = ServiceConfig()
+    simulate: SimulateConfig = SimulateConfig()
     log_level: str = "WARNING"
 
     @field_validator("log_level")

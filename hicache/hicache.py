@@ -35,6 +35,7 @@ from hicache.hashing import page_hashes
 from hicache.allocator import PageAllocator
 from hicache.layout import KVLayout
 from hicache.load_cost import AdmissionStats, CostModel
+from hicache.misses import L2, L3, L3Outcome, MissStats, MissTracker, admission_misses
 from hicache.pools import DevicePool, HostPool
 from hicache.storage.base import StorageStats
 from hicache.node import InsertResult, Node
@@ -59,9 +60,10 @@ class HiCacheStats:
     capacity_pages: dict[str, int]  # "L1", "L2"
     storage: StorageStats | None  # the L3 backend's counters; None without L3
     admission: AdmissionStats | None = None  # the cost model's decisions (hicache.load_cost)
+    misses: MissStats = dataclasses.field(default_factory=MissStats)  # missed pages by reason
 
     def as_dict(self) -> dict:
-        out = {"index": self.index.as_dict(), "tiers": self.tiers.as_dict(),
+        out = {"index": self.index.as_dict(), "tiers": self.tiers.as_dict(), "misses": self.misses.as_dict(),
                "bytes_moved": dict(self.bytes_moved), "capacity_pages": dict(self.capacity_pages)}
         if self.admission is not None:
             out["admission"] = self.admission.as_dict()
@@ -95,15 +97,18 @@ class Admission(NamedTuple):
 class _L3Hit(NamedTuple):
     hashes: list  # page hashes of the L3 pages continuing the L1/L2 hit
     probed_at: float  # perf_counter() when the probe began (the prefetch budget covers probe and fetch)
+    storage_before: object = None  # the L3 backend's StorageStats before the probe (miss reasons)
 
 
 class HiCache:
     """Embedded L1/L2/L3 cache. See the module docstring for the call order."""
 
     def __init__(self, config: HiCacheConfig | None = None, *, layout: KVLayout | None = None,
-                 device_buffers=None, storage=None, consensus: HitConsensus | None = None):
+                 device_buffers=None, storage=None, consensus: HitConsensus | None = None,
+                 inline_transfers: bool = False):
         """``consensus``: the TP/CP group's ``HitConsensus``; ``admit`` then locks
-        the hit every rank agrees on (see ``hicache.consensus``)."""
+        the hit every rank agrees on (see ``hicache.consensus``). ``inline_transfers``:
+        CPU pools run each copy and L3 call at submit, in this thread (``--simulate``)."""
         self.config = cfg = config or HiCacheConfig.load()
         self.layout = layout or cfg.layout()
         device = cfg.resolved_device()
@@ -123,7 +128,7 @@ class HiCache:
                                    auth_key=cfg.storage.resolved_auth_key(), **backend_options(cfg.storage))
         self.storage = storage
         self.policy = cfg.policy
-        self.transfers = TransferController(self.device_pool, self.host_pool, storage)
+        self.transfers = TransferController(self.device_pool, self.host_pool, storage, inline=inline_transfers)
         self.cache = PrefixCache(self.layout, self.device_pool,
                                  self.host_pool if tier is None else PageAllocator(0, "L2 (shared)"),
                                  eviction=cfg.policy.device_eviction, host_eviction=cfg.policy.host_eviction)
@@ -136,6 +141,9 @@ class HiCache:
         self._failed: TransferError | None = None  # set by a failed load back; fatal
         self.consensus = consensus
         self.cost = CostModel.from_config(cfg.admission, self.layout.token_bytes)
+        self.misses = MissTracker(cfg.policy.miss_window_pages)
+        self._l3_outcome: L3Outcome | None = None  # what the last admission's L3 lookup found
+        self._prefetched = 0  # pages the last completed prefetch brought into L2
 
     # ------------------------------------------------------------- requests
     def new_request(self, rid: str, tokens: Tokens, namespace: str = "", *, draft: bool | None = None) -> Request:
@@ -166,6 +174,7 @@ class HiCache:
         the L2 hit back into L1 and lock the whole hit. WAITING/PREEMPTED -> RUNNING.
         Afterwards ``req.computed_tokens`` counts the hit; allocate and compute the rest."""
         self._check_healthy()
+        self._l3_outcome = None
         m = req.match()
         device_tokens = m.device_tokens
         l3_hit = self._storage_hit(req, m)
@@ -185,6 +194,7 @@ class HiCache:
             m = self._agreed(req, m)
             device_tokens = min(device_tokens, m.device_tokens)
         req.lock(m)
+        admission_misses(self.misses, self.cache, req.key, req.namespace, m.device_tokens, self._l3_outcome)
         loads = [own] if own is not None else []
         if m.device_node is not None:
             for n in self.cache.path(m.device_node):
@@ -219,11 +229,12 @@ class HiCache:
             return _L3Hit([], t0)
         hashes = self._page_hashes(req.key, req.namespace, cap)
         self.tier_stats.storage_lookups += 1
+        st0 = self.storage.stats()
         s = self.transfers.storage_probe(hashes[have:cap], self._prefetch_budget_s(req.num_tokens))
         if s < self.policy.storage_hit_min_pages:
             return _L3Hit([], t0)
         self.tier_stats.storage_hit_pages += s
-        return _L3Hit(hashes[have:have + s], t0)
+        return _L3Hit(hashes[have:have + s], t0, st0)
 
     def _prefetch(self, req: Request, m: MatchResult, hit: _L3Hit) -> int:
         """Fetch ``hit`` into L2, waiting what is left of the policy's budget; tokens landed."""
@@ -232,10 +243,15 @@ class HiCache:
         plan = self.tiers.prepare_prefetch(req.key, req.namespace, m.tokens // self.layout.page_size, hit.hashes)
         if plan is None:
             return 0
+        self._prefetched = 0
         budget = self._prefetch_budget_s(req.num_tokens)
         job = self._submit(plan)
         self._wait_prefetch(job, None if budget is None else budget - (time.perf_counter() - hit.probed_at))
-        return len(hit.hashes) * self.layout.page_size if job not in self._jobs else 0
+        running = job in self._jobs
+        have = m.tokens // self.layout.page_size
+        self._l3_outcome = _l3_outcome(have, len(hit.hashes), 0 if running else self._prefetched, running,
+                                       hit.storage_before, self.storage.stats())
+        return len(hit.hashes) * self.layout.page_size if not running else 0
 
     def _prefetch_budget_s(self, num_tokens: int) -> float | None:
         """How long the scheduler may wait on L3 for one request (probe and fetch together);
@@ -341,6 +357,7 @@ class HiCache:
                                         r.seconds)
         if isinstance(plan, BackupPlan):
             for n in tiers.complete_backup(plan, r.ok):
+                self.misses.reached(self.cache.hashes(n), L2)
                 self._store(n)
             if plan.shared is not None:
                 self.service.backup_done(plan, r.ok)
@@ -357,8 +374,10 @@ class HiCache:
                     "are indexed with unknown bytes, so this cache refuses to serve; rebuild it")
         elif isinstance(plan, StorePlan):
             tiers.complete_store(plan, r.pages if r.ok else 0)
+            self.misses.reached(plan.hashes[:r.pages if r.ok else 0], L3)
         else:
             tiers.complete_prefetch(plan, r.pages)
+            self._prefetched = r.pages
 
     def _wait(self, job: int, timeout: float | None = None) -> None:
         """Block until ``job`` is done (or ``timeout`` s), then observe what finished."""
@@ -515,7 +534,7 @@ class HiCache:
                             dict(self.transfers.bytes_moved),
                             {"L1": self.device_pool.num_pages, "L2": self.host_pool.num_pages},
                             None if self.storage is None else self.storage.stats(),
-                            dataclasses.replace(self.cost.stats))
+                            dataclasses.replace(self.cost.stats), self.misses.snapshot())
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The engine computed ``tokens`` prefill tokens in ``seconds`` (one forward):
@@ -526,6 +545,7 @@ class HiCache:
         """Index invariants + pool accounting, counting pages held by transfers."""
         self.cache.check_integrity(host_in_flight=self.tiers.host_in_flight)
         self.tiers.check_integrity()
+        self.misses.check_integrity()
         self.device_pool.check_integrity()
         self.transfers.check_integrity()
         self.cost.check_integrity()
@@ -545,6 +565,14 @@ class HiCache:
         if self.service is not None:
             self.service.tier.close()
 
+
+
+def _l3_outcome(first_page: int, held: int, delivered: int, running: bool, before: StorageStats,
+                after: StorageStats) -> L3Outcome:
+    """What an admission's L3 lookup found (``hicache.misses``), from the backend's counters."""
+    return L3Outcome(first_page, held, delivered, running,
+                     (after.errors - before.errors) + (after.corrupt - before.corrupt),
+                     after.fingerprint_mismatch - before.fingerprint_mismatch)
 
 
 class TieredRequest(Request):

@@ -94,6 +94,10 @@ class RadixTree:
             self._roots[namespace] = r
         return r
 
+    def namespaces(self) -> list[str]:
+        """Namespaces that have a root (a fresh list)."""
+        return list(self._roots)
+
     def _nid(self) -> int:
         self._next_nid += 1
         return self._next_nid

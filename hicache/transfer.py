@@ -143,12 +143,25 @@ def layer_plane_groups(lay: KVLayout) -> list[list[int]]:
     return groups
 
 
+class _Inline:
+    """A job queue that runs each job as it is put (``TransferController(inline=True)``)."""
+
+    def put(self, job) -> None:
+        if job is not None:
+            job()
+
+
 class TransferController:
     """Runs L1<->L2 copies and L2<->L3 I/O without blocking the scheduler."""
 
-    def __init__(self, device_pool: DevicePool, host_pool: HostPool, storage=None, *, graphs: bool = True):
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool, storage=None, *, graphs: bool = True,
+                 inline: bool = False):
         """``graphs`` (GPU): run each layer-wise load back as one CUDA-graph replay
-        (``hicache.load_graph``) instead of one launch per layer."""
+        (``hicache.load_graph``) instead of one launch per layer. ``inline`` (CPU
+        pools only): run every job in the caller's thread at ``submit`` (the
+        simulator: deterministic, and no thread hand-off per job, which cost
+        ~1 ms a job on a loaded 2-core machine); results are still reported by
+        ``finished``."""
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.storage = storage
@@ -159,18 +172,24 @@ class TransferController:
         self._next_job = 0
         self._plane_groups = layer_plane_groups(device_pool.layout)
         self.bytes_moved = {"d2h": 0, "h2d": 0, "l3_put": 0, "l3_get": 0}
-        self._copy_q: queue.Queue | None = None
-        self._io_q: queue.Queue = queue.Queue()
+        self._copy_q: queue.Queue | _Inline | None = None
+        self._io_q: queue.Queue | _Inline = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._graphs = graphs and self.on_gpu
         self._graph = None  # LoadGraph of (host_pool, device_pool), captured on the first load back
-        if self.on_gpu:
+        if inline:
+            if self.on_gpu:
+                raise TransferError("inline transfers run CPU pools only; the device pool is on "
+                                    f"{device_pool.device}")
+            self._copy_q, self._io_q = _Inline(), _Inline()
+        elif self.on_gpu:
             # (A high-priority copy stream was measured: no TTFT change, bench/RESULTS.md.)
             self._stream = torch.cuda.Stream(device=device_pool.device)
         else:
             self._copy_q = queue.Queue()
             self._threads.append(self._start(self._copy_q, "hicache-copy"))
-        self._threads.append(self._start(self._io_q, "hicache-l3"))
+        if not inline:
+            self._threads.append(self._start(self._io_q, "hicache-l3"))
 
     @staticmethod
     def _start(q: queue.Queue, name: str) -> threading.Thread:

@@ -10,8 +10,9 @@ makes them differ.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+from hicache.misses import MissStats
 from hicache.service.l3_tier import L3TierStats
 from hicache.stat_schema import stat
 
@@ -130,9 +131,10 @@ class EngineReport:
                                      metric="engine_admission_decisions", labels={"choice": "unmeasured"}, default=0)
     admission_recomputed_tokens: int = stat("L2/L3-hit tokens recomputed instead of loaded.",
                                             metric="engine_admission_recomputed_tokens", default=0)
+    misses: MissStats = stat("The engine's missed pages by reason (hicache.misses).", default_factory=MissStats)
 
 
-def report_figures(stats: "HiCacheStats") -> dict[str, int]:
+def report_figures(stats: "HiCacheStats") -> dict[str, Any]:
     """An embedded cache's ``HiCache.stats()`` as ``report`` figures."""
     i = stats.index
     return {"requests": i.requests, "prompt_tokens": i.admitted_tokens,
@@ -140,7 +142,7 @@ def report_figures(stats: "HiCacheStats") -> dict[str, int]:
             "l2_hit_tokens_exact": i.host_hit_exact_tokens, "l2_hit_tokens_visible": i.host_hit_tokens,
             "l1_used_pages": i.device_pages_cached + i.device_pages_private,
             "l1_capacity_pages": stats.capacity_pages.get("L1", 0), "l1_evictions": i.device_evicted_pages,
-            **_admission_figures(stats)}
+            **_admission_figures(stats), "misses": stats.misses.as_dict()}
 
 
 def _admission_figures(stats: "HiCacheStats") -> dict[str, int]:
@@ -150,6 +152,14 @@ def _admission_figures(stats: "HiCacheStats") -> dict[str, int]:
     return {"admission_load": a.load, "admission_load_l2": a.load_l2, "admission_recompute": a.recompute,
             "admission_unmeasured": a.unmeasured,
             "admission_recomputed_tokens": a.recomputed_l2_tokens + a.recomputed_l3_tokens}
+
+
+def engine_report(fields: dict[str, Any]) -> EngineReport:
+    """An ``EngineReport`` from its ``dataclasses.asdict`` form (the nested ``misses`` too)."""
+    d = dict(fields)
+    if isinstance(d.get("misses"), dict):
+        d["misses"] = MissStats(**d["misses"])
+    return EngineReport(**d)
 
 
 REPORT_FIELDS = tuple(f for f in EngineReport.__dataclass_fields__ if f != "name")

@@ -19,6 +19,7 @@ from hicache.errors import ServiceError
 from hicache.hashing import page_hashes
 from hicache.hicache import HiCacheStats
 from hicache.load_cost import AdmissionStats
+from hicache.misses import REASONS, MissStats
 from hicache.service.snapshot import REPORT_FIELDS, EngineReport, StatsSnapshot
 from hicache.stat_schema import help_of, metric_of, stat
 from hicache.tiers import TierMoveStats
@@ -27,7 +28,8 @@ from .test_serve_process import commit
 
 FIGURES = {"requests": 3, "prompt_tokens": 50, "l1_hit_tokens_exact": 13, "l1_hit_tokens_visible": 12,
            "l2_hit_tokens_exact": 9, "l2_hit_tokens_visible": 8, "l1_used_pages": 5, "l1_capacity_pages": 64,
-           "l1_evictions": 2}
+           "l1_evictions": 2, "misses": {"first_use": 4, "l2_evicted": 1, "partial_page": 3}}
+NO_MISSES = MissStats().as_dict()
 
 
 def samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -108,8 +110,10 @@ def test_engine_report_is_per_engine_and_gone_on_disconnect(served):
         a.report(name="a", **{**FIGURES, "l1_hit_tokens_exact": 21})  # replaces a's last report
         engines = c.get("/v1/stats").json()["engines"]
         ka, kb = str(a.client_id), str(b.client_id)
-        assert engines[ka] == {**{k: 0 for k in REPORT_FIELDS}, "name": "a", **FIGURES, "l1_hit_tokens_exact": 21}
-        assert engines[kb] == {**{k: 0 for k in REPORT_FIELDS}, "name": "", "l2_hit_tokens_exact": 5}
+        assert engines[ka] == {**{k: 0 for k in REPORT_FIELDS}, "name": "a", **FIGURES, "l1_hit_tokens_exact": 21,
+                               "misses": {**NO_MISSES, **FIGURES["misses"]}}
+        assert engines[kb] == {**{k: 0 for k in REPORT_FIELDS}, "name": "", "l2_hit_tokens_exact": 5,
+                               "misses": NO_MISSES}
         m = samples(c.get("/metrics").text)
         hits = {(ls["engine"], ls["level"], ls["op"]): v for ls, v in m["hicache_engine_hit_tokens"]}
         assert hits[(ka, "L1", "exact")] == 21 and hits[(ka, "L1", "visible")] == 12
@@ -132,6 +136,9 @@ def test_engine_report_is_per_engine_and_gone_on_disconnect(served):
     ({"figures": {"requests": True}}, "must be an int"),
     ({"figures": {"requests": 2**63}}, "must be an int"),
     ({"figures": {"requests": 1.5}}, "must be an int"),
+    ({"figures": {"misses": {"first_use": -1}}}, "misses must map"),
+    ({"figures": {"misses": {"bogus": 1}}}, "misses must map"),
+    ({"figures": {"misses": 3}}, "misses must map"),
     ({"figures": [1, 2]}, "figures must be a map"),
     ({"figures": {f"x{i}": 1 for i in range(len(REPORT_FIELDS) + 1)}}, "figures must be a map"),
     ({"figures": {}, "name": "x" * 65}, "name must be printable"),
@@ -161,7 +168,8 @@ def test_an_embedded_caches_stats_are_reported(served):
                      device_evicted_pages=6)
     adm = AdmissionStats(load=3, load_l2=1, recompute=2, unmeasured=5, recomputed_l2_tokens=8,
                          recomputed_l3_tokens=4)
-    hs = HiCacheStats(idx, TierMoveStats(), {}, {"L1": 32, "L2": 64}, None, adm)
+    misses = MissStats(first_use=5, l1_evicted=2, partial_page=2)
+    hs = HiCacheStats(idx, TierMoveStats(), {}, {"L1": 32, "L2": 64}, None, adm, misses)
     with served.client() as c, EngineClient(served.socket_path, served.config.layout(), pin=False) as eng:
         eng.report_stats(hs, name="embedded")
         got = c.get("/v1/stats").json()["engines"][str(eng.client_id)]
@@ -170,7 +178,9 @@ def test_an_embedded_caches_stats_are_reported(served):
                    "l1_hit_tokens_visible": 16, "l2_hit_tokens_exact": 8, "l2_hit_tokens_visible": 8,
                    "l1_used_pages": 4, "l1_capacity_pages": 32, "l1_evictions": 6,
                    "admission_load": 3, "admission_load_l2": 1, "admission_recompute": 2,
-                   "admission_unmeasured": 5, "admission_recomputed_tokens": 12}
+                   "admission_unmeasured": 5, "admission_recomputed_tokens": 12, "misses": misses.as_dict()}
     mine = str(eng.client_id)
     decisions = {ls["choice"]: v for ls, v in m["hicache_engine_admission_decisions"] if ls["engine"] == mine}
     assert decisions == {"load": 3, "load_l2": 1, "recompute": 2, "unmeasured": 5}
+    by_reason = {ls["reason"]: v for ls, v in m["hicache_miss_pages"] if ls["engine"] == mine}
+    assert by_reason == {r: float(getattr(misses, r)) for r in REASONS}
