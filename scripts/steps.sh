@@ -10,6 +10,7 @@ step() {
 step_done() {
   echo "    done in $(( $(date +%s) - _step_t0 ))s"
 }
-# pip: quiet for the short steps; progress bars and per-package lines where the wait is long.
+# pip: quiet for the short steps; its per-package lines (and progress bars on a terminal)
+# where the wait is long.
 pip_quiet() { "$VPY" -m pip --disable-pip-version-check -q "$@"; }
-pip_loud() { "$VPY" -m pip --disable-pip-version-check --progress-bar on "$@"; }
+pip_loud() { "$VPY" -m pip --disable-pip-version-check "$@"; }
