@@ -9,11 +9,13 @@ import argparse
 import json
 import logging
 import sys
+import time
 from importlib import metadata
 from pathlib import Path
 
 from hicache.config import DEFAULT_SOCKET_PATH, HiCacheConfig, parse_set_flags
 from hicache.errors import HiCacheError
+from hicache.proc import process_age_s
 from hicache.redact import Redactor, install_log_redaction
 
 DESCRIPTION = """\
@@ -153,12 +155,16 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Wall times a subcommand prints start at the process's start when this is the
+    # program (the `hicache` command), at this call when a caller passes argv.
+    started = time.perf_counter() - ((process_age_s() or 0.0) if argv is None else 0.0)
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "fn", None):
         args = parser.parse_args([*argv, "info"])
     args.redactor = Redactor()
+    args.started = started
     try:
         return args.fn(args)
     except HiCacheError as e:
