@@ -26,10 +26,14 @@ if [ ! -x "$VPY" ]; then
 fi
 if ! "$VPY" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    step "install torch, CUDA build (a GPU is present)" "2-5 min, ~5 GB download"
+    build="CUDA build (a GPU is present)" took="2-5 min, ~5 GB download"
+  else
+    build="CPU build, from PyTorch's CPU index" took="1-2 min, ~200 MB download"
+  fi
+  step "install torch, $build" "$took"
+  if [[ $build == CUDA* ]]; then
     pip_loud install "torch>=2.4"
   else
-    step "install torch, CPU build, from PyTorch's CPU index" "1-2 min, ~200 MB download"
     pip_loud install --retries 1 --timeout 15 --index-url https://download.pytorch.org/whl/cpu "torch>=2.4" \
       || pip_loud install "torch>=2.4"
   fi
