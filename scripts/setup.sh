@@ -15,7 +15,8 @@ STAMP=.venv/.hicache-setup
 start=$(date +%s)
 want="setup=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16) src=$(pwd)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] \
-   && "$VPY" -c "import torch, hicache, sys; sys.exit(not hicache.__file__.startswith('$(pwd)/'))" 2>/dev/null; then
+   && "$VPY" -c "import sys; from importlib.util import find_spec as f; sys.exit(not f('torch') or
+                 not (f('hicache').origin or '').startswith('$(pwd)/'))" 2>/dev/null; then
   echo "hicache in .venv is up to date (pyproject.toml and this script unchanged since the last set-up)"
   exit 0
 fi

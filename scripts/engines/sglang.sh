@@ -32,7 +32,8 @@ STAMP="$VENV/.hicache-setup"
 start=$(date +%s)
 want="sglang=$SGLANG $TORCH setup=$(sha256sum pyproject.toml scripts/engines/sglang.sh scripts/steps.sh | sha256sum | cut -c1-16)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] \
-   && "$VPY" -c "import sglang, hicache.integrations.sglang" 2>/dev/null; then
+   && "$VPY" -c "import sys; from importlib.util import find_spec as f; sys.exit(not (f('sglang') and f('torch')
+                 and f('hicache')))" 2>/dev/null; then
   echo "SGLang 0.5.23 test environment is up to date ($VENV)"
   exit 0
 fi
