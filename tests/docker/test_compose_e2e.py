@@ -292,6 +292,32 @@ def test_with_redis_stopped_readyz_fails_and_the_engine_keeps_working_on_l2(stac
     assert stack.inspect("redis")["RestartCount"] == 0 and stack.inspect("hicache")["RestartCount"] == 0
 
 
+def test_sigkill_of_hicache_then_up_adopts_the_l2_and_does_not_rerun_the_engine(stack):
+    """A crash (SIGKILL) leaves the segment in the hicache-shm tmpfs, which shm-holder keeps
+    mounted; `up -d hicache` starts a service that adopts it, pages included. The README's
+    command after a crash starts hicache only: the exited example engine stays as it was."""
+    probe = stack.probe(seconds=240, first=90_000, mode="fixed")
+    try:
+        probe.wait_round(stack, "all 8 pages read back", lambda r: r["hits"] == 8)
+    finally:
+        probe.proc.terminate()
+        probe.finish()
+    # The probe's 8 pages, asked of L2 alone (no L3 round trip, nothing loaded).
+    query = {"tokens": list(range(90_000, 90_000 + 8 * stack.stats()["page_size"])), "include_l3": False}
+    assert httpx.post(stack.url + "/v1/lookup", json=query, timeout=10).json()["L2"]["pages"] == 8
+    used = stack.stats()["tiers"]["L2"]["used_pages"]
+    engines = stack.compose("ps", "-aq", "engine").stdout.split()
+    stack.compose("kill", "-s", "SIGKILL", "hicache")
+    stack.wait("hicache down", lambda: stack.ready() == 0, every=0.5)
+    stack.compose("up", "-d", "hicache", timeout=600)
+    stack.wait("hicache healthy again", lambda: stack.health("hicache") == "healthy", timeout=240)
+    after = stack.stats()
+    assert after["engine"]["segment_origin"] == "adopted", after["engine"]
+    assert after["tiers"]["L2"]["used_pages"] >= used >= 8, (used, after["tiers"]["L2"])
+    assert httpx.post(stack.url + "/v1/lookup", json=query, timeout=10).json()["L2"]["pages"] == 8
+    assert stack.compose("ps", "-aq", "engine").stdout.split() == engines  # not re-created, not re-run
+
+
 def _certs(text: str) -> set[str]:
     return set(re.findall(r"-----BEGIN CERTIFICATE-----.*?-----END CERTIFICATE-----", text, re.S))
 
