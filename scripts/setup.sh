@@ -3,7 +3,7 @@
 # (`pip install -e ".[dev]"`; hicache is not on PyPI).
 # On a machine without an NVIDIA GPU, torch comes from PyTorch's CPU index
 # first, so pip never pulls a multi-GB CUDA build.
-# First run: about 3-5 min and 2.3 GB in .venv (CPU torch ~0.8 GB, Triton ~1 GB).
+# First run: 3-9 min (3.5 on a quiet 2-core box, 9 at load average 15) and 2.3 GB in .venv (CPU torch ~0.8 GB, Triton ~1 GB).
 # Idempotent: a finished set-up is recognised by a stamp and costs about a second.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +29,7 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     build="CUDA build (a GPU is present)" took="2-5 min, ~5 GB download"
   else
-    build="CPU build, from PyTorch's CPU index" took="1-2 min, ~200 MB download"
+    build="CPU build, from PyTorch's CPU index" took="1-4 min, ~200 MB download"
   fi
   step "install torch, $build" "$took"
   if [[ $build == CUDA* ]]; then
@@ -40,7 +40,7 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   fi
   step_done
 fi
-step "install hicache from this checkout with the dev extra (pip install -e \".[dev]\": Triton, pytest, FastAPI, redis, ...)" "1-3 min the first time, 15-30 s after"
+step "install hicache from this checkout with the dev extra (pip install -e \".[dev]\": Triton, pytest, FastAPI, redis, ...)" "1-5 min the first time, 15-30 s after"
 pip_loud install -e ".[dev]"
 step_done
 echo "$want" > "$STAMP"

@@ -2,8 +2,8 @@
 # .venv-vllm: vLLM 0.33.0 over the CPU torch build, only its import-time
 # dependencies (scripts/engines/vllm-requirements.txt, exact pins, --no-deps),
 # hicache itself, and vLLM's own tests from the 0.33.0 source distribution in
-# .engines/vllm-0.33.0 (git-ignored; never committed). First run: about 3-5 min
-# and 3.3 GB. Idempotent: a finished setup is recognised by a stamp and costs a
+# .engines/vllm-0.33.0 (git-ignored; never committed). First run: 5-12 min
+# (quiet 2-core box to load average 15) and 3.3 GB. Idempotent: a finished setup is recognised by a stamp and costs a
 # second or two.
 # Never `pip install torchvision` here: it replaces torch with a CUDA build.
 set -euo pipefail
@@ -35,12 +35,12 @@ if [ ! -x "$VPY" ]; then
 fi
 if ! "$VPY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
   # CPU build: the PyTorch CPU index first, so pip never pulls a CUDA build.
-  step "install torch==$TORCH_VERSION, CPU build" "1-2 min, ~200 MB download"
+  step "install torch==$TORCH_VERSION, CPU build" "1-3 min, ~200 MB download"
   pip_loud install --retries 1 --timeout 15 --index-url https://download.pytorch.org/whl/cpu "torch==$TORCH_VERSION" \
     || pip_loud install "torch==$TORCH_VERSION"
   step_done
 fi
-step "install vllm==$VLLM_VERSION (--no-deps) and its import-time dependencies ($REQS)" "1-3 min the first time"
+step "install vllm==$VLLM_VERSION (--no-deps) and its import-time dependencies ($REQS)" "2-6 min the first time"
 pip_loud install --no-deps "vllm==$VLLM_VERSION"
 pip_loud install --no-deps -r "$REQS"
 step_done
@@ -54,7 +54,7 @@ if [ ! -d "$TESTS/tests/v1/kv_offload" ]; then
   # vLLM's tests ship only in its sdist. pip prepares the sdist's metadata
   # while downloading: build it in this venv (no isolation, which would fetch
   # vLLM's CUDA build requirements), with no device and the exact version.
-  step "fetch vLLM's tests from its $VLLM_VERSION source distribution into $TESTS" "1-2 min (a ~30 MB download)"
+  step "fetch vLLM's tests from its $VLLM_VERSION source distribution into $TESTS" "1-2 min, a ~30 MB download"
   pip_quiet install setuptools-rust==1.13.0 setuptools-scm==10.3.4
   dl=$(mktemp -d)
   trap 'rm -rf "$dl"' EXIT
