@@ -23,7 +23,8 @@ from fastapi.exceptions import RequestValidationError
 from hicache.api import routes_admin, routes_events, routes_health, routes_lookup, routes_stats
 from hicache.api.deps import RestState, check_bind
 from hicache.api.metrics import build_registry
-from hicache.api.rest_guards import BodyLimit, validation_error
+from hicache.api.models import LOOKUP_MAX_ITEMS
+from hicache.api.rest_guards import BodyGate, BodyLimit, validation_error
 from hicache.api.stats import collect
 from hicache.errors import ConfigError, ServiceError
 
@@ -64,7 +65,11 @@ def create_app(state: RestState) -> FastAPI:
     for r in (routes_health, routes_stats, routes_lookup, routes_events, routes_admin):
         app.include_router(r.router)
     app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_middleware(BodyLimit, max_bytes=state.config.service.max_request_bytes)
+    svc = state.config.service
+    # Added last, runs first: BodyLimit refuses oversized bodies, then BodyGate admits the rest.
+    app.add_middleware(BodyGate, max_bodies=svc.max_body_requests, max_bytes=svc.max_request_bytes,
+                       max_items={"/v1/lookup": LOOKUP_MAX_ITEMS})
+    app.add_middleware(BodyLimit, max_bytes=svc.max_request_bytes)
     return app
 
 

@@ -25,12 +25,12 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 from hicache.api.engine_ops import Dispatcher
+from hicache.api.preflight import check_socket_path
 from hicache.api.socket_guard import PeerPolicy, bind_unix_socket, peer_cred, resolve_group
 from .view import ServiceStats, ServiceView  # relative, so mypy resolves it (api/ is hicache.api only at run time)
 from hicache.api.write_marks import WriteMarks
@@ -52,6 +52,10 @@ T = TypeVar("T")
 
 # Longest path a Unix socket address can hold on Linux (sun_path minus NUL).
 MAX_SOCKET_PATH = 107
+# Frames up to this size are decoded on the loop (tens of µs); larger ones
+# (up to service.max_request_bytes: ~1-2 s for 8 MiB of small arrays) on a
+# worker thread, so other clients are answered meanwhile.
+UNPACK_INLINE_BYTES = 256 << 10
 
 
 class EngineServer:
@@ -98,6 +102,7 @@ class EngineServer:
         self._loop_thread: int | None = None  # ident of the thread running the loop (either way)
         self._next_client = 0
         self._conns: dict[int, asyncio.StreamWriter] = {}
+        self._bound = False  # this server bound socket_path (so removes it on stop)
 
     # -------------------------------------------------------------- lifecycle
     def start(self, timeout: float = 30.0) -> None:
@@ -155,6 +160,7 @@ class EngineServer:
         server = None
         try:
             sock = bind_unix_socket(self.socket_path, self.config.service.socket_mode_bits, self.socket_gid)
+            self._bound = True
             server = await asyncio.start_unix_server(self._serve_client, sock=sock)
             on_ready()
             await self._stop.wait()
@@ -172,7 +178,7 @@ class EngineServer:
 
     def _open_state(self) -> None:
         self.config.check_host_memory(self.layout)
-        opened = L2Segment.open_for_server(self.shm_name, self.layout, self.num_pages)
+        opened = L2Segment.open_for_server(self.shm_name, self.layout, self.num_pages, self.socket_gid)
         self.segment, self.segment_origin = opened.segment, opened.action
         if opened.action == "created":
             log.info("L2 segment %s created", self.shm_name)
@@ -202,23 +208,22 @@ class EngineServer:
         self.pool = None  # drop the segment's views before unmapping it
         if self.segment is not None:
             self.segment.close()
-        try:
-            os.unlink(self.socket_path)
-        except FileNotFoundError:
-            pass
+        if self._bound:  # only the socket this server bound; never a file found under the path
+            self._bound = False
+            try:
+                os.unlink(self.socket_path)
+            except FileNotFoundError:
+                pass
 
     def _remove_stale_socket(self) -> None:
-        if not os.path.exists(self.socket_path):
-            return
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            try:
-                s.connect(self.socket_path)
-            except (ConnectionRefusedError, FileNotFoundError):
-                log.warning("removing stale socket %s", self.socket_path)
-                os.unlink(self.socket_path)
-                return
-        raise ConfigError(f"another server already listens on service.socket_path={self.socket_path!r}; "
-                          "stop it or choose another path")
+        """Remove a socket file no server answers on; ``ConfigError`` for a live server or
+        for anything that is not a socket (never deleted: see ``check_socket_path``)."""
+        check = check_socket_path(self.socket_path)
+        if check.problem:
+            raise ConfigError(check.problem)
+        if check.stale:
+            log.warning("removing stale socket %s", self.socket_path)
+            os.unlink(self.socket_path)
 
     # ------------------------------------------------------------ connections
     async def _serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -308,7 +313,7 @@ class EngineServer:
             async with asyncio.timeout(self.handshake_timeout_s):
                 header = first + await reader.readexactly(HEADER_BYTES - 1)
                 try:
-                    n = body_length(header, self.max_request_bytes)
+                    n = body_length(header, self.max_request_bytes, hello=not handshaken)
                 except ServiceError as e:
                     # The stream cannot be resynchronised: answer, then hang up.
                     await self._hang_up(writer, e.kind, e.detail)
@@ -319,6 +324,8 @@ class EngineServer:
                                 "(service.handshake_timeout_s); send whole frames")
             return None
         try:
+            if len(body) > UNPACK_INLINE_BYTES:  # decoding MiBs takes the loop for 100s of ms: not on it
+                return await asyncio.to_thread(unpack, body)
             return unpack(body)
         except ServiceError as e:
             return e
@@ -425,8 +432,9 @@ def open_l3(cfg: HiCacheConfig, layout: KVLayout) -> StorageBackend | None:
     if st.url.lower().startswith("hicache+"):
         raise ConfigError(f"storage.url={st.url!r}: the service's L3 must be a store (redis://, file://, "
                           "memory://, ...), not another hicache service")
+    from hicache.storage.capacity import backend_options
     return open_storage(st.url, fingerprint=layout.fingerprint(), layout=layout, timeout_ms=st.timeout_ms,
-                        max_retries=st.max_retries, auth_key=st.resolved_auth_key())
+                        max_retries=st.max_retries, auth_key=st.resolved_auth_key(), **backend_options(st))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,9 @@ Tier = Literal["L2", "L3"]
 # (64K pages of 16) or 64K hashes.
 MAX_LOOKUP_TOKENS = 1 << 20
 MAX_LOOKUP_HASHES = 1 << 16
+# The most JSON items a lookup body can hold and still be valid (the token
+# list, plus slack for the other fields): BodyGate refuses more unparsed.
+LOOKUP_MAX_ITEMS = max(MAX_LOOKUP_TOKENS, MAX_LOOKUP_HASHES) + 4096  # a namespace may hold commas
 
 
 class _Out(BaseModel):

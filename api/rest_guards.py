@@ -6,6 +6,16 @@ is answered 413 without reading the body, and a chunked body is counted as
 it streams and cut off with 413 once it passes the limit, so a 50 MB body
 never reaches the JSON parser (``service.max_request_bytes``).
 
+``BodyGate`` bounds what is buffered and parsed at once: at most
+``service.max_body_requests`` requests with a large body (64 KiB or more, or
+chunked) are admitted together
+(the rest are answered 503 with ``Retry-After`` before a byte of their body
+is read), and a ``/v1/lookup`` body holding more JSON items than a lookup
+may carry is refused from a count of its commas, before the JSON parser and
+validation spend a second of the event loop on it (which is what stalled
+``/healthz`` for seconds under ten 8 MiB bodies). A big token list that is
+valid is read off the loop (``hicache.api.lookup_fast``).
+
 ``validation_error`` replaces FastAPI's default 422 handler. The default one
 echoes each invalid input (three times for a long token list) and fails with
 a 500 when the input cannot be encoded back (``NaN``, ``Infinity``, a lone
@@ -13,12 +23,15 @@ surrogate). Ours reports each error's location, type and message only.
 """
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from typing import Any, Sequence
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from hicache.api.lookup_fast import MIN_FAST_BYTES, SCOPE_KEY, split_tokens
 
 MAX_ERRORS = 10  # errors listed in one 422
 
@@ -72,9 +85,97 @@ class BodyLimit:
 
     @staticmethod
     async def _reject(send: Send, status: int, detail: str) -> None:
-        resp = JSONResponse({"detail": detail}, status_code=status, headers={"Connection": "close"})
-        await send({"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers})
-        await send({"type": "http.response.body", "body": resp.body})
+        await _reject(send, status, detail)
+
+
+class BodyGate:
+    """Admission of requests with a body (see the module docstring). One event loop: no lock.
+
+    ``max_items``: per path, the most JSON items (commas + 1) a body may hold.
+    """
+
+    def __init__(self, app: ASGIApp, max_bodies: int, max_bytes: int, max_items: dict[str, int] | None = None):
+        self.app = app
+        self.max_bodies = max_bodies
+        self.max_bytes = max_bytes
+        self.max_items = max_items or {}
+        self.in_flight = 0  # requests with a body admitted and not yet answered
+        self.admitted = self.refused = 0  # counters, for tests and logs
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not _big_body(scope):
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.max_bodies:
+            self.refused += 1
+            await _reject(send, 503, f"{self.in_flight} request bodies are being read already "
+                          f"(service.max_body_requests={self.max_bodies}); retry shortly",
+                          [(b"retry-after", b"1")])
+            return
+        self.in_flight += 1
+        self.admitted += 1
+        try:
+            limit = self.max_items.get(scope.get("path", ""))
+            if limit is not None:
+                body = await _read_all(receive)
+                items = body.count(b",") + 1
+                if items > limit:
+                    await _reject(send, 413, f"request body holds {items}+ JSON items; {scope['path']} takes at "
+                                  f"most {limit} (tokens or page hashes); split the request")
+                    return
+                if len(body) >= MIN_FAST_BYTES:  # take a big token list out, off the loop
+                    split = await asyncio.to_thread(split_tokens, body)
+                    if split is not None:
+                        body, scope = split.body, {**scope, SCOPE_KEY: split.tokens}
+                receive = _replay(body)
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+    def check_integrity(self) -> None:
+        assert 0 <= self.in_flight <= self.max_bodies, (self.in_flight, self.max_bodies)
+        assert self.admitted >= self.in_flight, (self.admitted, self.in_flight)
+
+
+def _big_body(scope: Scope) -> bool:
+    """A body of ``MIN_FAST_BYTES`` or more, or of unknown length (chunked). Smaller ones
+    (every router's lookup of a real prompt) parse in well under a millisecond: not gated."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            return value.strip().isdigit() and int(value) >= MIN_FAST_BYTES
+        if name == b"transfer-encoding":
+            return True
+    return False
+
+
+async def _read_all(receive: Receive) -> bytes:
+    parts = []
+    while True:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            break
+        parts.append(msg.get("body", b""))
+        if not msg.get("more_body", False):
+            break
+    return b"".join(parts)
+
+
+def _replay(body: bytes) -> Receive:
+    sent = False
+
+    async def receive() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return {"type": "http.disconnect"}
+    return receive
+
+
+async def _reject(send: Send, status: int, detail: str, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    resp = JSONResponse({"detail": detail}, status_code=status, headers={"Connection": "close"})
+    await send({"type": "http.response.start", "status": resp.status_code, "headers": [*resp.raw_headers, *headers]})
+    await send({"type": "http.response.body", "body": resp.body})
 
 
 class _TooLarge(BaseException):

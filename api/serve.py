@@ -20,6 +20,8 @@ from hicache.api.app import create_app
 from hicache.api.deps import ADMIN_TOKEN_HELP, RestState, check_bind
 from hicache.api.engine_server import EngineServer, open_l3
 from hicache.api.events import EventBus
+from hicache.api.preflight import preflight
+from hicache.api.socket_guard import resolve_group
 from hicache.api.redact import redact_url
 from hicache.config import HiCacheConfig
 from hicache.errors import ConfigError
@@ -95,11 +97,23 @@ def serve(cfg: HiCacheConfig) -> int:
     svc = cfg.service
     check_bind(svc.host, token)
     layout = cfg.layout()
-    storage = open_l3(cfg, layout)
+    # Socket, segment and port conflicts, all reported at once, before anything starts.
+    rest_sock = preflight(svc.host, svc.port, svc.socket_path, svc.shm_name, resolve_group(svc.socket_group))
+    try:
+        storage = open_l3(cfg, layout)
+    except BaseException:
+        rest_sock.close()
+        raise
     bus = EventBus()
     engine = EngineServer(cfg, layout, listener=bus, storage=storage,
                           on_l3_stored=functools.partial(bus.pages_stored, tier="L3"))
-    engine.start()
+    try:
+        engine.start()
+    except BaseException:
+        rest_sock.close()
+        if storage is not None:
+            storage.close()
+        raise
     try:
         state = RestState(config=cfg, layout=layout, engine=engine, storage=storage, admin_token=token, bus=bus)
         app = create_app(state)
@@ -111,7 +125,7 @@ def serve(cfg: HiCacheConfig) -> int:
         # it found; ours turn that into _Stopped so the cleanup below runs.
         previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            server.run()
+            server.run(sockets=[rest_sock])
         except _Stopped:
             pass
         finally:
@@ -119,6 +133,7 @@ def serve(cfg: HiCacheConfig) -> int:
                 signal.signal(sig, handler)
         return 0 if server.started else 1
     finally:
+        rest_sock.close()
         bus.close()
         engine.stop()
         if storage is not None:

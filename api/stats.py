@@ -74,15 +74,19 @@ def snapshot(state: "RestState") -> StatsSnapshot:
         bytes_written=counters["L2.write"], read_bytes_per_s=rate["L2.read"],
         write_bytes_per_s=rate["L2.write"], errors=sum(s.errors.values()), errors_by_kind=dict(s.errors))
     if l3 is not None and storage is not None:
+        use = storage.usage()  # None: L3 down or cannot tell
         t3 = TierSnapshot(
-            tier="L3", configured=True, capacity_pages=None, capacity_bytes=None, used_pages=None,
-            used_bytes=None, lookups=l3.gets, hit_pages=l3.hits, miss_pages=l3.misses,
-            hit_tokens_exact=l3.hits * ps, hit_tokens_visible=l3.hits * ps, evictions=0,
+            tier="L3", configured=True, capacity_pages=None, capacity_bytes=use.max_bytes if use else None,
+            used_pages=use.objects if use else None, used_bytes=use.used_bytes if use else None,
+            lookups=l3.gets, hit_pages=l3.hits, miss_pages=l3.misses,
+            hit_tokens_exact=l3.hits * ps, hit_tokens_visible=l3.hits * ps, evictions=l3.evicted,
             flushed=state.l3_flushed, bytes_read=l3.bytes_read, bytes_written=l3.bytes_written,
             read_bytes_per_s=rate["L3.read"], write_bytes_per_s=rate["L3.write"], errors=l3.errors,
             errors_by_kind={"corrupt": l3.corrupt, "fingerprint_mismatch": l3.fingerprint_mismatch,
                             "put_dropped": l3.put_dropped},
-            down=storage.down, service=L3TierStats(**s.l3) if s.l3 else None)
+            down=storage.down, service=L3TierStats(**s.l3) if s.l3 else None,
+            usage_scope=use.scope if use else None, usage_exact=use.exact if use else None,
+            eviction_policy=use.policy if use else None)
     else:
         t3 = TierSnapshot(tier="L3", configured=False, capacity_pages=0, capacity_bytes=0, used_pages=0,
                           used_bytes=0, lookups=0, hit_pages=0, miss_pages=0, hit_tokens_exact=0,

@@ -10,6 +10,11 @@ set of ``--prompts`` prompts of ``--blocks`` 16-token blocks is replayed
 
     bash scripts/setup-engines.sh vllm
     PYTHONPATH=. .venv-vllm/bin/python bench/engines.py [--redis redis://127.0.0.1:6379/0]
+
+SGLang section (bench/engines_sglang.py: HiCacheBackend against SGLang's HiCacheFile at
+every listed model's page sizes; redis:// page_first against layer_first):
+
+    PYTHONPATH=. .venv-sglang/bin/python bench/engines.py sglang [--redis URL] [--rounds 7]
 """
 from __future__ import annotations
 
@@ -61,7 +66,168 @@ def run(url: str | None, args) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- tiers side by side
+# HiCacheTier against vLLM's built-in ``fs`` tier (issue 24, item 6): both built by
+# vLLM's TieringOffloadingSpec over the same kind of primary region, store and
+# load of whole chunks at real row sizes (16 KiB to 8 MiB), in one run:
+#
+#     PYTHONPATH=. .venv-vllm/bin/python bench/engines.py --tiers [--reps 5] [--rows 16384,65536]
+TIER_ROWS = (16 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
+
+
+def _tier_manager(row: int, chunks: int, tier_cfg: dict):
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    from tests.v1.kv_offload.conftest import make_offloading_config
+    cfg = make_offloading_config(spec_name="TieringOffloadingSpec", cpu_bytes_to_use=chunks * row,
+                                 worker_kv_bytes_per_block=row, extra_config={"secondary_tiers": [tier_cfg]})
+    return TieringOffloadingSpec(cfg).get_manager()
+
+
+def _wait_jobs(tier, ids: set[int]) -> bool:
+    ok = True
+    while ids:
+        for r in tier.get_finished_jobs():
+            ids.discard(r.job_id)
+            ok &= r.success
+        if ids:
+            time.sleep(0.0002)
+    return ok
+
+
+def _tier_round(tier, arr, view_rows: int, rep: int, job_chunks: int) -> tuple[float, float]:
+    """Store every primary row under fresh keys, then load them all back; (store s, load s)."""
+    import numpy as np
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    ctx = ReqContext(req_id=f"bench-{rep}")
+    ks = [make_offload_key(f"r{rep}-c{c}".encode(), 0) for c in range(view_rows)]
+    jobs = [(j, list(range(s, min(s + job_chunks, view_rows)))) for j, s in enumerate(range(0, view_rows, job_chunks))]
+    want = arr.copy() if rep == 0 else None
+    t0 = time.perf_counter()
+    for j, cs in jobs:
+        tier.submit_store(TransferJob(job_id=j, keys=[ks[c] for c in cs], chunk_ids=np.array(cs), is_promotion=False,
+                                      req_context=ctx))
+    assert _wait_jobs(tier, {j for j, _ in jobs}), "a store job failed"
+    t_store = time.perf_counter() - t0
+    arr[:] = 0
+    t0 = time.perf_counter()
+    base = len(jobs)
+    for j, cs in jobs:
+        tier.submit_load(TransferJob(job_id=base + j, keys=[ks[c] for c in cs], chunk_ids=np.array(cs),
+                                     is_promotion=True, req_context=ctx))
+    assert _wait_jobs(tier, {base + j for j, _ in jobs}), "a load job failed"
+    t_load = time.perf_counter() - t0
+    if want is not None:
+        assert np.array_equal(arr, want), "loaded rows differ from stored rows"
+    return t_store, t_load
+
+
+def tier_bench(row: int, tier_cfg: dict, reps: int, total_bytes: int, job_chunks: int, clean) -> tuple[float, float]:
+    """Median store and load GB/s of one tier at ``row`` bytes per chunk."""
+    import statistics
+
+    import numpy as np
+    chunks = max(8, min(4096, total_bytes // row))
+    manager = _tier_manager(row, chunks, tier_cfg)
+    try:
+        (tier,) = manager.secondary_tiers
+        view = manager.primary_tier.get_kv_memoryview()
+        arr = np.frombuffer(view, dtype=np.uint8).reshape(view.shape[0], -1)[:, :row]
+        arr[:] = np.random.default_rng(row).integers(0, 256, size=arr.shape, dtype=np.uint8)
+        st, ld = [], []
+        for rep in range(reps):
+            a, b = _tier_round(tier, arr, view.shape[0], rep, job_chunks)
+            st.append(view.shape[0] * row / a / 1e9)
+            ld.append(view.shape[0] * row / b / 1e9)
+            clean(tier)
+            arr[:] = np.random.default_rng(row + rep).integers(0, 256, size=arr.shape, dtype=np.uint8)
+    finally:
+        manager.shutdown()
+    return statistics.median(st), statistics.median(ld)
+
+
+def _private_redis(workdir: str):
+    import shutil
+    import socket
+    import subprocess
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--save", "",
+                             "--appendonly", "no", "--dir", workdir], stdout=subprocess.DEVNULL)
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+            break
+        except OSError:
+            time.sleep(0.02)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def tiers_main(args) -> None:
+    import shutil
+    d = tempfile.mkdtemp(dir=args.tmpfs, prefix="hicache-bench-tiers-")
+    proc, redis_url = (None, args.redis) if args.redis else _private_redis(d)
+
+    def clean_fs(tier):
+        shutil.rmtree(tier_dirs["fs"], ignore_errors=True)
+
+    def clean_hicache(tier):
+        tier.storage.clear()
+
+    tier_dirs = {"fs": f"{d}/fs"}
+    setups = [
+        ("vLLM fs (tmpfs)", {"type": "fs", "root_dir": tier_dirs["fs"]}, clean_fs),
+        ("HiCacheTier file:// (tmpfs)", {"type": "HiCacheTier", "module_path": "hicache.integrations.vllm",
+                                         "url": f"file://{d}/hc", "probe_l3": False}, clean_hicache),
+        ("HiCacheTier redis://", {"type": "HiCacheTier", "module_path": "hicache.integrations.vllm",
+                                  "url": redis_url, "probe_l3": False, "timeout_ms": 5000}, clean_hicache),
+        # fs runs 16 read + 16 write threads by default; the same parallelism for hicache:
+        ("HiCacheTier file:// 16 thr", {"type": "HiCacheTier", "module_path": "hicache.integrations.vllm",
+                                        "url": f"file://{d}/hc16", "probe_l3": False, "io_threads": 16},
+         clean_hicache),
+        ("HiCacheTier redis:// 16 thr", {"type": "HiCacheTier", "module_path": "hicache.integrations.vllm",
+                                         "url": redis_url, "probe_l3": False, "timeout_ms": 5000,
+                                         "io_threads": 16}, clean_hicache),
+    ]
+    rows = []
+    try:
+        for row in args.rows:
+            got = {name: tier_bench(row, cfg, args.reps, args.total_mib << 20, args.job_chunks, clean)
+                   for name, cfg, clean in setups}
+            rows.append((row, got))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait()
+        shutil.rmtree(d, ignore_errors=True)
+    ref = setups[0][0]
+    print(f"store / load GB/s, medians of {args.reps}; ~{args.total_mib} MiB per round, jobs of "
+          f"{args.job_chunks} chunks; ratio = HiCacheTier / vLLM fs")
+    print(f"{'row':>8} {'tier':<28} {'store':>7} {'load':>7} {'store x':>8} {'load x':>7}")
+    for row, got in rows:
+        for name, (s, ld) in got.items():
+            rs, rl = s / got[ref][0], ld / got[ref][1]
+            print(f"{row // 1024:>6} K {name:<28} {s:>7.2f} {ld:>7.2f} {rs:>7.2f}x {rl:>6.2f}x")
+
+
+def tiers_entry() -> None:
+    ap = argparse.ArgumentParser(description="HiCacheTier vs vLLM's fs tier: store/load GB/s at real row sizes")
+    ap.add_argument("--tiers", action="store_true")
+    ap.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=list(TIER_ROWS))
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--total-mib", type=int, default=64, help="bytes per round (chunks = this / row)")
+    ap.add_argument("--job-chunks", type=int, default=16)
+    ap.add_argument("--tmpfs", default="/dev/shm")
+    ap.add_argument("--redis", default="", help="default: a private redis-server started for the run")
+    tiers_main(ap.parse_args())
+
+
 def main() -> None:
+    if "--tiers" in sys.argv:  # HiCacheTier against vLLM's fs tier (above)
+        return tiers_entry()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     ap.add_argument("--prompts", type=int, default=6)
@@ -93,4 +259,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["sglang"]:  # the SGLang section runs in .venv-sglang
+        sys.path.insert(0, str(ROOT / "bench"))
+        import engines_sglang
+        engines_sglang.main(sys.argv[2:])
+    else:
+        main()

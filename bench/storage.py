@@ -29,6 +29,11 @@ median and the range of those ratios, which cancels load that drifts between
 rounds on a shared machine.
 
     python bench/storage.py [--sizes 64K,512K,2M] [--batch 32] [--rounds 7] [--redis-benchmark]
+    python bench/storage.py --shape llama-3.1-8b --page-sizes 1,16,64
+
+``--shape NAME`` (a published model, ``hicache.shapes``) replaces ``--sizes``:
+one row per page size with that model's page bytes of all layers and its real
+plane sizes in every header (instead of two halves).
 """
 from __future__ import annotations
 
@@ -46,6 +51,7 @@ import redis
 from redis.connection import Encoder, PythonRespSerializer
 
 from hicache.hashing import page_hashes
+from hicache.shapes import model_shape, shape_names
 from hicache.storage import open_storage
 from hicache.storage.redis_backend import RedisBackend
 
@@ -104,7 +110,8 @@ def redis_benchmark(exe: str, url: str, size: int, batch: int, target_bytes: int
 
 
 def run(url: str, sizes: list[int], batch: int, rounds: int, target_bytes: int, timeout_ms: int,
-        bench_exe: str | None = None) -> list[dict]:
+        bench_exe: str | None = None, planes: dict[int, list[int]] | None = None) -> list[dict]:
+    """``planes``: each size's plane sizes (a real layout's); two halves otherwise."""
     raw = redis.Redis.from_url(url)
     packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
     raw_py = redis.Redis(connection_pool=redis.ConnectionPool.from_url(url, command_packer=packer))
@@ -120,7 +127,7 @@ def run(url: str, sizes: list[int], batch: int, rounds: int, target_bytes: int, 
         keys = page_hashes(list(range(4 * batch)), 4, namespace=f"bench{size}")
         payloads = [memoryview(os.urandom(size)) for _ in range(batch)]
         raw_keys = [b"raw:" + k for k in keys]
-        sizes_list = [size // 2, size - size // 2]
+        sizes_list = (planes or {}).get(size) or [size // 2, size - size // 2]
         items = [(k, p, sizes_list) for k, p in zip(keys, payloads)]
 
         def raw_put(client=raw):
@@ -193,13 +200,18 @@ def run(url: str, sizes: list[int], batch: int, rounds: int, target_bytes: int, 
 
 
 def human(n: int) -> str:
-    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+    if n % 1024:
+        return f"{n} B"
+    return f"{n / (1 << 20):.3g} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="", help="use this Redis instead of starting one")
     ap.add_argument("--sizes", default="64K,512K,2M")
+    ap.add_argument("--shape", default="", choices=["", *shape_names()],
+                    help="pages of this published model (all layers, real plane sizes) instead of --sizes")
+    ap.add_argument("--page-sizes", default="16", help="with --shape: tokens per page, e.g. 1,16,64")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--mib-per-round", type=int, default=256, help="payload MiB moved per measurement")
@@ -215,6 +227,14 @@ def main() -> None:
         from hicache.storage import redis_backend
         redis_backend.OVERLAP_CHUNK_BYTES = a.overlap_chunk_kib << 10
     sizes = [parse_size(s) for s in a.sizes.split(",")]
+    planes: dict[int, list[int]] = {}
+    if a.shape:
+        lays = [model_shape(a.shape).kv_layout(int(ps)) for ps in a.page_sizes.split(",")]
+        sizes = [lay.page_bytes for lay in lays]
+        planes = {lay.page_bytes: [p.page_bytes for p in lay.planes] for lay in lays}
+        for lay in lays:
+            print(f"shape {a.shape}, page {lay.page_size}: {human(lay.page_bytes)} per page, "
+                  f"{len(lay.planes)} planes of {lay.planes[0].page_bytes} B")
     proc = None
     with tempfile.TemporaryDirectory() as tmp:
         url = a.url
@@ -225,7 +245,7 @@ def main() -> None:
             exe = shutil.which("redis-benchmark") if a.redis_benchmark else None
             if a.redis_benchmark and not exe:
                 sys.exit("--redis-benchmark: redis-benchmark is not on PATH")
-            rows = run(url, sizes, a.batch, a.rounds, a.mib_per_round << 20, a.timeout_ms, exe)
+            rows = run(url, sizes, a.batch, a.rounds, a.mib_per_round << 20, a.timeout_ms, exe, planes)
         finally:
             if proc is not None:
                 proc.terminate()

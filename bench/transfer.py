@@ -4,6 +4,12 @@ Model: 32 layers, K and V, 8 KV heads x 128 dims, bf16 (4 KiB per token per
 layer), page sizes 1, 16 and 64 tokens, pages scattered at random on both sides.
 
     PYTHONPATH=. python bench/transfer.py [--mib 512] [--out results.md]
+    PYTHONPATH=. python bench/transfer.py --shape deepseek-v3 --page-sizes 64
+
+``--shape NAME`` replaces that model with a published one from
+``hicache/data/real_models.json`` (``hicache.shapes``): its planes (MLA
+latents, a draft layer), row and page bytes, and by default all its layers
+on a GPU (``--layers`` for fewer).
 
 Prints, per page size: the contiguous pinned copy (the limit) in each
 direction; hicache D2H and H2D, all layers per launch and one layer per
@@ -30,6 +36,7 @@ from hicache.kernels.plan import TileConfig
 from hicache.kernels.reference import plane_pages
 from hicache.layout import KVLayout
 from hicache.pools import DevicePool, HostPool
+from hicache.shapes import model_shape, shape_names
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -79,7 +86,10 @@ def gbps(nbytes: int, ms: float) -> float:
     return nbytes / ms / 1e6
 
 
-def layout_for(ps: int, host_layout: str, layers: int) -> KVLayout:
+def layout_for(ps: int, host_layout: str, layers: int, shape: str = "") -> KVLayout:
+    """The benched layout: ``shape`` (a published model, ``--shape``) or 8 KV heads x 128 bf16."""
+    if shape:
+        return model_shape(shape).kv_layout(ps, layers=layers, host_layout=host_layout)
     return KVLayout("bench-8x128-bf16", num_layers=layers, num_kv_heads=8, head_dim=128,
                     dtype="bfloat16", page_size=ps, host_layout=host_layout)
 
@@ -94,8 +104,8 @@ def check_copy(src, dst, sp, dp, planes) -> None:
 
 
 def run_page_size(ps: int, mib: int, layers: int, host_buf: torch.Tensor, rows: list[Row],
-                  sweep: bool) -> None:
-    lay = layout_for(ps, "layer_first", layers)
+                  sweep: bool, shape: str = "") -> None:
+    lay = layout_for(ps, "layer_first", layers, shape)
     n = max(1, (mib << 20) // lay.page_bytes)  # pages moved per copy
     cap = 2 * n  # pools twice the copy, so the scatter is real
     nbytes = n * lay.page_bytes
@@ -105,7 +115,7 @@ def run_page_size(ps: int, mib: int, layers: int, host_buf: torch.Tensor, rows: 
     for b in dev.buffers:
         b.view(torch.uint8).copy_(torch.randint(0, 256, b.view(torch.uint8).shape, dtype=torch.uint8, device=DEV))
     dev2 = DevicePool(lay, cap, device=DEV)
-    hosts = {hl: HostPool(layout_for(ps, hl, layers), cap, buffer=host_buf) for hl in ("layer_first", "page_first")}
+    hosts = {hl: HostPool(layout_for(ps, hl, layers, shape), cap, buffer=host_buf) for hl in ("layer_first", "page_first")}
     sp = torch.randperm(cap, generator=gen)[:n].to(DEV)
     dp = torch.randperm(cap, generator=gen)[:n].to(DEV)
     every = list(range(len(lay.planes)))
@@ -130,7 +140,8 @@ def run_page_size(ps: int, mib: int, layers: int, host_buf: torch.Tensor, rows: 
             check_copy(s, d, a, b, every)
             t = timed_ms(lambda: cp.copy_pages(s, d, a, b))
             rows.append(Row("hicache", ps, f"{name} all-layer {hl}", gbps(nbytes, t), lim))
-            per_layer = [[p.index for p in lay.planes_of_layer(i)] for i in range(layers)]
+            per_layer = ([[p.index for p in lay.planes_of_layer(i)] for i in range(lay.num_layers)]
+                         + [[p.index for p in lay.planes_of_layer(i, draft=True)] for i in range(lay.draft_layers)])
 
             def layerwise():
                 for pl in per_layer:
@@ -181,9 +192,9 @@ def run_page_size(ps: int, mib: int, layers: int, host_buf: torch.Tensor, rows: 
                             f"blocks={nb}", gbps(nbytes, t), d2d_lim))
 
 
-def launch_overhead_us(layers: int) -> float:
+def launch_overhead_us(layers: int, shape: str = "") -> float:
     """CPU time of one per-layer ``copy_pages`` call moving one page (plan cached)."""
-    lay = layout_for(16, "layer_first", layers)
+    lay = layout_for(16, "layer_first", layers, shape)
     d, h = DevicePool(lay, 4, device=DEV), HostPool(lay, 4)
     a = torch.tensor([1], device=DEV)
     pl = [p.index for p in lay.planes_of_layer(0)]
@@ -211,14 +222,20 @@ def render(rows: list[Row]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=int, default=512 if CUDA else 1, help="MiB moved per copy")
-    ap.add_argument("--layers", type=int, default=32 if CUDA else 2)
+    ap.add_argument("--layers", type=int, default=0,
+                    help="layers (default: 32, or the --shape model's; 2 without a GPU)")
+    ap.add_argument("--shape", default="", choices=["", *shape_names()],
+                    help="a published model's KV shape (hicache.shapes) instead of 8 KV heads x 128 bf16")
     ap.add_argument("--page-sizes", default="1,16,64")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--out", default="", help="also write the markdown table here")
     args = ap.parse_args()
+    shape = args.shape
+    if not args.layers:
+        args.layers = 2 if not CUDA else model_shape(shape).attention_layers if shape else 32
     sizes = [int(x) for x in args.page_sizes.split(",")]
-    hb = max(HostPool.nbytes_for(layout_for(ps, hl, args.layers), 2 * max(1, (args.mib << 20) //
-                                 layout_for(ps, hl, args.layers).page_bytes))
+    hb = max(HostPool.nbytes_for(layout_for(ps, hl, args.layers, shape), 2 * max(1, (args.mib << 20) //
+                                 layout_for(ps, hl, args.layers, shape).page_bytes))
              for ps in sizes for hl in ("layer_first", "page_first"))
     host_buf = torch.empty(hb, dtype=torch.uint8, pin_memory=CUDA)
     step = 64 << 20  # random bytes everywhere (never time on zeros)
@@ -228,12 +245,16 @@ def main() -> None:
     rows: list[Row] = []
     for ps in sizes:
         before = len(rows)
-        run_page_size(ps, args.mib, args.layers, host_buf, rows, sweep=not args.no_sweep)
+        run_page_size(ps, args.mib, args.layers, host_buf, rows, sweep=not args.no_sweep, shape=shape)
         print(render(rows[before:]), flush=True)  # partial results survive a timeout
-    head = (f"pcie tiles {PCIE_TILES}; d2d tiles {D2D_TILES}\n"
+    lay = layout_for(sizes[0], "layer_first", args.layers, shape)
+    head = (f"shape {shape or 'bench-8x128-bf16'}: {lay.kind}, {lay.num_layers} layers + {lay.draft_layers} draft, "
+            f"{len(lay.planes)} planes, {lay.planes[0].row_bytes} B rows, {lay.page_bytes} B per page of "
+            f"{lay.page_size}\n"
+            f"pcie tiles {PCIE_TILES}; d2d tiles {D2D_TILES}\n"
             f"device: {torch.cuda.get_device_name() if CUDA else 'cpu (smoke)'}; torch {torch.__version__}; "
             f"triton {__import__('triton').__version__}; {args.mib} MiB per copy; "
-            f"launch overhead {launch_overhead_us(args.layers):.1f} us per per-layer call")
+            f"launch overhead {launch_overhead_us(args.layers, shape):.1f} us per per-layer call")
     table = render(rows)
     print(head)
     print(table)

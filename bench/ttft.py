@@ -2,6 +2,7 @@
 served from L2 (load back + the last page), on an 8B-shaped model.
 
     PYTHONPATH=. python bench/ttft.py [--tokens 8192] [--layers 32] [--reps 5] [--profile]
+    PYTHONPATH=. python bench/ttft.py --slow-l3 [--l3-gbps 1.0]   # load vs recompute (bench/load_vs_recompute.py)
 
 Warm runs two ways: ``serial`` waits for the whole load back, then computes;
 ``layerwise`` passes ``Admission.wait_layer`` as the model's ``before_layer``,
@@ -65,6 +66,10 @@ def main() -> int:
     ap.add_argument("--forward-priority", type=int, default=None,
                     help="run admission and forward on a stream of this priority (negative = higher than the "
                          "copy stream's 0), e.g. -1; the block scheduler then prefers the forward's blocks")
+    ap.add_argument("--slow-l3", action="store_true",
+                    help="instead: the prompt only on an L3 slower than the prefill; the cost model must recompute "
+                         "(bench/load_vs_recompute.py)")
+    ap.add_argument("--l3-gbps", type=float, default=1.0, help="--slow-l3: the L3's read bandwidth, GB/s")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/ttft.py needs a CUDA GPU", file=sys.stderr)
@@ -73,6 +78,10 @@ def main() -> int:
                      num_kv_heads=8, head_dim=128, dtype="bfloat16", seed=0, max_seq_len=a.tokens + 64,
                      name="llama-8b-shaped")
     model = ReferenceModel(spec, device="cuda", attention="sdpa", draft=False)
+    if a.slow_l3:
+        from load_vs_recompute import run
+        return 0 if run(model, spec.kv_layout(a.page_size, a.host_layout), tokens=a.tokens,
+                        l3_bytes_per_s=a.l3_gbps * 1e9, reps=a.reps, device="cuda:0") else 1
     ps = a.page_size
     pages = a.tokens // ps + 8
     layout = spec.kv_layout(ps, a.host_layout)

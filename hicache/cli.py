@@ -24,6 +24,7 @@ hicache: a page-granular tiered KV cache (GPU L1 / host L2 / shared L3) for LLM 
   hicache info      print the resolved configuration and pool sizes (the default)
   hicache replay    replay a trace through the reference engine and compare caches
   hicache serve     run the node-local service (REST API + engine socket)
+  hicache storage   size, list and clear L3 (du, ls, clear)
 
 --config and --set may stand before or after the subcommand."""
 
@@ -76,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hicache", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_config_options(p, top=True)
-    sub = p.add_subparsers(dest="cmd", metavar="{info,replay,serve}")
+    sub = p.add_subparsers(dest="cmd", metavar="{info,replay,serve,storage}")
     info = sub.add_parser("info", help="print the resolved configuration and pool sizes",
                           description="Print the resolved configuration, the KV layout and the pool sizes as JSON.")
     _add_config_options(info, top=False)
@@ -92,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                          description=SERVE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_config_options(srv, top=False)
     srv.set_defaults(fn=cmd_serve)
+    from hicache.storage import admin_cli
+    admin_cli.add_parser(sub, _add_config_options).set_defaults(fn=cmd_storage)
     return p
 
 
@@ -123,8 +126,10 @@ def describe_device(setting: str) -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    from hicache.runtime_check import check_runtime
     from hicache.storage.base import redact_url  # torch-free
     cfg = _load(args)
+    check_runtime(cfg)  # what replay and serve would refuse at start (auth_key, L3 URL)
     layout = cfg.layout()
     dev_bytes = layout.page_bytes * cfg.pool.device_pages
     host_bytes = layout.host_addressing(cfg.pool.host_pages)[2]
@@ -147,6 +152,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Imported lazily: the core library must not need FastAPI/uvicorn.
     from hicache.api.serve import serve
     return serve(_load(args))
+
+
+def cmd_storage(args: argparse.Namespace) -> int:
+    from hicache.storage import admin_cli
+    return admin_cli.run(args, _load(args))
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 from hicache.config import DEFAULT_SOCKET_PATH
@@ -205,7 +206,10 @@ class EngineClient(Link):
         if rep["shm_size"] != off + pool_bytes:
             raise ServiceError("bad_layout", f"server segment holds {rep['shm_size']} bytes with its pool at "
                                f"{off}; this layout needs {pool_bytes} pool bytes for {self.num_pages} pages")
-        self._segment = SharedSegment.attach(rep["shm_name"], rep["shm_size"])
+        # The segment must be the server's own file (the peer of this socket), not one planted under its name.
+        assert self._sock is not None, "handshake runs on a connected socket"
+        server_uid = struct.unpack("3i", self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+        self._segment = SharedSegment.attach(rep["shm_name"], rep["shm_size"], owner_uid=server_uid)
         self.pool = HostPool(self.layout, self.num_pages, buffer=self._segment.tensor[off:])
 
     # ------------------------------------------------------------------- ops

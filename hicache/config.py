@@ -12,7 +12,7 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -39,7 +39,7 @@ class ModelConfig(_Section):
 
     model_id: str = "hicache-demo-tiny"
     num_layers: int = 4
-    kind: Literal["mha", "mla"] = "mha"
+    kind: Literal["mha", "mla", "rows"] = "mha"
     num_kv_heads: int = 2
     head_dim: int = 32
     kv_lora_rank: int = 0
@@ -52,6 +52,8 @@ class ModelConfig(_Section):
     tp_size: int = 1
     cp_rank: int = 0
     cp_size: int = 1
+    row_bytes: int = 0  # kind="rows" (an engine's opaque rows, e.g. vLLM's tier): bytes of one row
+    engine_layout: str = ""  # kind="rows": the engine's description of a row (HiCacheTier logs it)
     host_layout: Literal["layer_first", "page_first"] = "page_first"
 
     def to_layout(self) -> KVLayout:
@@ -59,6 +61,11 @@ class ModelConfig(_Section):
         d["extra_planes"] = tuple(BytePlane(n, b) for n, b in d["extra_planes"])
         return KVLayout(**d)
 
+
+# Bounds that keep a typo from becoming a hang: a lookup waits up to
+# timeout_ms * (1 + max_retries); uids are uid_t values below (uid_t)-1.
+MAX_RETRIES = 10
+MAX_UID = 2**32 - 2
 
 # Where `hicache serve` listens for engines unless service.socket_path says otherwise;
 # the README's examples, `hicache serve --help` and EngineClient's errors name it.
@@ -94,12 +101,22 @@ class StorageConfig(_Section):
     # rediss://..., redis+cluster://host:port[,host:port...]
     url: str = Field(default_factory=default_l3_url)
     timeout_ms: int = Field(50, ge=1)  # a lookup that takes longer answers "miss"
-    max_retries: int = Field(2, ge=0)
+    max_retries: int = Field(2, ge=0, le=MAX_RETRIES)  # each retry can wait timeout_ms again
     # A secret shared by every process that may write this L3: objects carry a
     # keyed MAC and objects without a valid one are misses (see the README's
     # threat model). auth_key_file: read it from a file (a Compose/K8s secret).
     auth_key: str = ""
     auth_key_file: str = ""
+    # Byte cap of file:// and memory:// (bytes, "20GiB", 0 = unbounded); "auto":
+    # min(20 GiB, 10% of the file system / of RAM). See hicache.storage.capacity.
+    max_bytes: int | Literal["auto"] = "auto"
+    eviction: Literal["lru", "fifo"] = "lru"  # which objects go first at the cap
+
+    @field_validator("max_bytes", mode="before")
+    @classmethod
+    def _max_bytes(cls, v: Any) -> Any:
+        from hicache.storage.capacity import parse_size
+        return parse_size(v)
 
     def resolved_auth_key(self) -> bytes:
         """``auth_key``, else the stripped contents of ``auth_key_file``, else b"". Raises ``ConfigError``."""
@@ -137,19 +154,36 @@ class PolicyConfig(_Section):
         return v
 
 
+class AdmissionConfig(_Section):
+    """Cost-based admission (``hicache.load_cost``): load an L2/L3 hit only when that
+    is estimated faster than recomputing it."""
+
+    policy: Literal["cost", "always_load"] = "cost"
+    # Prefill tokens/s of the engine; 0: measured (HiCache.observe_prefill), and
+    # until measured every hit is loaded.
+    prefill_tokens_per_s: float = Field(0.0, ge=0)
+    # Bandwidth priors (bytes/s) before the first transfer is measured; 0: unknown.
+    l2_bytes_per_s: float = Field(0.0, ge=0)  # L2 -> L1 load back
+    l3_bytes_per_s: float = Field(0.0, ge=0)  # L3 -> L2 prefetch
+    ewma_alpha: float = Field(0.2, gt=0, le=1)  # weight of each new measurement
+
+
 class ServiceConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8177, ge=0, le=65535)
     socket_path: str = DEFAULT_SOCKET_PATH
     admin_token: str = ""  # required when host is not loopback
     admin_token_file: str = ""  # read the token from this file (Compose/K8s secret) when admin_token is ""
-    shm_name: str = "hicache-l2"
+    # Per user by default, so one user's server never meets another's segment
+    # (and a segment planted under the name is refused: see hicache.shm).
+    shm_name: str = Field(default_factory=lambda: f"hicache-l2-{os.geteuid()}")
     max_request_bytes: int = Field(8 << 20, ge=1024)  # engine socket frames and REST bodies
+    max_body_requests: int = Field(2, ge=1, le=1024)  # REST requests with a body >= 64 KiB read at once; more get 503
     # Who may use the engine socket: the file's mode (octal) and group, and
     # the uids (besides the server's own and root) whose connections are accepted.
     socket_mode: str = "0600"
     socket_group: str = ""  # a group name or gid; its members are allowed too
-    allowed_uids: list[int] = Field(default_factory=list)
+    allowed_uids: list[Annotated[int, Field(ge=0, le=MAX_UID)]] = Field(default_factory=list, max_length=1024)
     max_connections: int = Field(256, ge=1, le=65536)
     handshake_timeout_s: float = Field(5.0, gt=0)  # for hello, and for finishing any frame once begun
     idle_timeout_s: float = Field(600.0, ge=0)  # between frames of a handshaken client; 0 = never
@@ -188,6 +222,7 @@ class HiCacheConfig(BaseSettings):
     pool: PoolConfig = PoolConfig()
     storage: StorageConfig = Field(default_factory=StorageConfig)  # its default URL reads the environment
     policy: PolicyConfig = PolicyConfig()
+    admission: AdmissionConfig = AdmissionConfig()
     service: ServiceConfig = ServiceConfig()
     log_level: str = "WARNING"
 

@@ -34,16 +34,19 @@ from hicache.errors import OutOfPages, TransferError
 from hicache.hashing import page_hashes
 from hicache.allocator import PageAllocator
 from hicache.layout import KVLayout
+from hicache.load_cost import AdmissionStats, CostModel
 from hicache.pools import DevicePool, HostPool
 from hicache.storage.base import StorageStats
 from hicache.node import InsertResult, Node
-from hicache.plans import BackupPlan, LoadPlan, StorePlan
+from hicache.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan
 from hicache.service_mode import ServiceMode, open_service_tier
 from hicache.shared_l2 import ServiceHostTier
 from hicache.tiers import TierManager, TierMoveStats
 from hicache.transfer import LoadHandle, Plan, TransferController, TransferResult
 
 log = logging.getLogger(__name__)
+
+L3_PLANS = (StorePlan, PrefetchPlan)  # transfers that make L3 calls (drain does not wait on a stalled L3)
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -55,10 +58,13 @@ class HiCacheStats:
     bytes_moved: dict[str, int]  # per direction: d2h, h2d, l3_put, l3_get
     capacity_pages: dict[str, int]  # "L1", "L2"
     storage: StorageStats | None  # the L3 backend's counters; None without L3
+    admission: AdmissionStats | None = None  # the cost model's decisions (hicache.load_cost)
 
     def as_dict(self) -> dict:
         out = {"index": self.index.as_dict(), "tiers": self.tiers.as_dict(),
                "bytes_moved": dict(self.bytes_moved), "capacity_pages": dict(self.capacity_pages)}
+        if self.admission is not None:
+            out["admission"] = self.admission.as_dict()
         if self.storage is not None:
             out["storage"] = dataclasses.asdict(self.storage)
         return out
@@ -86,6 +92,11 @@ class Admission(NamedTuple):
             h.wait()
 
 
+class _L3Hit(NamedTuple):
+    hashes: list  # page hashes of the L3 pages continuing the L1/L2 hit
+    probed_at: float  # perf_counter() when the probe began (the prefetch budget covers probe and fetch)
+
+
 class HiCache:
     """Embedded L1/L2/L3 cache. See the module docstring for the call order."""
 
@@ -106,9 +117,10 @@ class HiCache:
         self.device_pool = DevicePool(self.layout, cfg.pool.device_pages, device, buffers=device_buffers)
         if storage is None and cfg.storage.url and tier is None:
             from hicache.storage import open_storage
+            from hicache.storage.capacity import backend_options
             storage = open_storage(cfg.storage.url, fingerprint=self.layout.fingerprint(), layout=self.layout,
                                    timeout_ms=cfg.storage.timeout_ms, max_retries=cfg.storage.max_retries,
-                                   auth_key=cfg.storage.resolved_auth_key())
+                                   auth_key=cfg.storage.resolved_auth_key(), **backend_options(cfg.storage))
         self.storage = storage
         self.policy = cfg.policy
         self.transfers = TransferController(self.device_pool, self.host_pool, storage)
@@ -123,6 +135,7 @@ class HiCache:
         self._storage_enabled = storage is not None and self.layout.cp_size == 1
         self._failed: TransferError | None = None  # set by a failed load back; fatal
         self.consensus = consensus
+        self.cost = CostModel.from_config(cfg.admission, self.layout.token_bytes)
 
     # ------------------------------------------------------------- requests
     def new_request(self, rid: str, tokens: Tokens, namespace: str = "", *, draft: bool | None = None) -> Request:
@@ -155,11 +168,15 @@ class HiCache:
         self._check_healthy()
         m = req.match()
         device_tokens = m.device_tokens
-        storage_tokens = self._maybe_prefetch(req, m)
+        l3_hit = self._storage_hit(req, m)
+        # The one cost decision: load the L2 / L3 parts only where that beats recomputing them.
+        plan = self.cost.decide(m.host_tokens, len(l3_hit.hashes) * self.layout.page_size,
+                                self.transfers.queued_bytes())
+        storage_tokens = self._prefetch(req, m, l3_hit) if plan.load_l3 else 0
         if storage_tokens or m.epoch != self.cache.epoch:
             m = req.match()  # prefetched pages joined L2, or L2 room was made by eviction
         if self.service is None:
-            own = self._load_host_hit(m)
+            own = self._load_host_hit(m) if plan.load_l2 else None
         else:
             own, storage_tokens = self._load_shared(req, m)
         if own is not None or m.epoch != self.cache.epoch:
@@ -190,28 +207,36 @@ class HiCache:
         return self.cache.match(req.key, req.namespace, max_tokens=agreed, need_draft=req.draft)
 
     # ----------------------------------------------------------------- L3 -> L2
-    def _maybe_prefetch(self, req: Request, m: MatchResult) -> int:
+    def _storage_hit(self, req: Request, m: MatchResult) -> _L3Hit:
+        """The L3 pages continuing ``m`` (probed within the prefetch budget); none when
+        there is no L3 or the hit is below ``storage_hit_min_pages``."""
+        t0 = time.perf_counter()
         if not self._storage_enabled:
-            return 0
+            return _L3Hit([], t0)
         ps = self.layout.page_size
         have = m.tokens // ps
         cap = max(0, req.num_tokens - 1) // ps
         if cap - have < self.policy.storage_hit_min_pages:
-            return 0
+            return _L3Hit([], t0)
         hashes = self._page_hashes(req.key, req.namespace, cap)
         self.tier_stats.storage_lookups += 1
-        budget = self._prefetch_budget_s(req.num_tokens)
-        t0 = time.perf_counter()
-        s = self.transfers.storage_probe(hashes[have:cap], budget)
+        s = self.transfers.storage_probe(hashes[have:cap], self._prefetch_budget_s(req.num_tokens))
         if s < self.policy.storage_hit_min_pages:
-            return 0
+            return _L3Hit([], t0)
         self.tier_stats.storage_hit_pages += s
-        plan = self.tiers.prepare_prefetch(req.key, req.namespace, have, hashes[have:have + s])
+        return _L3Hit(hashes[have:have + s], t0)
+
+    def _prefetch(self, req: Request, m: MatchResult, hit: _L3Hit) -> int:
+        """Fetch ``hit`` into L2, waiting what is left of the policy's budget; tokens landed."""
+        if not hit.hashes:
+            return 0
+        plan = self.tiers.prepare_prefetch(req.key, req.namespace, m.tokens // self.layout.page_size, hit.hashes)
         if plan is None:
             return 0
+        budget = self._prefetch_budget_s(req.num_tokens)
         job = self._submit(plan)
-        self._wait_prefetch(job, None if budget is None else budget - (time.perf_counter() - t0))
-        return s * ps if job not in self._jobs else 0
+        self._wait_prefetch(job, None if budget is None else budget - (time.perf_counter() - hit.probed_at))
+        return len(hit.hashes) * self.layout.page_size if job not in self._jobs else 0
 
     def _prefetch_budget_s(self, num_tokens: int) -> float | None:
         """How long the scheduler may wait on L3 for one request (probe and fetch together);
@@ -312,6 +337,9 @@ class HiCache:
 
     def _complete(self, plan: Plan, r: TransferResult) -> None:
         tiers = self.tiers
+        if r.seconds and r.ok and r.kind in ("h2d", "l3_get"):  # the cost model's bandwidths
+            self.cost.bandwidth.observe("L2" if r.kind == "h2d" else "L3", r.pages * self.layout.page_bytes,
+                                        r.seconds)
         if isinstance(plan, BackupPlan):
             for n in tiers.complete_backup(plan, r.ok):
                 self._store(n)
@@ -461,9 +489,21 @@ class HiCache:
                 self._load_handles[id(plan)].wait()
 
     def drain(self) -> None:
-        """Block until every transfer has finished and been observed."""
+        """Block until every transfer has finished and been observed, except L3
+        transfers while L3 is not answering (``StorageBackend.stalled``): those
+        stay pending, their pages pinned, until a later ``poll``/``drain``
+        observes them. So a scheduler that drains (to free L1 pages pinned by
+        backups) never waits on an L3 call stuck in a frozen L3, past one
+        attempt's ``storage.timeout_ms``; ``close`` waits for everything."""
         while self._jobs:
-            self._wait(next(iter(self._jobs)))
+            copy = next((j for j, p in self._jobs.items() if not isinstance(p, L3_PLANS)), None)
+            if copy is not None or self.storage is None:
+                self._wait(next(iter(self._jobs)) if copy is None else copy)
+            elif self.storage.stalled():
+                self._observe()
+                return
+            else:  # only L3 jobs left: wait in slices, re-checking that L3 answers
+                self._wait(next(iter(self._jobs)), self.storage.options.timeout_s / 4)
 
     @property
     def shared(self) -> ServiceHostTier | None:
@@ -481,7 +521,13 @@ class HiCache:
         return HiCacheStats(self.cache.stats(), dataclasses.replace(self.tier_stats),
                             dict(self.transfers.bytes_moved),
                             {"L1": self.device_pool.num_pages, "L2": self.host_pool.num_pages},
-                            None if self.storage is None else self.storage.stats())
+                            None if self.storage is None else self.storage.stats(),
+                            dataclasses.replace(self.cost.stats))
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine computed ``tokens`` prefill tokens in ``seconds`` (one forward):
+        feeds the cost model's measured prefill rate (``admission.prefill_tokens_per_s = 0``)."""
+        self.cost.observe_prefill(tokens, seconds)
 
     def check_integrity(self) -> None:
         """Index invariants + pool accounting, counting pages held by transfers."""
@@ -489,6 +535,7 @@ class HiCache:
         self.tiers.check_integrity()
         self.device_pool.check_integrity()
         self.transfers.check_integrity()
+        self.cost.check_integrity()
         if self.service is None:
             self.host_pool.check_integrity()  # (the segment's pages are the service's to check)
         if self.storage is not None:
@@ -498,7 +545,8 @@ class HiCache:
 
     def close(self) -> None:
         self.drain()
-        self.transfers.close()
+        self.transfers.close()  # waits for every job, L3 included
+
         if self.storage is not None:
             self.storage.close()
         if self.service is not None:

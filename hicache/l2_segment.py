@@ -19,6 +19,9 @@ lets a server that starts after a crash adopt the segment with its pages.
 ``open_for_server`` decides what to do with a segment of the same name:
 
 * none: create it;
+* not a file this user made (another owner, another mode, a symlink, a
+  hard link, not a regular file): refuse (``PoolError`` saying how to remove
+  it), since another local user could have planted it;
 * a live server owns it: refuse (``PoolError``, unchanged message);
 * left behind by a dead server: adopt it when its header matches this
   layout and no other process still maps it (a client of the dead server
@@ -98,15 +101,18 @@ class L2Segment:
 
     # --------------------------------------------------------------- opening
     @classmethod
-    def open_for_server(cls, name: str, layout: KVLayout, num_pages: int) -> SegmentOpen:
-        """Create, adopt or recreate segment ``name`` for a server (see the module docstring).
+    def open_for_server(cls, name: str, layout: KVLayout, num_pages: int, gid: int | None = None) -> SegmentOpen:
+        """Create, adopt or recreate segment ``name`` for a server (see the module docstring);
+        ``gid``: the group that may map it too (``service.socket_group``).
 
-        Raises ``PoolError`` when a live server owns it, or /dev/shm has no room.
+        Raises ``PoolError`` when a live server owns it, when the file under
+        the name is not one this user made (``hicache.shm.check_trusted``), or
+        when /dev/shm has no room.
         """
         geo = Geometry.of(layout, num_pages)
-        orphan = SharedSegment.take_orphan(name)
+        orphan = SharedSegment.take_orphan(name, gid)
         if orphan is None:
-            return SegmentOpen(cls._create(name, layout, geo), "created", "", 0)
+            return SegmentOpen(cls._create(name, layout, geo, gid), "created", "", 0)
         why = cls._unadoptable(orphan, geo)
         if not why:
             seg = cls(orphan, layout, geo)
@@ -114,11 +120,11 @@ class L2Segment:
             return SegmentOpen(seg, "adopted", f"left by a server that is gone; header and fingerprint "
                                f"{geo.fingerprint} match", len(entries))
         orphan.close()  # owner: unlinks it (processes that still map it keep their old pages)
-        return SegmentOpen(cls._create(name, layout, geo), "recreated", why, 0)
+        return SegmentOpen(cls._create(name, layout, geo, gid), "recreated", why, 0)
 
     @classmethod
-    def _create(cls, name: str, layout: KVLayout, geo: Geometry) -> "L2Segment":
-        shm = SharedSegment.create(name, geo.size)
+    def _create(cls, name: str, layout: KVLayout, geo: Geometry, gid: int | None) -> "L2Segment":
+        shm = SharedSegment.create(name, geo.size, gid)
         try:
             assert shm.tensor is not None
             shm.tensor[:_HEADER.size].copy_(_bytes_tensor(geo.pack()))

@@ -8,7 +8,11 @@ A page's payload is a list of *planes*, one entry per (plane name, layer):
   of ``[bytes_per_token]`` uint8;
 * draft planes: the same per-layer planes for ``draft_layers`` draft-model
   (EAGLE / NextN) layers, named ``draft_k`` etc.; they share the target's page
-  ids, so a page is complete only when both are present.
+  ids, so a page is complete only when both are present;
+* rows (``kind="rows"``): an engine that owns its KV format (vLLM's offload
+  tiers) hands over opaque rows. A page is one row of ``row_bytes`` bytes, one
+  ``uint8`` plane named ``row``; the engine's own canonical description of
+  those bytes (``engine_layout``, a JSON object) enters the fingerprint.
 
 The canonical plane order (``KVLayout.planes``) is the order of bytes in an L3
 object and the order kernels walk.
@@ -71,14 +75,21 @@ LIMITS: dict[str, int] = {
     "cp_size": 4096,
     "tp_rank": 4095,
     "cp_rank": 4095,
+    # kind="rows": one opaque engine row per page. 1 GiB is far above any engine
+    # row today (a vLLM chunk of an 8B model at block 16 is 2 MiB) and under
+    # MAX_PAGE_BYTES.
+    "row_bytes": 1 << 30,
 }
+# kind="rows": the engine's description of its rows (canonical JSON). vLLM's
+# lists its layer names: ~3 KB for 61 layers; 64 KiB bounds a handshake.
+MAX_ENGINE_LAYOUT_CHARS = 1 << 16
 MAX_EXTRA_PLANES = 16
 MAX_PLANE_BYTES_PER_TOKEN = 1 << 20
 MAX_MODEL_ID_CHARS = 256
 # One page of every plane together; a bigger page could not be allocated anyway.
 MAX_PAGE_BYTES = 1 << 31
 
-Kind = Literal["mha", "mla"]
+Kind = Literal["mha", "mla", "rows"]
 HostLayout = Literal["layer_first", "page_first"]
 
 # Fields that do not change the bytes of any page: CP decides which rank holds
@@ -87,6 +98,15 @@ HostLayout = Literal["layer_first", "page_first"]
 # therefore hand pages to a cp_size 1 decode. Processes that share one L2
 # segment must also agree on host_layout; ``check_shared_l2`` compares it.
 _NOT_IN_FINGERPRINT = frozenset({"cp_rank", "cp_size", "host_layout"})
+# Fields of kind="rows" only. Left out of the fingerprint and of to_dict() while
+# unset, so that the fingerprints of MHA/MLA layouts (written into every L3
+# object) and the handshakes with processes that predate the fields are unchanged.
+_ROWS_ONLY = ("row_bytes", "engine_layout")
+
+
+def canonical_json(obj: object) -> str:
+    """The one JSON spelling of ``obj`` (sorted keys, no spaces): what ``engine_layout`` holds."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,10 +158,18 @@ class KVLayout:
     tp_size: int = 1
     cp_rank: int = 0
     cp_size: int = 1
+    row_bytes: int = 0  # rows only: bytes of one page (one engine row)
+    engine_layout: str = ""  # rows only: the engine's description of a row, canonical JSON of an object
     host_layout: HostLayout = "layer_first"
     _planes: tuple[PlaneSpec, ...] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
+        # Counted before anything is built from them: a hello may carry 800K.
+        n = len(self.extra_planes) if isinstance(self.extra_planes, (list, tuple)) else -1
+        if not 0 <= n <= MAX_EXTRA_PLANES:
+            why = f"got {n}" if n >= 0 else f"got a {type(self.extra_planes).__name__}, not a list"
+            raise LayoutError(f"KVLayout.extra_planes: at most {MAX_EXTRA_PLANES} extra planes, {why}",
+                              "extra_planes", f"<{n} planes>", f"at most {MAX_EXTRA_PLANES}")
         object.__setattr__(self, "extra_planes", tuple(
             p if isinstance(p, BytePlane) else BytePlane(*p) for p in self.extra_planes))
         self._validate()
@@ -159,7 +187,7 @@ class KVLayout:
             raise self._bad("model_id", f"must be a non-empty string of at most {MAX_MODEL_ID_CHARS} "
                             "characters naming the model")
         for name in ("num_layers", "page_size", "tp_size", "cp_size", "draft_layers", "tp_rank", "cp_rank",
-                     "num_kv_heads", "head_dim", "kv_lora_rank", "rope_dim"):
+                     "num_kv_heads", "head_dim", "kv_lora_rank", "rope_dim", "row_bytes"):
             v = getattr(self, name)
             low = 1 if name in ("num_layers", "page_size", "tp_size", "cp_size") else 0
             if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= LIMITS[name]:
@@ -168,15 +196,16 @@ class KVLayout:
             raise self._bad("tp_rank", f"must be < tp_size={self.tp_size}")
         if self.cp_rank >= self.cp_size:
             raise self._bad("cp_rank", f"must be < cp_size={self.cp_size}")
-        if self.kind not in ("mha", "mla"):
-            raise self._bad("kind", "must be 'mha' or 'mla'")
+        if self.kind not in ("mha", "mla", "rows"):
+            raise self._bad("kind", "must be 'mha', 'mla' or 'rows'")
+        self._validate_rows()
         if self.kind == "mha":
             for name in ("num_kv_heads", "head_dim"):
                 if getattr(self, name) < 1:
                     raise self._bad(name, f"kind='mha' needs {name} >= 1")
             if self.kv_lora_rank or self.rope_dim:
                 raise self._bad("kv_lora_rank", "is MLA-only; set kind='mla' or leave it 0")
-        else:
+        elif self.kind == "mla":
             if self.kv_lora_rank < 1:
                 raise self._bad("kv_lora_rank", "MLA needs kv_lora_rank >= 1")
             if self.num_kv_heads or self.head_dim:
@@ -202,16 +231,62 @@ class KVLayout:
         # Computed before any plane is built: bounded arithmetic on bounded fields.
         size = _DTYPES[self.dtype][1]
         row = (size * 2 * self.num_kv_heads * self.head_dim if self.kind == "mha"
-               else size * (self.kv_lora_rank + self.rope_dim))
+               else self.row_bytes if self.kind == "rows" else size * (self.kv_lora_rank + self.rope_dim))
         row += sum(p.bytes_per_token for p in self.extra_planes)
         page = row * self.page_size * (self.num_layers + self.draft_layers)
         if page > MAX_PAGE_BYTES:
             raise self._bad("num_layers", f"the layout's page would hold {page} bytes, above the limit of "
                             f"{MAX_PAGE_BYTES}; check num_layers, heads, head_dim and page_size")
 
+    def _validate_rows(self) -> None:
+        """kind="rows": one uint8 row per page and the engine's description; other kinds: neither."""
+        el = self.engine_layout
+        if not isinstance(el, str) or len(el) > MAX_ENGINE_LAYOUT_CHARS:
+            raise self._bad("engine_layout", f"must be a string of at most {MAX_ENGINE_LAYOUT_CHARS} characters")
+        if self.kind != "rows":
+            if self.row_bytes or el:
+                raise self._bad("row_bytes" if self.row_bytes else "engine_layout",
+                                "is for kind='rows' only; leave it unset for MHA/MLA")
+            return
+        if self.row_bytes < 1:
+            raise self._bad("row_bytes", "kind='rows' needs row_bytes >= 1 (the bytes of one engine row)")
+        fixed = dict(num_layers=1, page_size=1, dtype="uint8", num_kv_heads=0, head_dim=0, kv_lora_rank=0,
+                     rope_dim=0, extra_planes=(), draft_layers=0)
+        for name, want in fixed.items():
+            if getattr(self, name) != want:
+                raise self._bad(name, f"kind='rows' holds one opaque row per page: {name} must be {want!r} "
+                                "(describe the engine's tokens, layers and dtype in engine_layout)")
+        try:
+            obj = json.loads(el)
+        except ValueError as e:
+            raise self._bad("engine_layout", f"must be a JSON object ({e})") from None
+        if not isinstance(obj, dict) or not obj:
+            raise self._bad("engine_layout", "must be a non-empty JSON object describing the engine's row")
+        if canonical_json(obj) != el:
+            raise self._bad("engine_layout", "must be canonical JSON (hicache.layout.canonical_json: sorted "
+                            "keys, no spaces), so that one description has one fingerprint")
+
+    def _unset_rows_fields(self) -> tuple[str, ...]:
+        """The rows-only fields, for layouts of another kind (left out of fingerprint and dict)."""
+        return () if self.kind == "rows" else _ROWS_ONLY
+
+    @classmethod
+    def rows(cls, model_id: str, row_bytes: int, engine_layout: dict, **common: object) -> "KVLayout":
+        """A ``kind="rows"`` layout: pages are opaque engine rows of ``row_bytes``
+        bytes, described by ``engine_layout`` (any JSON object; canonicalised)."""
+        try:
+            text = canonical_json(engine_layout)
+        except (TypeError, ValueError) as e:
+            raise LayoutError(f"KVLayout.engine_layout: not JSON-serialisable ({e})", "engine_layout",
+                              engine_layout, "not JSON") from None
+        return cls(model_id=model_id, num_layers=1, kind="rows", row_bytes=row_bytes, engine_layout=text,
+                   dtype="uint8", page_size=1, **common)  # type: ignore[arg-type]
+
     # ------------------------------------------------------------------ planes
     def _layer_planes(self) -> list[tuple[str, tuple[int, ...], str, int]]:
         st, size = _DTYPES[self.dtype]
+        if self.kind == "rows":
+            return [("row", (self.row_bytes,), "uint8", self.row_bytes)]
         if self.kind == "mha":
             row = (self.num_kv_heads, self.head_dim)
             out = [("k", row, st, size * row[0] * row[1]), ("v", row, st, size * row[0] * row[1])]
@@ -277,7 +352,7 @@ class KVLayout:
         """The fields that decide a page's bytes, JSON-ready, in a fixed order."""
         out: dict[str, object] = {"contract_version": CONTRACT_VERSION}
         for f in dataclasses.fields(self):
-            if f.name.startswith("_") or f.name in _NOT_IN_FINGERPRINT:
+            if f.name.startswith("_") or f.name in _NOT_IN_FINGERPRINT or f.name in self._unset_rows_fields():
                 continue
             v = getattr(self, f.name)
             out[f.name] = [[p.name, p.bytes_per_token] for p in v] if f.name == "extra_planes" else v
@@ -319,7 +394,8 @@ class KVLayout:
 
     # ------------------------------------------------------------ (de)serialise
     def to_dict(self) -> dict[str, object]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+             if not f.name.startswith("_") and f.name not in self._unset_rows_fields()}
         d["extra_planes"] = [[p.name, p.bytes_per_token] for p in self.extra_planes]
         return d
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+import numpy as np
 import torch
 
 from hicache.allocator import PageAllocator
@@ -174,13 +175,19 @@ class HostPool:
         """Store a canonical-order payload into one page."""
         if len(payload) != self.layout.page_bytes:
             raise PoolError(f"payload of {len(payload)} bytes, a page holds {self.layout.page_bytes}")
-        src = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        # numpy, not torch: torch's copy_ splits a region over its intra-op threads once it
+        # passes its grain size (32 K elements), so a whole page_first page (MiBs) woke
+        # them while L3 reads ran; on a 2-core box beside a loopback Redis that made
+        # page_first loads 3-4x slower than layer_first's small per-plane copies
+        # (bench/engines.py --sglang, RESULTS.md). numpy copies on the calling thread,
+        # straight from the payload (no bytearray copy first).
+        src = np.frombuffer(payload, dtype=np.uint8)
         if self.layout.host_layout == "page_first" and self.page_stride[0] == self.layout.page_bytes:
-            self.page_region(page).copy_(src)
+            self.page_region(page).numpy()[:] = src
             return
         at = 0
         for i, s in enumerate(self.layout.planes):
-            self._raw(i, page).copy_(src[at:at + s.page_bytes])
+            self._raw(i, page).numpy()[:] = src[at:at + s.page_bytes]
             at += s.page_bytes
 
     def _raw(self, plane: int, page: int) -> torch.Tensor:

@@ -60,6 +60,11 @@ PROTOCOL_VERSION = 2
 
 HEADER = struct.Struct(">I")
 HEADER_BYTES = HEADER.size
+# Largest frame a connection may send before its handshake. A real hello is a
+# KVLayout of at most 16 extra planes, under 4 KiB; anything bigger (an 800K
+# plane layout is 7.5 MiB) is refused from its 4-byte header, before the
+# server reads or decodes a byte of it.
+MAX_HELLO_BYTES = 64 << 10
 
 OPS = frozenset({"lookup", "fetch", "reserve", "commit", "cancel", "acquire", "release", "agree", "stats",
                  "report", "check", "bye"})
@@ -76,15 +81,20 @@ def pack(obj: dict[str, Any]) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-def body_length(header: bytes, max_bytes: int) -> int:
+def body_length(header: bytes, max_bytes: int, *, hello: bool = False) -> int:
     """Length announced by a 4-byte header; raises ``ServiceError`` when out of range.
 
-    ``too_large`` when above ``max_bytes``; ``bad_frame`` for an empty body or a
-    header that is not ``HEADER_BYTES`` long.
+    ``too_large`` when above ``max_bytes`` (``hello``: the frame before the
+    handshake, above ``min(max_bytes, MAX_HELLO_BYTES)``); ``bad_frame`` for an
+    empty body or a header that is not ``HEADER_BYTES`` long.
     """
     if len(header) != HEADER_BYTES:
         raise ServiceError("bad_frame", f"frame header must be {HEADER_BYTES} bytes, got {len(header)}")
     (n,) = HEADER.unpack(header)
+    if hello and n > min(max_bytes, MAX_HELLO_BYTES):
+        raise ServiceError("too_large", f"first frame of {n} bytes exceeds the handshake limit of "
+                           f"{min(max_bytes, MAX_HELLO_BYTES)}; a hello carries one KVLayout (at most 16 "
+                           "extra planes) and is a few KiB")
     if n > max_bytes:
         raise ServiceError("too_large", f"frame body of {n} bytes exceeds the limit of {max_bytes} "
                            "(service.max_request_bytes); split the request")

@@ -49,18 +49,21 @@ def redact_url(url: str) -> str:
         head, colon, _ = userinfo.rpartition(":")  # whatever follows the last ':' may be a password
         return f"{head}{colon}{REDACTED}@{hosts}" if colon else f"{REDACTED}@{hosts}"
     rest = _SECRET_QUERY.sub(r"\1" + REDACTED, rest)
-    netloc, slash, path = rest.partition("/")
-    userinfo, at, hosts = netloc.rpartition("@")
+    # The userinfo ends at the last '@', even past a '/', '?' or '#': a password
+    # may hold them unencoded (``redis://:pa/ss@h``), and cutting it at the
+    # first '/' would show its tail. (An '@' in a query of a URL with a port
+    # then hides a bit too much; never too little.)
+    userinfo, at, after = rest.rpartition("@")
     if at:
         if ":" in userinfo:
-            userinfo = userinfo.split(":", 1)[0] + ":" + REDACTED
-        netloc = f"{userinfo}@{hosts}"
-    else:
-        # ``redis://user:Pa55`` (the @host forgotten): a "port" that is no
-        # number may be a password.
-        host, colon, port = netloc.rpartition(":")
-        if colon and port and not port.isdigit() and not host.endswith("]") and "," not in netloc:
-            netloc = f"{host}:{REDACTED}"
+            return f"{scheme}{sep}{userinfo.split(':', 1)[0]}:{REDACTED}@{after}"
+        return f"{scheme}{sep}{rest}"  # ``user@host``: no password
+    netloc, slash, path = rest.partition("/")
+    # ``redis://user:Pa55`` (the @host forgotten): a "port" that is no
+    # number may be a password.
+    host, colon, port = netloc.rpartition(":")
+    if colon and port and not port.isdigit() and not host.endswith("]") and "," not in netloc:
+        netloc = f"{host}:{REDACTED}"
     return f"{scheme}{sep}{netloc}{slash}{path}"
 
 

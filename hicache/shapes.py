@@ -79,8 +79,11 @@ class ModelShape:
     def kv_layout(self, page_size: int, *, layers: int | None = None, draft: bool = True,
                   host_layout: str = "layer_first", **extra) -> KVLayout:
         """The ``KVLayout`` of this model at ``page_size`` (``layers`` fewer where memory
-        requires: per-layer and per-page-per-layer sizes stay the real ones)."""
+        requires: per-layer and per-page-per-layer sizes stay the real ones). A row with
+        ``tp`` gives TP rank 0 of ``tp`` (pass ``tp_rank=`` for another): the rank is in
+        the fingerprint, so ranks holding different heads never share L3 objects."""
         n = self.attention_layers if layers is None else layers
+        extra.setdefault("tp_size", self.tp)
         common = dict(model_id=self.hf, num_layers=n, dtype=self.dtype, page_size=page_size,
                       draft_layers=self.draft_layers if draft else 0, host_layout=host_layout, **extra)
         if self.is_mla:

@@ -21,6 +21,7 @@ import functools
 import logging
 import queue
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
@@ -61,6 +62,7 @@ class TransferResult(NamedTuple):
     kind: str  # "d2h" | "h2d" | "l3_put" | "l3_get"
     pages: int  # pages moved: all of them for a copy; leading pages stored / loaded for L3
     error: BaseException | None  # what the worker raised (None: it completed)
+    seconds: float = 0.0  # how long the work took (h2d and l3_get; 0: not timed)
 
     @property
     def ok(self) -> bool:
@@ -79,6 +81,8 @@ class Transfer:
     done: bool = False
     ready_flag: threading.Event = field(default_factory=threading.Event, repr=False)  # CPU jobs: set when done
     cuda_event: object = None  # GPU jobs: recorded after the last copy
+    seconds: float = 0.0  # CPU jobs: measured by the worker
+    timing: tuple | None = None  # GPU load backs: (start, end) timing events, read once done
 
     def ready(self) -> bool:
         """True once the work itself has finished (completion not yet observed)."""
@@ -254,6 +258,8 @@ class TransferController:
         graph = self._load_graph() if self.on_gpu and host_pages else None
         if self.on_gpu:
             self._stream.wait_stream(torch.cuda.current_stream())
+            t.timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            t.timing[0].record(self._stream)
         if graph is not None:  # one replay: every layer's copy and its completion (flag or event)
             for i, ev in enumerate(graph.launch(host_pages, device_pages, self._stream)):
                 h.layer_launched(i, ev)
@@ -274,6 +280,7 @@ class TransferController:
             src, dst = self._idx(host_pages), self._idx(device_pages)
 
             def job():
+                t0 = time.perf_counter()
                 try:
                     for i, planes in enumerate(self._plane_groups):
                         if planes:
@@ -282,8 +289,11 @@ class TransferController:
                 except BaseException as e:
                     t.error = e
                     h.release_all()
+                t.seconds = time.perf_counter() - t0
                 t.ready_flag.set()
             self._copy_q.put(job)
+        if t.timing is not None:
+            t.timing[1].record(self._stream)
         self.bytes_moved["h2d"] += len(host_pages) * self.device_pool.layout.page_bytes
         self._pending.append(t)
         return h
@@ -343,10 +353,12 @@ class TransferController:
         self._need_storage()
         _same_len(host_pages, hashes)
         t = self._new("l3_get")
+        t.pages = len(hashes)  # asked for (queued_bytes); the result says how many came
         sizes = [p.page_bytes for p in self.host_pool.layout.planes]
 
         def job():
             n = 0
+            t0 = time.perf_counter()
             try:
                 for payload, p in zip(self.storage.get(list(hashes), sizes), host_pages):
                     if payload is None:
@@ -356,6 +368,7 @@ class TransferController:
             except BaseException as e:
                 t.error = e
             t.result = n
+            t.seconds = time.perf_counter() - t0
             self.bytes_moved["l3_get"] += n * self.host_pool.layout.page_bytes
             t.ready_flag.set()
         self._io_q.put(job)
@@ -411,8 +424,20 @@ class TransferController:
             if t.error is not None:
                 log.warning("transfer %s failed: %s", t.kind, t.error)
             pages = t.result if t.result is not None else t.pages
-            out.append(TransferResult(t.job, t.kind, pages, t.error))
+            if t.timing is not None and t.timing[1].query():  # (recorded just after the job's own event)
+                t.seconds = t.timing[0].elapsed_time(t.timing[1]) / 1e3
+            out.append(TransferResult(t.job, t.kind, pages, t.error, t.seconds))
         return out
+
+    def queued_bytes(self) -> dict[str, int]:
+        """Bytes submitted and not yet done per link: ``"L2"`` (L2 -> L1 load backs)
+        and ``"L3"`` (L3 -> L2 prefetches), for the admission's cost model."""
+        pb = self.host_pool.layout.page_bytes
+        q = {"L2": 0, "L3": 0}
+        for t in self._pending:
+            if t.kind in ("h2d", "l3_get") and not t.ready():
+                q["L2" if t.kind == "h2d" else "L3"] += t.pages * pb
+        return q
 
     def wait(self, job: int, timeout: float | None = None) -> bool:
         """Block until job ``job`` is done (not reported: call ``finished``); False

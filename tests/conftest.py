@@ -56,6 +56,19 @@ def redis_url(tmp_path_factory):
         proc.wait(timeout=10)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch with one intra-op thread for a module of many small tensor ops (opt in with
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``): on a shared 2-core
+    machine two threads spin against each other and made pool allocation and small copies
+    4-10x slower. Restored after the module."""
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU tests run where CUDA is; elsewhere they are deselected and counted
     in the report header, never silently skipped one by one."""

@@ -4,10 +4,9 @@ tear down the state the same way."""
 from __future__ import annotations
 
 from hicache.api.deps import RestState
-from hicache.api.engine_server import EngineServer
+from hicache.api.engine_server import EngineServer, open_l3
 from hicache.api.events import EventBus
 from hicache.config import HiCacheConfig
-from hicache.storage import open_storage
 
 
 def open_state(cfg: HiCacheConfig, admin_token: str = "") -> RestState:
@@ -16,7 +15,7 @@ def open_state(cfg: HiCacheConfig, admin_token: str = "") -> RestState:
     bus = EventBus()
     engine = EngineServer(cfg, layout, listener=bus)
     engine.start()
-    storage = open_storage(cfg.storage.url, fingerprint=layout.fingerprint()) if cfg.storage.url else None
+    storage = open_l3(cfg, layout)  # as hicache serve opens it (cap, eviction, MAC key)
     return RestState(config=cfg, layout=layout, engine=engine, storage=storage, admin_token=admin_token, bus=bus)
 
 

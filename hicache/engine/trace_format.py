@@ -25,11 +25,14 @@ The generators live in ``hicache.engine.workloads``, which re-exports this API.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, NamedTuple, Sequence
+from typing import BinaryIO, Iterable, NamedTuple, Sequence
 
 from hicache.errors import IntegrityError, TraceError
 
@@ -177,10 +180,31 @@ def _is_unicode(s: str) -> bool:
     return True
 
 
+def _open_regular(path: str | Path) -> BinaryIO:
+    """``path`` opened for reading when it is a regular file; ``TraceError`` otherwise.
+
+    Opened without blocking and checked before any read: a FIFO (or a device
+    such as /dev/zero) would otherwise hang the replay or never end.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "is a directory", str(path))
+        if not stat.S_ISREG(st.st_mode):
+            raise TraceError(f"trace {str(path)!r} is not a regular file ({stat.filemode(st.st_mode)}: a FIFO, "
+                             "socket or device); write the trace to a file and give its path")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _lines(path: str | Path) -> Iterable[tuple[int, str]]:
     """Numbered lines of a UTF-8 file; ``TraceError`` for a missing, unreadable or non-UTF-8 file."""
     try:
-        with open(path, "rb") as f:
+        with _open_regular(path) as f:
             for no, raw in enumerate(f, start=1):
                 try:
                     yield no, raw.decode("utf-8")

@@ -7,6 +7,18 @@ SGLang loads it with::
         "module_path": "hicache.integrations.sglang", "class_name": "HiCacheBackend",
         "interface_v1": 1, "url": "redis://host:6379/0"}'
 
+Extra-config keys besides the factory's own: ``url`` (required), ``timeout_ms``,
+``max_retries``, ``key_prefix``, ``auth_key`` / ``auth_key_file`` (the L3 MAC
+secret; else the environment's ``HICACHE_STORAGE__AUTH_KEY`` /
+``HICACHE_STORAGE__AUTH_KEY_FILE``: prefer those, SGLang logs its arguments),
+``stats_window`` (how many per-call figures ``get_stats`` keeps between calls).
+
+Inside SGLang: one INFO line at start through the ``hicache`` loggers (which
+propagate to the root logger SGLang configures), warnings rate-limited, and
+the ``hicache.integrations.metrics`` counters (``hicache_adapter_*{engine=
+"sglang"}``) on the process registry, which SGLang's ``/metrics`` serves
+through its multiprocess directory (``--enable-metrics``).
+
 SGLang's ``StorageBackendFactory`` builds ``HiCacheBackend(storage_config, {})``
 and its ``HiCacheController`` then calls ``register_mem_pool_host``; the L3
 store is opened there, because hicache's fingerprint is derived from the host
@@ -33,12 +45,13 @@ heads across heterogeneous TP. Registering such a pool raises ``ConfigError``.
 """
 from __future__ import annotations
 
-import dataclasses
+import collections
 import hashlib
 import logging
+import os
 import threading
 import time
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, List, Mapping, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -52,16 +65,20 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 from hicache.errors import ConfigError, IntegrityError
 from hicache.hashing import HASH_BYTES
+from hicache.integrations.metrics import AdapterMetrics, AdapterStats, adapter_stats, start_line, warnings_for
 from hicache.layout import KVLayout
 from hicache.storage import StorageBackend, StorageStats, open_storage
-from hicache.storage.base import redact_url
 from hicache.types import PageHash
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 # extra_config keys this backend reads (besides the factory's own).
-_OPTIONS = ("url", "timeout_ms", "max_retries", "key_prefix")
+_OPTIONS = ("url", "timeout_ms", "max_retries", "key_prefix", "auth_key", "auth_key_file", "stats_window")
+# Per-call figures kept for get_stats() between two calls; SGLang calls it only with
+# --enable-metrics (its storage metrics), so without a bound the lists would grow forever.
+STATS_WINDOW = 1024
+AUTH_ENV = ("HICACHE_STORAGE__AUTH_KEY", "HICACHE_STORAGE__AUTH_KEY_FILE")
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
                 torch.uint8: "uint8", torch.float8_e4m3fn: "float8_e4m3fn",
                 torch.float8_e5m2: "float8_e5m2"}
@@ -119,19 +136,35 @@ def sglang_layout(host_pool: Any, config: HiCacheStorageConfig) -> KVLayout:
                       "use an MHA (MHATokenToKVPoolHost) or MLA (MLATokenToKVPoolHost) model")
 
 
+def auth_key(extra: Mapping[str, Any], env: Mapping[str, str] = os.environ) -> bytes:
+    """The L3 MAC secret: ``auth_key`` / ``auth_key_file`` of the extra config, else the
+    environment's ``HICACHE_STORAGE__AUTH_KEY`` / ``..._FILE``; b"" for none.
+    Resolved as hicache's own ``storage`` section does. Raises ``ConfigError``."""
+    from hicache.config import StorageConfig
+    key, path = extra.get("auth_key"), extra.get("auth_key_file")
+    if key is None and path is None:
+        key, path = env.get(AUTH_ENV[0]), env.get(AUTH_ENV[1])
+    for name, v in (("auth_key", key), ("auth_key_file", path)):
+        if v is not None and not isinstance(v, str):
+            raise ConfigError(f"hicache SGLang backend: {name} must be a string, got {type(v).__name__}")
+    return StorageConfig(url="", auth_key=key or "", auth_key_file=path or "").resolved_auth_key()
+
+
 class _Segment(NamedTuple):
     offset: int  # byte offset in the host pool's kv_buffer
     size: int
 
 
-@dataclasses.dataclass(slots=True)
 class _Transfers:
-    """Per-call page counts and bandwidths since the last ``get_stats`` (SGLang's StorageMetrics)."""
+    """Per-call page counts and bandwidths since the last ``get_stats`` (SGLang's
+    StorageMetrics), the latest ``window`` calls of each kind: SGLang drains them
+    only when its storage metrics are on, so older figures are dropped, not kept."""
 
-    prefetch_pgs: list = dataclasses.field(default_factory=list)
-    backup_pgs: list = dataclasses.field(default_factory=list)
-    prefetch_bandwidth: list = dataclasses.field(default_factory=list)  # GB/s
-    backup_bandwidth: list = dataclasses.field(default_factory=list)
+    __slots__ = ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth")
+
+    def __init__(self, window: int):
+        for name in self.__slots__:
+            setattr(self, name, collections.deque(maxlen=window))  # bandwidths in GB/s
 
 
 class HiCacheBackend(HiCacheStorage):
@@ -148,18 +181,26 @@ class HiCacheBackend(HiCacheStorage):
         if not isinstance(url, str) or "://" not in url:
             raise ConfigError(f"hicache SGLang backend: extra config needs \"url\" (an L3 URL such as "
                               f"redis://host:6379/0 or file:///dir), got {url!r}; keys read: {_OPTIONS}")
+        window = extra.get("stats_window", STATS_WINDOW)
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ConfigError(f"hicache SGLang backend: stats_window={window!r} must be an integer >= 1")
         self.storage_config = storage_config
         self.url = url
         self._open_opts = {k: extra[k] for k in ("timeout_ms", "max_retries", "key_prefix") if k in extra}
+        self._open_opts["auth_key"] = auth_key(extra)
+        self.stats_window = window
         self.layout: Optional[KVLayout] = None
         self.store: Optional[StorageBackend] = None
         self.mem_pool_host = None
         self._pool_bytes: Optional[np.ndarray] = None  # writable uint8 view of kv_buffer
         self._plane_sizes: list[int] = []
         self._lock = threading.Lock()
-        self._transfers = _Transfers()
+        self._transfers = _Transfers(window)
         self.skipped_writes = 0  # pages a non-writer MLA rank left to the writer
+        self.lookups = self.lookup_hits = 0  # pages asked / found by batch_exists and exists
         self.is_writer = storage_config.is_storage_writer
+        self.metrics = AdapterMetrics("sglang")
+        self._warn = warnings_for(log)
 
     # ---------------------------------------------------------------- setup
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -181,8 +222,12 @@ class HiCacheBackend(HiCacheStorage):
                               f"{layout.page_bytes}")
         self.store = open_storage(self.url, fingerprint=layout.fingerprint(), layout=layout,
                                   **self._open_opts)
-        log.info("hicache SGLang backend: %s, fingerprint %s (%s)", redact_url(self.url),
-                 layout.fingerprint(), layout.model_id)
+        pool = mem_pool_host
+        start_line(log, "sglang", self.url, layout.fingerprint(),
+                   f"host pool {pool.size // pool.page_size} pages of {pool.page_size} tokens x "
+                   f"{layout.page_bytes} bytes ({layout.model_id}, {pool.layout}, TP rank "
+                   f"{self.storage_config.tp_rank}/{self.storage_config.tp_size}"
+                   f"{', MAC on' if self._open_opts['auth_key'] else ''})")
 
     def _require_store(self) -> StorageBackend:
         if self.store is None:
@@ -243,6 +288,7 @@ class HiCacheBackend(HiCacheStorage):
                 pos += seg.size
             out[i] = True
         self._record("prefetch", sum(out), time.perf_counter() - t0)
+        self.publish()
         return out
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
@@ -259,6 +305,7 @@ class HiCacheBackend(HiCacheStorage):
         if not self.is_writer:
             with self._lock:
                 self.skipped_writes += len(keys)
+            self.publish()
             return [True] * len(keys)
         t0 = time.perf_counter()
         segs = self._segments(len(keys), host_indices)
@@ -277,7 +324,10 @@ class HiCacheBackend(HiCacheStorage):
             out = [True] * len(keys)
         else:
             out = store.exists(hkeys)
+            self._warn.warning("put", "hicache SGLang backend: L3 %s took %d of %d pages; the rest are "
+                               "recomputed when needed", self.store.name, stored, len(items))
         self._record("backup", len(items), time.perf_counter() - t0)
+        self.publish()
         return out
 
     # ------------------------------------------------------------- copying API
@@ -290,11 +340,16 @@ class HiCacheBackend(HiCacheStorage):
         return flat.contiguous().view(-1).view(torch.uint8)
 
     def _payload_into_flat(self, payload: memoryview, target: torch.Tensor) -> None:
+        # numpy on this thread, from the payload itself: no staging copy, and no torch
+        # intra-op threads for a page of MiBs (see HostPool.write_page).
         pool = self.mem_pool_host
-        src = torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy())
+        src = np.frombuffer(payload, dtype=np.uint8)
+        dst = target.view(-1).view(torch.uint8).numpy()
         if isinstance(pool, MHATokenToKVPoolHost) and pool.layout == "layer_first":
-            src = src.view(pool.layer_num, 2, -1).transpose(0, 1).contiguous().view(-1)
-        target.view(-1).view(torch.uint8).copy_(src)
+            # [L, 2, page, H, D] (stored) -> [2, L, page, H, D] (flat data page)
+            dst.reshape(2, pool.layer_num, -1)[:] = src.reshape(pool.layer_num, 2, -1).transpose(1, 0, 2)
+            return
+        dst[:] = src
 
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> List[Optional[torch.Tensor]]:
@@ -311,6 +366,7 @@ class HiCacheBackend(HiCacheStorage):
                 continue
             self._payload_into_flat(view, target)
             out.append(target)
+        self.publish()
         return out
 
     def get(self, key: str, target_location: Optional[Any] = None,
@@ -327,18 +383,30 @@ class HiCacheBackend(HiCacheStorage):
             return True
         items = [(page_key(k), self._flat_to_payload(v).numpy(), self._plane_sizes)
                  for k, v in zip(keys, values)]
-        return store.put(items) == len(items)
+        ok = store.put(items) == len(items)
+        self.publish()
+        return ok
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
             target_sizes: Optional[Any] = None) -> bool:
         return self.batch_set([key], [value])
 
     def exists(self, key: str) -> bool:
-        return self._require_store().exists([page_key(key)])[0]
+        found = self._require_store().exists([page_key(key)])[0]
+        self._looked_up(1, int(found))
+        return found
 
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
         """How many leading keys L3 holds (stored, not yet verified: reads verify)."""
-        return self._require_store().prefix_hits([page_key(k) for k in keys])
+        n = self._require_store().prefix_hits([page_key(k) for k in keys])
+        self._looked_up(len(keys), n)
+        return n
+
+    def _looked_up(self, asked: int, found: int) -> None:
+        with self._lock:
+            self.lookups += asked
+            self.lookup_hits += found
+        self.publish()
 
     # ------------------------------------------------------------------ admin
     def clear(self) -> bool:
@@ -354,13 +422,27 @@ class HiCacheBackend(HiCacheStorage):
             getattr(self._transfers, f"{kind}_bandwidth").append(gb / max(seconds, 1e-9))
 
     def get_stats(self):
-        """SGLang's ``StorageMetrics`` for the calls since the last ``get_stats`` (drains them)."""
+        """SGLang's ``StorageMetrics`` for the calls since the last ``get_stats`` (drains
+        them; at most ``stats_window`` of each kind, the latest)."""
         from sglang.srt.observability.metrics_collector import StorageMetrics
 
         with self._lock:
-            t, self._transfers = self._transfers, _Transfers()
-        return StorageMetrics(prefetch_pgs=t.prefetch_pgs, backup_pgs=t.backup_pgs,
-                              prefetch_bandwidth=t.prefetch_bandwidth, backup_bandwidth=t.backup_bandwidth)
+            t, self._transfers = self._transfers, _Transfers(self.stats_window)
+        return StorageMetrics(prefetch_pgs=list(t.prefetch_pgs), backup_pgs=list(t.backup_pgs),
+                              prefetch_bandwidth=list(t.prefetch_bandwidth),
+                              backup_bandwidth=list(t.backup_bandwidth))
+
+    def adapter_stats(self) -> AdapterStats:
+        """This backend's counters as the shared adapter metric set declares them."""
+        store = self._require_store()
+        with self._lock:
+            own = dict(lookups=self.lookups, lookup_hits=self.lookup_hits, skipped=self.skipped_writes)
+        return adapter_stats(store, **own)
+
+    def publish(self) -> None:
+        """Bring the ``hicache_adapter_*`` counters up to date (called after every batch call)."""
+        if self.store is not None:
+            self.metrics.update(self.adapter_stats())
 
     def hicache_stats(self) -> StorageStats:
         """hicache's L3 counters (hits, misses, corrupt, fingerprint mismatches, drops)."""
@@ -382,6 +464,13 @@ class HiCacheBackend(HiCacheStorage):
         if self._pool_bytes.ctypes.data != self.mem_pool_host.kv_buffer.data_ptr():
             raise IntegrityError("hicache SGLang backend: the host pool's kv_buffer moved since "
                                  "register_mem_pool_host(); register it again")
+        with self._lock:
+            held = [len(q) for q in (self._transfers.prefetch_pgs, self._transfers.backup_pgs,
+                                     self._transfers.prefetch_bandwidth, self._transfers.backup_bandwidth)]
+            if max(held) > self.stats_window or self.lookup_hits > self.lookups:
+                raise IntegrityError(f"hicache SGLang backend: {held} per-call figures held (window "
+                                     f"{self.stats_window}), lookups {self.lookup_hits}/{self.lookups}")
+        self.metrics.check_integrity()
         if self._page_bytes() != self.layout.page_bytes or self._plane_sizes != [
                 p.page_bytes for p in self.layout.planes]:
             raise IntegrityError(f"hicache SGLang backend: pool pages of {self._page_bytes()} bytes, "

@@ -31,18 +31,24 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, ClassVar
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.logger import init_logger
+
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -52,27 +58,41 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
 
+from hicache.config import StorageConfig
 from hicache.errors import ConfigError, IntegrityError
-from hicache.layout import KVLayout
+from hicache.integrations.known import KnownSet
+from hicache.layout import MAX_MODEL_ID_CHARS, KVLayout
+from hicache.ratelimit import LogLimiter
 from hicache.storage import StorageBackend, open_storage
 from hicache.storage.base import redact_url
 from hicache.types import PageHash
 
-log = logging.getLogger(__name__)
+# Under vLLM's "vllm" logger: its handler and level (VLLM_LOGGING_LEVEL, INFO by
+# default) apply, so the start line appears in a vLLM process without any setup.
+log = init_logger("vllm.hicache")
 
-__all__ = ["HiCacheTier", "TierStats", "page_hash", "vllm_layout"]
+__all__ = ["HiCacheTier", "TierStats", "page_hash", "vllm_layout", "DEFAULT_MAX_KNOWN_CHUNKS",
+           "METRIC_PREFIX"]
+
+# Chunks the tier remembers as stored in L3 (an LRU). An entry costs ~200 bytes
+# (key, ordered-dict node), so the default bounds it near 20 MB; at a 2 MiB row
+# (Llama-3.1-8B, block 16) it covers 200 GiB of L3. Beyond it, lookups of
+# forgotten chunks go to L3 (probe_l3) or miss.
+DEFAULT_MAX_KNOWN_CHUNKS = 100_000
+# Prometheus names: METRIC_PREFIX + a TierStats field (counters get "_total").
+METRIC_PREFIX = "hicache_vllm_"
 
 
 def vllm_layout(config: OffloadingConfig, row_bytes: int) -> KVLayout:
     """The ``KVLayout`` of one primary-tier row, from what vLLM tells a tier.
 
-    A row is opaque bytes to hicache, so the layout is one ``uint8`` plane of
-    ``row_bytes`` per "page" (one chunk); everything vLLM says about the bytes
-    (model, KV dtype, groups and layers, block and chunk sizes, parallelism,
-    host layout) goes into ``model_id`` through a digest, hence into the
-    fingerprint. Two deployments that differ in any of these never read each
-    other's objects. The service (``hicache+unix://``) must be started with
-    this layout (``HiCacheTier.layout`` / the tier's log line show it).
+    A row is opaque bytes to hicache: a ``kind="rows"`` layout, one page per
+    chunk of ``row_bytes``. Everything vLLM says about the bytes (model, KV
+    dtype, groups and layers, block and chunk sizes, parallelism, host layout)
+    is the layout's ``engine_layout``, hence in the fingerprint: two
+    deployments that differ in any of these never read each other's objects.
+    The service (``hicache+unix://``) must be started with this layout
+    (``HiCacheTier.layout``; the tier's start line shows its fingerprint).
     """
     if not isinstance(config, OffloadingConfig):
         raise ConfigError(f"HiCacheTier needs vLLM's OffloadingConfig (offloading_spec.config), "
@@ -93,11 +113,34 @@ def vllm_layout(config: OffloadingConfig, row_bytes: int) -> KVLayout:
         "replicated_layout": config.replicated_layout,
         "canonical_layout": config.canonical_layout,
         "kv_cache_layout": config.kv_cache_layout,
-        "row_bytes": row_bytes,
     }
-    digest = hashlib.blake2b(json.dumps(facts, sort_keys=True).encode(), digest_size=8).hexdigest()
-    return KVLayout(model_id=f"vllm:{config.model.name}:{digest}", num_layers=1, kind="mla",
-                    kv_lora_rank=row_bytes, dtype="uint8", page_size=1, host_layout="page_first")
+    model_id = f"vllm:{config.model.name}"[:MAX_MODEL_ID_CHARS]  # the full name is in engine_layout
+    return KVLayout.rows(model_id, row_bytes, facts, host_layout="page_first")
+
+
+def _log_through_vllm() -> None:
+    """Send hicache's own loggers (storage outages, corrupt objects) to vLLM's handler
+    and level too, unless the user configured the ``hicache`` logger: in a vLLM
+    process nothing else would show them in vLLM's format, or at all below WARNING."""
+    ours, theirs = logging.getLogger("hicache"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for h in theirs.handlers:
+        ours.addHandler(h)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
+def _auth_key(auth_key: str, auth_key_file: str) -> bytes:
+    """The tier's MAC secret: its extra config's ``auth_key`` / ``auth_key_file``, else the
+    environment's ``HICACHE_STORAGE__AUTH_KEY`` / ``..._FILE`` (as the core's ``storage.auth_key``)."""
+    if not (auth_key or auth_key_file):
+        auth_key = os.environ.get("HICACHE_STORAGE__AUTH_KEY", "")
+        auth_key_file = os.environ.get("HICACHE_STORAGE__AUTH_KEY_FILE", "")
+    for name, v in (("auth_key", auth_key), ("auth_key_file", auth_key_file)):
+        if not isinstance(v, str):
+            raise ConfigError(f"HiCacheTier {name}: must be a string, got {type(v).__name__}")
+    return StorageConfig(auth_key=auth_key, auth_key_file=auth_key_file).resolved_auth_key()
 
 
 def page_hash(key: OffloadKey) -> PageHash:
@@ -105,20 +148,40 @@ def page_hash(key: OffloadKey) -> PageHash:
     return PageHash(hashlib.blake2b(key, digest_size=16).digest())
 
 
+def _c(doc: str) -> Any:
+    """A counter field of ``TierStats``: ``doc`` is its Prometheus help text."""
+    return dataclasses.field(default=0, metadata={"doc": doc})
+
+
 @dataclasses.dataclass(slots=True)
 class TierStats:
-    """Counters since the tier was built (chunks, not jobs, unless named ``jobs``)."""
+    """Counters since the tier was built (chunks, not jobs, unless named ``jobs``).
 
-    store_jobs: int = 0  # submit_store calls
-    load_jobs: int = 0  # submit_load calls
-    jobs_reported: int = 0  # JobResults handed to vLLM
-    stored: int = 0  # chunks written to L3
-    store_skipped: int = 0  # chunks already in L3 (known), not rewritten
-    store_failed: int = 0  # chunks L3 did not take (outage, per-item error)
-    loaded: int = 0  # chunks read, verified and copied into primary rows
-    load_missed: int = 0  # chunks absent, corrupt, foreign, or L3 down
-    bytes_written: int = 0
-    bytes_read: int = 0
+    The one declaration of the tier's figures: ``HiCacheTier.build_metric_definitions``
+    names a Prometheus counter ``hicache_vllm_<field>`` after each field, with
+    the field's ``doc``. ``corrupt``, ``foreign`` and ``l3_errors`` are the storage
+    backend's own counts (this tier is its only user).
+    """
+
+    lookups: int = _c("Chunk lookups vLLM asked this tier")
+    lookup_hits: int = _c("Lookups answered HIT")
+    lookup_misses: int = _c("Lookups answered MISS")
+    lookup_retries: int = _c("Lookups answered RETRY (the async L3 probe was still running)")
+    store_jobs: int = _c("Cascade (store) jobs submitted")
+    load_jobs: int = _c("Promotion (load) jobs submitted")
+    jobs_reported: int = _c("Job results handed back to vLLM")
+    store_failed_jobs: int = _c("Store jobs reported failed: some chunk did not reach L3")
+    load_failed_jobs: int = _c("Load jobs reported failed: some chunk was not loaded")
+    stored: int = _c("Chunks written to L3")
+    store_skipped: int = _c("Chunks already known in L3, not rewritten")
+    store_failed: int = _c("Chunks L3 did not take (outage, per-item error): store errors")
+    loaded: int = _c("Chunks read, verified and copied into vLLM's CPU rows")
+    load_missed: int = _c("Chunks a load did not find: absent, corrupt, foreign, or L3 down")
+    bytes_written: int = _c("Bytes of chunks written to L3")
+    bytes_read: int = _c("Bytes of chunks loaded from L3")
+    corrupt: int = _c("Objects refused on read: damaged, or a forged/missing MAC (deleted)")
+    foreign: int = _c("Objects refused on read: written for another layout (fingerprint)")
+    l3_errors: int = _c("L3 calls or items that failed (every operation)")
 
     def check(self, in_flight: int, unreported: int) -> None:
         bad = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) < 0]
@@ -128,6 +191,13 @@ class TierStats:
             raise IntegrityError(f"HiCacheTier: {self.store_jobs} store + {self.load_jobs} load jobs != "
                                  f"{self.jobs_reported} reported + {in_flight} in flight + {unreported} "
                                  "finished unreported")
+        if self.lookups != self.lookup_hits + self.lookup_misses + self.lookup_retries:
+            raise IntegrityError(f"HiCacheTier: lookups={self.lookups} != hits {self.lookup_hits} + misses "
+                                 f"{self.lookup_misses} + retries {self.lookup_retries}")
+
+
+TIER_METRIC_LABEL = "hicache_tier"  # the tier_type of the series (several HiCacheTiers may be configured)
+KNOWN_CHUNKS_GAUGE = METRIC_PREFIX + "known_chunks"
 
 
 class _L3Lookup(AsyncLookupManager):
@@ -151,15 +221,23 @@ class HiCacheTier(SecondaryTierManager):
     stored are looked up in L3 asynchronously, answering ``RETRY`` until the
     probe returns, so pages written by other instances or before a restart
     are found; False: answer only from this process's own stores, never
-    ``RETRY``), ``locality`` (``"LOCAL"`` / ``"REMOTE"``, vLLM's tier filter).
+    ``RETRY``), ``max_known_chunks`` (the LRU of chunks this tier believes L3
+    holds; default ``DEFAULT_MAX_KNOWN_CHUNKS``), ``auth_key`` /
+    ``auth_key_file`` (as ``storage.auth_key``: objects carry a MAC and
+    objects without a valid one are misses; default: the environment's
+    ``HICACHE_STORAGE__AUTH_KEY`` / ``HICACHE_STORAGE__AUTH_KEY_FILE``),
+    ``locality`` (``"LOCAL"`` / ``"REMOTE"``, vLLM's tier filter).
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str, url: str,
                  key_prefix: str = "", timeout_ms: int = 50, max_retries: int = 2, io_threads: int = 2,
-                 probe_l3: bool = True, locality: str | None = None, backpressure_detector: Any = None):
+                 probe_l3: bool = True, max_known_chunks: int = DEFAULT_MAX_KNOWN_CHUNKS,
+                 auth_key: str = "", auth_key_file: str = "", locality: str | None = None,
+                 backpressure_detector: Any = None):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        _log_through_vllm()
         self.locality = Locality(locality) if locality is not None else None
         if primary_kv_view.ndim != 2:
             raise ConfigError(f"HiCacheTier: primary_kv_view has shape {primary_kv_view.shape}; "
@@ -173,35 +251,53 @@ class HiCacheTier(SecondaryTierManager):
         self.layout = vllm_layout(offloading_spec.config, self._row_bytes)
         self.fingerprint = self.layout.fingerprint()
         self.url = url
+        key = _auth_key(auth_key, auth_key_file)
         self.storage: StorageBackend = open_storage(url, fingerprint=self.fingerprint, timeout_ms=timeout_ms,
                                                     max_retries=max_retries, key_prefix=key_prefix,
-                                                    layout=self.layout)
+                                                    layout=self.layout, auth_key=key)
         self._sizes = [self._row_bytes]
-        self._lock = threading.Lock()  # guards _finished, _stats and _in_flight (pool threads write them)
+        self._lock = threading.Lock()  # guards _finished, _stats, _known and _in_flight (pool threads write them)
         self._finished: list[JobResult] = []
         self._in_flight: dict[JobId, Future] = {}
         self._stats = TierStats()
-        # Chunks this tier knows L3 holds (stored or loaded by it); pool threads update it.
-        self._present: set[OffloadKey] = set()
+        self._reported = TierStats()  # what get_stats() has handed to vLLM's metrics so far
+        # Chunks this tier believes L3 holds (stored or loaded by it), an LRU: a
+        # load that misses removes the chunk, and Redis may evict any of them.
+        self._known = KnownSet(max_known_chunks)
         self._misses_to_mark: list[OffloadKey] = []  # failed loads, for the scheduler-side probe state
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="hicache-vllm")
         self._lookup = _L3Lookup(self) if probe_l3 else None
-        log.info("HiCacheTier %s: L3 %s, layout %s (fingerprint %s, %d-byte rows)", tier_type,
-                 redact_url(url), self.layout.model_id, self.fingerprint, self._row_bytes)
+        self._warn = LogLimiter(log)  # per-job warnings: a few lines per kind and minute
+        view = primary_kv_view
+        log.info("HiCacheTier %s started: L3 %s, fingerprint %s (%s), %d-byte rows, vLLM CPU tier %d rows "
+                 "= %.2f GiB, known-chunk cap %d, probe_l3 %s, MAC %s", tier_type, redact_url(url),
+                 self.fingerprint, self.layout.model_id, self._row_bytes, view.shape[0],
+                 view.shape[0] * self.block_size_bytes / 2**30, max_known_chunks, probe_l3,
+                 "on" if key else "off")
 
     # ------------------------------------------------------------ scheduler side
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """HIT when the tier knows L3 holds ``key``; else the async probe's answer,
         ``RETRY`` while it runs (``MISS`` at once when ``probe_l3`` is off). Non-blocking."""
         with self._lock:
-            if key in self._present:
-                return LookupResult.HIT
-        if self._lookup is None:
-            return LookupResult.MISS
-        found = self._lookup.lookup(key, req_context)
-        if found is None:
-            return LookupResult.RETRY
-        return LookupResult.HIT if found else LookupResult.MISS
+            known = self._known.touch(key)
+        if known:
+            result = LookupResult.HIT
+        elif self._lookup is None:
+            result = LookupResult.MISS
+        else:
+            found = self._lookup.lookup(key, req_context)
+            result = LookupResult.RETRY if found is None else LookupResult.HIT if found else LookupResult.MISS
+        with self._lock:
+            s = self._stats
+            s.lookups += 1
+            if result is LookupResult.HIT:
+                s.lookup_hits += 1
+            elif result is LookupResult.MISS:
+                s.lookup_misses += 1
+            else:
+                s.lookup_retries += 1
+        return result
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         """Queue a cascade of primary rows to L3; returns at once."""
@@ -258,18 +354,56 @@ class HiCacheTier(SecondaryTierManager):
     def config_info(self) -> dict[str, str]:
         return {"hicache_url": redact_url(self.url), "hicache_fingerprint": self.fingerprint}
 
-    def stats(self) -> TierStats:
-        """A snapshot copy of the counters."""
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        """vLLM registers these on its own Prometheus registry (the one its ``/metrics``
+        serves): a counter ``hicache_vllm_<field>`` per ``TierStats`` field and a gauge of
+        the known-chunk set's size, each labelled with the tier's type."""
+        labels = (TIER_METRIC_LABEL,)
+        out: dict[str, OffloadingMetricMetadata] = {
+            METRIC_PREFIX + f.name: OffloadingCounterMetadata(documentation=f.metadata["doc"], labelnames=labels)
+            for f in dataclasses.fields(TierStats)}
+        out[KNOWN_CHUNKS_GAUGE] = OffloadingGaugeMetadata(
+            documentation="Chunks the tier believes L3 holds (an LRU of max_known_chunks)", labelnames=labels)
+        return out
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """The counters' increase since the previous call, in vLLM's metric payload
+        (vLLM's manager calls this once per scheduler step and ships it to /metrics)."""
+        now = self.stats()
         with self._lock:
-            return dataclasses.replace(self._stats)
+            last, self._reported = self._reported, now
+            known = len(self._known)
+        out = OffloadingConnectorStats()
+        label = (self.tier_type,)
+        for f in dataclasses.fields(TierStats):
+            delta = getattr(now, f.name) - getattr(last, f.name)
+            if delta:
+                out.increase_counter(METRIC_PREFIX + f.name, delta, label)
+        out.set_gauge(KNOWN_CHUNKS_GAUGE, known, label)
+        return out
+
+    def stats(self) -> TierStats:
+        """A snapshot copy of the counters (the storage backend's rejections included)."""
+        st = self.storage.stats()
+        with self._lock:
+            out = dataclasses.replace(self._stats)
+        out.corrupt, out.foreign, out.l3_errors = st.corrupt, st.fingerprint_mismatch, st.errors
+        return out
+
+    def known_chunks(self) -> int:
+        with self._lock:
+            return len(self._known)
 
     def check_integrity(self) -> None:
-        """Job accounting balances, counters are sane, and the storage backend's own
-        check passes (where it can list its objects, every one verifies). Raises ``IntegrityError``."""
+        """Job and lookup accounting balance, counters are sane, the known-chunk set is
+        within its cap, and the storage backend's own check passes (where it can list
+        its objects, every one verifies). Raises ``IntegrityError``."""
         with self._lock:
             in_flight = sum(not f.done() for f in self._in_flight.values())
             done_unlisted = [j for j, f in self._in_flight.items() if f.done()]
             stats, unreported = dataclasses.replace(self._stats), len(self._finished)
+            self._known.check_integrity()
         if done_unlisted:
             raise IntegrityError(f"HiCacheTier: jobs {done_unlisted[:5]} finished but still listed in flight")
         stats.check(in_flight, unreported)
@@ -301,13 +435,24 @@ class HiCacheTier(SecondaryTierManager):
             log.exception("HiCacheTier: job %d (%d chunks) failed", job_id, len(keys))
             result = JobResult(job_id=job_id, success=False)
         result.transfer_time = time.monotonic() - t0
+        load = run == self._run_load
         with self._lock:
+            if not result.success:
+                if load:
+                    self._stats.load_failed_jobs += 1
+                else:
+                    self._stats.store_failed_jobs += 1
             self._finished.append(result)
             del self._in_flight[job_id]
+        if not result.success:
+            op = "load" if load else "store"
+            self._warn.log(logging.WARNING, op, "HiCacheTier %s: a %s job of %d chunks did not fully succeed "
+                           "(L3 %s; hicache_vllm_* metrics count every chunk; further lines rate-limited)",
+                           self.tier_type, op, len(keys), redact_url(self.url))
 
     def _run_store(self, job_id: JobId, keys: list[OffloadKey], chunk_ids: list[int]) -> JobResult:
         with self._lock:
-            todo = [(k, c) for k, c in zip(keys, chunk_ids) if k not in self._present]
+            todo = [(k, c) for k, c in zip(keys, chunk_ids) if not self._known.touch(k)]
         hashes = [page_hash(k) for k, _ in todo]
         stored = self.storage.put([(h, self._row(c), self._sizes) for h, (_, c) in zip(hashes, todo)])
         if stored == len(todo):
@@ -315,7 +460,7 @@ class HiCacheTier(SecondaryTierManager):
         else:  # partial: ask which ones L3 took (all False while it is down)
             landed = [k for (k, _), ok in zip(todo, self.storage.exists(hashes)) if ok]
         with self._lock:
-            self._present.update(landed)
+            self._known.add(landed)
             s = self._stats
             s.stored += len(landed)
             s.store_failed += len(todo) - len(landed)
@@ -335,8 +480,8 @@ class HiCacheTier(SecondaryTierManager):
             self._row(cid)[:] = payload
             ok.append(key)
         with self._lock:
-            self._present.update(ok)
-            self._present.difference_update(missed)
+            self._known.add(ok)
+            self._known.discard(missed)
             s = self._stats
             s.loaded += len(ok)
             s.load_missed += len(missed)

@@ -56,6 +56,13 @@ class TierSnapshot:
                       family_help="1 when the tier answers (L3: no outage in progress).", default=False)
     service: L3TierStats | None = stat("L3 only: what the service moved between L2 and L3.", scoped=True,
                                        default=None)
+    usage_scope: str | None = stat('L3 only: what used_pages/used_bytes cover: "store" (this directory or '
+                                   'in-process store) or "server" (the whole Redis server, other data included).',
+                                   metric=None, default=None)
+    usage_exact: bool | None = stat("L3 only: used_bytes is exact (False: the file:// ledger's running "
+                                    "estimate, never below the truth).", metric=None, default=None)
+    eviction_policy: str | None = stat("L3 only: what goes first at the byte cap (Redis: its maxmemory-policy).",
+                                       metric=None, default=None)
 
 
 @dataclass(slots=True)
@@ -111,6 +118,18 @@ class EngineReport:
     l1_capacity_pages: int = stat("The engine's L1 capacity in pages.", metric="engine_l1_pages", kind="gauge",
                                   labels={"state": "capacity"}, default=0)
     l1_evictions: int = stat("Pages the engine evicted from L1.", metric="engine_l1_evictions", default=0)
+    admission_load: int = stat("L2/L3 hits the engine loaded (the cost model chose to).",
+                               metric="engine_admission_decisions", labels={"choice": "load"}, default=0,
+                               family_help="An engine's admissions with an L2/L3 hit, by the cost model's choice "
+                                           "(hicache.load_cost).")
+    admission_load_l2: int = stat("Hits whose L2 part was loaded, L3 part recomputed.",
+                                  metric="engine_admission_decisions", labels={"choice": "load_l2"}, default=0)
+    admission_recompute: int = stat("Hits recomputed: loading was estimated slower.",
+                                    metric="engine_admission_decisions", labels={"choice": "recompute"}, default=0)
+    admission_unmeasured: int = stat("Hits loaded before the cost model's inputs were known.",
+                                     metric="engine_admission_decisions", labels={"choice": "unmeasured"}, default=0)
+    admission_recomputed_tokens: int = stat("L2/L3-hit tokens recomputed instead of loaded.",
+                                            metric="engine_admission_recomputed_tokens", default=0)
 
 
 def report_figures(stats: "HiCacheStats") -> dict[str, int]:
@@ -120,7 +139,17 @@ def report_figures(stats: "HiCacheStats") -> dict[str, int]:
             "l1_hit_tokens_exact": i.device_hit_exact_tokens, "l1_hit_tokens_visible": i.device_hit_tokens,
             "l2_hit_tokens_exact": i.host_hit_exact_tokens, "l2_hit_tokens_visible": i.host_hit_tokens,
             "l1_used_pages": i.device_pages_cached + i.device_pages_private,
-            "l1_capacity_pages": stats.capacity_pages.get("L1", 0), "l1_evictions": i.device_evicted_pages}
+            "l1_capacity_pages": stats.capacity_pages.get("L1", 0), "l1_evictions": i.device_evicted_pages,
+            **_admission_figures(stats)}
+
+
+def _admission_figures(stats: "HiCacheStats") -> dict[str, int]:
+    a = stats.admission
+    if a is None:
+        return {}
+    return {"admission_load": a.load, "admission_load_l2": a.load_l2, "admission_recompute": a.recompute,
+            "admission_unmeasured": a.unmeasured,
+            "admission_recomputed_tokens": a.recomputed_l2_tokens + a.recomputed_l3_tokens}
 
 
 REPORT_FIELDS = tuple(f for f in EngineReport.__dataclass_fields__ if f != "name")

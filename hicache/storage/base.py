@@ -38,6 +38,7 @@ from hicache.hashing import HASH_BYTES
 from hicache.ratelimit import LogLimiter
 from hicache.redact import redact_url  # noqa: F401  (re-exported: backends name themselves with it)
 from hicache.storage import codec
+from hicache.storage.capacity import StorageUsage
 from hicache.storage.codec import Buffer, ReadStatus
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ class StorageStats:
     bytes_written: int = 0  # payload bytes stored by put()
     reconnects: int = 0  # outages that ended (L3 answered again after failing)
     lookup_timeouts: int = 0  # bounded prefix_hits() that answered 0: L3 slower than the budget, or busy
+    evicted: int = 0  # objects this process removed to keep the store within its byte cap
 
     def check(self) -> None:
         """Raise ``IntegrityError`` when the counters contradict each other."""
@@ -274,6 +276,9 @@ class StorageBackend(abc.ABC):
         self.name = name
         self._lock = threading.Lock()
         self._stats = StorageStats()
+        # StorageStats.errors split by operation (get, put, exists, delete, scan, ping); the
+        # keys are those fixed op names, so the dict stays small. Sums to stats.errors.
+        self._op_errors: dict[str, int] = {}
         self._health = _Health(name, options)
         self._closed = False
         self._warned: set[str] = set()  # one warning per kind of per-call problem
@@ -281,6 +286,8 @@ class StorageBackend(abc.ABC):
         self._wake = threading.Event()  # set by close(): the pinger stops
         self._lookups: concurrent.futures.ThreadPoolExecutor | None = None  # bounded prefix_hits
         self._lookup_busy = False
+        self._inflight: dict[int, float] = {}  # raw calls in progress: id -> start (health clock)
+        self._next_call = 0
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, prefix={self.key_prefix!r})"
@@ -309,6 +316,10 @@ class StorageBackend(abc.ABC):
         """Every stored (full key, object) under our prefix, or None if the backend cannot list."""
         return None
 
+    def _raw_usage(self) -> StorageUsage | None:
+        """What the store holds now, or None if the backend cannot tell."""
+        return None
+
     def _raw_keys(self) -> Iterator[bytes] | None:
         """Every stored full key under our prefix, or None if the backend cannot list.
 
@@ -324,11 +335,17 @@ class StorageBackend(abc.ABC):
             raise ValueError(f"L3 key {key!r}: must be a {HASH_BYTES}-byte page hash from hicache.hashing")
         return self.key_prefix + key
 
-    def _count(self, **deltas: int) -> None:
+    def _count(self, op: str = "", **deltas: int) -> None:
         with self._lock:
             s = self._stats
             for k, v in deltas.items():
                 setattr(s, k, getattr(s, k) + v)
+            if deltas.get("errors"):
+                self._op_error(op, deltas["errors"])
+
+    def _op_error(self, op: str, n: int = 1) -> None:
+        """Attribute ``n`` errors to ``op`` (caller holds the lock and counts ``stats.errors`` itself)."""
+        self._op_errors[op] = self._op_errors.get(op, 0) + n
 
     def _warn_once(self, kind: str, msg: str, *args: object) -> None:
         with self._lock:
@@ -342,18 +359,22 @@ class StorageBackend(abc.ABC):
         with self._lock:
             if self._closed or (not probe and not self._health.allow()):
                 return _DOWN
+            call = self._next_call
+            self._next_call += 1
+            self._inflight[call] = self._health.clock()
         try:
-            out = fn(*args)
+            out = self._timed(call, fn, *args)
         except self.OUTAGE_ERRORS as e:
             with self._lock:
                 self._stats.errors += 1
+                self._op_error(op)
                 opened = self._health.failed(op, e)
             if opened:
                 threading.Thread(target=self._ping_until_up, name=f"hicache-l3-ping-{self.name}",
                                  daemon=True).start()
             return _DOWN
         except self.CALL_ERRORS as e:
-            self._count(errors=1)
+            self._count(op, errors=1)
             self._warn_once(f"{op}:{type(e).__name__}", "L3 %s: %s failed: %s: %s (further such "
                             "failures are only counted)", self.name, op, type(e).__name__, e)
             return _DOWN
@@ -361,6 +382,29 @@ class StorageBackend(abc.ABC):
             if self._health.succeeded():
                 self._stats.reconnects += 1
         return out
+
+    def _timed(self, call: int, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        finally:
+            with self._lock:
+                del self._inflight[call]
+
+    def stalled(self) -> bool:
+        """L3 is not answering now: the circuit is open, or (a store on another
+        machine, ``BOUNDED_LOOKUPS``) a call has been waiting longer than one
+        attempt's timeout (``timeout_ms``, the socket timeout), i.e. it is failing
+        or retrying against an L3 that stopped answering (a SIGSTOPped Redis)
+        before the circuit opened. In-process and local-file stores bound their
+        own calls, and only an open circuit counts. Pure; any thread. A scheduler
+        stops waiting for L3 work when this turns True (``HiCache.drain``)."""
+        with self._lock:
+            if self._health.down:
+                return True
+            if not self._inflight or not self.BOUNDED_LOOKUPS:
+                return False
+            oldest = min(self._inflight.values())
+            return self._health.clock() - oldest > self.options.timeout_s
 
     def _ping_until_up(self) -> None:
         """The circuit breaker's probe: ping on the backoff schedule until L3 answers (or close)."""
@@ -383,6 +427,7 @@ class StorageBackend(abc.ABC):
                         self._stats.reconnects += 1
                     return
                 self._stats.errors += 1
+                self._op_error("ping")
                 self._health.failed("ping", exc or ConnectionError("ping answered False"))
 
     # ------------------------------------------------------------ public API
@@ -434,7 +479,7 @@ class StorageBackend(abc.ABC):
                 bad.append(fk)
                 self._object_log.warning("corrupt", "L3 %s: corrupt object %r (%s); deleted, counted as a miss",
                                          self.name, fk, d.why)
-        self._count(gets=len(full), **c)
+        self._count("get", gets=len(full), **c)
         if bad:
             self._call("delete", self._raw_delete, bad)
         return out
@@ -469,7 +514,7 @@ class StorageBackend(abc.ABC):
             self._warn_once(f"put:{type(failed[0]).__name__}", "L3 %s: put of a page failed: %r "
                             "(further such failures are only counted)", self.name, failed[0])
         stored = sum(ok)
-        self._count(put_ok=stored, put_dropped=len(ok) - stored, errors=len(failed),
+        self._count("put", put_ok=stored, put_dropped=len(ok) - stored, errors=len(failed),
                     bytes_written=sum(r[2].nbytes for r, good in zip(rows, ok) if good))
         return stored
 
@@ -559,6 +604,13 @@ class StorageBackend(abc.ABC):
             n += 0 if res is _DOWN else int(res)
         return n
 
+    def usage(self) -> StorageUsage | None:
+        """Bytes and objects the store holds now and its cap (see ``StorageUsage``);
+        None when the backend cannot tell or L3 is down. Mutates nothing. Cheap
+        enough for every ``/v1/stats`` call (a ledger read, one Redis INFO)."""
+        out = self._call("usage", self._raw_usage)
+        return None if out is _DOWN else out
+
     def ping(self) -> bool:
         """True when L3 answers now. Always tries (ignores the probe schedule)."""
         return self._call("ping", self._raw_ping, probe=True) is True
@@ -572,6 +624,12 @@ class StorageBackend(abc.ABC):
         """A snapshot copy of the counters."""
         with self._lock:
             return dataclasses.replace(self._stats)
+
+    def errors_by_op(self) -> dict[str, int]:
+        """``stats().errors`` split by operation (``get``, ``put``, ``exists``, ``delete``,
+        ``scan``, ``ping``): a copy; only operations that failed appear."""
+        with self._lock:
+            return dict(self._op_errors)
 
     def close(self) -> None:
         """Release connections / handles. Later calls answer misses; idempotent."""
@@ -588,7 +646,11 @@ class StorageBackend(abc.ABC):
     def check_integrity(self) -> None:
         """Counters agree; where the backend can list its objects, every one
         verifies (format, fingerprint, key, length, checksum). Raises ``IntegrityError``."""
-        self.stats().check()
+        with self._lock:
+            stats, by_op = dataclasses.replace(self._stats), dict(self._op_errors)
+        stats.check()
+        if sum(by_op.values()) != stats.errors:
+            raise IntegrityError(f"L3 {self.name}: errors by operation {by_op} do not sum to errors={stats.errors}")
         scan = None if self._closed else self._raw_scan()
         if scan is None:
             return

@@ -17,24 +17,38 @@ and must be regular files (a FIFO or device at an object path is a counted
 error, not a hang). Every batch runs on a worker thread and the caller waits
 at most ``timeout_ms`` per page (times ``1 + max_retries``), like the network
 backends: a hung file system turns into an outage, not a stalled caller.
+
+Byte cap (``max_bytes``, 0 = unbounded; ``storage.max_bytes``): the whole
+root directory (every layout in it, every process writing it) stays at most
+``max_bytes`` once each put has returned, through a ledger shared by the
+processes and trims that delete the oldest objects (``hicache.storage.file_cap``).
+``eviction="lru"`` refreshes an object's mtime when it is read, ``"fifo"``
+does not. The put that crosses the cap pays the trim (a directory scan), on
+the caller's thread (the L3 worker's, never the scheduler's), outside the
+per-page I/O deadline.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 import re
 import secrets
 import stat
 import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
-from hicache.errors import ConfigError
+from hicache.errors import ConfigError, IntegrityError
 from hicache.hashing import HASH_BYTES
 from hicache.storage.base import PutBatch, StorageBackend, StorageOptions
+from hicache.storage.capacity import StorageUsage, check_eviction
 from hicache.storage.codec import Buffer
+from hicache.storage.file_cap import FileCap, scan
 
 _TMP = ".tmp."
+USAGE_SCAN_S = 30.0  # unbounded directories: how long one usage() scan is reused
 _HEX_NAME = re.compile(r"^[0-9a-f]{%d}$" % (2 * HASH_BYTES))
 
 
@@ -54,7 +68,7 @@ class FileBackend(StorageBackend):
     BOUNDED_LOOKUPS = False  # its own per-page deadline bounds a hung file system
 
     def __init__(self, options: StorageOptions, root: str | os.PathLike, *, fsync: bool = False,
-                 name: str = ""):
+                 name: str = "", max_bytes: int = 0, eviction: str = "lru"):
         super().__init__(options, name or f"file://{root}")
         prefix_dir = re.sub(r"[^A-Za-z0-9_.-]", "-", options.key_prefix.decode("utf-8", "replace")).strip("-.")
         self.root = Path(root)
@@ -71,6 +85,15 @@ class FileBackend(StorageBackend):
         # stuck in the kernel keeps it, and later calls fail their deadline.
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hicache-file-l3")
         self._budget_s = options.timeout_s * (1 + options.max_retries)
+        if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0:
+            raise ConfigError(f"storage url {self.name!r}: max_bytes={max_bytes!r} must be an integer >= 0 "
+                              "(0 = unbounded)")
+        self.max_bytes = max_bytes
+        self.eviction = check_eviction(eviction, f"storage url {self.name!r}:")
+        self._cap = FileCap(self.root, max_bytes) if max_bytes else None
+        self._scanned: tuple[float, StorageUsage] | None = None  # unbounded: the last usage scan
+        if self._cap is not None:
+            self._trim()  # a cap lowered since the last run holds from the start
 
     @classmethod
     def from_url(cls, url: str, options: StorageOptions, **opts) -> "FileBackend":
@@ -108,9 +131,13 @@ class FileBackend(StorageBackend):
 
     def _get_all(self, keys: list[bytes]) -> list[Buffer | None | BaseException]:
         out: list[Buffer | None | BaseException] = []
+        touch = self._cap is not None and self.eviction == "lru"
         for k in keys:
             try:
-                out.append(self._read(self._path(k)[1]))
+                path = self._path(k)[1]
+                out.append(self._read(path))
+                if touch:
+                    _touch(path)
             except FileNotFoundError:
                 out.append(None)
             except OSError as e:
@@ -138,7 +165,19 @@ class FileBackend(StorageBackend):
             os.close(fd)
 
     def _raw_put(self, items: PutBatch) -> list[bool | BaseException]:
-        return self._deadline(self._put_all, len(items), items)
+        out = self._deadline(self._put_all, len(items), items)
+        if self._cap is not None:
+            ok = [i for i, r in enumerate(out) if r is True]
+            # Headers were built by the write: len() reads the cache.
+            total = self._cap.account(sum(len(items.header(i)) + items.payload_bytes(i) for i in ok), len(ok))
+            if total > self.max_bytes:
+                self._trim()
+        return out
+
+    def _trim(self) -> None:
+        r = self._cap.trim() if self._cap is not None else None
+        if r is not None and r.deleted:
+            self._count(evicted=r.deleted)
 
     def _put_all(self, items: PutBatch) -> list[bool | BaseException]:
         out: list[bool | BaseException] = []
@@ -188,13 +227,18 @@ class FileBackend(StorageBackend):
         return self._deadline(self._delete_all, len(keys), keys)
 
     def _delete_all(self, keys: list[bytes]) -> int:
-        n = 0
+        n, freed = 0, 0
         for k in keys:
+            path = self._path(k)[1]
             try:
-                os.unlink(self._path(k)[1])
+                size = os.lstat(path).st_size if self._cap is not None else 0
+                os.unlink(path)
                 n += 1
+                freed += size
             except FileNotFoundError:
                 pass
+        if self._cap is not None and n:
+            self._cap.release(freed, n)
         return n
 
     def _raw_ping(self) -> bool:
@@ -220,6 +264,40 @@ class FileBackend(StorageBackend):
                     continue
                 yield self.key_prefix + bytes.fromhex(f.name), obj
 
+    def _raw_usage(self) -> StorageUsage:
+        if self._cap is not None:
+            nbytes, objects = self._cap.usage()
+            return StorageUsage(objects, nbytes, self.max_bytes, self.eviction, exact=False)
+        # Unbounded: no ledger, so a scan; /v1/stats asks every second, a scan is
+        # reused for USAGE_SCAN_S (and then reported as not exact).
+        now = time.monotonic()
+        cached = self._scanned
+        if cached is not None and now - cached[0] < USAGE_SCAN_S:
+            return dataclasses.replace(cached[1], exact=False)
+        objs, _ = scan(self.root)
+        u = StorageUsage(len(objs), sum(f.size for f in objs), None, self.eviction)
+        self._scanned = (now, u)
+        return u
+
+    def check_integrity(self) -> None:
+        """The base checks, and with a cap: the ledger covers the bytes on disk
+        and those are within the cap (call it while no put is in flight)."""
+        super().check_integrity()
+        if self._cap is not None:
+            self._cap.check_integrity()
+            on_disk = sum(f.size for f in scan(self.root)[0])
+            if on_disk > self.max_bytes:
+                raise IntegrityError(f"{self.name}: {on_disk} bytes on disk exceed max_bytes={self.max_bytes}")
+
     def path_of(self, key: bytes) -> Path:
         """Where the object of a page hash lives (for tools and corruption tests)."""
         return Path(self._path(self.key_prefix + key)[1])
+
+
+def _touch(path: str) -> None:
+    """LRU: a read makes the object the newest (its mtime); best effort (another
+    user's file, a read-only mount: the object then ages as under fifo)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass

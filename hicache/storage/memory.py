@@ -2,7 +2,8 @@
 
 Each ``open_storage("memory://")`` gets its own empty store; nothing is shared
 through module state. ``max_bytes`` (0 = unbounded) evicts least recently
-used objects once the stored bytes exceed it.
+used objects (``eviction="lru"``, the default) or the oldest written
+(``"fifo"``) once the stored bytes exceed it.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Iterator
 
 from hicache.errors import ConfigError, IntegrityError
 from hicache.storage.base import PutBatch, StorageBackend, StorageOptions
+from hicache.storage.capacity import StorageUsage, check_eviction
 from hicache.storage.codec import Buffer
 
 
@@ -19,11 +21,13 @@ class MemoryBackend(StorageBackend):
     scheme = "memory"
     BOUNDED_LOOKUPS = False  # never blocks
 
-    def __init__(self, options: StorageOptions, *, max_bytes: int = 0, name: str = "memory://"):
+    def __init__(self, options: StorageOptions, *, max_bytes: int = 0, eviction: str = "lru",
+                 name: str = "memory://"):
         super().__init__(options, name)
         if not isinstance(max_bytes, int) or max_bytes < 0:
             raise ConfigError(f"memory:// max_bytes={max_bytes!r}: must be an integer >= 0 (0 = unbounded)")
         self.max_bytes = max_bytes
+        self.eviction = check_eviction(eviction, "memory://")
         self._objects: OrderedDict[bytes, bytes] = OrderedDict()  # full key -> whole object
         self._nbytes = 0
         self._mu = threading.Lock()
@@ -40,7 +44,7 @@ class MemoryBackend(StorageBackend):
             out = []
             for k in keys:
                 obj = self._objects.get(k)
-                if obj is not None:
+                if obj is not None and self.eviction == "lru":
                     self._objects.move_to_end(k)
                 out.append(obj)
             return out
@@ -52,9 +56,13 @@ class MemoryBackend(StorageBackend):
                 old = self._objects.pop(k, None)
                 self._nbytes += len(obj) - (len(old) if old is not None else 0)
                 self._objects[k] = obj
+            evicted = 0
             while self.max_bytes and self._nbytes > self.max_bytes and self._objects:
                 _, old = self._objects.popitem(last=False)
                 self._nbytes -= len(old)
+                evicted += 1
+        if evicted:
+            self._count(evicted=evicted)
         return [True] * len(items)
 
     def _raw_exists(self, keys: list[bytes]) -> list[bool]:
@@ -70,6 +78,10 @@ class MemoryBackend(StorageBackend):
                     self._nbytes -= len(old)
                     n += 1
         return n
+
+    def _raw_usage(self) -> StorageUsage:
+        with self._mu:
+            return StorageUsage(len(self._objects), self._nbytes, self.max_bytes or None, self.eviction)
 
     def _raw_ping(self) -> bool:
         return True

@@ -38,6 +38,7 @@ from redis.retry import Retry
 from hicache.errors import ConfigError
 from hicache.redact import Redactor, url_secrets
 from hicache.storage.base import PutBatch, StorageBackend, StorageOptions, redact_url
+from hicache.storage.capacity import StorageUsage
 from hicache.storage.codec import Buffer
 from hicache.storage.redis_wire import FramedConnection, FramedSSLConnection, FramedValue
 
@@ -88,6 +89,7 @@ class RedisBackend(StorageBackend):
         self._make_client = make_client
         self._client_obj: Any = None
         self._hash_pool: ThreadPoolExecutor | None = None  # checksum helper for large puts, made on first use
+        self._memory_checked = False  # the first successful put reads INFO memory once (maxmemory warning)
         self._mu = threading.Lock()
 
     # --------------------------------------------------------------- building
@@ -139,6 +141,16 @@ class RedisBackend(StorageBackend):
 
     # ------------------------------------------------------------- primitives
     def _raw_put(self, items: PutBatch) -> list[bool | BaseException]:
+        out = self._put_all(items)
+        if not self._memory_checked:
+            self._memory_checked = True
+            try:
+                self._raw_usage()  # warns when Redis has no maxmemory
+            except (RedisError, RedisClusterException, OSError) as e:  # INFO refused (ACL), or down: the put stands; only the check is lost
+                self._warn_once("info", "L3 %s: INFO memory failed (%s); cannot check maxmemory", self.name, e)
+        return out
+
+    def _put_all(self, items: PutBatch) -> list[bool | BaseException]:
         chunks = _put_chunks(items) if self.overlap_checksums else None
         if chunks is None:
             # One pipeline; headers are built (checksums read) group by group just
@@ -197,6 +209,22 @@ class RedisBackend(StorageBackend):
     def _raw_ping(self) -> bool:
         return bool(self._client().ping())
 
+    def _raw_usage(self) -> StorageUsage:
+        """INFO memory (every primary of a cluster, summed) and DBSIZE: server-wide
+        figures, other data included. Warns once per backend when no maxmemory is set."""
+        info = self._memory_info()
+        usage = StorageUsage(objects=info["keys"], used_bytes=info["used_memory"],
+                             max_bytes=info["maxmemory"] or None, policy=info["maxmemory_policy"], scope="server")
+        if not info["maxmemory"]:
+            self._warn_once("maxmemory", "L3 %s: Redis has no maxmemory set, so it grows until the host runs out "
+                            "of memory (used_memory=%d bytes now); set maxmemory and maxmemory-policy "
+                            "allkeys-lru (README: Operating L3)", self.name, info["used_memory"])
+        return usage
+
+    def _memory_info(self) -> dict[str, Any]:
+        c = self._client()
+        return _server_memory(c.info("memory"), c.dbsize())
+
     def _raw_keys(self) -> Iterator[bytes]:
         # SCAN (every primary of a cluster) with the prefix as a glob, escaped.
         pattern = re.sub(rb"([*?\[\]\\])", rb"\\\1", self.key_prefix) + b"*"
@@ -210,6 +238,19 @@ class RedisBackend(StorageBackend):
             pool.shutdown(wait=True)
         if c is not None:
             c.close()
+
+
+def _server_memory(info: dict[str, Any], dbsize: Any) -> dict[str, Any]:
+    """``INFO memory`` of one server, or of a cluster (``{node: info}``; ``dbsize``
+    summed by redis-py), as used_memory / maxmemory (0 when any primary is
+    unbounded) / maxmemory_policy / keys."""
+    per_node = [v for v in info.values() if isinstance(v, dict)] if "used_memory" not in info else [info]
+    caps = [int(n.get("maxmemory", 0)) for n in per_node]
+    policies = sorted({str(n.get("maxmemory_policy", "?")) for n in per_node})
+    return {"used_memory": sum(int(n.get("used_memory", 0)) for n in per_node),
+            "maxmemory": 0 if not caps or 0 in caps else sum(caps),
+            "maxmemory_policy": ",".join(policies) or "?",
+            "keys": int(dbsize) if isinstance(dbsize, int) else None}
 
 
 def _put_chunks(items: PutBatch) -> list[range] | None:
@@ -264,5 +305,11 @@ class RedisClusterBackend(RedisBackend):
         kw.setdefault("protocol", 2)  # as in RedisBackend.from_url
         kw.update(cluster_kwargs)
         return cls(options, lambda: RedisCluster(**kw), redact_url(url))
+
+    def _memory_info(self) -> dict[str, Any]:
+        c = self._client()
+        # Primaries only: a replica holds copies, counting it would double the bytes.
+        return _server_memory(c.info("memory", target_nodes=RedisCluster.PRIMARIES),
+                              c.dbsize(target_nodes=RedisCluster.PRIMARIES))
 
 

@@ -18,6 +18,7 @@ from hicache.client import EngineClient
 from hicache.errors import ServiceError
 from hicache.hashing import page_hashes
 from hicache.hicache import HiCacheStats
+from hicache.load_cost import AdmissionStats
 from hicache.service.snapshot import REPORT_FIELDS, EngineReport, StatsSnapshot
 from hicache.stat_schema import help_of, metric_of, stat
 from hicache.tiers import TierMoveStats
@@ -107,7 +108,7 @@ def test_engine_report_is_per_engine_and_gone_on_disconnect(served):
         a.report(name="a", **{**FIGURES, "l1_hit_tokens_exact": 21})  # replaces a's last report
         engines = c.get("/v1/stats").json()["engines"]
         ka, kb = str(a.client_id), str(b.client_id)
-        assert engines[ka] == {"name": "a", **FIGURES, "l1_hit_tokens_exact": 21}
+        assert engines[ka] == {**{k: 0 for k in REPORT_FIELDS}, "name": "a", **FIGURES, "l1_hit_tokens_exact": 21}
         assert engines[kb] == {**{k: 0 for k in REPORT_FIELDS}, "name": "", "l2_hit_tokens_exact": 5}
         m = samples(c.get("/metrics").text)
         hits = {(ls["engine"], ls["level"], ls["op"]): v for ls, v in m["hicache_engine_hit_tokens"]}
@@ -158,10 +159,18 @@ def test_an_embedded_caches_stats_are_reported(served):
     idx = CacheStats(requests=2, admitted_tokens=40, device_hit_tokens=16, device_hit_exact_tokens=18,
                      host_hit_tokens=8, host_hit_exact_tokens=8, device_pages_cached=3, device_pages_private=1,
                      device_evicted_pages=6)
-    hs = HiCacheStats(idx, TierMoveStats(), {}, {"L1": 32, "L2": 64}, None)
+    adm = AdmissionStats(load=3, load_l2=1, recompute=2, unmeasured=5, recomputed_l2_tokens=8,
+                         recomputed_l3_tokens=4)
+    hs = HiCacheStats(idx, TierMoveStats(), {}, {"L1": 32, "L2": 64}, None, adm)
     with served.client() as c, EngineClient(served.socket_path, served.config.layout(), pin=False) as eng:
         eng.report_stats(hs, name="embedded")
         got = c.get("/v1/stats").json()["engines"][str(eng.client_id)]
+        m = samples(c.get("/metrics").text)
     assert got == {"name": "embedded", "requests": 2, "prompt_tokens": 40, "l1_hit_tokens_exact": 18,
                    "l1_hit_tokens_visible": 16, "l2_hit_tokens_exact": 8, "l2_hit_tokens_visible": 8,
-                   "l1_used_pages": 4, "l1_capacity_pages": 32, "l1_evictions": 6}
+                   "l1_used_pages": 4, "l1_capacity_pages": 32, "l1_evictions": 6,
+                   "admission_load": 3, "admission_load_l2": 1, "admission_recompute": 2,
+                   "admission_unmeasured": 5, "admission_recomputed_tokens": 12}
+    mine = str(eng.client_id)
+    decisions = {ls["choice"]: v for ls, v in m["hicache_engine_admission_decisions"] if ls["engine"] == mine}
+    assert decisions == {"load": 3, "load_l2": 1, "recompute": 2, "unmeasured": 5}

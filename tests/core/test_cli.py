@@ -77,3 +77,15 @@ def test_info_redacts_secrets(capsys):
     text = json.dumps(got)
     assert "hunter2" not in text and "tok-secret" not in text
     assert got["pools"]["L3"] == "redis://u:***@h:6379/0" and got["config"]["service"]["admin_token"] == "***"
+
+
+def test_info_describes_a_rows_layout(capsys, tmp_path):
+    """The layout a vLLM tier logs (kind="rows") is one hicache serve can be configured with."""
+    from hicache.layout import KVLayout
+    lay = KVLayout.rows("vllm:m", 589824, {"engine": "vllm", "block": 16}, host_layout="page_first")
+    toml = tmp_path / "rows.toml"
+    toml.write_text("[model]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in lay.to_dict().items()))
+    got = _info(capsys, ["info", "--config", str(toml), "--set", "pool.host_pages=3"])
+    assert got["layout"] == {"fingerprint": lay.fingerprint(), "planes": 1, "page_bytes": 589824,
+                             "token_bytes": 589824}
+    assert got["pools"]["L2"]["bytes"] == 3 * 589824

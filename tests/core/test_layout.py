@@ -118,3 +118,105 @@ def test_round_trip_dict():
     assert KVLayout.from_dict(lay.to_dict()) == lay
     with pytest.raises(LayoutError, match="unknown KVLayout field"):
         KVLayout.from_dict({**lay.to_dict(), "heads": 3})
+
+
+# ---------------------------------------------------------------- kind="rows"
+ROWS = dict(model_id="vllm:m", row_bytes=589824, engine_layout={"engine": "vllm", "block": 16})
+
+
+def test_rows_layout_is_one_uint8_plane_of_the_row():
+    lay = KVLayout.rows(**ROWS)
+    assert (lay.kind, lay.num_layers, lay.page_size, lay.dtype) == ("rows", 1, 1, "uint8")
+    (p,) = lay.planes
+    assert (p.name, p.layer, p.draft, p.row_shape, p.dtype, p.row_bytes, p.page_bytes) == \
+        ("row", 0, False, (589824,), torch.uint8, 589824, 589824)
+    assert lay.page_bytes == lay.token_bytes == 589824
+    assert lay.engine_layout == '{"block":16,"engine":"vllm"}'
+
+
+@pytest.mark.parametrize("row_bytes", [1, 64 << 20, 1 << 30])
+def test_rows_accepts_rows_up_to_the_bound(row_bytes):
+    assert KVLayout.rows(**{**ROWS, "row_bytes": row_bytes}).page_bytes == row_bytes == \
+        KVLayout.rows(**{**ROWS, "row_bytes": row_bytes}).planes[0].page_bytes
+
+
+@pytest.mark.parametrize("changes,field,needle", [
+    ({"row_bytes": 0}, "row_bytes", "row_bytes >= 1"),
+    ({"row_bytes": (1 << 30) + 1}, "row_bytes", f"must be an integer in [0, {1 << 30}]"),
+    ({"row_bytes": True}, "row_bytes", "must be an integer"),
+    ({"row_bytes": 2.0}, "row_bytes", "must be an integer"),
+    ({"engine_layout": "x" * ((1 << 16) + 1)}, "engine_layout", "at most 65536 characters"),
+    ({"engine_layout": "not json"}, "engine_layout", "must be a JSON object"),
+    ({"engine_layout": "[1]"}, "engine_layout", "non-empty JSON object"),
+    ({"engine_layout": "{}"}, "engine_layout", "non-empty JSON object"),
+    ({"engine_layout": '{"b": 1, "a": 2}'}, "engine_layout", "canonical JSON"),
+    ({"engine_layout": 7}, "engine_layout", "must be a string"),
+    ({"page_size": 16}, "page_size", "page_size must be 1"),
+    ({"num_layers": 2}, "num_layers", "num_layers must be 1"),
+    ({"dtype": "bfloat16"}, "dtype", "dtype must be 'uint8'"),
+    ({"kv_lora_rank": 8}, "kv_lora_rank", "kv_lora_rank must be 0"),
+    ({"num_kv_heads": 1}, "num_kv_heads", "num_kv_heads must be 0"),
+    ({"draft_layers": 1}, "draft_layers", "draft_layers must be 0"),
+    ({"extra_planes": (BytePlane("idx", 3),)}, "extra_planes", "extra_planes must be ()"),
+])
+def test_rows_bounds_name_field_and_value(changes, field, needle):
+    base = KVLayout.rows(**ROWS).to_dict()
+    with pytest.raises(LayoutError) as e:
+        KVLayout.from_dict({**base, **changes})
+    assert needle in str(e.value) and f"KVLayout.{field}" in str(e.value)
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize("lay,field", [(MHA, "row_bytes"), (MLA, "engine_layout")])
+def test_rows_fields_are_refused_on_mha_and_mla(lay, field):
+    with pytest.raises(LayoutError, match=f"KVLayout.{field}=.*kind='rows' only"):
+        KVLayout(**lay, **{field: 64 if field == "row_bytes" else '{"a":1}'})
+
+
+def test_rows_engine_layout_must_be_json():
+    with pytest.raises(LayoutError, match="not JSON-serialisable"):
+        KVLayout.rows("m", 64, {"x": object()})
+
+
+def test_rows_fingerprint_covers_row_bytes_and_the_engine_description():
+    base = KVLayout.rows(**ROWS)
+    assert KVLayout.rows(**{**ROWS, "row_bytes": 589825}).fingerprint() != base.fingerprint()
+    other = KVLayout.rows(**{**ROWS, "engine_layout": {"engine": "vllm", "block": 32}})
+    assert other.fingerprint() != base.fingerprint()
+    assert [d[0] for d in base.diff(other)] == ["engine_layout"]
+    # One description, one fingerprint, whatever the key order the engine used.
+    same = KVLayout.rows(**{**ROWS, "engine_layout": {"block": 16, "engine": "vllm"}})
+    assert same.fingerprint() == base.fingerprint() and same == base
+    fields = base.contract_fields()
+    assert fields["kind"] == "rows" and fields["row_bytes"] == 589824
+    assert fields["engine_layout"] == '{"block":16,"engine":"vllm"}'
+    # The old abuse (a one-layer MLA whose kv_lora_rank is the row) is another layout.
+    assert base.fingerprint() != KVLayout(model_id="vllm:m", num_layers=1, kind="mla", kv_lora_rank=64,
+                                          dtype="uint8", page_size=1).fingerprint()
+
+
+def test_mha_and_mla_fingerprints_and_dicts_do_not_carry_the_rows_fields():
+    """Adding kind="rows" changed no existing fingerprint: objects already in L3 stay readable,
+    and peers that predate the fields still parse our handshake."""
+    for d in (MHA, MLA):
+        lay = KVLayout(**d)
+        assert not {"row_bytes", "engine_layout"} & set(lay.contract_fields())
+        assert not {"row_bytes", "engine_layout"} & set(lay.to_dict())
+    # The fingerprint of MHA as computed before the fields existed (the same JSON blob).
+    import hashlib
+    import json
+    lay = KVLayout(**MHA)
+    old = {"contract_version": 1, **{k: v for k, v in lay.to_dict().items()
+                                     if k not in ("cp_rank", "cp_size", "host_layout")}}
+    blob = json.dumps(old, sort_keys=True, separators=(",", ":"))
+    assert lay.fingerprint() == hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
+
+
+def test_rows_round_trips_through_dict_and_config():
+    from hicache.config import ModelConfig
+    lay = KVLayout.rows(**ROWS, host_layout="page_first")
+    d = lay.to_dict()
+    assert d["row_bytes"] == 589824 and d["engine_layout"] == lay.engine_layout
+    assert KVLayout.from_dict(d) == lay
+    assert ModelConfig(**{**d, "extra_planes": []}).to_layout() == lay
+    assert lay.host_addressing(3) == ([0], [589824], 3 * 589824)

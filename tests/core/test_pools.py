@@ -86,6 +86,23 @@ def test_canonical_payload_identical_across_host_layouts():
         assert torch.equal(ha.page_view(2)[key].view(torch.uint8), hb.page_view(0)[key].view(torch.uint8))
 
 
+@pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
+def test_write_page_takes_a_read_only_view_of_an_l3_object(host_layout):
+    """What an L3 read hands over (a read-only memoryview into a larger object) is
+    written as is, with no copy of its own first; neighbouring pages stay untouched."""
+    lay = make(host_layout, "mla", "bytes", "bfloat16")
+    pool = HostPool(lay, 3, pin=False)
+    fill(pool.buffer, 3)
+    before = [pool.read_page(p) for p in range(3)]
+    obj = bytearray(b"H" * 17 + bytes((i * 7) % 256 for i in range(lay.page_bytes)))
+    view = memoryview(obj).toreadonly()[17:]
+    pool.write_page(1, view)
+    assert pool.read_page(1) == bytes(view)
+    assert pool.read_page(0) == before[0] and pool.read_page(2) == before[2]
+    with pytest.raises(PoolError, match="holds"):
+        pool.write_page(1, view[1:])
+
+
 def test_registered_buffers_validated():
     lay = make("page_first", "mha", "plain", "bfloat16")
     own = {(s.name, s.layer): torch.zeros(4 * lay.page_size, *s.row_shape, dtype=s.dtype) for s in lay.planes}

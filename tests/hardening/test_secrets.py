@@ -35,6 +35,11 @@ SECRETS = (PW, PW2, TOKEN)
     (f"redis://h:1/0?password={PW}&db=2", "redis://h:1/0?password=***&db=2"),
     (f"redis:/user:{PW}@h?password={PW2}", "redis:/user:***@h?password=***"),  # no ://
     ("redis://h:6379/0", "redis://h:6379/0"),
+    # issue 27 item 4: an unencoded '/' (or '?', '#') in the password; was "redis://:***/Pa55wordQx7@h:1/0"
+    (f"redis://:ab/{PW}@h:1/0", "redis://:***@h:1/0"),
+    (f"redis://u:x/y?{PW}#z@h:1/0?db=1", "redis://u:***@h:1/0?db=1"),
+    (f"rediss://u:{PW}/@h", "rediss://u:***@h"),
+    ("redis://u@h/0", "redis://u@h/0"),
     ("redis+cluster://a:1,b:2", "redis+cluster://a:1,b:2"),
 ])
 def test_redact_url(url, shown):
@@ -42,7 +47,8 @@ def test_redact_url(url, shown):
 
 
 def test_url_errors_do_not_quote_the_password():
-    for url in (f"redis://h:1/0?ssl_password={PW}", f"redis://user:{PW}", f"redis:user:{PW}@h?password={PW2}", f"redis://u:{PW}@h/abc"):
+    for url in (f"redis://h:1/0?ssl_password={PW}", f"redis://user:{PW}", f"redis:user:{PW}@h?password={PW2}", f"redis://u:{PW}@h/abc",
+                f"redis://:ab/{PW}@h:1/0", f"redis://:{PW}/x@h:bad/0"):
         with pytest.raises(ConfigError) as e:
             open_storage(url, fingerprint="f" * 32)
         assert not any(s in str(e.value) for s in SECRETS), str(e.value)
@@ -81,7 +87,8 @@ def test_every_output_of_a_run_is_free_of_secrets(tmp_path):
     out.append(_run(["replay", "--quiet", "--scale", "tiny", "--no-baselines", "--json", str(tmp_path / "r.json")],
                     env))
     out.append((tmp_path / "r.json").read_text())
-    for bad in (f"redis://h:1/0?ssl_password={PW}", f"redis://user:{PW}", f"redis:user:{PW}@h?password={PW2}", f"redis://u:{PW}@h/abc"):
+    for bad in (f"redis://h:1/0?ssl_password={PW}", f"redis://user:{PW}", f"redis:user:{PW}@h?password={PW2}", f"redis://u:{PW}@h/abc",
+                f"redis://:ab/{PW}@h:1/0", f"redis://:{PW}/x@h:bad/0"):
         out.append(_run(["replay", "--quiet", "--scale", "tiny", "--set", f"storage.url={bad}"], env))
     out.append(_run(["info", "--set", "pool.host_pages=zero"], env))
     # serve: its log at DEBUG, and every REST route with and without the token

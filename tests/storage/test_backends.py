@@ -23,6 +23,9 @@ LAYOUTS = {
                         dtype="float8_e4m3fn", page_size=4, extra_planes=(BytePlane("idx", 5),)),
     "draft": dict(model_id="m", num_layers=2, kind="mha", num_kv_heads=2, head_dim=4, dtype="float32",
                   page_size=4, draft_layers=1),
+    # An engine's opaque rows (vLLM's tier): one uint8 plane of an odd, non-aligned size.
+    "rows": dict(model_id="m", num_layers=1, kind="rows", row_bytes=4099, engine_layout='{"engine":"test"}',
+                 dtype="uint8", page_size=1),
 }
 
 

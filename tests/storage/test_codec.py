@@ -181,3 +181,30 @@ def test_template_decode_falls_back_for_what_it_does_not_write():
     assert codec._decode_exact(memoryview(long_), KEY, t) is None
     d = codec.decode(long_, KEY, FP, SIZES, template=t)
     assert d.status is ReadStatus.OK and bytes(d.payload) == PAYLOAD
+
+
+@pytest.mark.parametrize("row_bytes", [589824, 2097152 + 3])
+def test_rows_layout_pages_encode_and_verify(row_bytes):
+    """A kind="rows" page (one opaque engine row, here opt-125m's vLLM block and an odd size)
+    is one plane: it round-trips zero-copy, and damage or another row description is refused."""
+    from hicache.layout import KVLayout
+    lay = KVLayout.rows("vllm:m", row_bytes, {"engine": "vllm", "block": 16})
+    sizes = [p.page_bytes for p in lay.planes]
+    assert sizes == [row_bytes]
+    payload = bytes(range(256)) * (row_bytes // 256) + bytes(row_bytes % 256)
+    o = codec.encode(lay.fingerprint(), KEY, sizes, payload)
+    t = codec.header_template(lay.fingerprint(), sizes)
+    for template in (None, t):
+        d = codec.decode(o, KEY, lay.fingerprint(), sizes, template=template)
+        assert d.status is ReadStatus.OK and d.payload.nbytes == row_bytes and d.payload == payload
+    for i in (0, 20, len(o) - row_bytes, len(o) - 1):  # prefix, header, first and last payload byte
+        bad = bytearray(o)
+        bad[i] ^= 0x5A
+        assert codec.decode(bytes(bad), KEY, lay.fingerprint(), sizes, template=t).status is not ReadStatus.OK
+    other = KVLayout.rows("vllm:m", row_bytes, {"engine": "vllm", "block": 32})
+    d = codec.decode(o, KEY, other.fingerprint(), sizes)
+    assert d.status is ReadStatus.FINGERPRINT and lay.fingerprint() in d.why
+    key = codec.mac_key(b"k" * 32)
+    signed = codec.encode(lay.fingerprint(), KEY, sizes, payload, auth_key=key)
+    assert codec.decode(signed, KEY, lay.fingerprint(), sizes, auth_key=key).status is ReadStatus.OK
+    assert codec.decode(o, KEY, lay.fingerprint(), sizes, auth_key=key).status is ReadStatus.CORRUPT

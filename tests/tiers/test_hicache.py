@@ -118,7 +118,10 @@ def test_prefetch_policies_from_l3(policy, tmp_path):
     a.drain()
     assert a.stats().tiers.storage_put_pages == 5
     a.close()
-    b = make(url, **{"policy.prefetch_policy": policy})  # a new process: empty L1/L2
+    # A generous budget for "timeout": the test checks that the policy waits for a
+    # prefetch that completes within it, not how fast a loaded machine reads 5 pages.
+    extra = {"policy.prefetch_timeout_base_ms": 5000.0} if policy == "timeout" else {}
+    b = make(url, **{"policy.prefetch_policy": policy}, **extra)  # a new process: empty L1/L2
     adm, req = serve(b, "b", TOK)
     if policy == "best_effort":  # did not wait: served from what L1/L2 had (nothing)
         assert adm.storage_tokens in (0, 20)

@@ -96,7 +96,7 @@ def controller(kind: str, layout: str, url: str, model: str, *, tp_rank: int = 0
     dev = device_pool(kind)
     pool = host_pool(kind, layout, dev)
     alloc = PagedTokenToKVPoolAllocator(TOKENS, PAGE, torch.bfloat16, "cpu", dev, False)
-    cfg = dynamic_config(url) if backend == "dynamic" else dict(extra or {})
+    cfg = dynamic_config(url, **(extra or {})) if backend == "dynamic" else dict(extra or {})
     with parallel(tp_rank, tp_size):
         ctrl = HiCacheController(alloc, pool, PAGE, None, threading.Event(), storage_backend=backend,
                                  model_name=model, storage_backend_extra_config=cfg)

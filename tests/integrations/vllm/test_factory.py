@@ -53,7 +53,8 @@ def test_tiering_spec_builds_primary_and_hicache_tier(redis_url):
         assert isinstance(tier, HiCacheTier)
         view = manager.primary_tier.get_kv_memoryview()
         assert tier.block_size_bytes == view.strides[0] and tier.layout.page_bytes == tier._row_bytes
-        assert tier.layout.model_id.startswith("vllm:test-model:")
+        assert (tier.layout.model_id, tier.layout.kind) == ("vllm:test-model", "rows")
+        assert '"model":"test-model"' in tier.layout.engine_layout
         assert dict(manager.config_info()[1])["hicache_fingerprint"] == tier.fingerprint
         np.frombuffer(view, dtype=np.int8)  # the primary view is the real shared region
         tier.check_integrity()

@@ -43,13 +43,13 @@ class _Seeder:
         payload = bytes(range(256)) * (t._row_bytes // 256 + 1)
         assert t.storage.put([(page_hash(key), payload[:t._row_bytes], t._sizes)]) == 1
         with t._lock:
-            t._present.add(key)
+            t._known.add([key])
 
     def __contains__(self, key) -> bool:
-        return key in self._tier._present
+        return key in self._tier._known
 
     def __len__(self) -> int:
-        return len(self._tier._present)
+        return len(self._tier._known)
 
 
 class _ExampleFacingTier(HiCacheTier):
@@ -65,7 +65,7 @@ class _ExampleFacingTier(HiCacheTier):
 
     def get_num_chunks(self) -> int:
         self._sync()
-        return len(self._present)
+        return len(self._known)
 
     @property
     def completed_jobs(self) -> list:

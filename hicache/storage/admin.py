@@ -1,0 +1,232 @@
+"""Operating an L3 store from outside the cache: size it, list it, clear it
+(``hicache storage du|ls|clear``), per key prefix, i.e. per layout fingerprint.
+
+Every layout writes under its own key prefix (``hicache:<fingerprint[:8]>:``;
+on ``file://`` the directory ``hicache-<fingerprint[:8]>``), so the prefix is
+the unit: ``du`` sums objects and bytes per prefix and names the full
+fingerprint read from one object's header. Namespaces (LoRA adapter, cache
+salt) are folded into each page hash and not stored, so a store cannot be
+split by namespace; clearing one namespace means clearing its layout's prefix.
+
+``redis://`` is walked with ``SCAN`` (never ``KEYS``), sized with ``STRLEN``
+and cleared with ``UNLINK``, in pipelined batches. ``file://`` is walked with
+``scandir``; clearing resets the size ledger of a capped directory.
+``memory://`` lives inside one process: from here it is always empty.
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Iterator, NamedTuple
+
+import msgpack
+
+from hicache.errors import ConfigError, StorageError
+from hicache.hashing import HASH_BYTES
+from hicache.redact import redact_url
+from hicache.storage.capacity import PrefixUsage
+from hicache.storage.codec import MAGIC, PREFIX_BYTES
+
+BATCH = 1000  # keys per SCAN step / pipeline
+HEAD_BYTES = 4096  # enough for any header (read to name the fingerprint)
+
+
+class ObjectInfo(NamedTuple):
+    prefix: str  # key prefix (file: its directory name)
+    page_hash: str  # hex
+    bytes: int
+    age_s: float | None  # since the last write (file: mtime; None where unknown)
+
+
+class Cleared(NamedTuple):
+    objects: int
+    bytes: int
+
+
+def header_fingerprint(head: bytes) -> str | None:
+    """The fingerprint in an object's header (its first bytes), or None if they do not parse."""
+    if len(head) < PREFIX_BYTES or head[:4] != MAGIC:
+        return None
+    hlen = int.from_bytes(head[4:8], "little")
+    try:
+        hdr = msgpack.unpackb(head[PREFIX_BYTES:PREFIX_BYTES + hlen])
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return None
+    fp = hdr.get("fingerprint") if isinstance(hdr, dict) else None
+    return fp if isinstance(fp, str) else None
+
+
+def _dir_name(prefix: str) -> str:
+    """A key prefix as ``FileBackend`` names its directory (``hicache:ab:`` -> ``hicache-ab``)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", prefix).strip("-.")
+
+
+class FileStore:
+    def __init__(self, root: Path):
+        self.root = root
+        if not root.is_dir():
+            raise ConfigError(f"file:// L3 directory {str(root)!r} does not exist; check --url / storage.url")
+
+    def _dirs(self, prefix: str | None) -> list[os.DirEntry]:
+        want = None if prefix is None else _dir_name(prefix)
+        return sorted((e for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)
+                       and (want is None or e.name == want)), key=lambda e: e.name)
+
+    def _files(self, d: os.DirEntry) -> Iterator[tuple[os.DirEntry, os.stat_result]]:
+        for sub in sorted(os.scandir(d.path), key=lambda e: e.name):
+            if len(sub.name) != 2 or not sub.is_dir(follow_symlinks=False):
+                continue
+            for f in sorted(os.scandir(sub.path), key=lambda e: e.name):
+                if len(f.name) == 2 * HASH_BYTES and f.is_file(follow_symlinks=False):
+                    try:
+                        yield f, f.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+
+    def du(self, prefix: str | None) -> list[tuple[PrefixUsage, str | None]]:
+        out = []
+        for d in self._dirs(prefix):
+            n, size, fp = 0, 0, None
+            for f, st in self._files(d):
+                n, size = n + 1, size + st.st_size
+                if fp is None:
+                    fp = _read_head(f.path)
+            out.append((PrefixUsage(d.name, n, size), fp))
+        return out
+
+    def ls(self, prefix: str | None) -> Iterator[ObjectInfo]:
+        now = time.time()
+        for d in self._dirs(prefix):
+            for f, st in self._files(d):
+                yield ObjectInfo(d.name, f.name, st.st_size, max(0.0, now - st.st_mtime))
+
+    def clear(self, prefix: str | None) -> Cleared:
+        n, size = 0, 0
+        for d in self._dirs(prefix):
+            for f, st in list(self._files(d)):
+                try:
+                    os.unlink(f.path)
+                except FileNotFoundError:
+                    continue
+                n, size = n + 1, size + st.st_size
+        from hicache.storage.file_cap import rescan_ledger
+        rescan_ledger(self.root)
+        return Cleared(n, size)
+
+
+def _read_head(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return header_fingerprint(f.read(HEAD_BYTES))
+    except OSError:
+        return None
+
+
+class RedisStore:
+    def __init__(self, url: str, timeout_s: float):
+        import redis
+        from redis.cluster import RedisCluster
+        from redis.exceptions import RedisClusterException
+        self.url = url
+        scheme, rest = url.split("://", 1)
+        try:
+            if scheme.lower().endswith("+cluster"):  # any one node finds the others
+                userinfo, _, hosts = rest.rpartition("@")
+                first = hosts.split("/")[0].split(",")[0]
+                self.client: Any = RedisCluster.from_url(
+                    f"{scheme.lower().removesuffix('+cluster')}://{userinfo + '@' if userinfo else ''}{first}",
+                    socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+            else:
+                self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+            self.client.ping()
+        except (redis.RedisError, RedisClusterException, ValueError, OSError) as e:
+            raise StorageError(f"L3 {redact_url(url)}: cannot reach it ({type(e).__name__}: {e}); check --url / "
+                               "storage.url and that the server runs") from None
+
+    def _keys(self, prefix: str | None) -> Iterator[list[bytes]]:
+        p = (prefix or "hicache:").encode()
+        pattern = re.sub(rb"([*?\[\]\\])", rb"\\\1", p) + b"*"
+        batch: list[bytes] = []
+        for k in self.client.scan_iter(match=pattern, count=BATCH):
+            if len(k) > HASH_BYTES:
+                batch.append(k)
+            if len(batch) >= BATCH:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+    def _sizes(self, keys: list[bytes]) -> list[int]:
+        pipe = self.client.pipeline(transaction=False)
+        for k in keys:
+            pipe.strlen(k)
+        return [r if isinstance(r, int) else 0 for r in pipe.execute(raise_on_error=False)]
+
+    def du(self, prefix: str | None) -> list[tuple[PrefixUsage, str | None]]:
+        acc: dict[bytes, list[int]] = {}
+        first: dict[bytes, bytes] = {}
+        for keys in self._keys(prefix):
+            for k, n in zip(keys, self._sizes(keys)):
+                g = acc.setdefault(k[:-HASH_BYTES], [0, 0])
+                g[0] += 1
+                g[1] += n
+                first.setdefault(k[:-HASH_BYTES], k)
+        out = []
+        for p in sorted(acc):
+            head = self.client.getrange(first[p], 0, HEAD_BYTES - 1)
+            out.append((PrefixUsage(p.decode("utf-8", "replace"), acc[p][0], acc[p][1]), header_fingerprint(head)))
+        return out
+
+    def ls(self, prefix: str | None) -> Iterator[ObjectInfo]:
+        for keys in self._keys(prefix):
+            for k, n in zip(keys, self._sizes(keys)):
+                yield ObjectInfo(k[:-HASH_BYTES].decode("utf-8", "replace"), k[-HASH_BYTES:].hex(), n, None)
+
+    def clear(self, prefix: str | None) -> Cleared:
+        n, size = 0, 0
+        for keys in self._keys(prefix):
+            sizes = self._sizes(keys)
+            pipe = self.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.unlink(k)
+            for r, s in zip(pipe.execute(raise_on_error=False), sizes):
+                if r == 1:
+                    n, size = n + 1, size + s
+        return Cleared(n, size)
+
+    def memory(self) -> dict[str, Any]:
+        from hicache.storage.redis_backend import _server_memory
+        return _server_memory(self.client.info("memory"), self.client.dbsize())
+
+
+class MemoryStore:
+    """``memory://`` lives inside one process; another process sees it empty."""
+
+    def du(self, prefix: str | None) -> list[tuple[PrefixUsage, str | None]]:
+        return []
+
+    def ls(self, prefix: str | None) -> Iterator[ObjectInfo]:
+        return iter(())
+
+    def clear(self, prefix: str | None) -> Cleared:
+        return Cleared(0, 0)
+
+
+def open_store(url: str, timeout_s: float = 5.0) -> FileStore | RedisStore | MemoryStore:
+    """The store behind an L3 URL, for the operator commands. Raises ``ConfigError``
+    (bad or unsupported URL) or ``StorageError`` (unreachable)."""
+    scheme = url.partition("://")[0].lower()
+    if not url:
+        raise ConfigError("no L3 configured (storage.url is empty); pass --url or set storage.url")
+    if scheme == "file":
+        from hicache.storage.file import parse_file_url
+        return FileStore(parse_file_url(url))
+    if scheme == "memory":
+        return MemoryStore()
+    if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
+        return RedisStore(url, timeout_s)
+    raise ConfigError(f"storage url {redact_url(url)!r}: hicache storage works on file://, redis://, "
+                      "redis+cluster:// and memory://; a hicache+unix:// service is cleared with "
+                      "POST /v1/flush {\"tier\": \"L3\"}")

@@ -1,0 +1,149 @@
+"""Bounded L3: the byte cap (``storage.max_bytes``), its default, the L3
+eviction policies, and ``StorageUsage`` (what a backend holds now).
+
+L3 eviction orders stored objects, not tree nodes, so it has its own two
+policies under the names ``hicache.eviction`` uses for the same idea:
+``lru`` (least recently read or written first; a hit refreshes the object)
+and ``fifo`` (oldest write first; hits change nothing, so reads stay
+read-only). Frequency-based policies need per-object counters that a shared
+directory cannot keep cheaply across processes, so they are not offered.
+
+The default cap (``max_bytes = "auto"``) is ``min(20 GiB, 10% of the file
+system)`` for ``file://`` and ``min(20 GiB, 10% of physical memory)`` for
+``memory://``: the default L3 lives in the per-user cache directory, usually
+on the home or root file system, which the cache must never fill. 10% keeps a
+small disk usable; 20 GiB (about 160K tokens of llama-3.1-8b KV) bounds a
+large one. An operator with a disk for L3 sets ``storage.max_bytes``. Redis
+is bounded by its own ``maxmemory`` (see ``RedisBackend.usage``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
+
+from hicache.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hicache.config import StorageConfig
+
+L3Eviction = Literal["lru", "fifo"]
+L3_EVICTION: tuple[str, ...] = ("lru", "fifo")
+
+DEFAULT_CAP_BYTES = 20 << 30
+DEFAULT_CAP_FRACTION = 0.10
+# A trim deletes down to this fraction of the cap, so the scan it costs is paid
+# once per ~10% of the cap written, not on every put past the cap.
+TRIM_TO = 0.90
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: Any) -> int | Literal["auto"]:
+    """``"auto"``, an int, or a size string (``"20GiB"``, ``"500M"``, ``"1.5TB"``) -> bytes.
+
+    Raises ``ValueError`` naming the value (the config turns it into ``ConfigError``)."""
+    if isinstance(value, bool):
+        raise ValueError("must be a byte count, a size such as 20GiB, or auto; not a boolean")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError("must be >= 0 (0 = unbounded)")
+        return value
+    if isinstance(value, str):
+        if value.strip().lower() == "auto":
+            return "auto"
+        m = _SIZE.match(value)
+        if m:
+            num, unit, binary = m.groups()
+            base = 1024 if binary or not unit else 1000
+            return int(float(num) * base ** " kmgtp".index(unit.lower() or " "))
+    raise ValueError(f"{value!r} is not a byte count: use bytes (21474836480), a size (20GiB, 500MB) or auto")
+
+
+def _filesystem_bytes(path: Path) -> int | None:
+    """Total size of the file system holding ``path`` (or its nearest existing parent)."""
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        st = os.statvfs(p)
+    except OSError:
+        return None
+    return st.f_blocks * st.f_frsize
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def default_cap(url: str) -> int:
+    """The ``auto`` cap of ``url`` in bytes (0: unbounded, for schemes that bound themselves)."""
+    scheme = url.partition("://")[0].lower()
+    if scheme == "file":
+        from hicache.storage.file import parse_file_url
+        total = _filesystem_bytes(parse_file_url(url))
+    elif scheme == "memory":
+        total = _physical_memory()
+    else:
+        return 0
+    if total is None:
+        return DEFAULT_CAP_BYTES
+    return min(DEFAULT_CAP_BYTES, int(total * DEFAULT_CAP_FRACTION))
+
+
+def backend_options(storage: "StorageConfig", url: str | None = None) -> dict[str, Any]:
+    """The ``open_storage`` keywords that ``storage.max_bytes`` / ``storage.eviction``
+    mean for ``url`` (default ``storage.url``): ``max_bytes`` and ``eviction`` for
+    ``file://`` and ``memory://``, nothing for the others.
+
+    Raises ``ConfigError`` when a cap is set explicitly for a store that has
+    its own bound (Redis: ``maxmemory``)."""
+    url = storage.url if url is None else url
+    scheme = url.partition("://")[0].lower()
+    if scheme not in ("file", "memory"):
+        if storage.max_bytes != "auto" and storage.max_bytes != 0:
+            raise ConfigError(f"storage.max_bytes={storage.max_bytes!r} applies to file:// and memory:// only; "
+                              f"{scheme or 'this'}:// is bounded by the store itself (Redis: set maxmemory "
+                              "and maxmemory-policy allkeys-lru); remove storage.max_bytes")
+        return {}
+    cap = default_cap(url) if storage.max_bytes == "auto" else int(storage.max_bytes)
+    return {"max_bytes": cap, "eviction": storage.eviction}
+
+
+def check_eviction(policy: str, where: str) -> str:
+    if policy not in L3_EVICTION:
+        raise ConfigError(f"{where} eviction={policy!r}: L3 evicts by one of {', '.join(L3_EVICTION)}")
+    return policy
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StorageUsage:
+    """What an L3 store holds now (``StorageBackend.usage``).
+
+    ``scope`` says what the figures cover: ``"store"`` (this backend's store:
+    a ``file://`` directory, every layout in it; a ``memory://`` store) or
+    ``"server"`` (a whole Redis server or cluster, other data included).
+    ``exact`` is False where ``used_bytes`` is a running estimate that never
+    falls below the true size (the ``file://`` ledger between scans).
+    """
+
+    objects: int | None  # objects stored (None: unknown without a scan)
+    used_bytes: int  # bytes stored (objects' header + payload; Redis: used_memory)
+    max_bytes: int | None  # the cap (None: unbounded)
+    policy: str  # eviction policy at the cap ("lru", "fifo"; Redis: its maxmemory-policy)
+    scope: Literal["store", "server"] = "store"
+    exact: bool = True
+    SCOPES: ClassVar[tuple[str, ...]] = ("store", "server")
+
+
+class PrefixUsage(NamedTuple):
+    """One key prefix (one layout fingerprint) of an L3 store, as ``hicache storage du`` lists it."""
+
+    prefix: str  # "hicache:1a2b3c4d:" (the dir hicache-1a2b3c4d on file://)
+    objects: int
+    bytes: int

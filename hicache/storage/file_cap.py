@@ -1,0 +1,243 @@
+"""The byte cap of a ``file://`` directory shared by several processes.
+
+Layout under the root: ``<root>/<prefix dir>/<xx>/<hash hex>`` (one prefix dir
+per layout, see ``hicache.storage.file``), plus two files of ours:
+
+- ``.hicache-usage``: the ledger, 24 bytes ``(total, added, objects)`` as
+  little-endian int64, read and written under ``flock(LOCK_EX)`` of that
+  file. ``total`` is the bytes the directory holds (an estimate that never
+  falls below the truth); ``added`` only grows, by every byte any process
+  accounted; ``objects`` counts files (an estimate, exact after a scan).
+- ``.hicache-trim.lock``: held (non-blocking ``flock``) by the one process
+  trimming; the others skip the trim (the trimmer re-checks when it is done).
+
+Why the estimate never falls below the truth, across processes: a writer
+first ``os.replace``s an object into place, then adds its size to the ledger
+(an overwrite adds its whole size again: counted twice, never zero times).
+A trim reads ``added`` *before* it scans, deletes the oldest objects down to
+``TRIM_TO`` of the cap, then sets ``total = what is left + (added now -
+added before the scan)``. An object renamed before the scan began was added
+before too, or later (counted twice); one renamed after is in the increment.
+So once every writer has returned from its put, the bytes on disk are at
+most ``total``, and the last put left ``total <= cap`` or trimmed. (A
+process killed between rename and accounting leaves its bytes uncounted
+until the next scan: the one gap, closed by every trim and by opening.)
+
+Deleting is ``unlink``: a reader that has the file open keeps reading the
+whole old object (POSIX keeps the inode until closed); a reader that has not
+opened it yet gets a miss. Reads verify checksums anyway.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import struct
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, NamedTuple
+
+from hicache.errors import IntegrityError
+from hicache.storage.capacity import TRIM_TO
+
+LEDGER = ".hicache-usage"
+TRIM_LOCK = ".hicache-trim.lock"
+_FMT = struct.Struct("<qqq")
+_TMP = ".tmp."
+STALE_TMP_S = 600.0  # a temp file this old is a crashed writer's: the trim removes it
+_HEX_LEN = 32
+
+
+class StoredFile(NamedTuple):
+    mtime_ns: int
+    path: str
+    size: int
+
+
+class TrimResult(NamedTuple):
+    deleted: int  # objects (and stale temp files) removed
+    deleted_bytes: int
+    remaining_bytes: int  # what the scan left on disk
+
+
+def scan(root: Path, now: float | None = None) -> tuple[list[StoredFile], list[StoredFile]]:
+    """``(objects, stale temp files)`` under ``root``, every layout's; skips what is not ours."""
+    objs: list[StoredFile] = []
+    stale: list[StoredFile] = []
+    now = time.time() if now is None else now
+    try:
+        prefixes = [e for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return objs, stale
+    for pd in prefixes:
+        for sub in _entries(pd.path):
+            if len(sub.name) != 2 or not sub.is_dir(follow_symlinks=False):
+                continue
+            for f in _entries(sub.path):
+                try:
+                    st = f.stat(follow_symlinks=False)
+                except FileNotFoundError:  # deleted meanwhile
+                    continue
+                if _TMP in f.name:
+                    if now - st.st_mtime > STALE_TMP_S:
+                        stale.append(StoredFile(st.st_mtime_ns, f.path, st.st_size))
+                elif len(f.name) == _HEX_LEN and f.is_file(follow_symlinks=False):
+                    objs.append(StoredFile(st.st_mtime_ns, f.path, st.st_size))
+    return objs, stale
+
+
+class FileCap:
+    """The cap of one ``file://`` root, shared through the ledger. Thread-safe
+    (every step holds a ``flock``); one per ``FileBackend``."""
+
+    def __init__(self, root: Path, max_bytes: int):
+        self.root = Path(root)
+        self.max_bytes = max_bytes
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._ledger_path = self.root / LEDGER
+        self._trim_path = self.root / TRIM_LOCK
+        with self._ledger() as (_, total, _added, _n):
+            fresh = total is None
+        if fresh:  # first opener: count what is there
+            self.rescan()
+
+    @contextmanager
+    def _ledger(self) -> Iterator[tuple[int, int | None, int, int]]:
+        """Hold the ledger's lock; yields ``(fd, total, added, objects)`` (``total`` None: never written)."""
+        fd = os.open(self._ledger_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            raw = os.pread(fd, _FMT.size, 0)
+            total, added, objects = _FMT.unpack(raw) if len(raw) == _FMT.size else (None, 0, 0)
+            yield fd, total, added, objects
+        finally:
+            os.close(fd)  # releases the flock
+
+    @staticmethod
+    def _write(fd: int, total: int, added: int, objects: int) -> None:
+        os.pwrite(fd, _FMT.pack(max(0, total), added, max(0, objects)), 0)
+
+    def account(self, nbytes: int, objects: int) -> int:
+        """Add ``objects`` files of ``nbytes`` in all, just renamed into place; returns the new total."""
+        with self._ledger() as (fd, total, added, n):
+            total = (total or 0) + nbytes
+            self._write(fd, total, added + nbytes, n + objects)
+        return total
+
+    def release(self, nbytes: int, objects: int) -> None:
+        """Subtract files this process deleted (``added`` is untouched: a trim's scan
+        may have counted them, and an overestimate is the safe side)."""
+        with self._ledger() as (fd, total, added, n):
+            self._write(fd, (total or 0) - nbytes, added, n - objects)
+
+    def usage(self) -> tuple[int, int]:
+        """The ledger's ``(bytes, objects)``: bytes never below the truth (see the module docstring)."""
+        with self._ledger() as (_, total, _added, n):
+            return total or 0, n
+
+    def over(self) -> bool:
+        return self.usage()[0] > self.max_bytes
+
+    def rescan(self) -> int:
+        """Set the ledger to the bytes on disk now (a scan); returns them."""
+        with self._ledger() as (_, _total, added0, _n):
+            pass
+        objs, _ = scan(self.root)
+        size = sum(f.size for f in objs)
+        with self._ledger() as (fd, _total, added1, _n):
+            total = size + (added1 - added0)
+            self._write(fd, total, added1, len(objs))
+        return total
+
+    def trim(self, *, force: bool = False, to_bytes: int | None = None) -> TrimResult | None:
+        """Delete the oldest objects (by mtime: ``lru`` refreshes it on reads) until the
+        bytes on disk are at most ``to_bytes`` (default ``TRIM_TO`` of the cap); repeats
+        while writers pushed the total past the cap meanwhile (a few rounds at most).
+
+        Runs only when the total exceeds the cap (or ``force``). Returns None
+        when another process is trimming (it re-checks when done) or nothing was due.
+        """
+        target = int(self.max_bytes * TRIM_TO) if to_bytes is None else to_bytes
+        fd = os.open(self._trim_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return None
+            done: TrimResult | None = None
+            for _ in range(4):
+                with self._ledger() as (_, total, added0, _n):
+                    pass
+                if not force and (total or 0) <= self.max_bytes:
+                    break
+                force = False
+                r = self._trim_once(target, added0)
+                done = r if done is None else TrimResult(done.deleted + r.deleted,
+                                                         done.deleted_bytes + r.deleted_bytes, r.remaining_bytes)
+            return done
+        finally:
+            os.close(fd)
+
+    def _trim_once(self, target: int, added0: int) -> TrimResult:
+        objs, stale = scan(self.root)
+        size = sum(f.size for f in objs)
+        n, freed = 0, 0
+        for f in stale:
+            if _unlink(f.path) == "deleted":
+                n += 1
+                freed += f.size
+        objs.sort()
+        kept = len(objs)
+        for f in objs:
+            if size <= target:
+                break
+            how = _unlink(f.path)
+            if how == "kept":  # not ours to delete (another user's file): it stays counted
+                continue
+            if how == "deleted":
+                n += 1
+                freed += f.size
+            size -= f.size  # gone either way (deleted by us or by someone else)
+            kept -= 1
+        with self._ledger() as (fd, _total, added1, _n):
+            self._write(fd, size + (added1 - added0), added1, kept)
+        return TrimResult(n, freed, size)
+
+    def check_integrity(self) -> None:
+        """The ledger covers the bytes on disk (its promise), and exists. Call it
+        while no process is inside a put (a rename not yet accounted is the
+        one legitimate, momentary gap)."""
+        with self._ledger() as (_, total, _added, _n):
+            if total is None:
+                raise IntegrityError(f"file:// ledger {self._ledger_path} was never written")
+        objs, _ = scan(self.root)
+        on_disk = sum(f.size for f in objs)
+        if on_disk > total:
+            raise IntegrityError(f"file:// {self.root}: {on_disk} bytes on disk exceed the ledger's {total} "
+                                 "(a writer died between rename and accounting?); a trim or rescan fixes it")
+
+
+def _entries(path: str) -> list[os.DirEntry]:
+    """A directory's entries; none when it vanished or cannot be read (another user's)."""
+    try:
+        return list(os.scandir(path))
+    except OSError:
+        return []
+
+
+def _unlink(path: str) -> str:
+    """``"deleted"``, ``"gone"`` (someone else deleted it) or ``"kept"`` (not allowed)."""
+    try:
+        os.unlink(path)
+        return "deleted"
+    except FileNotFoundError:
+        return "gone"
+    except OSError:
+        return "kept"
+
+
+def rescan_ledger(root: Path) -> None:
+    """After deleting from outside a backend (``hicache storage clear``): set the
+    ledger of ``root`` to what is on disk, if the directory has one (a capped store)."""
+    if (Path(root) / LEDGER).exists():
+        FileCap(Path(root), max_bytes=1).rescan()
