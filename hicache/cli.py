@@ -9,11 +9,13 @@ import argparse
 import json
 import logging
 import sys
+import time
 from importlib import metadata
 from pathlib import Path
 
-from hicache.config import HiCacheConfig, parse_set_flags
+from hicache.config import DEFAULT_SOCKET_PATH, HiCacheConfig, parse_set_flags
 from hicache.errors import HiCacheError
+from hicache.proc import process_age_s
 from hicache.redact import Redactor, install_log_redaction
 
 DESCRIPTION = """\
@@ -26,7 +28,7 @@ hicache: a page-granular tiered KV cache (GPU L1 / host L2 / shared L3) for LLM 
 
 --config and --set may stand before or after the subcommand."""
 
-SERVE_DESCRIPTION = """\
+SERVE_DESCRIPTION = f"""\
 Run the node-local service until Ctrl-C or SIGTERM: it owns this node's L2 (a
 shared-memory segment) and its L3 client, serves engines on a Unix socket and
 serves REST (health, statistics, Prometheus metrics, lookup, events, flush;
@@ -36,7 +38,7 @@ Where it listens and what it holds are configuration settings (--set KEY=VALUE,
 HICACHE_<SECTION>__<KEY>, or the TOML file):
   service.host, service.port   REST address (default 127.0.0.1:8177; beyond
                                loopback needs service.admin_token[_file])
-  service.socket_path          engine socket (default /tmp/hicache.sock)
+  service.socket_path          engine socket (default {DEFAULT_SOCKET_PATH})
   service.shm_name             name of the shared-memory L2 segment
   pool.host_pages              L2 capacity in pages
   storage.url                  L3 (redis://, file:///dir, memory://, '' for none)
@@ -186,12 +188,16 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Wall times a subcommand prints start at the process's start when this is the
+    # program (the `hicache` command), at this call when a caller passes argv.
+    started = time.perf_counter() - ((process_age_s() or 0.0) if argv is None else 0.0)
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "fn", None):
         args = parser.parse_args([*argv, "info"])
     args.redactor = Redactor()
+    args.started = started
     try:
         return args.fn(args)
     except HiCacheError as e:

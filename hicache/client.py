@@ -27,6 +27,7 @@ import socket
 import struct
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
+from hicache.config import DEFAULT_SOCKET_PATH
 from hicache.errors import ContractMismatch, ForeignPage, OutOfPages, ServiceError
 from hicache.layout import KVLayout
 from hicache.pools import HostPool
@@ -44,6 +45,16 @@ if TYPE_CHECKING:
 # Replies are small except ``lookup``/``acquire`` of long prompts; this bounds
 # what the client will accept from a confused peer.
 MAX_REPLY_BYTES = 64 << 20
+
+
+_CONNECT_HINTS = {
+    FileNotFoundError: "start `hicache serve` first, or pass the socket it listens on (its "
+                       "service.socket_path, default " + DEFAULT_SOCKET_PATH + ", printed on its first line)",
+    ConnectionRefusedError: "the socket file is there but no server listens (a stopped or crashed "
+                            "`hicache serve`); start it again",
+    PermissionError: "this user may not open it: the service's service.socket_mode / service.socket_group "
+                     "decide who may",
+}
 
 
 class LookupResult(NamedTuple):
@@ -81,7 +92,12 @@ class Link:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._rbuf = bytearray()  # received bytes not yet consumed as a reply
         self._sock.settimeout(timeout)
-        self._sock.connect(socket_path)
+        try:
+            self._sock.connect(socket_path)
+        except (FileNotFoundError, ConnectionRefusedError, PermissionError) as e:
+            # Same exception class (callers retry on it), with the path and what to do.
+            raise type(e)(e.errno, f"{e.strerror}: no hicache service answers on the engine socket "
+                          f"{socket_path!r}; {_CONNECT_HINTS[type(e)]}", socket_path) from None
 
     def _call(self, req: dict[str, Any]) -> dict[str, Any]:
         if self._sock is None:

@@ -67,6 +67,9 @@ class ModelConfig(_Section):
 MAX_RETRIES = 10
 MAX_UID = 2**32 - 2
 
+# Where `hicache serve` listens for engines unless service.socket_path says otherwise;
+# the README's examples, `hicache serve --help` and EngineClient's errors name it.
+DEFAULT_SOCKET_PATH = "/tmp/hicache.sock"
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d{1,3})?)$")
 
 
@@ -189,7 +192,7 @@ class SimulateConfig(_Section):
 class ServiceConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8177, ge=0, le=65535)
-    socket_path: str = "/tmp/hicache.sock"
+    socket_path: str = DEFAULT_SOCKET_PATH
     admin_token: str = ""  # required when host is not loopback
     admin_token_file: str = ""  # read the token from this file (Compose/K8s secret) when admin_token is ""
     # Per user by default, so one user's server never meets another's segment

@@ -204,6 +204,7 @@ class HiCache:
                     loads.append(h)
             if self.policy.write_policy == "write_through_selective":
                 self._selective_backup(m.device_node)
+        device_tokens = min(device_tokens, m.device_tokens)  # L1 pages evicted meanwhile were not a hit
         host_tokens = m.device_tokens - device_tokens
         return Admission(m, device_tokens, host_tokens, min(storage_tokens, host_tokens), tuple(loads))
 
@@ -438,12 +439,18 @@ class HiCache:
         if acq is None:
             return None, 0
         n = len(acq.host)
+        anchor = m.device_node
+        if anchor is not None:  # as plan_load: room for the load never evicts the L1 hit it continues
+            self.cache.inc_lock(anchor)
         try:
             self._make_room(n)
             dev = self.cache.alloc_device(n)
         except OutOfPages:
             svc.cancel(acq)
             return None, 0
+        finally:
+            if anchor is not None:
+                self.cache.dec_lock(anchor)
         m = req.match()  # eviction for room may have cut the anchor
         if m.tokens != have * ps:
             self.cache.free_device(dev)

@@ -16,10 +16,13 @@ thread (a storage call may block up to its timeout).
 """
 from __future__ import annotations
 
+import atexit
+import functools
 import logging
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
@@ -39,6 +42,12 @@ def _copy_pages(src, dst, src_pages, dst_pages, planes=None) -> None:
 
 
 Plan = BackupPlan | LoadPlan | StorePlan | PrefetchPlan
+
+
+def _stop_at_exit(ref: "weakref.ref[TransferController]") -> None:
+    tc = ref()
+    if tc is not None:
+        tc._stop_workers(timeout=10)  # one running job: a page copy or an L3 call within its timeout
 
 
 def _same_len(a: Sequence, b: Sequence) -> None:
@@ -175,6 +184,8 @@ class TransferController:
         self._copy_q: queue.Queue | _Inline | None = None
         self._io_q: queue.Queue | _Inline = queue.Queue()
         self._threads: list[threading.Thread] = []
+        self._stopping = threading.Event()  # set by close() and at exit: workers end
+        self._closed = False
         self._graphs = graphs and self.on_gpu
         self._graph = None  # LoadGraph of (host_pool, device_pool), captured on the first load back
         if inline:
@@ -190,18 +201,35 @@ class TransferController:
             self._threads.append(self._start(self._copy_q, "hicache-copy"))
         if not inline:
             self._threads.append(self._start(self._io_q, "hicache-l3"))
+        # A daemon worker still inside a torch op when the interpreter finalizes
+        # cannot retake the GIL: CPython ends it with pthread_exit, whose unwind
+        # through torch's C++ frames calls std::terminate ("terminate called
+        # without an active exception", rc 134). A process that exits without
+        # close() (an exception in the engine's code) stops the workers first.
+        self._exit_hook = functools.partial(_stop_at_exit, weakref.ref(self))
+        atexit.register(self._exit_hook)
 
-    @staticmethod
-    def _start(q: queue.Queue, name: str) -> threading.Thread:
+    def _start(self, q: queue.Queue, name: str) -> threading.Thread:
+        stopping = self._stopping
+
         def loop():
             while True:
                 job = q.get()
-                if job is None:
+                if job is None or stopping.is_set():
                     return
                 job()
         t = threading.Thread(target=loop, name=name, daemon=True)
         t.start()
         return t
+
+    def _stop_workers(self, timeout: float) -> None:
+        """End the worker threads after the job each is running; queued jobs are dropped."""
+        self._stopping.set()
+        for q in (self._copy_q, self._io_q):
+            if q is not None:
+                q.put(None)
+        for th in self._threads:
+            th.join(timeout=timeout)
 
     # ----------------------------------------------------------------- L1 <-> L2
     def _idx(self, pages: Sequence[int]) -> torch.Tensor:
@@ -290,7 +318,11 @@ class TransferController:
         return h
 
     def check_integrity(self) -> None:
-        """The captured load back's completion flags and counters (synchronises its GPU)."""
+        """Worker threads alive until closed; the captured load back's completion
+        flags and counters (synchronises its GPU)."""
+        if not self._closed:
+            dead = [th.name for th in self._threads if not th.is_alive()]
+            assert not dead, f"transfer workers {dead} ended before close(); their queued jobs never run"
         if self._graph is not None:
             self._graph.check_integrity()
 
@@ -449,8 +481,6 @@ class TransferController:
     def close(self) -> None:
         """Wait for every job, then stop the worker threads (unreported results are dropped)."""
         self.wait_all()
-        for q in (self._copy_q, self._io_q):
-            if q is not None:
-                q.put(None)
-        for th in self._threads:
-            th.join(timeout=5)
+        self._closed = True
+        atexit.unregister(self._exit_hook)
+        self._stop_workers(timeout=5)

@@ -130,40 +130,57 @@ def test_readme_example_toml_asks_for_what_its_comments_say(tmp_path):
     assert [(float(v), u) for v, u in said] == [(page_mib, "MiB"), (gib["L1"], "GiB"), (gib["L2"], "GiB")], said
 
 
-def _run_against_hicache_serve(tmp_path, name: str) -> str:
-    """Run the README block ``name`` with a real ``hicache serve`` at its socket path."""
-    example = block(README, name, "python")
+def _start_serve(env: dict) -> subprocess.Popen:
+    serve = subprocess.Popen([sys.executable, "-m", "hicache.cli", "serve"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    started = serve.stdout.readline()  # the one line it prints once it listens
+    if not started.startswith("hicache serve: REST"):
+        serve.kill()
+        raise AssertionError(started + serve.communicate(timeout=60)[1])
+    assert f"engine socket {env['HICACHE_SERVICE__SOCKET_PATH']}," in started, started
+    return serve
+
+
+def _stop_serve(serve: subprocess.Popen) -> None:
+    serve.send_signal(signal.SIGTERM)
+    err = serve.communicate(timeout=60)[1]
+    assert serve.returncode == 0, err
+
+
+def test_readme_service_examples_run_twice_and_after_a_restart(tmp_path):
+    """Both service examples, as a newcomer runs them: each twice in a row, the
+    EngineClient one after the service-mode one, then again after ``hicache
+    serve`` restarts on the same file:// L3. They take the socket from the
+    configuration (``service.socket_path``), as ``hicache serve`` does."""
+    name = "test_readme_service_examples_run_twice_and_after_a_restart"
+    service_mode, engine_client = block(README, name, "python", 0), block(README, name, "python", 1)
+    for example in (service_mode, engine_client):
+        assert "service.socket_path" in example and not re.findall(r"[\"'][^\"']*\.sock[\"']", example), example
     d = tempfile.mkdtemp(prefix="hc-")  # Unix socket paths are short
-    sock = f"{d}/hicache.sock"
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_")}
-    env.update(HICACHE_SERVICE__SOCKET_PATH=sock, HICACHE_SERVICE__PORT=str(port), HICACHE_STORAGE__URL="",
+    env.update(HICACHE_SERVICE__SOCKET_PATH=f"{d}/hicache.sock", HICACHE_SERVICE__PORT=str(port),
+               HICACHE_STORAGE__URL=f"file://{tmp_path}/l3",
                HICACHE_SERVICE__SHM_NAME=f"hicache-readme-{uuid.uuid4().hex[:8]}", HICACHE_POOL__HOST_PAGES="32")
-    serve = subprocess.Popen([sys.executable, "-m", "hicache.cli", "serve"], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env)
+    hit = "engine B hit 80 tokens, 80 loaded from the shared segment; private L2 bytes: 0\n"
+    first = "committed 4 new pages, 0 already cached; read back 4, identical: True\n"
+    again = "committed 0 new pages, 4 already cached; read back 4, identical: True\n"
+    serve = _start_serve(env)
     try:
-        started = serve.stdout.readline()  # the one line it prints once it listens
-        assert started.startswith("hicache serve: REST"), started + serve.stderr.read()
-        assert "/run/hicache/hicache.sock" in example
-        out = run_py(example.replace("/run/hicache/hicache.sock", sock), tmp_path, env=env)
+        got = [run_py(ex, tmp_path, env=env) for ex in (service_mode, service_mode, engine_client, engine_client)]
     finally:
-        serve.send_signal(signal.SIGTERM)
-        serve.communicate(timeout=60)
-    assert serve.returncode == 0
-    return out
-
-
-def test_readme_engine_client_example_runs_against_hicache_serve(tmp_path):
-    out = _run_against_hicache_serve(tmp_path, "test_readme_engine_client_example_runs_against_hicache_serve")
-    assert out == "stored 4 pages; read back 4, identical: True\n"
-
-
-def test_readme_service_mode_example_runs_against_hicache_serve(tmp_path):
-    out = _run_against_hicache_serve(tmp_path, "test_readme_service_mode_example_runs_against_hicache_serve")
-    assert out == "engine B hit 80 tokens, 80 loaded from the shared segment; private L2 bytes: 0\n"
+        _stop_serve(serve)
+    assert got == [hit, hit, first, again]
+    assert any((tmp_path / "l3").rglob("*")), "the service wrote no page to its file:// L3"
+    serve = _start_serve(env)  # a fresh segment; the pages are in L3
+    try:
+        got = [run_py(ex, tmp_path, env=env) for ex in (service_mode, engine_client)]
+    finally:
+        _stop_serve(serve)
+    assert got == [hit, first]
 
 
 def test_trace_docs_example_replays_as_shown(tmp_path):

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # .venv-sglang: SGLang's real HiCache storage code on the CPU torch build, for
-# tests/integrations/sglang. Idempotent; called by scripts/setup-engines.sh.
+# tests/integrations/sglang. Called by scripts/setup-engines.sh. First run: 4-10 min
+# (quiet 2-core box to load average 15) and 2.8 GB. Idempotent: a finished setup is recognised by a stamp and
+# costs a second or two.
 #
 # sglang is installed with --no-deps (its full requirements pull CUDA torch,
 # flashinfer, ...); then only what `sglang.srt.mem_cache` host pools,
@@ -23,27 +25,50 @@ IMPORT_DEPS=(
   apache-tvm-ffi==0.1.15.post2 sentencepiece==0.2.3 compressed-tensors==0.18.0
   loguru==0.7.3 gguf==0.19.0
 )
+source scripts/steps.sh
+SETUP_TAG=sglang.sh
+VPY=$VENV/bin/python
+STAMP="$VENV/.hicache-setup"
 start=$(date +%s)
-[ -x $VENV/bin/python ] || "$PY" -m venv $VENV
-PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
+want="sglang=$SGLANG $TORCH setup=$(sha256sum pyproject.toml scripts/engines/sglang.sh scripts/steps.sh | sha256sum | cut -c1-16)"
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] \
+   && "$VPY" -c "import sys; from importlib.util import find_spec as f; sys.exit(not (f('sglang') and f('torch')
+                 and f('hicache')))" 2>/dev/null; then
+  echo "SGLang 0.5.23 test environment is up to date ($VENV)"
+  exit 0
+fi
+if [ ! -x "$VPY" ]; then
+  step "create $VENV" "5 s"
+  "$PY" -m venv $VENV
+  step_done
+fi
 CONSTRAINTS=$(mktemp)
 trap 'rm -f "$CONSTRAINTS"' EXIT
 echo "$TORCH" > "$CONSTRAINTS"
 
-if ! $VENV/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
+if ! "$VPY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
+  step "install $TORCH, CPU build" "1-3 min, ~200 MB download"
   wheel=$(ls /opt/wheels/torch-2.13.0+cpu-*.whl 2>/dev/null | head -1 || true)
   if [ -n "$wheel" ]; then
-    $PIP install "$wheel"
+    pip_loud install "$wheel"
   else
-    $PIP install --retries 1 --timeout 15 --index-url https://download.pytorch.org/whl/cpu "$TORCH" \
-      || $PIP install "$TORCH"
+    pip_loud install --retries 1 --timeout 15 --index-url https://download.pytorch.org/whl/cpu "$TORCH" \
+      || pip_loud install "$TORCH"
   fi
+  step_done
 fi
-$VENV/bin/python -c "import sglang, sys; sys.exit(sglang.__version__ != '0.5.23')" 2>/dev/null \
-  || $PIP install --no-deps "$SGLANG"
+if ! "$VPY" -c "import sglang, sys; sys.exit(sglang.__version__ != '0.5.23')" 2>/dev/null; then
+  step "install $SGLANG (--no-deps)" "20 s-2 min"
+  pip_loud install --no-deps "$SGLANG"
+  step_done
+fi
 # pip reports that sglang's full requirements are unmet (expected: --no-deps).
-$PIP install -c "$CONSTRAINTS" "${IMPORT_DEPS[@]}"
-$PIP install -c "$CONSTRAINTS" -e ".[dev]"
+step "install SGLang's import-time dependencies (${#IMPORT_DEPS[@]} pinned packages: transformers, aiohttp, ...)" "1-3 min the first time"
+pip_loud install -c "$CONSTRAINTS" "${IMPORT_DEPS[@]}"
+step_done
+step "install hicache from this checkout (pip install -e \".[dev]\")" "30 s-2 min"
+pip_loud install -c "$CONSTRAINTS" -e ".[dev]"
+step_done
 
 # Fail loudly if anything replaced the CPU torch build.
 $VENV/bin/python - <<'PY'
@@ -52,4 +77,5 @@ assert torch.__version__.startswith("2.13.0"), f"torch {torch.__version__} repla
 assert not torch.version.cuda, f"torch {torch.__version__} is a CUDA build; rm -rf .venv-sglang and rerun"
 print(f"sglang {sglang.__version__} over torch {torch.__version__} in .venv-sglang")
 PY
+echo "$want" > "$STAMP"
 echo "scripts/engines/sglang.sh finished in $(( $(date +%s) - start ))s"

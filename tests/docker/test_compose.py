@@ -20,6 +20,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -178,6 +179,10 @@ def test_compose_deployment_contract(compose):
     assert "hicache-run:/run/hicache" in hc["volumes"] and "hicache-run:/run/hicache" in s["engine"]["volumes"]
     assert "hicache-shm:/dev/shm" in hc["volumes"] and "hicache-shm:/dev/shm" in s["engine"]["volumes"]
     assert "ipc" not in hc and "ipc" not in s["engine"]  # a restarted hicache would strand joined engines
+    # The tmpfs stays mounted (so a killed hicache adopts its segment) while shm-holder runs.
+    holder = s["shm-holder"]
+    assert holder["volumes"] == ["hicache-shm:/dev/shm"] and holder["restart"] == "unless-stopped"
+    assert hc["depends_on"]["shm-holder"]["condition"] == "service_started"
     assert s["engine"]["command"][:3] == ["replay", "--service", hc["environment"]["HICACHE_SERVICE__SOCKET_PATH"]]
     for name in ("redis", "hicache"):
         assert s[name]["restart"] == "unless-stopped" and "healthcheck" in s[name]
@@ -223,6 +228,20 @@ def test_docker_compose_config_passes():
 
 
 # ---------------------------------------------------- the containers' commands, run here
+def test_shm_holder_waits_until_told_to_stop_then_exits_at_once(compose):
+    """Its shell is PID 1 in its container, which ignores a TERM it has no trap for
+    (``docker compose down`` would wait 10 s and kill it): it traps TERM and exits 0."""
+    argv = [a.replace("$$", "$") for a in compose["services"]["shm-holder"]["entrypoint"]]  # compose's escape
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(1.0)  # still holding
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+
+
 def test_redis_container_command_and_healthcheck(compose, tmp_path):
     svc = compose["services"]["redis"]
     port = free_port()

@@ -292,6 +292,42 @@ def test_with_redis_stopped_readyz_fails_and_the_engine_keeps_working_on_l2(stac
     assert stack.inspect("redis")["RestartCount"] == 0 and stack.inspect("hicache")["RestartCount"] == 0
 
 
+def test_sigkill_of_hicache_then_up_adopts_the_l2_and_does_not_rerun_the_engine(stack):
+    """A crash (SIGKILL) leaves the segment in the hicache-shm tmpfs, which shm-holder keeps
+    mounted; `up -d hicache` starts a service that adopts it, pages included. The README's
+    command after a crash starts hicache only: the exited example engine stays as it was."""
+    probe = stack.probe(seconds=240, first=90_000, mode="fixed")
+    try:
+        probe.wait_round(stack, "all 8 pages read back", lambda r: r["hits"] == 8)
+    finally:
+        probe.proc.terminate()
+        probe.finish()
+    # The probe's 8 pages, asked of L2 alone (no L3 round trip, nothing loaded).
+    query = {"tokens": list(range(90_000, 90_000 + 8 * stack.stats()["page_size"])), "include_l3": False}
+    assert httpx.post(stack.url + "/v1/lookup", json=query, timeout=10).json()["L2"]["pages"] == 8
+    used = stack.stats()["tiers"]["L2"]["used_pages"]
+    def engines_running() -> list[str]:
+        return stack.compose("ps", "-q", "engine").stdout.split()  # running containers only
+    assert not engines_running()  # the example engine exited (its container may be gone)
+    # The probe's idle container mounts the tmpfs too: remove it, so that only shm-holder
+    # keeps it mounted while hicache is dead (the example engine has exited already).
+    subprocess.run(["docker", "rm", "-f", stack.helper()], capture_output=True, timeout=300, check=True)
+    stack.helper_name = ""
+    holders = subprocess.run(["docker", "ps", "--filter", f"volume={stack.project}_hicache-shm", "--format",
+                              "{{.Label \"com.docker.compose.service\"}}"], capture_output=True, text=True,
+                             check=True).stdout.split()
+    assert sorted(holders) == ["hicache", "shm-holder"], holders
+    stack.compose("kill", "-s", "SIGKILL", "hicache")
+    stack.wait("hicache down", lambda: stack.ready() == 0, every=0.5)
+    stack.compose("up", "-d", "hicache", timeout=600)
+    stack.wait("hicache healthy again", lambda: stack.health("hicache") == "healthy", timeout=240)
+    after = stack.stats()
+    assert after["engine"]["segment_origin"] == "adopted", after["engine"]
+    assert after["tiers"]["L2"]["used_pages"] >= used >= 8, (used, after["tiers"]["L2"])
+    assert httpx.post(stack.url + "/v1/lookup", json=query, timeout=10).json()["L2"]["pages"] == 8
+    assert not engines_running()  # `up -d hicache` neither re-created nor re-ran the example engine
+
+
 def _certs(text: str) -> set[str]:
     return set(re.findall(r"-----BEGIN CERTIFICATE-----.*?-----END CERTIFICATE-----", text, re.S))
 

@@ -268,3 +268,31 @@ def test_a_miss_costs_one_round_trip_when_the_service_has_no_l3(node, monkeypatc
             b.close()
     finally:
         n.stop()
+
+
+def test_loading_the_shared_continuation_never_evicts_the_l1_hit_it_continues(node):
+    """B holds 2 pages of the prompt in L1 and 4 free; the 6 shared pages that continue
+    them do not fit. Making room must not evict B's own 2-page hit (it then admitted
+    neither and counted -8 host tokens: the negative "L3 hit" of replay --service)."""
+    a, b = node.engine(), node.engine(**{"pool.device_pages": 6})
+    prompt = list(range(300, 300 + 8 * PS + 1))
+    try:
+        assert serve(a, "a", prompt) == (0, 0, True)  # 8 pages in the segment
+        req = b.new_request("b0", prompt[:2 * PS + 1])
+        adm = b.admit(req)  # 2 pages from the segment into B's L1
+        adm.wait()
+        assert (adm.device_tokens, adm.host_tokens, adm.storage_tokens) == (0, 2 * PS, 0)
+        req.finish()
+        b.drain()
+        req = b.new_request("b1", prompt)
+        adm = b.admit(req)
+        adm.wait()
+        assert (adm.device_tokens, adm.host_tokens, adm.storage_tokens) == (2 * PS, 0, 0)
+        assert adm.hit_tokens == req.computed_tokens == 2 * PS and values_ok(b, req)
+        req.finish()
+        b.drain()
+        b.check_integrity()
+        node.srv.check_integrity()
+    finally:
+        a.close()
+        b.close()
