@@ -45,6 +45,7 @@ from hicache.evict_index import DeviceCandidates, HostCandidates
 from hicache.eviction import EvictionPolicy
 from hicache.hashing import namespace_root, page_hashes
 from hicache.node import Dropped, Hit, InsertResult, Node, TreeCensus
+from hicache.radix_check import TreeFacts, check_tree
 from hicache.types import DevicePageId, HostPageId, PageHash
 
 __all__ = ["RadixTree", "Node", "Hit", "InsertResult", "Dropped", "TreeCensus"]
@@ -547,5 +548,7 @@ class RadixTree:
         """Check invariants 1-3 and 5 of DESIGN.md and the tree's own bookkeeping
         (``hicache.radix_check``); return every page id held (the cache checks
         pool accounting, invariant 4)."""
-        from hicache.radix_check import check_tree
-        return check_tree(self)
+        leaves = {n for n in self.iter_nodes() if self._device_evictable(n, unlocked=False)}
+        return check_tree(TreeFacts(self._roots, list(self.iter_nodes()), self.page_bytes, self.owned,
+                                    leaves, self.device_candidates.leaves,
+                                    (self.num_nodes, self.device_ids_held, self.host_ids_held)))
