@@ -17,6 +17,7 @@ from typing import Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from hicache.policies import PrefetchPolicy, WritePolicy
 from hicache.errors import ConfigError, LayoutError
 from hicache.layout import BytePlane, KVLayout
 
@@ -115,11 +116,11 @@ class StorageConfig(_Section):
 
 
 class PolicyConfig(_Section):
-    write_policy: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
     write_through_threshold: int = Field(2, ge=1)  # hits before a selective backup
     device_eviction: str = "lru"
     host_eviction: str = "lru"
-    prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = "timeout"
+    prefetch_policy: PrefetchPolicy = PrefetchPolicy.TIMEOUT
     prefetch_timeout_base_ms: float = Field(5.0, ge=0)
     prefetch_timeout_per_1k_tokens_ms: float = Field(2.0, ge=0)
     prefetch_timeout_cap_ms: float = Field(200.0, ge=0)

@@ -27,41 +27,25 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hicache.cache import CacheStats, MatchResult, PrefixCache, Request, RequestState, Tokens, as_key
+from hicache.cache import PrefixCache, Request, RequestState, Tokens, as_key
 from hicache.config import HiCacheConfig
 from hicache.consensus import HitConsensus, admitted_hit
 from hicache.errors import OutOfPages, TransferError
 from hicache.hashing import page_hashes
 from hicache.allocator import PageAllocator
 from hicache.layout import KVLayout
+from hicache.policies import PrefetchPolicy, WritePolicy
 from hicache.pools import DevicePool, HostPool
-from hicache.storage.base import StorageStats
+from hicache.stats import HiCacheStats
 from hicache.node import InsertResult, Node
+from hicache.request import MatchResult
 from hicache.plans import BackupPlan, LoadPlan, StorePlan
 from hicache.service_mode import ServiceMode, open_service_tier
 from hicache.shared_l2 import ServiceHostTier
-from hicache.tiers import TierManager, TierMoveStats
+from hicache.tiers import TierManager
 from hicache.transfer import LoadHandle, Plan, TransferController, TransferResult
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(slots=True, frozen=True)
-class HiCacheStats:
-    """A snapshot of an embedded cache (``HiCache.stats``); ``as_dict`` for JSON."""
-
-    index: CacheStats  # the index: lookups, hits (exact and page-floored), pages per tier
-    tiers: TierMoveStats  # pages moved between tiers, dropped, failed
-    bytes_moved: dict[str, int]  # per direction: d2h, h2d, l3_put, l3_get
-    capacity_pages: dict[str, int]  # "L1", "L2"
-    storage: StorageStats | None  # the L3 backend's counters; None without L3
-
-    def as_dict(self) -> dict:
-        out = {"index": self.index.as_dict(), "tiers": self.tiers.as_dict(),
-               "bytes_moved": dict(self.bytes_moved), "capacity_pages": dict(self.capacity_pages)}
-        if self.storage is not None:
-            out["storage"] = dataclasses.asdict(self.storage)
-        return out
 
 
 class Admission(NamedTuple):
@@ -175,7 +159,7 @@ class HiCache:
                 h = None if plan is None else self._load_handles[id(plan)]
                 if h is not None and h not in loads:
                     loads.append(h)
-            if self.policy.write_policy == "write_through_selective":
+            if self.policy.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
                 self._selective_backup(m.device_node)
         host_tokens = m.device_tokens - device_tokens
         return Admission(m, device_tokens, host_tokens, min(storage_tokens, host_tokens), tuple(loads))
@@ -216,16 +200,16 @@ class HiCache:
         """How long the scheduler may wait on L3 for one request (probe and fetch together);
         None: as long as it takes (``wait_complete``)."""
         p = self.policy
-        if p.prefetch_policy == "wait_complete":
+        if p.prefetch_policy is PrefetchPolicy.WAIT_COMPLETE:
             return None
-        if p.prefetch_policy == "best_effort":  # the probe only; the fetch is never waited for
+        if p.prefetch_policy is PrefetchPolicy.BEST_EFFORT:  # the probe only; the fetch is never waited for
             return p.prefetch_timeout_base_ms / 1e3
         return min(p.prefetch_timeout_cap_ms,
                    p.prefetch_timeout_base_ms + p.prefetch_timeout_per_1k_tokens_ms * num_tokens / 1000) / 1e3
 
     def _wait_prefetch(self, job: int, timeout: float | None) -> None:
         """Wait for the prefetch ``job`` up to ``timeout`` (what is left of the policy's budget)."""
-        if self.policy.prefetch_policy == "best_effort":
+        if self.policy.prefetch_policy is PrefetchPolicy.BEST_EFFORT:
             self._observe()
             return
         t0 = time.perf_counter()
@@ -348,7 +332,7 @@ class HiCache:
             victims = self.cache.device_victims(num_pages - got)
             if not victims:
                 break
-            if self.policy.write_policy == "write_back":
+            if self.policy.write_policy is WritePolicy.WRITE_BACK:
                 for n in victims:
                     self._write_back(n)
             dropped = self.cache.drop_device(victims)
@@ -365,7 +349,7 @@ class HiCache:
     def _make_room(self, num_pages: int) -> None:
         """Before allocating ``num_pages`` L1 pages: under ``write_back`` evict with
         the write-back here (the index's own eviction would drop dirty pages)."""
-        if self.policy.write_policy != "write_back":
+        if self.policy.write_policy is not WritePolicy.WRITE_BACK:
             return
         a = self.cache.device_allocator
         if a.num_free < num_pages:
@@ -386,7 +370,7 @@ class HiCache:
         wait_s = svc.tier.max_wait_s if budget is None else min(budget, svc.tier.max_wait_s)
         acq = svc.acquire(req.key, req.namespace, m, self._page_hashes(req.key, req.namespace, cap)[have:],
                           need_draft=req.draft and self.cache.has_draft,
-                          wait_ms=0 if self.policy.prefetch_policy == "best_effort" else int(1e3 * wait_s),
+                          wait_ms=0 if self.policy.prefetch_policy is PrefetchPolicy.BEST_EFFORT else int(1e3 * wait_s),
                           min_pages=max(1, self.policy.storage_hit_min_pages))
         if acq is None:
             return None, 0
@@ -422,7 +406,7 @@ class HiCache:
         if res.draft_copies:  # before the duplicates (the copies' sources) are freed
             self._copy_draft(res.draft_copies)
         req._adopt(res)
-        if self.policy.write_policy == "write_through":
+        if self.policy.write_policy is WritePolicy.WRITE_THROUGH:
             for n in res.created:
                 self._backup(n)
 

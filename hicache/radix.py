@@ -44,7 +44,7 @@ from hicache.errors import CacheStateError
 from hicache.evict_index import DeviceCandidates, HostCandidates
 from hicache.eviction import EvictionPolicy
 from hicache.hashing import namespace_root, page_hashes
-from hicache.node import Dropped, Hit, InsertResult, Node, TreeCensus
+from hicache.node import DraftCut, Dropped, Hit, InsertResult, Node, TreeCensus
 from hicache.radix_check import TreeFacts, check_tree
 from hicache.types import DevicePageId, HostPageId, PageHash
 
@@ -124,7 +124,7 @@ class RadixTree:
         ``epoch`` tells whether an eviction happened since.
         """
         need_draft = need_draft and self.draft
-        cut = 0
+        cut = DraftCut.NONE
         node = self._roots.get(namespace)
         if node is None:
             return Hit(0, 0, None, None)
@@ -144,7 +144,7 @@ class RadixTree:
                 nxt = child
                 break
             if need_draft and not child.draft_device:
-                cut = 1
+                cut = DraftCut.L1
                 break
             ck = child.key
             if pos + len(ck) <= end and starts(ck, pos):
@@ -158,7 +158,7 @@ class RadixTree:
         dev_node = node
         while nxt is not None and nxt.host_pages is not None:
             if need_draft and not nxt.draft_host:
-                cut = 2
+                cut = DraftCut.L2
                 break
             child = nxt
             if pos + len(child.key) <= end and starts(child.key, pos):
@@ -529,14 +529,6 @@ class RadixTree:
         if got:
             self.epoch += 1
         return Dropped(freed, got)
-
-    def evict_device(self, num_pages: int, policy: EvictionPolicy) -> Dropped:
-        """``drop_device(device_victims(...))``: L1 eviction without a write-back."""
-        return self.drop_device(self.device_victims(num_pages, policy))
-
-    def evict_host(self, num_pages: int, policy: EvictionPolicy) -> Dropped:
-        """``drop_host(host_victims(...))``."""
-        return self.drop_host(self.host_victims(num_pages, policy))
 
     def _remove(self, n: Node) -> None:
         if n.children or n.lock_ref or n.host_lock_ref:

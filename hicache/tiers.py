@@ -31,14 +31,14 @@ calls everything.
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from typing import Protocol, cast
 
 from hicache.allocator import PageAllocator
-from hicache.cache import MatchResult, PrefixCache
+from hicache.cache import PrefixCache
 from hicache.errors import CacheStateError
 from hicache.node import Node
+from hicache.stats import TierMoveStats
+from hicache.request import MatchResult
 from hicache.plans import BackupPlan, LoadPlan, LoadRequest, PrefetchPlan, StorePlan
 from hicache.types import DevicePageId, HostPageId, PageHash
 
@@ -51,27 +51,6 @@ class DeviceBlocks(Protocol):
 
     def free_device(self, ids: list[DevicePageId]) -> None:
         """Return pages obtained from ``alloc_device``."""
-
-
-@dataclass(slots=True)
-class TierMoveStats:
-    """Tier movement counters (pages unless named otherwise)."""
-
-    storage_lookups: int = 0
-    storage_hit_pages: int = 0  # L3 pages continuing the L2 hit, at admission
-    prefetch_started: int = 0
-    prefetch_pages: int = 0  # pages that landed in L2 from L3
-    prefetch_waited_ms: float = 0.0
-    load_back_pages: int = 0  # L2 -> L1
-    backup_pages: int = 0  # L1 -> L2 completed
-    backup_dropped_pages: int = 0  # no L2 space, or the path was not on L2
-    storage_put_pages: int = 0  # L2 -> L3 completed
-    storage_put_dropped_pages: int = 0
-    storage_put_skipped_draft_pages: int = 0  # not stored: their L2 draft rows are incomplete
-    transfer_errors: int = 0
-
-    def as_dict(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
 
 
 class TierManager:

@@ -16,6 +16,7 @@ thread (a storage call may block up to its timeout).
 """
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import threading
@@ -27,13 +28,13 @@ import torch
 from hicache.errors import TransferError
 from hicache.layout import KVLayout
 from hicache.pools import DevicePool, HostPool
+from hicache.kernels.page_copy import copy_pages
 from hicache.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan
 
 log = logging.getLogger(__name__)
 
 
 def _copy_pages(src, dst, src_pages, dst_pages, planes=None) -> None:
-    from hicache.kernels.page_copy import copy_pages
     copy_pages(src, dst, src_pages, dst_pages, planes=planes)
 
 
@@ -45,11 +46,20 @@ def _same_len(a: Sequence, b: Sequence) -> None:
         raise TransferError(f"a transfer pairs {len(a)} source pages with {len(b)} destinations")
 
 
+class TransferKind(enum.StrEnum):
+    """What a transfer moves (also the keys of ``TransferController.bytes_moved``)."""
+
+    D2H = "d2h"  # L1 -> L2 (backup)
+    H2D = "h2d"  # L2 -> L1 (load back)
+    L3_PUT = "l3_put"  # L2 -> L3 (store)
+    L3_GET = "l3_get"  # L3 -> L2 (prefetch)
+
+
 class TransferResult(NamedTuple):
     """The outcome of one job, as ``finished()`` reports it."""
 
     job: int  # the id ``submit`` returned
-    kind: str  # "d2h" | "h2d" | "l3_put" | "l3_get"
+    kind: TransferKind
     pages: int  # pages moved: all of them for a copy; leading pages stored / loaded for L3
     error: BaseException | None  # what the worker raised (None: it completed)
 
@@ -60,14 +70,13 @@ class TransferResult(NamedTuple):
 
 @dataclass(eq=False)
 class Transfer:
-    """One submitted operation. ``done`` flips when ``finished()`` reported it."""
+    """One submitted operation (reported once by ``finished()``)."""
 
-    kind: str  # "d2h" | "h2d" | "l3_put" | "l3_get"
+    kind: TransferKind
     job: int = 0
     pages: int = 0  # pages a copy moves
     result: int | None = None  # L3 jobs: leading pages stored / loaded
     error: BaseException | None = None
-    done: bool = False
     ready_flag: threading.Event = field(default_factory=threading.Event, repr=False)  # CPU jobs: set when done
     cuda_event: object = None  # GPU jobs: recorded after the last copy
 
@@ -154,7 +163,7 @@ class TransferController:
         self._handles: dict[int, LoadHandle] = {}  # load jobs' layer-wise handles
         self._next_job = 0
         self._plane_groups = layer_plane_groups(device_pool.layout)
-        self.bytes_moved = {"d2h": 0, "h2d": 0, "l3_put": 0, "l3_get": 0}
+        self.bytes_moved: dict[str, int] = {k.value: 0 for k in TransferKind}
         self._copy_q: queue.Queue | None = None
         self._io_q: queue.Queue = queue.Queue()
         self._threads: list[threading.Thread] = []
@@ -194,7 +203,7 @@ class TransferController:
     def backup(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Transfer:
         """Copy L1 pages to L2 (all planes). The caller holds both sets of pages."""
         _same_len(device_pages, host_pages)
-        t = self._new("d2h")
+        t = self._new(TransferKind.D2H)
         t.pages = len(device_pages)
         nbytes = len(device_pages) * self.device_pool.layout.page_bytes
         src, dst = self._idx(device_pages), self._idx(host_pages)
@@ -213,14 +222,14 @@ class TransferController:
                     t.error = e
                 t.ready_flag.set()
             self._copy_q.put(job)
-        self.bytes_moved["d2h"] += nbytes
+        self.bytes_moved[TransferKind.D2H] += nbytes
         self._pending.append(t)
         return t
 
     def load_back(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> LoadHandle:
         """Copy L2 pages into L1 layer by layer; returns a ``LoadHandle``."""
         _same_len(device_pages, host_pages)
-        t = self._new("h2d")
+        t = self._new(TransferKind.H2D)
         t.pages = len(device_pages)
         h = LoadHandle(t, self.device_pool.layout.num_layers, self.on_gpu)
         graph = self._load_graph() if self.on_gpu and host_pages else None
@@ -256,7 +265,7 @@ class TransferController:
                     h.release_all()
                 t.ready_flag.set()
             self._copy_q.put(job)
-        self.bytes_moved["h2d"] += len(host_pages) * self.device_pool.layout.page_bytes
+        self.bytes_moved[TransferKind.H2D] += len(host_pages) * self.device_pool.layout.page_bytes
         self._pending.append(t)
         return h
 
@@ -290,7 +299,7 @@ class TransferController:
         """Write L2 pages to L3. ``result`` = number stored. Caller host-locks the pages."""
         self._need_storage()
         _same_len(host_pages, hashes)
-        t = self._new("l3_put")
+        t = self._new(TransferKind.L3_PUT)
         sizes = [p.page_bytes for p in self.host_pool.layout.planes]
 
         def job():
@@ -301,7 +310,7 @@ class TransferController:
                 t.error = e
             t.ready_flag.set()
         self._io_q.put(job)
-        self.bytes_moved["l3_put"] += len(host_pages) * self.host_pool.layout.page_bytes
+        self.bytes_moved[TransferKind.L3_PUT] += len(host_pages) * self.host_pool.layout.page_bytes
         self._pending.append(t)
         return t
 
@@ -310,7 +319,7 @@ class TransferController:
         (a miss or corrupt object stops the prefix there)."""
         self._need_storage()
         _same_len(host_pages, hashes)
-        t = self._new("l3_get")
+        t = self._new(TransferKind.L3_GET)
         sizes = [p.page_bytes for p in self.host_pool.layout.planes]
 
         def job():
@@ -324,7 +333,7 @@ class TransferController:
             except BaseException as e:
                 t.error = e
             t.result = n
-            self.bytes_moved["l3_get"] += n * self.host_pool.layout.page_bytes
+            self.bytes_moved[TransferKind.L3_GET] += n * self.host_pool.layout.page_bytes
             t.ready_flag.set()
         self._io_q.put(job)
         self._pending.append(t)
@@ -359,7 +368,7 @@ class TransferController:
         return self._handles[job]
 
     # ------------------------------------------------------------- completion
-    def _new(self, kind: str) -> Transfer:
+    def _new(self, kind: TransferKind) -> Transfer:
         self._next_job += 1
         t = Transfer(kind, self._next_job)
         self._jobs[t.job] = t
@@ -373,7 +382,6 @@ class TransferController:
         self._pending = still
         out = []
         for t in done:
-            t.done = True
             del self._jobs[t.job]
             self._handles.pop(t.job, None)
             if t.error is not None:
@@ -397,10 +405,6 @@ class TransferController:
         """Block until every submitted job is done (still to be reported by ``finished``)."""
         for job in list(self._jobs):
             self.wait(job)
-
-    @property
-    def num_pending(self) -> int:
-        return len(self._pending)
 
     def close(self) -> None:
         """Wait for every job, then stop the worker threads (unreported results are dropped)."""

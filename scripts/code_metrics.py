@@ -153,8 +153,9 @@ def _layers(graph: dict[str, set[str]]) -> dict[str, int]:
     return {m: layer(comp_of[m]) for m in graph}
 
 
-def import_graph(paths: list[pathlib.Path]) -> dict:
-    mods = {module_name(p): p for p in paths}
+def import_graph(paths: list[pathlib.Path], root: pathlib.Path | None = None) -> dict:
+    """``root``: the repository root the paths are under (module names are relative to it)."""
+    mods = {module_name(p if root is None else p.relative_to(root)): p for p in paths}
     known = set(mods)
     top: dict[str, set[str]] = {m: set() for m in known}
     every: dict[str, set[str]] = {m: set() for m in known}
@@ -174,10 +175,11 @@ def import_graph(paths: list[pathlib.Path]) -> dict:
             "cycles": cycles, "upward_imports": upward, "layer_of": layers}
 
 
-def scan(paths: list[pathlib.Path]) -> dict:
+def scan(paths: list[pathlib.Path], root: pathlib.Path | None = None) -> dict:
     files, funcs, hooks, hook_calls, closures = [], [], [], [], []
-    for path in paths:
-        src = path.read_text()
+    for full in paths:
+        src = full.read_text()
+        path = full if root is None else full.relative_to(root)  # as named in reports and exceptions
         files.append((src.count("\n"), str(path)))
         tree = ast.parse(src)
         for node in ast.walk(tree):
@@ -205,11 +207,11 @@ def scan(paths: list[pathlib.Path]) -> dict:
     return {"largest_file": max(files), "longest_function": max(f[:2] for f in funcs),
             "long_functions": long_funcs,
             "hook_params": hooks, "hook_calls": hook_calls, "closures": closures,
-            "upward_calls": len(hook_calls) + len(closures), **import_graph(paths)}
+            "upward_calls": len(hook_calls) + len(closures), **import_graph(paths, root)}
 
 
-def source_paths(pkgs: list[str]) -> list[pathlib.Path]:
-    return sorted(p for pkg in pkgs for p in pathlib.Path(pkg).rglob("*.py"))
+def source_paths(pkgs: list[str], root: pathlib.Path | None = None) -> list[pathlib.Path]:
+    return sorted(p for pkg in pkgs for p in (pathlib.Path(pkg) if root is None else root / pkg).rglob("*.py"))
 
 
 def main(argv: list[str]) -> None:
