@@ -47,6 +47,11 @@ from hicache.transfer import LoadHandle, Plan, TransferController, TransferResul
 
 log = logging.getLogger(__name__)
 
+# Policy members read once: an enum member lookup costs ~0.8 us on Python 3.11.
+_WRITE_THROUGH, _WRITE_THROUGH_SELECTIVE, _WRITE_BACK = (WritePolicy.WRITE_THROUGH,
+                                                         WritePolicy.WRITE_THROUGH_SELECTIVE, WritePolicy.WRITE_BACK)
+_BEST_EFFORT, _WAIT_COMPLETE = PrefetchPolicy.BEST_EFFORT, PrefetchPolicy.WAIT_COMPLETE
+
 
 class Admission(NamedTuple):
     """What ``admit`` decided for a request. Valid until the request ends."""
@@ -143,11 +148,11 @@ class HiCache:
         if storage_tokens or m.epoch != self.cache.epoch:
             m = req.match()  # prefetched pages joined L2, or L2 room was made by eviction
         if self.service is None:
-            own = self._load_host_hit(m)
+            own, m = self._load_host_hit(req, m)
         else:
             own, storage_tokens = self._load_shared(req, m)
-        if own is not None or m.epoch != self.cache.epoch:
-            m = req.match()
+            if own is not None or m.epoch != self.cache.epoch:
+                m = req.match()
         if self.consensus is not None:
             m = self._agreed(req, m)
             device_tokens = min(device_tokens, m.device_tokens)
@@ -159,7 +164,7 @@ class HiCache:
                 h = None if plan is None else self._load_handles[id(plan)]
                 if h is not None and h not in loads:
                     loads.append(h)
-            if self.policy.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            if self.policy.write_policy is _WRITE_THROUGH_SELECTIVE:
                 self._selective_backup(m.device_node)
         host_tokens = m.device_tokens - device_tokens
         return Admission(m, device_tokens, host_tokens, min(storage_tokens, host_tokens), tuple(loads))
@@ -200,35 +205,44 @@ class HiCache:
         """How long the scheduler may wait on L3 for one request (probe and fetch together);
         None: as long as it takes (``wait_complete``)."""
         p = self.policy
-        if p.prefetch_policy is PrefetchPolicy.WAIT_COMPLETE:
+        if p.prefetch_policy is _WAIT_COMPLETE:
             return None
-        if p.prefetch_policy is PrefetchPolicy.BEST_EFFORT:  # the probe only; the fetch is never waited for
+        if p.prefetch_policy is _BEST_EFFORT:  # the probe only; the fetch is never waited for
             return p.prefetch_timeout_base_ms / 1e3
         return min(p.prefetch_timeout_cap_ms,
                    p.prefetch_timeout_base_ms + p.prefetch_timeout_per_1k_tokens_ms * num_tokens / 1000) / 1e3
 
     def _wait_prefetch(self, job: int, timeout: float | None) -> None:
-        """Wait for the prefetch ``job`` up to ``timeout`` (what is left of the policy's budget)."""
-        if self.policy.prefetch_policy is PrefetchPolicy.BEST_EFFORT:
-            self._observe()
-            return
-        t0 = time.perf_counter()
-        self._wait(job, None if timeout is None else max(0.0, timeout))
-        self.tier_stats.prefetch_waited_ms += (time.perf_counter() - t0) * 1e3
+        """Wait for the prefetch ``job`` up to ``timeout`` (what is left of the policy's
+        budget) and complete it if it landed; other jobs complete in ``poll``."""
+        if self.policy.prefetch_policy is not _BEST_EFFORT:
+            t0 = time.perf_counter()
+            self.transfers.wait(job, None if timeout is None else max(0.0, timeout))
+            self.tier_stats.prefetch_waited_ms += (time.perf_counter() - t0) * 1e3
+        self._observe(job)
 
     # ----------------------------------------------------------------- L2 -> L1
-    def _load_host_hit(self, m: MatchResult) -> LoadHandle | None:
-        """Give the L2-only part of ``m`` L1 pages and start copying it in."""
+    def _load_host_hit(self, req: Request, m: MatchResult) -> tuple[LoadHandle | None, MatchResult]:
+        """Give the L2-only part of ``m`` L1 pages and start copying it in. Returns
+        the load's handle (None: nothing loaded) and the match to lock.
+
+        Without a second lookup: ``plan_load`` pins the device hit on L1 and the
+        L2 path on L2 before room is made, so whatever eviction the allocation
+        does leaves the hit whole, and once the path has its L1 pages the hit is
+        all on L1 and ends at ``lr.last``. Only a plan that failed (no room)
+        matches again, and only when an eviction happened meanwhile."""
         lr = self.tiers.plan_load(m)
         if lr is None:
-            return None
+            return None, m
         try:
             self._make_room(lr.num_pages)
             dev = self.cache.alloc_device(lr.num_pages)
         except OutOfPages:
             self.tiers.cancel_load(lr)
-            return None
-        return self._start_load(self.tiers.prepare_load(lr, dev))
+            return None, (m if m.epoch == self.cache.epoch else req.match())
+        handle = self._start_load(self.tiers.prepare_load(lr, dev))
+        return handle, m._replace(device_tokens=m.tokens, host_tokens=0, device_node=lr.last,
+                                  host_node=lr.last, epoch=self.cache.epoch)
 
     def _start_load(self, plan: LoadPlan) -> LoadHandle:
         """Submit a prepared load back; its layer-wise handle (kept until it completes)."""
@@ -286,9 +300,10 @@ class HiCache:
         self._jobs[job] = plan
         return job
 
-    def _observe(self) -> int:
-        """Hand every finished transfer to the tier manager; returns how many."""
-        results = self.transfers.finished()
+    def _observe(self, job: int | None = None) -> int:
+        """Hand every finished transfer (``job``: only that one) to the tier manager;
+        returns how many."""
+        results = self.transfers.finished(job)
         for r in results:
             self._complete(self._jobs.pop(r.job), r)
         return len(results)
@@ -332,7 +347,7 @@ class HiCache:
             victims = self.cache.device_victims(num_pages - got)
             if not victims:
                 break
-            if self.policy.write_policy is WritePolicy.WRITE_BACK:
+            if self.policy.write_policy is _WRITE_BACK:
                 for n in victims:
                     self._write_back(n)
             dropped = self.cache.drop_device(victims)
@@ -349,7 +364,7 @@ class HiCache:
     def _make_room(self, num_pages: int) -> None:
         """Before allocating ``num_pages`` L1 pages: under ``write_back`` evict with
         the write-back here (the index's own eviction would drop dirty pages)."""
-        if self.policy.write_policy is not WritePolicy.WRITE_BACK:
+        if self.policy.write_policy is not _WRITE_BACK:
             return
         a = self.cache.device_allocator
         if a.num_free < num_pages:
@@ -370,7 +385,7 @@ class HiCache:
         wait_s = svc.tier.max_wait_s if budget is None else min(budget, svc.tier.max_wait_s)
         acq = svc.acquire(req.key, req.namespace, m, self._page_hashes(req.key, req.namespace, cap)[have:],
                           need_draft=req.draft and self.cache.has_draft,
-                          wait_ms=0 if self.policy.prefetch_policy is PrefetchPolicy.BEST_EFFORT else int(1e3 * wait_s),
+                          wait_ms=0 if self.policy.prefetch_policy is _BEST_EFFORT else int(1e3 * wait_s),
                           min_pages=max(1, self.policy.storage_hit_min_pages))
         if acq is None:
             return None, 0
@@ -406,7 +421,7 @@ class HiCache:
         if res.draft_copies:  # before the duplicates (the copies' sources) are freed
             self._copy_draft(res.draft_copies)
         req._adopt(res)
-        if self.policy.write_policy is WritePolicy.WRITE_THROUGH:
+        if self.policy.write_policy is _WRITE_THROUGH:
             for n in res.created:
                 self._backup(n)
 

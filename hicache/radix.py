@@ -50,6 +50,9 @@ from hicache.types import DevicePageId, HostPageId, PageHash
 
 __all__ = ["RadixTree", "Node", "Hit", "InsertResult", "Dropped", "TreeCensus"]
 
+# Enum members read once: a member lookup costs ~0.8 us on Python 3.11, match() runs per request.
+_NO_CUT, _CUT_L1, _CUT_L2 = DraftCut.NONE, DraftCut.L1, DraftCut.L2
+
 
 class RadixTree:
     """The index. ``page_size`` tokens per page; ``ownership``/``cp_rank`` pick owned pages."""
@@ -124,7 +127,7 @@ class RadixTree:
         ``epoch`` tells whether an eviction happened since.
         """
         need_draft = need_draft and self.draft
-        cut = DraftCut.NONE
+        cut = _NO_CUT
         node = self._roots.get(namespace)
         if node is None:
             return Hit(0, 0, None, None)
@@ -144,7 +147,7 @@ class RadixTree:
                 nxt = child
                 break
             if need_draft and not child.draft_device:
-                cut = DraftCut.L1
+                cut = _CUT_L1
                 break
             ck = child.key
             if pos + len(ck) <= end and starts(ck, pos):
@@ -158,7 +161,7 @@ class RadixTree:
         dev_node = node
         while nxt is not None and nxt.host_pages is not None:
             if need_draft and not nxt.draft_host:
-                cut = DraftCut.L2
+                cut = _CUT_L2
                 break
             child = nxt
             if pos + len(child.key) <= end and starts(child.key, pos):

@@ -17,6 +17,17 @@ two calls the plan's pages are protected from eviction:
 | ``prepare_shared_backup`` / ``complete_backup`` | L1 -> shared L2 | the node on L1 |
 | ``prepare_shared_load`` / ``complete_load`` | shared L2 -> L1 | the new L1 pages |
 
+Failure (as vLLM's ``complete_*(success=False)``): every ``complete_*`` must
+be called exactly once per plan, also when the transfer failed, and always
+unpins what its ``prepare_*`` pinned. What a failure leaves behind:
+
+| call | on failure |
+|---|---|
+| ``complete_backup(plan, ok=False)`` | no L2 copy recorded; the reserved L2 ids are freed (shared: the caller cancels the reservation); ``transfer_errors`` += 1 |
+| ``complete_load(plan, ok=False)`` | the L1 pages stay indexed with unknown bytes: the caller must stop serving (``HiCache`` raises ``TransferError`` from then on) |
+| ``complete_store(plan, stored)`` | partial: only ``stored`` leading pages reached L3; the node is flagged stored only when all did |
+| ``complete_prefetch(plan, loaded)`` | partial: the ``loaded`` leading pages are indexed on L2, the rest of the reserved ids freed |
+
 Service mode (``hicache+unix://``): the node's shared L2 segment is the host
 tier and the service's index its authority. The index then records no L2
 pages of its own: the shared pages of a plan are reserved (backup) or

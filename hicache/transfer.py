@@ -55,6 +55,10 @@ class TransferKind(enum.StrEnum):
     L3_GET = "l3_get"  # L3 -> L2 (prefetch)
 
 
+# Members read once: an enum member lookup costs ~0.8 us on Python 3.11 (per job, twice).
+_D2H, _H2D, _L3_PUT, _L3_GET = TransferKind.D2H, TransferKind.H2D, TransferKind.L3_PUT, TransferKind.L3_GET
+
+
 class TransferResult(NamedTuple):
     """The outcome of one job, as ``finished()`` reports it."""
 
@@ -203,7 +207,7 @@ class TransferController:
     def backup(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Transfer:
         """Copy L1 pages to L2 (all planes). The caller holds both sets of pages."""
         _same_len(device_pages, host_pages)
-        t = self._new(TransferKind.D2H)
+        t = self._new(_D2H)
         t.pages = len(device_pages)
         nbytes = len(device_pages) * self.device_pool.layout.page_bytes
         src, dst = self._idx(device_pages), self._idx(host_pages)
@@ -222,14 +226,14 @@ class TransferController:
                     t.error = e
                 t.ready_flag.set()
             self._copy_q.put(job)
-        self.bytes_moved[TransferKind.D2H] += nbytes
+        self.bytes_moved[_D2H] += nbytes
         self._pending.append(t)
         return t
 
     def load_back(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> LoadHandle:
         """Copy L2 pages into L1 layer by layer; returns a ``LoadHandle``."""
         _same_len(device_pages, host_pages)
-        t = self._new(TransferKind.H2D)
+        t = self._new(_H2D)
         t.pages = len(device_pages)
         h = LoadHandle(t, self.device_pool.layout.num_layers, self.on_gpu)
         graph = self._load_graph() if self.on_gpu and host_pages else None
@@ -265,7 +269,7 @@ class TransferController:
                     h.release_all()
                 t.ready_flag.set()
             self._copy_q.put(job)
-        self.bytes_moved[TransferKind.H2D] += len(host_pages) * self.device_pool.layout.page_bytes
+        self.bytes_moved[_H2D] += len(host_pages) * self.device_pool.layout.page_bytes
         self._pending.append(t)
         return h
 
@@ -299,7 +303,7 @@ class TransferController:
         """Write L2 pages to L3. ``result`` = number stored. Caller host-locks the pages."""
         self._need_storage()
         _same_len(host_pages, hashes)
-        t = self._new(TransferKind.L3_PUT)
+        t = self._new(_L3_PUT)
         sizes = [p.page_bytes for p in self.host_pool.layout.planes]
 
         def job():
@@ -310,7 +314,7 @@ class TransferController:
                 t.error = e
             t.ready_flag.set()
         self._io_q.put(job)
-        self.bytes_moved[TransferKind.L3_PUT] += len(host_pages) * self.host_pool.layout.page_bytes
+        self.bytes_moved[_L3_PUT] += len(host_pages) * self.host_pool.layout.page_bytes
         self._pending.append(t)
         return t
 
@@ -319,7 +323,7 @@ class TransferController:
         (a miss or corrupt object stops the prefix there)."""
         self._need_storage()
         _same_len(host_pages, hashes)
-        t = self._new(TransferKind.L3_GET)
+        t = self._new(_L3_GET)
         sizes = [p.page_bytes for p in self.host_pool.layout.planes]
 
         def job():
@@ -333,7 +337,7 @@ class TransferController:
             except BaseException as e:
                 t.error = e
             t.result = n
-            self.bytes_moved[TransferKind.L3_GET] += n * self.host_pool.layout.page_bytes
+            self.bytes_moved[_L3_GET] += n * self.host_pool.layout.page_bytes
             t.ready_flag.set()
         self._io_q.put(job)
         self._pending.append(t)
@@ -374,11 +378,12 @@ class TransferController:
         self._jobs[t.job] = t
         return t
 
-    def finished(self) -> list[TransferResult]:
-        """Results of jobs done since the last call, in submission order; never blocks."""
+    def finished(self, job: int | None = None) -> list[TransferResult]:
+        """Results of jobs done since the last call, in submission order; never blocks.
+        ``job``: only that job's result, if it is done (the others stay to be reported)."""
         done, still = [], []
         for t in self._pending:
-            (done if t.ready() else still).append(t)
+            (done if (job is None or t.job == job) and t.ready() else still).append(t)
         self._pending = still
         out = []
         for t in done:
