@@ -30,7 +30,7 @@ import numpy as np
 from hicache.cache import PrefixCache, Request, RequestState, Tokens, as_key
 from hicache.config import HiCacheConfig
 from hicache.consensus import HitConsensus, admitted_hit
-from hicache.errors import OutOfPages, TransferError
+from hicache.errors import CacheStateError, IntegrityError, OutOfPages, TransferError
 from hicache.hashing import page_hashes
 from hicache.allocator import PageAllocator
 from hicache.layout import KVLayout
@@ -44,6 +44,7 @@ from hicache.service_mode import ServiceMode, open_service_tier
 from hicache.shared_l2 import ServiceHostTier
 from hicache.tiers import TierManager
 from hicache.transfer import LoadHandle, Plan, TransferController, TransferResult
+from hicache.types import JobId
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +108,11 @@ class HiCache:
         self.tiers = TierManager(self.cache)
         self.service = None if tier is None else ServiceMode(tier, self.cache, self.tiers)
         self.tier_stats = self.tiers.stats
-        self._jobs: dict[int, Plan] = {}  # submitted, not yet completed: job id -> its plan
-        self._load_handles: dict[int, LoadHandle] = {}  # id(LoadPlan) -> its layer-wise handle
+        # In-flight work: every submitted, not yet completed job -> its plan. A load's
+        # layer-wise handle is the transfer controller's (``load_handle(job)``); the
+        # index's nodes still filling lead to their load's job through ``_load_job``.
+        self._jobs: dict[JobId, Plan] = {}
+        self._load_job: dict[Node, JobId] = {}  # last node of each in-flight load -> its job
         self._storage_enabled = storage is not None and self.layout.cp_size == 1
         self._failed: TransferError | None = None  # set by a failed load back; fatal
         self.consensus = consensus
@@ -160,8 +164,7 @@ class HiCache:
         loads = [own] if own is not None else []
         if m.device_node is not None:
             for n in self.cache.path(m.device_node):
-                plan = self.tiers.loading.get(n)
-                h = None if plan is None else self._load_handles[id(plan)]
+                h = self._loading(n)
                 if h is not None and h not in loads:
                     loads.append(h)
             if self.policy.write_policy is _WRITE_THROUGH_SELECTIVE:
@@ -212,7 +215,7 @@ class HiCache:
         return min(p.prefetch_timeout_cap_ms,
                    p.prefetch_timeout_base_ms + p.prefetch_timeout_per_1k_tokens_ms * num_tokens / 1000) / 1e3
 
-    def _wait_prefetch(self, job: int, timeout: float | None) -> None:
+    def _wait_prefetch(self, job: JobId, timeout: float | None) -> None:
         """Wait for the prefetch ``job`` up to ``timeout`` (what is left of the policy's
         budget) and complete it if it landed; other jobs complete in ``poll``."""
         if self.policy.prefetch_policy is not _BEST_EFFORT:
@@ -245,10 +248,13 @@ class HiCache:
                                   host_node=lr.last, epoch=self.cache.epoch)
 
     def _start_load(self, plan: LoadPlan) -> LoadHandle:
-        """Submit a prepared load back; its layer-wise handle (kept until it completes)."""
-        handle = self.transfers.load_handle(self._submit(plan))
-        self._load_handles[id(plan)] = handle
-        return handle
+        """Submit a prepared load back; its layer-wise handle (the controller keeps it until
+        ``finished`` reports the job)."""
+        if plan.last in self._load_job:
+            raise CacheStateError(f"{plan.last!r} is the last node of two loads in flight")
+        job = self._submit(plan)
+        self._load_job[plan.last] = job
+        return self.transfers.load_handle(job)
 
     # ----------------------------------------------------------------- L1 -> L2
     def _selective_backup(self, deepest: Node) -> None:
@@ -274,7 +280,7 @@ class HiCache:
             return False
         return n.host_pages is None if self.service is None else not n.in_storage
 
-    def _backup(self, node: Node, synchronous: bool = False) -> int | None:
+    def _backup(self, node: Node, synchronous: bool = False) -> JobId | None:
         """Start copying ``node`` to L2 (``synchronous``: and wait for it); the job id."""
         if self.service is not None:
             plan = self.service.prepare_backup(node)
@@ -295,12 +301,12 @@ class HiCache:
                 self._submit(plan)
 
     # --------------------------------------------------------- completions
-    def _submit(self, plan: Plan) -> int:
+    def _submit(self, plan: Plan) -> JobId:
         job = self.transfers.submit(plan)
         self._jobs[job] = plan
         return job
 
-    def _observe(self, job: int | None = None) -> int:
+    def _observe(self, job: JobId | None = None) -> int:
         """Hand every finished transfer (``job``: only that one) to the tier manager;
         returns how many."""
         results = self.transfers.finished(job)
@@ -317,7 +323,7 @@ class HiCache:
                 self.service.backup_done(plan, r.ok)
         elif isinstance(plan, LoadPlan):
             tiers.complete_load(plan, r.ok)
-            del self._load_handles[id(plan)]
+            del self._load_job[plan.last]
             if plan.shared is not None:
                 self.service.load_done(plan)
             if not r.ok:
@@ -331,7 +337,7 @@ class HiCache:
         else:
             tiers.complete_prefetch(plan, r.pages)
 
-    def _wait(self, job: int, timeout: float | None = None) -> None:
+    def _wait(self, job: JobId, timeout: float | None = None) -> None:
         """Block until ``job`` is done (or ``timeout`` s), then observe what finished."""
         if self.transfers.wait(job, timeout):
             self._observe()
@@ -448,9 +454,14 @@ class HiCache:
         """A request is about to use the index's L1 pages on ``node``'s path (or
         write draft rows into them): wait for loads still filling them."""
         for n in self.cache.path(node):
-            plan = self.tiers.loading.get(n)
-            if plan is not None:
-                self._load_handles[id(plan)].wait()
+            h = self._loading(n)
+            if h is not None:
+                h.wait()
+
+    def _loading(self, n: Node) -> LoadHandle | None:
+        """The handle of the load still filling ``n``'s L1 pages (None: none is)."""
+        plan = self.tiers.loading.get(n)
+        return None if plan is None else self.transfers.load_handle(self._load_job[plan.last])
 
     def drain(self) -> None:
         """Block until every transfer has finished and been observed."""
@@ -481,12 +492,27 @@ class HiCache:
         self.tiers.check_integrity()
         self.device_pool.check_integrity()
         self.transfers.check_integrity()
+        self._check_in_flight()
         if self.service is None:
             self.host_pool.check_integrity()  # (the segment's pages are the service's to check)
         if self.storage is not None:
             self.storage.check_integrity()
         if self.service is not None and not self.service.tier.down:
             self.service.tier.call(self.service.tier.client.check_integrity)
+
+    def _check_in_flight(self) -> None:
+        """The in-flight registry agrees with itself and with the tier manager: each
+        load's job is in flight with that load's plan, and every node still filling
+        belongs to one of them."""
+        for last, job in self._load_job.items():
+            plan = self._jobs.get(job)
+            if not isinstance(plan, LoadPlan) or plan.last is not last:
+                raise IntegrityError(f"load job {job} of {last!r} is not in flight with its plan ({plan!r})")
+        for n, plan in self.tiers.loading.items():
+            job = self._load_job.get(plan.last)
+            if job is None or self._jobs.get(job) is not plan:
+                raise IntegrityError(f"{n!r} is loading but its load ({plan.last!r}) is not the job in flight "
+                                     f"for that node (job {job})")
 
     def close(self) -> None:
         self.drain()

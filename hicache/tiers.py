@@ -75,12 +75,21 @@ class TierManager:
         self.stats = TierMoveStats()
         self.loading: dict[Node, LoadPlan] = {}  # L1 pages of these nodes are still arriving
         self.backing_up: set[Node] = set()
-        self._host_in_flight: dict[int, list[HostPageId]] = {}  # id(plan) -> L2 ids it holds
+        self._host_in_flight: set[HostPageId] = set()  # L2 ids held by prepared, uncompleted plans
 
     @property
     def host_in_flight(self) -> list[HostPageId]:
         """L2 ids held by prepared, not yet completed backups and prefetches."""
-        return [h for ids in self._host_in_flight.values() for h in ids]
+        return list(self._host_in_flight)
+
+    def _hold_host(self, ids: list[HostPageId]) -> None:
+        held = self._host_in_flight.intersection(ids)
+        if held:
+            raise CacheStateError(f"L2 pages {sorted(held)[:8]} handed to a second plan while in flight")
+        self._host_in_flight.update(ids)
+
+    def _release_host(self, ids: list[HostPageId]) -> None:
+        self._host_in_flight.difference_update(ids)
 
     def alloc_host(self, n: int) -> list[HostPageId] | None:
         """``n`` L2 pages, evicting unpinned L2 pages when short; None if that is not enough."""
@@ -103,7 +112,7 @@ class TierManager:
             self.cache.inc_lock(node)
         self.backing_up.add(node)
         plan = BackupPlan(node, dev, host, node.draft_device, pin)
-        self._host_in_flight[id(plan)] = host
+        self._hold_host(host)
         return plan
 
     def complete_backup(self, plan: BackupPlan, ok: bool) -> list[Node]:
@@ -120,7 +129,7 @@ class TierManager:
             else:
                 self.stats.transfer_errors += 1
             return []
-        del self._host_in_flight[id(plan)]
+        self._release_host(host)
         if not ok:
             self.stats.transfer_errors += 1
             self._host.free(host)
@@ -284,13 +293,13 @@ class TierManager:
         self.stats.prefetch_started += 1
         ps4 = self.cache.page_size * 4
         plan = PrefetchPlan(key[:(first_page + len(hashes)) * ps4], namespace, first_page, host, hashes)
-        self._host_in_flight[id(plan)] = host
+        self._hold_host(host)
         return plan
 
     def complete_prefetch(self, plan: PrefetchPlan, loaded: int) -> int:
         """Index the ``loaded`` leading pages that landed in L2 (as stored in L3);
         free the rest. Returns the pages the index took."""
-        del self._host_in_flight[id(plan)]
+        self._release_host(plan.host)
         got, unused = plan.host[:loaded], plan.host[loaded:]
         if loaded:
             end = (plan.first_page + loaded) * self.cache.page_size * 4

@@ -30,6 +30,7 @@ from hicache.layout import KVLayout
 from hicache.pools import DevicePool, HostPool
 from hicache.kernels.page_copy import copy_pages
 from hicache.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan
+from hicache.types import JobId
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ _D2H, _H2D, _L3_PUT, _L3_GET = TransferKind.D2H, TransferKind.H2D, TransferKind.
 class TransferResult(NamedTuple):
     """The outcome of one job, as ``finished()`` reports it."""
 
-    job: int  # the id ``submit`` returned
+    job: JobId  # the id ``submit`` returned
     kind: TransferKind
     pages: int  # pages moved: all of them for a copy; leading pages stored / loaded for L3
     error: BaseException | None  # what the worker raised (None: it completed)
@@ -77,7 +78,7 @@ class Transfer:
     """One submitted operation (reported once by ``finished()``)."""
 
     kind: TransferKind
-    job: int = 0
+    job: JobId = JobId(0)
     pages: int = 0  # pages a copy moves
     result: int | None = None  # L3 jobs: leading pages stored / loaded
     error: BaseException | None = None
@@ -163,8 +164,8 @@ class TransferController:
         self.storage = storage
         self.on_gpu = device_pool.device.type == "cuda"
         self._pending: list[Transfer] = []  # submitted, not yet reported by finished()
-        self._jobs: dict[int, Transfer] = {}  # the same, by job id
-        self._handles: dict[int, LoadHandle] = {}  # load jobs' layer-wise handles
+        self._jobs: dict[JobId, Transfer] = {}  # the same, by job id
+        self._handles: dict[JobId, LoadHandle] = {}  # load jobs' layer-wise handles
         self._next_job = 0
         self._plane_groups = layer_plane_groups(device_pool.layout)
         self.bytes_moved: dict[str, int] = {k.value: 0 for k in TransferKind}
@@ -350,7 +351,7 @@ class TransferController:
         return self.storage.prefix_hits(list(hashes), budget_s)
 
     # ---------------------------------------------------------------- plans
-    def submit(self, plan: Plan) -> int:
+    def submit(self, plan: Plan) -> JobId:
         """Start the job ``plan`` describes; returns its id (see ``finished``).
         The caller keeps the plan's pages pinned until the result is reported."""
         if isinstance(plan, BackupPlan):
@@ -367,18 +368,18 @@ class TransferController:
             raise TypeError(f"cannot submit {plan!r}: not a BackupPlan, LoadPlan, StorePlan or PrefetchPlan")
         return t.job
 
-    def load_handle(self, job: int) -> "LoadHandle":
+    def load_handle(self, job: JobId) -> "LoadHandle":
         """The layer-wise handle of a submitted ``LoadPlan`` (valid until reported finished)."""
         return self._handles[job]
 
     # ------------------------------------------------------------- completion
     def _new(self, kind: TransferKind) -> Transfer:
         self._next_job += 1
-        t = Transfer(kind, self._next_job)
+        t = Transfer(kind, JobId(self._next_job))
         self._jobs[t.job] = t
         return t
 
-    def finished(self, job: int | None = None) -> list[TransferResult]:
+    def finished(self, job: JobId | None = None) -> list[TransferResult]:
         """Results of jobs done since the last call, in submission order; never blocks.
         ``job``: only that job's result, if it is done (the others stay to be reported)."""
         done, still = [], []
@@ -395,7 +396,7 @@ class TransferController:
             out.append(TransferResult(t.job, t.kind, pages, t.error))
         return out
 
-    def wait(self, job: int, timeout: float | None = None) -> bool:
+    def wait(self, job: JobId, timeout: float | None = None) -> bool:
         """Block until job ``job`` is done (not reported: call ``finished``); False
         on timeout. A job already reported counts as done."""
         t = self._jobs.get(job)

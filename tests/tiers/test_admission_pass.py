@@ -162,3 +162,41 @@ def test_admission_completes_its_own_prefetch_and_leaves_other_jobs_to_poll(tmp_
     b.drain()
     b.check_integrity()
     b.close()
+
+
+def test_the_in_flight_registry_is_checked_while_a_load_runs(monkeypatch):
+    from hicache.errors import IntegrityError
+    hc = make()
+    admit_counted(hc, "a", TOK, [0])
+    hc.drain()
+    hc.evict(100)
+    req = hc.new_request("b", TOK)
+    adm = hc.admit(req)  # load back in flight until observed
+    ((last, job),) = hc._load_job.items()
+    assert hc._jobs[job].last is last and hc.transfers.load_handle(job) in adm.loads
+    hc.check_integrity()
+    monkeypatch.setitem(hc._load_job, last, job + 1000)  # a node still filling, led to a job not in flight
+    with pytest.raises(IntegrityError, match="is not in flight|not the job in flight"):
+        hc.check_integrity()
+    monkeypatch.undo()
+    adm.wait()
+    hc.poll()
+    assert not hc._load_job and not hc.tiers.loading
+    req.abort()
+    hc.check_integrity()
+    hc.close()
+
+
+def test_an_l2_page_is_held_by_one_plan_at_a_time():
+    from hicache.errors import CacheStateError
+    hc = make()
+    admit_counted(hc, "a", TOK, [0])  # write_through: a backup plan held L2 pages until observed
+    plan = hc.tiers.prepare_prefetch(b"\0" * 4 * PS * 2, "", 0, [b"x" * 16, b"y" * 16])
+    assert set(plan.host) <= set(hc.tiers.host_in_flight)
+    with pytest.raises(CacheStateError, match="second plan"):
+        hc.tiers._hold_host(plan.host[:1])
+    hc.tiers.complete_prefetch(plan, 0)  # nothing landed: the ids go back
+    assert not set(plan.host) & set(hc.tiers.host_in_flight)
+    hc.drain()
+    hc.check_integrity()
+    hc.close()
