@@ -12,7 +12,7 @@ run() {  # name, --set flags...
   local name=$1; shift
   rm -rf "$XDG_CACHE_HOME/hicache/l3" .hicache/l3
   .venv/bin/hicache replay --quiet "$@" > "$out/$name.txt" 2>&1
-  sed -E 's/ +[0-9.]+s$//; s/done in .*//; s/bytes moved.*//; s#file://[^ ]*/hicache/l3#file://(private)/hicache/l3#' "$out/$name.txt" > "$out/$name.table"
+  sed -E 's/ +[0-9.]+s$//; s/ +(time|-+)$//; s/done in .*//; s/bytes moved.*//; s#file://[^ ]*/hicache/l3#file://(private)/hicache/l3#' "$out/$name.txt" > "$out/$name.table"
 }
 run default
 run write_back --no-baselines --set policy.write_policy=write_back
