@@ -12,17 +12,15 @@ per-tier series carry ``tier`` and direction/outcome series an ``op`` label.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hicache.api.state import RestState
 from hicache.api.stats import snapshot
 from hicache.stat_schema import help_of, metric_of
-
-if TYPE_CHECKING:
-    from hicache.api.deps import RestState
 
 PREFIX = "hicache_"
 
@@ -83,14 +81,14 @@ def families(snap: Any) -> list[Metric]:
 
 
 class StatsCollector(Collector):
-    def __init__(self, state: "RestState"):
+    def __init__(self, state: RestState):
         self.state = state
 
     def collect(self) -> Iterator[Metric]:
         yield from families(snapshot(self.state))
 
 
-def build_registry(state: "RestState") -> CollectorRegistry:
+def build_registry(state: RestState) -> CollectorRegistry:
     """A fresh registry holding only this service's collector."""
     reg = CollectorRegistry(auto_describe=False)
     reg.register(StatsCollector(state))

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, create_model
 
-from hicache.service.l3_tier import L3TierStats
+from hicache.stats import L3TierStats
 from hicache.service.snapshot import EngineSnapshot, EventSnapshot, StatsSnapshot, TierSnapshot
 from hicache.stat_schema import help_of
 

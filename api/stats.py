@@ -10,53 +10,15 @@ collection samples too).
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
-from collections import deque
-from typing import TYPE_CHECKING, Callable
 
 from hicache.api.models import StatsResponse
-from hicache.errors import IntegrityError
-from hicache.service.l3_tier import L3TierStats
+from hicache.api.rates import RATE_WINDOW_S, RateTracker  # noqa: F401  (re-exported)
+from hicache.api.state import RestState
+from hicache.stats import L3TierStats
 from hicache.service.snapshot import EngineSnapshot, EventSnapshot, StatsSnapshot, TierSnapshot, engine_report
 
-if TYPE_CHECKING:
-    from hicache.api.deps import RestState
-
-RATE_WINDOW_S = 10.0
-
-
-class RateTracker:
-    """Bytes/s of monotonic counters over the last ``window_s`` seconds. Thread-safe."""
-
-    def __init__(self, window_s: float = RATE_WINDOW_S, clock: Callable[[], float] = time.monotonic):
-        self.window_s = window_s
-        self.clock = clock
-        self._lock = threading.Lock()
-        self._samples: deque[tuple[float, dict[str, int]]] = deque()
-
-    def sample(self, counters: dict[str, int]) -> dict[str, float]:
-        """Record ``counters`` now; returns each one's rate over the window (0 until two samples)."""
-        now = self.clock()
-        with self._lock:
-            self._samples.append((now, dict(counters)))
-            # Keep one sample at or before the window start so the rate spans the whole window.
-            while len(self._samples) > 2 and self._samples[1][0] <= now - self.window_s:
-                self._samples.popleft()
-            t0, first = self._samples[0]
-        dt = now - t0
-        if dt <= 0:
-            return {k: 0.0 for k in counters}
-        return {k: max(v - first.get(k, v), 0) / dt for k, v in counters.items()}
-
-    def check_integrity(self) -> None:
-        with self._lock:
-            times = [t for t, _ in self._samples]
-        if times != sorted(times):
-            raise IntegrityError(f"rate samples out of order: {times}")
-
-
-def snapshot(state: "RestState") -> StatsSnapshot:
+def snapshot(state: RestState) -> StatsSnapshot:
     """One consistent-per-tier snapshot. Blocks briefly on the engine server's loop."""
     s = state.engine.stats()
     page_bytes = state.layout.page_bytes
@@ -104,7 +66,7 @@ def snapshot(state: "RestState") -> StatsSnapshot:
         engines={k: engine_report(v) for k, v in s.engines.items()})
 
 
-def collect(state: "RestState") -> StatsResponse:
+def collect(state: RestState) -> StatsResponse:
     """``snapshot`` as the REST model (generated from the same dataclasses)."""
     return to_response(snapshot(state))
 

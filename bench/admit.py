@@ -1,6 +1,6 @@
 """Host time of ``HiCache.admit`` for an 8K-token L2 hit, and where it goes.
 
-    PYTHONPATH=. python bench/admit.py [--tokens 8192] [--layers 32] [--reps 50] [--profile]
+    PYTHONPATH=. python bench/admit.py [--tokens 8192] [--layers 32] [--reps 50] [--profile] [--no-gc]
 
 No model: the pools of an 8B-shaped layout (32 layers x 8 KV heads x 128 dims,
 bf16, page 16, ``page_first``), a prompt cached on L2 only, then admitted
@@ -9,11 +9,15 @@ by waiting for the load and dropping L1 again. Prints the median admission
 with the CUDA-graph load back and with one launch per layer (same process,
 interleaved), and with ``--profile`` the functions that take the host time.
 Runs on the CPU too (the load back is then a worker thread's job).
+``--no-gc``: collect garbage before each admission and keep the collector off
+during it, and print the minimum and first quartile too (on a loaded machine a
+collection inside the timed region decides the median).
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import pstats
 import random
@@ -35,6 +39,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--profile", action="store_true", help="then profile 20 more graph admissions")
+    ap.add_argument("--no-gc", action="store_true", help="collector out of the timed region; also min and p25")
     ap.add_argument("--idle-ms", type=float, default=0.0,
                     help="sleep before each admission (a host that idled runs it slower: clocks, caches)")
     a = ap.parse_args()
@@ -80,9 +85,13 @@ def main() -> None:
                 time.sleep(a.idle_ms / 1e3)
             if i >= a.reps + 2:
                 prof.enable()
+            if a.no_gc:
+                gc.collect()
+                gc.disable()
             t0 = time.perf_counter()
             adm = hc.admit(r)
             dt = time.perf_counter() - t0
+            gc.enable()
             prof.disable()
             assert adm.host_tokens == (a.tokens - 1) // 16 * 16, adm
             if 2 <= i < a.reps + 2:  # after warm-up (capture, plans, allocator); not profiled
@@ -97,6 +106,9 @@ def main() -> None:
     what = {"graph": f"CUDA-graph load back ({graph_of['graph'].completion if gpu else 'CPU'})",
             "graph-events": "CUDA-graph load back (events)", "launches": "launching per layer"}
     print("median host time: " + ", ".join(f"{statistics.median(times[m]) * 1e3:.3f} ms {what[m]}" for m in modes))
+    if a.no_gc:
+        print("min / p25 host time: " + ", ".join(
+            f"{min(times[m]) * 1e3:.3f} / {statistics.quantiles(times[m], n=4)[0] * 1e3:.3f} ms {what[m]}" for m in modes))
     if a.profile:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)

@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from hicache.allocator import PageAllocator
 from hicache.cache_check import check_pool, check_request
 from hicache.cp import CPRowOrder, PageOwnership, make_ownership
-from hicache.draft import DRAFT_CUTS, draft_prefix_pages
+from hicache.draft import draft_prefix_pages
 from hicache.errors import CacheStateError, IntegrityError, OutOfPages
 from hicache.eviction import EvictionPolicy, make_policy
 from hicache.layout import KVLayout
@@ -44,44 +43,12 @@ from hicache.node import Dropped, InsertResult, Node
 from hicache.pools import DevicePool, HostPool
 from hicache.radix import RadixTree
 from hicache.request import MatchResult, Request, RequestState, Tokens, as_key
+from hicache.stats import CacheStats
 from hicache.types import DevicePageId, HostPageId, PageHash
 
-__all__ = ["PrefixCache", "CacheStats", "MatchResult", "Request", "RequestState", "Tokens", "as_key"]
+__all__ = ["PrefixCache", "CacheStats", "Request", "RequestState", "Tokens", "as_key"]  # MatchResult: hicache.request
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class CacheStats:
-    """Counters since construction plus gauges at snapshot time. ``as_dict`` for JSON."""
-
-    lookups: int = 0  # PrefixCache.match / Request.match calls
-    requests: int = 0  # new_request calls
-    requests_finished: int = 0
-    requests_aborted: int = 0
-    requests_preempted: int = 0
-    admitted_tokens: int = 0  # prompt tokens of requests at lock time
-    device_hit_tokens: int = 0  # scheduler-visible (page-floored), at lock time
-    device_hit_exact_tokens: int = 0  # + own private tails
-    host_hit_tokens: int = 0
-    host_hit_exact_tokens: int = 0  # == host_hit_tokens: partial pages never reach L2
-    inserted_pages: int = 0  # logical pages that entered the index
-    duplicate_pages: int = 0  # computed pages freed because the index already had them
-    device_evicted_pages: int = 0  # logical pages taken off L1
-    host_evicted_pages: int = 0
-    draft_truncated_hits: int = 0  # locked hits cut short because draft planes were missing
-    draft_truncated_tokens: int = 0  # tokens those hits lost (recomputed instead)
-    draft_upgraded_pages: int = 0  # cached pages whose missing draft rows a later request supplied
-    device_pages_cached: int = 0  # gauge: owned L1 ids held by the index
-    device_pages_private: int = 0  # gauge: owned L1 ids held privately by live requests
-    device_pages_free: int = 0
-    host_pages_cached: int = 0
-    host_pages_free: int = 0
-    nodes: int = 0
-    live_requests: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
 
 
 def _allocator(pool: DevicePool | HostPool | PageAllocator | None) -> PageAllocator | None:
@@ -176,7 +143,7 @@ class PrefixCache:
             log.warning("hit truncated to %d tokens (%d more cached): %s, e.g. pages computed by an "
                         "engine not running its draft head; recomputing them. Logged once per cause; "
                         "see stats draft_truncated_hits/tokens", m.tokens, m.draft_cut_tokens,
-                        DRAFT_CUTS[m.draft_cut])
+                        m.draft_cut.reason)
 
     def _draft_prefix(self, node: Node | None) -> int:
         """Tokens from 0 whose L1 draft planes are complete on ``node``'s path."""
@@ -215,6 +182,61 @@ class PrefixCache:
             self.host_allocator.free(d.freed)
         self._stats.host_evicted_pages += d.pages
         return d.freed
+
+    # ------------------------------------------------ request locks (the one owner)
+    def lock_hit(self, req: Request, m: MatchResult) -> tuple[Node | None, int]:
+        """``Request.lock``'s part on the index: pin the first ``req.shared_pages`` of
+        ``m``'s device hit (split to end there), touch it and count the admission.
+        Returns the locked node (None: nothing shared) and, for a draft request, the
+        tokens from 0 whose draft rows are complete on its path (else 0)."""
+        node = self._lock_target(m.device_node, req.shared_pages) if req.shared_pages else None
+        draft_tokens = self._draft_prefix(node) if req.draft else 0
+        if node is not None:
+            self.tree.lock(node)
+            self.tree.touch(node)
+        s = self._stats
+        s.admitted_tokens += req.num_tokens
+        s.device_hit_tokens += m.device_tokens
+        s.device_hit_exact_tokens += req.computed_tokens
+        s.host_hit_tokens += m.host_tokens
+        s.host_hit_exact_tokens += m.host_tokens
+        if m.draft_cut:
+            self._draft_truncated(m)
+        return node, draft_tokens
+
+    def share(self, req: Request, num_pages: int, draft_pages: int) -> InsertResult:
+        """Insert ``req``'s first ``num_pages`` computed pages (``draft_pages`` of them
+        with valid draft rows) and lock the deepest node of the result for it (the
+        caller unlocks its old node). Returns what the insert did."""
+        k = self.owned(0, num_pages)
+        res = self.tree.insert(req.key[:num_pages * 4 * self.page_size], req.namespace, req.pages[:k],
+                               draft_pages)
+        self.tree.lock(res.node)
+        self._stats.inserted_pages += res.new_pages
+        self._stats.duplicate_pages += len(res.duplicates)
+        return res
+
+    def unlock(self, node: Node) -> None:
+        """Release one request lock on ``node``'s path."""
+        self.tree.unlock(node)
+
+    def adopted(self, res: InsertResult) -> None:
+        """A share's duplicates are no longer needed (their draft planes were copied): free them."""
+        self._stats.draft_upgraded_pages += len(res.draft_copies)
+        self.free_device(res.duplicates)
+
+    def request_ended(self, req: Request, state: RequestState) -> None:
+        """``req`` released what it held and is now ``state`` (FINISHED and ABORTED
+        leave the live set; PREEMPTED stays, holding at most its tail)."""
+        s = self._stats
+        if state is RequestState.PREEMPTED:
+            s.requests_preempted += 1
+            return
+        self.requests.pop(req.rid, None)
+        if state is RequestState.FINISHED:
+            s.requests_finished += 1
+        else:
+            s.requests_aborted += 1
 
     def _lock_target(self, node: Node, num_pages: int) -> Node:
         """The node ending exactly at logical page ``num_pages`` on ``node``'s path,
@@ -367,7 +389,7 @@ class PrefixCache:
             check_pool(self.host_allocator, "L2", census.host_ids, [list(host_in_flight)])
         locks: dict[Node, int] = dict(self._ext_locks)
         for r in self.requests.values():
-            check_request(self, r)
+            check_request(self.tree, r)
             if r.node is not None:
                 locks[r.node] = locks.get(r.node, 0) + 1
         for held, attr in ((locks, "lock_ref"), (self._ext_host_locks, "host_lock_ref")):

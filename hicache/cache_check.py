@@ -3,15 +3,11 @@ request's bookkeeping (its shared pages are the index's; invariant 5 for what
 a draft request uses). Raise ``IntegrityError``."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from hicache.allocator import PageAllocator
 from hicache.draft import check_request_pages
 from hicache.errors import IntegrityError
+from hicache.radix import RadixTree
 from hicache.request import Request, RequestState
-
-if TYPE_CHECKING:
-    from hicache.cache import PrefixCache
 
 
 def check_pool(alloc: PageAllocator, tier: str, tree_ids: set[int], others: list[list[int]]) -> None:
@@ -30,8 +26,9 @@ def check_pool(alloc: PageAllocator, tier: str, tree_ids: set[int], others: list
                              f"(index {len(tree_ids)}); {alloc.num_used - len(seen)} leaked")
 
 
-def check_request(cache: PrefixCache, r: Request) -> None:
-    ps, tree = cache.page_size, cache.tree
+def check_request(tree: RadixTree, r: Request) -> None:
+    """``r``'s bookkeeping against the index it holds pages of."""
+    ps = tree.page_size
     if r.state is RequestState.PREEMPTED:
         want = tree.owned(r._tail_page, 1) if r._tail_tokens else 0
         if len(r._tail) != want or not 0 <= r._tail_tokens < ps or r.pages:

@@ -25,19 +25,17 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from hicache.config import DEFAULT_SOCKET_PATH
 from hicache.errors import ContractMismatch, ForeignPage, OutOfPages, ServiceError
 from hicache.layout import KVLayout
 from hicache.pools import HostPool
-from hicache.protocol import HEADER_BYTES, body_length, hello_request, pack, unpack
+from hicache.protocol import HEADER_BYTES, CommitResult, body_length, hello_request, pack, unpack
 from hicache.shm import SharedSegment
+from hicache.stats import HiCacheStats
 from hicache.service.snapshot import report_figures
 from hicache.types import HostPageId, PageHash
-
-if TYPE_CHECKING:
-    from hicache.hicache import HiCacheStats
 
 # Page ids arrive as plain ints: ``HostPageId`` is a NewType (static typing
 # only), and wrapping 512 of them per lookup would cost ~25 us for nothing.
@@ -66,11 +64,6 @@ class FetchResult(NamedTuple):
     num_pages: int  # leading pages of the query present in L2 after the fetch
     host_page_ids: list[HostPageId]  # their pages, in query order (valid until evicted)
     fetched: int  # of those, pages this call loaded from the service's L3
-
-
-class CommitResult(NamedTuple):
-    inserted: int  # pages that became lookup-able
-    duplicates: int  # pages already present; their reserved page was freed by the server
 
 
 def _req(op: str, hashes: Sequence[PageHash], need_draft: bool) -> dict[str, Any]:
@@ -273,7 +266,7 @@ class EngineClient(Link):
         replaces the last; the service forgets them when this client disconnects."""
         self._call({"op": "report", "name": name, "figures": figures})
 
-    def report_stats(self, stats: "HiCacheStats", name: str = "") -> None:
+    def report_stats(self, stats: HiCacheStats, name: str = "") -> None:
         """``report`` an embedded cache's ``HiCache.stats()`` (its L1 and L2 hits)."""
         self.report(name, **report_figures(stats))
 

@@ -17,7 +17,9 @@ from typing import Annotated, Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from hicache.policies import PrefetchPolicy, WritePolicy
 from hicache.errors import ConfigError, LayoutError
+from hicache.sizes import parse_size
 from hicache.layout import BytePlane, KVLayout
 
 
@@ -115,7 +117,6 @@ class StorageConfig(_Section):
     @field_validator("max_bytes", mode="before")
     @classmethod
     def _max_bytes(cls, v: Any) -> Any:
-        from hicache.storage.capacity import parse_size
         return parse_size(v)
 
     def resolved_auth_key(self) -> bytes:
@@ -135,11 +136,11 @@ class StorageConfig(_Section):
 
 
 class PolicyConfig(_Section):
-    write_policy: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
     write_through_threshold: int = Field(2, ge=1)  # hits before a selective backup
     device_eviction: str = "qd_lru"  # beat lru on Mooncake and the built-in traces (bench/RESULTS.md)
     host_eviction: str = "qd_lru"
-    prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = "timeout"
+    prefetch_policy: PrefetchPolicy = PrefetchPolicy.TIMEOUT
     prefetch_timeout_base_ms: float = Field(5.0, ge=0)
     prefetch_timeout_per_1k_tokens_ms: float = Field(2.0, ge=0)
     prefetch_timeout_cap_ms: float = Field(200.0, ge=0)

@@ -24,7 +24,8 @@ import torch
 
 from hicache.cp import CPRowOrder, PageOwnership
 from hicache.pools import DevicePool, HostPool
-from hicache.provenance import Row
+from hicache.kernels.page_copy import copy_pages, store_rows
+from hicache.provenance import Row, check_provenance
 
 Pool = DevicePool | HostPool
 
@@ -44,7 +45,7 @@ class RequestRows(NamedTuple):
     pages: list[int]  # the rank's owned page ids of the request, logical order from page 0
 
 
-class RowBatch(NamedTuple):
+class RankBatch(NamedTuple):
     """A rank's rows for a batch of requests, ready for ``store_rows``. Fresh tensors."""
 
     slot_ids: torch.Tensor  # [rows] int64; -1 for static padding
@@ -70,7 +71,7 @@ def local_slots(ownership: PageOwnership, page_size: int, rank: int, pages: Sequ
 
 
 def rank_batch(order: CPRowOrder, rank: int, requests: Sequence[RequestRows],
-               static_rows: int | None = None) -> RowBatch:
+               static_rows: int | None = None) -> RankBatch:
     """The rows ``rank`` computes for ``requests``, request after request, each in
     CP-local order and padded with ``CP_PAGE_TAIL`` rows up to the tail of its last
     owned page; then ``STATIC_PAD`` rows up to ``static_rows``. Tail padding rows
@@ -101,7 +102,7 @@ def rank_batch(order: CPRowOrder, rank: int, requests: Sequence[RequestRows],
         req.append(np.full(pad, -1))
     cat = lambda xs, dt: torch.from_numpy(np.concatenate(xs).astype(dt)) if xs else torch.zeros(0, dtype=dt)  # noqa: E731
     prov_t = cat(prov, np.int8)
-    return RowBatch(cat(slots, np.int64), prov_t, cat(pos, np.int64), cat(req, np.int64),
+    return RankBatch(cat(slots, np.int64), prov_t, cat(pos, np.int64), cat(req, np.int64),
                     int((prov_t == Row.VALID).sum()))
 
 
@@ -133,8 +134,6 @@ def assemble(ownership: PageOwnership, ranks: Sequence[RankPages], dst: Pool, ds
     stream of ``dst``'s (or the source's) device; synchronise before reading.
     Raises ``ContractMismatch`` when a rank's layout differs in anything but CP.
     """
-    from hicache.kernels.page_copy import copy_pages
-
     src = page_sources(ownership, len(dst_pages), ranks)
     for r, rp in enumerate(ranks):
         sel = [(pid, dst_pages[j]) for j, (owner, pid) in enumerate(src) if owner == r]
@@ -142,16 +141,13 @@ def assemble(ownership: PageOwnership, ranks: Sequence[RankPages], dst: Pool, ds
             copy_pages(rp.pool, dst, [s for s, _ in sel], [d for _, d in sel])
 
 
-def store_batch(pool: DevicePool, plane_indices: Sequence[int], rows: Sequence[torch.Tensor], batch: RowBatch,
+def store_batch(pool: DevicePool, plane_indices: Sequence[int], rows: Sequence[torch.Tensor], batch: RankBatch,
                 order: CPRowOrder, rank: int, requests: Sequence[RequestRows]) -> int:
     """Store ``batch`` (from ``rank_batch``) with ``store_rows``: only ``VALID`` rows reach
     ``pool``. First checks that the VALID rows are exactly the tokens the requests
     account for on this rank (``check_provenance``), so a row lost to a wrong code
     or a short batch raises ``ProvenanceError`` instead of being dropped silently.
     Returns the rows written."""
-    from hicache.kernels.page_copy import store_rows
-    from hicache.provenance import check_provenance
-
     want = sum(len(order.local_positions(q.start, q.end, rank)) for q in requests)
     check_provenance(int(batch.slot_ids.numel()), batch.provenance, expected_valid=want)
     dev = pool.device

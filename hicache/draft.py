@@ -4,8 +4,8 @@ A page is complete only when its draft rows are valid too, and an engine that
 does not run its draft head computes pages without them. ``Node.draft_device``
 / ``Node.draft_host`` record, per node and tier, that the draft planes of
 every page hold valid rows. ``RadixTree.match(..., need_draft=True)`` stops at
-the first node whose serving tier lacks them (``Hit.draft_cut`` names the
-tier, see ``DRAFT_CUTS``), so a hit never returns target planes without their
+the first node whose serving tier lacks them (``Hit.draft_cut``, a ``DraftCut``, names the
+tier), so a hit never returns target planes without their
 draft planes (invariant 5). Who copies draft planes when a request supplies
 the rows a cached page lacked is the caller's business
 (``InsertResult.draft_copies``); this module only reads flags.
@@ -17,7 +17,6 @@ from typing import Sequence
 from hicache.errors import IntegrityError
 from hicache.node import Node
 
-DRAFT_CUTS = {1: "draft planes missing on L1", 2: "draft planes missing on L2"}
 
 
 def draft_prefix_pages(path: Sequence[Node]) -> int:

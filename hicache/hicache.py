@@ -27,49 +27,35 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hicache.cache import CacheStats, MatchResult, PrefixCache, Request, RequestState, Tokens, as_key
+from hicache.cache import PrefixCache, Request, RequestState, Tokens, as_key
 from hicache.config import HiCacheConfig
 from hicache.consensus import HitConsensus, admitted_hit
-from hicache.errors import OutOfPages, TransferError
+from hicache.errors import CacheStateError, IntegrityError, OutOfPages, TransferError
 from hicache.hashing import page_hashes
 from hicache.allocator import PageAllocator
 from hicache.layout import KVLayout
-from hicache.load_cost import AdmissionStats, CostModel
-from hicache.misses import L2, L3, L3Outcome, MissStats, MissTracker, admission_misses
+from hicache.load_cost import CostModel
+from hicache.misses import L2, L3, L3Outcome, MissTracker, admission_misses
+from hicache.policies import PrefetchPolicy, WritePolicy
 from hicache.pools import DevicePool, HostPool
-from hicache.storage.base import StorageStats
+from hicache.stats import HiCacheStats, StorageStats
 from hicache.node import InsertResult, Node
+from hicache.request import MatchResult
 from hicache.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan
 from hicache.service_mode import ServiceMode, open_service_tier
 from hicache.shared_l2 import ServiceHostTier
-from hicache.tiers import TierManager, TierMoveStats
-from hicache.transfer import LoadHandle, Plan, TransferController, TransferResult
+from hicache.tiers import TierManager
+from hicache.transfer import LoadHandle, Plan, TransferController, TransferKind, TransferResult
+from hicache.types import JobId
 
 log = logging.getLogger(__name__)
 
 L3_PLANS = (StorePlan, PrefetchPlan)  # transfers that make L3 calls (drain does not wait on a stalled L3)
 
-
-@dataclasses.dataclass(slots=True, frozen=True)
-class HiCacheStats:
-    """A snapshot of an embedded cache (``HiCache.stats``); ``as_dict`` for JSON."""
-
-    index: CacheStats  # the index: lookups, hits (exact and page-floored), pages per tier
-    tiers: TierMoveStats  # pages moved between tiers, dropped, failed
-    bytes_moved: dict[str, int]  # per direction: d2h, h2d, l3_put, l3_get
-    capacity_pages: dict[str, int]  # "L1", "L2"
-    storage: StorageStats | None  # the L3 backend's counters; None without L3
-    admission: AdmissionStats | None = None  # the cost model's decisions (hicache.load_cost)
-    misses: MissStats = dataclasses.field(default_factory=MissStats)  # missed pages by reason
-
-    def as_dict(self) -> dict:
-        out = {"index": self.index.as_dict(), "tiers": self.tiers.as_dict(), "misses": self.misses.as_dict(),
-               "bytes_moved": dict(self.bytes_moved), "capacity_pages": dict(self.capacity_pages)}
-        if self.admission is not None:
-            out["admission"] = self.admission.as_dict()
-        if self.storage is not None:
-            out["storage"] = dataclasses.asdict(self.storage)
-        return out
+# Policy members read once: an enum member lookup costs ~0.8 us on Python 3.11.
+_WRITE_THROUGH, _WRITE_THROUGH_SELECTIVE, _WRITE_BACK = (WritePolicy.WRITE_THROUGH,
+                                                         WritePolicy.WRITE_THROUGH_SELECTIVE, WritePolicy.WRITE_BACK)
+_BEST_EFFORT, _WAIT_COMPLETE = PrefetchPolicy.BEST_EFFORT, PrefetchPolicy.WAIT_COMPLETE
 
 
 class Admission(NamedTuple):
@@ -135,8 +121,11 @@ class HiCache:
         self.tiers = TierManager(self.cache)
         self.service = None if tier is None else ServiceMode(tier, self.cache, self.tiers)
         self.tier_stats = self.tiers.stats
-        self._jobs: dict[int, Plan] = {}  # submitted, not yet completed: job id -> its plan
-        self._load_handles: dict[int, LoadHandle] = {}  # id(LoadPlan) -> its layer-wise handle
+        # In-flight work: every submitted, not yet completed job -> its plan. A load's
+        # layer-wise handle is the transfer controller's (``load_handle(job)``); the
+        # index's nodes still filling lead to their load's job through ``_load_job``.
+        self._jobs: dict[JobId, Plan] = {}
+        self._load_job: dict[Node, JobId] = {}  # last node of each in-flight load -> its job
         self._storage_enabled = storage is not None and self.layout.cp_size == 1
         self._failed: TransferError | None = None  # set by a failed load back; fatal
         self.consensus = consensus
@@ -185,11 +174,11 @@ class HiCache:
         if storage_tokens or m.epoch != self.cache.epoch:
             m = req.match()  # prefetched pages joined L2, or L2 room was made by eviction
         if self.service is None:
-            own = self._load_host_hit(m) if plan.load_l2 else None
+            own, m = self._load_host_hit(req, m) if plan.load_l2 else (None, m)
         else:
             own, storage_tokens = self._load_shared(req, m)
-        if own is not None or m.epoch != self.cache.epoch:
-            m = req.match()
+            if own is not None or m.epoch != self.cache.epoch:
+                m = req.match()
         if self.consensus is not None:
             m = self._agreed(req, m)
             device_tokens = min(device_tokens, m.device_tokens)
@@ -198,11 +187,10 @@ class HiCache:
         loads = [own] if own is not None else []
         if m.device_node is not None:
             for n in self.cache.path(m.device_node):
-                plan = self.tiers.loading.get(n)
-                h = None if plan is None else self._load_handles[id(plan)]
+                h = self._loading(n)
                 if h is not None and h not in loads:
                     loads.append(h)
-            if self.policy.write_policy == "write_through_selective":
+            if self.policy.write_policy is _WRITE_THROUGH_SELECTIVE:
                 self._selective_backup(m.device_node)
         device_tokens = min(device_tokens, m.device_tokens)  # L1 pages evicted meanwhile were not a hit
         host_tokens = m.device_tokens - device_tokens
@@ -258,41 +246,53 @@ class HiCache:
         """How long the scheduler may wait on L3 for one request (probe and fetch together);
         None: as long as it takes (``wait_complete``)."""
         p = self.policy
-        if p.prefetch_policy == "wait_complete":
+        if p.prefetch_policy is _WAIT_COMPLETE:
             return None
-        if p.prefetch_policy == "best_effort":  # the probe only; the fetch is never waited for
+        if p.prefetch_policy is _BEST_EFFORT:  # the probe only; the fetch is never waited for
             return p.prefetch_timeout_base_ms / 1e3
         return min(p.prefetch_timeout_cap_ms,
                    p.prefetch_timeout_base_ms + p.prefetch_timeout_per_1k_tokens_ms * num_tokens / 1000) / 1e3
 
-    def _wait_prefetch(self, job: int, timeout: float | None) -> None:
-        """Wait for the prefetch ``job`` up to ``timeout`` (what is left of the policy's budget)."""
-        if self.policy.prefetch_policy == "best_effort":
-            self._observe()
-            return
-        t0 = time.perf_counter()
-        self._wait(job, None if timeout is None else max(0.0, timeout))
-        self.tier_stats.prefetch_waited_ms += (time.perf_counter() - t0) * 1e3
+    def _wait_prefetch(self, job: JobId, timeout: float | None) -> None:
+        """Wait for the prefetch ``job`` up to ``timeout`` (what is left of the policy's
+        budget) and complete it if it landed; other jobs complete in ``poll``."""
+        if self.policy.prefetch_policy is not _BEST_EFFORT:
+            t0 = time.perf_counter()
+            self.transfers.wait(job, None if timeout is None else max(0.0, timeout))
+            self.tier_stats.prefetch_waited_ms += (time.perf_counter() - t0) * 1e3
+        self._observe(job)
 
     # ----------------------------------------------------------------- L2 -> L1
-    def _load_host_hit(self, m: MatchResult) -> LoadHandle | None:
-        """Give the L2-only part of ``m`` L1 pages and start copying it in."""
+    def _load_host_hit(self, req: Request, m: MatchResult) -> tuple[LoadHandle | None, MatchResult]:
+        """Give the L2-only part of ``m`` L1 pages and start copying it in. Returns
+        the load's handle (None: nothing loaded) and the match to lock.
+
+        Without a second lookup: ``plan_load`` pins the device hit on L1 and the
+        L2 path on L2 before room is made, so whatever eviction the allocation
+        does leaves the hit whole, and once the path has its L1 pages the hit is
+        all on L1 and ends at ``lr.last``. Only a plan that failed (no room)
+        matches again, and only when an eviction happened meanwhile."""
         lr = self.tiers.plan_load(m)
         if lr is None:
-            return None
+            return None, m
         try:
             self._make_room(lr.num_pages)
             dev = self.cache.alloc_device(lr.num_pages)
         except OutOfPages:
             self.tiers.cancel_load(lr)
-            return None
-        return self._start_load(self.tiers.prepare_load(lr, dev))
+            return None, (m if m.epoch == self.cache.epoch else req.match())
+        handle = self._start_load(self.tiers.prepare_load(lr, dev))
+        return handle, m._replace(device_tokens=m.tokens, host_tokens=0, device_node=lr.last,
+                                  host_node=lr.last, epoch=self.cache.epoch)
 
     def _start_load(self, plan: LoadPlan) -> LoadHandle:
-        """Submit a prepared load back; its layer-wise handle (kept until it completes)."""
-        handle = self.transfers.load_handle(self._submit(plan))
-        self._load_handles[id(plan)] = handle
-        return handle
+        """Submit a prepared load back; its layer-wise handle (the controller keeps it until
+        ``finished`` reports the job)."""
+        if plan.last in self._load_job:
+            raise CacheStateError(f"{plan.last!r} is the last node of two loads in flight")
+        job = self._submit(plan)
+        self._load_job[plan.last] = job
+        return self.transfers.load_handle(job)
 
     # ----------------------------------------------------------------- L1 -> L2
     def _selective_backup(self, deepest: Node) -> None:
@@ -318,7 +318,7 @@ class HiCache:
             return False
         return n.host_pages is None if self.service is None else not n.in_storage
 
-    def _backup(self, node: Node, synchronous: bool = False) -> int | None:
+    def _backup(self, node: Node, synchronous: bool = False) -> JobId | None:
         """Start copying ``node`` to L2 (``synchronous``: and wait for it); the job id."""
         if self.service is not None:
             plan = self.service.prepare_backup(node)
@@ -339,22 +339,23 @@ class HiCache:
                 self._submit(plan)
 
     # --------------------------------------------------------- completions
-    def _submit(self, plan: Plan) -> int:
+    def _submit(self, plan: Plan) -> JobId:
         job = self.transfers.submit(plan)
         self._jobs[job] = plan
         return job
 
-    def _observe(self) -> int:
-        """Hand every finished transfer to the tier manager; returns how many."""
-        results = self.transfers.finished()
+    def _observe(self, job: JobId | None = None) -> int:
+        """Hand every finished transfer (``job``: only that one) to the tier manager;
+        returns how many."""
+        results = self.transfers.finished(job)
         for r in results:
             self._complete(self._jobs.pop(r.job), r)
         return len(results)
 
     def _complete(self, plan: Plan, r: TransferResult) -> None:
         tiers = self.tiers
-        if r.seconds and r.ok and r.kind in ("h2d", "l3_get"):  # the cost model's bandwidths
-            self.cost.bandwidth.observe("L2" if r.kind == "h2d" else "L3", r.pages * self.layout.page_bytes,
+        if r.seconds and r.ok and r.kind in (TransferKind.H2D, TransferKind.L3_GET):  # the cost model's bandwidths
+            self.cost.bandwidth.observe("L2" if r.kind is TransferKind.H2D else "L3", r.pages * self.layout.page_bytes,
                                         r.seconds)
         if isinstance(plan, BackupPlan):
             for n in tiers.complete_backup(plan, r.ok):
@@ -364,7 +365,7 @@ class HiCache:
                 self.service.backup_done(plan, r.ok)
         elif isinstance(plan, LoadPlan):
             tiers.complete_load(plan, r.ok)
-            del self._load_handles[id(plan)]
+            del self._load_job[plan.last]
             if plan.shared is not None:
                 self.service.load_done(plan)
             if not r.ok:
@@ -380,7 +381,7 @@ class HiCache:
             tiers.complete_prefetch(plan, r.pages)
             self._prefetched = r.pages
 
-    def _wait(self, job: int, timeout: float | None = None) -> None:
+    def _wait(self, job: JobId, timeout: float | None = None) -> None:
         """Block until ``job`` is done (or ``timeout`` s), then observe what finished."""
         if self.transfers.wait(job, timeout):
             self._observe()
@@ -396,7 +397,7 @@ class HiCache:
             victims = self.cache.device_victims(num_pages - got)
             if not victims:
                 break
-            if self.policy.write_policy == "write_back":
+            if self.policy.write_policy is _WRITE_BACK:
                 for n in victims:
                     self._write_back(n)
             dropped = self.cache.drop_device(victims)
@@ -413,7 +414,7 @@ class HiCache:
     def _make_room(self, num_pages: int) -> None:
         """Before allocating ``num_pages`` L1 pages: under ``write_back`` evict with
         the write-back here (the index's own eviction would drop dirty pages)."""
-        if self.policy.write_policy != "write_back":
+        if self.policy.write_policy is not _WRITE_BACK:
             return
         a = self.cache.device_allocator
         if a.num_free < num_pages:
@@ -434,7 +435,7 @@ class HiCache:
         wait_s = svc.tier.max_wait_s if budget is None else min(budget, svc.tier.max_wait_s)
         acq = svc.acquire(req.key, req.namespace, m, self._page_hashes(req.key, req.namespace, cap)[have:],
                           need_draft=req.draft and self.cache.has_draft,
-                          wait_ms=0 if self.policy.prefetch_policy == "best_effort" else int(1e3 * wait_s),
+                          wait_ms=0 if self.policy.prefetch_policy is _BEST_EFFORT else int(1e3 * wait_s),
                           min_pages=max(1, self.policy.storage_hit_min_pages))
         if acq is None:
             return None, 0
@@ -476,7 +477,7 @@ class HiCache:
         if res.draft_copies:  # before the duplicates (the copies' sources) are freed
             self._copy_draft(res.draft_copies)
         req._adopt(res)
-        if self.policy.write_policy == "write_through":
+        if self.policy.write_policy is _WRITE_THROUGH:
             for n in res.created:
                 self._backup(n)
 
@@ -503,9 +504,14 @@ class HiCache:
         """A request is about to use the index's L1 pages on ``node``'s path (or
         write draft rows into them): wait for loads still filling them."""
         for n in self.cache.path(node):
-            plan = self.tiers.loading.get(n)
-            if plan is not None:
-                self._load_handles[id(plan)].wait()
+            h = self._loading(n)
+            if h is not None:
+                h.wait()
+
+    def _loading(self, n: Node) -> LoadHandle | None:
+        """The handle of the load still filling ``n``'s L1 pages (None: none is)."""
+        plan = self.tiers.loading.get(n)
+        return None if plan is None else self.transfers.load_handle(self._load_job[plan.last])
 
     def drain(self) -> None:
         """Block until every transfer has finished and been observed, except L3
@@ -556,12 +562,27 @@ class HiCache:
         self.device_pool.check_integrity()
         self.transfers.check_integrity()
         self.cost.check_integrity()
+        self._check_in_flight()
         if self.service is None:
             self.host_pool.check_integrity()  # (the segment's pages are the service's to check)
         if self.storage is not None:
             self.storage.check_integrity()
         if self.service is not None and not self.service.tier.down:
             self.service.tier.call(self.service.tier.client.check_integrity)
+
+    def _check_in_flight(self) -> None:
+        """The in-flight registry agrees with itself and with the tier manager: each
+        load's job is in flight with that load's plan, and every node still filling
+        belongs to one of them."""
+        for last, job in self._load_job.items():
+            plan = self._jobs.get(job)
+            if not isinstance(plan, LoadPlan) or plan.last is not last:
+                raise IntegrityError(f"load job {job} of {last!r} is not in flight with its plan ({plan!r})")
+        for n, plan in self.tiers.loading.items():
+            job = self._load_job.get(plan.last)
+            if job is None or self._jobs.get(job) is not plan:
+                raise IntegrityError(f"{n!r} is loading but its load ({plan.last!r}) is not the job in flight "
+                                     f"for that node (job {job})")
 
     def close(self) -> None:
         self.drain()

@@ -21,13 +21,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import TYPE_CHECKING, Iterable, Literal, NamedTuple, Sequence
+from typing import Any, Iterable, Literal, NamedTuple, Protocol, Sequence
 
 from hicache.errors import LayoutError
 
-if TYPE_CHECKING:
-    from hicache.layout import KVLayout
-    from hicache.shapes import ModelShape
+
+# What this module reads of a KVLayout and a ModelShape. Protocols, not imports:
+# hicache.layout imports this module (LayerGroup, validate_groups).
+class _Layout(Protocol):
+    planes: Sequence[Any]
+    groups: Sequence["LayerGroup"]
+    page_size: int
+    num_layers: int
+
+
+class _Shape(Protocol):
+    name: str
+    kind: str
+    layers: int
+    attention_layers: int
+    sliding_window: int
+
+    def kv_layout(self, page_size: int, **extra: Any) -> Any: ...
 
 GroupKind = Literal["full", "swa", "state"]
 MAX_GROUPS = 16
@@ -198,7 +213,7 @@ class StoredBytes(NamedTuple):
         return 1.0 - self.hybrid / base if base else 0.0
 
 
-def _layer_page_bytes(layout: "KVLayout", layers: Iterable[int]) -> int:
+def _layer_page_bytes(layout: _Layout, layers: Iterable[int]) -> int:
     want = set(layers)
     return sum(p.page_bytes for p in layout.planes if not p.draft and p.layer in want)
 
@@ -208,7 +223,7 @@ def snapshot_boundaries(num_pages: int, every: int) -> list[int]:
     return list(range(every, num_pages + 1, every))
 
 
-def stored_bytes(layout: "KVLayout", num_pages: int, boundaries: Iterable[int] | None = None) -> StoredBytes:
+def stored_bytes(layout: _Layout, num_pages: int, boundaries: Iterable[int] | None = None) -> StoredBytes:
     """What one prefix of ``num_pages`` pages costs in ``layout`` (draft planes excluded).
 
     ``boundaries``: where the prefix must stay resumable (default: its end, plus
@@ -234,7 +249,7 @@ def stored_bytes(layout: "KVLayout", num_pages: int, boundaries: Iterable[int] |
     return StoredBytes(hybrid + one * len(snaps), full, len(snaps), one * num_pages)
 
 
-def workload_bytes(layout: "KVLayout", sequences: Iterable[tuple[Sequence[int], str]], *,
+def workload_bytes(layout: _Layout, sequences: Iterable[tuple[Sequence[int], str]], *,
                    end_snapshots: bool = False) -> StoredBytes:
     """``stored_bytes`` for a whole workload: every distinct page of ``sequences``
     (token ids, namespace) once, as a prefix tree would hold them. Each sequence
@@ -286,7 +301,7 @@ def gdn_state_bytes(num_k_heads: int, num_v_heads: int, k_dim: int, v_dim: int, 
     return (num_v_heads * k_dim * v_dim + (conv_kernel - 1) * conv_dim) * dtype_bytes
 
 
-def hybrid_groups(shape: "ModelShape", *, snapshot_every: int = 8,
+def hybrid_groups(shape: _Shape, *, snapshot_every: int = 8,
                   state_dtype_bytes: int = 2) -> tuple[LayerGroup, ...]:
     """The layer groups of a published hybrid shape (``gqa+swa`` or ``hybrid``).
 
@@ -309,8 +324,8 @@ def hybrid_groups(shape: "ModelShape", *, snapshot_every: int = 8,
     raise LayoutError(f"model shape {shape.name!r} (kind {shape.kind!r}) has no hybrid layer groups")
 
 
-def hybrid_layout(shape: "ModelShape", page_size: int, *, snapshot_every: int = 8,
-                  state_dtype_bytes: int = 2, **extra) -> "KVLayout":
+def hybrid_layout(shape: _Shape, page_size: int, *, snapshot_every: int = 8,
+                  state_dtype_bytes: int = 2, **extra) -> _Layout:
     """``shape.kv_layout(page_size)`` with its layer groups (see ``hybrid_groups``)."""
     groups = hybrid_groups(shape, snapshot_every=snapshot_every, state_dtype_bytes=state_dtype_bytes)
     return shape.kv_layout(page_size, groups=groups, **extra)

@@ -317,10 +317,6 @@ class KVLayout:
         """Every (plane, layer) of a page, in canonical order: target then draft."""
         return self._planes
 
-    @property
-    def storage_dtype(self) -> "torch.dtype":
-        return _torch_dtype(_DTYPES[self.dtype][0])
-
     @cached_property
     def page_bytes(self) -> int:
         """Bytes of one page across every plane (target and draft)."""

@@ -33,13 +33,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import threading
-from typing import TYPE_CHECKING, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 from hicache.errors import IntegrityError
-from hicache.stat_schema import stat
+from hicache.stats import AdmissionStats  # noqa: F401  (re-exported)
 
-if TYPE_CHECKING:
-    from hicache.config import AdmissionConfig
 
 TIERS = ("L2", "L3")
 
@@ -160,29 +158,6 @@ class BandwidthMeter:
             return dict(self._rate)
 
 
-@dataclasses.dataclass(slots=True)
-class AdmissionStats:
-    """Cost-based admission decisions since start (one per admission with an L2 or L3 hit)."""
-
-    load: int = stat("Hits loaded whole (L2 and L3 parts).", metric="admission_decisions",
-                     labels={"choice": "load"}, default=0,
-                     family_help="Admissions with an L2/L3 hit, by the cost model's choice.")
-    load_l2: int = stat("Hits whose L2 part was loaded and L3 part recomputed.", metric="admission_decisions",
-                        labels={"choice": "load_l2"}, default=0)
-    recompute: int = stat("Hits recomputed: loading was estimated slower.", metric="admission_decisions",
-                          labels={"choice": "recompute"}, default=0)
-    unmeasured: int = stat("Hits loaded because an input (prefill rate, a bandwidth) was not known yet.",
-                           metric="admission_decisions", labels={"choice": "unmeasured"}, default=0)
-    recomputed_l2_tokens: int = stat("L2-hit tokens recomputed instead of loaded.",
-                                     metric="admission_recomputed_tokens", labels={"tier": "L2"}, default=0,
-                                     family_help="Hit tokens recomputed instead of loaded.")
-    recomputed_l3_tokens: int = stat("L3-hit tokens recomputed instead of loaded.",
-                                     metric="admission_recomputed_tokens", labels={"tier": "L3"}, default=0)
-
-    def as_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
-
-
 class CostModel:
     """One cache's meters and decision counters around ``choose``. Not thread-safe
     except ``observe_*`` (called from transfer completions)."""
@@ -198,7 +173,8 @@ class CostModel:
         self.stats = AdmissionStats()
 
     @classmethod
-    def from_config(cls, cfg: "AdmissionConfig", bytes_per_token: int) -> "CostModel":
+    def from_config(cls, cfg: Any, bytes_per_token: int) -> "CostModel":
+        """From ``cfg``, a ``hicache.config.AdmissionConfig`` (not imported: the config sits above)."""
         return cls(bytes_per_token=bytes_per_token, enabled=cfg.policy == "cost",
                    prefill_tokens_per_s=cfg.prefill_tokens_per_s,
                    priors={"L2": cfg.l2_bytes_per_s, "L3": cfg.l3_bytes_per_s}, alpha=cfg.ewma_alpha)

@@ -36,6 +36,7 @@ from typing import Literal, Sequence
 
 import torch
 
+from hicache.kernels.page_copy import default_copier
 from hicache.pools import DevicePool, HostPool
 
 _RING = 4  # pinned staging buffers in rotation (a busy one falls back to a pageable upload)
@@ -54,7 +55,6 @@ class LoadGraph:
                  completion: Completion | None = None):
         """``completion``: how waiters learn a layer is in L1 (module docstring); ``None``:
         ``"flags"`` where stream memory operations work, else ``"events"``."""
-        from hicache.kernels.page_copy import default_copier
         self.host, self.device = host, device
         dev = device.device
         if completion is None:

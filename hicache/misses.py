@@ -34,42 +34,9 @@ import numpy as np
 
 from hicache.errors import IntegrityError
 from hicache.hashing import namespace_root, page_hashes
-from hicache.stat_schema import stat
+from hicache.stats import REASONS, MissStats  # noqa: F401  (re-exported)
 
 L1, L2, L3 = 1, 2, 3
-_FAMILY = "Missed pages by reason (each missed page has exactly one; they sum to the misses)."
-
-
-def _reason(help: str, name: str) -> object:
-    return stat(help, metric="miss_pages", labels={"reason": name}, family_help=_FAMILY, default=0)
-
-
-@dataclasses.dataclass(slots=True)
-class MissStats:
-    """Missed pages by reason since start (see the module docstring); the one declaration
-    ``HiCache.stats()``, the replay report, ``/v1/stats`` and ``/metrics`` read."""
-
-    first_use: int = _reason("First use: no earlier request computed the page.", "first_use")
-    l1_evicted: int = _reason("Evicted from L1 with no L2 copy.", "l1_evicted")
-    l2_evicted: int = _reason("Evicted from L2 with no L3 copy.", "l2_evicted")
-    l3_evicted: int = _reason("Evicted from L3 (stored there once, gone now).", "l3_evicted")
-    l3_error: int = _reason("L3 held it but the read failed (error, corrupt object).", "l3_error")
-    prefetch_expired: int = _reason("L3 held it but the prefetch missed the policy's budget.", "prefetch_expired")
-    other_namespace: int = _reason("Another namespace holds the same tokens.", "other_namespace")
-    fingerprint_mismatch: int = _reason("L3 holds it under another layout fingerprint.", "fingerprint_mismatch")
-    partial_page: int = _reason("The request's last page (partial, or holding the last token).", "partial_page")
-    forgotten: int = stat("Pages the bounded miss tracker dropped from its window (0: every reason is exact).",
-                          metric="miss_tracker_forgotten_pages", default=0)
-
-    @property
-    def total(self) -> int:
-        return sum(getattr(self, f) for f in REASONS)
-
-    def as_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
-
-
-REASONS = tuple(f.name for f in dataclasses.fields(MissStats) if f.name != "forgotten")
 
 
 class L3Outcome(NamedTuple):

@@ -3,6 +3,7 @@ typed results tree operations return (``Hit``, ``InsertResult``, ``Dropped``,
 ``TreeCensus``). Plain data: only ``hicache.radix.RadixTree`` mutates nodes."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple, cast
 
@@ -38,18 +39,23 @@ class Node:
         """Token ids of the edge (a copy)."""
         return cast(list[int], np.frombuffer(self.key, dtype="<u4").tolist())
 
-    @property
-    def on_device(self) -> bool:
-        return self.device_pages is not None
-
-    @property
-    def on_host(self) -> bool:
-        return self.host_pages is not None
-
     def __repr__(self) -> str:
         return (f"Node(nid={self.nid}, pages=[{self.start_page}, {self.start_page + self.num_pages}), "
                 f"dev={self.device_pages}, host={self.host_pages}, lock={self.lock_ref}, "
                 f"hlock={self.host_lock_ref})")
+
+
+class DraftCut(enum.IntEnum):
+    """Where ``need_draft`` stopped a hit: the first page whose serving tier lacks
+    valid draft rows (``NONE``, falsy: the hit was not cut)."""
+
+    NONE = 0
+    L1 = 1  # draft planes missing on L1
+    L2 = 2  # draft planes missing on L2
+
+    @property
+    def reason(self) -> str:
+        return "" if self is DraftCut.NONE else f"draft planes missing on {self.name}"
 
 
 class Hit(NamedTuple):
@@ -59,7 +65,7 @@ class Hit(NamedTuple):
     host_num_pages: int  # logical pages hit on L2 after the device hit
     device_node: "Node | None"  # node holding the last device-hit page (root if none; None: no root)
     host_node: "Node | None"  # node holding the last host-hit page (== device_node if none)
-    draft_cut: int = 0  # need_draft stopped the hit: 0 no, 1 on L1, 2 on L2 (see hicache.draft.DRAFT_CUTS)
+    draft_cut: DraftCut = DraftCut.NONE  # where need_draft stopped the hit
 
 
 

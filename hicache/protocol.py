@@ -49,7 +49,7 @@ blocking socket, and both use these helpers for the bytes.
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -73,6 +73,13 @@ OPS = frozenset({"lookup", "fetch", "reserve", "commit", "cancel", "acquire", "r
 ERROR_KINDS = ("bad_frame", "too_large", "bad_request", "unknown_op", "not_handshaken", "version",
                "bad_layout", "contract", "bad_args", "foreign_page", "not_reserved", "not_acquired",
                "out_of_pages", "integrity", "internal", "not_written", "forbidden", "busy", "timeout")
+
+
+class CommitResult(NamedTuple):
+    """The ``commit`` op's answer (``L2Index.commit`` on the server, ``EngineClient.commit``)."""
+
+    inserted: int  # pages that became lookup-able
+    duplicates: int  # pages whose hash was already present; their reserved page went back to free
 
 
 def pack(obj: dict[str, Any]) -> bytes:

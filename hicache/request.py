@@ -5,18 +5,15 @@ call order; the cache builds handles (``PrefixCache.new_request``).
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 import numpy as np
 import torch
 
 from hicache.errors import CacheStateError, StaleMatch
 from hicache.hashing import tokens_to_bytes
-from hicache.node import InsertResult, Node
+from hicache.node import DraftCut, InsertResult, Node
 from hicache.radix import RadixTree
-
-if TYPE_CHECKING:
-    from hicache.cache import PrefixCache
 
 Tokens = Sequence[int] | np.ndarray | torch.Tensor | bytes
 
@@ -43,7 +40,7 @@ class MatchResult(NamedTuple):
     host_node: Node | None  # node holding the last host-hit page (== device_node when none)
     epoch: int  # tree epoch when computed
     tree: RadixTree  # to list page ids on demand
-    draft_cut: int = 0  # the hit stopped where draft planes are missing (radix.DRAFT_CUTS), else 0
+    draft_cut: DraftCut = DraftCut.NONE  # where the hit stopped for missing draft planes
     draft_cut_tokens: int = 0  # whole-page tokens the hit lost to that cut
 
     @property
@@ -62,9 +59,35 @@ class MatchResult(NamedTuple):
         ps = self.tree.page_size
         return self.tree.pages(self.host_node, self.tokens // ps, self.device_tokens // ps, host=True)
 
-    def host_path(self) -> list[Node]:
-        """Nodes of the host hit, top-down (the last may be partly hit)."""
-        return self.tree.path(self.host_node, self.device_node) if self.host_tokens else []
+
+class RequestOwner(Protocol):
+    """What a ``Request`` asks of the cache that owns it (``hicache.cache.PrefixCache``,
+    the one owner of the tree and of every request's locks). A handle never
+    reaches into the tree: it asks for a lock, a share, an unlock."""
+
+    page_size: int
+
+    @property
+    def epoch(self) -> int: ...
+
+    def match(self, tokens: bytes, namespace: str = "", *, max_tokens: int | None = None,
+              need_draft: bool = False) -> MatchResult: ...
+
+    def owned(self, start_page: int, num_pages: int) -> int: ...
+
+    def alloc_device(self, n: int) -> list: ...
+
+    def free_device(self, ids: list) -> None: ...
+
+    def lock_hit(self, req: "Request", m: MatchResult) -> tuple[Node | None, int]: ...
+
+    def share(self, req: "Request", num_pages: int, draft_pages: int) -> InsertResult: ...
+
+    def unlock(self, node: Node) -> None: ...
+
+    def adopted(self, res: InsertResult) -> None: ...
+
+    def request_ended(self, req: "Request", state: "RequestState") -> None: ...
 
 
 class RequestState(enum.Enum):
@@ -83,7 +106,7 @@ class Request:
     ``lock`` and rewritten by ``commit`` (duplicates swap to the index's ids):
     re-read it after either."""
 
-    def __init__(self, cache: "PrefixCache", rid: str, key: bytes, namespace: str, draft: bool = False):
+    def __init__(self, cache: RequestOwner, rid: str, key: bytes, namespace: str, draft: bool = False):
         self.cache, self.rid, self.namespace = cache, rid, namespace
         self.draft = draft  # runs the draft head: needs and writes draft rows
         self.draft_tokens = 0  # leading tokens whose draft rows are valid in self.pages
@@ -161,9 +184,9 @@ class Request:
         """
         self._check(RequestState.WAITING, RequestState.PREEMPTED, op="lock")
         c = self.cache
-        if m.epoch != c.tree.epoch:
+        if m.epoch != c.epoch:
             raise StaleMatch(f"request {self.rid!r}: match from epoch {m.epoch}, the cache is at "
-                             f"epoch {c.tree.epoch} (pages were evicted since); call match() again")
+                             f"epoch {c.epoch} (pages were evicted since); call match() again")
         ps = c.page_size
         self.pages = list(m.device_pages)
         self.shared_pages = m.device_tokens // ps
@@ -177,21 +200,9 @@ class Request:
             c.free_device(self._tail)
         self._tail, self._tail_tokens = [], 0
         self.allocated_tokens = self.computed_tokens
-        self.node = c._lock_target(m.device_node, self.shared_pages) if self.shared_pages else None
-        self.draft_tokens = c._draft_prefix(self.node) if self.draft else 0
+        self.node, self.draft_tokens = c.lock_hit(self, m)
         self._draft_shared = self.draft_tokens // ps
-        if self.node is not None:
-            c.tree.lock(self.node)
-            c.tree.touch(self.node)
         self.state = RequestState.RUNNING
-        s = c._stats
-        s.admitted_tokens += self.num_tokens
-        s.device_hit_tokens += m.device_tokens
-        s.device_hit_exact_tokens += self.computed_tokens
-        s.host_hit_tokens += m.host_tokens
-        s.host_hit_exact_tokens += m.host_tokens
-        if m.draft_cut:
-            c._draft_truncated(m)
 
     def alloc(self, num_tokens: int) -> list[int]:
         """Reserve slots for the next ``num_tokens`` tokens; returns the new owned
@@ -270,14 +281,14 @@ class Request:
     def _end_finish(self) -> None:
         self._release()
         self.state = RequestState.FINISHED
-        self.cache._stats.requests_finished += 1
+        self.cache.request_ended(self, self.state)
 
     def abort(self) -> None:
         """Release everything held without sharing anything new. -> ABORTED."""
         self._check(RequestState.WAITING, RequestState.RUNNING, RequestState.PREEMPTED, op="abort")
         self._release()
         self.state = RequestState.ABORTED
-        self.cache._stats.requests_aborted += 1
+        self.cache.request_ended(self, self.state)
 
     def preempt(self) -> None:
         """Share the computed full pages, unlock, free private pages except the
@@ -299,7 +310,7 @@ class Request:
         self._tail, self._tail_page, self._tail_tokens = tail, self.shared_pages, tail_tokens
         self.pages, self.shared_pages, self.computed_tokens, self.allocated_tokens = [], 0, 0, 0
         self.state = RequestState.PREEMPTED
-        c._stats.requests_preempted += 1
+        c.request_ended(self, self.state)
 
     # ---------------------------------------------------------------- helpers
     def _check(self, *ok: RequestState, op: str) -> None:
@@ -317,15 +328,11 @@ class Request:
         dp = min(full, self.draft_tokens // ps)
         if full <= self.shared_pages and dp <= self._draft_shared:
             return None  # (a shared page whose pending draft row was just written is re-inserted)
-        k = c.owned(0, full)
-        res = c.tree.insert(self.key[:full * 4 * ps], self.namespace, self.pages[:k], dp)
+        res = c.share(self, full, dp)  # (locks res.node)
         self._draft_shared = dp
-        self.pages[:k] = res.pages
-        c.tree.lock(res.node)
+        self.pages[:c.owned(0, full)] = res.pages
         self._unlock()
         self.node, self.shared_pages = res.node, full
-        c._stats.inserted_pages += res.new_pages
-        c._stats.duplicate_pages += len(res.duplicates)
         return res
 
     def _adopt(self, res: InsertResult | None) -> None:
@@ -333,12 +340,11 @@ class Request:
         ``res.draft_copies`` were copied (their sources are those duplicates)."""
         if res is None:
             return
-        self.cache._stats.draft_upgraded_pages += len(res.draft_copies)
-        self.cache.free_device(res.duplicates)
+        self.cache.adopted(res)
 
     def _unlock(self) -> None:
         if self.node is not None:
-            self.cache.tree.unlock(self.node)
+            self.cache.unlock(self.node)
             self.node = None
 
     def _release(self) -> None:
@@ -347,7 +353,6 @@ class Request:
         self._unlock()
         self.pages, self._tail, self._tail_tokens = [], [], 0
         self.shared_pages = self.computed_tokens = self.allocated_tokens = 0
-        c.requests.pop(self.rid, None)
 
     def __repr__(self) -> str:
         return (f"Request({self.rid!r}, {self.state.value}, tokens={self.num_tokens}, "

@@ -7,18 +7,16 @@ addresses it directly), and pages move between the engine's L1
 (``DevicePool``) and the segment with the page-copy kernels
 (``hicache.kernels.page_copy``), never through a private host pool and never
 as bytes through the CPU. The service's index says which shared page holds
-which hash:
+which hash. Its calls are two-phase, for a ``TransferController`` that
+copies in between with ``pool`` as its host pool:
 
-* ``store``: reserve -> fill (kernel, L1 -> shared pages) -> commit;
-* ``load``: acquire -> load (kernel, shared pages -> L1) -> release.
+* store: ``begin_store`` (reserve) -> copy L1 -> shared pages -> ``end_store``
+  (commit) or ``abort_store`` (the copy failed);
+* load: ``begin_load`` (acquire) -> copy shared pages -> L1 -> ``end_load``
+  (release), once the copy's completion is observed.
 
-Both are synchronous here: they wait for their copies (on a GPU, the current
-stream) before commit / release, since a committed page must hold its bytes
-and a released page may be evicted and rewritten. An asynchronous, layer-wise
-load back keeps the acquisition until the transfer's completion is observed
-(``begin_load`` / ``end_load``) and a backup keeps its reservation until
-then (``begin_store`` / ``end_store`` / ``abort_store``): that is the seam a
-``TransferController`` drives, with ``pool`` as its host pool.
+A committed page must hold its bytes and a released page may be evicted and
+rewritten, so commit and release wait for the copy to have landed.
 
 A dead engine's reservations and acquisitions are reclaimed by the service
 when its connection closes.
@@ -27,23 +25,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
-import torch
 
 from hicache.client import EngineClient
 from hicache.errors import ConfigError, ContractMismatch, OutOfPages, PoolError, ServiceError
 from hicache.kernels.page_copy import PageCopier, default_copier
-from hicache.pools import DevicePool, HostPool
+from hicache.pools import HostPool
 from hicache.types import HostPageId, PageHash
 
 log = logging.getLogger(__name__)
-
-
-class StoreResult(NamedTuple):
-    present: int  # leading pages the service already held complete (not copied)
-    copied: int  # pages copied from L1 into shared pages and committed
-    inserted: int  # of those, pages that became lookup-able (the rest were duplicates)
 
 
 class SharedL2:
@@ -80,29 +71,6 @@ class SharedL2:
         """Give reserved pages back unfilled (e.g. the backup failed)."""
         self.client.cancel(pages)
 
-    def store(self, device: DevicePool, device_pages: Sequence[int], hashes: Sequence[PageHash], *,
-              draft_pages: int | None = None) -> StoreResult:
-        """Share L1 pages ``device_pages`` (logical order) under ``hashes``.
-
-        ``draft_pages``: leading pages whose draft rows are valid (None: all).
-        Leading pages the service already holds complete are not copied.
-        """
-        if len(device_pages) != len(hashes):
-            raise ValueError(f"store: {len(device_pages)} device pages for {len(hashes)} hashes")
-        dp = len(hashes) if draft_pages is None else draft_pages
-        skip = self.lookup(hashes[:dp], need_draft=self.draft) if dp else 0
-        if skip == len(hashes):
-            return StoreResult(skip, 0, 0)
-        pages = self.begin_store(len(hashes) - skip)
-        try:
-            self.copier.copy_pages(device, self.pool, list(device_pages[skip:]), pages)
-            _wait(device)
-        except BaseException:
-            self.abort_store(pages)
-            raise
-        inserted = self.end_store(hashes[skip:], pages, max(0, dp - skip))
-        return StoreResult(skip, len(pages), inserted)
-
     # ----------------------------------------------------------------- load
     def begin_load(self, hashes: Sequence[PageHash], *, need_draft: bool = False) -> list[HostPageId]:
         """Lock the leading present ``hashes``; their shared pages (possibly fewer)."""
@@ -111,24 +79,6 @@ class SharedL2:
     def end_load(self, hashes: Sequence[PageHash]) -> None:
         """Release what ``begin_load`` returned (``hashes[:len(pages)]``), once copied."""
         self.client.release(hashes)
-
-    def load(self, hashes: Sequence[PageHash], device: DevicePool, device_pages: Sequence[int], *,
-             need_draft: bool = False) -> int:
-        """Copy the leading shared pages of ``hashes`` into L1 ``device_pages``
-        (same order); returns how many (the rest of ``device_pages`` is untouched)."""
-        pages = self.begin_load(hashes, need_draft=need_draft)
-        try:
-            if pages:
-                self.copier.copy_pages(self.pool, device, pages, list(device_pages[:len(pages)]))
-                _wait(device)
-        finally:
-            self.end_load(hashes[:len(pages)])
-        return len(pages)
-
-
-def _wait(device: DevicePool) -> None:
-    if device.device.type == "cuda":
-        torch.cuda.current_stream(device.device).synchronize()
 
 
 class ServiceHostTier:

@@ -17,6 +17,17 @@ two calls the plan's pages are protected from eviction:
 | ``prepare_shared_backup`` / ``complete_backup`` | L1 -> shared L2 | the node on L1 |
 | ``prepare_shared_load`` / ``complete_load`` | shared L2 -> L1 | the new L1 pages |
 
+Failure (as vLLM's ``complete_*(success=False)``): every ``complete_*`` must
+be called exactly once per plan, also when the transfer failed, and always
+unpins what its ``prepare_*`` pinned. What a failure leaves behind:
+
+| call | on failure |
+|---|---|
+| ``complete_backup(plan, ok=False)`` | no L2 copy recorded; the reserved L2 ids are freed (shared: the caller cancels the reservation); ``transfer_errors`` += 1 |
+| ``complete_load(plan, ok=False)`` | the L1 pages stay indexed with unknown bytes: the caller must stop serving (``HiCache`` raises ``TransferError`` from then on) |
+| ``complete_store(plan, stored)`` | partial: only ``stored`` leading pages reached L3; the node is flagged stored only when all did |
+| ``complete_prefetch(plan, loaded)`` | partial: the ``loaded`` leading pages are indexed on L2, the rest of the reserved ids freed |
+
 Service mode (``hicache+unix://``): the node's shared L2 segment is the host
 tier and the service's index its authority. The index then records no L2
 pages of its own: the shared pages of a plan are reserved (backup) or
@@ -31,14 +42,14 @@ calls everything.
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from typing import Protocol, cast
 
 from hicache.allocator import PageAllocator
-from hicache.cache import MatchResult, PrefixCache
+from hicache.cache import PrefixCache
 from hicache.errors import CacheStateError
 from hicache.node import Node
+from hicache.stats import TierMoveStats
+from hicache.request import MatchResult
 from hicache.plans import BackupPlan, LoadPlan, LoadRequest, PrefetchPlan, StorePlan
 from hicache.types import DevicePageId, HostPageId, PageHash
 
@@ -53,27 +64,6 @@ class DeviceBlocks(Protocol):
         """Return pages obtained from ``alloc_device``."""
 
 
-@dataclass(slots=True)
-class TierMoveStats:
-    """Tier movement counters (pages unless named otherwise)."""
-
-    storage_lookups: int = 0
-    storage_hit_pages: int = 0  # L3 pages continuing the L2 hit, at admission
-    prefetch_started: int = 0
-    prefetch_pages: int = 0  # pages that landed in L2 from L3
-    prefetch_waited_ms: float = 0.0
-    load_back_pages: int = 0  # L2 -> L1
-    backup_pages: int = 0  # L1 -> L2 completed
-    backup_dropped_pages: int = 0  # no L2 space, or the path was not on L2
-    storage_put_pages: int = 0  # L2 -> L3 completed
-    storage_put_dropped_pages: int = 0
-    storage_put_skipped_draft_pages: int = 0  # not stored: their L2 draft rows are incomplete
-    transfer_errors: int = 0
-
-    def as_dict(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
-
-
 class TierManager:
     """Two-phase tier movements over one ``PrefixCache`` (see the module docstring)."""
 
@@ -85,12 +75,21 @@ class TierManager:
         self.stats = TierMoveStats()
         self.loading: dict[Node, LoadPlan] = {}  # L1 pages of these nodes are still arriving
         self.backing_up: set[Node] = set()
-        self._host_in_flight: dict[int, list[HostPageId]] = {}  # id(plan) -> L2 ids it holds
+        self._host_in_flight: set[HostPageId] = set()  # L2 ids held by prepared, uncompleted plans
 
     @property
     def host_in_flight(self) -> list[HostPageId]:
         """L2 ids held by prepared, not yet completed backups and prefetches."""
-        return [h for ids in self._host_in_flight.values() for h in ids]
+        return list(self._host_in_flight)
+
+    def _hold_host(self, ids: list[HostPageId]) -> None:
+        held = self._host_in_flight.intersection(ids)
+        if held:
+            raise CacheStateError(f"L2 pages {sorted(held)[:8]} handed to a second plan while in flight")
+        self._host_in_flight.update(ids)
+
+    def _release_host(self, ids: list[HostPageId]) -> None:
+        self._host_in_flight.difference_update(ids)
 
     def alloc_host(self, n: int) -> list[HostPageId] | None:
         """``n`` L2 pages, evicting unpinned L2 pages when short; None if that is not enough."""
@@ -113,7 +112,7 @@ class TierManager:
             self.cache.inc_lock(node)
         self.backing_up.add(node)
         plan = BackupPlan(node, dev, host, node.draft_device, pin)
-        self._host_in_flight[id(plan)] = host
+        self._hold_host(host)
         return plan
 
     def complete_backup(self, plan: BackupPlan, ok: bool) -> list[Node]:
@@ -130,7 +129,7 @@ class TierManager:
             else:
                 self.stats.transfer_errors += 1
             return []
-        del self._host_in_flight[id(plan)]
+        self._release_host(host)
         if not ok:
             self.stats.transfer_errors += 1
             self._host.free(host)
@@ -294,13 +293,13 @@ class TierManager:
         self.stats.prefetch_started += 1
         ps4 = self.cache.page_size * 4
         plan = PrefetchPlan(key[:(first_page + len(hashes)) * ps4], namespace, first_page, host, hashes)
-        self._host_in_flight[id(plan)] = host
+        self._hold_host(host)
         return plan
 
     def complete_prefetch(self, plan: PrefetchPlan, loaded: int) -> int:
         """Index the ``loaded`` leading pages that landed in L2 (as stored in L3);
         free the rest. Returns the pages the index took."""
-        del self._host_in_flight[id(plan)]
+        self._release_host(plan.host)
         got, unused = plan.host[:loaded], plan.host[loaded:]
         if loaded:
             end = (plan.first_page + loaded) * self.cache.page_size * 4

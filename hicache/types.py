@@ -5,5 +5,7 @@ from typing import NewType
 
 DevicePageId = NewType("DevicePageId", int)
 HostPageId = NewType("HostPageId", int)
+# A submitted transfer (``TransferController.submit``): the one key of in-flight work.
+JobId = NewType("JobId", int)
 # 16-byte chained digest of a page: H(parent_hash, namespace, token ids).
 PageHash = NewType("PageHash", bytes)

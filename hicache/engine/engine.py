@@ -119,46 +119,14 @@ class Engine:
         hit = prompt = l3_hit = 0
         while waiting or running:
             step += 1
-            # Admission (FIFO, skip items whose parent has not finished yet).
-            i = 0
-            while len(running) < self.max_running and i < len(waiting):
-                prompt_ids = resolve(waiting[i], run.results)
-                if prompt_ids is None:
-                    i += 1
-                    continue
-                need = self._footprint(len(prompt_ids), waiting[i].max_new_tokens)
-                if sum(r.footprint for r in running) + need > self.pool.num_pages:
-                    if not running:
-                        raise OutOfPages(f"request {waiting[i].rid!r} needs up to {need} L1 pages "
-                                         f"({len(prompt_ids)} prompt + {waiting[i].max_new_tokens} new "
-                                         f"tokens), the pool has {self.pool.num_pages}; raise "
-                                         "pool.device_pages")
-                    break  # admission control: wait until running requests finish
-                item = waiting.pop(i)
-                live = self._admit(item, prompt_ids)
-                live.footprint = need
-                running.append(live)
+            for live in self._admit_waiting(waiting, running, resolve, run):
                 hit += live.result.device_hit + live.result.host_hit
                 l3_hit += live.result.storage_hit
                 prompt += live.result.prompt_tokens
             if not running:
                 raise RuntimeError(f"{len(waiting)} requests wait on parents that never run; "
                                    f"first: {waiting[0]!r}")
-            for live in list(running):
-                try:
-                    done = self._step(live, forced_outputs)
-                except OutOfPages:
-                    # Admission reserved room for every running request; only pages
-                    # pinned by in-flight backups can be short. Let them finish once.
-                    self.cache.drain()
-                    done = self._step(live, forced_outputs)
-                if done:
-                    live.result.full = live.prompt + live.result.output
-                    live.req.finish()
-                    running.remove(live)
-                    run.results[live.result.rid] = live.result
-                    if on_finish is not None:
-                        on_finish(live.result)
+            self._step_running(running, run, forced_outputs, on_finish)
             if self.drain_each_step:
                 self.cache.drain()
             else:
@@ -171,6 +139,50 @@ class Engine:
         self.cache.drain()
         run.wall_s = time.perf_counter() - t0
         return run
+
+    def _admit_waiting(self, waiting: list, running: list[_Live], resolve, run: EngineRun) -> list[_Live]:
+        """One step's admission: FIFO, skipping items whose parent has not finished
+        yet, while the running requests' footprints leave room. Returns the admitted."""
+        admitted = []
+        i = 0
+        while len(running) < self.max_running and i < len(waiting):
+            prompt_ids = resolve(waiting[i], run.results)
+            if prompt_ids is None:
+                i += 1
+                continue
+            need = self._footprint(len(prompt_ids), waiting[i].max_new_tokens)
+            if sum(r.footprint for r in running) + need > self.pool.num_pages:
+                if not running:
+                    raise OutOfPages(f"request {waiting[i].rid!r} needs up to {need} L1 pages "
+                                     f"({len(prompt_ids)} prompt + {waiting[i].max_new_tokens} new "
+                                     f"tokens), the pool has {self.pool.num_pages}; raise "
+                                     "pool.device_pages")
+                break  # admission control: wait until running requests finish
+            item = waiting.pop(i)
+            live = self._admit(item, prompt_ids)
+            live.footprint = need
+            running.append(live)
+            admitted.append(live)
+        return admitted
+
+    def _step_running(self, running: list[_Live], run: EngineRun, forced_outputs: dict[str, list[int]] | None,
+                      on_finish: Callable[[RequestResult], None] | None) -> None:
+        """One decode (or prefill) step of every running request; finished ones leave ``running``."""
+        for live in list(running):
+            try:
+                done = self._step(live, forced_outputs)
+            except OutOfPages:
+                # Admission reserved room for every running request; only pages
+                # pinned by in-flight backups can be short. Let them finish once.
+                self.cache.drain()
+                done = self._step(live, forced_outputs)
+            if done:
+                live.result.full = live.prompt + live.result.output
+                live.req.finish()
+                running.remove(live)
+                run.results[live.result.rid] = live.result
+                if on_finish is not None:
+                    on_finish(live.result)
 
     def _footprint(self, prompt_tokens: int, max_new: int) -> int:
         """Worst-case L1 pages a request holds over its life (shared prefix included)."""

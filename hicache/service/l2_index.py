@@ -40,6 +40,7 @@ from typing import NamedTuple, Protocol, Sequence
 from hicache.allocator import PageAllocator
 from hicache.errors import ForeignPage, IntegrityError, OutOfPages, ServiceError
 from hicache.hashing import HASH_BYTES
+from hicache.protocol import CommitResult
 from hicache.types import HostPageId, PageHash
 
 OwnerId = int
@@ -78,11 +79,6 @@ class PageJournal(Protocol):
 class _Owner:
     reserved: set[int] = field(default_factory=set)  # page ids written, not yet committed
     acquired: dict[PageHash, int] = field(default_factory=dict)  # page hash -> acquisitions (> 0)
-
-
-class CommitResult(NamedTuple):
-    inserted: int  # pages that became lookup-able
-    duplicates: int  # pages whose hash was already present; their page went back to free
 
 
 class Reclaimed(NamedTuple):

@@ -30,12 +30,11 @@ import logging
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
 from hicache.errors import ConfigError, IntegrityError, OutOfPages
 from hicache.pools import HostPool
-from hicache.stat_schema import stat
+from hicache.stats import L3TierStats
 from hicache.service.l2_index import L2Index
 from hicache.storage import StorageBackend
 from hicache.types import PageHash
@@ -58,40 +57,6 @@ class _Pending(NamedTuple):
     parent: PageHash | None
     page: int
     generation: int
-
-
-@dataclass(slots=True)
-class L3TierStats:
-    """Counters since start, in pages unless named otherwise. Every page handed
-    to the writer ends in exactly one of written / stale / failed, or is still
-    queued; ``dropped`` pages were never queued."""
-
-    queued: int = stat("Committed pages handed to the L3 writer.", metric="l3_writeback_pages",
-                       labels={"op": "queued"}, family_help="Committed pages by write-behind outcome.", default=0)
-    written: int = stat("Pages stored in L3.", metric="l3_writeback_pages", labels={"op": "written"}, default=0)
-    dropped: int = stat("Pages not queued: the writer's queue was full.", metric="l3_writeback_pages",
-                        labels={"op": "dropped"}, default=0)
-    stale: int = stat("Pages evicted from L2 before the writer copied them.", metric="l3_writeback_pages",
-                      labels={"op": "stale"}, default=0)
-    failed: int = stat("Pages L3 did not store (down, or a per-page error).", metric="l3_writeback_pages",
-                       labels={"op": "failed"}, default=0)
-    fetches: int = stat("Engine fetch calls that asked L3.", metric="l3_fetches", labels={"op": "total"},
-                        family_help="Engine fetch calls that asked L3, by outcome.", default=0)
-    fetched: int = stat("Pages loaded from L3 into L2.", metric="l3_fetch_pages", labels={"op": "fetched"},
-                        family_help="Pages engines asked the service to fetch from L3, by outcome.", default=0)
-    fetch_timeouts: int = stat("Fetches answered before their load finished (it lands later).",
-                               metric="l3_fetches", labels={"op": "timeout"}, default=0)
-    fetch_busy: int = stat("Fetches answered from L2 only: too many loads in flight.", metric="l3_fetches",
-                           labels={"op": "busy"}, default=0)
-    fetch_no_room: int = stat("Pages L3 held that L2 had no room for.", metric="l3_fetch_pages",
-                              labels={"op": "no_room"}, default=0)
-    skipped_draft: int = stat("Pages committed without valid draft rows: never written to L3.",
-                              metric="l3_skipped_draft_pages", default=0)
-    queue_pages: int = stat("Committed pages waiting for the L3 writer now.", metric="l3_write_queue_pages",
-                            kind="gauge", default=0)
-
-    def to_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
 
 
 class L3Tier:

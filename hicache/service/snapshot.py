@@ -10,14 +10,10 @@ makes them differ.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from hicache.misses import MissStats
-from hicache.service.l3_tier import L3TierStats
 from hicache.stat_schema import stat
-
-if TYPE_CHECKING:
-    from hicache.hicache import HiCacheStats
+from hicache.stats import HiCacheStats, L3TierStats, MissStats
 
 Tier = Literal["L2", "L3"]
 

@@ -40,6 +40,7 @@ from hicache.redact import redact_url  # noqa: F401  (re-exported: backends name
 from hicache.storage import codec
 from hicache.storage.capacity import StorageUsage
 from hicache.storage.codec import Buffer, ReadStatus
+from hicache.stats import StorageStats
 
 if TYPE_CHECKING:
     from hicache.layout import KVLayout
@@ -51,41 +52,6 @@ MIN_AUTH_KEY_BYTES = 16
 
 # A page put: (page hash, payload in canonical plane order, plane sizes).
 PutItem = tuple[bytes, Buffer, Sequence[int]]
-
-
-@dataclass(slots=True)
-class StorageStats:
-    """Counters since the backend was opened. ``stats()`` returns a copy.
-
-    Invariants (checked): ``gets == hits + misses``; ``corrupt +
-    fingerprint_mismatch <= misses``; no counter is negative. Every page
-    handed to ``put`` lands in exactly one of ``put_ok`` / ``put_dropped``.
-    """
-
-    gets: int = 0  # pages asked for by get()
-    hits: int = 0  # pages returned, verified
-    misses: int = 0  # pages not returned: absent, unreadable, L3 down, or rejected below
-    corrupt: int = 0  # rejected: framing, version, hash, sizes, length or checksum wrong
-    fingerprint_mismatch: int = 0  # rejected: a well-formed object of another layout
-    put_ok: int = 0  # pages stored
-    put_dropped: int = 0  # pages not stored (L3 down or a per-item error)
-    errors: int = 0  # raw calls that raised, and single items that failed (skipped calls: not counted)
-    bytes_read: int = 0  # payload bytes returned by get()
-    bytes_written: int = 0  # payload bytes stored by put()
-    reconnects: int = 0  # outages that ended (L3 answered again after failing)
-    lookup_timeouts: int = 0  # bounded prefix_hits() that answered 0: L3 slower than the budget, or busy
-    evicted: int = 0  # objects this process removed to keep the store within its byte cap
-
-    def check(self) -> None:
-        """Raise ``IntegrityError`` when the counters contradict each other."""
-        bad = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) < 0]
-        if bad:
-            raise IntegrityError(f"negative storage counters {bad}: {self}")
-        if self.gets != self.hits + self.misses:
-            raise IntegrityError(f"gets={self.gets} != hits={self.hits} + misses={self.misses}")
-        if self.corrupt + self.fingerprint_mismatch > self.misses:
-            raise IntegrityError(f"corrupt={self.corrupt} + fingerprint_mismatch="
-                                 f"{self.fingerprint_mismatch} > misses={self.misses}")
 
 
 @dataclass(frozen=True, slots=True)

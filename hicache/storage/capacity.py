@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
+from urllib.parse import unquote, urlsplit
+from typing import Any, ClassVar, Literal, NamedTuple
 
 from hicache.errors import ConfigError
+from hicache.sizes import parse_size  # noqa: F401  (re-exported)
 
-if TYPE_CHECKING:
-    from hicache.config import StorageConfig
 
 L3Eviction = Literal["lru", "fifo"]
 L3_EVICTION: tuple[str, ...] = ("lru", "fifo")
@@ -37,30 +36,6 @@ DEFAULT_CAP_FRACTION = 0.10
 # A trim deletes down to this fraction of the cap, so the scan it costs is paid
 # once per ~10% of the cap written, not on every put past the cap.
 TRIM_TO = 0.90
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
-
-
-def parse_size(value: Any) -> int | Literal["auto"]:
-    """``"auto"``, an int, or a size string (``"20GiB"``, ``"500M"``, ``"1.5TB"``) -> bytes.
-
-    Raises ``ValueError`` naming the value (the config turns it into ``ConfigError``)."""
-    if isinstance(value, bool):
-        raise ValueError("must be a byte count, a size such as 20GiB, or auto; not a boolean")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError("must be >= 0 (0 = unbounded)")
-        return value
-    if isinstance(value, str):
-        if value.strip().lower() == "auto":
-            return "auto"
-        m = _SIZE.match(value)
-        if m:
-            num, unit, binary = m.groups()
-            base = 1024 if binary or not unit else 1000
-            return int(float(num) * base ** " kmgtp".index(unit.lower() or " "))
-    raise ValueError(f"{value!r} is not a byte count: use bytes (21474836480), a size (20GiB, 500MB) or auto")
-
 
 def _filesystem_bytes(path: Path) -> int | None:
     """Total size of the file system holding ``path`` (or its nearest existing parent)."""
@@ -85,8 +60,9 @@ def default_cap(url: str) -> int:
     """The ``auto`` cap of ``url`` in bytes (0: unbounded, for schemes that bound themselves)."""
     scheme = url.partition("://")[0].lower()
     if scheme == "file":
-        from hicache.storage.file import parse_file_url
-        total = _filesystem_bytes(parse_file_url(url))
+        # the directory's file system; hicache.storage.file parses the URL fully when it
+        # opens it (importing it here would climb the layering: it imports this module)
+        total = _filesystem_bytes(Path(unquote(urlsplit(url).path) or "."))
     elif scheme == "memory":
         total = _physical_memory()
     else:
@@ -96,9 +72,10 @@ def default_cap(url: str) -> int:
     return min(DEFAULT_CAP_BYTES, int(total * DEFAULT_CAP_FRACTION))
 
 
-def backend_options(storage: "StorageConfig", url: str | None = None) -> dict[str, Any]:
+def backend_options(storage: Any, url: str | None = None) -> dict[str, Any]:
     """The ``open_storage`` keywords that ``storage.max_bytes`` / ``storage.eviction``
-    mean for ``url`` (default ``storage.url``): ``max_bytes`` and ``eviction`` for
+    mean for ``url`` (default ``storage.url``; ``storage`` is a
+    ``hicache.config.StorageConfig``, not imported: the config sits above this module): ``max_bytes`` and ``eviction`` for
     ``file://`` and ``memory://``, nothing for the others.
 
     Raises ``ConfigError`` when a cap is set explicitly for a store that has

@@ -236,6 +236,19 @@ def decode(obj: Buffer, page_hash: bytes, fingerprint: str,
         d = _decode_exact(mv, page_hash, template)
         if d is not None:
             return d
+    hdr = _parse_header(mv)
+    if isinstance(hdr, Decoded):
+        return hdr
+    bad = _check_identity(hdr, page_hash, fingerprint)
+    if bad is not None:
+        return bad
+    payload = mv[PREFIX_BYTES + _PREFIX.unpack_from(mv)[1]:]
+    bad = _check_payload(hdr, payload, expected, auth_key)
+    return Decoded(ReadStatus.OK, payload, "") if bad is None else bad
+
+
+def _parse_header(mv: memoryview) -> dict | Decoded:
+    """``decode``'s first step: the header map of a well-framed object, or why not."""
     if mv.nbytes < PREFIX_BYTES:
         return _bad(f"object of {mv.nbytes} bytes is shorter than the {PREFIX_BYTES}-byte prefix")
     magic, hlen = _PREFIX.unpack_from(mv)
@@ -249,6 +262,12 @@ def decode(obj: Buffer, page_hash: bytes, fingerprint: str,
         return _bad(f"header does not parse: {e}")
     if not isinstance(hdr, dict):
         return _bad(f"header is a {type(hdr).__name__}, not a map")
+    return hdr
+
+
+def _check_identity(hdr: dict, page_hash: bytes, fingerprint: str) -> Decoded | None:
+    """``decode``'s second step: version, fields, header checksum, fingerprint and page
+    hash; None when they hold."""
     if hdr.get("version") != FORMAT_VERSION:
         return _bad(f"format version {hdr.get('version')!r} != {FORMAT_VERSION}")
     extra = set(hdr) - _FIELDS
@@ -267,6 +286,12 @@ def decode(obj: Buffer, page_hash: bytes, fingerprint: str,
                        f"fingerprint {hdr.get('fingerprint')!r} != ours {fingerprint!r}")
     if hdr.get("hash") != page_hash:
         return _bad(f"page hash {hdr.get('hash')!r} != key {bytes(page_hash)!r}")
+    return None
+
+
+def _check_payload(hdr: dict, payload: memoryview, expected: Sequence[int] | PlaneSizes | None,
+                   auth_key: bytes) -> Decoded | None:
+    """``decode``'s last step: plane sizes, length, checksum and MAC; None when they hold."""
     sizes = hdr.get("plane_sizes")
     if expected is None:
         if not isinstance(sizes, list) or not all(type(x) is int and x >= 0 for x in sizes):
@@ -277,7 +302,6 @@ def decode(obj: Buffer, page_hash: bytes, fingerprint: str,
         if sizes != want.sizes:
             return _bad(f"plane sizes {sizes!r} != expected {want.sizes!r}")
         total = want.total
-    payload = mv[PREFIX_BYTES + hlen:]
     length = hdr.get("length")
     if length != payload.nbytes or length != total:
         return _bad(f"payload length {payload.nbytes} / header length {length!r} / "
@@ -292,4 +316,4 @@ def decode(obj: Buffer, page_hash: bytes, fingerprint: str,
         fields = {k: v for k, v in hdr.items() if k not in ("mac", "hck")}
         if not hmac.compare_digest(mac, _mac(auth_key, msgpack.packb(fields), payload)):
             return _bad("MAC does not verify: forged, or written with another storage.auth_key")
-    return Decoded(ReadStatus.OK, payload, "")
+    return None

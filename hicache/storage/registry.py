@@ -8,6 +8,7 @@ signature). Add a backend with ``registry.register("s3", factory)`` and pass
 """
 from __future__ import annotations
 
+import importlib
 import logging
 from importlib.metadata import entry_points
 from typing import Any, Callable
@@ -68,23 +69,26 @@ class StorageRegistry:
             raise ConfigError(f"storage url {scheme}://...: bad option(s) {sorted(opts)}: {e}") from None
 
 
-def _redis_factory(cls_name: str) -> BackendFactory:
-    """Import redis-py only when a redis URL is opened: the core library and the
-    memory/file backends work where redis-py is not installed."""
+def _lazy_factory(target: str, needs: str = "") -> BackendFactory:
+    """The factory of the backend class ``"module:Class"``, imported when a URL of its
+    scheme is opened (as an entry point is): the core library and the memory/file
+    backends work where redis-py is not installed, and the registry never imports
+    the service client that ``hicache+unix://`` is built on (no import ring through
+    ``hicache.storage``). ``needs``: what to install when the import fails."""
+    module, _, cls_name = target.partition(":")
+
     def factory(url: str, options: StorageOptions, **opts: Any) -> StorageBackend:
         try:
-            from hicache.storage import redis_backend
+            mod = importlib.import_module(module)
         except ImportError as e:
-            raise ConfigError(f"storage url {url.split('://')[0]}://... needs redis-py: "
-                              f"pip install 'redis[hiredis]>=5.0' ({e})") from None
-        return getattr(redis_backend, cls_name).from_url(url, options, **opts)
+            if not needs:
+                raise
+            raise ConfigError(f"storage url {url.split('://')[0]}://... needs {needs} ({e})") from None
+        return getattr(mod, cls_name).from_url(url, options, **opts)
     return factory
 
 
-def _service_factory(url: str, options: StorageOptions, **opts: Any) -> StorageBackend:
-    """``hicache+unix://``, imported when opened (it needs the service client's msgpack)."""
-    from hicache.storage.service import ServiceBackend
-    return ServiceBackend.from_url(url, options, **opts)
+_REDIS_PY = "redis-py: pip install 'redis[hiredis]>=5.0'"
 
 
 def default_registry() -> StorageRegistry:
@@ -94,9 +98,9 @@ def default_registry() -> StorageRegistry:
     reg.register("memory", MemoryBackend.from_url)
     reg.register("file", FileBackend.from_url)
     for s in ("redis", "rediss"):
-        reg.register(s, _redis_factory("RedisBackend"))
-        reg.register(s + "+cluster", _redis_factory("RedisClusterBackend"))
-    reg.register("hicache+unix", _service_factory)
+        reg.register(s, _lazy_factory("hicache.storage.redis_backend:RedisBackend", _REDIS_PY))
+        reg.register(s + "+cluster", _lazy_factory("hicache.storage.redis_backend:RedisClusterBackend", _REDIS_PY))
+    reg.register("hicache+unix", _lazy_factory("hicache.storage.service:ServiceBackend"))
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         reg.register(ep.name, ep.load(), replace=True)
         log.info("L3 backend plugin %r from %s", ep.name, ep.value)

@@ -23,7 +23,7 @@ from hicache.pools import DevicePool
 from hicache.shared_l2 import SharedL2
 
 from .conftest import unique_shm_name, wait_ready, write_config
-from .shared_l2_worker import PS, layout_of
+from .shared_l2_worker import PS, layout_of, load, store
 
 WORKER = str(Path(__file__).with_name("shared_l2_worker.py"))
 
@@ -125,8 +125,8 @@ def test_store_and_load_move_exact_pages_and_give_back_on_failure(start_service,
     h = page_hashes(list(range(4 * PS)), PS)
     with EngineClient(sock, layout, pin=False) as c:
         shared = SharedL2(c)
-        assert shared.store(src, [5, 1, 2], h[:3]) == (0, 3, 3)
-        assert shared.load(h, dst, [0, 7, 3, 4]) == 3  # the fourth is not shared: page 4 untouched
+        assert store(shared, src, [5, 1, 2], h[:3]) == (0, 3, 3)
+        assert load(shared, h, dst, [0, 7, 3, 4]) == 3  # the fourth is not shared: page 4 untouched
         for s, d in zip([5, 1, 2], [0, 7, 3]):
             for key, t in src.page_view(s).items():
                 assert torch.equal(dst.page_view(d)[key], t), (s, d, key)
@@ -136,10 +136,10 @@ def test_store_and_load_move_exact_pages_and_give_back_on_failure(start_service,
             raise RuntimeError("copy failed")
         monkeypatch.setattr(shared.copier, "copy_pages", broken)
         with pytest.raises(RuntimeError, match="copy failed"):
-            shared.store(src, [0], h[3:])
+            store(shared, src, [0], h[3:])
         monkeypatch.undo()
         st = c.stats()
         assert (st["reserved_pages"], st["locked_pages"], st["committed_pages"]) == (0, 0, 3)
         with pytest.raises(ServiceError, match="bad_args"):
-            shared.load([b"short"], dst, [0])
+            load(shared, [b"short"], dst, [0])
         c.check_integrity()

@@ -1,0 +1,23 @@
+"""The closed sets of tiering policies (``policy.write_policy``,
+``policy.prefetch_policy``), as enums: the configuration parses names into
+them and the cache compares members, never strings. Eviction policies are
+classes registered by name (``hicache.eviction.POLICIES``)."""
+from __future__ import annotations
+
+import enum
+
+
+class WritePolicy(enum.StrEnum):
+    """When L1 pages get an L2 copy."""
+
+    WRITE_THROUGH = "write_through"  # every page the index takes, as it takes it
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"  # once hit write_through_threshold times
+    WRITE_BACK = "write_back"  # only when evicted from L1 (the eviction waits for the copy)
+
+
+class PrefetchPolicy(enum.StrEnum):
+    """How long admission waits for pages fetched from L3."""
+
+    BEST_EFFORT = "best_effort"  # the probe only; the fetch lands for later requests
+    WAIT_COMPLETE = "wait_complete"  # until the fetch finishes
+    TIMEOUT = "timeout"  # up to base + per-1k-tokens ms, capped

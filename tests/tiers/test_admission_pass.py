@@ -1,0 +1,202 @@
+"""``HiCache.admit`` as one pass (issue 26): it looks the request up once on the
+common paths (miss, L1 hit, L2 hit, also when room must be made in L1), locks
+exactly what a fresh lookup would have found, and completes no transfer but its
+own prefetch (the rest complete in ``poll``)."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+
+from hicache.config import HiCacheConfig
+from hicache.hicache import Admission, HiCache
+from hicache.layout import KVLayout
+from hicache.radix import RadixTree
+
+PS = 4
+TOK = list(range(100, 121))  # 5 pages + 1 token
+
+
+def make(url="", **over) -> HiCache:
+    layout = KVLayout(model_id="t", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32",
+                      page_size=PS, host_layout="page_first")
+    o = {"storage.url": url, "pool.device": "cpu", "pool.device_pages": "16", "pool.host_pages": "32",
+         "policy.prefetch_policy": "wait_complete"}
+    o.update({k: str(v) for k, v in over.items()})
+    return HiCache(HiCacheConfig.load(env={}, overrides=o), layout=layout)
+
+
+@pytest.fixture
+def lookups(monkeypatch) -> list[int]:
+    """Counts ``RadixTree.match`` calls (every index lookup goes through it)."""
+    n = [0]
+    orig = RadixTree.match
+
+    def counted(self, *a, **k):
+        n[0] += 1
+        return orig(self, *a, **k)
+    monkeypatch.setattr(RadixTree, "match", counted)
+    return n
+
+
+class Expected(NamedTuple):
+    """What one admission should report (as vLLM's ``ExpectedPrepareStoreOutput``)."""
+
+    device_tokens: int
+    host_tokens: int
+    storage_tokens: int
+    lookups: int
+
+
+def admit_counted(hc: HiCache, rid: str, tokens, lookups: list[int]) -> tuple[Admission, int]:
+    req = hc.new_request(rid, tokens)
+    before = lookups[0]
+    adm = hc.admit(req)
+    n = lookups[0] - before
+    fresh = req.match()  # what a second lookup would have locked: the same hit, all on L1 now
+    assert (adm.match.device_tokens, adm.match.host_tokens, adm.match.exact_tokens, adm.match.device_pages) == \
+        (fresh.device_tokens, fresh.host_tokens, fresh.exact_tokens, fresh.device_pages)
+    assert req.computed_tokens == adm.hit_tokens and req.pages[:len(fresh.device_pages)] == fresh.device_pages
+    adm.wait()
+    req.alloc(len(tokens) - req.computed_tokens)
+    req.commit()
+    req.finish()
+    hc.poll()
+    return adm, n
+
+
+def expect(adm: Admission, n: int, want: Expected) -> None:
+    assert Expected(adm.device_tokens, adm.host_tokens, adm.storage_tokens, n) == want
+
+
+def test_a_miss_and_an_l1_hit_look_up_once(lookups):
+    hc = make()
+    expect(*admit_counted(hc, "a", TOK, lookups), Expected(0, 0, 0, 1))
+    hc.drain()
+    expect(*admit_counted(hc, "b", TOK, lookups), Expected(20, 0, 0, 1))
+    hc.check_integrity()
+    hc.close()
+
+
+def test_an_l2_hit_is_loaded_back_and_locked_without_a_second_lookup(lookups):
+    hc = make()
+    admit_counted(hc, "a", TOK, lookups)
+    hc.drain()
+    hc.evict(100)  # L2 only now
+    expect(*admit_counted(hc, "b", TOK, lookups), Expected(0, 20, 0, 1))
+    hc.check_integrity()
+    hc.close()
+
+
+def test_room_made_in_l1_for_a_load_back_does_not_cost_a_lookup(lookups):
+    hc = make(**{"pool.device_pages": "8"})
+    admit_counted(hc, "a", TOK, lookups)
+    hc.drain()
+    hc.evict(100)
+    admit_counted(hc, "x", list(range(300, 329)), lookups)  # 7 pages fill L1 (unlocked once finished)
+    hc.drain()
+    epoch = hc.cache.epoch
+    adm, n = admit_counted(hc, "b", TOK, lookups)
+    assert hc.cache.epoch > epoch  # the load back's allocation evicted x's pages
+    expect(adm, n, Expected(0, 20, 0, 1))
+    hc.check_integrity()
+    hc.close()
+
+
+def test_a_preempted_request_keeps_its_tail_over_a_loaded_back_prefix(lookups):
+    hc = make()
+    admit_counted(hc, "a", TOK, lookups)
+    hc.drain()
+    long = TOK[:20] + [7, 8, 9, 10, 11, 12]  # the cached 5 pages + 1 full page + 2 tokens
+    req = hc.new_request("p", long)
+    hc.admit(req).wait()
+    req.alloc(len(long) - req.computed_tokens)
+    req.commit(len(long) - 20 - 2)  # page 6 full (shared), 0 tokens of the partial page yet...
+    req.commit(1)  # ...then 1 token of it: the private tail
+    req.preempt()
+    hc.drain()
+    hc.evict(100)  # the prefix goes to L2 only; the tail survives privately
+    before = lookups[0]
+    adm = hc.admit(req)
+    assert lookups[0] - before == 1 and adm.host_tokens == 24 and req.computed_tokens == 25
+    fresh = req.match()
+    assert (adm.match.device_tokens, adm.match.exact_tokens) == (fresh.device_tokens, fresh.exact_tokens) == (24, 25)
+    adm.wait()
+    req.finish()
+    hc.check_integrity()
+    hc.close()
+
+
+def test_an_l3_hit_looks_up_again_only_for_the_pages_the_prefetch_added(tmp_path, lookups):
+    url = f"file://{tmp_path}/l3"
+    a = make(url)
+    admit_counted(a, "a", TOK, lookups)
+    a.drain()
+    a.close()
+    b = make(url)
+    expect(*admit_counted(b, "b", TOK, lookups), Expected(0, 20, 20, 2))
+    b.check_integrity()
+    b.close()
+
+
+def test_admission_completes_its_own_prefetch_and_leaves_other_jobs_to_poll(tmp_path):
+    url = f"file://{tmp_path}/l3"
+    a = make(url)
+    admit_counted(a, "a", TOK, [0])
+    a.drain()
+    a.close()
+    b = make(url)
+    other = list(range(500, 521))
+    req = b.new_request("o", other)
+    b.admit(req)
+    req.alloc(len(other))
+    req.commit()  # write_through: backs the new pages up to L2 (a job)
+    req.finish()
+    assert b.tiers.backing_up
+    b.transfers.wait_all()  # done, but not observed
+    adm = b.admit(b.new_request("b", TOK))
+    assert adm.storage_tokens == 20  # its own prefetch was completed inside admission...
+    assert b.tiers.backing_up  # ...the unrelated backup was not
+    assert b.poll() >= 1 and not b.tiers.backing_up
+    adm.wait()
+    b.drain()
+    b.check_integrity()
+    b.close()
+
+
+def test_the_in_flight_registry_is_checked_while_a_load_runs(monkeypatch):
+    from hicache.errors import IntegrityError
+    hc = make()
+    admit_counted(hc, "a", TOK, [0])
+    hc.drain()
+    hc.evict(100)
+    req = hc.new_request("b", TOK)
+    adm = hc.admit(req)  # load back in flight until observed
+    ((last, job),) = hc._load_job.items()
+    assert hc._jobs[job].last is last and hc.transfers.load_handle(job) in adm.loads
+    hc.check_integrity()
+    monkeypatch.setitem(hc._load_job, last, job + 1000)  # a node still filling, led to a job not in flight
+    with pytest.raises(IntegrityError, match="is not in flight|not the job in flight"):
+        hc.check_integrity()
+    monkeypatch.undo()
+    adm.wait()
+    hc.poll()
+    assert not hc._load_job and not hc.tiers.loading
+    req.abort()
+    hc.check_integrity()
+    hc.close()
+
+
+def test_an_l2_page_is_held_by_one_plan_at_a_time():
+    from hicache.errors import CacheStateError
+    hc = make()
+    admit_counted(hc, "a", TOK, [0])  # write_through: a backup plan held L2 pages until observed
+    plan = hc.tiers.prepare_prefetch(b"\0" * 4 * PS * 2, "", 0, [b"x" * 16, b"y" * 16])
+    assert set(plan.host) <= set(hc.tiers.host_in_flight)
+    with pytest.raises(CacheStateError, match="second plan"):
+        hc.tiers._hold_host(plan.host[:1])
+    hc.tiers.complete_prefetch(plan, 0)  # nothing landed: the ids go back
+    assert not set(plan.host) & set(hc.tiers.host_in_flight)
+    hc.drain()
+    hc.check_integrity()
+    hc.close()
