@@ -107,5 +107,6 @@ def preflight(host: str, port: int, socket_path: str, shm_name: str, gid: int | 
             rest.close()
         raise ConfigError(f"hicache serve cannot start: {len(problems)} conflict(s) with what runs on this "
                           "node:\n" + "\n".join(f"  - {p}" for p in problems))
-    assert rest is not None, "no problem means the REST socket was bound"
+    if rest is None:  # no problem means the REST socket was bound
+        raise ConfigError("hicache serve: the REST socket was not bound and no conflict was reported")
     return rest

@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hicache.api.lookup_fast import MIN_FAST_BYTES, SCOPE_KEY, split_tokens
+from hicache.errors import IntegrityError
 
 MAX_ERRORS = 10  # errors listed in one 422
 
@@ -133,8 +134,10 @@ class BodyGate:
             self.in_flight -= 1
 
     def check_integrity(self) -> None:
-        assert 0 <= self.in_flight <= self.max_bodies, (self.in_flight, self.max_bodies)
-        assert self.admitted >= self.in_flight, (self.admitted, self.in_flight)
+        if not 0 <= self.in_flight <= self.max_bodies:
+            raise IntegrityError(f"BodyGate: {self.in_flight} bodies in flight, limit {self.max_bodies}")
+        if self.admitted < self.in_flight:
+            raise IntegrityError(f"BodyGate: {self.in_flight} in flight but only {self.admitted} admitted")
 
 
 def _big_body(scope: Scope) -> bool:

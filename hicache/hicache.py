@@ -183,7 +183,8 @@ class HiCache:
             m = self._agreed(req, m)
             device_tokens = min(device_tokens, m.device_tokens)
         req.lock(m)
-        admission_misses(self.misses, self.cache, req.key, req.namespace, m.device_tokens, self._l3_outcome)
+        admission_misses(self.misses, self.cache, req.key, req.namespace, m.device_tokens, m.device_node,
+                         self._l3_outcome)
         loads = [own] if own is not None else []
         if m.device_node is not None:
             for n in self.cache.path(m.device_node):

@@ -134,10 +134,12 @@ class MissTracker:
 
 
 def admission_misses(tracker: MissTracker, cache, key: bytes, namespace: str, hit_tokens: int,
-                     l3: L3Outcome | None) -> MissStats:
+                     hit_node, l3: L3Outcome | None) -> MissStats:
     """Account one admission of ``key`` whose admitted hit is ``hit_tokens`` (whole
-    pages) in ``cache`` (a ``PrefixCache``, read only). Hashes only the missed full
-    pages, chained from the hit's last page (cached on its node)."""
+    pages) ending at ``hit_node`` (the locked match's last node; None for no hit) in
+    ``cache`` (a ``PrefixCache``, read only). Hashes only the missed full pages,
+    chained from the hit's last page (cached on its node); looks nothing up again
+    (only other namespaces, when there are any, are matched)."""
     tree = cache.tree
     ps = tree.page_size
     n = len(key) // 4
@@ -146,8 +148,7 @@ def admission_misses(tracker: MissTracker, cache, key: bytes, namespace: str, hi
         raise IntegrityError(f"admitted hit of {hit} pages exceeds the {cap} pages a request of {n} tokens may hit")
     hashes: list = [None] * hit
     if full > hit:
-        h = tree.match(key, namespace, max_pages=hit)
-        node = h.host_node if h.host_num_pages else h.device_node
+        node = hit_node if hit else None
         prev = tree.hashes(node)[-1] if node is not None and node.parent is not None else None
         hashes += page_hashes(np.frombuffer(key, dtype="<u4")[hit * ps:full * ps], ps,
                               parent=prev if prev is not None else namespace_root(namespace))

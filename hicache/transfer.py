@@ -29,7 +29,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from hicache.errors import TransferError
+from hicache.errors import IntegrityError, TransferError
 from hicache.layout import KVLayout
 from hicache.pools import DevicePool, HostPool
 from hicache.kernels.page_copy import copy_pages
@@ -336,7 +336,8 @@ class TransferController:
         flags and counters (synchronises its GPU)."""
         if not self._closed:
             dead = [th.name for th in self._threads if not th.is_alive()]
-            assert not dead, f"transfer workers {dead} ended before close(); their queued jobs never run"
+            if dead:
+                raise IntegrityError(f"transfer workers {dead} ended before close(); their queued jobs never run")
         if self._graph is not None:
             self._graph.check_integrity()
 

@@ -27,6 +27,7 @@ from typing import Iterator, Literal, NamedTuple
 
 import numpy as np
 
+from hicache.engine.trace_format import open_regular
 from hicache.errors import TraceError
 
 DEFAULT_BLOCK_TOKENS = 512
@@ -77,7 +78,7 @@ def detect_format(path: str | Path) -> TraceKind:
     """``"hicache"`` (a header line ``{"hicache_trace": ...}``) or ``"hash_blocks"``
     (lines with ``hash_ids``), from the first non-empty line. ``TraceError`` otherwise."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a FIFO or device is refused before any read
             for raw in f:
                 if raw.strip():
                     break

@@ -180,7 +180,7 @@ def _is_unicode(s: str) -> bool:
     return True
 
 
-def _open_regular(path: str | Path) -> BinaryIO:
+def open_regular(path: str | Path) -> BinaryIO:
     """``path`` opened for reading when it is a regular file; ``TraceError`` otherwise.
 
     Opened without blocking and checked before any read: a FIFO (or a device
@@ -204,7 +204,7 @@ def _open_regular(path: str | Path) -> BinaryIO:
 def _lines(path: str | Path) -> Iterable[tuple[int, str]]:
     """Numbered lines of a UTF-8 file; ``TraceError`` for a missing, unreadable or non-UTF-8 file."""
     try:
-        with _open_regular(path) as f:
+        with open_regular(path) as f:
             for no, raw in enumerate(f, start=1):
                 try:
                     yield no, raw.decode("utf-8")

@@ -88,11 +88,13 @@ def _families() -> dict[str, tuple[str, tuple[str, ...]]]:
     out: dict[str, tuple[str, tuple[str, ...]]] = {}
     for f in dataclasses.fields(AdapterStats):
         name = metric_of(f)
-        assert name, f"AdapterStats.{f.name} must name its family"
+        if not name:
+            raise IntegrityError(f"AdapterStats.{f.name} must name its metric family")
         labels = ("engine", *f.metadata["labels"], *((f.metadata["key_label"],) if f.metadata["key_label"] else ()))
         doc = f.metadata.get("family_help") or help_of(f)
         known = out.setdefault(name, (doc, labels))
-        assert known[1] == labels, f"family {name}: fields disagree on labels {known[1]} != {labels}"
+        if known[1] != labels:
+            raise IntegrityError(f"metric family {name}: fields disagree on labels {known[1]} != {labels}")
     return out
 
 

@@ -158,7 +158,7 @@ def test_drain_does_not_wait_for_an_l3_call_stuck_before_the_circuit_opened():
         t.join(30)  # before the fix: blocked until release (this watchdog), then the assert below fails
         order.append("drain returned" if not t.is_alive() else "drain still waiting")
         assert order == ["drain returned"], order
-        assert hc.storage.stalled() and hc.transfers.num_pending == 1  # the store is still in flight
+        assert hc.storage.stalled() and len(hc.transfers._pending) == 1  # the store is still in flight
         hc.check_integrity()  # its L2 pages are pinned by the pending store, and accounted
         release.set()
         until(lambda: hc.poll() > 0 or not hc._jobs)

@@ -77,7 +77,7 @@ def test_a_hit_beyond_what_the_request_may_hit_is_refused():
     lay = KVLayout(model_id="m", num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8", page_size=4)
     cache = PrefixCache(lay, PageAllocator(4, "L1"), None)
     with pytest.raises(IntegrityError, match="exceeds the 1 pages"):
-        admission_misses(MissTracker(10), cache, bytes(4 * 8), "", 8, None)
+        admission_misses(MissTracker(10), cache, bytes(4 * 8), "", 8, None, None)
 
 
 def test_hicache_stats_carry_the_reasons_with_inline_transfers():
