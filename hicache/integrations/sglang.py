@@ -338,8 +338,8 @@ class HiCacheBackend(HiCacheStorage):
         # One call: L3 skips the pages it holds and answers, per page, whether it holds it now.
         out = store.put_new(items)
         if not all(out):
-            self._warn.warning("put", "hicache SGLang backend: L3 %s holds %d of %d pages after the store; "
-                               "the rest are recomputed when needed", self.store.name, sum(out), len(out))
+            self._warn.warning("put", "hicache SGLang backend: L3 %s took %d of %d pages; the rest are "
+                               "recomputed when needed", self.store.name, sum(out), len(out))
         self._record("backup", len(items), time.perf_counter() - t0)
         self.publish()
         return out

@@ -500,7 +500,7 @@ class StorageBackend(abc.ABC):
         sizes = codec.plane_sizes(plane_sizes)
         views = into.dest_views(dests, sizes.total, len(keys))
         if not self.DIRECT_IO:  # verified by get(), then one copy (a Redis reply, a service page)
-            payloads = self.get(keys, sizes)
+            payloads = self.get(keys, plane_sizes)
             for dest, payload in zip(views, payloads):
                 if payload is not None:
                     dest[:] = payload

@@ -119,7 +119,11 @@ def test_missing_page_mid_run_ends_the_hit(kind, l3_url, model, controllers):
     assert c._page_get_zero_copy(PrefetchOperation("r", []), keys, dst) == 2
     got = pages_of(pool, dst)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert torch.equal(got[2], before[2]) and torch.equal(got[3], before[3])  # untouched
+    assert torch.equal(got[2], before[2])  # absent: nothing read into it
+    # Page 3 is reported not loaded; single-segment (MLA) pages are read into the pool
+    # and verified there, so its memory may have been written (hicache.storage.into).
+    if b._segments(1, dst[:PAGE]) and len(b._segments(1, dst[:PAGE])[0]) > 1:
+        assert torch.equal(got[3], before[3])  # split pages are verified before any write
 
 
 @pytest.mark.parametrize("layout", ("layer_first", "page_first"))
