@@ -15,6 +15,7 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from hicache.errors import ConfigError, IntegrityError
 from hicache.integrations.sglang import HiCacheBackend, page_key
+from hicache.storage import open_storage
 
 from .conftest import LAYOUTS, PAGE, controller, host_pool, storage_config
 
@@ -161,6 +162,35 @@ def test_corrupt_object_is_a_miss_where_sglang_file_backend_loads_wrong_bytes(la
             s = c.storage_backend.hicache_stats()
             assert s.corrupt == 1 and s.misses == 1  # page 2 verified but not loaded: after the miss
             c.storage_backend.check_integrity()  # the corrupt object was deleted on read
+
+
+def test_mla_pages_read_in_place_report_corrupt_and_foreign_objects_missing(l3_url, model):
+    """MLA pages are one segment each: loads read into the host pool and verify there
+    (``StorageBackend.get_into``). A corrupt first page, then a foreign one, ends the hit."""
+    b, pool = make_backend("mla", "page_first", l3_url, model)
+    keys = keys_for(3, seed=9)
+    src = pool.alloc(3 * PAGE)
+    want = pages_of(pool, src)
+    assert b.batch_set_v1(keys, src) == [True] * 3
+    assert b.batch_set_v1(keys, src) == [True] * 3  # stored pages are skipped, not rewritten
+    assert b.hicache_stats().put_ok == 3
+    dst = pool.alloc(3 * PAGE)
+    assert b.batch_get_v1(keys, dst) == [True] * 3
+    assert all(torch.equal(g, w) for g, w in zip(pages_of(pool, dst), want))
+    corrupt(b, keys[0])
+    assert b.batch_get_v1(keys, pool.alloc(3 * PAGE)) == [False] * 3
+    s = b.hicache_stats()
+    assert (s.corrupt, s.hits) == (1, 5)  # pages 2 and 3 verified, not reported: after the miss
+    other = open_storage(l3_url, fingerprint=b.layout.replace(num_layers=1).fingerprint(),
+                         key_prefix=b.store.key_prefix)
+    payload = bytes(other.fingerprint.encode()) * (b.layout.page_bytes // 32 + 1)
+    assert other.put([(page_key(keys[0]), payload[:b.layout.page_bytes], [b.layout.page_bytes])]) == 1
+    other.close()
+    assert b.batch_get_v1(keys[:1], pool.alloc(PAGE)) == [False]
+    assert b.hicache_stats().fingerprint_mismatch == 1
+    assert b.store.delete([page_key(keys[0])]) == 1  # kept (another layout's), so removed here
+    b.check_integrity()
+    b.close()
 
 
 def test_tp2_mha_ranks_are_isolated(l3_url, model):
