@@ -268,24 +268,18 @@ class HiCacheBackend(HiCacheStorage):
         """Load verified pages straight into the host pool; ``True`` for the leading run loaded.
 
         Stops at the first miss (absent, corrupt, foreign, or L3 down): that page
-        and every later one are ``False``. Pages of one contiguous segment each
-        (``page_first`` pools) are read into the pool and verified there, so the
-        host memory of a ``False`` page may hold garbage: SGLang frees the host
-        indices of pages not loaded and never reads them (see
-        ``hicache.storage.into``). Split pages (``layer_first``) are verified
-        first and then scattered; their ``False`` pages are not written.
+        and every later one are ``False``. Pages are read into the pool's page
+        segments and verified there, so the host memory of a ``False`` page may
+        hold garbage: SGLang frees the host indices of pages not loaded and never
+        reads them (see ``hicache.storage.into``).
         """
         store = self._require_store()
         if not keys:
             return []
         t0 = time.perf_counter()
-        segs = self._segments(len(keys), host_indices)
-        hkeys = [page_key(k) for k in keys]
-        if all(len(page) == 1 for page in segs):
-            mv = memoryview(self._pool_bytes)
-            got = store.get_into(hkeys, self._plane_sizes, [mv[p[0].offset:p[0].offset + p[0].size] for p in segs])
-        else:
-            got = self._get_scattered(store, hkeys, segs)
+        mv = memoryview(self._pool_bytes)
+        dests = [[mv[s.offset:s.offset + s.size] for s in page] for page in self._segments(len(keys), host_indices)]
+        got = store.get_into([page_key(k) for k in keys], self._plane_sizes, dests)
         out = [False] * len(keys)
         for i, hit in enumerate(got):
             if not hit:
@@ -293,21 +287,6 @@ class HiCacheBackend(HiCacheStorage):
             out[i] = True
         self._record("prefetch", sum(out), time.perf_counter() - t0)
         self.publish()
-        return out
-
-    def _get_scattered(self, store: StorageBackend, hkeys: list[PageHash], segs: list[list[_Segment]]) -> list[bool]:
-        """Verified payloads copied segment by segment into the pool, up to the first miss."""
-        pool = self._pool_bytes
-        out = []
-        for view, page in zip(store.get(hkeys, self._plane_sizes), segs):
-            if view is None:
-                break
-            src = np.frombuffer(view, dtype=np.uint8)
-            pos = 0
-            for seg in page:
-                pool[seg.offset:seg.offset + seg.size] = src[pos:pos + seg.size]
-                pos += seg.size
-            out.append(True)
         return out
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,

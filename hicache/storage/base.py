@@ -488,22 +488,23 @@ class StorageBackend(abc.ABC):
             self._call("delete", self._raw_delete, bad)
         return out
 
-    def get_into(self, keys: Sequence[bytes], plane_sizes: Sequence[int], dests: Sequence[Buffer]) -> list[bool]:
+    def get_into(self, keys: Sequence[bytes], plane_sizes: Sequence[int], dests: Sequence[into.Dest]) -> list[bool]:
         """Read each page's verified payload straight into ``dests[i]``; per key, whether it did.
 
-        ``dests``: writable contiguous buffers of exactly the payload's bytes
-        (the engine's rows). Counts and deletes corrupt objects like ``get``.
-        A page answered ``False`` may have left garbage in its destination
-        (see ``hicache.storage.into``): never use it. Raises ``ValueError`` for
-        a bad key or destination (wrong count, size, read-only).
+        ``dests``: per page a writable contiguous buffer of exactly the payload's
+        bytes (an engine's row), or a list of such buffers that the payload fills
+        in order (a host pool's K and V segments). Counts and deletes corrupt
+        objects like ``get``. A page answered ``False`` may have left garbage
+        in its destination (see ``hicache.storage.into``): never use it. Raises
+        ``ValueError`` for a bad key or destination (count, size, read-only).
         """
         sizes = codec.plane_sizes(plane_sizes)
         views = into.dest_views(dests, sizes.total, len(keys))
         if not self.DIRECT_IO:  # verified by get(), then one copy (a Redis reply, a service page)
             payloads = self.get(keys, plane_sizes)
-            for dest, payload in zip(views, payloads):
+            for segs, payload in zip(views, payloads):
                 if payload is not None:
-                    dest[:] = payload
+                    into.scatter(payload, segs)
             return [p is not None for p in payloads]
         full = [self._full(k) for k in keys]
         if not full:
@@ -515,34 +516,35 @@ class StorageBackend(abc.ABC):
         if len(raw) != len(full):
             raise StorageError(f"L3 backend {self.name}: get_into of {len(full)} keys returned {len(raw)} results")
         template = codec.header_template(self.fingerprint, sizes)
-        judged: list[codec.Decoded | BaseException | None] = []
-        for key, obj, dest in zip(keys, raw, views):
+        judged: list[ReadStatus | codec.Decoded | BaseException | None] = []
+        for key, obj, segs in zip(keys, raw, views):
             if obj is None or isinstance(obj, BaseException):
                 judged.append(obj)
             elif isinstance(obj, into.InPlace):
-                judged.append(into.verify_into(obj.header, dest, key, self.fingerprint, template,
+                judged.append(into.verify_into(obj.header, segs, key, self.fingerprint, template,
                                                self.options.auth_key))
-            else:  # the whole object (default path, redis): one copy into the destination
+            else:  # the whole object (too short or too odd to split): decoded, then one copy
                 d = codec.decode(obj, key, self.fingerprint, sizes, self.options.auth_key, template)
                 if d.status is ReadStatus.OK:
-                    dest[:] = d.payload
-                judged.append(d)
-        return self._tally_into(full, judged)
+                    into.scatter(d.payload, segs)  # type: ignore[arg-type]
+                judged.append(ReadStatus.OK if d.status is ReadStatus.OK else d)
+        return self._tally_into(full, judged, sizes.total)
 
-    def _raw_get_into(self, keys: list[bytes], dests: list[memoryview]) -> list[Any]:
+    def _raw_get_into(self, keys: list[bytes], dests: list[list[memoryview]]) -> list[Any]:
         """``DIRECT_IO`` backends: per key ``None``, an exception, the whole object, or
-        ``into.InPlace`` when the payload was read into ``dests[i]``."""
+        ``into.InPlace`` when the payload was read into ``dests[i]``'s segments."""
         raise NotImplementedError(f"{type(self).__name__} sets DIRECT_IO but does not implement _raw_get_into")
 
-    def _tally_into(self, full: list[bytes], judged: list[codec.Decoded | BaseException | None]) -> list[bool]:
+    def _tally_into(self, full: list[bytes], judged: list[ReadStatus | codec.Decoded | BaseException | None],
+                    nbytes: int) -> list[bool]:
         c = dict(hits=0, misses=0, corrupt=0, fingerprint_mismatch=0, errors=0, bytes_read=0)
         out, bad = [], []
         for fk, d in zip(full, judged):
-            ok = isinstance(d, codec.Decoded) and d.status is ReadStatus.OK
+            ok = d is ReadStatus.OK
             out.append(ok)
             c["hits" if ok else "misses"] += 1
             if ok:
-                c["bytes_read"] += d.payload.nbytes  # type: ignore[union-attr]
+                c["bytes_read"] += nbytes
             elif isinstance(d, BaseException):
                 c["errors"] += 1
                 self._object_log.warning(f"get:{type(d).__name__}", "L3 %s: reading object %r failed (%s: %s); "

@@ -53,6 +53,7 @@ _TMP = ".tmp."
 # vLLM's and SGLang's several I/O threads overlap on a page cache / tmpfs; more
 # bought nothing on the 2-core dev box (bench/RESULTS.md, issue 24 item 6).
 IO_WORKERS = 4
+IOV_MAX = 1024  # Linux's limit on buffers per preadv; more segments take several calls
 USAGE_SCAN_S = 30.0  # unbounded directories: how long one usage() scan is reused
 _HEX_NAME = re.compile(r"^[0-9a-f]{%d}$" % (2 * HASH_BYTES))
 
@@ -154,10 +155,10 @@ class FileBackend(StorageBackend):
                 out.append(e)
         return out
 
-    def _raw_get_into(self, keys: list[bytes], dests: list[memoryview]) -> list[Any]:
+    def _raw_get_into(self, keys: list[bytes], dests: list[list[memoryview]]) -> list[Any]:
         return self._deadline(self._get_into_all, len(keys), keys, dests)
 
-    def _get_into_all(self, keys: list[bytes], dests: list[memoryview]) -> list[Any]:
+    def _get_into_all(self, keys: list[bytes], dests: list[list[memoryview]]) -> list[Any]:
         out: list[Any] = []
         touch = self._cap is not None and self.eviction == "lru"
         for k, dest in zip(keys, dests):
@@ -364,20 +365,20 @@ def _open_regular(path: str) -> tuple[int, int]:
     return fd, st.st_size
 
 
-def _read_into(path: str, dest: memoryview) -> InPlace | bytearray:
-    """The object at ``path`` with its last ``dest.nbytes`` bytes read into ``dest``
-    (one ``preadv`` of header + payload): ``InPlace(header)``. An object too short,
-    or whose head is too long to be a header, is read whole instead (decode rejects it)."""
+def _read_into(path: str, segs: list[memoryview]) -> InPlace | bytearray:
+    """The object at ``path`` with its payload (its last bytes) read into ``segs`` in
+    order, with one ``preadv`` of header + payload: ``InPlace(header)``. An object too
+    short, or whose head is too long to be a header, is read whole instead (decode rejects it)."""
     fd, size = _open_regular(path)
     try:
-        hlen = size - dest.nbytes
+        hlen = size - sum(mv.nbytes for mv in segs)
         if not 0 < hlen <= MAX_SPLIT_HEADER:
             buf = bytearray(size)
             return buf[:_preadv_full(fd, [memoryview(buf)])]
         hdr = bytearray(hlen)
-        got = _preadv_full(fd, [memoryview(hdr), dest])
+        got = _preadv_full(fd, [memoryview(hdr), *segs])
         if got < size:  # shrank under us: whatever arrived, as one object decode rejects
-            return bytearray(hdr) + bytes(dest)[:max(0, got - hlen)]
+            return (bytes(hdr) + b"".join(segs))[:got]
         return InPlace(hdr)
     finally:
         os.close(fd)
@@ -387,7 +388,7 @@ def _preadv_full(fd: int, bufs: list[memoryview]) -> int:
     """Fill ``bufs`` from offset 0 (several ``preadv`` only if the kernel returns short); bytes read."""
     done = 0
     while bufs:
-        n = os.preadv(fd, bufs, done)
+        n = os.preadv(fd, bufs[:IOV_MAX], done)
         if n == 0:  # end of file
             return done
         done += n

@@ -17,8 +17,12 @@ the engines then recompute it over that memory.
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 from typing import NamedTuple, Sequence
+
+import msgpack
+import xxhash
 
 from hicache.storage import codec
 from hicache.storage.codec import Buffer, Decoded, ReadStatus
@@ -34,39 +38,72 @@ class InPlace(NamedTuple):
     header: Buffer
 
 
-def dest_views(dests: Sequence[Buffer], nbytes: int, n_keys: int) -> list[memoryview]:
-    """Flat writable byte views of the destinations, each exactly ``nbytes``.
+Dest = Buffer | Sequence[Buffer]  # one buffer, or the payload's segments in order (scatter)
 
-    Raises ``ValueError`` naming the offending destination (misuse, never data).
-    """
+
+def dest_views(dests: Sequence[Dest], nbytes: int, n_keys: int) -> list[list[memoryview]]:
+    """Per destination, its flat writable byte views (segments, in payload order),
+    ``nbytes`` in all. Raises ``ValueError`` naming the offending destination
+    (misuse, never data)."""
     if len(dests) != n_keys:
         raise ValueError(f"get_into: {n_keys} keys but {len(dests)} destinations")
     out = []
     for i, d in enumerate(dests):
-        mv = codec.as_bytes_view(d)
-        if mv.readonly:
+        segs = [codec.as_bytes_view(x) for x in d] if isinstance(d, (list, tuple)) else [codec.as_bytes_view(d)]
+        if any(mv.readonly for mv in segs):
             raise ValueError(f"get_into: destination {i} is read-only; pass a writable buffer (a row, a bytearray)")
-        if mv.nbytes != nbytes:
-            raise ValueError(f"get_into: destination {i} has {mv.nbytes} bytes, the page payload {nbytes}")
-        out.append(mv)
+        got = sum(mv.nbytes for mv in segs)
+        if got != nbytes:
+            raise ValueError(f"get_into: destination {i} has {got} bytes, the page payload {nbytes}")
+        out.append(segs)
     return out
 
 
-def verify_into(header: Buffer, dest: memoryview, page_hash: bytes, fingerprint: str,
-                template: codec.HeaderTemplate, auth_key: bytes = b"") -> Decoded:
-    """Verify an object split as ``header`` + the payload already in ``dest``.
+def scatter(payload: memoryview, segs: list[memoryview]) -> None:
+    """Copy a verified payload into a destination's segments."""
+    pos = 0
+    for mv in segs:
+        mv[:] = payload[pos:pos + mv.nbytes]
+        pos += mv.nbytes
+
+
+def header_of(fingerprint: str, page_hash: bytes, t: codec.HeaderTemplate, segs: list[memoryview],
+              auth_key: bytes = b"") -> bytes:
+    """``codec.encode_header`` of the payload that ``segs`` hold in order (no join)."""
+    if len(segs) == 1:
+        return codec.encode_header(fingerprint, page_hash, t.sizes, segs[0], auth_key, t)
+    h = xxhash.xxh3_64()
+    for mv in segs:
+        h.update(mv)
+    entries = codec._header_fields(t, page_hash, h.intdigest())
+    n = 6
+    if auth_key:
+        m = hashlib.blake2b(bytes((codec._MAP | n,)) + entries, key=auth_key, digest_size=codec.MAC_BYTES,
+                            person=b"hicache-l3-v1")
+        for mv in segs:
+            m.update(mv)
+        entries += codec._MAC_KEY + msgpack.packb(m.digest())
+        n += 1
+    hck = codec.checksum(bytes((codec._MAP | n,)) + entries)
+    hdr = bytes((codec._MAP | (n + 1),)) + entries + codec._HCK_KEY + codec._uint(hck)
+    return codec._PREFIX.pack(codec.MAGIC, len(hdr)) + hdr
+
+
+def verify_into(header: Buffer, segs: list[memoryview], page_hash: bytes, fingerprint: str,
+                template: codec.HeaderTemplate, auth_key: bytes = b"") -> ReadStatus | Decoded:
+    """Verify an object split as ``header`` + the payload already in ``segs``.
 
     Fast path: the header is byte for byte what our writer builds for this
     page and these payload bytes (checksum and, with a key, MAC computed over
-    ``dest``); compared in constant time. Anything else (an object of an
+    the destination); compared in constant time. Anything else (an object of an
     older writer, damage, another layout) is judged by ``codec.decode`` over a
-    joined copy, so statuses and reasons are exactly those of ``get``. Never
-    raises on bad data; mutates nothing.
+    joined copy, so statuses and reasons are exactly those of ``get``. Returns
+    ``ReadStatus.OK`` or the failed ``Decoded``. Never raises on bad data;
+    mutates nothing.
     """
-    want = codec.encode_header(fingerprint, page_hash, template.sizes, dest, auth_key, template)
     hdr = bytes(header)
-    if hmac.compare_digest(hdr, want):
-        return Decoded(ReadStatus.OK, dest, "")
-    d = codec.decode(hdr + bytes(dest), page_hash, fingerprint, template.sizes, auth_key, template)
-    # OK here means decode found the payload at the split point, so ``dest`` holds it.
-    return Decoded(ReadStatus.OK, dest, "") if d.status is ReadStatus.OK else d
+    if hmac.compare_digest(hdr, header_of(fingerprint, page_hash, template, segs, auth_key)):
+        return ReadStatus.OK
+    d = codec.decode(hdr + b"".join(segs), page_hash, fingerprint, template.sizes, auth_key, template)
+    # OK here means decode found the payload at the split point, so ``segs`` hold it.
+    return ReadStatus.OK if d.status is ReadStatus.OK else d

@@ -15,7 +15,7 @@ import pytest
 from hicache.hashing import page_hashes
 from hicache.shapes import model_shapes
 from hicache.storage import codec
-from hicache.storage.into import InPlace, verify_into
+from hicache.storage.into import InPlace, header_of, verify_into
 
 SHAPES = {m.name: m for m in model_shapes()}
 # vLLM's row is the block-16 page of all layers; SGLang pages 1 and 16, MLA also 64.
@@ -146,9 +146,9 @@ def test_verify_into_judges_the_destination_bytes():
     payload = bytearray(payload_of(128, "v"))
     t = codec.header_template(fp, sizes)
     hdr = codec.encode_header(fp, key, sizes, payload)
-    assert verify_into(hdr, memoryview(payload), key, fp, t).status is codec.ReadStatus.OK
+    assert verify_into(hdr, [memoryview(payload)], key, fp, t) is codec.ReadStatus.OK
     payload[5] ^= 1
-    d = verify_into(hdr, memoryview(payload), key, fp, t)
+    d = verify_into(hdr, [memoryview(payload)], key, fp, t)
     assert d.status is codec.ReadStatus.CORRUPT and "checksum" in d.why
     assert InPlace(hdr).header == hdr
 
@@ -223,3 +223,42 @@ def test_file_get_into_of_a_fifo_is_a_counted_error(tmp_path):
     s = b.stats()
     assert (s.misses, s.errors) == (1, 1)
     b.close()
+
+
+@pytest.mark.parametrize("auth", [False, True])
+@pytest.mark.parametrize("harness", ["memory", "file", "redis"], indirect=True)
+def test_get_into_scatters_into_segments(harness, auth):
+    """A page's payload fills a list of segments in order (SGLang's K and V per page,
+    or one segment per layer), verified there; a flipped byte is a miss."""
+    b = harness.reopen(auth_key=KEY) if auth else harness.backend
+    try:
+        name = "llama-3.1-8b"
+        sizes = sizes_of(name, 1)
+        total = sum(sizes)
+        ks = page_hashes(list(range(2)), 1, namespace=f"scatter/{auth}")
+        pages = [payload_of(total, f"s/{i}") for i in range(2)]
+        assert b.put_new([(k, p, sizes) for k, p in zip(ks, pages)]) == [True, True]
+        # 2 x 32 layers of uneven pieces, then K/V halves.
+        cuts = sorted(random.Random(1).sample(range(1, total), 63))
+        bufs = [bytearray(e - s) for s, e in zip([0, *cuts], [*cuts, total])]
+        halves = [bytearray(total // 2), bytearray(total - total // 2)]
+        assert b.get_into(ks, sizes, [bufs, halves]) == [True, True]
+        assert b"".join(bufs) == pages[0] and b"".join(halves) == pages[1]
+        if harness.kind != "memory" or not auth:
+            obj = harness.read_raw(ks[0])
+            harness.write_raw(ks[0], _flip(obj, len(obj) - 5))
+            assert b.get_into(ks[:1], sizes, [bufs]) == [False]
+            assert b.stats().corrupt == 1
+    finally:
+        if auth:
+            b.close()
+
+
+def test_header_of_segments_is_the_writers_header():
+    fp, key, sizes = "e" * 32, bytes(range(16)), [40, 88]
+    payload = payload_of(128, "h")
+    t = codec.header_template(fp, sizes)
+    segs = [memoryview(bytearray(payload[:7])), memoryview(bytearray(payload[7:100])),
+            memoryview(bytearray(payload[100:]))]
+    for auth in (b"", codec.mac_key(KEY.encode())):
+        assert header_of(fp, key, t, segs, auth) == codec.encode_header(fp, key, sizes, payload, auth)

@@ -120,11 +120,9 @@ def test_missing_page_mid_run_ends_the_hit(kind, l3_url, model, controllers):
     assert c._page_get_zero_copy(PrefetchOperation("r", []), keys, dst) == 2
     got = pages_of(pool, dst)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert torch.equal(got[2], before[2])  # absent: nothing read into it
-    # Page 3 is reported not loaded; single-segment (MLA) pages are read into the pool
-    # and verified there, so its memory may have been written (hicache.storage.into).
-    if b._segments(1, dst[:PAGE]) and len(b._segments(1, dst[:PAGE])[0]) > 1:
-        assert torch.equal(got[3], before[3])  # split pages are verified before any write
+    # Absent: nothing read into it. Page 3 is reported not loaded; pages are read into
+    # the pool and verified there, so its memory may have been written (hicache.storage.into).
+    assert torch.equal(got[2], before[2])
 
 
 @pytest.mark.parametrize("layout", ("layer_first", "page_first"))
@@ -140,7 +138,7 @@ def test_corrupt_object_is_a_miss_where_sglang_file_backend_loads_wrong_bytes(la
     for c in (ref, ours):
         pool = c.mem_pool_host
         src, dst = pool.alloc(3 * PAGE), pool.alloc(3 * PAGE)
-        want, before = pages_of(pool, src), pages_of(pool, dst)
+        want = pages_of(pool, src)
         assert c.page_set_func(keys, src)
         if c is ref:
             path = os.path.join(ref.storage_backend.file_path,
@@ -158,7 +156,8 @@ def test_corrupt_object_is_a_miss_where_sglang_file_backend_loads_wrong_bytes(la
             hits = c.page_get_func(PrefetchOperation("r", []), keys, dst)
             got = pages_of(pool, dst)
             assert hits == 1 and torch.equal(got[0], want[0])
-            assert torch.equal(got[1], before[1]) and torch.equal(got[2], before[2])  # never landed
+            # Pages 2 and 3 are reported not loaded, so SGLang never serves their memory
+            # (which may hold what was read: loads verify in the pool, hicache.storage.into).
             s = c.storage_backend.hicache_stats()
             assert s.corrupt == 1 and s.misses == 1  # page 2 verified but not loaded: after the miss
             c.storage_backend.check_integrity()  # the corrupt object was deleted on read
@@ -211,16 +210,16 @@ def test_tp2_mha_ranks_are_isolated(l3_url, model):
 
 def test_foreign_object_under_a_shared_prefix_is_a_miss(l3_url, model):
     """Two TP ranks forced onto one key prefix: rank 1 sees rank 0's objects
-    but the fingerprint check rejects them; its pool is not written."""
+    but the fingerprint check rejects them; SGLang is told nothing loaded."""
     keys = keys_for(2, seed=5)
     r0, p0 = make_backend("mha", "page_first", l3_url, model, tp_rank=0, tp_size=2, key_prefix=f"{model}:")
     r1, p1 = make_backend("mha", "page_first", l3_url, model, tp_rank=1, tp_size=2, key_prefix=f"{model}:")
     assert r0.batch_set_v1(keys, p0.alloc(2 * PAGE)) == [True, True]
     assert r1.batch_exists(keys) == 2  # present, not yet verified
     dst = p1.alloc(2 * PAGE)
-    before = pages_of(p1, dst)
     assert r1.batch_get_v1(keys, dst) == [False, False]
-    assert all(torch.equal(a, b) for a, b in zip(pages_of(p1, dst), before))
+    # Pages from the miss on are reported not loaded; their host memory may hold what was
+    # read (loads verify in the pool, hicache.storage.into), which SGLang frees unread.
     assert r1.hicache_stats().fingerprint_mismatch == 2
 
 
