@@ -268,24 +268,22 @@ class HiCacheBackend(HiCacheStorage):
         """Load verified pages straight into the host pool; ``True`` for the leading run loaded.
 
         Stops at the first miss (absent, corrupt, foreign, or L3 down): that page
-        and every later one are ``False`` and their host memory is not written.
+        and every later one are ``False``. Pages are read into the pool's page
+        segments and verified there, so the host memory of a ``False`` page may
+        hold garbage: SGLang frees the host indices of pages not loaded and never
+        reads them (see ``hicache.storage.into``).
         """
         store = self._require_store()
         if not keys:
             return []
         t0 = time.perf_counter()
-        segs = self._segments(len(keys), host_indices)
-        views = store.get([page_key(k) for k in keys], self._plane_sizes)
+        mv = memoryview(self._pool_bytes)
+        dests = [[mv[s.offset:s.offset + s.size] for s in page] for page in self._segments(len(keys), host_indices)]
+        got = store.get_into([page_key(k) for k in keys], self._plane_sizes, dests)
         out = [False] * len(keys)
-        pool = self._pool_bytes
-        for i, view in enumerate(views):
-            if view is None:
+        for i, hit in enumerate(got):
+            if not hit:
                 break
-            src = np.frombuffer(view, dtype=np.uint8)
-            pos = 0
-            for seg in segs[i]:
-                pool[seg.offset:seg.offset + seg.size] = src[pos:pos + seg.size]
-                pos += seg.size
             out[i] = True
         self._record("prefetch", sum(out), time.perf_counter() - t0)
         self.publish()
@@ -310,22 +308,17 @@ class HiCacheBackend(HiCacheStorage):
         t0 = time.perf_counter()
         segs = self._segments(len(keys), host_indices)
         hkeys = [page_key(k) for k in keys]
-        present = store.exists(hkeys)
         mv = memoryview(self._pool_bytes)
         items = []
-        for key, page, have in zip(hkeys, segs, present):
-            if have:
-                continue
+        for key, page in zip(hkeys, segs):
             parts = [mv[s.offset:s.offset + s.size] for s in page]
             # One segment is stored straight from the pool; several are joined (one copy).
             items.append((key, parts[0] if len(parts) == 1 else b"".join(parts), self._plane_sizes))
-        stored = store.put(items) if items else 0
-        if stored == len(items):
-            out = [True] * len(keys)
-        else:
-            out = store.exists(hkeys)
+        # One call: L3 skips the pages it holds and answers, per page, whether it holds it now.
+        out = store.put_new(items)
+        if not all(out):
             self._warn.warning("put", "hicache SGLang backend: L3 %s took %d of %d pages; the rest are "
-                               "recomputed when needed", self.store.name, stored, len(items))
+                               "recomputed when needed", self.store.name, sum(out), len(out))
         self._record("backup", len(items), time.perf_counter() - t0)
         self.publish()
         return out

@@ -470,15 +470,12 @@ class HiCacheTier(SecondaryTierManager):
         return JobResult(job_id=job_id, success=len(landed) == len(todo), transfer_bytes=nbytes)
 
     def _run_load(self, job_id: JobId, keys: list[OffloadKey], chunk_ids: list[int]) -> JobResult:
-        payloads = self.storage.get([page_hash(k) for k in keys], self._sizes)
-        ok: list[OffloadKey] = []
-        missed: list[OffloadKey] = []
-        for key, cid, payload in zip(keys, chunk_ids, payloads):
-            if payload is None:
-                missed.append(key)
-                continue
-            self._row(cid)[:] = payload
-            ok.append(key)
+        # Straight into the rows, verified there. A missed chunk's row may hold
+        # garbage: it is reported unsuccessful, so vLLM never serves it.
+        loaded = self.storage.get_into([page_hash(k) for k in keys], self._sizes,
+                                       [self._row(c) for c in chunk_ids])
+        ok = [k for k, hit in zip(keys, loaded) if hit]
+        missed = [k for k, hit in zip(keys, loaded) if not hit]
         with self._lock:
             self._known.add(ok)
             self._known.discard(missed)

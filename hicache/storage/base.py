@@ -37,7 +37,7 @@ from hicache.errors import ConfigError, IntegrityError, StorageError
 from hicache.hashing import HASH_BYTES
 from hicache.ratelimit import LogLimiter
 from hicache.redact import redact_url  # noqa: F401  (re-exported: backends name themselves with it)
-from hicache.storage import codec
+from hicache.storage import codec, into
 from hicache.storage.capacity import StorageUsage
 from hicache.storage.codec import Buffer, ReadStatus
 from hicache.stats import StorageStats
@@ -234,6 +234,10 @@ class StorageBackend(abc.ABC):
     # block on another machine; in-process and local-file stores answer inline
     # (deterministic, and the file store bounds its own I/O).
     BOUNDED_LOOKUPS: ClassVar[bool] = True
+    # The backend implements _raw_get_into (reads payloads into the caller's
+    # buffers) and _raw_put_new (skips present objects itself, one call); others
+    # get get_into / put_new built on get / exists + put.
+    DIRECT_IO: ClassVar[bool] = False
 
     def __init__(self, options: StorageOptions, name: str):
         self.options = options
@@ -449,6 +453,132 @@ class StorageBackend(abc.ABC):
         if bad:
             self._call("delete", self._raw_delete, bad)
         return out
+
+    def get_into(self, keys: Sequence[bytes], plane_sizes: Sequence[int], dests: Sequence[into.Dest]) -> list[bool]:
+        """Read each page's verified payload straight into ``dests[i]``; per key, whether it did.
+
+        ``dests``: per page a writable contiguous buffer of exactly the payload's
+        bytes (an engine's row), or a list of such buffers that the payload fills
+        in order (a host pool's K and V segments). Counts and deletes corrupt
+        objects like ``get``. A page answered ``False`` may have left garbage
+        in its destination (see ``hicache.storage.into``): never use it. Raises
+        ``ValueError`` for a bad key or destination (count, size, read-only).
+        """
+        sizes = codec.plane_sizes(plane_sizes)
+        views = into.dest_views(dests, sizes.total, len(keys))
+        if not self.DIRECT_IO:  # verified by get(), then one copy (a Redis reply, a service page)
+            payloads = self.get(keys, plane_sizes)
+            for segs, payload in zip(views, payloads):
+                if payload is not None:
+                    into.scatter(payload, segs)
+            return [p is not None for p in payloads]
+        full = [self._full(k) for k in keys]
+        if not full:
+            return []
+        raw = self._call("get", self._raw_get_into, full, views)
+        if raw is _DOWN:
+            self._count(gets=len(full), misses=len(full))
+            return [False] * len(full)
+        if len(raw) != len(full):
+            raise StorageError(f"L3 backend {self.name}: get_into of {len(full)} keys returned {len(raw)} results")
+        template = codec.header_template(self.fingerprint, sizes)
+        judged: list[ReadStatus | codec.Decoded | BaseException | None] = []
+        for key, obj, segs in zip(keys, raw, views):
+            if obj is None or isinstance(obj, BaseException):
+                judged.append(obj)
+            elif isinstance(obj, into.InPlace):
+                judged.append(into.verify_into(obj.header, segs, key, self.fingerprint, template,
+                                               self.options.auth_key))
+            else:  # the whole object (too short or too odd to split): decoded, then one copy
+                d = codec.decode(obj, key, self.fingerprint, sizes, self.options.auth_key, template)
+                if d.status is ReadStatus.OK:
+                    into.scatter(d.payload, segs)  # type: ignore[arg-type]
+                judged.append(ReadStatus.OK if d.status is ReadStatus.OK else d)
+        return self._tally_into(full, judged, sizes.total)
+
+    def _raw_get_into(self, keys: list[bytes], dests: list[list[memoryview]]) -> list[Any]:
+        """``DIRECT_IO`` backends: per key ``None``, an exception, the whole object, or
+        ``into.InPlace`` when the payload was read into ``dests[i]``'s segments."""
+        raise NotImplementedError(f"{type(self).__name__} sets DIRECT_IO but does not implement _raw_get_into")
+
+    def _tally_into(self, full: list[bytes], judged: list[ReadStatus | codec.Decoded | BaseException | None],
+                    nbytes: int) -> list[bool]:
+        c = dict(hits=0, misses=0, corrupt=0, fingerprint_mismatch=0, errors=0, bytes_read=0)
+        out, bad = [], []
+        for fk, d in zip(full, judged):
+            ok = d is ReadStatus.OK
+            out.append(ok)
+            c["hits" if ok else "misses"] += 1
+            if ok:
+                c["bytes_read"] += nbytes
+            elif isinstance(d, BaseException):
+                c["errors"] += 1
+                self._object_log.warning(f"get:{type(d).__name__}", "L3 %s: reading object %r failed (%s: %s); "
+                                         "counted as a miss", self.name, fk, type(d).__name__, str(d)[:200])
+            elif isinstance(d, codec.Decoded) and d.status is ReadStatus.FINGERPRINT:
+                c["fingerprint_mismatch"] += 1
+                self._warn_once("fingerprint", "L3 %s: object %r belongs to another layout (%s); "
+                                "give each layout its own key_prefix", self.name, fk, d.why)
+            elif isinstance(d, codec.Decoded):
+                c["corrupt"] += 1
+                bad.append(fk)
+                self._object_log.warning("corrupt", "L3 %s: corrupt object %r (%s); deleted, counted as a miss",
+                                         self.name, fk, d.why)
+        self._count("get", gets=len(full), **c)
+        if bad:
+            self._call("delete", self._raw_delete, bad)
+        return out
+
+    def put_new(self, items: Sequence[PutItem]) -> list[bool]:
+        """Store the pages L3 does not hold yet, in one call to L3 (one hand-off to
+        the file worker); per item, whether L3 holds it afterwards.
+
+        Like ``put``, minus the rewrite of pages already stored (``exists``
+        semantics: present, not verified). Pages skipped as present count as
+        neither ``put_ok`` nor ``put_dropped``. All ``False`` while L3 is down.
+        """
+        if not self.DIRECT_IO:  # two calls: exists, then put of the rest
+            items = list(items)
+            present = self.exists([k for k, _, _ in items])
+            todo = [i for i, p in enumerate(present) if not p]
+            if todo and self.put([items[i] for i in todo]) != len(todo):
+                return self.exists([k for k, _, _ in items])
+            return [True] * len(items)
+        rows = self._put_rows(items)
+        if not rows:
+            return []
+        prepared = PutBatch(self.fingerprint, rows, self.options.auth_key)
+        res = self._call("put", self._raw_put_new, prepared)
+        if res is _DOWN:
+            self._count(put_dropped=len(prepared))
+            return [False] * len(prepared)
+        if len(res) != len(prepared):
+            raise StorageError(f"L3 backend {self.name}: put_new of {len(prepared)} objects returned {len(res)} results")
+        wrote = [r for r in res if r is not None]
+        failed = [r for r in wrote if isinstance(r, BaseException)]
+        if failed:
+            self._warn_once(f"put:{type(failed[0]).__name__}", "L3 %s: put of a page failed: %r "
+                            "(further such failures are only counted)", self.name, failed[0])
+        stored = sum(r is True for r in wrote)
+        self._count("put", put_ok=stored, put_dropped=len(wrote) - stored, errors=len(failed),
+                    bytes_written=sum(r[2].nbytes for r, x in zip(rows, res) if x is True))
+        return [r is None or r is True for r in res]
+
+    def _raw_put_new(self, items: "PutBatch") -> list[bool | BaseException | None]:
+        """``DIRECT_IO`` backends: per item ``None`` when already present (not written),
+        else what ``_raw_put`` answers for it."""
+        raise NotImplementedError(f"{type(self).__name__} sets DIRECT_IO but does not implement _raw_put_new")
+
+    def _put_rows(self, items: Sequence[PutItem]) -> list[tuple[bytes, bytes, memoryview, codec.PlaneSizes]]:
+        rows = []
+        last: tuple[object, codec.PlaneSizes | None] = (None, None)
+        for key, payload, sizes in items:
+            if sizes is not last[0]:
+                last = (sizes, codec.plane_sizes(sizes))
+            mv = codec.as_bytes_view(payload)
+            codec.check_length(mv, last[1])
+            rows.append((self._full(key), key, mv, last[1]))
+        return rows
 
     def put(self, items: Sequence[PutItem]) -> int:
         """Store pages ``(page hash, payload, plane sizes)``; returns how many were stored.

@@ -38,7 +38,7 @@ import stat
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from hicache.errors import ConfigError, IntegrityError
 from hicache.hashing import HASH_BYTES
@@ -46,8 +46,14 @@ from hicache.storage.base import PutBatch, StorageBackend, StorageOptions
 from hicache.storage.capacity import StorageUsage, check_eviction
 from hicache.storage.codec import Buffer
 from hicache.storage.file_cap import FileCap, scan
+from hicache.storage.into import MAX_SPLIT_HEADER, InPlace
 
 _TMP = ".tmp."
+# Worker threads for file I/O (syscalls and hashing release the GIL). 4 lets
+# vLLM's and SGLang's several I/O threads overlap on a page cache / tmpfs; more
+# bought nothing on the 2-core dev box (bench/RESULTS.md, issue 24 item 6).
+IO_WORKERS = 4
+IOV_MAX = 1024  # Linux's limit on buffers per preadv; more segments take several calls
 USAGE_SCAN_S = 30.0  # unbounded directories: how long one usage() scan is reused
 _HEX_NAME = re.compile(r"^[0-9a-f]{%d}$" % (2 * HASH_BYTES))
 
@@ -66,6 +72,7 @@ def parse_file_url(url: str) -> Path:
 class FileBackend(StorageBackend):
     scheme = "file"
     BOUNDED_LOOKUPS = False  # its own per-page deadline bounds a hung file system
+    DIRECT_IO = True  # preadv into the caller's rows; puts skip present files in the same hand-off
 
     def __init__(self, options: StorageOptions, root: str | os.PathLike, *, fsync: bool = False,
                  name: str = "", max_bytes: int = 0, eviction: str = "lru"):
@@ -81,9 +88,13 @@ class FileBackend(StorageBackend):
                               f"{e}; pick a writable directory") from None
         self._made: set[str] = set()  # fan-out directories known to exist
         self._mu = threading.Lock()
-        # One worker: calls are serialised, as a caller would make them; a call
-        # stuck in the kernel keeps it, and later calls fail their deadline.
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hicache-file-l3")
+        # IO_WORKERS workers: independent calls (an engine's several I/O threads)
+        # overlap; each page is written to a private temp file and renamed, and
+        # read through one descriptor, so calls never share mutable state but the
+        # fan-out set (under _mu) and the cap's ledger (flock). Calls stuck in
+        # the kernel keep their workers; once all are stuck, later calls fail
+        # their deadline (an outage), as with one worker.
+        self._pool = concurrent.futures.ThreadPoolExecutor(IO_WORKERS, thread_name_prefix="hicache-file-l3")
         self._budget_s = options.timeout_s * (1 + options.max_retries)
         if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0:
             raise ConfigError(f"storage url {self.name!r}: max_bytes={max_bytes!r} must be an integer >= 0 "
@@ -144,6 +155,44 @@ class FileBackend(StorageBackend):
                 out.append(e)
         return out
 
+    def _raw_get_into(self, keys: list[bytes], dests: list[list[memoryview]]) -> list[Any]:
+        return self._deadline(self._get_into_all, len(keys), keys, dests)
+
+    def _get_into_all(self, keys: list[bytes], dests: list[list[memoryview]]) -> list[Any]:
+        out: list[Any] = []
+        touch = self._cap is not None and self.eviction == "lru"
+        for k, dest in zip(keys, dests):
+            try:
+                path = self._path(k)[1]
+                out.append(_read_into(path, dest))
+                if touch:
+                    _touch(path)
+            except FileNotFoundError:
+                out.append(None)
+            except OSError as e:
+                out.append(e)
+        return out
+
+    def _raw_put_new(self, items: PutBatch) -> list[bool | BaseException | None]:
+        out = self._deadline(self._put_new_all, len(items), items)
+        self._account([i for i, r in enumerate(out) if r is True], items)
+        return out
+
+    def _put_new_all(self, items: PutBatch) -> list[bool | BaseException | None]:
+        out: list[bool | BaseException | None] = []
+        for i in range(len(items)):
+            k, payload = items.key_payload(i)
+            d, path = self._path(k)
+            try:
+                if os.path.exists(path):
+                    out.append(None)
+                    continue
+                self._write(d, path, items.header(i), payload)
+                out.append(True)
+            except OSError as e:
+                out.append(e)
+        return out
+
     @staticmethod
     def _read(path: str) -> bytearray:
         # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer.
@@ -166,13 +215,15 @@ class FileBackend(StorageBackend):
 
     def _raw_put(self, items: PutBatch) -> list[bool | BaseException]:
         out = self._deadline(self._put_all, len(items), items)
+        self._account([i for i, r in enumerate(out) if r is True], items)
+        return out
+
+    def _account(self, ok: list[int], items: PutBatch) -> None:
         if self._cap is not None:
-            ok = [i for i, r in enumerate(out) if r is True]
             # Headers were built by the write: len() reads the cache.
             total = self._cap.account(sum(len(items.header(i)) + items.payload_bytes(i) for i in ok), len(ok))
             if total > self.max_bytes:
                 self._trim()
-        return out
 
     def _trim(self) -> None:
         r = self._cap.trim() if self._cap is not None else None
@@ -301,3 +352,49 @@ def _touch(path: str) -> None:
         os.utime(path)
     except OSError:
         pass
+
+
+def _open_regular(path: str) -> tuple[int, int]:
+    """(fd, size) of a regular file, never through a symlink; raises OSError otherwise."""
+    # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer.
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file (mode {st.st_mode:o}); refusing to read it")
+    return fd, st.st_size
+
+
+def _read_into(path: str, segs: list[memoryview]) -> InPlace | bytearray:
+    """The object at ``path`` with its payload (its last bytes) read into ``segs`` in
+    order, with one ``preadv`` of header + payload: ``InPlace(header)``. An object too
+    short, or whose head is too long to be a header, is read whole instead (decode rejects it)."""
+    fd, size = _open_regular(path)
+    try:
+        hlen = size - sum(mv.nbytes for mv in segs)
+        if not 0 < hlen <= MAX_SPLIT_HEADER:
+            buf = bytearray(size)
+            return buf[:_preadv_full(fd, [memoryview(buf)])]
+        hdr = bytearray(hlen)
+        got = _preadv_full(fd, [memoryview(hdr), *segs])
+        if got < size:  # shrank under us: whatever arrived, as one object decode rejects
+            return (bytes(hdr) + b"".join(segs))[:got]
+        return InPlace(hdr)
+    finally:
+        os.close(fd)
+
+
+def _preadv_full(fd: int, bufs: list[memoryview]) -> int:
+    """Fill ``bufs`` from offset 0 (several ``preadv`` only if the kernel returns short); bytes read."""
+    done = 0
+    while bufs:
+        n = os.preadv(fd, bufs[:IOV_MAX], done)
+        if n == 0:  # end of file
+            return done
+        done += n
+        while bufs and n >= bufs[0].nbytes:
+            n -= bufs[0].nbytes
+            bufs.pop(0)
+        if bufs and n:
+            bufs[0] = bufs[0][n:]
+    return done

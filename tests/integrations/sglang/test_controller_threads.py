@@ -31,7 +31,6 @@ def test_backup_then_prefetch_through_sglang_threads_stops_at_a_corrupt_page(l3_
     assert hit is op and op.storage_hit_count == 4 * PAGE and op.hash_value == keys
     # ... the scheduler allocates host memory for the hit and queues the transfer ...
     dst = pool.alloc(op.storage_hit_count)
-    before = pages_of(pool, dst)
     op.host_indices = dst
     c.prefetch_buffer.put(op)
     # ... and the I/O thread loads through batch_get_v1: the corrupt page ends the run.
@@ -41,5 +40,6 @@ def test_backup_then_prefetch_through_sglang_threads_stops_at_a_corrupt_page(l3_
     assert [a.completed_tokens for a in acks if a.completed_tokens is not None] == [2 * PAGE]
     got = pages_of(pool, dst)
     assert all(torch.equal(got[i], want[i]) for i in (0, 1))
-    assert all(torch.equal(got[i], before[i]) for i in (2, 3))
+    # Pages from the miss on are reported not loaded; their host memory may hold what was
+    # read (loads verify in the pool, hicache.storage.into), which SGLang frees unread.
     assert c.storage_backend.hicache_stats().corrupt == 1

@@ -112,7 +112,9 @@ def test_auth_key_signs_and_a_forged_object_is_a_counted_miss(tmp_path, request,
     t.submit_load(job(2, ks, [2, 3], promotion=True))
     r = finish(t)[2]
     assert not r.success and tuple(r.successful_keys) == (ks[0],)
-    assert (arr[2] == 7).all() and not arr[3].any()  # never the forged bytes
+    # Row 3 may hold the forged bytes (loads verify in the row, hicache.storage.into);
+    # vLLM is told chunk 2 did not load, so it never serves them.
+    assert (arr[2] == 7).all() and not np.delete(arr, [2, 3], axis=0).any()
     s = t.stats()
     assert (s.loaded, s.load_missed, s.corrupt) == (1, 1, 1)
     t.check_integrity()

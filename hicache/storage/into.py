@@ -1,0 +1,109 @@
+"""Reads straight into the caller's buffer: the pieces of ``StorageBackend.get_into``.
+
+A backend's ``_raw_get_into`` answers, per key, what ``_raw_get`` answers
+(``None``, an exception, or the whole object, which the base then decodes and
+copies into the destination once: the default, and what ``redis://`` does with
+its reply), or ``InPlace(header)``: the object's payload bytes were read into
+the destination itself and ``header`` holds everything before them (file://
+reads both with one ``preadv``).
+
+Verification happens in place, over the destination's bytes (``verify_into``).
+
+Contract: a destination whose page is reported missing (absent, unreadable,
+corrupt, another layout's, a bad MAC, L3 down) may have been written: it holds
+garbage (a partial object, unverified bytes). Callers must treat it as free
+space and never expose it; the adapters report such a page as not loaded, and
+the engines then recompute it over that memory.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import NamedTuple, Sequence
+
+import msgpack
+import xxhash
+
+from hicache.storage import codec
+from hicache.storage.codec import Buffer, Decoded, ReadStatus
+
+# Beyond this, what precedes the payload is not a header of ours (a header is
+# ~100 bytes plus a few per plane): the object is read whole and rejected by decode.
+MAX_SPLIT_HEADER = 64 << 10
+
+
+class InPlace(NamedTuple):
+    """The payload lies in the destination; ``header`` is the object's bytes before it."""
+
+    header: Buffer
+
+
+Dest = Buffer | Sequence[Buffer]  # one buffer, or the payload's segments in order (scatter)
+
+
+def dest_views(dests: Sequence[Dest], nbytes: int, n_keys: int) -> list[list[memoryview]]:
+    """Per destination, its flat writable byte views (segments, in payload order),
+    ``nbytes`` in all. Raises ``ValueError`` naming the offending destination
+    (misuse, never data)."""
+    if len(dests) != n_keys:
+        raise ValueError(f"get_into: {n_keys} keys but {len(dests)} destinations")
+    out = []
+    for i, d in enumerate(dests):
+        segs = [codec.as_bytes_view(x) for x in d] if isinstance(d, (list, tuple)) else [codec.as_bytes_view(d)]
+        if any(mv.readonly for mv in segs):
+            raise ValueError(f"get_into: destination {i} is read-only; pass a writable buffer (a row, a bytearray)")
+        got = sum(mv.nbytes for mv in segs)
+        if got != nbytes:
+            raise ValueError(f"get_into: destination {i} has {got} bytes, the page payload {nbytes}")
+        out.append(segs)
+    return out
+
+
+def scatter(payload: memoryview, segs: list[memoryview]) -> None:
+    """Copy a verified payload into a destination's segments."""
+    pos = 0
+    for mv in segs:
+        mv[:] = payload[pos:pos + mv.nbytes]
+        pos += mv.nbytes
+
+
+def header_of(fingerprint: str, page_hash: bytes, t: codec.HeaderTemplate, segs: list[memoryview],
+              auth_key: bytes = b"") -> bytes:
+    """``codec.encode_header`` of the payload that ``segs`` hold in order (no join)."""
+    if len(segs) == 1:
+        return codec.encode_header(fingerprint, page_hash, t.sizes, segs[0], auth_key, t)
+    h = xxhash.xxh3_64()
+    for mv in segs:
+        h.update(mv)
+    entries = codec._header_fields(t, page_hash, h.intdigest())
+    n = 6
+    if auth_key:
+        m = hashlib.blake2b(bytes((codec._MAP | n,)) + entries, key=auth_key, digest_size=codec.MAC_BYTES,
+                            person=b"hicache-l3-v1")
+        for mv in segs:
+            m.update(mv)
+        entries += codec._MAC_KEY + msgpack.packb(m.digest())
+        n += 1
+    hck = codec.checksum(bytes((codec._MAP | n,)) + entries)
+    hdr = bytes((codec._MAP | (n + 1),)) + entries + codec._HCK_KEY + codec._uint(hck)
+    return codec._PREFIX.pack(codec.MAGIC, len(hdr)) + hdr
+
+
+def verify_into(header: Buffer, segs: list[memoryview], page_hash: bytes, fingerprint: str,
+                template: codec.HeaderTemplate, auth_key: bytes = b"") -> ReadStatus | Decoded:
+    """Verify an object split as ``header`` + the payload already in ``segs``.
+
+    Fast path: the header is byte for byte what our writer builds for this
+    page and these payload bytes (checksum and, with a key, MAC computed over
+    the destination); compared in constant time. Anything else (an object of an
+    older writer, damage, another layout) is judged by ``codec.decode`` over a
+    joined copy, so statuses and reasons are exactly those of ``get``. Returns
+    ``ReadStatus.OK`` or the failed ``Decoded``. Never raises on bad data;
+    mutates nothing.
+    """
+    hdr = bytes(header)
+    if hmac.compare_digest(hdr, header_of(fingerprint, page_hash, template, segs, auth_key)):
+        return ReadStatus.OK
+    d = codec.decode(hdr + b"".join(segs), page_hash, fingerprint, template.sizes, auth_key, template)
+    # OK here means decode found the payload at the split point, so ``segs`` hold it.
+    return ReadStatus.OK if d.status is ReadStatus.OK else d
