@@ -38,7 +38,7 @@ import stat
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from hicache.errors import ConfigError, IntegrityError
 from hicache.hashing import HASH_BYTES
@@ -141,30 +141,23 @@ class FileBackend(StorageBackend):
         return self._deadline(self._get_all, len(keys), keys)
 
     def _get_all(self, keys: list[bytes]) -> list[Buffer | None | BaseException]:
-        out: list[Buffer | None | BaseException] = []
-        touch = self._cap is not None and self.eviction == "lru"
-        for k in keys:
-            try:
-                path = self._path(k)[1]
-                out.append(self._read(path))
-                if touch:
-                    _touch(path)
-            except FileNotFoundError:
-                out.append(None)
-            except OSError as e:
-                out.append(e)
-        return out
+        return self._read_each(keys, lambda path, i: self._read(path))
 
     def _raw_get_into(self, keys: list[bytes], dests: list[list[memoryview]]) -> list[Any]:
         return self._deadline(self._get_into_all, len(keys), keys, dests)
 
     def _get_into_all(self, keys: list[bytes], dests: list[list[memoryview]]) -> list[Any]:
+        return self._read_each(keys, lambda path, i: _read_into(path, dests[i]))
+
+    def _read_each(self, keys: list[bytes], read: Callable[[str, int], Any]) -> list[Any]:
+        """``read(path, i)`` for each key's file: None where the file is absent, the
+        ``OSError`` where reading failed. Under an ``lru`` cap a file read is made young."""
         out: list[Any] = []
         touch = self._cap is not None and self.eviction == "lru"
-        for k, dest in zip(keys, dests):
+        for i, k in enumerate(keys):
             try:
                 path = self._path(k)[1]
-                out.append(_read_into(path, dest))
+                out.append(read(path, i))
                 if touch:
                     _touch(path)
             except FileNotFoundError:
