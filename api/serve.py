@@ -1,4 +1,4 @@
-"""``hicache serve``: the engine socket (``EngineServer``) and the REST API in one process.
+"""``hicache serve``: the engine socket (``NodeServer``) and the REST API in one process.
 
 The engine server runs its asyncio loop in a thread; uvicorn runs the REST
 app in the main thread and handles SIGINT/SIGTERM, after which the engine
@@ -18,10 +18,10 @@ import uvicorn
 
 from hicache.api.app import create_app
 from hicache.api.deps import ADMIN_TOKEN_HELP, RestState, check_bind
-from hicache.api.engine_server import EngineServer, open_l3
+from hicache.service.server import NodeServer, open_l3
 from hicache.api.events import EventBus
-from hicache.api.preflight import preflight
-from hicache.api.socket_guard import resolve_group
+from hicache.service.preflight import preflight
+from hicache.service.socket_guard import resolve_group
 from hicache.api.redact import redact_url
 from hicache.config import HiCacheConfig
 from hicache.errors import ConfigError
@@ -105,7 +105,7 @@ def serve(cfg: HiCacheConfig) -> int:
         rest_sock.close()
         raise
     bus = EventBus()
-    engine = EngineServer(cfg, layout, listener=bus, storage=storage,
+    engine = NodeServer(cfg, layout, listener=bus, storage=storage,
                           on_l3_stored=functools.partial(bus.pages_stored, tier="L3"))
     try:
         engine.start()

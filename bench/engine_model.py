@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from hicache.engine.model import ReferenceModel
-from hicache.engine.model_spec import ModelSpec
+from hicache.reference.model import ReferenceModel
+from hicache.reference.model_spec import ModelSpec
 from hicache.pools import DevicePool
 
 

@@ -32,7 +32,7 @@ import uuid
 import httpx
 import msgpack
 
-from hicache.client import EngineClient
+from hicache.service.client import ServiceClient
 from hicache.config import HiCacheConfig
 from hicache.hashing import page_hashes
 from hicache.protocol import HEADER, hello_request
@@ -103,7 +103,7 @@ def measure(mbr: int, flood: str) -> dict:
     proc, url = start_with(settings)
     try:
         layout = HiCacheConfig.load(overrides=settings, env={}).layout()
-        client = EngineClient(settings["service.socket_path"], layout)
+        client = ServiceClient(settings["service.socket_path"], layout)
         hashes = page_hashes(list(range(64)), layout.page_size)
         ping = (lambda: httpx.get(url + "/healthz", timeout=60)) if flood != "hello" else (lambda: client.lookup(hashes))
         body = os.path.join(d, "body.json")  # built before the pings start

@@ -65,7 +65,7 @@ def main() -> None:
 
 def trace_sequences(name: str, scale: str) -> list[tuple[list[int], str]]:
     """Each request's computed sequence (prompt + placeholder answer but its last token)."""
-    from hicache.engine.workloads import builtin_trace
+    from hicache.reference.workloads import builtin_trace
     seqs: dict[str, list[int]] = {}
     out, fresh = [], 1 << 20  # placeholder answer ids, above every trace token id
     for r in sorted(builtin_trace(name, scale).requests, key=lambda r: r.arrival):

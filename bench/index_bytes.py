@@ -22,8 +22,8 @@ import time
 
 import numpy as np
 
-from hicache.node import Node
-from hicache.radix import RadixTree
+from hicache.index.node import Node
+from hicache.index.radix import RadixTree
 
 
 def rss() -> int:

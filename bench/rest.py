@@ -23,7 +23,7 @@ import uuid
 
 import httpx
 
-from hicache.client import EngineClient
+from hicache.service.client import ServiceClient
 from hicache.config import HiCacheConfig
 from hicache.hashing import page_hashes
 
@@ -91,7 +91,7 @@ def main() -> int:
         layout = cfg.layout()
         tokens = list(range(a.tokens))
         hashes = page_hashes(tokens, layout.page_size)
-        with EngineClient(settings["service.socket_path"], layout, pin=False) as eng:
+        with ServiceClient(settings["service.socket_path"], layout, pin=False) as eng:
             half = hashes[:len(hashes) // 2]
             eng.commit(half, eng.reserve(len(half)))
         routes = [("GET", "/v1/stats", None), ("POST", "/v1/lookup", {"tokens": tokens}),

@@ -1,8 +1,8 @@
 """Local engine API round trip: lookup of an 8K-token prompt (512 page hashes, page 16).
 
-Starts ``python -m hicache.api.engine_server`` as its own process (so client and
+Starts ``python -m hicache.service.server`` as its own process (so client and
 server do not share a GIL), fills L2 with the prompt's pages, then times
-synchronous round trips from one ``EngineClient``. Prints a table.
+synchronous round trips from one ``ServiceClient``. Prints a table.
 
     python bench/service.py [--iters 3000] [--tokens 8192]
 """
@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hicache.client import EngineClient
+from hicache.service.client import ServiceClient
 from hicache.config import HiCacheConfig
 from hicache.hashing import page_hashes
 
@@ -29,7 +29,7 @@ def start_server(d: Path, host_pages: int) -> tuple[subprocess.Popen, HiCacheCon
     toml.write_text(f'[pool]\nhost_pages = {host_pages}\n[service]\nsocket_path = "{d}/e.sock"\n'
                     f'shm_name = "{shm}"\n')
     cfg = HiCacheConfig.load(toml, env={})
-    proc = subprocess.Popen([sys.executable, "-m", "hicache.api.engine_server", "--config", str(toml)],
+    proc = subprocess.Popen([sys.executable, "-m", "hicache.service.server", "--config", str(toml)],
                             env={k: v for k, v in os.environ.items() if not k.startswith("HICACHE_")})
     deadline = time.monotonic() + 60
     while not os.path.exists(cfg.service.socket_path):
@@ -67,7 +67,7 @@ def main() -> None:
         layout = cfg.layout()
         hashes = page_hashes(list(range(args.tokens)), layout.page_size)
         cold = page_hashes(list(range(args.tokens)), layout.page_size, namespace="cold")
-        with EngineClient(cfg.service.socket_path, layout) as c:
+        with ServiceClient(cfg.service.socket_path, layout) as c:
             c.commit(hashes, c.reserve(len(hashes)))
             assert c.lookup(hashes).num_pages == len(hashes)
 

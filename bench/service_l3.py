@@ -21,7 +21,7 @@ import uuid
 
 import torch
 
-from hicache.api.engine_server import EngineServer
+from hicache.service.server import NodeServer
 from hicache.config import HiCacheConfig
 from hicache.hashing import page_hashes
 from hicache.layout import KVLayout
@@ -72,7 +72,7 @@ def main() -> None:
             "storage.url": "memory://", "pool.host_pages": str(a.pages * (a.repeat + 1)),
             "service.socket_path": f"{d}/s.sock", "service.shm_name": f"hcb-{uuid.uuid4().hex[:8]}"})
         service_l3 = open_storage("memory://", fingerprint=layout.fingerprint(), layout=layout)
-        srv = EngineServer(cfg, layout, storage=service_l3)
+        srv = NodeServer(cfg, layout, storage=service_l3)
         srv.start()
         try:
             for name, url in (("memory:// (in-process)", "memory://"),

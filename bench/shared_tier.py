@@ -40,10 +40,10 @@ from pathlib import Path
 
 import torch
 
-from hicache.client import EngineClient
+from hicache.service.client import ServiceClient
 from hicache.config import HiCacheConfig
-from hicache.engine.model import ReferenceModel
-from hicache.engine.model_spec import ModelSpec
+from hicache.reference.model import ReferenceModel
+from hicache.reference.model_spec import ModelSpec
 from hicache.hicache import HiCache
 from hicache.layout import KVLayout
 from hicache.pools import HostPool
@@ -135,14 +135,14 @@ def start_service(a, layout: KVLayout, d: Path) -> tuple[subprocess.Popen, str]:
               "[storage]", 'url = ""']
     (d / "h.toml").write_text("\n".join(lines) + "\n")
     log = open(d / "serve.log", "w")
-    p = subprocess.Popen([sys.executable, "-m", "hicache.api.engine_server", "--config", str(d / "h.toml")],
+    p = subprocess.Popen([sys.executable, "-m", "hicache.service.server", "--config", str(d / "h.toml")],
                          stdout=log, stderr=log)
     deadline = time.monotonic() + 120
     while True:
         if p.poll() is not None:
             raise SystemExit(f"hicache serve exited: {(d / 'serve.log').read_text()[-3000:]}")
         try:
-            EngineClient(sock, layout, timeout=5, pin=False).close()
+            ServiceClient(sock, layout, timeout=5, pin=False).close()
             return p, sock
         except (FileNotFoundError, ConnectionRefusedError):
             if time.monotonic() > deadline:

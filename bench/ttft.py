@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from hicache.config import HiCacheConfig
-from hicache.engine.model import ReferenceModel
-from hicache.engine.model_spec import ModelSpec
+from hicache.reference.model import ReferenceModel
+from hicache.reference.model_spec import ModelSpec
 from hicache.hicache import HiCache
 from hicache.kernels.page_copy import PageCopier
 from hicache.load_graph import LoadGraph

@@ -35,13 +35,13 @@ from typing import Iterator, Sequence
 from hicache.allocator import PageAllocator
 from hicache.cache_check import check_pool, check_request
 from hicache.cp import CPRowOrder, PageOwnership, make_ownership
-from hicache.draft import draft_prefix_pages
+from hicache.index.draft import draft_prefix_pages
 from hicache.errors import CacheStateError, IntegrityError, OutOfPages
-from hicache.eviction import EvictionPolicy, make_policy
+from hicache.index.eviction import EvictionPolicy, make_policy
 from hicache.layout import KVLayout
-from hicache.node import Dropped, InsertResult, Node
+from hicache.index.node import Dropped, InsertResult, Node
 from hicache.pools import DevicePool, HostPool
-from hicache.radix import RadixTree
+from hicache.index.radix import RadixTree
 from hicache.request import MatchResult, Request, RequestState, Tokens, as_key
 from hicache.stats import CacheStats
 from hicache.types import DevicePageId, HostPageId, PageHash
@@ -60,7 +60,7 @@ class PrefixCache:
 
     ``device`` is the L1 pool (or its allocator); ``host`` the L2 pool (or
     allocator) when a tiering controller runs on top. ``eviction`` /
-    ``host_eviction`` name policies in ``hicache.eviction.POLICIES``;
+    ``host_eviction`` name policies in ``hicache.index.eviction.POLICIES``;
     ``ownership`` a CP page ownership in ``hicache.cp.OWNERSHIPS``.
 
     Layouts with draft planes: requests are draft requests by default (they

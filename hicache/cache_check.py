@@ -4,9 +4,9 @@ a draft request uses). Raise ``IntegrityError``."""
 from __future__ import annotations
 
 from hicache.allocator import PageAllocator
-from hicache.draft import check_request_pages
+from hicache.index.draft import check_request_pages
 from hicache.errors import IntegrityError
-from hicache.radix import RadixTree
+from hicache.index.radix import RadixTree
 from hicache.request import Request, RequestState
 
 

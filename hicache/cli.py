@@ -176,14 +176,14 @@ def cmd_storage(args: argparse.Namespace) -> int:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     if args.simulate or args.sweep:
-        from hicache.engine import sim_report
+        from hicache.reference import sim_report
         return sim_report.main(args, _load(args))
     if args.trace:
-        from hicache.engine.hash_trace import detect_format
+        from hicache.reference.hash_trace import detect_format
         if detect_format(args.trace) == "hash_blocks":
             raise HiCacheError(f"{args.trace} is a hash-block trace (hash_ids, no token ids): replay it with "
                                "--simulate")
-    from hicache.engine import replay
+    from hicache.reference import replay
     return replay.main(args, _load(args))
 
 

@@ -70,7 +70,7 @@ MAX_RETRIES = 10
 MAX_UID = 2**32 - 2
 
 # Where `hicache serve` listens for engines unless service.socket_path says otherwise;
-# the README's examples, `hicache serve --help` and EngineClient's errors name it.
+# the README's examples, `hicache serve --help` and ServiceClient's errors name it.
 DEFAULT_SOCKET_PATH = "/tmp/hicache.sock"
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d{1,3})?)$")
 
@@ -151,7 +151,7 @@ class PolicyConfig(_Section):
     @field_validator("device_eviction", "host_eviction")
     @classmethod
     def _eviction(cls, v: str) -> str:
-        from hicache.eviction import POLICIES
+        from hicache.index.eviction import POLICIES
         if v not in POLICIES:
             raise ValueError(f"must be one of {', '.join(sorted(POLICIES))}")
         return v

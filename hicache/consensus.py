@@ -32,7 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
-from hicache.client import Link
+from hicache.service.client import Link
 from hicache.errors import ConfigError, IntegrityError, ServiceError
 from hicache.protocol import PROTOCOL_VERSION
 

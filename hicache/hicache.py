@@ -39,7 +39,7 @@ from hicache.misses import L2, L3, L3Outcome, MissTracker, admission_misses
 from hicache.policies import PrefetchPolicy, WritePolicy
 from hicache.pools import DevicePool, HostPool
 from hicache.stats import HiCacheStats, StorageStats
-from hicache.node import InsertResult, Node
+from hicache.index.node import InsertResult, Node
 from hicache.request import MatchResult
 from hicache.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan
 from hicache.service_mode import ServiceMode, open_service_tier

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from hicache.node import Node
+from hicache.index.node import Node
 from hicache.types import DevicePageId, HostPageId, PageHash
 
 

@@ -1,7 +1,7 @@
 """The closed sets of tiering policies (``policy.write_policy``,
 ``policy.prefetch_policy``), as enums: the configuration parses names into
 them and the cache compares members, never strings. Eviction policies are
-classes registered by name (``hicache.eviction.POLICIES``)."""
+classes registered by name (``hicache.index.eviction.POLICIES``)."""
 from __future__ import annotations
 
 import enum

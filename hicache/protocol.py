@@ -76,7 +76,7 @@ ERROR_KINDS = ("bad_frame", "too_large", "bad_request", "unknown_op", "not_hands
 
 
 class CommitResult(NamedTuple):
-    """The ``commit`` op's answer (``L2Index.commit`` on the server, ``EngineClient.commit``)."""
+    """The ``commit`` op's answer (``L2Index.commit`` on the server, ``ServiceClient.commit``)."""
 
     inserted: int  # pages that became lookup-able
     duplicates: int  # pages whose hash was already present; their reserved page went back to free

@@ -12,8 +12,8 @@ import torch
 
 from hicache.errors import CacheStateError, StaleMatch
 from hicache.hashing import tokens_to_bytes
-from hicache.node import DraftCut, InsertResult, Node
-from hicache.radix import RadixTree
+from hicache.index.node import DraftCut, InsertResult, Node
+from hicache.index.radix import RadixTree
 
 Tokens = Sequence[int] | np.ndarray | torch.Tensor | bytes
 

@@ -29,7 +29,7 @@ from hicache.config import HiCacheConfig
 from hicache.errors import ConfigError
 from hicache.cache import PrefixCache
 from hicache.layout import KVLayout
-from hicache.node import Node
+from hicache.index.node import Node
 from hicache.plans import BackupPlan, LoadPlan
 from hicache.request import MatchResult
 from hicache.shared_l2 import ServiceHostTier

@@ -1,7 +1,7 @@
 """The node's shared L2 as an engine's host tier: one host copy of each page.
 
 In service mode the service's segment *is* L2. ``SharedL2`` wraps an
-``EngineClient``: its ``pool`` is the ``HostPool`` over the mapped segment
+``ServiceClient``: its ``pool`` is the ``HostPool`` over the mapped segment
 (page-locked with ``cudaHostRegister`` when CUDA is present, so the GPU
 addresses it directly), and pages move between the engine's L1
 (``DevicePool``) and the segment with the page-copy kernels
@@ -28,7 +28,7 @@ import time
 from typing import Sequence
 
 
-from hicache.client import EngineClient
+from hicache.service.client import ServiceClient
 from hicache.errors import ConfigError, ContractMismatch, OutOfPages, PoolError, ServiceError
 from hicache.kernels.page_copy import PageCopier, default_copier
 from hicache.pools import HostPool
@@ -40,9 +40,9 @@ log = logging.getLogger(__name__)
 class SharedL2:
     """An engine's view of the shared L2. Not thread-safe (one client, one request in flight)."""
 
-    def __init__(self, client: EngineClient, copier: PageCopier | None = None):
+    def __init__(self, client: ServiceClient, copier: PageCopier | None = None):
         if client.pool is None:
-            raise ValueError("SharedL2 needs a connected EngineClient (its pool maps the segment)")
+            raise ValueError("SharedL2 needs a connected ServiceClient (its pool maps the segment)")
         self.client = client
         self.copier = copier or default_copier()
         self.draft = client.layout.draft_layers > 0
@@ -111,11 +111,11 @@ class ServiceHostTier:
                               "shared segment: start `hicache serve` first (its service.socket_path is this "
                               "path), or set storage.url to another L3 for a private L2") from None
 
-    def _connect(self) -> EngineClient:
-        return EngineClient(self.socket_path, self.layout, timeout=self._timeout, pin=self._pin)
+    def _connect(self) -> ServiceClient:
+        return ServiceClient(self.socket_path, self.layout, timeout=self._timeout, pin=self._pin)
 
     @property
-    def client(self) -> EngineClient:
+    def client(self) -> ServiceClient:
         return self.shared.client
 
     @property

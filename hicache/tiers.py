@@ -47,7 +47,7 @@ from typing import Protocol, cast
 from hicache.allocator import PageAllocator
 from hicache.cache import PrefixCache
 from hicache.errors import CacheStateError
-from hicache.node import Node
+from hicache.index.node import Node
 from hicache.stats import TierMoveStats
 from hicache.request import MatchResult
 from hicache.plans import BackupPlan, LoadPlan, LoadRequest, PrefetchPlan, StorePlan

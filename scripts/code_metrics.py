@@ -174,7 +174,23 @@ def import_graph(paths: list[pathlib.Path], root: pathlib.Path | None = None) ->
     upward = sorted({f"{mods[m]}:{line} {m} (layer {layers[m]}) -> {t} (layer {layers[t]})"
                      for m, t, line in lazy if layers[t] > layers[m]})
     return {"modules": len(known), "layers": 1 + max(layers.values(), default=-1),
-            "cycles": cycles, "upward_imports": upward, "layer_of": layers}
+            "cycles": cycles, "upward_imports": upward, "layer_of": layers,
+            "boundary_imports": boundary_violations(every)}
+
+
+# Folder boundaries (docs/architecture.md): the reference engine is never imported by
+# the library (only by the CLI that runs it), and the core never imports the REST surface.
+BOUNDARIES = (("hicache.reference", "the reference engine package"), ("hicache.api", "the REST surface"))
+
+
+def _inside(mod: str, pkg: str) -> bool:
+    return mod == pkg or mod.startswith(pkg + ".")
+
+
+def boundary_violations(every: dict[str, set[str]]) -> list[str]:
+    """Imports that cross a folder boundary: ``importer -> imported (what it is)``."""
+    return sorted(f"{m} -> {t} ({what})" for m, ts in every.items() for t in ts for pkg, what in BOUNDARIES
+                  if _inside(t, pkg) and not _inside(m, pkg) and m not in ENTRY_POINTS)
 
 
 def scan(paths: list[pathlib.Path], root: pathlib.Path | None = None) -> dict:
@@ -226,6 +242,9 @@ def main(argv: list[str]) -> None:
     print(f"upward imports:   {len(m['upward_imports'])}")
     for u in m["upward_imports"]:
         print(f"    {u}")
+    print(f"boundary imports: {len(m['boundary_imports'])}")
+    for b in m["boundary_imports"]:
+        print(f"    {b}")
     print(f"largest file:     {m['largest_file'][0]} lines  {m['largest_file'][1]}")
     print(f"longest function: {m['longest_function'][0]} lines  {m['longest_function'][1]}")
     print(f"functions over {MAX_FUNCTION_LINES} lines (exceptions: {sorted(LONG_FUNCTION_EXCEPTIONS)}): "

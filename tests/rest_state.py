@@ -1,10 +1,10 @@
-"""A ``RestState`` over a started in-process ``EngineServer``, for the REST tests
+"""A ``RestState`` over a started in-process ``NodeServer``, for the REST tests
 (tests/api, tests/hardening): each builds its own configuration, both build and
 tear down the state the same way."""
 from __future__ import annotations
 
 from hicache.api.deps import RestState
-from hicache.api.engine_server import EngineServer, open_l3
+from hicache.service.server import NodeServer, open_l3
 from hicache.api.events import EventBus
 from hicache.config import HiCacheConfig
 
@@ -13,7 +13,7 @@ def open_state(cfg: HiCacheConfig, admin_token: str = "") -> RestState:
     """Start an engine server for ``cfg`` (and its L3, when configured) behind a ``RestState``."""
     layout = cfg.layout()
     bus = EventBus()
-    engine = EngineServer(cfg, layout, listener=bus)
+    engine = NodeServer(cfg, layout, listener=bus)
     engine.start()
     storage = open_l3(cfg, layout)  # as hicache serve opens it (cap, eviction, MAC key)
     return RestState(config=cfg, layout=layout, engine=engine, storage=storage, admin_token=admin_token, bus=bus)

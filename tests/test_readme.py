@@ -149,7 +149,7 @@ def _stop_serve(serve: subprocess.Popen) -> None:
 
 def test_readme_service_examples_run_twice_and_after_a_restart(tmp_path):
     """Both service examples, as a newcomer runs them: each twice in a row, the
-    EngineClient one after the service-mode one, then again after ``hicache
+    ServiceClient one after the service-mode one, then again after ``hicache
     serve`` restarts on the same file:// L3. They take the socket from the
     configuration (``service.socket_path``), as ``hicache serve`` does."""
     name = "test_readme_service_examples_run_twice_and_after_a_restart"

@@ -2,7 +2,7 @@
 eviction policies, and ``StorageUsage`` (what a backend holds now).
 
 L3 eviction orders stored objects, not tree nodes, so it has its own two
-policies under the names ``hicache.eviction`` uses for the same idea:
+policies under the names ``hicache.index.eviction`` uses for the same idea:
 ``lru`` (least recently read or written first; a hit refreshes the object)
 and ``fifo`` (oldest write first; hits change nothing, so reads stay
 read-only). Frequency-based policies need per-object counters that a shared

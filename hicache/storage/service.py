@@ -30,7 +30,7 @@ import logging
 import threading
 from typing import ClassVar, Sequence
 
-from hicache.client import EngineClient
+from hicache.service.client import ServiceClient
 from hicache.errors import ConfigError, ContractMismatch, IntegrityError, OutOfPages, PoolError, ServiceError
 from hicache.layout import KVLayout
 from hicache.storage.base import _DOWN, PutBatch, PutItem, StorageBackend, StorageOptions
@@ -78,7 +78,7 @@ class ServiceBackend(StorageBackend):
         self._sizes = [p.page_bytes for p in self.layout.planes]
         self._last_sizes: object = None  # the last plane-sizes object that matched
         self._io = threading.Lock()  # one request in flight on the client
-        self._client: EngineClient | None = None
+        self._client: ServiceClient | None = None
         self._opened = False
         self._refused = False  # a restarted service refused our layout (logged once until it accepts)
         # Connect now so that a layout mismatch fails here, loudly; an
@@ -96,12 +96,12 @@ class ServiceBackend(StorageBackend):
             self._ensure_client()
         return True
 
-    def _ensure_client(self) -> EngineClient:
+    def _ensure_client(self) -> ServiceClient:
         if self._client is not None:
             return self._client
         try:
             # pin=False: pages are copied by the CPU here, never addressed by GPU kernels.
-            self._client = EngineClient(self.socket_path, self.layout, timeout=self.wait_ms / 1000 + SOCKET_SLACK_S,
+            self._client = ServiceClient(self.socket_path, self.layout, timeout=self.wait_ms / 1000 + SOCKET_SLACK_S,
                                         pin=False)
         except ContractMismatch as e:
             if not self._opened:
@@ -145,7 +145,7 @@ class ServiceBackend(StorageBackend):
         return key  # the service keys pages by hash; its handshake separates layouts
 
     def _raw_get(self, keys: list[bytes]) -> list[Buffer | None]:
-        def read(c: EngineClient) -> list[Buffer | None]:
+        def read(c: ServiceClient) -> list[Buffer | None]:
             pages = c.acquire(keys, need_draft=True)  # L3 semantics: complete pages only
             try:
                 data: list[Buffer | None] = [c.pool.read_page(p) for p in pages]
@@ -158,7 +158,7 @@ class ServiceBackend(StorageBackend):
         raise AssertionError("ServiceBackend.put writes payloads without L3 headers; see _put_pages")
 
     def _put_pages(self, rows: list[tuple[bytes, memoryview]]) -> int:
-        def write(c: EngineClient) -> int:
+        def write(c: ServiceClient) -> int:
             pages = c.reserve(len(rows))
             try:
                 for p, (_, payload) in zip(pages, rows):

@@ -100,7 +100,7 @@ def served() -> Iterator[Served]:
 
 @pytest.fixture
 def make_state():
-    """Build a ``RestState`` over an in-process started ``EngineServer``; stopped afterwards."""
+    """Build a ``RestState`` over an in-process started ``NodeServer``; stopped afterwards."""
     made: list[RestState] = []
 
     def make(extra: dict[str, str] | None = None, admin_token: str = "") -> RestState:

@@ -11,7 +11,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.cli import main
-from hicache.client import EngineClient
+from hicache.service.client import ServiceClient
 from hicache.hashing import page_hashes
 from hicache.storage import open_storage
 
@@ -20,7 +20,7 @@ from .conftest import BASE_SETTINGS, free_port, short_dir, start_serve, stop_ser
 PS = int(BASE_SETTINGS["model.page_size"])
 
 
-def commit(client: EngineClient, hashes: list[bytes]) -> None:
+def commit(client: ServiceClient, hashes: list[bytes]) -> None:
     pages = client.reserve(len(hashes))
     for i, p in enumerate(pages):
         client.pool.write_page(p, torch.full((client.layout.page_bytes,), i + 1, dtype=torch.uint8))
@@ -57,7 +57,7 @@ def test_lookup_agrees_with_what_an_engine_committed(served):
     layout = served.config.layout()
     tokens = list(range(100, 100 + 5 * PS + 2))  # 5 whole pages and a partial one
     hashes = page_hashes(tokens, PS)
-    with served.client() as c, EngineClient(served.socket_path, layout, pin=False) as eng:
+    with served.client() as c, ServiceClient(served.socket_path, layout, pin=False) as eng:
         before = c.get("/v1/stats").json()["tiers"]["L2"]
         commit(eng, hashes[:3])
         r = c.post("/v1/lookup", json={"tokens": tokens})
@@ -83,7 +83,7 @@ def test_lookup_agrees_with_what_an_engine_committed(served):
 
 def test_metrics_agree_with_stats(served):
     layout = served.config.layout()
-    with served.client() as c, EngineClient(served.socket_path, layout, pin=False) as eng:
+    with served.client() as c, ServiceClient(served.socket_path, layout, pin=False) as eng:
         h = page_hashes(list(range(7000, 7000 + 2 * PS)), PS)
         commit(eng, h)
         assert eng.acquire(h) == eng.lookup(h).host_page_ids
@@ -137,7 +137,7 @@ def test_events_lookup_and_flush_with_file_l3(tmp_path):
             sizes = [p.page_bytes for p in layout.planes]
             assert l3.put([(k, bytes(layout.page_bytes), sizes) for k in h[3:5]]) == 2
         got: list[dict] = []
-        with s.client() as c, EngineClient(s.socket_path, layout, pin=False) as eng:
+        with s.client() as c, ServiceClient(s.socket_path, layout, pin=False) as eng:
             reader = threading.Thread(target=_read_events, args=(s.url, 8, got))
             reader.start()
             _wait_subscribers(c, 1)

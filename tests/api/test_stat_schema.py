@@ -14,7 +14,7 @@ from hicache.api.metrics import families
 from hicache.api.models import model_from_dataclass
 from hicache.api.stats import snapshot
 from hicache.cache import CacheStats
-from hicache.client import EngineClient
+from hicache.service.client import ServiceClient
 from hicache.errors import ServiceError
 from hicache.hashing import page_hashes
 from hicache.hicache import HiCacheStats
@@ -66,7 +66,7 @@ def check_declared(cls: type, data: dict, exported: dict, where: str, seen: set[
 
 def test_every_declared_field_is_in_stats_json_and_metrics(served):
     layout = served.config.layout()
-    with served.client() as c, EngineClient(served.socket_path, layout, pin=False) as eng:
+    with served.client() as c, ServiceClient(served.socket_path, layout, pin=False) as eng:
         eng.report(name="engine-a", **FIGURES)
         h = page_hashes(list(range(9000, 9000 + 2 * layout.page_size)), layout.page_size)
         commit(eng, h)
@@ -103,8 +103,8 @@ def test_a_field_added_to_a_snapshot_reaches_json_and_metrics(make_state, app_of
 def test_engine_report_is_per_engine_and_gone_on_disconnect(served):
     layout = served.config.layout()
     with served.client() as c:
-        a = EngineClient(served.socket_path, layout, pin=False)
-        b = EngineClient(served.socket_path, layout, pin=False)
+        a = ServiceClient(served.socket_path, layout, pin=False)
+        b = ServiceClient(served.socket_path, layout, pin=False)
         a.report(name="a", **FIGURES)
         b.report(l2_hit_tokens_exact=5)
         a.report(name="a", **{**FIGURES, "l1_hit_tokens_exact": 21})  # replaces a's last report
@@ -147,7 +147,7 @@ def test_engine_report_is_per_engine_and_gone_on_disconnect(served):
 ])
 def test_bad_reports_are_refused_and_change_nothing(served, req, why):
     layout = served.config.layout()
-    with served.client() as c, EngineClient(served.socket_path, layout, pin=False) as eng:
+    with served.client() as c, ServiceClient(served.socket_path, layout, pin=False) as eng:
         eng.report(requests=4)
         with pytest.raises(ServiceError, match=why) as e:
             eng._call({"op": "report", **req})
@@ -170,7 +170,7 @@ def test_an_embedded_caches_stats_are_reported(served):
                          recomputed_l3_tokens=4)
     misses = MissStats(first_use=5, l1_evicted=2, partial_page=2)
     hs = HiCacheStats(idx, TierMoveStats(), {}, {"L1": 32, "L2": 64}, None, adm, misses)
-    with served.client() as c, EngineClient(served.socket_path, served.config.layout(), pin=False) as eng:
+    with served.client() as c, ServiceClient(served.socket_path, served.config.layout(), pin=False) as eng:
         eng.report_stats(hs, name="embedded")
         got = c.get("/v1/stats").json()["engines"][str(eng.client_id)]
         m = samples(c.get("/metrics").text)

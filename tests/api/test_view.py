@@ -1,6 +1,6 @@
 """The REST app over an in-memory ``ServiceView``: no engine server, socket or segment.
 
-The routes see the node service only through ``hicache.api.view.ServiceView``;
+The routes see the node service only through ``hicache.service.view.ServiceView``;
 these tests build the app over ``FakeView`` (a dict of pages) and check each
 route reads or changes exactly what the fake holds.
 """
@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from hicache.api.app import create_app
 from hicache.api.deps import RestState
-from hicache.api.view import ServiceStats, ServiceView
+from hicache.service.view import ServiceStats, ServiceView
 from hicache.config import HiCacheConfig
 from hicache.errors import IntegrityError, ServiceError
 from hicache.hashing import page_hashes
@@ -128,9 +128,9 @@ def test_check_integrity_reaches_the_view():
 
 
 def test_engine_server_has_exactly_the_view_methods():
-    # mypy checks the signatures (the end of engine_server.py); this pins the names.
-    from hicache.api.engine_server import EngineServer
+    # mypy checks the signatures (the end of hicache/service/server.py); this pins the names.
+    from hicache.service.server import NodeServer
     names = {n for n in vars(ServiceView) if not n.startswith("_")}
     assert names == {"stats", "peek_l2", "flush_l2", "check_integrity"}
-    assert all(callable(getattr(EngineServer, n)) for n in names)
+    assert all(callable(getattr(NodeServer, n)) for n in names)
     assert {f.name for f in dataclasses.fields(ServiceStats)} >= {"capacity_pages", "clients", "l3"}

@@ -1,7 +1,7 @@
 """TP/CP hit consensus: ranks whose caches disagree admit one hit, by value.
 
 2 and 4 CPU processes (``torch.multiprocessing.spawn``), through
-``torch.distributed`` (gloo) and through a node service (``EngineServer``).
+``torch.distributed`` (gloo) and through a node service (``NodeServer``).
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from hicache.api.engine_server import EngineServer
-from hicache.client import EngineClient
+from hicache.service.server import NodeServer
+from hicache.service.client import ServiceClient
 from hicache.config import HiCacheConfig
 from hicache.consensus import ServiceConsensus, admitted_hit
 from hicache.errors import ConfigError, ServiceError
@@ -30,7 +30,7 @@ def server():
     name = f"hicache-test-{os.getpid()}-{os.urandom(4).hex()}"
     cfg = HiCacheConfig.load(overrides={"service.socket_path": d + "/s.sock", "service.shm_name": name,
                                         "pool.host_pages": 4}, env={})
-    srv = EngineServer(cfg)
+    srv = NodeServer(cfg)
     srv.start()
     yield srv
     srv.stop()
@@ -146,7 +146,7 @@ def test_service_refusals(server):
     with pytest.raises(ValueError, match="not an integer"):
         ServiceConsensus(sock, "g", 0, 1).agree([1.5])
     # An engine connection still handshakes with its layout and serves pages.
-    with EngineClient(sock, server.layout) as c:
+    with ServiceClient(sock, server.layout) as c:
         assert len(c.reserve(1)) == 1
     server.check_integrity()
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hicache.cp_assemble import RankPages, RequestRows, assemble, page_sources, rank_batch, store_batch
-from hicache.engine.model import ReferenceModel
-from hicache.engine.model_spec import ModelSpec
+from hicache.reference.model import ReferenceModel
+from hicache.reference.model_spec import ModelSpec
 from hicache.provenance import Row
 
 from .helpers import SENTINEL, make_hc

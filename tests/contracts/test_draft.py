@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from hicache.config import HiCacheConfig
-from hicache.engine.engine import Engine
-from hicache.engine.model import ReferenceModel
-from hicache.engine.model_spec import ModelSpec
+from hicache.reference.engine import Engine
+from hicache.reference.model import ReferenceModel
+from hicache.reference.model_spec import ModelSpec
 from hicache.errors import IntegrityError
 from hicache.hicache import HiCache
 

@@ -9,8 +9,8 @@ import uuid
 import pytest
 import torch
 
-from hicache.engine.model import ReferenceModel, verify_greedy
-from hicache.engine.model_spec import ModelSpec
+from hicache.reference.model import ReferenceModel, verify_greedy
+from hicache.reference.model_spec import ModelSpec
 from hicache.errors import ContractMismatch
 from hicache.handoff import Exporter, Importer, L2Channel, L3Channel, check_peer, hello
 from hicache.pools import HostPool

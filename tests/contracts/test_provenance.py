@@ -133,7 +133,7 @@ def test_unexplained_length_mismatch_raises():
 def test_model_write_kv_drops_padding_aimed_at_cached_slots():
     """The reference model's store path (``write_kv``): padding rows never land, even
     when their slot ids point into an indexed page."""
-    from hicache.engine.model_kv import write_kv
+    from hicache.reference.model_kv import write_kv
 
     hc = make_hc(BASE)
     r = hc.new_request("q", tokens(0, 8))

@@ -21,29 +21,29 @@ PACKAGES = ("hicache", "api", "kernels")
 
 # (file, asserted expression as ast.unparse writes it) -> why it is an internal invariant.
 ALLOWED: dict[tuple[str, str], str] = {
-    ("hicache/client.py", "self._sock is not None"): "type narrowing after the connect() that sets it",
+    ("hicache/service/client.py", "self._sock is not None"): "type narrowing after the connect() that sets it",
     ("hicache/consensus.py", "r.done is not None"): "type narrowing: set by the round that was just awaited",
-    ("hicache/engine/model.py", "slots.host is not None"): "type narrowing: sdpa builds host slot ids",
-    ("hicache/engine/model_generate.py", "out is not None"): "start_pos < n is checked above (InvalidArgument)",
-    ("hicache/engine/workloads.py", "isinstance(docs, DocumentQAWorkload)"): "type narrowing of the SCALES table",
+    ("hicache/reference/model.py", "slots.host is not None"): "type narrowing: sdpa builds host slot ids",
+    ("hicache/reference/model_generate.py", "out is not None"): "start_pos < n is checked above (InvalidArgument)",
+    ("hicache/reference/workloads.py", "isinstance(docs, DocumentQAWorkload)"): "type narrowing of the SCALES table",
     ("hicache/handoff.py", "ticket.slot is not None"): "type narrowing of a ticket this module issued",
     ("hicache/integrations/sglang.py", "per * n_keys == len(ptrs)"): "pointer list built two lines above",
-    ("hicache/l2_segment.py", "shm.tensor is not None and shm.size >= geo.size"): "segment just created/mapped",
-    ("hicache/l2_segment.py", "orphan.tensor is not None"): "type narrowing of a segment just mapped",
-    ("hicache/l2_segment.py", "shm.tensor is not None"): "type narrowing of a segment just mapped",
+    ("hicache/service/l2_segment.py", "shm.tensor is not None and shm.size >= geo.size"): "segment just created/mapped",
+    ("hicache/service/l2_segment.py", "orphan.tensor is not None"): "type narrowing of a segment just mapped",
+    ("hicache/service/l2_segment.py", "shm.tensor is not None"): "type narrowing of a segment just mapped",
     ("hicache/pools.py", "off % esz == 0 and stride % esz == 0 and (self.buffer.numel() % esz == 0)"):
         "the pool laid out its own buffer; KVLayout validated the geometry (LayoutError)",
     ("hicache/protocol.py", "kind in ERROR_KINDS"): "kinds are literals in the server's own code",
     ("hicache/service/l2_index.py", "not self._owners and self.allocator.num_used == 0"):
-        "restore() is called once, by EngineServer, on the index it just built",
+        "restore() is called once, by NodeServer, on the index it just built",
     ("hicache/shared_l2.py", "self.client.pool is not None"): "type narrowing while the owner holds the client",
     ("hicache/slots.py", "s.owner is None and (not s.written)"): "free-list invariant (check_integrity covers it)",
-    ("api/engine_ops.py", "not isinstance(op, str) or op not in ASYNC_OPS"): "dispatch table routing in this module",
-    ("api/engine_server.py", "self.dispatcher is not None and self.index is not None"):
+    ("hicache/service/ops.py", "not isinstance(op, str) or op not in ASYNC_OPS"): "dispatch table routing in this module",
+    ("hicache/service/server.py", "self.dispatcher is not None and self.index is not None"):
         "clients are served only after _open_state",
-    ("api/engine_server.py", "self.dispatcher is not None"): "connections are accepted only after _open_state",
-    ("api/engine_server.py", "d is not None"): "_open_state sets index and dispatcher together",
-    ("api/engine_server.py", "self._loop is not None and self._stop is not None"): "_main sets both before on_ready",
+    ("hicache/service/server.py", "self.dispatcher is not None"): "connections are accepted only after _open_state",
+    ("hicache/service/server.py", "d is not None"): "_open_state sets index and dispatcher together",
+    ("hicache/service/server.py", "self._loop is not None and self._stop is not None"): "_main sets both before on_ready",
     ("api/stats.py", "state.storage is not None"): "type narrowing: the L3 stats were read from it above",
     ("kernels/plan.py", "anchor % ALIGN == 0"): "torch allocations are 256-byte aligned",
     ("kernels/plan.py", "self.max_chunk_bytes <= self.tile_bytes and self.num_warps >= 1"):
@@ -73,8 +73,8 @@ def test_every_assert_is_allowed():
 def test_every_allowed_assert_carries_context():
     # An internal invariant still says what broke: a message, or an expression that names the values.
     bare = []
-    for pkg in ("hicache/protocol.py", "hicache/slots.py", "hicache/storage", "hicache/engine", "api/engine_server.py",
-                "api/deps.py", "api/app.py", "api/events.py", "api/view.py"):
+    for pkg in ("hicache/protocol.py", "hicache/slots.py", "hicache/storage", "hicache/reference", "hicache/service/server.py",
+                "api/deps.py", "api/app.py", "api/events.py", "hicache/service/view.py"):
         for path in sorted((ROOT / pkg).rglob("*.py")) if (ROOT / pkg).is_dir() else [ROOT / pkg]:
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Assert) and node.msg is None:
@@ -90,7 +90,7 @@ _UNDER_O = textwrap.dedent("""
     from hicache.errors import InvalidArgument, ServiceError
     from hicache.protocol import body_length
     from hicache.api.events import EventBus
-    from hicache.api.engine_server import EngineServer
+    from hicache.service.server import NodeServer
     from hicache.config import HiCacheConfig
     from hicache.ratelimit import LogLimiter
 
@@ -107,7 +107,7 @@ _UNDER_O = textwrap.dedent("""
     expect(InvalidArgument, LogLimiter, None, burst=0)
     cfg = HiCacheConfig.load(None, {"model.num_layers": "2", "model.num_kv_heads": "1", "model.head_dim": "4",
                                     "model.page_size": "4", "pool.host_pages": "4"}, env={})
-    expect(ServiceError, EngineServer(cfg).stats)
+    expect(ServiceError, NodeServer(cfg).stats)
 """)
 
 

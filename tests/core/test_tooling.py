@@ -42,6 +42,20 @@ def test_no_import_cycles_and_no_upward_imports():
     assert m["upward_imports"] == [], m["upward_imports"]
 
 
+def test_folder_boundaries_hold():
+    """The library never imports the reference engine, nor the core the REST package."""
+    m = _metrics()
+    assert m["boundary_imports"] == [], m["boundary_imports"]
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import code_metrics
+    finally:
+        sys.path.pop(0)
+    # the check can fail: a core module importing the reference engine is reported
+    assert code_metrics.boundary_violations({"hicache.tiers": {"hicache.reference.model"}}) == [
+        "hicache.tiers -> hicache.reference.model (the reference engine package)"]
+
+
 def test_no_function_over_60_lines_but_the_triton_kernel():
     m = _metrics()
     assert m["long_functions"] == [], m["long_functions"]

@@ -73,7 +73,7 @@ def test_unreachable_l3_reports_no_stored_bytes_and_says_it_was_down(tmp_path, c
 
 
 def test_plot_is_against_requests_with_named_capacity_lines_and_an_l3_series(tmp_path, monkeypatch):
-    from hicache.engine import replay
+    from hicache.reference import replay
     report = run(tmp_path, "p", "--no-baselines")
     saved = {}
     import matplotlib.figure

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from hicache.api.engine_server import EngineServer
+from hicache.service.server import NodeServer
 from hicache.config import HiCacheConfig
 from tests.rest_state import close_state, open_state
 
@@ -27,12 +27,12 @@ def config(**service: Any) -> HiCacheConfig:
 
 
 @pytest.fixture
-def server() -> Iterator[Callable[..., EngineServer]]:
-    """``server(**service_settings)``: a started in-process ``EngineServer``; stopped after the test."""
-    made: list[EngineServer] = []
+def server() -> Iterator[Callable[..., NodeServer]]:
+    """``server(**service_settings)``: a started in-process ``NodeServer``; stopped after the test."""
+    made: list[NodeServer] = []
 
-    def make(**service: Any) -> EngineServer:
-        s = EngineServer(config(**service))
+    def make(**service: Any) -> NodeServer:
+        s = NodeServer(config(**service))
         s.start()
         made.append(s)
         return s

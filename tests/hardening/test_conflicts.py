@@ -12,8 +12,8 @@ import socket
 
 import pytest
 
-from hicache.api.engine_server import EngineServer
-from hicache.api.preflight import check_socket_path
+from hicache.service.server import NodeServer
+from hicache.service.preflight import check_socket_path
 from hicache.api.serve import serve
 from hicache.config import HiCacheConfig
 from hicache.errors import ConfigError
@@ -46,7 +46,7 @@ def test_socket_path_that_is_not_a_socket_is_refused_and_kept(kind):
         os.symlink(target, path)
     else:
         os.mkdir(path)
-    srv = EngineServer(cfg)
+    srv = NodeServer(cfg)
     with pytest.raises(ConfigError, match="hicache will not remove it") as e:
         srv.start()
     assert f"service.socket_path={path!r}" in str(e.value)
@@ -63,14 +63,14 @@ def test_stale_socket_is_still_removed():
     s.bind(cfg.service.socket_path)
     s.close()  # a socket file nobody listens on: what a killed server leaves
     assert check_socket_path(cfg.service.socket_path) == (("", True))
-    srv = EngineServer(cfg)
+    srv = NodeServer(cfg)
     srv.start()
     srv.stop()
     assert not os.path.exists(cfg.service.socket_path)
 
 
 def test_second_serve_reports_socket_shm_and_port_together():
-    first = EngineServer(config())
+    first = NodeServer(config())
     first.start()
     busy = _listener()
     try:

@@ -36,9 +36,9 @@ import httpx
 import msgpack
 
 from hicache.cli import main as cli_main
-from hicache.client import EngineClient
+from hicache.service.client import ServiceClient
 from hicache.config import HiCacheConfig
-from hicache.engine.trace_format import read_trace
+from hicache.reference.trace_format import read_trace
 from hicache.errors import HiCacheError
 from hicache.layout import KVLayout
 from hicache.protocol import HEADER, OPS, hello_request
@@ -233,7 +233,7 @@ def test_fuzz_rest_socket_config_and_traces():
             # The service still answers, on both interfaces, and its state is sound.
             assert http.get("/healthz").status_code == 200
             assert http.post("/v1/lookup", json={"tokens": list(range(16))}).status_code == 200
-        with EngineClient(settings["service.socket_path"], layout, timeout=OP_TIMEOUT_S) as c:
+        with ServiceClient(settings["service.socket_path"], layout, timeout=OP_TIMEOUT_S) as c:
             c.check_integrity()
             assert c.lookup([b"\x02" * 16]).num_pages == 0
         assert proc.poll() is None

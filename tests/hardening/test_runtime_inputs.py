@@ -16,7 +16,7 @@ import pytest
 from hicache.cli import main
 from hicache.config import MAX_RETRIES, HiCacheConfig
 from hicache.errors import ConfigError, TraceError
-from hicache.engine.workloads import read_trace
+from hicache.reference.workloads import read_trace
 
 
 @pytest.fixture

@@ -14,11 +14,11 @@ import stat
 
 import pytest
 
-from hicache.api.engine_server import EngineServer
+from hicache.service.server import NodeServer
 from hicache.config import HiCacheConfig
 from hicache.errors import PoolError
 from hicache.hashing import page_hashes
-from hicache.l2_segment import L2Segment
+from hicache.service.l2_segment import L2Segment
 from hicache.layout import KVLayout
 from hicache.shm import SharedSegment, shm_path
 
@@ -124,7 +124,7 @@ def test_planted_segment_is_refused_not_adopted(cfg, kind):
 def test_server_refuses_to_start_on_a_planted_segment(cfg):
     """End to end: a server whose L2 name another user took fails at start, before serving."""
     path = _plant("other_user" if os.geteuid() == 0 else "own_0666", cfg)
-    srv = EngineServer(cfg)
+    srv = NodeServer(cfg)
     with pytest.raises(PoolError, match="not this server's to use"):
         srv.start()
     assert os.path.exists(path) and not os.path.exists(cfg.service.socket_path)
@@ -146,7 +146,7 @@ def test_own_orphan_is_still_adopted(cfg):
 @pytest.mark.parametrize("group", [False, True])
 def test_segment_is_created_0600_or_0660_for_the_socket_group(group):
     cfg = config(**({"socket_group": str(os.getegid())} if group else {}))
-    srv = EngineServer(cfg)
+    srv = NodeServer(cfg)
     srv.start()
     try:
         st = os.stat(shm_path(cfg.service.shm_name))

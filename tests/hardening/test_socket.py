@@ -15,8 +15,8 @@ import stat
 import pytest
 import torch
 
-from hicache.api.socket_guard import PeerCred, PeerPolicy
-from hicache.client import EngineClient
+from hicache.service.socket_guard import PeerCred, PeerPolicy
+from hicache.service.client import ServiceClient
 from hicache.errors import LayoutError, ServiceError
 from hicache.hashing import page_hashes
 from hicache.layout import LIMITS, KVLayout
@@ -46,7 +46,7 @@ def test_huge_hello_is_refused_and_others_are_served(server):
     rep = r.call(hello_request(lay.to_dict() | {"num_layers": 10**18}, "x" * 32, 1))
     assert rep["ok"] is False and rep["kind"] == "bad_layout" and "num_layers" in rep["message"]
     assert r.closed()
-    with EngineClient(srv.socket_path, lay) as c:  # the loop still serves
+    with ServiceClient(srv.socket_path, lay) as c:  # the loop still serves
         assert c.lookup(page_hashes(list(range(4)), 4)).num_pages == 0
 
 
@@ -74,7 +74,7 @@ def test_an_idle_client_is_closed_and_its_reservations_reclaimed(server):
     r.hello(srv.layout)
     assert r.call({"op": "reserve", "n": 3})["ok"]
     assert r.closed()  # the server hangs up quietly after idle_timeout_s
-    with EngineClient(srv.socket_path, srv.layout) as c:
+    with ServiceClient(srv.socket_path, srv.layout) as c:
         s = c.stats()
     assert s["reserved_pages"] == 0 and s["reclaimed"] == 3
 
@@ -91,7 +91,7 @@ def test_connections_are_capped_with_a_clear_refusal(server):
     held.pop().close()
     for _ in range(100):  # the server notices the close on its loop
         try:
-            with EngineClient(srv.socket_path, srv.layout) as c:
+            with ServiceClient(srv.socket_path, srv.layout) as c:
                 assert c.stats()["errors"]["busy"] >= 1
             break
         except ServiceError as e:
@@ -128,7 +128,7 @@ def test_a_peer_outside_the_allow_list_is_refused(server):
     assert rep["kind"] == "forbidden" and f"uid {os.geteuid()}" in rep["message"]
     assert r.closed()
     srv.policy = PeerPolicy(owner_uid=-1, allowed_uids=frozenset({os.geteuid()}), allow_root=False)
-    with EngineClient(srv.socket_path, srv.layout) as c:
+    with ServiceClient(srv.socket_path, srv.layout) as c:
         assert c.lookup([b"\x01" * 16]).num_pages == 0
 
 
@@ -136,7 +136,7 @@ def test_commit_of_unwritten_pages_is_refused(server):
     srv = server()
     lay = srv.layout
     hashes = page_hashes(list(range(3 * lay.page_size)), lay.page_size)
-    with EngineClient(srv.socket_path, lay) as c:
+    with ServiceClient(srv.socket_path, lay) as c:
         pages = c.reserve(3)
         c.pool.write_page(pages[0], bytes(range(256))[:lay.page_bytes] * (lay.page_bytes // 256 + 1)
                           if lay.page_bytes > 256 else bytes(lay.page_bytes))
@@ -156,7 +156,7 @@ def test_repeated_refusals_are_rate_limited(server, caplog):
     srv = server()
     r = RawConn(srv.socket_path)
     r.hello(srv.layout)
-    with caplog.at_level(logging.INFO, logger="hicache.api.engine_ops"):
+    with caplog.at_level(logging.INFO, logger="hicache.service.ops"):
         for _ in range(200):
             assert r.call({"op": "explode"})["kind"] == "unknown_op"
     lines = [m for m in caplog.messages if "refused (unknown_op)" in m]

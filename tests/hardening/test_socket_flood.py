@@ -13,7 +13,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from hicache.client import EngineClient
+from hicache.service.client import ServiceClient
 from hicache.errors import LayoutError
 from hicache.hashing import page_hashes
 from hicache.layout import MAX_EXTRA_PLANES, KVLayout
@@ -41,7 +41,7 @@ def test_other_clients_are_answered_while_a_flood_hello_is_pending(server):
     frame = msgpack.packb(hello_request(d, lay.fingerprint(), 1), use_bin_type=True)
     assert len(frame) > FLOOD
     flood.send_raw(HEADER.pack(len(frame)) + frame[:4096])  # begun, far from complete
-    with EngineClient(srv.socket_path, lay) as c:  # answered before the flood's bytes are all sent
+    with ServiceClient(srv.socket_path, lay) as c:  # answered before the flood's bytes are all sent
         assert c.lookup(page_hashes(list(range(8)), lay.page_size)).num_pages == 0
     rep = flood.recv()
     assert rep["kind"] == "too_large" and flood.closed()
@@ -76,7 +76,7 @@ def test_large_frames_of_a_handshaken_client_do_not_stall_others(server):
     hashes = [bytes(16)] * 400_000  # 7.2 MB of msgpack: decoded off the loop
     body = msgpack.packb({"op": "lookup", "hashes": hashes}, use_bin_type=True)
     big.send_raw(HEADER.pack(len(body)) + body[:len(body) // 2])
-    with EngineClient(srv.socket_path, lay) as c:
+    with ServiceClient(srv.socket_path, lay) as c:
         assert c.lookup(page_hashes(list(range(8)), lay.page_size)).num_pages == 0
     big.send_raw(body[len(body) // 2:])
     rep = big.recv()

@@ -8,7 +8,7 @@ import pytest
 from hicache.allocator import PageAllocator
 from hicache.cache import PrefixCache
 from hicache.errors import ConfigError
-from hicache.eviction import FIFO, LFU, LRU, MRU, SLRU, make_policy
+from hicache.index.eviction import FIFO, LFU, LRU, MRU, SLRU, make_policy
 from hicache.layout import KVLayout
 
 

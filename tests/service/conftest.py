@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from hicache.client import EngineClient
+from hicache.service.client import ServiceClient
 from hicache.layout import BytePlane, KVLayout
 from hicache.shm import shm_path
 from tests.raw_socket import RawConn
@@ -60,7 +60,7 @@ def wait_ready(sock: str, layout: KVLayout, proc: subprocess.Popen, log: Path, l
         if proc.poll() is not None:
             raise RuntimeError(f"engine server exited with {proc.returncode}: {log.read_text()}")
         try:
-            EngineClient(sock, layout, timeout=5).close()
+            ServiceClient(sock, layout, timeout=5).close()
             return
         except (FileNotFoundError, ConnectionRefusedError):
             if time.monotonic() > deadline:
@@ -70,14 +70,14 @@ def wait_ready(sock: str, layout: KVLayout, proc: subprocess.Popen, log: Path, l
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def service(request):
-    """A real ``python -m hicache.api.engine_server`` process; checks its cleanup on exit."""
+    """A real ``python -m hicache.service.server`` process; checks its cleanup on exit."""
     layout = LAYOUTS[request.param]
     d = Path(tempfile.mkdtemp(prefix="hcs", dir="/tmp"))  # short: sun_path holds 107 bytes
     sock, shm = str(d / "engine.sock"), unique_shm_name()
     write_config(d / "hicache.toml", layout, sock, shm)
     log = d / "server.log"
     with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "hicache.api.engine_server", "--config",
+        proc = subprocess.Popen([sys.executable, "-m", "hicache.service.server", "--config",
                                  str(d / "hicache.toml")], stdout=err, stderr=err)
     try:
         wait_ready(sock, layout, proc, log)

@@ -17,7 +17,7 @@ import json
 import sys
 import time
 
-from hicache.client import EngineClient
+from hicache.service.client import ServiceClient
 from hicache.hashing import page_hashes
 from hicache.layout import KVLayout
 
@@ -31,7 +31,7 @@ def payload(seed: int, i: int, nbytes: int) -> bytes:
 def main(mode: str, args: dict) -> dict:
     layout = KVLayout.from_dict(args["layout"])
     hashes = page_hashes(args["tokens"], layout.page_size)
-    with EngineClient(args["socket"], layout) as c:
+    with ServiceClient(args["socket"], layout) as c:
         if mode == "write":
             pages = c.reserve(len(hashes))
             for i, p in enumerate(pages):

@@ -22,9 +22,9 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from hicache.client import EngineClient
-from hicache.engine.model import ReferenceModel
-from hicache.engine.model_spec import ModelSpec
+from hicache.service.client import ServiceClient
+from hicache.reference.model import ReferenceModel
+from hicache.reference.model_spec import ModelSpec
 from hicache.hashing import page_hashes
 from hicache.pools import DevicePool, HostPool
 from hicache.shared_l2 import SharedL2
@@ -146,7 +146,7 @@ def main(mode: str, args: dict) -> dict:
     n_pages = -(-len(prompt) // PS)
     full = (len(prompt) - 1) // PS  # shareable: whole pages before the last token
     hashes = page_hashes(prompt[:full * PS], PS)
-    with EngineClient(args["socket"], layout, pin=False) as client:
+    with ServiceClient(args["socket"], layout, pin=False) as client:
         shared = SharedL2(client)
         if mode == "prefill":
             pool = DevicePool(layout, NUM_PAGES, "cpu")

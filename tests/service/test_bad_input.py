@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicache.client import EngineClient
+from hicache.service.client import ServiceClient
 from hicache.hashing import page_hashes
 from hicache.protocol import HEADER, OPS, PROTOCOL_VERSION, hello_request
 
@@ -19,7 +19,7 @@ H = b"\x01" * 16
 
 def healthy(service) -> dict:
     """A good client is still served and the server's invariants hold."""
-    with EngineClient(service.socket, service.layout) as c:
+    with ServiceClient(service.socket, service.layout) as c:
         c.check_integrity()
         assert c.lookup([H]).num_pages in (0, 1)
         return c.stats()
@@ -82,7 +82,7 @@ def test_committing_pages_reserved_by_another_client_is_refused(service, raw):
                          service.layout.page_size)
     rep = b.call({"op": "commit", "hashes": hashes, "pages": pages})
     assert rep["kind"] == "not_reserved" and f"page {pages[0]} is not reserved" in rep["message"]
-    with EngineClient(service.socket, service.layout) as w:  # a's bytes, written through the segment
+    with ServiceClient(service.socket, service.layout) as w:  # a's bytes, written through the segment
         for p in pages:
             w.pool.write_page(p, bytes(service.layout.page_bytes))
     assert a.call({"op": "commit", "hashes": hashes, "pages": pages})["inserted"] in (0, 2)

@@ -1,11 +1,11 @@
-"""EngineClient (and ServiceConsensus, on the same link) name the socket path and
+"""ServiceClient (and ServiceConsensus, on the same link) name the socket path and
 say what to do when no service answers there; the exception class stays the
 OSError subclass callers retry on."""
 import socket
 
 import pytest
 
-from hicache.client import EngineClient
+from hicache.service.client import ServiceClient
 from hicache.config import DEFAULT_SOCKET_PATH, HiCacheConfig
 from hicache.consensus import ServiceConsensus
 
@@ -18,7 +18,7 @@ def test_missing_socket_names_the_path_and_hicache_serve(tmp_path):
     path = str(tmp_path / "nobody-here.sock")
     layout = HiCacheConfig.load(env={}).layout()
     with pytest.raises(FileNotFoundError) as e:
-        EngineClient(path, layout, timeout=2)
+        ServiceClient(path, layout, timeout=2)
     msg = str(e.value)
     assert e.value.filename == path and repr(path) in msg, msg
     assert "start `hicache serve` first" in msg and DEFAULT_SOCKET_PATH in msg, msg
@@ -33,7 +33,7 @@ def test_socket_file_without_a_listener_says_the_server_is_gone(tmp_path):
     s.bind(path)  # the file a crashed server leaves: bound, never listening
     try:
         with pytest.raises(ConnectionRefusedError) as e:
-            EngineClient(path, HiCacheConfig.load(env={}).layout(), timeout=2)
+            ServiceClient(path, HiCacheConfig.load(env={}).layout(), timeout=2)
     finally:
         s.close()
     msg = str(e.value)

@@ -1,6 +1,6 @@
 """A server killed with SIGKILL leaves its segment behind; the next server adopts or recreates it.
 
-Real processes throughout: ``python -m hicache.api.engine_server`` for the
+Real processes throughout: ``python -m hicache.service.server`` for the
 servers, ``engine_worker.py`` for engines that write and read pages.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import pytest
 
-from hicache.client import EngineClient
+from hicache.service.client import ServiceClient
 from hicache.hashing import page_hashes
 from hicache.layout import KVLayout
 from hicache.shm import shm_path
@@ -44,7 +44,7 @@ def node():
         write_config(d / f"h{n}.toml", layout, str(d / "e.sock"), shm)
         log = d / f"server{n}.log"
         with open(log, "w") as err:
-            p = subprocess.Popen([sys.executable, "-m", "hicache.api.engine_server", "--config", str(d / f"h{n}.toml"),
+            p = subprocess.Popen([sys.executable, "-m", "hicache.service.server", "--config", str(d / f"h{n}.toml"),
                                   "--set", "log_level=INFO"], stdout=err, stderr=err)
         procs.append(p)
         wait_ready(str(d / "e.sock"), layout, p, log)
@@ -83,7 +83,7 @@ def test_segment_of_a_killed_server_is_adopted_with_its_pages(node):
 
     second = start(DRAFT, 1)
     assert f"L2 segment {shm} adopted (4 cached pages kept)" in second.log.read_text()
-    with EngineClient(sock, DRAFT, pin=False) as c:
+    with ServiceClient(sock, DRAFT, pin=False) as c:
         st = c.stats()
         assert st["segment_origin"] == "adopted" and st["committed_pages"] == 4 and st["free_pages"] == 12
         c.check_integrity()
@@ -94,7 +94,7 @@ def test_segment_of_a_killed_server_is_adopted_with_its_pages(node):
     assert run_worker("read", socket=sock, layout=DRAFT.to_dict(), tokens=TOKENS, need_draft=True)["num_pages"] == 3
     # The adopted server goes on serving: a new write, then a clean stop removes the segment.
     run_worker("write", socket=sock, layout=DRAFT.to_dict(), tokens=list(range(16)), seed=6)
-    with EngineClient(sock, DRAFT, pin=False) as c:
+    with ServiceClient(sock, DRAFT, pin=False) as c:
         assert c.stats()["committed_pages"] == 8
         c.check_integrity()
     stop(second, shm)
@@ -104,13 +104,13 @@ def test_segment_still_mapped_by_a_client_of_the_dead_server_is_recreated(node):
     sock, shm, start, _ = node
     first = start(MHA)
     run_worker("write", socket=sock, layout=MHA.to_dict(), tokens=TOKENS, seed=1)
-    stale = EngineClient(sock, MHA, pin=False)  # an engine that still maps the old segment
+    stale = ServiceClient(sock, MHA, pin=False)  # an engine that still maps the old segment
     try:
         kill(first)
         second = start(MHA, 1)
         log = second.log.read_text()
         assert f"L2 segment {shm} recreated (0 cached pages kept)" in log and "other processes still map it" in log
-        with EngineClient(sock, MHA, pin=False) as c:
+        with ServiceClient(sock, MHA, pin=False) as c:
             assert c.stats()["segment_origin"] == "recreated"
             assert c.lookup(page_hashes(TOKENS, MHA.page_size)).num_pages == 0
             # The stale engine's late writes land in the old (unlinked) pages, not in the new segment.
@@ -137,11 +137,11 @@ def test_segment_of_a_live_server_is_still_refused(node):
     sock, shm, start, d = node
     first = start(MHA)
     write_config(d / "other.toml", MHA, str(d / "other.sock"), shm)
-    r = subprocess.run([sys.executable, "-m", "hicache.api.engine_server", "--config", str(d / "other.toml")],
+    r = subprocess.run([sys.executable, "-m", "hicache.service.server", "--config", str(d / "other.toml")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert f"shared memory segment {shm_path(shm)} already exists and a live server owns it" in r.stderr
     assert not os.path.exists(d / "other.sock")
-    with EngineClient(sock, MHA, pin=False) as c:  # the live server is untouched
+    with ServiceClient(sock, MHA, pin=False) as c:  # the live server is untouched
         assert c.stats()["segment_origin"] == "created"
     stop(first, shm)

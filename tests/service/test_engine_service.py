@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from hicache.client import EngineClient
+from hicache.service.client import ServiceClient
 from hicache.errors import ContractMismatch, ForeignPage, OutOfPages, ServiceError
 from hicache.hashing import page_hashes
 
@@ -23,12 +23,12 @@ def expected_page(seed: int, i: int, nbytes: int) -> bytes:
 
 @pytest.fixture
 def client(service):
-    with EngineClient(service.socket, service.layout) as c:
+    with ServiceClient(service.socket, service.layout) as c:
         yield c
         c.check_integrity()
 
 
-def wait_stats(client: EngineClient, pred, limit: float = 30.0) -> dict:
+def wait_stats(client: ServiceClient, pred, limit: float = 30.0) -> dict:
     """Poll stats until ``pred`` holds (the server notices a dead peer asynchronously)."""
     deadline = time.monotonic() + limit
     while True:
@@ -73,7 +73,7 @@ def test_mismatched_layout_is_refused_naming_every_field(service, client):
     bad = lay.replace(num_layers=3, page_size=8, host_layout=flipped)
     before = client.stats()["errors"].get("contract", 0)
     with pytest.raises(ContractMismatch) as e:
-        EngineClient(service.socket, bad)
+        ServiceClient(service.socket, bad)
     diffs = {f: (ours, theirs) for f, ours, theirs in e.value.differences}
     assert set(diffs) == {"num_layers", "page_size", "host_layout", "fingerprint"}
     assert diffs["num_layers"] == (3, 2) and diffs["page_size"] == (8, 4)

@@ -9,8 +9,8 @@ from typing import Iterator
 import pytest
 import torch
 
-from hicache.api.engine_server import EngineServer
-from hicache.client import EngineClient
+from hicache.service.server import NodeServer
+from hicache.service.client import ServiceClient
 from hicache.config import HiCacheConfig
 from hicache.hashing import page_hashes
 from hicache.layout import KVLayout
@@ -26,7 +26,7 @@ def gpu_service(host_layout: str, tag: str) -> Iterator[tuple[str, KVLayout]]:
     cfg = HiCacheConfig.load(env={}, overrides={
         "service.socket_path": d + "/s.sock", "service.shm_name": f"hicache-{tag}-{os.getpid()}-{host_layout}",
         "pool.host_pages": 8, "model.host_layout": host_layout, "model.dtype": "bfloat16"})
-    srv = EngineServer(cfg)
+    srv = NodeServer(cfg)
     srv.start()
     try:
         yield cfg.service.socket_path, cfg.layout()
@@ -39,7 +39,7 @@ def gpu_service(host_layout: str, tag: str) -> Iterator[tuple[str, KVLayout]]:
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
 def test_pinned_segment_round_trips_pages_through_the_gpu(host_layout):
     with gpu_service(host_layout, "gpu") as (sock, lay):
-        with EngineClient(sock, lay) as a, EngineClient(sock, lay) as b:
+        with ServiceClient(sock, lay) as a, ServiceClient(sock, lay) as b:
             assert a.pool.buffer.is_pinned() and b.pool.buffer.is_pinned()
             hashes = page_hashes(list(range(3 * lay.page_size)), lay.page_size)
             src = {k: torch.randn(3, *v.shape, device="cuda").to(v.dtype)
@@ -68,7 +68,7 @@ def test_shared_l2_kernels_copy_between_gpu_l1_and_the_segment(host_layout):
     from hicache.shared_l2 import SharedL2
     from .shared_l2_worker import load, store
     with gpu_service(host_layout, "gpuz") as (sock, lay):
-        with EngineClient(sock, lay) as a, EngineClient(sock, lay) as b:
+        with ServiceClient(sock, lay) as a, ServiceClient(sock, lay) as b:
             src, dst = DevicePool(lay, 8, "cuda"), DevicePool(lay, 8, "cuda")
             for buf in src.buffers:
                 buf.copy_(torch.randn(buf.shape, device="cuda").to(buf.dtype))

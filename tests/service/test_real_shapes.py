@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache.client import EngineClient
+from hicache.service.client import ServiceClient
 from hicache.errors import ContractMismatch
 from hicache.hashing import page_hashes
 from hicache.shapes import model_shape
@@ -35,7 +35,7 @@ def real_service(request):
     write_config(d / "h.toml", layout, sock, shm, host_pages=6)
     log = d / "server.log"
     with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "hicache.api.engine_server", "--config", str(d / "h.toml")],
+        proc = subprocess.Popen([sys.executable, "-m", "hicache.service.server", "--config", str(d / "h.toml")],
                                 stdout=err, stderr=err)
     try:
         wait_ready(sock, layout, proc, log)
@@ -58,7 +58,7 @@ def test_real_pages_through_the_shared_segment(real_service):
     tokens = list(range(500, 500 + 3 * ps))
     hashes = page_hashes(tokens, ps)
     payloads = [random.Random(f"{layout.model_id}/{i}").randbytes(layout.page_bytes) for i in range(3)]
-    with EngineClient(sock, layout, pin=False) as a, EngineClient(sock, layout, pin=False) as b:
+    with ServiceClient(sock, layout, pin=False) as a, ServiceClient(sock, layout, pin=False) as b:
         pages = a.reserve(3)
         for p, pl in zip(pages, payloads):
             a.pool.write_page(p, pl)
@@ -74,5 +74,5 @@ def test_real_pages_through_the_shared_segment(real_service):
         b.check_integrity()
     other = model_shape("qwen3-8b").kv_layout(ps, host_layout=layout.host_layout)
     with pytest.raises(ContractMismatch) as e:
-        EngineClient(sock, other, pin=False)
+        ServiceClient(sock, other, pin=False)
     assert {"model_id", "num_layers"} <= {d[0] for d in e.value.differences}

@@ -1,4 +1,4 @@
-"""EngineServer in a thread: start/stop, leftovers, refusals at start; shm and frame helpers."""
+"""NodeServer in a thread: start/stop, leftovers, refusals at start; shm and frame helpers."""
 from __future__ import annotations
 
 import errno
@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from hicache.api.engine_server import EngineServer
-from hicache.client import EngineClient
+from hicache.service.server import NodeServer
+from hicache.service.client import ServiceClient
 from hicache.config import HiCacheConfig
 from hicache.errors import ConfigError, PoolError, ServiceError
 from hicache.hashing import page_hashes
@@ -33,12 +33,12 @@ def cfg():
 
 
 def test_start_serve_stop_removes_socket_and_segment(cfg):
-    srv = EngineServer(cfg)
+    srv = NodeServer(cfg)
     srv.start()
     try:
         lay = cfg.layout()
         assert os.path.exists(shm_path(cfg.service.shm_name))
-        with EngineClient(cfg.service.socket_path, lay) as c:
+        with ServiceClient(cfg.service.socket_path, lay) as c:
             h = page_hashes(list(range(2 * lay.page_size)), lay.page_size)
             p = c.reserve(2)
             c.pool.write_page(p[0], bytes(lay.page_bytes))
@@ -55,9 +55,9 @@ def test_start_serve_stop_removes_socket_and_segment(cfg):
 
 
 def test_stop_disconnects_clients(cfg):
-    srv = EngineServer(cfg)
+    srv = NodeServer(cfg)
     srv.start()
-    c = EngineClient(cfg.service.socket_path, cfg.layout())
+    c = ServiceClient(cfg.service.socket_path, cfg.layout())
     srv.stop()
     with pytest.raises(ServiceError) as e:
         c.stats()
@@ -68,7 +68,7 @@ def test_stop_disconnects_clients(cfg):
 def test_run_forever_answers_other_threads_on_its_loop(cfg):
     # run_forever() serves in the calling (main) thread; stats() from any other
     # thread must still read the index on the loop, never concurrently with it.
-    srv = EngineServer(cfg)
+    srv = NodeServer(cfg)
     ran_on, snapshot = [], srv._snapshot
 
     def recording_snapshot():
@@ -96,10 +96,10 @@ def test_run_forever_answers_other_threads_on_its_loop(cfg):
 def test_client_hangs_up_when_a_reply_is_lost_or_unreadable(cfg, monkeypatch):
     # Either way the stream is out of step: a kept connection would hand the
     # next call the previous call's reply (or refuse every later reply).
-    srv = EngineServer(cfg)
+    srv = NodeServer(cfg)
     srv.start()
     try:
-        c = EngineClient(cfg.service.socket_path, cfg.layout())
+        c = ServiceClient(cfg.service.socket_path, cfg.layout())
 
         def interrupted() -> None:
             raise KeyboardInterrupt
@@ -111,8 +111,8 @@ def test_client_hangs_up_when_a_reply_is_lost_or_unreadable(cfg, monkeypatch):
             c.lookup([])  # not answered with reserve's reply
         assert e.value.kind == "closed" and c.pool is None
 
-        c = EngineClient(cfg.service.socket_path, cfg.layout())
-        monkeypatch.setattr("hicache.client.MAX_REPLY_BYTES", 8)
+        c = ServiceClient(cfg.service.socket_path, cfg.layout())
+        monkeypatch.setattr("hicache.service.client.MAX_REPLY_BYTES", 8)
         with pytest.raises(ServiceError) as e:
             c.stats()
         assert e.value.kind == "closed" and "too_large" in str(e.value) and c.pool is None
@@ -134,12 +134,12 @@ def test_stale_socket_is_replaced_live_one_is_refused(cfg):
     s = socket.socket(socket.AF_UNIX)
     s.bind(path)  # bound, never listening: a crashed server's leftover
     s.close()
-    srv = EngineServer(cfg)
+    srv = NodeServer(cfg)
     srv.start()
     try:
         other = cfg.model_copy(update={"service": cfg.service.model_copy(update={"shm_name": "x" + cfg.service.shm_name})})
         with pytest.raises(ConfigError, match="already listens"):
-            EngineServer(other).start()
+            NodeServer(other).start()
         assert not os.path.exists(shm_path("x" + cfg.service.shm_name))
     finally:
         srv.stop()
@@ -148,14 +148,14 @@ def test_stale_socket_is_replaced_live_one_is_refused(cfg):
 def test_existing_segment_name_is_refused(cfg):
     with SharedSegment.create(cfg.service.shm_name, 64):
         with pytest.raises(PoolError, match="already exists"):
-            EngineServer(cfg).start()
+            NodeServer(cfg).start()
         assert not os.path.exists(cfg.service.socket_path)
 
 
 def test_long_socket_path_is_refused(cfg):
     bad = cfg.model_copy(update={"service": cfg.service.model_copy(update={"socket_path": "/tmp/" + "x" * 120})})
     with pytest.raises(ConfigError, match="longer than 107 bytes"):
-        EngineServer(bad)
+        NodeServer(bad)
 
 
 def test_shared_segment_is_shared_and_unlinked_by_owner():

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache.api.engine_server import EngineServer, open_l3
+from hicache.service.server import NodeServer, open_l3
 from hicache.config import HiCacheConfig
 from hicache.errors import ConfigError
 from hicache.hicache import HiCache
@@ -37,12 +37,12 @@ class Node:
         self.host_pages = host_pages
         self.srv = self._start()
 
-    def _start(self) -> EngineServer:
+    def _start(self) -> NodeServer:
         cfg = HiCacheConfig.load(env={}, overrides={
             "service.socket_path": self.sock, "service.shm_name": f"hicache-test-{uuid.uuid4().hex[:10]}",
             "pool.host_pages": str(self.host_pages), "storage.url": self.l3})
         self.storage = open_l3(cfg, LAYOUT)
-        srv = EngineServer(cfg, LAYOUT, storage=self.storage)
+        srv = NodeServer(cfg, LAYOUT, storage=self.storage)
         srv.start()
         return srv
 

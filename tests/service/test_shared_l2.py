@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache.client import EngineClient
+from hicache.service.client import ServiceClient
 from hicache.errors import ServiceError
 from hicache.hashing import page_hashes
 from hicache.pools import DevicePool
@@ -46,7 +46,7 @@ def start_service():
         write_config(d / "h.toml", layout, sock, unique_shm_name())
         log = d / "server.log"
         with open(log, "w") as err:
-            p = subprocess.Popen([sys.executable, "-m", "hicache.api.engine_server", "--config", str(d / "h.toml")],
+            p = subprocess.Popen([sys.executable, "-m", "hicache.service.server", "--config", str(d / "h.toml")],
                                  stdout=err, stderr=err)
         started.append((p, d))
         wait_ready(sock, layout, p, log)
@@ -60,7 +60,7 @@ def start_service():
 
 def _alter_shared_page(sock: str, layout, prompt: list[int], i: int) -> None:
     """Reverse the bytes of the shared page holding page ``i`` of ``prompt`` (after an integrity check)."""
-    with EngineClient(sock, layout, pin=False) as c:
+    with ServiceClient(sock, layout, pin=False) as c:
         c.check_integrity()
         h = page_hashes(prompt[:6 * PS], PS)[i:i + 1]
         page = c.acquire(h)[0]
@@ -82,7 +82,7 @@ def test_engine_b_loads_engine_a_prefix_from_the_segment_bit_exact(kind, host_la
     # A second prefill of the same prompt copies nothing: the shared pages are there.
     again = _worker("prefill", socket=sock, kind=kind, host_layout=host_layout, prompt=prompt)
     assert (again["stored"], again["copied"]) == (6, 0)
-    with EngineClient(sock, layout, pin=False) as c:
+    with ServiceClient(sock, layout, pin=False) as c:
         st = c.stats()
         assert (st["committed_pages"], st["reserved_pages"], st["locked_pages"]) == (6, 0, 0)
     # The comparison can fail: with one shared page's bytes altered, B's logits differ.
@@ -109,7 +109,7 @@ def test_hicache_in_service_mode_shares_l2_through_the_segment_bit_exact(kind, h
     assert b["backup_pages"] == 0  # the pages B computed or loaded are in the segment already
     assert b["logits"] == b["cold"] == a["logits"]
     assert (b["locked_after"], b["reserved_after"]) == (0, 0)
-    with EngineClient(sock, layout, pin=False) as c:
+    with ServiceClient(sock, layout, pin=False) as c:
         assert c.stats()["committed_pages"] == 6
     _alter_shared_page(sock, layout, prompt, 4)
     bad = _worker("hc_warm", socket=sock, kind=kind, host_layout=host_layout, prompt=prompt)
@@ -123,7 +123,7 @@ def test_store_and_load_move_exact_pages_and_give_back_on_failure(start_service,
     for i, buf in enumerate(src.buffers):
         buf.copy_(torch.arange(buf.numel(), dtype=buf.dtype).reshape(buf.shape) * (i + 1))
     h = page_hashes(list(range(4 * PS)), PS)
-    with EngineClient(sock, layout, pin=False) as c:
+    with ServiceClient(sock, layout, pin=False) as c:
         shared = SharedL2(c)
         assert store(shared, src, [5, 1, 2], h[:3]) == (0, 3, 3)
         assert load(shared, h, dst, [0, 7, 3, 4]) == 3  # the fourth is not shared: page 4 untouched

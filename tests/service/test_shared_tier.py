@@ -1,6 +1,6 @@
 """The service as engines' shared tier (``hicache+unix://``) and its own L3.
 
-Services run as real processes (``python -m hicache.api.engine_server``)
+Services run as real processes (``python -m hicache.service.server``)
 except where a test needs ``flush_l2`` or the L3 counters in-process.
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import NamedTuple
 import httpx
 import pytest
 
-from hicache.api.engine_server import EngineServer
-from hicache.client import EngineClient
+from hicache.service.server import NodeServer
+from hicache.service.client import ServiceClient
 from hicache.config import HiCacheConfig
 from hicache.errors import ConfigError, ContractMismatch, ServiceError
 from hicache.hashing import page_hashes
@@ -45,7 +45,7 @@ def start_service(d: Path, layout: KVLayout, *sets: str, host_pages: int = 16) -
     sock, shm = str(d / "engine.sock"), unique_shm_name()
     write_config(d / "hicache.toml", layout, sock, shm, host_pages=host_pages)
     log = d / f"server-{uuid.uuid4().hex[:6]}.log"
-    argv = [sys.executable, "-m", "hicache.api.engine_server", "--config", str(d / "hicache.toml")]
+    argv = [sys.executable, "-m", "hicache.service.server", "--config", str(d / "hicache.toml")]
     for s in sets:
         argv += ["--set", s]
     with open(log, "w") as err:
@@ -102,7 +102,7 @@ def test_backend_round_trip_against_service_process(name, tmpdir_short):
             assert (s.bytes_read, s.bytes_written) == (4 * layout.page_bytes, 4 * layout.page_bytes)
             b.check_integrity()
             # Another engine of the node sees the pages, with the same bytes.
-            with EngineClient(p.socket, layout, pin=False) as c:
+            with ServiceClient(p.socket, layout, pin=False) as c:
                 pages = c.acquire(h)
                 assert [c.pool.read_page(x) for x in pages] == [payload(layout, i) for i in range(3)]
                 c.release(h[:3])
@@ -162,7 +162,7 @@ def test_outage_gives_misses_then_reconnects_after_restart(tmpdir_short, caplog)
 
 # ------------------------------------------------------- the service's own L3
 class InProc(NamedTuple):
-    srv: EngineServer
+    srv: NodeServer
     storage: object  # the service's L3 backend
     stored: list  # (hash, parent) the service reported as written to L3
 
@@ -174,7 +174,7 @@ def _server(tmp: Path, layout: KVLayout, url: str, host_pages: int = 8) -> InPro
     storage = open_storage(url, fingerprint=layout.fingerprint(), layout=layout,
                            timeout_ms=1000, key_prefix=f"t{uuid.uuid4().hex[:8]}:")
     stored: list = []
-    srv = EngineServer(cfg, layout, storage=storage, on_l3_stored=stored.extend)
+    srv = NodeServer(cfg, layout, storage=storage, on_l3_stored=stored.extend)
     srv.start()
     return InProc(srv, storage, stored)
 
@@ -194,7 +194,7 @@ def test_service_writes_committed_pages_to_redis_and_serves_them_after_flush(nam
     h = page_hashes(list(range(4 * layout.page_size)), layout.page_size)
     sizes = sizes_of(layout)
     try:
-        with EngineClient(srv.socket_path, layout, pin=False) as c:
+        with ServiceClient(srv.socket_path, layout, pin=False) as c:
             pages = c.reserve(3)
             for i, p in enumerate(pages):
                 c.pool.write_page(p, payload(layout, i))
@@ -233,7 +233,7 @@ def test_fetch_without_waiting_lands_later_and_no_room_is_counted(tmpdir_short):
     sizes = sizes_of(layout)
     try:
         assert storage.put([(k, payload(layout, i), sizes) for i, k in enumerate(h)]) == 6
-        with EngineClient(srv.socket_path, layout, pin=False) as c:
+        with ServiceClient(srv.socket_path, layout, pin=False) as c:
             r = c.fetch(h[:2], 0)  # wait_ms=0: start the load, answer from L2 now
             assert (r.num_pages, r.fetched) == (0, 0)
             _wait(lambda: c.lookup(h[:2]).num_pages == 2, "the load never landed")
@@ -259,7 +259,7 @@ def test_pages_evicted_before_the_writer_copies_them_are_not_written(tmpdir_shor
     h = page_hashes(list(range(40 * layout.page_size)), layout.page_size)
     sizes = sizes_of(layout)
     try:
-        with EngineClient(srv.socket_path, layout, pin=False) as c:
+        with ServiceClient(srv.socket_path, layout, pin=False) as c:
             for i in range(0, 40, 2):  # each commit evicts the previous pair
                 pages = c.reserve(2)
                 for j, p in enumerate(pages):
@@ -288,7 +288,7 @@ def test_draft_incomplete_pages_stay_out_of_l3_and_of_draft_hits_until_a_complet
     h = page_hashes(list(range(3 * layout.page_size)), layout.page_size)
     sizes = sizes_of(layout)
     try:
-        with EngineClient(srv.socket_path, layout, pin=False) as c, backend(srv.socket_path, layout) as b:
+        with ServiceClient(srv.socket_path, layout, pin=False) as c, backend(srv.socket_path, layout) as b:
             pages = c.reserve(3)
             for i, p in enumerate(pages):
                 c.pool.write_page(p, payload(layout, i))
@@ -313,7 +313,7 @@ def test_draft_incomplete_pages_stay_out_of_l3_and_of_draft_hits_until_a_complet
 
 
 def test_service_refuses_itself_as_its_own_l3():
-    from hicache.api.engine_server import open_l3
+    from hicache.service.server import open_l3
     cfg = HiCacheConfig.load(env={}, overrides={"storage.url": "hicache+unix:///tmp/x.sock"})
     with pytest.raises(ConfigError, match="not another hicache service"):
         open_l3(cfg, cfg.layout())

@@ -11,7 +11,7 @@ import pytest
 from hicache.config import HiCacheConfig
 from hicache.hicache import Admission, HiCache
 from hicache.layout import KVLayout
-from hicache.radix import RadixTree
+from hicache.index.radix import RadixTree
 
 PS = 4
 TOK = list(range(100, 121))  # 5 pages + 1 token

@@ -1,0 +1,181 @@
+"""Eviction candidates of one tier and the pure choice of victims.
+
+``DeviceCandidates`` keeps the L1 leaves (on L1, no child on L1) incrementally;
+``HostCandidates`` keeps push-on-change hints for L2 leaves and validates them
+on pop. For a policy whose key only grows (``EvictionPolicy.monotone``) each
+keeps a persistent lazy heap — an entry whose key went stale is re-pushed on
+pop — so a choice costs O(victims log n) instead of a heap build over every
+candidate; any other policy is ordered by a fresh scan per call.
+
+``choose`` is the first of eviction's three steps (choose, the caller's
+write-back, ``RadixTree.drop_*``): it returns victims in eviction order,
+including parents that become candidates once their chosen children go, and
+changes no node (it only tidies its own heap). Not thread-safe.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import Callable, Iterable
+
+from hicache.index.eviction import EvictionPolicy, Key
+from hicache.index.node import Node
+
+Entry = tuple[Key, int, Node]  # (policy key, nid, node): nid is unique, nodes are never compared
+
+
+class _Candidates:
+    """What both tiers share: per-policy lazy heaps and the choice loop."""
+
+    def __init__(self) -> None:
+        self._heaps: dict[str, tuple[EvictionPolicy, list[Entry]]] = {}
+
+    # Subclasses define what a candidate is, in the real tree and as seen
+    # after the nodes in ``gone`` were evicted.
+    def _all(self) -> Iterable[Node]:
+        raise NotImplementedError
+
+    def _bound(self) -> int:
+        raise NotImplementedError
+
+    def _valid(self, n: Node, gone: set[Node]) -> bool:
+        raise NotImplementedError
+
+    def _pinned(self, n: Node) -> bool:
+        raise NotImplementedError
+
+    def _next(self, n: Node, gone: set[Node]) -> Node | None:
+        """``n``'s parent if evicting ``n`` (and ``gone``) makes it an unpinned candidate."""
+        raise NotImplementedError
+
+    def push(self, n: Node) -> None:
+        """``n`` may have become a candidate: remember it in every live heap."""
+        for pol, heap in self._heaps.values():
+            heapq.heappush(heap, (pol.key(n), n.nid, n))
+
+    def choose(self, num_pages: int, policy: EvictionPolicy) -> list[Node]:
+        """Victims covering at least ``num_pages`` logical pages (fewer only when
+        candidates run out), in eviction order. Mutates no node."""
+        if num_pages <= 0:
+            return []
+        if policy.monotone:
+            return self._choose_heap(num_pages, policy)
+        key = policy.key
+        none: set[Node] = set()
+        heap = [(key(n), n.nid, n) for n in self._all() if self._valid(n, none) and not self._pinned(n)]
+        heapq.heapify(heap)
+        return self._drain(heap, [], num_pages, policy, set())
+
+    def _choose_heap(self, num_pages: int, policy: EvictionPolicy) -> list[Node]:
+        got = self._heaps.get(policy.name)
+        if got is None or len(got[1]) > 2 * self._bound() + 1024:  # first use, or too stale
+            heap = [(policy.key(n), n.nid, n) for n in self._all()]
+            heapq.heapify(heap)
+            self._heaps[policy.name] = (policy, heap)
+        else:
+            heap = got[1]
+        restore: list[Entry] = []
+        victims = self._drain(heap, restore, num_pages, policy, set())
+        for e in restore:  # chosen and pinned entries stay: drop_* invalidates the chosen
+            heapq.heappush(heap, e)
+        return victims
+
+    def _drain(self, heap: list[Entry], restore: list[Entry], num_pages: int,
+               policy: EvictionPolicy, gone: set[Node]) -> list[Node]:
+        """Pop victims from ``heap`` (validated lazily; popped live entries go to
+        ``restore``) merged with ``extra``, the parents that become candidates."""
+        key, got, victims = policy.key, 0, []
+        extra: list[Entry] = []
+        while got < num_pages:
+            top = None
+            while heap:
+                k, nid, n = heap[0]
+                if n in gone or not self._valid(n, gone):
+                    heapq.heappop(heap)  # stale: pushed again if it becomes a candidate
+                    continue
+                cur = key(n)
+                if cur != k:
+                    heapq.heapreplace(heap, (cur, nid, n))
+                    continue
+                if self._pinned(n):
+                    restore.append(heapq.heappop(heap))
+                    continue
+                top = heap[0]
+                break
+            if top is None and not extra:
+                break
+            if top is None or (extra and extra[0] < top):
+                n = heapq.heappop(extra)[2]
+            else:
+                restore.append(heapq.heappop(heap))
+                n = top[2]
+            victims.append(n)
+            gone.add(n)
+            got += n.num_pages
+            p = self._next(n, gone)
+            if p is not None:
+                heapq.heappush(extra, (key(p), p.nid, p))
+        return victims
+
+
+class DeviceCandidates(_Candidates):
+    """L1 eviction candidates: the L1 leaves; pinned while ``lock_ref > 0``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.leaves: set[Node] = set()
+
+    def add(self, n: Node) -> None:
+        self.leaves.add(n)
+        self.push(n)
+
+    def discard(self, n: Node | None) -> None:
+        self.leaves.discard(n)
+
+    def _all(self) -> Iterable[Node]:
+        return self.leaves
+
+    def _bound(self) -> int:
+        return len(self.leaves)
+
+    def _valid(self, n: Node, gone: set[Node]) -> bool:
+        return n in self.leaves
+
+    def _pinned(self, n: Node) -> bool:
+        return n.lock_ref > 0
+
+    def _next(self, n: Node, gone: set[Node]) -> Node | None:
+        p = n.parent
+        if p is None or p.parent is None or p.lock_ref:
+            return None
+        if any(c.device_pages is not None and c not in gone for c in p.children.values()):
+            return None
+        return p
+
+
+class HostCandidates(_Candidates):
+    """L2 eviction candidates: L2 leaves; pinned while ``host_lock_ref > 0``.
+    Not kept as a set: ``push`` hints and every check is against the tree."""
+
+    def __init__(self, nodes: Callable[[], Iterable[Node]]) -> None:
+        super().__init__()
+        self._nodes = nodes  # () -> every non-root node (the tree's iter_nodes)
+        self.held = 0  # L2 ids held by the tree: bounds the heap's staleness
+
+    def _all(self) -> Iterable[Node]:
+        return (n for n in self._nodes() if n.host_pages is not None)
+
+    def _bound(self) -> int:
+        return self.held
+
+    def _valid(self, n: Node, gone: set[Node]) -> bool:
+        return n.host_pages is not None and not any(
+            c.host_pages is not None and c not in gone for c in n.children.values())
+
+    def _pinned(self, n: Node) -> bool:
+        return n.host_lock_ref > 0
+
+    def _next(self, n: Node, gone: set[Node]) -> Node | None:
+        p = n.parent
+        if p is None or p.parent is None or p.host_lock_ref or not self._valid(p, gone):
+            return None
+        return p

@@ -1,0 +1,254 @@
+"""A tiny hybrid reference model: sliding-window, full-attention and recurrent layers.
+
+``HybridSpec.pattern`` names every layer: ``"swa"`` (causal attention over the
+last ``window`` tokens, itself included), ``"full"`` (causal attention over
+every token) or ``"linear"`` (a recurrent linear-attention layer: per head a
+``[head_dim, head_dim]`` state ``S <- g * S + k^T v``, output ``q S``, with a
+fixed per-head decay ``g``). The attention layers keep KV in a
+``hicache.pools.DevicePool`` exactly as ``ReferenceModel`` does (the pool's
+layer ``i`` is the ``i``-th attention layer of the pattern); the linear layers
+keep their state in a ``HybridState`` the caller owns, one per request.
+
+Bit-exact reuse follows ``hicache.reference.model``: every tile has the fixed
+shape ``page_size`` rows, attention reduces over ``ceil_to_page(p + 1)`` keys
+whatever the path; an SWA layer masks keys at or before ``p - window`` and
+zeroes every context row older than its tile's first window, so pages outside
+the window are never read (they may be freed, or hold anything). The
+recurrence consumes the tile's valid rows one by one in position order (the
+same per-row ops whatever the chunking), and records a *snapshot* of every
+linear layer's state at each boundary that is a multiple of
+``snapshot_every`` pages. Resuming from a snapshot at boundary ``t`` therefore
+continues exactly as the cold run did.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from hicache.reference import model_layers as ml
+from hicache.reference.model import ChunkOutput, ReferenceModel, StoreFn, _Stack
+from hicache.reference.model_kv import gather_context
+from hicache.reference.model_spec import ModelSpec
+from hicache.errors import IntegrityError, InvalidArgument, LayoutError, PoolError
+from hicache.hybrid import LayerGroup
+from hicache.layout import HostLayout, KVLayout
+from hicache.pools import DevicePool
+
+LayerKind = Literal["swa", "full", "linear"]
+
+
+@dataclass(frozen=True, slots=True)
+class HybridSpec:
+    """``base`` describes the attention layers (``base.num_layers`` of them, MHA);
+    ``pattern`` the whole stack in order."""
+
+    base: ModelSpec
+    pattern: tuple[LayerKind, ...]
+    window: int = 6  # swa layers: tokens a query sees, itself included
+    snapshot_every: int = 2  # linear layers: a state snapshot every this many pages
+
+    def __post_init__(self) -> None:
+        attn = sum(k != "linear" for k in self.pattern)
+        if any(k not in ("swa", "full", "linear") for k in self.pattern) or attn != self.base.num_layers:
+            raise LayoutError(f"HybridSpec.pattern={self.pattern!r}: layers must be 'swa', 'full' or 'linear' "
+                              f"with base.num_layers={self.base.num_layers} attention layers")
+        if self.base.kind != "mha" or self.window < 1 or self.snapshot_every < 1:
+            raise LayoutError(f"HybridSpec: needs an MHA base, window >= 1 and snapshot_every >= 1, got "
+                              f"kind={self.base.kind!r} window={self.window} snapshot_every={self.snapshot_every}")
+
+    @property
+    def num_linear(self) -> int:
+        return sum(k == "linear" for k in self.pattern)
+
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        """One linear layer's state: ``[heads, head_dim, head_dim]`` float32."""
+        b = self.base
+        return (b.num_q_heads, b.head_dim, b.head_dim)
+
+    def groups(self) -> tuple[LayerGroup, ...]:
+        kv = [k for k in self.pattern if k != "linear"]
+        out = [LayerGroup(kind, tuple(i for i, k in enumerate(kv) if k == kind),
+                          window=self.window if kind == "swa" else 0) for kind in ("swa", "full") if kind in kv]
+        if self.num_linear:
+            out.append(LayerGroup("state", tuple(range(self.num_linear)),
+                                  state_bytes=4 * math.prod(self.state_shape), snapshot_every=self.snapshot_every))
+        return tuple(out)
+
+    def kv_layout(self, page_size: int, host_layout: HostLayout = "layer_first") -> KVLayout:
+        """The attention layers' pages, with this model's layer groups (a hybrid fingerprint)."""
+        lay = self.base.kv_layout(page_size, host_layout, model_id=self.model_id)
+        return lay.replace(groups=self.groups())
+
+    @property
+    def model_id(self) -> str:
+        tag = f"{''.join(k[0] for k in self.pattern)}-w{self.window}-s{self.snapshot_every}"
+        return f"{self.base.model_id}-hybrid-{tag}"
+
+
+@dataclass
+class HybridState:
+    """One request's recurrent state: mutated by every ``forward_chunk`` that runs it.
+
+    ``pos`` is the number of tokens consumed; ``snapshots`` maps a boundary
+    (in pages) to copies of every linear layer's state there, taken since the
+    caller last cleared it: at every ``snapshot_every``-th page and at the
+    boundaries in ``marks`` (e.g. the last full page of a request's sequence).
+    """
+
+    layers: list[torch.Tensor]
+    pos: int = 0
+    snapshots: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    marks: set[int] = field(default_factory=set)
+
+    @classmethod
+    def zeros(cls, spec: HybridSpec, device: torch.device | str = "cpu") -> "HybridState":
+        return cls([torch.zeros(spec.state_shape, dtype=torch.float32, device=device)
+                    for _ in range(spec.num_linear)])
+
+    @classmethod
+    def at(cls, pos: int, layers: list[torch.Tensor]) -> "HybridState":
+        """A state resumed from a snapshot at token ``pos`` (copies the tensors)."""
+        return cls([t.clone() for t in layers], pos)
+
+    def check_integrity(self, spec: HybridSpec) -> None:
+        if len(self.layers) != spec.num_linear or any(tuple(t.shape) != spec.state_shape for t in self.layers):
+            raise IntegrityError(f"HybridState: {len(self.layers)} layers of shapes "
+                                 f"{[tuple(t.shape) for t in self.layers]}, spec wants {spec.num_linear} x "
+                                 f"{spec.state_shape}")
+        if self.pos < 0 or not all(bool(torch.isfinite(t).all()) for t in self.layers):
+            raise IntegrityError(f"HybridState: pos={self.pos} or a non-finite state")
+
+
+@dataclass(slots=True)
+class _LinearWeights:
+    norm: torch.Tensor  # [h]
+    w_qkv: torch.Tensor  # [3 * H * d, h]
+    decay: torch.Tensor  # [H] in (0, 1)
+    w_o: torch.Tensor  # [h, H * d]
+    mlp: ml.LayerWeights  # its mlp_norm / w_gate_up / w_down
+
+
+class HybridModel(ReferenceModel):
+    """The reference model over a ``HybridSpec`` (exact attention only, no draft head).
+
+    Call ``forward_chunk(pool, tokens, start, slots, state=...)``: the state
+    must be at ``start`` (``state.pos == start``) and is advanced to the
+    chunk's end. ``replay=True`` computes the chunk only to advance the state
+    (its KV is already in the pool at those slots and is not written).
+    """
+
+    def __init__(self, spec: HybridSpec, *, device: str | torch.device = "cpu"):
+        super().__init__(spec.base, device=device, attention="exact", draft=False)
+        self.hspec = spec
+        init = ml._Init(spec.base.replace(seed=spec.base.seed + 7919), self.device)
+        b, hd = spec.base, spec.base.num_q_heads * spec.base.head_dim
+        self.linear = []
+        for _ in range(spec.num_linear):
+            decay = torch.linspace(0.80, 0.98, b.num_q_heads, dtype=torch.float32, device=self.device)
+            self.linear.append(_LinearWeights(init.ones(b.hidden), init.linear(3 * hd, b.hidden), decay,
+                                              init.linear(b.hidden, hd, 1 / math.sqrt(2 * len(spec.pattern))),
+                                              ml._layer(b, init)))
+        self._state: HybridState | None = None
+        self._end = 0
+        self._replay = False
+
+    def check_pool(self, pool: DevicePool, *, draft: bool = False) -> None:
+        want = self.hspec.kv_layout(pool.layout.page_size, pool.layout.host_layout)
+        diff = pool.layout.diff(want)
+        if diff or draft:
+            raise PoolError(f"pool layout does not fit {want.model_id} (draft={draft}): " +
+                            "; ".join(f"{f}: pool={a!r} model={b!r}" for f, a, b in diff))
+
+    def forward_chunk(self, pool: DevicePool, tokens, start_pos: int, slot_ids: torch.Tensor, *,
+                      state: HybridState, replay: bool = False, all_logits: bool = False) -> ChunkOutput:
+        """See the class docstring. Raises ``ValueError`` when ``state`` is not at ``start_pos``."""
+        if state.pos != start_pos:
+            raise ValueError(f"HybridModel.forward_chunk: state is at token {state.pos}, the chunk starts at "
+                             f"{start_pos}; resume the state from a snapshot at {start_pos} first")
+        n = len(tokens) if not isinstance(tokens, torch.Tensor) else int(tokens.numel())
+        self._state, self._end, self._replay = state, start_pos + n, replay
+        try:
+            return super().forward_chunk(pool, tokens, start_pos, slot_ids, draft=False, all_logits=all_logits)
+        finally:
+            self._state, self._replay = None, False
+
+    def decode_step(self, pool: DevicePool, token: int, pos: int, slot_ids: torch.Tensor, *,
+                    state: HybridState) -> ChunkOutput:
+        return self.forward_chunk(pool, [token], pos, slot_ids, state=state)
+
+    # ------------------------------------------------------------------ core
+    def _tile(self, pool: DevicePool, stack: _Stack, inputs: tuple[torch.Tensor, ...], t0: int, T: int,
+              store: StoreFn, ctx_slots: torch.Tensor, before_layer) -> torch.Tensor:
+        s, w, hs = self.spec, self.weights, self.hspec
+        st = self._state
+        if st is None:
+            raise InvalidArgument("HybridModel computes through forward_chunk(..., state=HybridState) only")
+        pos = torch.arange(t0, t0 + T, device=self.device)
+        rpos = pos.clamp(max=s.max_seq_len - 1)
+        cos, sin = w.rope_cos[rpos], w.rope_sin[rpos]
+        a, b = max(t0, st.pos), min(t0 + T, self._end)  # this tile's valid rows
+        x = stack.embed(*inputs)
+        kv_i = lin_i = 0
+        for kind in hs.pattern:
+            if kind == "linear":
+                lw = self.linear[lin_i]
+                x = x + self._recur(st, lin_i, ml.rms_norm(x, lw.norm, s.norm_eps), t0, a, b, pool.page_size)
+                x = x + ml.mlp(lw.mlp, ml.rms_norm(x, lw.mlp.mlp_norm, s.norm_eps))
+                lin_i += 1
+                continue
+            lw = w.layers[kv_i]
+            q, kv = ml.project(s, lw, ml.rms_norm(x, lw.attn_norm, s.norm_eps), cos, sin)
+            if not self._replay:
+                store(kv_i, kv)
+            ctx = gather_context(pool, kv_i, ctx_slots, t0 + T, x.dtype)
+            if kind == "swa":
+                old = max(0, t0 - hs.window + 1)  # no query of this tile sees a key before this
+                for t in ctx.values():
+                    t[:old] = 0
+            x = x + F.linear(_attend(q, ctx["k"], ctx["v"], pos, hs.window if kind == "swa" else 0), lw.w_o)
+            x = x + ml.mlp(lw, ml.rms_norm(x, lw.mlp_norm, s.norm_eps))
+            kv_i += 1
+        st.pos = max(st.pos, b)
+        return x
+
+    def _recur(self, st: HybridState, li: int, h: torch.Tensor, t0: int, a: int, b: int,
+               page_size: int) -> torch.Tensor:
+        """Rows ``[a, b)`` of the tile at ``t0`` through linear layer ``li``'s recurrence
+        (mutates its state in ``st``; records its snapshots); other rows output zeros."""
+        lw = self.linear[li]
+        S = st.layers[li]
+        H, d = S.shape[0], S.shape[1]
+        qkv = F.linear(h, lw.w_qkv).float().view(h.shape[0], 3, H, d)
+        q, k = F.normalize(qkv[:, 0], dim=-1), F.normalize(qkv[:, 1], dim=-1)
+        v = qkv[:, 2]
+        out = torch.zeros((h.shape[0], H, d), dtype=torch.float32, device=h.device)
+        every = self.hspec.snapshot_every * page_size
+        for p in range(a, b):
+            r = p - t0
+            S.mul_(lw.decay[:, None, None]).add_(k[r][:, :, None] * v[r][:, None, :])
+            out[r] = torch.bmm(q[r][:, None, :], S)[:, 0]
+            if (p + 1) % every == 0 or ((p + 1) % page_size == 0 and (p + 1) // page_size in st.marks):
+                st.snapshots.setdefault((p + 1) // page_size, [S] * len(st.layers))[li] = S.clone()
+        return F.linear(out.view(h.shape[0], H * d).to(h.dtype), lw.w_o)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """``model_layers.attend``'s exact path with an optional sliding window (0: none):
+    key ``j`` is visible to the query at ``p`` when ``p - window < j <= p``."""
+    T, H, d = q.shape
+    L, Hk, dv = v.shape
+    G = H // Hk
+    kpos = torch.arange(L, device=q.device)[None, :]
+    masked = kpos > q_pos[:, None]
+    if window:
+        masked |= kpos <= q_pos[:, None] - window
+    qg = q.view(T, Hk, G, d).permute(1, 2, 0, 3).reshape(Hk, G * T, d)
+    s = torch.bmm(qg, k.permute(1, 2, 0)).view(Hk, G, T, L) * (1.0 / math.sqrt(d))
+    p = s.masked_fill(masked, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(v.dtype)
+    o = torch.bmm(p.view(Hk, G * T, L), v.permute(1, 0, 2))
+    return o.view(Hk, G, T, dv).permute(2, 0, 1, 3).reshape(T, H * dv)

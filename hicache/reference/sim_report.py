@@ -1,0 +1,207 @@
+"""``hicache replay --simulate``: the runs, the table, the sweep and its plot."""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from typing import Any, Callable, Iterator
+
+from hicache.config import HiCacheConfig
+from hicache.reference import sim_baselines as bl
+from hicache.reference.simulate import SimPlan, SimRequest, run_hicache, sim_config, trace_requests
+from hicache.index.eviction import POLICIES
+from hicache.misses import REASONS
+
+Factory = Callable[[], Iterator[SimRequest]]
+SWEEP_FRACTIONS = (1 / 64, 1 / 16, 1 / 4, 1 / 2, 1.0)  # of the working set's bytes, per tier
+
+
+def _limited(factory: Factory, limit: int | None) -> Factory:
+    return factory if limit is None else (lambda: itertools.islice(factory(), limit))
+
+
+def _offline_row(name: str, hit: int, stream: bl.PageStream, plan: SimPlan) -> dict[str, Any]:
+    prompt = sum(stream.tokens)
+    return {"name": name, "requests": len(stream.tokens), "prompt_tokens": prompt, "hit_tokens": hit,
+            "hit_rate": hit / prompt if prompt else 0.0, "l1_hit_tokens": None, "l2_hit_tokens": None,
+            "l3_hit_tokens": None, "recomputed_tokens": prompt - hit, "time_s": None}
+
+
+def simulate(cfg: HiCacheConfig, factory: Factory, *, policies: list[str] | None = None,
+             baselines: bool = True, plan: SimPlan | None = None) -> dict[str, Any]:
+    """Every row of the simulation report (see ``hicache.reference.simulate``)."""
+    plan = plan or SimPlan.from_config(cfg.simulate)
+    ps = plan.page_size
+    default = cfg.policy.device_eviction
+    rows = [run_hicache(f"hicache L1+L2+L3 ({default})", sim_config(cfg, plan), plan, factory())]
+    stream = bl.page_stream(factory(), ps)
+    if baselines:
+        rows.append(run_hicache("GPU-only prefix cache (L1)", sim_config(cfg, plan, l3=False, backup=False),
+                                _no_l2(plan), factory()))
+        for p in policies if policies is not None else [default]:
+            rows.append(run_hicache(f"hicache L1+L2 ({p})", sim_config(cfg, plan, eviction=p, l3=False),
+                                    plan, factory()))
+        cap = plan.l1_pages + plan.l2_pages
+        rows.append(_offline_row(f"Belady MIN ({cap:,} pages = L1+L2)", bl.belady(stream, ps, cap), stream, plan))
+        rows.append(_offline_row("infinite cache", bl.infinite(stream, ps), stream, plan))
+    return {"config": _plan_dict(plan), "working_set_pages": stream.unique_pages,
+            "working_set_bytes": stream.unique_pages * plan.page_bytes, "rows": rows}
+
+
+def _no_l2(plan: SimPlan) -> SimPlan:
+    return SimPlan(plan.shape, plan.page_size, plan.l1_pages, 0, 0, "")
+
+
+def _plan_dict(plan: SimPlan) -> dict[str, Any]:
+    pb = plan.page_bytes
+    return {"shape": plan.shape.name, "page_size": plan.page_size, "page_bytes": pb,
+            "L1_pages": plan.l1_pages, "L2_pages": plan.l2_pages, "L3_pages": plan.l3_pages,
+            "L1_bytes": plan.l1_pages * pb, "L2_bytes": plan.l2_pages * pb, "L3_bytes": plan.l3_pages * pb,
+            "L3": plan.l3_url or "(none)"}
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_report(rep: dict[str, Any], trace: str) -> str:
+    c = rep["config"]
+    first = rep["rows"][0]
+    cols = [("name", "run", "{}"), ("hit_rate", "hit rate", "{:.1%}"), ("l1_hit_tokens", "L1 hit tok", "{:,}"),
+            ("l2_hit_tokens", "L2 hit tok", "{:,}"), ("l3_hit_tokens", "L3 hit tok", "{:,}"),
+            ("l2_hit_bytes", "L2 read", "B"), ("l3_hit_bytes", "L3 read", "B"),
+            ("l2_used_bytes", "L2 used", "B"), ("l3_stored_bytes", "L3 stored", "B"), ("time_s", "time", "{:.1f}s")]
+    table = [[h for _, h, _ in cols]]
+    for r in rep["rows"]:
+        table.append(["-" if r.get(k) is None else human_bytes(r[k]) if f == "B" else f.format(r[k])
+                      for k, _, f in cols])
+    widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
+    lines = ["  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths)))
+             for row in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    head = [f"simulated replay of {trace}: {first['requests']:,} requests over {first['duration_s']:.0f} s of "
+            f"arrivals, {first['prompt_tokens']:,} prompt tokens; working set {rep['working_set_pages']:,} pages "
+            f"({human_bytes(rep['working_set_bytes'])})",
+            f"shape {c['shape']}, page {c['page_size']} tokens = {human_bytes(c['page_bytes'])}; "
+            f"L1 {human_bytes(c['L1_bytes'])} ({c['L1_pages']:,} pages), L2 {human_bytes(c['L2_bytes'])} "
+            f"({c['L2_pages']:,} pages), L3 {c['L3']} {human_bytes(c['L3_bytes'])} ({c['L3_pages']:,} pages)",
+            "bytes were accounted, not moved: each page carried a stand-in payload and counted as the shape's "
+            "page size"]
+    tail = []
+    inf = next((r for r in rep["rows"] if r["name"] == "infinite cache"), None)
+    if inf and inf["hit_rate"]:
+        tail.append(f"{first['name']} reaches {first['hit_rate'] / inf['hit_rate']:.1%} of the infinite cache")
+    m = first["misses"]
+    total = sum(m[k] for k in REASONS)
+    tail.append(f"missed pages of {first['name']}: {total:,} = " + ", ".join(
+        f"{k} {m[k]:,}" for k in REASONS if m[k]) + (f" (tracker forgot {m['forgotten']:,})"
+                                                     if m["forgotten"] else ""))
+    per = first["time_s"] / max(1, first["requests"]) * 1e3
+    parts = first["time_parts_s"]
+    spent = sum(parts.values()) or 1.0
+    tail.append(f"{first['name']}: {per:.2f} ms a request; " + ", ".join(
+        f"{k} {v / spent:.0%}" for k, v in parts.items()))
+    return "\n".join([*head, *lines, *tail])
+
+
+# ----------------------------------------------------------------- the sweep
+def sweep(cfg: HiCacheConfig, factory: Factory, fractions=SWEEP_FRACTIONS) -> dict[str, Any]:
+    """Hit rate against each tier's capacity (the tiers above it at their configured
+    size, the tiers below it absent), at ``fractions`` of the working set; L2 and L3
+    points no larger than the tier above are skipped (they hold copies of it)."""
+    s = cfg.simulate
+    base = SimPlan.from_config(s)
+    stream = bl.page_stream(factory(), base.page_size)
+    ws = stream.unique_pages * base.page_bytes
+    prompt = sum(stream.tokens)
+    points = []
+    above = {"L1": 0, "L2": base.l1_pages * base.page_bytes, "L3": base.l2_pages * base.page_bytes}
+    for tier in ("L1", "L2", "L3"):
+        for f in fractions:
+            b = max(base.page_bytes, int(ws * f))
+            if b <= above[tier]:
+                continue  # no larger than the tier above it: adds nothing (L2 and L3 hold copies)
+            if tier == "L1":
+                plan = SimPlan.from_config(s, l1_bytes=b, l2_bytes=0, l3_bytes=0)
+                c = sim_config(cfg, plan, l3=False, backup=False)
+            elif tier == "L2":
+                plan = SimPlan.from_config(s, l2_bytes=b, l3_bytes=0)
+                c = sim_config(cfg, plan, l3=False)
+            else:
+                plan = SimPlan.from_config(s, l3_bytes=b)
+                c = sim_config(cfg, plan)
+            row = run_hicache(f"{tier} {human_bytes(b)}", c, plan if tier != "L1" else _no_l2(plan), factory())
+            points.append({"tier": tier, "bytes": b, "fraction": f, "hit_rate": row["hit_rate"],
+                           "time_s": row["time_s"]})
+    return {"working_set_bytes": ws, "infinite_hit_rate": bl.infinite(stream, base.page_size) / prompt,
+            "config": _plan_dict(base), "points": points}
+
+
+def format_sweep(sw: dict[str, Any]) -> str:
+    lines = [f"hit rate against capacity (working set {human_bytes(sw['working_set_bytes'])}, infinite cache "
+             f"{sw['infinite_hit_rate']:.1%}); each tier varied with the tiers above at "
+             f"L1 {human_bytes(sw['config']['L1_bytes'])}, L2 {human_bytes(sw['config']['L2_bytes'])} "
+             "and the tiers below absent",
+             f"{'tier':<5} {'capacity':>10} {'of working set':>15} {'hit rate':>9}"]
+    for p in sw["points"]:
+        lines.append(f"{p['tier']:<5} {human_bytes(p['bytes']):>10} {p['fraction']:>15.1%} {p['hit_rate']:>9.1%}")
+    return "\n".join(lines)
+
+
+def plot_sweep(sw: dict[str, Any], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, tier in enumerate(("L1", "L2", "L3")):
+        pts = [p for p in sw["points"] if p["tier"] == tier]
+        ax.plot([p["bytes"] / (1 << 40) for p in pts], [p["hit_rate"] for p in pts], marker="os^"[i],
+                color=f"C{i}", linestyle=("-", "--", ":")[i], linewidth=2.5 - 0.5 * i,
+                label={"L1": "L1 alone (GPU-only prefix cache)", "L2": "L2, with the configured L1",
+                       "L3": "L3, with the configured L1 and L2"}[tier])
+    ax.axvline(sw["working_set_bytes"] / (1 << 40), color="gray", linestyle="--",
+               label=f"working set ({human_bytes(sw['working_set_bytes'])})")
+    ax.axhline(sw["infinite_hit_rate"], color="green", linestyle=":",
+               label=f"infinite cache ({sw['infinite_hit_rate']:.1%})")
+    ax.set_xscale("log")
+    ax.set_xlabel("tier capacity (TiB of KV of the model shape)")
+    ax.set_ylabel("hit rate (of prompt tokens)")
+    ax.set_ylim(0, 1)
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------ command
+def main(args: argparse.Namespace, cfg: HiCacheConfig) -> int:
+    t0 = time.perf_counter()
+    if args.shape:
+        cfg = cfg.model_copy(update={"simulate": cfg.simulate.model_copy(update={"shape": args.shape})})
+    if args.block_tokens:
+        cfg = cfg.model_copy(update={"simulate": cfg.simulate.model_copy(
+            update={"block_tokens": args.block_tokens})})
+    factory = _limited(trace_requests(args.trace, cfg.simulate, args.scale), args.limit)
+    name = args.trace or f"built-in mixed trace ({args.scale})"
+    if args.sweep:
+        sw = sweep(cfg, factory)
+        print(format_sweep(sw))
+        out: dict[str, Any] = {"sweep": sw}
+        png = args.plot or "hicache-sweep.png"
+        plot_sweep(sw, png, f"hicache --simulate: {name}, {sw['config']['shape']}")
+        print(f"plot: {png}")
+    else:
+        pol = sorted(POLICIES) if args.policies == "all" else (args.policies.split(",") if args.policies else None)
+        out = simulate(cfg, factory, policies=pol, baselines=not args.no_baselines)
+        print(format_report(out, name))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2, default=str)
+        print(f"report: {args.json}")
+    print(f"done in {time.perf_counter() - t0:.1f}s")
+    return 0

@@ -1,0 +1,208 @@
+"""``hicache replay TRACE --simulate``: the real control plane at full scale, no model.
+
+Each request goes through the real ``HiCache``: the radix index, the tier
+manager, the eviction, write and prefetch policies, the transfer controller
+and a real L3 backend (``simulate.l3_url``: ``memory://``, ``file://``,
+``redis://``). Pages carry small stand-in payloads (one layer, one head of
+dimension 1, uint8: ``2 * page_size`` bytes) and the transfers run inline in
+the scheduler thread, so the run is deterministic. Bytes are *accounted* as if
+each page had the real size of ``simulate.shape`` (``hicache.shapes``), not
+moved: tier capacities are given in those bytes and converted to pages.
+
+Requests are served one at a time in arrival order (admit, compute the miss,
+commit, finish); the trace's arrival times give its duration and request rate.
+
+Baselines over the same page stream (``baseline_rows``): the infinite cache
+and Belady's offline optimum at the L1+L2 capacity (both in ``hicache.reference.
+sim_baselines``), and the real ``HiCache`` as a GPU-only prefix cache (L1
+alone) and with each eviction policy over L1+L2.
+"""
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
+
+import numpy as np
+
+from hicache.config import HiCacheConfig, SimulateConfig
+from hicache.reference.hash_trace import detect_format, iter_hash_trace
+from hicache.errors import ConfigError, OutOfPages
+from hicache.hicache import HiCache
+from hicache.layout import KVLayout
+from hicache.shapes import ModelShape, model_shape
+
+
+class SimRequest(NamedTuple):
+    rid: str
+    arrival: float  # seconds from the start of the trace
+    namespace: str
+    key: bytes  # the prompt's token ids, uint32 LE (hicache.request.as_key)
+
+
+@dataclass(frozen=True, slots=True)
+class SimPlan:
+    """What one simulation run is sized to: the model shape and pages per tier."""
+
+    shape: ModelShape
+    page_size: int
+    l1_pages: int
+    l2_pages: int  # 0: no L2
+    l3_pages: int  # 0: no L3
+    l3_url: str
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of the real model (what each simulated page stands for)."""
+        return self.shape.page_bytes(self.page_size)
+
+    @classmethod
+    def from_config(cls, s: SimulateConfig, **override: int) -> "SimPlan":
+        """Pages per tier from the byte capacities; ``override``: l1_bytes/l2_bytes/l3_bytes.
+        ``ConfigError`` when L1 cannot hold one page."""
+        shape = model_shape(s.shape)
+        pb = shape.page_bytes(s.page_size)
+        b = {"l1_bytes": s.l1_bytes, "l2_bytes": s.l2_bytes, "l3_bytes": s.l3_bytes, **override}
+        if b["l1_bytes"] < pb:
+            raise ConfigError(f"simulate.l1_bytes={b['l1_bytes']} holds no page of {s.shape} at page_size "
+                              f"{s.page_size} ({pb} bytes a page)")
+        return cls(shape, s.page_size, b["l1_bytes"] // pb, b["l2_bytes"] // pb,
+                   b["l3_bytes"] // pb if s.l3_url else 0, s.l3_url)
+
+
+def stand_in_layout(plan: SimPlan) -> KVLayout:
+    """The payload layout pages really carry: 2 bytes a token (K and V of one uint8 head)."""
+    return KVLayout(model_id=f"simulate/{plan.shape.hf}", num_layers=1, num_kv_heads=1, head_dim=1,
+                    dtype="uint8", page_size=plan.page_size, host_layout="page_first")
+
+
+# -------------------------------------------------------------------- requests
+def trace_requests(path: str | None, s: SimulateConfig, scale: str = "small") -> Callable[[], Iterator[SimRequest]]:
+    """A factory of request streams (each call re-reads the trace: nothing is kept)."""
+    if path is not None and detect_format(path) == "hash_blocks":
+        def hashed() -> Iterator[SimRequest]:
+            for r in iter_hash_trace(path, s.block_tokens):
+                yield SimRequest(r.rid, r.arrival, "", r.tokens(s.block_tokens, s.page_size).tobytes())
+        return hashed
+    from hicache.reference.workloads import builtin_trace, read_trace
+    trace = read_trace(path) if path else builtin_trace(scale=scale)
+    return lambda: token_requests(trace.requests, trace.vocab)
+
+
+def token_requests(requests: Iterable, vocab: int) -> Iterator[SimRequest]:
+    """Prompts of a hicache trace in arrival order; a follow-up's parent sequence is its
+    prompt plus ``max_new_tokens`` stand-in outputs (deterministic from its rid)."""
+    full: dict[str, np.ndarray] = {}
+    for r in sorted(requests, key=lambda r: r.arrival):
+        if r.parent is None:
+            prompt = np.asarray(r.prompt, dtype=np.uint32)
+        else:
+            prompt = np.concatenate([full[r.parent], np.asarray(r.append, dtype=np.uint32)])
+        rng = np.random.default_rng(zlib.crc32(r.rid.encode()))
+        full[r.rid] = np.concatenate([prompt, rng.integers(0, vocab, r.max_new_tokens, dtype=np.uint32)])
+        yield SimRequest(r.rid, r.arrival, r.namespace, prompt.astype("<u4").tobytes())
+
+
+# ------------------------------------------------------------------ one run
+class _Clock:
+    """Seconds spent in each step of a request, summed over the run."""
+
+    def __init__(self) -> None:
+        self.parts = {"match+load (admit)": 0.0, "evict (alloc)": 0.0, "insert (commit+finish)": 0.0}
+
+
+def sim_config(base: HiCacheConfig, plan: SimPlan, *, eviction: str | None = None,
+               l3: bool = True, backup: bool = True) -> HiCacheConfig:
+    """``base`` resized to ``plan`` (CPU pools of stand-in pages, L3 per ``l3``)."""
+    pol = base.policy.model_copy(update={"device_eviction": eviction or base.policy.device_eviction,
+                                         "host_eviction": eviction or base.policy.host_eviction})
+    if not backup:
+        pol = pol.model_copy(update={"write_policy": "write_through_selective", "write_through_threshold": 1 << 30})
+    return base.model_copy(update={
+        "pool": base.pool.model_copy(update={"device": "cpu", "device_pages": plan.l1_pages,
+                                             "host_pages": max(1, plan.l2_pages)}),
+        "storage": base.storage.model_copy(update={"url": plan.l3_url if l3 and plan.l3_pages else ""}),
+        "policy": pol})
+
+
+def _open_l3(cfg: HiCacheConfig, layout: KVLayout, plan: SimPlan):
+    """The L3 backend, capped at ``plan.l3_pages`` stand-in objects where it can be (memory://)."""
+    if not cfg.storage.url:
+        return None
+    from hicache.storage import open_storage
+    opts: dict[str, Any] = {}
+    if cfg.storage.url.startswith("memory:"):
+        opts["max_bytes"] = plan.l3_pages * _object_bytes(layout)
+    return open_storage(cfg.storage.url, fingerprint=layout.fingerprint(), layout=layout,
+                        timeout_ms=cfg.storage.timeout_ms, max_retries=cfg.storage.max_retries, **opts)
+
+
+def _object_bytes(layout: KVLayout) -> int:
+    """Bytes of one stand-in page as memory:// stores it (header + payload): measured."""
+    from hicache.storage import open_storage
+    st = open_storage("memory://", fingerprint=layout.fingerprint(), layout=layout)
+    try:
+        sizes = [p.page_bytes for p in layout.planes]
+        st.put([(bytes(16), memoryview(bytes(sum(sizes))), sizes)])
+        return st._nbytes
+    finally:
+        st.close()
+
+
+def run_hicache(name: str, cfg: HiCacheConfig, plan: SimPlan, requests: Iterable[SimRequest]) -> dict[str, Any]:
+    """Serve ``requests`` through a real ``HiCache`` configured by ``cfg``; one report row."""
+    import torch
+    torch.set_num_threads(1)  # stand-in pages are tiny: threads only contend
+    layout = stand_in_layout(plan)
+    storage = _open_l3(cfg, layout, plan)
+    hc = HiCache(cfg, layout=layout, storage=storage, inline_transfers=True)
+    clock = _Clock().parts
+    l1 = l2 = l3 = prompt = n = 0
+    first = last = 0.0
+    t_start = time.perf_counter()
+    perf = time.perf_counter
+    try:
+        for r in requests:
+            t0 = perf()
+            req = hc.new_request(r.rid, r.key, r.namespace)
+            adm = hc.admit(req)
+            t1 = perf()
+            try:
+                req.alloc(req.num_tokens - adm.hit_tokens)
+            except OutOfPages:
+                raise ConfigError(f"request {r.rid} needs {-(-req.num_tokens // plan.page_size)} pages of L1, "
+                                  f"more than its {plan.l1_pages}; raise simulate.l1_bytes") from None
+            t2 = perf()
+            req.commit()
+            req.finish()
+            hc.drain()  # backups, then the stores they start: done before the next arrival
+            t3 = perf()
+            clock["match+load (admit)"] += t1 - t0
+            clock["evict (alloc)"] += t2 - t1
+            clock["insert (commit+finish)"] += t3 - t2
+            l1 += adm.device_tokens
+            l2 += adm.host_tokens - adm.storage_tokens
+            l3 += adm.storage_tokens
+            prompt += req.num_tokens
+            first, last = (r.arrival if n == 0 else first), r.arrival
+            n += 1
+        hc.check_integrity()
+        stats = hc.stats()
+    finally:
+        hc.close()
+    wall = time.perf_counter() - t_start
+    tb = plan.shape.token_bytes
+    idx = stats.index
+    stored = stats.tiers.storage_put_pages
+    return {"name": name, "requests": n, "prompt_tokens": prompt, "hit_tokens": l1 + l2 + l3,
+            "hit_rate": (l1 + l2 + l3) / prompt if prompt else 0.0,
+            "l1_hit_tokens": l1, "l2_hit_tokens": l2, "l3_hit_tokens": l3,
+            "l1_hit_bytes": l1 * tb, "l2_hit_bytes": l2 * tb, "l3_hit_bytes": l3 * tb,
+            "recomputed_tokens": prompt - l1 - l2 - l3,
+            "l1_used_bytes": idx.device_pages_cached * plan.page_bytes,
+            "l2_used_bytes": idx.host_pages_cached * plan.page_bytes if cfg.pool.host_pages > 1 else 0,
+            "l3_stored_bytes": stored * plan.page_bytes,
+            "misses": stats.misses.as_dict(), "time_s": wall,
+            "time_parts_s": dict(clock), "duration_s": last - first,
+            "evicted_pages": {"L1": idx.device_evicted_pages, "L2": idx.host_evicted_pages}}
