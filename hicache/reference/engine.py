@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -27,13 +27,6 @@ from hicache.cache import Request
 from hicache.reference.model import verify_greedy
 from hicache.errors import OutOfPages
 from hicache.hicache import HiCache
-
-
-class TraceItem(Protocol):
-    rid: str
-    arrival: float
-    max_new_tokens: int
-    namespace: str
 
 
 @dataclass(slots=True)
