@@ -76,9 +76,15 @@ def tokens_to_bytes(tokens: Sequence[int] | np.ndarray | array) -> bytes:
 def page_hashes(tokens: Sequence[int] | np.ndarray, page_size: int, namespace: str = "",
                 parent: PageHash | None = None) -> list[PageHash]:
     """Hashes of the whole pages of ``tokens`` (a trailing partial page is ignored)."""
-    raw = tokens_to_bytes(tokens)
+    return raw_page_hashes(tokens_to_bytes(tokens), page_size,
+                           namespace_root(namespace) if parent is None else parent)
+
+
+def raw_page_hashes(raw: bytes, page_size: int, parent: PageHash) -> list[PageHash]:
+    """``page_hashes`` of tokens already as uint32 little-endian bytes (a request's key),
+    chained from ``parent`` (``namespace_root(ns)`` for the first page)."""
     step = 4 * page_size
-    h = namespace_root(namespace) if parent is None else parent
+    h = parent
     out: list[PageHash] = []
     blake = hashlib.blake2b
     for i in range(len(raw) // step):

@@ -185,8 +185,9 @@ class CostModel:
             self._prefill = r if self._prefill is None else self._prefill + self.alpha * (r - self._prefill)
 
     def inputs(self, queued_bytes: Mapping[str, int] | None = None) -> CostInputs:
+        """The inputs now (``queued_bytes`` is kept, not copied: pass a mapping nobody changes)."""
         return CostInputs(self.bytes_per_token, self.configured_rate or self._prefill, self.bandwidth.rates(),
-                          dict(queued_bytes or {}))
+                          queued_bytes if queued_bytes is not None else {})
 
     def decide(self, l2_tokens: int, l3_tokens: int, queued_bytes: Mapping[str, int] | None = None) -> Decision:
         """``choose`` on the current inputs, counted (hits of 0 tokens are not counted).

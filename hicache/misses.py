@@ -30,10 +30,9 @@ import dataclasses
 from collections import OrderedDict
 from typing import NamedTuple, Sequence
 
-import numpy as np
 
 from hicache.errors import IntegrityError
-from hicache.hashing import namespace_root, page_hashes
+from hicache.hashing import namespace_root, raw_page_hashes
 from hicache.stats import REASONS, MissStats  # noqa: F401  (re-exported)
 
 L1, L2, L3 = 1, 2, 3
@@ -69,6 +68,12 @@ class MissTracker:
         token); ``other_ns_pages``: leading pages another namespace's tree holds.
         Afterwards the missed full pages count as computed (L1). Returns this
         admission's reasons (a new object)."""
+        if cap_pages <= hit_pages:  # the common hit: nothing missed but the partial page
+            got = MissStats(partial_page=num_pages - hit_pages)
+            self.stats.partial_page += got.partial_page
+            for j in range(hit_pages, min(len(hashes), num_pages)):
+                self._set(hashes[j], L1, reset=True)
+            return got
         got = MissStats()
         tier = self._tier
         for j in range(hit_pages, cap_pages):
@@ -150,8 +155,8 @@ def admission_misses(tracker: MissTracker, cache, key: bytes, namespace: str, hi
     if full > hit:
         node = hit_node if hit else None
         prev = tree.hashes(node)[-1] if node is not None and node.parent is not None else None
-        hashes += page_hashes(np.frombuffer(key, dtype="<u4")[hit * ps:full * ps], ps,
-                              parent=prev if prev is not None else namespace_root(namespace))
+        hashes += raw_page_hashes(key[4 * hit * ps:4 * full * ps], ps,
+                                  prev if prev is not None else namespace_root(namespace))
     other = 0
     if cap > hit:
         for ns in tree.namespaces():
