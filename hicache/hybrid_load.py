@@ -146,11 +146,12 @@ class HybridLoader:
 
     def _enqueue_gpu(self, c: GroupCopy, src, dst, h: HybridLoadHandle) -> None:
         s = self.streams[c.group]
-        s.wait_stream(torch.cuda.current_stream())  # the destination pages are free for us
-        dev = s.device
+        # The ids go up on the caller's stream, never on ours: a group's stream may be busy
+        # (or held) and an upload queued behind it must not hold the host.
+        si = torch.as_tensor(c.src, dtype=torch.int64).to(s.device, non_blocking=True)
+        di = torch.as_tensor(c.dst, dtype=torch.int64).to(s.device, non_blocking=True)
+        s.wait_stream(torch.cuda.current_stream())  # the destination pages are free, the ids uploaded
         with torch.cuda.stream(s):
-            si = torch.as_tensor(c.src, dtype=torch.int64).to(dev, non_blocking=True)
-            di = torch.as_tensor(c.dst, dtype=torch.int64).to(dev, non_blocking=True)
             for k, planes in enumerate(c.steps):
                 if c.src:
                     self.copier.copy_pages(src, dst, si, di, planes=planes)
