@@ -31,6 +31,7 @@ from hicache.layout import KVLayout
 from hicache.pools import DevicePool
 
 LINEAR_CHUNK = 512  # tokens per intra-chunk block of the linear attention (cold)
+SWA_BLOCK = 512  # queries per masked attention call: an SWA block reads window + block keys, not the prefix
 
 
 @dataclass(frozen=True)
@@ -120,20 +121,25 @@ class HybridForward:
         lo = max(0, start - s.window + 1) if kind == "swa" else 0  # SWA: never read pages outside the window
         ctx = slots[lo:start + T]
         K, V = kb.index_select(0, ctx), vb.index_select(0, ctx)
-        rep = s.q_heads // s.kv_heads  # GQA by repeating K/V: the masked kernels take no enable_gqa
-        K = K.repeat_interleave(rep, 1).view(1, -1, s.q_heads, d).transpose(1, 2)
-        V = V.repeat_interleave(rep, 1).view(1, -1, s.q_heads, d).transpose(1, 2)
-        q4 = q.view(1, T, s.q_heads, d).transpose(1, 2)
         if kind == "full" and start == 0:  # cold: plain causal (the flash kernel)
-            o = F.scaled_dot_product_attention(q4, K, V, is_causal=True)
-        else:
-            qpos = torch.arange(start, start + T, device=self.dev)[:, None]
-            kpos = torch.arange(lo, start + T, device=self.dev)[None, :]
+            o = F.scaled_dot_product_attention(q.view(1, T, s.q_heads, d).transpose(1, 2), _heads(K, s),
+                                               _heads(V, s), is_causal=True)
+            return o.transpose(1, 2).reshape(T, s.q_heads * d)
+        # Masked, in query blocks that read only the keys they can see (SWA: their window).
+        outs = []
+        for b0 in range(0, T, SWA_BLOCK):
+            b1 = min(T, b0 + SWA_BLOCK)
+            k0 = max(lo, start + b0 - s.window + 1) if kind == "swa" else lo
+            qpos = torch.arange(start + b0, start + b1, device=self.dev)[:, None]
+            kpos = torch.arange(k0, start + b1, device=self.dev)[None, :]
             mask = kpos <= qpos
             if kind == "swa":
                 mask &= kpos > qpos - s.window
-            o = F.scaled_dot_product_attention(q4, K, V, attn_mask=mask)
-        return o.transpose(1, 2).reshape(T, s.q_heads * d)
+            o = F.scaled_dot_product_attention(q[b0:b1].view(1, b1 - b0, s.q_heads, d).transpose(1, 2),
+                                               _heads(K[k0 - lo:start + b1 - lo], s),
+                                               _heads(V[k0 - lo:start + b1 - lo], s), attn_mask=mask)
+            outs.append(o.transpose(1, 2).reshape(b1 - b0, s.q_heads * d))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _linear(self, w, hN, state: "LinearState", i: int, start: int, snapshot_at: int) -> torch.Tensor:
         """Gated linear attention: per value head ``S <- g S + k^T v``, output ``q S``."""
@@ -156,6 +162,11 @@ class HybridForward:
             state.snap[i] = S
         state.put(i, S)
         return out.transpose(0, 1).reshape(T, Hv * dv).to(torch.bfloat16)
+
+
+def _heads(x: torch.Tensor, s: Shape) -> torch.Tensor:
+    """``[L, kv_heads, d]`` -> ``[1, q_heads, L, d]`` (GQA by repeating: masked kernels take no enable_gqa)."""
+    return x.repeat_interleave(s.q_heads // s.kv_heads, 1).transpose(0, 1)[None]
 
 
 def _chunk(S, q, k, v, lg):

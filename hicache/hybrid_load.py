@@ -150,6 +150,9 @@ class HybridLoader:
         # (or held) and an upload queued behind it must not hold the host.
         si = torch.as_tensor(c.src, dtype=torch.int64).to(s.device, non_blocking=True)
         di = torch.as_tensor(c.dst, dtype=torch.int64).to(s.device, non_blocking=True)
+        if c.src:  # likewise the address tables a first copy of these planes builds (a blocking upload)
+            for planes in c.steps:
+                self.copier.plan(src, dst, planes)
         s.wait_stream(torch.cuda.current_stream())  # the destination pages are free, the ids uploaded
         with torch.cuda.stream(s):
             for k, planes in enumerate(c.steps):
