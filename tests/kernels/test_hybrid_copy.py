@@ -28,6 +28,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu,
 # (shape, page size, boundary in pages): past gpt-oss's 128-token window at both page sizes,
 # and at qwen3-next's second snapshot (snapshot_every 8).
 REAL = [("gpt-oss-120b", 16, 20), ("gpt-oss-120b", 1, 150), ("qwen3-next-80b-a3b", 16, 16)]
+HOST_LAYOUT = {REAL[0]: "page_first"}  # the others layer_first (both host layouts, one kernel)
 
 
 def toy(page_size: int = 4, **kw) -> KVLayout:
@@ -98,8 +99,8 @@ def got(kv_dst, st_dst) -> list[torch.Tensor]:
     return [r.cpu() for p in (kv_dst, st_dst) if p is not None for r in raw(p)]
 
 
-def real_case(name: str, ps: int, b: int, device: str):
-    lay = hybrid_layout(model_shape(name), ps)
+def real_case(name: str, ps: int, b: int, device: str, host_layout: str = "layer_first"):
+    lay = hybrid_layout(model_shape(name), ps, host_layout=host_layout)
     gen = torch.Generator().manual_seed(zlib.crc32(repr((name, ps, b)).encode()))
     n_src, n_dst = b + 3, b + 5
     kv_src, kv_dst = pools(lay, device, n_src, n_dst, gen)
@@ -110,12 +111,21 @@ def real_case(name: str, ps: int, b: int, device: str):
     return lay, kv_src, kv_dst, st_src, st_dst, src, dst
 
 
+def three_kinds(host_layout: str) -> KVLayout:
+    """SWA, full and state groups at once, a draft layer and an odd byte plane (narrow copies)."""
+    from hicache.layout import BytePlane
+    return toy(page_size=4, host_layout=host_layout, draft_layers=1, extra_planes=(BytePlane("idx", 3),),
+               groups=(LayerGroup("swa", (0, 2), window=6), LayerGroup("full", (1, 3)),
+                       LayerGroup("state", (0, 1, 2), state_bytes=40, snapshot_every=2)))
+
+
 # ------------------------------------------------------------------ plans
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("name,ps,b", REAL)
 def test_plan_moves_full_pages_window_and_snapshot_byte_exact(name, ps, b, backend, device):
-    lay, kv_src, kv_dst, st_src, st_dst, src, dst = real_case(name, ps, b, device)
+    lay, kv_src, kv_dst, st_src, st_dst, src, dst = real_case(name, ps, b, device,
+                                                              HOST_LAYOUT.get((name, ps, b), "layer_first"))
     plan = plan_load(lay, b, src, dst)
     want = expect(plan, kv_src, kv_dst, st_src, st_dst)
     run_plan(plan, kv_src, kv_dst, st_src, st_dst, backend=backend, copier=PageCopier())
@@ -136,6 +146,35 @@ def test_plan_moves_full_pages_window_and_snapshot_byte_exact(name, ps, b, backe
     else:  # full attention moves every page; the state one snapshot
         assert plan.nbytes == plan.every_layer_full + one_snapshot
     kv_dst.check_integrity()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("via", ["run_plan", "loader"])
+def test_three_group_kinds_draft_and_byte_planes(via, host_layout, device):
+    lay = three_kinds(host_layout)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((via, host_layout)).encode()))
+    b = 6
+    kv_src, kv_dst = pools(lay, device, b + 2, b + 3, gen)
+    st_src, st_dst = pools(state_layout(lay), device, 4, 3, gen)
+    src, dst = ids(lay, b, b + 2, b + 3, 4, 3, gen)
+    plan = plan_load(lay, b, src, dst)
+    assert [len(c.src) for c in plan.copies] == [2, b, 1]  # window 6 at page 4: pages 4, 5; one snapshot
+    want = expect(plan, kv_src, kv_dst, st_src, st_dst)
+    if via == "run_plan":
+        run_plan(plan, kv_src, kv_dst, st_src, st_dst, backend="triton", copier=PageCopier(), layerwise=True)
+    else:
+        loader = HybridLoader(kv_src, kv_dst, st_src, st_dst, copier=PageCopier())
+        h = loader.load(plan)
+        for i in range(lay.num_layers):
+            h.wait_layer(i)
+        h.wait_state()
+        h.wait()
+        loader.close()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for a, w in zip(got(kv_dst, st_dst), want):
+        assert torch.equal(a, w)
 
 
 def test_snapshot_layers_land_at_their_offsets():
