@@ -154,6 +154,9 @@ def plan_load(layout: KVLayout, boundary: int, src: Sequence[Ids], dst: Sequence
         if rows is not None:
             _check_rows(layout, boundary, rows, name)
     first_full = next((i for i, g in enumerate(layout.groups) if g.kind == "full"), None)
+    if first_full is None and layout.draft_layers:
+        raise InvalidArgument(f"layout {layout.model_id!r} has {layout.draft_layers} draft layers but no full "
+                              "group: draft planes travel with the full group's pages; declare one")
     copies = []
     for gi, g in enumerate(layout.groups):
         want = [i for i in needed(g, boundary, layout.page_size) if resident is None or not resident[gi][i]]

@@ -203,6 +203,12 @@ def test_draft_planes_travel_with_the_full_group():
         sum(lay.planes[p].page_bytes for p in swa.planes) * 2
 
 
+def test_draft_planes_need_a_full_group():
+    lay = toy(draft_layers=1, groups=(LayerGroup("swa", (0, 1, 2, 3), window=6),))
+    with pytest.raises(InvalidArgument, match="1 draft layers but no full group"):
+        plan_load(lay, 2, [[0, 1]], [[0, 1]])
+
+
 def test_pages_outside_the_window_may_be_missing_but_not_inside():
     lay = toy()
     b = 5
