@@ -3,6 +3,7 @@ served from L2 (load back + the last page), on an 8B-shaped model.
 
     PYTHONPATH=. python bench/ttft.py [--tokens 8192] [--layers 32] [--reps 5] [--profile]
     PYTHONPATH=. python bench/ttft.py --slow-l3 [--l3-gbps 1.0]   # load vs recompute (bench/load_vs_recompute.py)
+    PYTHONPATH=. python bench/ttft.py --shape gpt-oss-120b   # a hybrid shape (bench/ttft_hybrid.py)
 
 Warm runs two ways: ``serial`` waits for the whole load back, then computes;
 ``layerwise`` passes ``Admission.wait_layer`` as the model's ``before_layer``,
@@ -70,10 +71,16 @@ def main() -> int:
                     help="instead: the prompt only on an L3 slower than the prefill; the cost model must recompute "
                          "(bench/load_vs_recompute.py)")
     ap.add_argument("--l3-gbps", type=float, default=1.0, help="--slow-l3: the L3's read bandwidth, GB/s")
+    ap.add_argument("--shape", default="", choices=["", "gpt-oss-120b", "qwen3-next-80b-a3b"],
+                    help="instead: a hybrid shape, cold vs warm (full pages + SWA window + state snapshot; "
+                         "bench/ttft_hybrid.py)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/ttft.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    if a.shape:
+        from ttft_hybrid import run as run_hybrid
+        return run_hybrid(a.shape, a.tokens, a.page_size, a.reps, a.host_layout)
     spec = ModelSpec(vocab=32000, hidden=4096, num_layers=a.layers, num_q_heads=32, mlp=14336, kind="mha",
                      num_kv_heads=8, head_dim=128, dtype="bfloat16", seed=0, max_seq_len=a.tokens + 64,
                      name="llama-8b-shaped")

@@ -178,7 +178,9 @@ class PageCopier:
             _launch(plan, pair.tiles, s_idx, d_idx, None, launch_dev, num_blocks or pair.blocks, count, signal)
 
     def plan(self, src: Pool, dst: Pool, planes: Sequence[int] | None = None) -> CopyPlan:
-        """The (cached) plan ``copy_pages`` launches with; for benchmarks and tests."""
+        """The (cached) plan ``copy_pages`` launches with; for benchmarks and tests, and for
+        callers that build it ahead (building uploads the tables on the current stream and
+        waits for them: ``hybrid_load`` builds before it switches to a busy stream)."""
         pair = self._pair(src, dst)
         key = None if planes is None else tuple(planes)
         with self._lock:
