@@ -483,7 +483,7 @@ class HiCacheTier(SecondaryTierManager):
             landed = [k for (k, _), ok in zip(todo, self.storage.exists(hashes)) if ok]
         with self._lock:
             self._known.add(landed)
-            self._groups.count("stored", landed)
+            self._groups.stored(landed)
             s = self._stats
             s.stored += len(landed)
             s.store_failed += len(todo) - len(landed)
@@ -502,8 +502,7 @@ class HiCacheTier(SecondaryTierManager):
         with self._lock:
             self._known.add(ok)
             self._known.discard(missed)
-            self._groups.count("loaded", ok)
-            self._groups.count("load_missed", missed)
+            self._groups.loaded(ok, missed)
             s = self._stats
             s.loaded += len(ok)
             s.load_missed += len(missed)

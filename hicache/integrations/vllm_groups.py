@@ -75,10 +75,15 @@ class GroupLedger:
                              f"OffloadingConfig declared groups {sorted(self._counts)} to this tier; the "
                              "tier and the connector must be built from the same KVCacheConfig")
 
-    def count(self, field: str, keys: Iterable[OffloadKey]) -> None:
+    def stored(self, keys: Iterable[OffloadKey]) -> None:
         for k in keys:
-            c = self._counts[get_offload_group_idx(k)]
-            setattr(c, field, getattr(c, field) + 1)
+            self._counts[get_offload_group_idx(k)].stored += 1
+
+    def loaded(self, hits: Iterable[OffloadKey], misses: Iterable[OffloadKey]) -> None:
+        for k in hits:
+            self._counts[get_offload_group_idx(k)].loaded += 1
+        for k in misses:
+            self._counts[get_offload_group_idx(k)].load_missed += 1
 
     def snapshot(self) -> dict[int, GroupCounts]:
         return {g: dataclasses.replace(c) for g, c in self._counts.items()}

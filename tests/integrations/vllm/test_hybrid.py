@@ -70,7 +70,7 @@ def _start(name: str, url: str, primary_rows: int, **opts):
 
 @pytest.mark.parametrize("name", HYBRIDS)
 def test_hybrid_models_start_at_vllms_per_group_row_bytes(name):
-    vc, kv = kv_cache_config(name)
+    _, kv = kv_cache_config(name)
     kinds = {type(g.kv_cache_spec) for g in kv.kv_cache_groups}
     assert kinds == ({SlidingWindowSpec, FullAttentionSpec} if name == "gpt-oss-120b" else {MambaSpec, FullAttentionSpec})
     # The hybrid allocator gives every group the same bytes per block: each group's row is the primary row.
