@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import itertools
 import time
+from unittest.mock import MagicMock
 
 import numpy as np
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import _group_kv_bytes_per_block
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+from vllm.v1.core.kv_cache_utils import BlockHash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from vllm.v1.kv_offload.base import (
     LookupResult,
@@ -242,3 +245,73 @@ def test_a_key_of_an_undeclared_group_is_refused():
         tier.check_integrity()
     finally:
         manager.shutdown()
+
+
+# (group, chunk) of the row the tier lacks -> vLLM's hit in tokens. Groups 0-2 are Gated
+# DeltaNet (a state per chunk boundary, kept at chunks 0 and 2), group 3 full attention.
+LOST_TO_HIT = {None: 3 * 544, (1, 0): 3 * 544, (0, 2): 544, (1, 2): 544, (2, 2): 544, (3, 2): 544, (3, 0): 0}
+
+
+@pytest.mark.parametrize("lost", list(LOST_TO_HIT), ids=str)
+def test_qwen3_next_hit_ends_at_the_last_boundary_every_group_holds(lost):
+    """vLLM's connector scheduler over Qwen3-Next's real groups and a tiering manager whose
+    only copy of the chunks is HiCacheTier (vLLM asks it one key at a time): a 3-chunk prompt
+    (544-token blocks) hits all 3 chunks when the tier holds every full-attention chunk and
+    each recurrent group's state at chunks 0 and 2; without any one group's row at chunk 2
+    the hit falls back to chunk 0's end, the last boundary where every group holds its row;
+    without full-attention chunk 0, nothing. A state missing at chunk 0 alone costs nothing."""
+    name = "qwen3-next-80b-a3b"
+    vc, kv = kv_cache_config(name)
+    full, gdn = GROUPS[name][-1].group_id, [g.group_id for g in GROUPS[name][:-1]]
+    blocks = [f"q3n-{i}".encode() for i in range(3)]
+    rows_of = [(full, c) for c in range(3)] + [(g, c) for c in (0, 2) for g in gdn]
+    held = [make_offload_key(blocks[c], g) for g, c in rows_of if (g, c) != lost]
+    manager, tier, rows = _start(name, "memory://", primary_rows=len(held))
+    try:
+        rows[:] = np.random.default_rng(3).integers(0, 256, size=rows.shape, dtype=np.uint8)
+        tier.submit_store(job(1, held, list(range(len(held))), promotion=False))
+        assert finish(tier)[1].success
+        scheduler = OffloadingConnectorScheduler(_Spec(manager, offloading_config(name)), vc, kv)
+        request = _request(blocks, tokens=3 * 544 + 1)
+        scheduler.on_new_request(request)
+        state = scheduler._req_status[request.request_id]
+        hit = _settled_lookup(scheduler, state, manager, tier)
+        assert hit == LOST_TO_HIT[lost]
+        tier.check_integrity()
+    finally:
+        manager.shutdown()
+
+
+def _settled_lookup(scheduler, state, manager, tier) -> int:
+    """vLLM's lookup, step after step: a chunk only the tier holds answers HIT_PENDING
+    while vLLM promotes it into its CPU tier, so the hit is known once promotions land."""
+    for _ in range(20):
+        with manager.lock:
+            state.update_offload_keys()
+            hit = scheduler._lookup(state)
+        if hit is not None:
+            return hit
+        tier.drain_jobs()
+        with manager.lock:
+            manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+    raise AssertionError("vLLM's lookup still deferred after 20 steps")
+
+
+class _Spec(TieringOffloadingSpec):
+    """The spec whose manager (CPU tier + HiCacheTier) is already built."""
+
+    def __init__(self, manager, config):
+        super().__init__(config)
+        self._manager = manager
+
+
+def _request(block_hashes: list[bytes], tokens: int):
+    """What vLLM's connector scheduler reads of a Request (as vLLM's own tests build it)."""
+    request = MagicMock()
+    request.request_id, request.kv_transfer_params, request.kv_hints = "r", None, None
+    request.num_prompt_tokens = request.num_tokens = tokens
+    request.block_hashes = [BlockHash(h) for h in block_hashes]
+    request.all_token_ids = list(range(tokens))
+    request.lora_request, request.skip_reading_prefix_cache = None, False
+    request.is_finished.return_value = False
+    return request
