@@ -263,15 +263,15 @@ class HiCacheTier(SecondaryTierManager):
         self._flat = primary_kv_view.cast("B")  # row c = _flat[c * stride : c * stride + _row_bytes]
         self.layout = vllm_layout(offloading_spec.config, self._row_bytes)
         self.fingerprint = self.layout.fingerprint()
+        self.groups: tuple[KVGroup, ...] = kv_groups(offloading_spec.config)
+        self._groups = GroupLedger(self.groups)  # per-group chunk counts
         self.url = url
         key = _auth_key(auth_key, auth_key_file)
         self.storage: StorageBackend = open_storage(url, fingerprint=self.fingerprint, timeout_ms=timeout_ms,
                                                     max_retries=max_retries, key_prefix=key_prefix,
                                                     layout=self.layout, auth_key=key)
         self._sizes = [self._row_bytes]
-        self.groups: tuple[KVGroup, ...] = kv_groups(offloading_spec.config)
-        self._groups = GroupLedger(self.groups)  # per-group chunk counts, under _lock
-        self._lock = threading.Lock()  # guards _finished, _stats, _known and _in_flight (pool threads write them)
+        self._lock = threading.Lock()  # guards _finished, _stats, _groups, _known and _in_flight (pool threads write)
         self._finished: list[JobResult] = []
         self._in_flight: dict[JobId, Future] = {}
         self._stats = TierStats()

@@ -33,7 +33,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from hicache.integrations.vllm import HiCacheTier, page_hash, vllm_layout
-from hicache.integrations.vllm_groups import KVGroup
+from hicache.errors import ConfigError, IntegrityError
+from hicache.integrations.vllm_groups import GroupLedger, KVGroup, kv_groups
 from tests.v1.kv_connector.unit.utils import EOS_TOKEN_ID
 
 from .hybrid import HYBRIDS, gdn_state_bytes, kv_cache_config, offloading_config
@@ -315,3 +316,19 @@ def _request(block_hashes: list[bytes], tokens: int):
     request.lora_request, request.skip_reading_prefix_cache = None, False
     request.is_finished.return_value = False
     return request
+
+
+def test_groups_vllm_did_not_declare_distinctly_are_refused_at_start():
+    cfg = offloading_config("gpt-oss-120b")
+    for groups in ((), (cfg.groups[0], cfg.groups[0])):
+        with pytest.raises(ConfigError, match="KV cache groups"):
+            kv_groups(type(cfg)(**{**cfg.__dict__, "groups": groups}))
+
+
+def test_group_counts_that_do_not_add_up_fail_the_check():
+    ledger = GroupLedger(GROUPS["gpt-oss-120b"])
+    ledger.stored([make_offload_key(b"a", 0), make_offload_key(b"b", 1)])
+    ledger.loaded([make_offload_key(b"a", 0)], [make_offload_key(b"b", 1)])
+    ledger.check(stored=2, loaded=1, load_missed=1)
+    with pytest.raises(IntegrityError, match=r"add up to \(2, 1, 1\), the tier counted \(3, 1, 1\)"):
+        ledger.check(stored=3, loaded=1, load_missed=1)
