@@ -22,6 +22,18 @@ run on vLLM's own ``AsyncLookupManager`` thread. The pool threads touch only
 the primary rows of their job (pinned by vLLM for the job's lifetime), the
 storage backend (thread-safe) and the finished-job list (behind ``_lock``).
 
+Hybrid models (vLLM's hybrid KV cache manager: gpt-oss's sliding-window and
+full-attention groups, Qwen3-Next's Gated DeltaNet and full-attention groups):
+vLLM keys a chunk by block hash and group, so one row holds one group's chunk
+and is one L3 object, written and verified whole. The hybrid allocator gives
+every group the same bytes per block, so every group's row is the primary row;
+which chunks of a windowed or recurrent group are stored, and which a hit
+loads, vLLM's scheduler decides, one ``lookup`` per (block, group) key: a
+prefix hit counts only where every group it needs answers ``HIT``. The
+groups are in the fingerprint (``vllm_layout``); the tier refuses a job whose
+keys name a group vLLM did not declare, and counts chunks per group
+(``group_stats``). See ``hicache/integrations/vllm_groups.py``.
+
 Failure model: the storage backend turns an L3 outage into misses and dropped
 writes; a job whose pages did not all move reports ``success=False`` (a
 promotion names the keys that did arrive). No exception reaches vLLM from a
@@ -61,6 +73,7 @@ from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManag
 from hicache.config import StorageConfig
 from hicache.errors import ConfigError, IntegrityError
 from hicache.integrations.known import KnownSet
+from hicache.integrations.vllm_groups import GroupCounts, GroupLedger, KVGroup, kv_groups
 from hicache.layout import MAX_MODEL_ID_CHARS, KVLayout
 from hicache.ratelimit import LogLimiter
 from hicache.storage import StorageBackend, open_storage
@@ -250,13 +263,15 @@ class HiCacheTier(SecondaryTierManager):
         self._flat = primary_kv_view.cast("B")  # row c = _flat[c * stride : c * stride + _row_bytes]
         self.layout = vllm_layout(offloading_spec.config, self._row_bytes)
         self.fingerprint = self.layout.fingerprint()
+        self.groups: tuple[KVGroup, ...] = kv_groups(offloading_spec.config)
+        self._groups = GroupLedger(self.groups)  # per-group chunk counts
         self.url = url
         key = _auth_key(auth_key, auth_key_file)
         self.storage: StorageBackend = open_storage(url, fingerprint=self.fingerprint, timeout_ms=timeout_ms,
                                                     max_retries=max_retries, key_prefix=key_prefix,
                                                     layout=self.layout, auth_key=key)
         self._sizes = [self._row_bytes]
-        self._lock = threading.Lock()  # guards _finished, _stats, _known and _in_flight (pool threads write them)
+        self._lock = threading.Lock()  # guards _finished, _stats, _groups, _known and _in_flight (pool threads write)
         self._finished: list[JobResult] = []
         self._in_flight: dict[JobId, Future] = {}
         self._stats = TierStats()
@@ -270,10 +285,10 @@ class HiCacheTier(SecondaryTierManager):
         self._warn = LogLimiter(log)  # per-job warnings: a few lines per kind and minute
         view = primary_kv_view
         log.info("HiCacheTier %s started: L3 %s, fingerprint %s (%s), %d-byte rows, vLLM CPU tier %d rows "
-                 "= %.2f GiB, known-chunk cap %d, probe_l3 %s, MAC %s", tier_type, redact_url(url),
-                 self.fingerprint, self.layout.model_id, self._row_bytes, view.shape[0],
-                 view.shape[0] * self.block_size_bytes / 2**30, max_known_chunks, probe_l3,
-                 "on" if key else "off")
+                 "= %.2f GiB, KV cache groups [%s], known-chunk cap %d, probe_l3 %s, MAC %s", tier_type,
+                 redact_url(url), self.fingerprint, self.layout.model_id, self._row_bytes, view.shape[0],
+                 view.shape[0] * self.block_size_bytes / 2**30, "; ".join(g.describe() for g in self.groups),
+                 max_known_chunks, probe_l3, "on" if key else "off")
 
     # ------------------------------------------------------------ scheduler side
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -391,19 +406,25 @@ class HiCacheTier(SecondaryTierManager):
         out.corrupt, out.foreign, out.l3_errors = st.corrupt, st.fingerprint_mismatch, st.errors
         return out
 
+    def group_stats(self) -> dict[int, GroupCounts]:
+        """A snapshot of the chunks stored, loaded and missed per KV cache group (by group id)."""
+        with self._lock:
+            return self._groups.snapshot()
+
     def known_chunks(self) -> int:
         with self._lock:
             return len(self._known)
 
     def check_integrity(self) -> None:
-        """Job and lookup accounting balance, counters are sane, the known-chunk set is
-        within its cap, and the storage backend's own check passes (where it can list
-        its objects, every one verifies). Raises ``IntegrityError``."""
+        """Job and lookup accounting balance, counters are sane, the per-group counts add
+        up to them, the known-chunk set is within its cap, and the storage backend's own
+        check passes (where it can list its objects, every one verifies). Raises ``IntegrityError``."""
         with self._lock:
             in_flight = sum(not f.done() for f in self._in_flight.values())
             done_unlisted = [j for j, f in self._in_flight.items() if f.done()]
             stats, unreported = dataclasses.replace(self._stats), len(self._finished)
             self._known.check_integrity()
+            self._groups.check(stats.stored, stats.loaded, stats.load_missed)
         if done_unlisted:
             raise IntegrityError(f"HiCacheTier: jobs {done_unlisted[:5]} finished but still listed in flight")
         stats.check(in_flight, unreported)
@@ -416,6 +437,7 @@ class HiCacheTier(SecondaryTierManager):
             raise ValueError(f"HiCacheTier job {job.job_id}: {len(keys)} keys but {len(job.chunk_ids)} chunk ids")
         chunk_ids = [int(c) for c in job.chunk_ids]
         with self._lock:
+            self._groups.check_keys(job.job_id, keys)
             if job.is_promotion:
                 self._stats.load_jobs += 1
             else:
@@ -461,6 +483,7 @@ class HiCacheTier(SecondaryTierManager):
             landed = [k for (k, _), ok in zip(todo, self.storage.exists(hashes)) if ok]
         with self._lock:
             self._known.add(landed)
+            self._groups.stored(landed)
             s = self._stats
             s.stored += len(landed)
             s.store_failed += len(todo) - len(landed)
@@ -479,6 +502,7 @@ class HiCacheTier(SecondaryTierManager):
         with self._lock:
             self._known.add(ok)
             self._known.discard(missed)
+            self._groups.loaded(ok, missed)
             s = self._stats
             s.loaded += len(ok)
             s.load_missed += len(missed)

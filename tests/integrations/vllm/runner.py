@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 from unittest.mock import MagicMock
 
+from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 from vllm.v1.kv_offload.base import OffloadingManager, PrepareStoreOutput, ScheduleEndContext
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
@@ -106,16 +107,21 @@ class HiCacheRunnerSpec(MockOffloadingSpec):
 BLOCK = 16
 
 
-def make_runner(url: str | None, prefix: str = "", cpu_chunks: int = 4, gpu_blocks: int = 8) -> RequestRunner:
-    """RequestRunner over TieringOffloadingSpec with ``cpu_chunks`` primary slots (+ HiCacheTier at ``url``)."""
+def make_runner(url: str | None, prefix: str = "", cpu_chunks: int = 4, gpu_blocks: int = 8,
+                kv_cache_groups: list[KVCacheGroupSpec] | None = None) -> RequestRunner:
+    """RequestRunner over TieringOffloadingSpec with ``cpu_chunks`` primary slots (+ HiCacheTier at ``url``);
+    ``kv_cache_groups`` (vLLM's, at block 16) replaces RequestRunner's one-layer group."""
     tiers = [] if url is None else [{"type": "HiCacheTier", "module_path": "hicache.integrations.vllm",
                                      "url": url, "key_prefix": prefix, "probe_l3": False}]
-    # RequestRunner's 128-byte chunks are padded to the region's alignment.
-    cpu_bytes = cpu_chunks * TieringOffloadingSpec.BLOCK_SIZE_ALIGNMENT
+    # A primary row is the largest group's bytes per block (RequestRunner's one
+    # 128-byte layer by default), padded to the region's alignment.
+    row = max((len(g.layer_names) * g.kv_cache_spec.page_size_bytes for g in kv_cache_groups or ()), default=1)
+    align = TieringOffloadingSpec.BLOCK_SIZE_ALIGNMENT
+    cpu_bytes = cpu_chunks * -(-row // align) * align
     extra = {"spec_name": "HiCacheRunnerSpec", "spec_module_path": "tests.integrations.vllm.runner",
              "cpu_bytes_to_use": cpu_bytes, "secondary_tiers": tiers}
     runner = RequestRunner(block_size=BLOCK, num_gpu_blocks=gpu_blocks, async_scheduling=False,
-                           extra_config_overrides=extra)
+                           kv_cache_groups=kv_cache_groups, extra_config_overrides=extra)
     assert isinstance(runner.offloading_spec, HiCacheRunnerSpec)
     assert tiering(runner).primary_tier.get_kv_memoryview().shape[0] == cpu_chunks
     return runner

@@ -4,9 +4,10 @@
 (one block per chunk), at the row bytes vLLM computes for the model; chunks
 round-trip byte-exact over file://, memory:// and redis://.
 
-Hybrid models are described as the shapes table describes them: gpt-oss's
+Hybrid models are described here as the shapes table describes them: gpt-oss's
 sliding-window layers and Qwen3-Next's full-attention layers as full-attention
-KV (vLLM would put sliding layers in a group of their own).
+KV in one group; ``test_hybrid.py`` starts them as vLLM's hybrid allocator
+groups them.
 """
 from __future__ import annotations
 
