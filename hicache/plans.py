@@ -31,6 +31,17 @@ class LoadRequest(NamedTuple):
     num_pages: int  # L1 pages to allocate for it (owned pages)
 
 
+class Acquired(NamedTuple):
+    """Shared-L2 pages locked at the node's service for one request, not yet given L1 pages."""
+
+    anchor: Node | None  # the L1 hit they continue (pinned on L1 until prepared or cancelled)
+    first_page: int  # logical page of the request's key the first shared page holds
+    host: list[HostPageId]  # the locked shared pages, in order
+    hashes: list[PageHash]  # their hashes (what the service's ``release`` takes)
+    fetched: int  # of them, pages the service loaded from its L3 for this request
+    draft: bool  # their draft rows are valid
+
+
 class LoadPlan(NamedTuple):
     """Copy ``host[i]`` (L2) into ``device[i]`` (L1), layer by layer."""
 

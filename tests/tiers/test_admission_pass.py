@@ -172,16 +172,20 @@ def test_the_in_flight_registry_is_checked_while_a_load_runs(monkeypatch):
     hc.evict(100)
     req = hc.new_request("b", TOK)
     adm = hc.admit(req)  # load back in flight until observed
-    ((last, job),) = hc._load_job.items()
-    assert hc._jobs[job].last is last and hc.transfers.load_handle(job) in adm.loads
+    ((job, plan),) = hc._jobs.items()
+    assert all(hc._jobs.load_job(n) == job for n in plan.path) and hc.transfers.load_handle(job) in adm.loads
     hc.check_integrity()
-    monkeypatch.setitem(hc._load_job, last, job + 1000)  # a node still filling, led to a job not in flight
-    with pytest.raises(IntegrityError, match="is not in flight|not the job in flight"):
+    monkeypatch.setitem(hc._jobs._filling, plan.last, job + 1000)  # a node still filling, led to a job not in flight
+    with pytest.raises(IntegrityError, match="is not a load in flight"):
         hc.check_integrity()
+    monkeypatch.undo()
+    monkeypatch.setattr(plan.last, "lock_ref", 0)  # the load no longer pins what it fills
+    with pytest.raises(IntegrityError, match="not pinned on L1"):
+        hc._jobs.check_integrity()  # (the cache's own check finds the lock count off too)
     monkeypatch.undo()
     adm.wait()
     hc.poll()
-    assert not hc._load_job and not hc.tiers.loading
+    assert not len(hc._jobs) and all(hc._jobs.load_job(n) is None for n in plan.path)
     req.abort()
     hc.check_integrity()
     hc.close()
