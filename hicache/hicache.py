@@ -284,7 +284,7 @@ class HiCache:
         plan = self.l2.prepare_load(req, lb, dev)
         handle = self._start_load(plan)
         end = lb.end_tokens
-        return handle, m._replace(device_tokens=end, host_tokens=0, exact_tokens=max(m.exact_tokens, end),
+        return handle, m._replace(device_tokens=end, host_tokens=0, exact_tokens=req.exact_tokens_for(end),
                                   device_node=plan.last, host_node=plan.last,
                                   epoch=self.cache.epoch), lb.fetched_pages * self.layout.page_size
 
