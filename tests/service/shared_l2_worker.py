@@ -2,7 +2,7 @@
 
 The JSON carries ``socket``, ``kind`` (mha / mla), ``host_layout`` and
 ``prompt``. Pages move between this process's L1 and the service's segment
-only through ``SharedL2`` (the page-copy kernels): the CPU byte path of the
+only through the client's two-phase calls and the page-copy kernels: the CPU byte path of the
 pool (``read_page`` / ``write_page``) is disabled here, so using it fails.
 
 * ``prefill``: compute the prompt cold, share its full pages; prints

@@ -171,3 +171,34 @@ def test_a_load_is_pinned_until_it_completes_and_then_unpinned(hc):
     hc.l2.complete_load(plan, ok=True)
     assert plan.last.lock_ref == 0 and plan.last.host_lock_ref == 0
     hc.check_integrity()
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_failed_l3_movements_of_the_private_l2_index_nothing(name):
+    """The private L2's own L3 movements (``TierManager``): a store L3 took nothing of
+    leaves the node unstored and unpinned; a prefetch where nothing landed gives its
+    L2 pages back and indexes nothing."""
+    import numpy as np
+    from hicache.cache import as_key
+    from hicache.hashing import page_hashes
+    o = {"storage.url": "", "pool.device": "cpu", "pool.device_pages": "8", "pool.host_pages": "8",
+         "policy.write_policy": "write_back"}
+    hc = HiCache(HiCacheConfig.load(env={}, overrides=o), layout=LAYOUTS[name])
+    toks = tokens_of(hc)
+    node = serve(hc, "a", toks)
+    hc._backup(node, synchronous=True)
+    plan = hc.tiers.prepare_store(node)
+    assert plan is not None and node.host_lock_ref == 1
+    hc.tiers.complete_store(plan, 0)
+    assert (node.in_storage, node.host_lock_ref, hc.tier_stats.storage_put_dropped_pages) == (False, 0, PAGES)
+    hc.check_integrity()
+    ps, longer = hc.layout.page_size, toks[:-1] + list(range(900, 900 + 2 * hc.layout.page_size))
+    free, m = hc.host_pool.allocator.num_free, hc.cache.match(longer)
+    hashes = page_hashes(np.asarray(longer, dtype=np.uint32), ps)
+    pf = hc.tiers.prepare_prefetch(as_key(longer), "", PAGES, hashes[PAGES:PAGES + 2])
+    assert pf is not None and hc.host_pool.allocator.num_free == free - 2
+    assert hc.tiers.complete_prefetch(pf, 0) == 0
+    assert hc.host_pool.allocator.num_free == free and hc.cache.match(longer).tokens == m.tokens
+    assert not hc.tiers.host_in_flight
+    hc.check_integrity()
+    hc.close()
