@@ -30,27 +30,17 @@ Not thread-safe: the scheduler thread calls everything.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 from hicache.allocator import PageAllocator
 from hicache.cache import PrefixCache, Request
 from hicache.index.node import Node
 from hicache.l2.segment import ServiceHostTier
-from hicache.plans import Acquired, BackupPlan, LoadPlan, LoadRequest
+from hicache.plans import BackupPlan, LoadBack, LoadPlan
 from hicache.pools import HostPool
 from hicache.request import MatchResult
 from hicache.tiers import TierManager
 from hicache.types import DevicePageId
-
-
-class LoadBack(NamedTuple):
-    """An L2 hit held for one request by ``plan_load``, not yet given L1 pages.
-    Valid until ``prepare_load`` or ``cancel_load`` (exactly one of them)."""
-
-    num_pages: int  # L1 pages the caller must find for it
-    end_tokens: int  # where the request's hit ends once it is loaded (whole pages)
-    fetched_pages: int  # of ``num_pages``, pages brought from an L3 for this request
-    held: LoadRequest | Acquired  # what the strategy pinned (private) or acquired (shared)
 
 
 class L2Tier(Protocol):

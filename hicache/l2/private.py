@@ -9,9 +9,8 @@ from __future__ import annotations
 from hicache.cache import PrefixCache, Request
 from hicache.errors import CacheStateError
 from hicache.index.node import Node
-from hicache.l2.base import LoadBack
 from hicache.l2.segment import ServiceHostTier
-from hicache.plans import BackupPlan, LoadPlan, LoadRequest
+from hicache.plans import BackupPlan, LoadBack, LoadPlan, LoadRequest
 from hicache.pools import HostPool
 from hicache.request import MatchResult
 from hicache.tiers import TierManager

@@ -33,9 +33,8 @@ from hicache.config import PolicyConfig
 from hicache.errors import CacheStateError, IntegrityError
 from hicache.hashing import page_hashes
 from hicache.index.node import Node
-from hicache.l2.base import LoadBack
 from hicache.l2.segment import ServiceHostTier
-from hicache.plans import Acquired, BackupPlan, LoadPlan
+from hicache.plans import Acquired, BackupPlan, LoadBack, LoadPlan
 from hicache.policies import PrefetchPolicy
 from hicache.pools import HostPool
 from hicache.request import MatchResult
