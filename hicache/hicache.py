@@ -30,20 +30,21 @@ import numpy as np
 from hicache.cache import PrefixCache, Request, RequestState, Tokens, as_key
 from hicache.config import HiCacheConfig
 from hicache.consensus import HitConsensus, admitted_hit
-from hicache.errors import CacheStateError, IntegrityError, OutOfPages, TransferError
+from hicache.errors import OutOfPages, TransferError
 from hicache.hashing import page_hashes
-from hicache.allocator import PageAllocator
 from hicache.layout import KVLayout
 from hicache.load_cost import CostModel
 from hicache.misses import L2, L3, L3Outcome, MissTracker, admission_misses
 from hicache.policies import PrefetchPolicy, WritePolicy
-from hicache.pools import DevicePool, HostPool
+from hicache.pools import DevicePool
 from hicache.stats import HiCacheStats, StorageStats
 from hicache.index.node import InsertResult, Node
+from hicache.inflight import InFlight
+from hicache.l2.base import L2Tier
+from hicache.l2.factory import open_l2
+from hicache.l2.segment import ServiceHostTier
 from hicache.request import MatchResult
 from hicache.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan
-from hicache.service_mode import ServiceMode, open_service_tier
-from hicache.shared_l2 import ServiceHostTier
 from hicache.tiers import TierManager
 from hicache.transfer import LoadHandle, Plan, TransferController, TransferKind, TransferResult
 from hicache.types import JobId
@@ -98,34 +99,29 @@ class HiCache:
         self.config = cfg = config or HiCacheConfig.load()
         self.layout = layout or cfg.layout()
         device = cfg.resolved_device()
-        tier: ServiceHostTier | None = None  # service mode: the connection to the node's service
-        if storage is None and cfg.storage.url.startswith("hicache+unix:"):
-            tier = open_service_tier(cfg, self.layout, device)
-            self.host_pool = tier.pool  # L2 is the segment; the index keeps no L2 ids of its own
-        else:
-            cfg.check_host_memory(self.layout)
-            self.host_pool = HostPool(self.layout, cfg.pool.host_pages)
+        # L2 is one strategy: a private pinned pool, or the node service's shared segment.
+        self.l2: L2Tier
+        self.l2, l3_url = open_l2(cfg, self.layout, device, l3_given=storage is not None)
+        self.host_pool = self.l2.pool
         self.device_pool = DevicePool(self.layout, cfg.pool.device_pages, device, buffers=device_buffers)
-        if storage is None and cfg.storage.url and tier is None:
+        if storage is None and l3_url:
             from hicache.storage import open_storage
             from hicache.storage.capacity import backend_options
-            storage = open_storage(cfg.storage.url, fingerprint=self.layout.fingerprint(), layout=self.layout,
+            storage = open_storage(l3_url, fingerprint=self.layout.fingerprint(), layout=self.layout,
                                    timeout_ms=cfg.storage.timeout_ms, max_retries=cfg.storage.max_retries,
                                    auth_key=cfg.storage.resolved_auth_key(), **backend_options(cfg.storage))
         self.storage = storage
         self.policy = cfg.policy
         self.transfers = TransferController(self.device_pool, self.host_pool, storage, inline=inline_transfers)
-        self.cache = PrefixCache(self.layout, self.device_pool,
-                                 self.host_pool if tier is None else PageAllocator(0, "L2 (shared)"),
+        self.cache = PrefixCache(self.layout, self.device_pool, self.l2.index_allocator,
                                  eviction=cfg.policy.device_eviction, host_eviction=cfg.policy.host_eviction)
         self.tiers = TierManager(self.cache)
-        self.service = None if tier is None else ServiceMode(tier, self.cache, self.tiers)
+        self.l2.attach(self.cache, self.tiers)
         self.tier_stats = self.tiers.stats
-        # In-flight work: every submitted, not yet completed job -> its plan. A load's
-        # layer-wise handle is the transfer controller's (``load_handle(job)``); the
-        # index's nodes still filling lead to their load's job through ``_load_job``.
-        self._jobs: dict[JobId, Plan] = {}
-        self._load_job: dict[Node, JobId] = {}  # last node of each in-flight load -> its job
+        # In-flight work: every submitted, not yet completed job -> its plan (one map;
+        # nodes still filling lead to their load's job). A load's layer-wise handle
+        # is the transfer controller's, under the same job id (``load_handle(job)``).
+        self._jobs = InFlight()
         self._storage_enabled = storage is not None and self.layout.cp_size == 1
         self._failed: TransferError | None = None  # set by a failed load back; fatal
         self.consensus = consensus
@@ -173,12 +169,10 @@ class HiCache:
         storage_tokens = self._prefetch(req, m, l3_hit) if plan.load_l3 else 0
         if storage_tokens or m.epoch != self.cache.epoch:
             m = req.match()  # prefetched pages joined L2, or L2 room was made by eviction
-        if self.service is None:
-            own, m = self._load_host_hit(req, m) if plan.load_l2 else (None, m)
-        else:
-            own, storage_tokens = self._load_shared(req, m)
-            if own is not None or m.epoch != self.cache.epoch:
-                m = req.match()
+        own: LoadHandle | None = None
+        if plan.load_l2 or not m.host_tokens:  # the cost model judged the index's L2 hit, if any
+            own, m, fetched = self._load_back(req, m)
+            storage_tokens += fetched
         if self.consensus is not None:
             m = self._agreed(req, m)
             device_tokens = min(device_tokens, m.device_tokens)
@@ -264,36 +258,40 @@ class HiCache:
         self._observe(job)
 
     # ----------------------------------------------------------------- L2 -> L1
-    def _load_host_hit(self, req: Request, m: MatchResult) -> tuple[LoadHandle | None, MatchResult]:
-        """Give the L2-only part of ``m`` L1 pages and start copying it in. Returns
-        the load's handle (None: nothing loaded) and the match to lock.
+    def _load_back(self, req: Request, m: MatchResult) -> tuple[LoadHandle | None, MatchResult, int]:
+        """Give the L2 hit continuing ``m``'s L1 hit L1 pages and start copying it in.
+        Returns the load's handle (None: nothing loaded), the match to lock and the
+        tokens of it an L3 behind L2 delivered for this request (the service's).
 
-        Without a second lookup: ``plan_load`` pins the device hit on L1 and the
-        L2 path on L2 before room is made, so whatever eviction the allocation
-        does leaves the hit whole, and once the path has its L1 pages the hit is
-        all on L1 and ends at ``lr.last``. Only a plan that failed (no room)
-        matches again, and only when an eviction happened meanwhile."""
-        lr = self.tiers.plan_load(m)
-        if lr is None:
-            return None, m
+        Without a second lookup: ``plan_load`` pins the device hit on L1 and holds
+        the L2 hit (pinned in the private pool, acquired at the service) before
+        room is made, so whatever eviction the allocation does leaves the hit
+        whole, and once it has its L1 pages the hit is all on L1 and ends at the
+        load's last node. Only a plan that failed (no room) matches again, and
+        only when an eviction happened meanwhile."""
+        pool = self.l2.reconnect(idle=not self._jobs)
+        if pool is not None:
+            self.host_pool = self.transfers.host_pool = pool
+        lb = self.l2.plan_load(req, m, self._prefetch_budget_s(req.num_tokens))
+        if lb is None:
+            return None, m, 0
         try:
-            self._make_room(lr.num_pages)
-            dev = self.cache.alloc_device(lr.num_pages)
+            self._make_room(lb.num_pages)
+            dev = self.cache.alloc_device(lb.num_pages)
         except OutOfPages:
-            self.tiers.cancel_load(lr)
-            return None, (m if m.epoch == self.cache.epoch else req.match())
-        handle = self._start_load(self.tiers.prepare_load(lr, dev))
-        return handle, m._replace(device_tokens=m.tokens, host_tokens=0, device_node=lr.last,
-                                  host_node=lr.last, epoch=self.cache.epoch)
+            self.l2.cancel_load(lb)
+            return None, (m if m.epoch == self.cache.epoch else req.match()), 0
+        plan = self.l2.prepare_load(req, lb, dev)
+        handle = self._start_load(plan)
+        end = lb.end_tokens
+        return handle, m._replace(device_tokens=end, host_tokens=0, exact_tokens=req.exact_tokens_for(end),
+                                  device_node=plan.last, host_node=plan.last,
+                                  epoch=self.cache.epoch), lb.fetched_pages * self.layout.page_size
 
     def _start_load(self, plan: LoadPlan) -> LoadHandle:
         """Submit a prepared load back; its layer-wise handle (the controller keeps it until
         ``finished`` reports the job)."""
-        if plan.last in self._load_job:
-            raise CacheStateError(f"{plan.last!r} is the last node of two loads in flight")
-        job = self._submit(plan)
-        self._load_job[plan.last] = job
-        return self.transfers.load_handle(job)
+        return self.transfers.load_handle(self._submit(plan))
 
     # ----------------------------------------------------------------- L1 -> L2
     def _selective_backup(self, deepest: Node) -> None:
@@ -312,19 +310,12 @@ class HiCache:
                     return
 
     def _unbacked(self, n: Node) -> bool:
-        """``n`` has no L2 copy and none is being made. Service mode: it was never
-        committed to the shared L2 by this engine (the service may evict it later;
-        it then comes back as a miss, never as wrong bytes)."""
-        if n in self.tiers.backing_up:
-            return False
-        return n.host_pages is None if self.service is None else not n.in_storage
+        """``n`` has no L2 copy and none is being made (see ``L2Tier.unbacked``)."""
+        return self.l2.unbacked(n)
 
     def _backup(self, node: Node, synchronous: bool = False) -> JobId | None:
         """Start copying ``node`` to L2 (``synchronous``: and wait for it); the job id."""
-        if self.service is not None:
-            plan = self.service.prepare_backup(node)
-        else:
-            plan = self.tiers.prepare_backup(node, pin=not synchronous)
+        plan = self.l2.prepare_backup(node, pin=not synchronous)
         if plan is None:
             return None
         job = self._submit(plan)
@@ -342,7 +333,7 @@ class HiCache:
     # --------------------------------------------------------- completions
     def _submit(self, plan: Plan) -> JobId:
         job = self.transfers.submit(plan)
-        self._jobs[job] = plan
+        self._jobs.add(job, plan)
         return job
 
     def _observe(self, job: JobId | None = None) -> int:
@@ -359,16 +350,11 @@ class HiCache:
             self.cost.bandwidth.observe("L2" if r.kind is TransferKind.H2D else "L3", r.pages * self.layout.page_bytes,
                                         r.seconds)
         if isinstance(plan, BackupPlan):
-            for n in tiers.complete_backup(plan, r.ok):
+            for n in self.l2.complete_backup(plan, r.ok):
                 self.misses.reached(self.cache.hashes(n), L2)
                 self._store(n)
-            if plan.shared is not None:
-                self.service.backup_done(plan, r.ok)
         elif isinstance(plan, LoadPlan):
-            tiers.complete_load(plan, r.ok)
-            del self._load_job[plan.last]
-            if plan.shared is not None:
-                self.service.load_done(plan)
+            self.l2.complete_load(plan, r.ok)
             if not r.ok:
                 h, d = plan.host, plan.device
                 self._failed = TransferError(
@@ -421,52 +407,6 @@ class HiCache:
         if a.num_free < num_pages:
             self.evict(num_pages - a.num_free)
 
-    # ------------------------------------------------- service mode (shared L2)
-    def _load_shared(self, req: Request, m: MatchResult) -> tuple[LoadHandle | None, int]:
-        """Acquire the shared-L2 pages continuing ``m``'s L1 hit, give them L1 pages and
-        start copying them in (the kernels read the segment directly). Returns the
-        layer-wise handle (None: nothing loaded) and the tokens the service fetched
-        from its own L3 for this request."""
-        svc, ps = self.service, self.layout.page_size
-        self._shared_reconnect()
-        have, cap = m.tokens // ps, max(0, req.num_tokens - 1) // ps
-        if cap <= have:
-            return None, 0
-        budget = self._prefetch_budget_s(req.num_tokens)
-        wait_s = svc.tier.max_wait_s if budget is None else min(budget, svc.tier.max_wait_s)
-        acq = svc.acquire(req.key, req.namespace, m, self._page_hashes(req.key, req.namespace, cap)[have:],
-                          need_draft=req.draft and self.cache.has_draft,
-                          wait_ms=0 if self.policy.prefetch_policy is _BEST_EFFORT else int(1e3 * wait_s),
-                          min_pages=max(1, self.policy.storage_hit_min_pages))
-        if acq is None:
-            return None, 0
-        n = len(acq.host)
-        anchor = m.device_node
-        if anchor is not None:  # as plan_load: room for the load never evicts the L1 hit it continues
-            self.cache.inc_lock(anchor)
-        try:
-            self._make_room(n)
-            dev = self.cache.alloc_device(n)
-        except OutOfPages:
-            svc.cancel(acq)
-            return None, 0
-        finally:
-            if anchor is not None:
-                self.cache.dec_lock(anchor)
-        m = req.match()  # eviction for room may have cut the anchor
-        if m.tokens != have * ps:
-            self.cache.free_device(dev)
-            svc.cancel(acq)
-            return None, 0
-        plan = svc.prepare_load(req.key, req.namespace, m.device_node, acq, dev)
-        return self._start_load(plan), acq.fetched * ps
-
-    def _shared_reconnect(self) -> None:
-        """After an outage, map the restarted service's segment once no copy uses the old one."""
-        sh = self.service.tier
-        if sh.down and not self._jobs and sh.reconnect():
-            self.host_pool = self.transfers.host_pool = sh.pool
-
     # ------------------------------------------------------------- sharing
     def _settle_share(self, req: Request, res: InsertResult | None) -> None:
         """Act on what a request's insert returned: wait for loads still filling the
@@ -511,8 +451,8 @@ class HiCache:
 
     def _loading(self, n: Node) -> LoadHandle | None:
         """The handle of the load still filling ``n``'s L1 pages (None: none is)."""
-        plan = self.tiers.loading.get(n)
-        return None if plan is None else self.transfers.load_handle(self._load_job[plan.last])
+        job = self._jobs.load_job(n)
+        return None if job is None else self.transfers.load_handle(job)
 
     def drain(self) -> None:
         """Block until every transfer has finished and been observed, except L3
@@ -533,14 +473,14 @@ class HiCache:
 
     @property
     def shared(self) -> ServiceHostTier | None:
-        """Service mode: the connection to the node's service and its segment (None: embedded L2)."""
-        return None if self.service is None else self.service.tier
+        """Service mode: the connection to the node's service and its segment (None: private L2)."""
+        return self.l2.service
 
     @property
     def private_host_bytes(self) -> int:
-        """Host memory this engine holds for L2 pages of its own: the pinned L2 pool in
-        embedded mode, 0 in service mode (its L2 is the node's shared segment)."""
-        return 0 if self.service is not None else self.host_pool.nbytes()
+        """Host memory this engine holds for L2 pages of its own: the pinned L2 pool, or 0
+        when its L2 is the node's shared segment."""
+        return self.l2.private_bytes
 
     def stats(self) -> HiCacheStats:
         """A snapshot (new objects): index, tier movements, bytes moved, L3 backend."""
@@ -563,27 +503,10 @@ class HiCache:
         self.device_pool.check_integrity()
         self.transfers.check_integrity()
         self.cost.check_integrity()
-        self._check_in_flight()
-        if self.service is None:
-            self.host_pool.check_integrity()  # (the segment's pages are the service's to check)
+        self._jobs.check_integrity()
+        self.l2.check_integrity()
         if self.storage is not None:
             self.storage.check_integrity()
-        if self.service is not None and not self.service.tier.down:
-            self.service.tier.call(self.service.tier.client.check_integrity)
-
-    def _check_in_flight(self) -> None:
-        """The in-flight registry agrees with itself and with the tier manager: each
-        load's job is in flight with that load's plan, and every node still filling
-        belongs to one of them."""
-        for last, job in self._load_job.items():
-            plan = self._jobs.get(job)
-            if not isinstance(plan, LoadPlan) or plan.last is not last:
-                raise IntegrityError(f"load job {job} of {last!r} is not in flight with its plan ({plan!r})")
-        for n, plan in self.tiers.loading.items():
-            job = self._load_job.get(plan.last)
-            if job is None or self._jobs.get(job) is not plan:
-                raise IntegrityError(f"{n!r} is loading but its load ({plan.last!r}) is not the job in flight "
-                                     f"for that node (job {job})")
 
     def close(self) -> None:
         self.drain()
@@ -591,8 +514,7 @@ class HiCache:
 
         if self.storage is not None:
             self.storage.close()
-        if self.service is not None:
-            self.service.tier.close()
+        self.l2.close()
 
 
 

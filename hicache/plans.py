@@ -1,6 +1,8 @@
-"""The plans the tier manager (``hicache.tiers``) prepares and the transfer
-engine (``hicache.transfer``) executes: small typed records, valid from
-``prepare_*`` until the matching ``complete_*``."""
+"""The plans the tier manager (``hicache.tiers``) and the L2 strategies
+(``hicache.l2``) prepare and the transfer engine (``hicache.transfer``)
+executes: small typed records, valid from ``prepare_*`` until the matching
+``complete_*`` (``LoadRequest``/``Acquired``/``LoadBack``: from ``plan_load``
+until ``prepare_load`` or ``cancel_load``)."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -29,6 +31,27 @@ class LoadRequest(NamedTuple):
     path: tuple[Node, ...]  # top-down, below ``anchor``
     anchor: Node | None  # the device hit it continues (pinned on L1 meanwhile)
     num_pages: int  # L1 pages to allocate for it (owned pages)
+
+
+class Acquired(NamedTuple):
+    """Shared-L2 pages locked at the node's service for one request, not yet given L1 pages."""
+
+    anchor: Node | None  # the L1 hit they continue (pinned on L1 until prepared or cancelled)
+    first_page: int  # logical page of the request's key the first shared page holds
+    host: list[HostPageId]  # the locked shared pages, in order
+    hashes: list[PageHash]  # their hashes (what the service's ``release`` takes)
+    fetched: int  # of them, pages the service loaded from its L3 for this request
+    draft: bool  # their draft rows are valid
+
+
+class LoadBack(NamedTuple):
+    """An L2 hit held for one request by ``plan_load``, not yet given L1 pages.
+    Valid until ``prepare_load`` or ``cancel_load`` (exactly one of them)."""
+
+    num_pages: int  # L1 pages the caller must find for it
+    end_tokens: int  # where the request's hit ends once it is loaded (whole pages)
+    fetched_pages: int  # of ``num_pages``, pages brought from an L3 for this request
+    held: LoadRequest | Acquired  # what the strategy pinned (private) or acquired (shared)
 
 
 class LoadPlan(NamedTuple):

@@ -160,18 +160,21 @@ class Request:
         or after ``preempt`` when its prefix survived); other requests never
         see that page.
         """
-        c = self.cache
-        ps = c.page_size
+        m = self.cache.match(self.key, self.namespace, max_tokens=max(0, self.num_tokens - 1),
+                             need_draft=self.draft)
+        exact = self.exact_tokens_for(m.tokens)
+        return m if exact == m.tokens else m._replace(exact_tokens=exact)
+
+    def exact_tokens_for(self, hit: int) -> int:
+        """``match``'s ``exact_tokens`` for a page-floored ``hit`` of this request: ``hit``
+        plus this request's own private tokens continuing it (pure). A load back
+        that extends the hit after ``match`` asks this for the extended hit."""
         cap = max(0, self.num_tokens - 1)
-        m = c.match(self.key, self.namespace, max_tokens=cap, need_draft=self.draft)
-        hit = m.tokens
         if self.state is RequestState.RUNNING:  # its locked prefix + private pages are its own
-            exact = min(self.computed_tokens, cap)
-        elif self.state is RequestState.PREEMPTED and self._tail_tokens and hit == self._tail_page * ps:
-            exact = min(hit + self._tail_tokens, cap)
-        else:
-            return m
-        return m._replace(exact_tokens=max(exact, hit))
+            return max(min(self.computed_tokens, cap), hit)
+        if self.state is RequestState.PREEMPTED and self._tail_tokens and hit == self._tail_page * self.cache.page_size:
+            return max(min(hit + self._tail_tokens, cap), hit)
+        return hit
 
     def lock(self, m: MatchResult) -> None:
         """Pin ``m``'s device hit and take it as this request's computed prefix.

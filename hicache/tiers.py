@@ -14,8 +14,6 @@ two calls the plan's pages are protected from eviction:
 | ``plan_load`` + ``prepare_load`` / ``complete_load`` | L2 -> L1 | the path on L2 and its new L1 pages |
 | ``prepare_store`` / ``complete_store`` | L2 -> L3 | the node on L2 |
 | ``prepare_prefetch`` / ``complete_prefetch`` | L3 -> L2 | the new L2 ids |
-| ``prepare_shared_backup`` / ``complete_backup`` | L1 -> shared L2 | the node on L1 |
-| ``prepare_shared_load`` / ``complete_load`` | shared L2 -> L1 | the new L1 pages |
 
 Failure (as vLLM's ``complete_*(success=False)``): every ``complete_*`` must
 be called exactly once per plan, also when the transfer failed, and always
@@ -23,16 +21,14 @@ unpins what its ``prepare_*`` pinned. What a failure leaves behind:
 
 | call | on failure |
 |---|---|
-| ``complete_backup(plan, ok=False)`` | no L2 copy recorded; the reserved L2 ids are freed (shared: the caller cancels the reservation); ``transfer_errors`` += 1 |
+| ``complete_backup(plan, ok=False)`` | no L2 copy recorded; the reserved L2 ids are freed; ``transfer_errors`` += 1 |
 | ``complete_load(plan, ok=False)`` | the L1 pages stay indexed with unknown bytes: the caller must stop serving (``HiCache`` raises ``TransferError`` from then on) |
 | ``complete_store(plan, stored)`` | partial: only ``stored`` leading pages reached L3; the node is flagged stored only when all did |
 | ``complete_prefetch(plan, loaded)`` | partial: the ``loaded`` leading pages are indexed on L2, the rest of the reserved ids freed |
 
-Service mode (``hicache+unix://``): the node's shared L2 segment is the host
-tier and the service's index its authority. The index then records no L2
-pages of its own: the shared pages of a plan are reserved (backup) or
-acquired (load) at the service by the caller, who commits or releases them
-after ``complete_*`` (plans carry their hashes in ``shared``).
+These are the movements of the private L2 (``hicache.l2.private``). In
+service mode the node's shared segment is L2 and ``hicache.l2.shared`` makes
+its own backup and load plans; only ``backing_up`` and ``stats`` are common.
 
 L1 pages for a load come from the caller (``prepare_load(..., device_pages)``):
 hicache's own allocator (``PrefixCache.alloc_device``) or an engine's block
@@ -46,7 +42,7 @@ from typing import Protocol, cast
 
 from hicache.allocator import PageAllocator
 from hicache.cache import PrefixCache
-from hicache.errors import CacheStateError
+from hicache.errors import CacheStateError, IntegrityError
 from hicache.index.node import Node
 from hicache.stats import TierMoveStats
 from hicache.request import MatchResult
@@ -73,8 +69,7 @@ class TierManager:
         self.cache = cache
         self._host: PageAllocator = cache.host_allocator
         self.stats = TierMoveStats()
-        self.loading: dict[Node, LoadPlan] = {}  # L1 pages of these nodes are still arriving
-        self.backing_up: set[Node] = set()
+        self.backing_up: set[Node] = set()  # nodes with a backup prepared and not completed (either L2)
         self._host_in_flight: set[HostPageId] = set()  # L2 ids held by prepared, uncompleted plans
 
     @property
@@ -123,12 +118,6 @@ class TierManager:
         self.backing_up.discard(node)
         if plan.pinned:
             self.cache.dec_lock(node)
-        if plan.shared is not None:  # the caller commits (ok) or cancels the reservation
-            if ok:
-                self.stats.backup_pages += len(host)
-            else:
-                self.stats.transfer_errors += 1
-            return []
         self._release_host(host)
         if not ok:
             self.stats.transfer_errors += 1
@@ -183,7 +172,7 @@ class TierManager:
     def prepare_load(self, req: LoadRequest, device_pages: list[DevicePageId]) -> LoadPlan:
         """Give ``req``'s path the L1 pages ``device_pages`` (from whoever owns L1).
         From now on the index serves them as L1 hits; the plan pins them until
-        ``complete_load`` (readers wait for the copy: ``loading``)."""
+        ``complete_load`` (readers wait for the copy: the caller's in-flight registry)."""
         if len(device_pages) != req.num_pages:
             raise CacheStateError(f"prepare_load: {len(device_pages)} L1 pages for {req.num_pages}")
         self._unpin_anchor(req)
@@ -199,8 +188,6 @@ class TierManager:
         # may abort, finish or be preempted before the copy completes.
         self.cache.inc_lock(req.last)
         plan = LoadPlan(req.last, req.path, host, list(device_pages))
-        for n in req.path:
-            self.loading[n] = plan
         self.stats.load_back_pages += req.num_pages
         return plan
 
@@ -211,56 +198,10 @@ class TierManager:
     def complete_load(self, plan: LoadPlan, ok: bool) -> None:
         """Unpin a finished load. A failed one leaves the L1 pages indexed with
         unknown bytes: the caller must stop serving (``HiCache`` raises)."""
-        if plan.shared is None:
-            self.cache.dec_host_lock(plan.last)
+        self.cache.dec_host_lock(plan.last)
         self.cache.dec_lock(plan.last)
-        for n in plan.path:
-            if self.loading.get(n) is plan:
-                del self.loading[n]
         if not ok:
             self.stats.transfer_errors += 1
-
-    # ------------------------------------------------------ service mode (shared L2)
-    def prepare_shared_backup(self, node: Node, skip: int, host: list[HostPageId],
-                              hashes: list[PageHash]) -> BackupPlan:
-        """Copy ``node``'s L1 pages after its first ``skip`` (which the shared L2 holds
-        already) into the reserved shared pages ``host``, to be committed under
-        ``hashes``. Pins ``node`` on L1 until ``complete_backup``."""
-        dev = list(_on_l1(node))[skip:]
-        if not (len(dev) == len(host) == len(hashes)):
-            raise CacheStateError(f"prepare_shared_backup: {len(dev)} L1 pages after {skip}, "
-                                  f"{len(host)} shared pages, {len(hashes)} hashes")
-        self.cache.inc_lock(node)
-        self.backing_up.add(node)
-        return BackupPlan(node, dev, host, node.draft_device, True, list(hashes))
-
-    def prepare_shared_load(self, key: bytes, namespace: str, anchor: Node | None, first_page: int,
-                            host: list[HostPageId], hashes: list[PageHash],
-                            device_pages: list[DevicePageId], *, draft: bool) -> LoadPlan:
-        """Index acquired shared pages ``host`` (logical pages ``first_page`` on of
-        ``key``, continuing the L1 hit ``anchor``) as L1 pages ``device_pages``,
-        loading until ``complete_load``. ``draft``: the shared pages' draft rows
-        are valid. The caller checked that nothing on L1 continues ``anchor``
-        along ``key`` (so every page is new to the index)."""
-        n = len(host)
-        if not (n == len(hashes) == len(device_pages)) or n == 0:
-            raise CacheStateError(f"prepare_shared_load: {n} shared pages, {len(hashes)} hashes, "
-                                  f"{len(device_pages)} L1 pages")
-        end = first_page + n
-        prefix = cast(list[DevicePageId], self.cache.pages(anchor, first_page)) if first_page else []
-        res = self.cache.insert_device(key[:end * self.cache.page_size * 4], namespace,
-                                       prefix + list(device_pages), end if draft else 0)
-        if res.new_pages != n or res.duplicates or res.draft_copies:
-            raise CacheStateError(f"prepare_shared_load: the index already held part of pages "
-                                  f"[{first_page}, {end}) ({res.new_pages} new of {n}); match again")
-        path = tuple(res.created)
-        self.cache.inc_lock(path[-1])
-        plan = LoadPlan(path[-1], path, list(host), list(device_pages), list(hashes))
-        for node in path:
-            self.cache.set_stored(node)  # the shared L2 holds them (a backup would copy nothing)
-            self.loading[node] = plan
-        self.stats.load_back_pages += n
-        return plan
 
     # ----------------------------------------------------------------- L2 -> L3
     def prepare_store(self, node: Node) -> StorePlan | None:
@@ -314,13 +255,8 @@ class TierManager:
         return taken
 
     def check_integrity(self) -> None:
-        """Every in-flight plan's pins are still what it recorded (raises ``IntegrityError``
-        through the cache check, which counts ``host_in_flight``)."""
-        from hicache.errors import IntegrityError
-        for n, plan in self.loading.items():
-            if n.device_pages is None or plan.last.lock_ref < 1 or (plan.shared is None
-                                                                      and plan.last.host_lock_ref < 1):
-                raise IntegrityError(f"{n!r} is loading (plan for {plan.last!r}) but not pinned on L1 and L2")
+        """Every prepared backup's node is still on L1 (raises ``IntegrityError``; the
+        L2 ids in flight are counted by the cache check through ``host_in_flight``)."""
         for n in self.backing_up:
             if n.device_pages is None:
                 raise IntegrityError(f"{n!r} is being backed up but is not on L1")

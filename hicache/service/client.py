@@ -1,4 +1,15 @@
-"""Engine-side client of the node-local service (``hicache.service.server``).
+"""Engine-side client of the node-local service (``hicache.service.server``):
+the one client module, for both ways an engine uses the service.
+
+* **As L2** (``hicache.l2.shared``; an embedded ``HiCache`` whose
+  ``storage.url`` is ``hicache+unix:///path.sock``): the engine maps the
+  service's shared segment (``ServiceClient.pool``) and the page-copy kernels
+  move pages between its L1 and the segment directly; the socket carries only
+  the index calls below. ``HiCache`` then keeps no private L2 and opens no L3
+  of its own: the service's L3 sits behind the segment (``fetch``).
+* **As L3** (``hicache.storage.service.ServiceBackend``, what ``open_storage``
+  returns for that URL: the vLLM and SGLang connectors, which keep their own
+  host tier): payloads are copied by the CPU into and out of the segment.
 
 Synchronous: one blocking Unix socket, one request in flight. Not thread-safe;
 give each engine thread its own client (they are cheap).
@@ -8,7 +19,7 @@ Typical write of new pages::
     pages = c.reserve(len(hashes))
     for p, payload in zip(pages, payloads):
         c.pool.write_page(p, payload)        # or a GPU page-copy kernel
-    c.commit(hashes, pages)
+    c.commit(hashes, pages)                  # or c.cancel(pages) if the copy failed
 
 and read of a cached prefix::
 
@@ -16,9 +27,11 @@ and read of a cached prefix::
     data = [c.pool.read_page(p) for p in pages]
     c.release(hashes[:len(pages)])
 
-Everything a connection reserved and did not commit, and everything it
-acquired and did not release, is reclaimed by the server when it closes (even
-when the engine process dies).
+A committed page must hold its bytes and a released page may be evicted and
+rewritten, so commit and release come after the copy landed. Everything a
+connection reserved and did not commit, and everything it acquired and did
+not release, is reclaimed by the server when it closes (even when the engine
+process dies).
 """
 from __future__ import annotations
 
@@ -28,7 +41,7 @@ import struct
 from typing import Any, NamedTuple, Sequence
 
 from hicache.config import DEFAULT_SOCKET_PATH
-from hicache.errors import ContractMismatch, ForeignPage, OutOfPages, ServiceError
+from hicache.errors import ConfigError, ContractMismatch, ForeignPage, OutOfPages, ServiceError
 from hicache.layout import KVLayout
 from hicache.pools import HostPool
 from hicache.protocol import HEADER_BYTES, CommitResult, body_length, hello_request, pack, unpack
@@ -43,6 +56,21 @@ from hicache.types import HostPageId, PageHash
 # Replies are small except ``lookup``/``acquire`` of long prompts; this bounds
 # what the client will accept from a confused peer.
 MAX_REPLY_BYTES = 64 << 20
+
+SCHEME = "hicache+unix"  # the storage.url scheme that names the service's socket
+# A healthy node-local service answers in microseconds; the socket timeout
+# only catches a hung one, and a spurious timeout costs a reconnect, so it
+# is generous: the fetch wait plus this.
+SOCKET_SLACK_S = 2.0
+
+
+def socket_path_of(url: str) -> str:
+    """The socket path of a ``hicache+unix:///abs/path.sock`` URL (``ConfigError`` otherwise)."""
+    scheme, sep, path = url.partition("://")
+    if scheme.lower() != SCHEME or not sep or not path.startswith("/"):
+        raise ConfigError(f"storage url {url!r}: expected {SCHEME}:///absolute/path/to/hicache.sock "
+                          "(three slashes: the socket path is absolute)")
+    return path
 
 
 _CONNECT_HINTS = {

@@ -1,8 +1,11 @@
 """``hicache+unix:///abs/path/to.sock``: the node-local service as an engine's L3.
 
-An embedded ``HiCache`` whose ``storage.url`` names the service's socket
-shares pages with every other engine of the node through the service's L2
-(a shared-memory segment), and through whatever L3 the service persists to:
+What ``open_storage`` returns for the service's URL: an engine that keeps its
+own host tier (the vLLM and SGLang connectors) shares pages with every other
+engine of the node through the service's L2 (a shared-memory segment), and
+through whatever L3 the service persists to. (An embedded ``HiCache`` given
+this URL does not open it: the segment becomes its L2, ``hicache.l2.shared``.
+Both go through the one client, ``hicache.service.client``.)
 
 * ``put``: ``reserve`` + copy payloads into the segment + ``commit`` under
   the page hashes (the service writes them behind to its own L3);
@@ -30,29 +33,13 @@ import logging
 import threading
 from typing import ClassVar, Sequence
 
-from hicache.service.client import ServiceClient
+from hicache.service.client import SCHEME, SOCKET_SLACK_S, ServiceClient, socket_path_of
 from hicache.errors import ConfigError, ContractMismatch, IntegrityError, OutOfPages, PoolError, ServiceError
 from hicache.layout import KVLayout
 from hicache.storage.base import _DOWN, PutBatch, PutItem, StorageBackend, StorageOptions
 from hicache.storage.codec import Buffer, as_bytes_view
 
 log = logging.getLogger(__name__)
-
-SCHEME = "hicache+unix"
-# A healthy node-local service answers in microseconds; the socket timeout
-# only catches a hung one, and a spurious timeout costs a reconnect, so it
-# is generous: the fetch wait plus this.
-SOCKET_SLACK_S = 2.0
-
-
-def socket_path_of(url: str) -> str:
-    """The socket path of a ``hicache+unix:///abs/path.sock`` URL (``ConfigError`` otherwise)."""
-    scheme, sep, path = url.partition("://")
-    if scheme.lower() != SCHEME or not sep or not path.startswith("/"):
-        raise ConfigError(f"storage url {url!r}: expected {SCHEME}:///absolute/path/to/hicache.sock "
-                          "(three slashes: the socket path is absolute)")
-    return path
-
 
 class _Unreachable(OSError):
     """The service cannot be reached (down, restarting, hung, or refusing us after a restart)."""

@@ -36,7 +36,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("hicache/protocol.py", "kind in ERROR_KINDS"): "kinds are literals in the server's own code",
     ("hicache/service/l2_index.py", "not self._owners and self.allocator.num_used == 0"):
         "restore() is called once, by NodeServer, on the index it just built",
-    ("hicache/shared_l2.py", "self.client.pool is not None"): "type narrowing while the owner holds the client",
     ("hicache/slots.py", "s.owner is None and (not s.written)"): "free-list invariant (check_integrity covers it)",
     ("hicache/service/ops.py", "not isinstance(op, str) or op not in ASYNC_OPS"): "dispatch table routing in this module",
     ("hicache/service/server.py", "self.dispatcher is not None and self.index is not None"):

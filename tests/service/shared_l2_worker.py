@@ -2,7 +2,7 @@
 
 The JSON carries ``socket``, ``kind`` (mha / mla), ``host_layout`` and
 ``prompt``. Pages move between this process's L1 and the service's segment
-only through ``SharedL2`` (the page-copy kernels): the CPU byte path of the
+only through the client's two-phase calls and the page-copy kernels: the CPU byte path of the
 pool (``read_page`` / ``write_page``) is disabled here, so using it fails.
 
 * ``prefill``: compute the prompt cold, share its full pages; prints
@@ -27,15 +27,16 @@ from hicache.reference.model import ReferenceModel
 from hicache.reference.model_spec import ModelSpec
 from hicache.hashing import page_hashes
 from hicache.pools import DevicePool, HostPool
-from hicache.shared_l2 import SharedL2
+from hicache.kernels.page_copy import PageCopier, default_copier
 from hicache.types import PageHash
 
 PS = 4
 NUM_PAGES = 32
 
 
-# Whole-page store and load through SharedL2's two-phase calls (the engine's own
-# path is HiCache in service mode; these serve this worker and the tests).
+# Whole-page store and load through the client's two-phase calls, the page-copy
+# kernels moving the bytes (the engine's own path is HiCache in service mode,
+# ``hicache.l2.shared``; these serve this worker and the tests).
 class StoreResult(NamedTuple):
     present: int  # leading pages the service already held complete (not copied)
     copied: int  # pages copied into the segment
@@ -48,39 +49,42 @@ def _wait(device: DevicePool) -> None:
         torch.cuda.current_stream(device.device).synchronize()
 
 
-def store(shared: SharedL2, device: DevicePool, device_pages: Sequence[int], hashes: Sequence[PageHash], *,
-          draft_pages: int | None = None) -> StoreResult:
+def store(client: ServiceClient, device: DevicePool, device_pages: Sequence[int], hashes: Sequence[PageHash], *,
+          draft_pages: int | None = None, copier: PageCopier | None = None) -> StoreResult:
     """Share L1 pages ``device_pages`` (logical order) under ``hashes``; ``draft_pages``:
     leading pages whose draft rows are valid (None: all). Leading pages the service
     already holds complete are not copied."""
     if len(device_pages) != len(hashes):
         raise ValueError(f"store: {len(device_pages)} device pages for {len(hashes)} hashes")
     dp = len(hashes) if draft_pages is None else draft_pages
-    skip = shared.lookup(hashes[:dp], need_draft=shared.draft) if dp else 0
+    draft = client.layout.draft_layers > 0
+    skip = client.lookup(hashes[:dp], need_draft=draft).num_pages if dp else 0
     if skip == len(hashes):
         return StoreResult(skip, 0, 0)
-    pages = shared.begin_store(len(hashes) - skip)
+    pages = client.reserve(len(hashes) - skip)
+    assert client.pool is not None
     try:
-        shared.copier.copy_pages(device, shared.pool, list(device_pages[skip:]), pages)
+        (copier or default_copier()).copy_pages(device, client.pool, list(device_pages[skip:]), pages)
         _wait(device)
     except BaseException:
-        shared.abort_store(pages)
+        client.cancel(pages)
         raise
-    inserted = shared.end_store(hashes[skip:], pages, max(0, dp - skip))
+    inserted = client.commit(hashes[skip:], pages, draft_pages=max(0, dp - skip)).inserted
     return StoreResult(skip, len(pages), inserted)
 
 
-def load(shared: SharedL2, hashes: Sequence[PageHash], device: DevicePool, device_pages: Sequence[int], *,
-         need_draft: bool = False) -> int:
+def load(client: ServiceClient, hashes: Sequence[PageHash], device: DevicePool, device_pages: Sequence[int], *,
+         need_draft: bool = False, copier: PageCopier | None = None) -> int:
     """Copy the leading shared pages of ``hashes`` into L1 ``device_pages`` (same order);
     returns how many (the rest of ``device_pages`` is untouched)."""
-    pages = shared.begin_load(hashes, need_draft=need_draft)
+    pages = client.acquire(hashes, need_draft=need_draft)
+    assert client.pool is not None
     try:
         if pages:
-            shared.copier.copy_pages(shared.pool, device, pages, list(device_pages[:len(pages)]))
+            (copier or default_copier()).copy_pages(client.pool, device, pages, list(device_pages[:len(pages)]))
             _wait(device)
     finally:
-        shared.end_load(hashes[:len(pages)])
+        client.release(hashes[:len(pages)])
     return len(pages)
 
 
@@ -147,17 +151,16 @@ def main(mode: str, args: dict) -> dict:
     full = (len(prompt) - 1) // PS  # shareable: whole pages before the last token
     hashes = page_hashes(prompt[:full * PS], PS)
     with ServiceClient(args["socket"], layout, pin=False) as client:
-        shared = SharedL2(client)
         if mode == "prefill":
             pool = DevicePool(layout, NUM_PAGES, "cpu")
             pages = list(range(n_pages))
             out = model.forward_chunk(pool, prompt, 0, _slots(pages), draft=False)
-            r = store(shared, pool, pages[:full], hashes)
+            r = store(client, pool, pages[:full], hashes)
             return {"stored": r.present + r.copied, "copied": r.copied, "logits": out.logits_last.numpy().tobytes().hex()}
         assert mode == "warm", mode
         pool = DevicePool(layout, NUM_PAGES, "cpu")
         pages = [NUM_PAGES - 1 - 2 * i for i in range(n_pages)]  # scattered, unlike the writer's
-        n = load(shared, hashes, pool, pages[:full])
+        n = load(client, hashes, pool, pages[:full])
         warm = model.forward_chunk(pool, prompt[n * PS:], n * PS, _slots(pages), draft=False)
         cold_pool = DevicePool(layout, NUM_PAGES, "cpu")
         cold = model.forward_chunk(cold_pool, prompt, 0, _slots(list(range(n_pages))), draft=False)

@@ -65,7 +65,6 @@ def test_shared_l2_kernels_copy_between_gpu_l1_and_the_segment(host_layout):
     """Zero copy on the GPU: the Triton page-copy kernels read and write the
     registered segment directly (engine A's L1 -> shared pages -> engine B's L1)."""
     from hicache.pools import DevicePool
-    from hicache.shared_l2 import SharedL2
     from .shared_l2_worker import load, store
     with gpu_service(host_layout, "gpuz") as (sock, lay):
         with ServiceClient(sock, lay) as a, ServiceClient(sock, lay) as b:
@@ -73,8 +72,8 @@ def test_shared_l2_kernels_copy_between_gpu_l1_and_the_segment(host_layout):
             for buf in src.buffers:
                 buf.copy_(torch.randn(buf.shape, device="cuda").to(buf.dtype))
             hashes = page_hashes(list(range(3 * lay.page_size)), lay.page_size)
-            assert store(SharedL2(a), src, [6, 1, 4], hashes) == (0, 3, 3)
-            assert load(SharedL2(b), hashes, dst, [0, 5, 2]) == 3
+            assert store(a, src, [6, 1, 4], hashes) == (0, 3, 3)
+            assert load(b, hashes, dst, [0, 5, 2]) == 3
             for s, t in zip([6, 1, 4], [0, 5, 2]):
                 for k, v in src.page_view(s).items():
                     assert torch.equal(dst.page_view(t)[k], v), (k, s, t)

@@ -20,7 +20,7 @@ from hicache.service.client import ServiceClient
 from hicache.errors import ServiceError
 from hicache.hashing import page_hashes
 from hicache.pools import DevicePool
-from hicache.shared_l2 import SharedL2
+from hicache.kernels.page_copy import default_copier
 
 from .conftest import unique_shm_name, wait_ready, write_config
 from .shared_l2_worker import PS, layout_of, load, store
@@ -124,9 +124,9 @@ def test_store_and_load_move_exact_pages_and_give_back_on_failure(start_service,
         buf.copy_(torch.arange(buf.numel(), dtype=buf.dtype).reshape(buf.shape) * (i + 1))
     h = page_hashes(list(range(4 * PS)), PS)
     with ServiceClient(sock, layout, pin=False) as c:
-        shared = SharedL2(c)
-        assert store(shared, src, [5, 1, 2], h[:3]) == (0, 3, 3)
-        assert load(shared, h, dst, [0, 7, 3, 4]) == 3  # the fourth is not shared: page 4 untouched
+        copier = default_copier()
+        assert store(c, src, [5, 1, 2], h[:3], copier=copier) == (0, 3, 3)
+        assert load(c, h, dst, [0, 7, 3, 4]) == 3  # the fourth is not shared: page 4 untouched
         for s, d in zip([5, 1, 2], [0, 7, 3]):
             for key, t in src.page_view(s).items():
                 assert torch.equal(dst.page_view(d)[key], t), (s, d, key)
@@ -134,12 +134,12 @@ def test_store_and_load_move_exact_pages_and_give_back_on_failure(start_service,
         # A copy that fails gives its reservation back; nothing is committed.
         def broken(*a, **k):
             raise RuntimeError("copy failed")
-        monkeypatch.setattr(shared.copier, "copy_pages", broken)
+        monkeypatch.setattr(copier, "copy_pages", broken)
         with pytest.raises(RuntimeError, match="copy failed"):
-            store(shared, src, [0], h[3:])
+            store(c, src, [0], h[3:], copier=copier)
         monkeypatch.undo()
         st = c.stats()
         assert (st["reserved_pages"], st["locked_pages"], st["committed_pages"]) == (0, 0, 3)
         with pytest.raises(ServiceError, match="bad_args"):
-            load(shared, [b"short"], dst, [0])
+            load(c, [b"short"], dst, [0])
         c.check_integrity()

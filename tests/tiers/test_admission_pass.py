@@ -172,16 +172,20 @@ def test_the_in_flight_registry_is_checked_while_a_load_runs(monkeypatch):
     hc.evict(100)
     req = hc.new_request("b", TOK)
     adm = hc.admit(req)  # load back in flight until observed
-    ((last, job),) = hc._load_job.items()
-    assert hc._jobs[job].last is last and hc.transfers.load_handle(job) in adm.loads
+    ((job, plan),) = hc._jobs.items()
+    assert all(hc._jobs.load_job(n) == job for n in plan.path) and hc.transfers.load_handle(job) in adm.loads
     hc.check_integrity()
-    monkeypatch.setitem(hc._load_job, last, job + 1000)  # a node still filling, led to a job not in flight
-    with pytest.raises(IntegrityError, match="is not in flight|not the job in flight"):
+    monkeypatch.setitem(hc._jobs._filling, plan.last, job + 1000)  # a node still filling, led to a job not in flight
+    with pytest.raises(IntegrityError, match="is not a load in flight"):
         hc.check_integrity()
+    monkeypatch.undo()
+    monkeypatch.setattr(plan.last, "lock_ref", 0)  # the load no longer pins what it fills
+    with pytest.raises(IntegrityError, match="not pinned on L1"):
+        hc._jobs.check_integrity()  # (the cache's own check finds the lock count off too)
     monkeypatch.undo()
     adm.wait()
     hc.poll()
-    assert not hc._load_job and not hc.tiers.loading
+    assert not len(hc._jobs) and all(hc._jobs.load_job(n) is None for n in plan.path)
     req.abort()
     hc.check_integrity()
     hc.close()
@@ -200,3 +204,73 @@ def test_an_l2_page_is_held_by_one_plan_at_a_time():
     hc.drain()
     hc.check_integrity()
     hc.close()
+
+
+# ---------------------------------------------------------------- service mode
+# The same single lookup when L2 is the node service's shared segment
+# (``hicache.l2.shared``): the shared hit is acquired at the service, not
+# looked up in this engine's index, and the load back's hit is known without
+# a second lookup.
+LAYOUT = KVLayout(model_id="t", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=PS,
+                  host_layout="page_first")
+
+
+@pytest.fixture
+def service_url():
+    from tests.tiers.service_node import running_service, socket_url
+    with running_service(LAYOUT) as srv:
+        yield socket_url(srv)
+
+
+def test_service_mode_a_miss_and_an_l1_hit_look_up_once(service_url, lookups):
+    hc = make(service_url)
+    assert hc.shared is not None and hc.private_host_bytes == 0
+    expect(*admit_counted(hc, "a", TOK, lookups), Expected(0, 0, 0, 1))
+    hc.drain()
+    expect(*admit_counted(hc, "b", TOK, lookups), Expected(20, 0, 0, 1))
+    hc.check_integrity()
+    hc.close()
+
+
+def test_service_mode_a_shared_hit_is_loaded_back_without_a_second_lookup(service_url, lookups):
+    a, b = make(service_url), make(service_url)  # two engines of one node
+    admit_counted(a, "a", TOK, lookups)
+    a.drain()  # write_through: a's pages are committed to the segment
+    expect(*admit_counted(b, "b", TOK, lookups), Expected(0, 20, 0, 1))
+    b.drain()
+    hc = make(service_url, **{"pool.device_pages": "8"})
+    admit_counted(hc, "x", list(range(300, 329)), lookups)  # 7 pages fill its L1 (unlocked once finished)
+    hc.drain()
+    epoch = hc.cache.epoch
+    adm, n = admit_counted(hc, "c", TOK, lookups)
+    assert hc.cache.epoch > epoch  # the load back's allocation evicted x's pages
+    expect(adm, n, Expected(0, 20, 0, 1))
+    for h in (a, b, hc):
+        h.drain()
+        h.check_integrity()
+        h.close()
+
+
+def test_service_mode_a_preempted_request_keeps_exact_accounting_over_a_shared_load(service_url, lookups):
+    a, b = make(service_url), make(service_url)
+    long = TOK[:20] + [7, 8, 9, 10, 11, 12]  # 5 shared pages + 1 full page + 2 tokens
+    admit_counted(a, "a", long[:24] + [0], lookups)  # a shares 6 pages
+    a.drain()
+    req = b.new_request("p", long)
+    b.admit(req).wait()
+    req.alloc(len(long) - req.computed_tokens)
+    req.commit()
+    req.preempt()
+    b.drain()
+    b.evict(100)  # b's L1 is empty: its hit comes back from the segment
+    before = lookups[0]
+    adm = b.admit(req)  # the shared load reaches its private tail: it counts again (all but the last token)
+    assert lookups[0] - before == 1 and adm.host_tokens == 24 and req.computed_tokens == 25
+    fresh = req.match()
+    assert (adm.match.device_tokens, adm.match.exact_tokens) == (fresh.device_tokens, fresh.exact_tokens) == (24, 25)
+    adm.wait()
+    req.finish()
+    for h in (a, b):
+        h.drain()
+        h.check_integrity()
+        h.close()

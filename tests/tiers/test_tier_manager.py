@@ -90,11 +90,11 @@ def test_load_back_pins_its_pages_until_complete(owner):
     assert c.evict_host(100) == []  # pinned on L2 from plan_load on
     plan = tm.prepare_load(req, blocks.alloc_device(req.num_pages))
     assert (plan.host, plan.device) == ([0, 1, 2, 3], [3, 2, 1, 0])  # LIFO: the ids X freed
-    assert c.match(X + [0]).device_tokens == 16 and set(tm.loading) == set(plan.path)
+    assert c.match(X + [0]).device_tokens == 16 and plan.last.lock_ref == 1 and plan.last.host_lock_ref == 1
     assert c.evict(100) == 0  # the load pins the L1 pages it fills
     check(c, tm)
     tm.complete_load(plan, ok=True)
-    assert tm.loading == {} and tm.stats.load_back_pages == 4
+    assert (plan.last.lock_ref, plan.last.host_lock_ref, tm.stats.load_back_pages) == (0, 0, 4)
     assert c.evict(100) == 4 and c.evict_host(100) == [0, 1, 2, 3]
     check(c, tm)
 
