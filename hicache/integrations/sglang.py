@@ -88,6 +88,7 @@ from hicache.integrations.sglang_pools import (
     mamba_layout,
     page_bytes_of,
     pool_tag,
+    side_timeout_ms,
 )
 from hicache.layout import KVLayout
 from hicache.storage import StorageBackend, StorageStats, open_storage
@@ -444,7 +445,9 @@ class HiCacheBackend(HiCacheStorage):
             super().register_mem_host_pool_v2(host_pool, host_pool_name)
             return
         layout, segs = self._side_layout(host_pool, name)
-        store = open_storage(self.url, fingerprint=layout.fingerprint(), layout=layout, **self._open_opts)
+        opts = {**self._open_opts,
+                "timeout_ms": side_timeout_ms(layout.page_bytes, self._open_opts.get("timeout_ms"))}
+        store = open_storage(self.url, fingerprint=layout.fingerprint(), layout=layout, **opts)
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         self.side.add(SidePool(name, layout, store, segs, isinstance(host_pool, MLATokenToKVPoolHost)))
         log.info("hicache SGLang backend: side pool %r, %d pages of %d bytes (%s), L3 fingerprint %s",

@@ -41,6 +41,17 @@ from hicache.storage import StorageBackend, StorageStats
 from hicache.types import PageHash
 
 KV_POOL = PoolName.KV  # the anchor pool, stored by the v1 methods
+# A side pool's per-page timeout covers one of its pages moved at this rate: a
+# Qwen3-Next state slot is 74 MiB (0.77 s at 100 MB/s). With the default 50 ms per
+# page every such write to file:// timed out on the 2-core test machine.
+SLOW_PAGE_BYTES_PER_S = 100e6
+DEFAULT_TIMEOUT_MS = 50  # StorageOptions' default
+
+
+def side_timeout_ms(page_bytes: int, configured: int | None) -> int:
+    """The per-page timeout of a side pool's store: the configured one (or the
+    default), raised to what one page needs at ``SLOW_PAGE_BYTES_PER_S``."""
+    return max(configured or DEFAULT_TIMEOUT_MS, -(-page_bytes * 1000 // int(SLOW_PAGE_BYTES_PER_S)))
 
 
 def pool_key(pool: str, sglang_hash: str) -> PageHash:
@@ -89,8 +100,9 @@ def _restorable(v: PoolVerdict, kv_pages: int) -> set[int]:
     if v.policy == PoolHitPolicy.TRAILING_PAGES:
         n = max(1, v.trailing)
         return {b for b in range(1, kv_pages + 1) if all(v.present[max(0, b - n):b])}
-    raise ValueError(f"hicache SGLang backend: pool {v.name!r} asks hit policy {v.policy!s}; supported: "
-                     f"{PoolHitPolicy.ALL_PAGES!s}, {PoolHitPolicy.TRAILING_PAGES!s} (SWA and Mamba pools)")
+    policy = getattr(v.policy, "value", v.policy)
+    raise ValueError(f"hicache SGLang backend: pool {str(v.name)!r} asks hit policy {policy!r}; supported: "
+                     f"{PoolHitPolicy.ALL_PAGES.value!r}, {PoolHitPolicy.TRAILING_PAGES.value!r} (SWA and Mamba pools)")
 
 
 def fold_hits(kv_pages: int, verdicts: Sequence[PoolVerdict]) -> PoolTransferResult:
