@@ -41,9 +41,9 @@ def url(request, tmp_path, redis_url):
     return {"file": f"file://{tmp_path}/l3", "memory": "memory://", "redis": redis_url}[request.param]
 
 
-def chain(n_pages: int, seed: int = 0) -> tuple[list[int], list[str]]:
-    tokens = [seed * 100_000 + i for i in range(n_pages * PAGE)]
-    return tokens, get_storage_hash_str(tokens, None, page_size=PAGE)
+def chain(n_pages: int, seed: int = 0, page: int = PAGE) -> tuple[list[int], list[str]]:
+    tokens = [seed * 100_000 + i for i in range(n_pages * page)]
+    return tokens, get_storage_hash_str(tokens, None, page_size=page)
 
 
 def backup(c, host_idx, tokens, keys, side: PoolTransfer):
@@ -114,36 +114,42 @@ def kv_object(b: HiCacheBackend, key: str) -> bytes:
 
 
 # ------------------------------------------------------------------- SWA
-def swa_stack(layout, url, model, controllers):
-    group, dev = gpt_oss_group(PAGE, layout)
-    c = hybrid_controller(group, dev, PAGE, url, f"{model}-{GPT_OSS}", model_shape(GPT_OSS).layers)
+def swa_stack(layout, url, model, controllers, page: int = PAGE):
+    window = -(-128 // page)
+    group, dev = gpt_oss_group(page, layout, dev_pages=2 * (window + 2))
+    c = hybrid_controller(group, dev, page, url, f"{model}-{GPT_OSS}", model_shape(GPT_OSS).layers)
     controllers.append(c)
     return c, group.get_pool(PoolName.KV), group.get_pool(PoolName.SWA)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_swa_window_round_trips_byte_exact_through_the_hybrid_controller(layout, url, model, controllers):
-    c, kv, swa = swa_stack(layout, url, model, controllers)
+# SGLang's default page size (1: a 128-page window) in one layout, trtllm_mha's 16 in every layout.
+SWA_CASES = [*((layout, PAGE) for layout in LAYOUTS), ("page_first", 1)]
+
+
+@pytest.mark.parametrize("layout, page", SWA_CASES)
+def test_swa_window_round_trips_byte_exact_through_the_hybrid_controller(layout, page, url, model, controllers):
+    c, kv, swa = swa_stack(layout, url, model, controllers, page)
     b = c.storage_backend
-    window = -(-128 // PAGE)  # SGLang's window pages for gpt-oss's 128-token window
-    tokens, keys = chain(10)
-    src, swa_src = kv.alloc(10 * PAGE), swa.alloc(window * PAGE)
+    window = -(-128 // page)  # SGLang's window pages for gpt-oss's 128-token window
+    n = window + 2
+    tokens, keys = chain(n, page=page)
+    src, swa_src = kv.alloc(n * page), swa.alloc(window * page)
     done = backup(c, src, tokens, keys, PoolTransfer(PoolName.SWA, host_indices=swa_src, keys=keys[-window:],
                                                       hit_policy=TRAILING))
-    assert done.completed_tokens == 10 * PAGE
+    assert done.completed_tokens == n * page
     assert done.pool_storage_result.extra_pool_hit_pages == {PoolName.SWA: window}
 
     side = PoolTransfer(PoolName.SWA, keys=["__placeholder__"] * window, hit_policy=TRAILING)
-    op, acks = prefetch(c, tokens, side, lambda: swa.alloc(window * PAGE))
-    # Only boundary 10 has the whole window before it: the hit is all 10 pages.
-    assert op.pool_storage_result.restorable_prefix_pages == [10]
-    assert op.storage_hit_count == 10 * PAGE and side.keys == keys[-window:]
-    assert loaded(acks)[0] == 10 * PAGE and loaded(acks)[1][PoolName.SWA] == window
+    op, acks = prefetch(c, tokens, side, lambda: swa.alloc(window * page))
+    # Only boundary n has the whole window before it: the hit is all n pages.
+    assert op.pool_storage_result.restorable_prefix_pages == [n]
+    assert op.storage_hit_count == n * page and side.keys == keys[-window:]
+    assert loaded(acks)[0] == n * page and loaded(acks)[1][PoolName.SWA] == window
     assert same_pages(kv, src, op.host_indices) and same_pages(swa, swa_src, side.host_indices)
     s = b.pool_stats(PoolName.SWA)
-    page = b.side.get("swa").layout.page_bytes
-    assert page == 18 * 2 * 8 * 64 * 2 * PAGE  # 18 sliding layers, K and V, 8 heads of 64, bf16
-    assert (s.put_ok, s.hits, s.misses, s.bytes_read) == (window, window, 0, window * page)
+    page_bytes_ = b.side.get("swa").layout.page_bytes
+    assert page_bytes_ == 18 * 2 * 8 * 64 * 2 * page  # 18 sliding layers, K and V, 8 heads of 64, bf16
+    assert (s.put_ok, s.hits, s.misses, s.bytes_read) == (window, window, 0, window * page_bytes_)
     b.check_integrity()
 
 
@@ -279,6 +285,27 @@ def test_every_pool_has_its_own_fingerprint_and_keys(tmp_path, model, controller
     assert len({page_key("ab"), pool_key("mamba", "ab"), pool_key("swa", "ab")}) == 3
     with pytest.raises(ConfigError, match="register_mem_pool_host"):
         b.register_mem_host_pool_v2(m.segments.host_pool, PoolName.KV)
+
+
+def test_v2_kv_transfers_are_v1_objects_and_bad_transfers_move_nothing(tmp_path, model, controllers):
+    c, kv, swa = swa_stack("page_first", f"file://{tmp_path}/l3", model, controllers)
+    b = c.storage_backend
+    tokens, keys = chain(3, seed=5)
+    src, dst, dst2 = kv.alloc(3 * PAGE), kv.alloc(3 * PAGE), kv.alloc(3 * PAGE)
+    assert b.batch_set_v2([PoolTransfer(PoolName.KV, host_indices=src, keys=keys)]) == {PoolName.KV: [True] * 3}
+    assert b.batch_exists(keys) == 3 and b.batch_get_v1(keys, dst) == [True] * 3
+    assert b.batch_get_v2([PoolTransfer(PoolName.KV, host_indices=dst2, keys=keys)]) == {PoolName.KV: [True] * 3}
+    assert same_pages(kv, src, dst) and same_pages(kv, src, dst2)
+    # Indices that do not cover the keys (SGLang's file backend: nothing moves), an
+    # unregistered pool, and nothing stored yet: all False, no exception.
+    short = PoolTransfer(PoolName.SWA, host_indices=swa.alloc(PAGE), keys=keys[:2])
+    assert b.batch_set_v2([short]) == {PoolName.SWA: [False, False]}
+    ghost = PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([0]), keys=keys[:1])
+    assert b.batch_get_v2([ghost]) == {PoolName.MAMBA: [False]}
+    fresh = PoolTransfer(PoolName.SWA, host_indices=swa.alloc(2 * PAGE), keys=keys[:2])
+    assert b.batch_get_v2([fresh]) == {PoolName.SWA: [False, False]}
+    assert b.pool_stats("swa").put_ok == 0
+    b.check_integrity()
 
 
 def test_a_replicated_side_pool_is_written_by_the_writer_rank_only(tmp_path, model):
