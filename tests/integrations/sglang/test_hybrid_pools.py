@@ -14,6 +14,7 @@ hit, queue the transfer.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import redis
@@ -24,7 +25,7 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str
 
 from hicache.errors import ConfigError
 from hicache.integrations.sglang import HiCacheBackend, page_key
-from hicache.integrations.sglang_pools import PoolVerdict, fold_hits, pool_key
+from hicache.integrations.sglang_pools import PoolVerdict, fold_hits, mamba_layout, pool_key
 from hicache.shapes import model_shape
 
 from .conftest import LAYOUTS, host_pool, storage_config
@@ -167,6 +168,11 @@ def test_swa_pages_missing_from_the_window_are_a_miss(url, model, controllers):
     side = PoolTransfer(PoolName.SWA, keys=["__placeholder__"] * window, hit_policy=TRAILING)
     op, acks = prefetch(c, tokens, side, lambda: swa.alloc(window * PAGE))
     assert op.storage_hit_count == 0 and acks == []
+    # SGLang's clear (its /clear_hicache_storage_backend) clears the side pools too.
+    b = c.storage_backend
+    assert b.side.exists("swa", keys[-7:]) == [True] * 7
+    assert c.clear_storage_backend()
+    assert b.batch_exists(keys) == 0 and b.side.exists("swa", keys[-7:]) == [False] * 7
 
 
 @pytest.mark.parametrize("scheme", ["file", "redis"])
@@ -283,6 +289,11 @@ def test_every_pool_has_its_own_fingerprint_and_keys(tmp_path, model, controller
     assert m.layout.model_id.endswith("#sglang:page_first:mamba") and m.layout.kind == "rows"
     assert b.side.get("mamba").store.key_prefix != b.store.key_prefix
     assert len({page_key("ab"), pool_key("mamba", "ab"), pool_key("swa", "ab")}) == 3
+    # Mamba state is TP-sharded even where KV is MLA-replicated: each rank its own fingerprint.
+    ranks = [mamba_layout(m.segments.host_pool, "mamba", replace(b.storage_config, tp_rank=r, tp_size=2,
+                                                                     is_mla_model=True), m.layout.page_bytes)
+             for r in (0, 1)]
+    assert len({r.fingerprint() for r in ranks} | {m.layout.fingerprint()}) == 3
     with pytest.raises(ConfigError, match="register_mem_pool_host"):
         b.register_mem_host_pool_v2(m.segments.host_pool, PoolName.KV)
 
