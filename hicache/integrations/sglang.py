@@ -81,6 +81,7 @@ from hicache.hashing import HASH_BYTES
 from hicache.integrations.metrics import AdapterMetrics, AdapterStats, adapter_stats, start_line, warnings_for
 from hicache.integrations.sglang_pools import (
     KV_POOL,
+    PageSegments,
     PoolVerdict,
     SidePool,
     SidePools,
@@ -449,12 +450,12 @@ class HiCacheBackend(HiCacheStorage):
                 "timeout_ms": side_timeout_ms(layout.page_bytes, self._open_opts.get("timeout_ms"))}
         store = open_storage(self.url, fingerprint=layout.fingerprint(), layout=layout, **opts)
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        self.side.add(SidePool(name, layout, store, segs, isinstance(host_pool, MLATokenToKVPoolHost)))
+        self.side.add(SidePool(name, layout, store, segs, replicated=isinstance(host_pool, MLATokenToKVPoolHost)))
         log.info("hicache SGLang backend: side pool %r, %d pages of %d bytes (%s), L3 fingerprint %s",
                  name, host_pool.size // host_pool.page_size, layout.page_bytes, layout.model_id,
                  layout.fingerprint())
 
-    def _side_layout(self, host_pool: Any, name: str) -> tuple[KVLayout, Any]:
+    def _side_layout(self, host_pool: Any, name: str) -> tuple[KVLayout, PageSegments]:
         """A side pool's layout (its fingerprint names the pool) and its page segments."""
         segs, nbytes = page_bytes_of(host_pool, name)
         if isinstance(host_pool, MambaPoolHost):
@@ -526,12 +527,15 @@ class HiCacheBackend(HiCacheStorage):
             with self._lock:
                 self.skipped_writes += len(keys)
             return [True] * len(keys)
-        t0 = time.perf_counter()
-        try:
-            ok = (self.side.read if kind == "prefetch" else self.side.write)(pool, keys, t.host_indices)
-        except ValueError as e:  # indices that do not match the keys: nothing moves (as SGLang's file backend)
-            self._warn.warning("v2-indices", "hicache SGLang backend: %s of pool %r refused: %s", kind, pool.name, e)
+        want = len(keys) * pool.segments.host_pool.page_size
+        if t.host_indices is None or t.host_indices.numel() != want:
+            # What SGLang's file backend does (its controller relies on it): nothing moves.
+            got = None if t.host_indices is None else t.host_indices.numel()
+            self._warn.warning("v2-indices", "hicache SGLang backend: %s of pool %r refused: %d keys need %d "
+                               "host indices, got %s", kind, pool.name, len(keys), want, got)
             return [False] * len(keys)
+        t0 = time.perf_counter()
+        ok = (self.side.read if kind == "prefetch" else self.side.write)(pool, keys, t.host_indices)
         if kind == "backup" and not all(ok):
             self._warn.warning("put", "hicache SGLang backend: L3 %s took %d of %d pages of pool %r; the rest "
                                "are recomputed when needed", pool.store.name, sum(ok), len(ok), pool.name)
