@@ -93,6 +93,7 @@ from hicache.integrations.sglang_pools import (
 )
 from hicache.layout import KVLayout
 from hicache.storage import StorageBackend, StorageStats, open_storage
+from hicache.storage.service import SCHEME as SERVICE_SCHEME
 from hicache.types import PageHash
 
 log = logging.getLogger(__name__)
@@ -445,6 +446,10 @@ class HiCacheBackend(HiCacheStorage):
                                   "register_mem_pool_host(); SGLang registers its anchor pool there first")
             super().register_mem_host_pool_v2(host_pool, host_pool_name)
             return
+        if self.url.partition("://")[0].lower() == SERVICE_SCHEME:
+            raise ConfigError(f"hicache SGLang backend: side pool {name!r} of a hybrid model cannot go through the "
+                              f"node-local service ({self.url}): it serves one layout, the KV pool's; use an "
+                              "object store URL (file://, redis://, a Redis Cluster) for hybrid models")
         layout, segs = self._side_layout(host_pool, name)
         opts = {**self._open_opts,
                 "timeout_ms": side_timeout_ms(layout.page_bytes, self._open_opts.get("timeout_ms"))}

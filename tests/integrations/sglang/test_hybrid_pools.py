@@ -24,10 +24,11 @@ from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTr
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
 from hicache.errors import ConfigError
-from hicache.integrations.sglang import HiCacheBackend, page_key
+from hicache.integrations.sglang import HiCacheBackend, page_key, sglang_layout
 from hicache.integrations.sglang_pools import PoolVerdict, fold_hits, mamba_layout, pool_key
 from hicache.shapes import model_shape
 
+from ..service_proc import start_serve, stop_serve
 from .conftest import LAYOUTS, host_pool, storage_config
 from .hybrid import GPT_OSS, QWEN3_NEXT, gpt_oss_group, hybrid_controller, qwen3_next_group
 from .launch import page_bytes
@@ -317,6 +318,21 @@ def test_v2_kv_transfers_are_v1_objects_and_bad_transfers_move_nothing(tmp_path,
     assert b.batch_get_v2([fresh]) == {PoolName.SWA: [False, False]}
     assert b.pool_stats("swa").put_ok == 0
     b.check_integrity()
+
+
+def test_the_node_service_refuses_side_pools_at_attach(model):
+    """The service serves one layout (the KV pool's): SGLang's attach fails, naming why.
+    (SGLang's hybrid attach has started its storage threads by then and does not stop
+    them on this failure; they are daemon threads, idle on empty queues.)"""
+    group, dev = gpt_oss_group(PAGE, "page_first")
+    kv_layout = sglang_layout(group.get_pool(PoolName.KV),
+                              storage_config("mha", "page_first", "memory://", model=f"{model}-{GPT_OSS}"))
+    serve = start_serve(kv_layout)
+    try:
+        with pytest.raises(ConfigError, match="side pool 'swa' .* node-local service"):
+            hybrid_controller(group, dev, PAGE, serve.url, f"{model}-{GPT_OSS}", model_shape(GPT_OSS).layers)
+    finally:
+        stop_serve(serve)
 
 
 def test_a_replicated_side_pool_is_written_by_the_writer_rank_only(tmp_path, model):
