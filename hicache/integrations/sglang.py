@@ -49,8 +49,9 @@ pools, pools without zero-copy page metadata (a Mamba pool with slot side
 states), anchors without a KV buffer of their own (the shared page-envelope
 arena), host layouts other than ``layer_first``/``page_first``/
 ``page_first_direct``, DCP shards (SGLang only allows file/Mooncake there) and
-``page_head`` split heads across heterogeneous TP. Registering such a pool
-raises ``ConfigError``.
+``page_head`` split heads across heterogeneous TP, and side pools through the
+node-local service (it serves one layout). Registering such a pool raises
+``ConfigError``.
 """
 from __future__ import annotations
 
