@@ -25,7 +25,7 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str
 
 from hicache.errors import ConfigError
 from hicache.integrations.sglang import HiCacheBackend, page_key, sglang_layout
-from hicache.integrations.sglang_pools import PoolVerdict, fold_hits, mamba_layout, pool_key
+from hicache.integrations.sglang_pools import PoolVerdict, fold_hits, mamba_layout, pool_key, side_timeout_ms
 from hicache.shapes import model_shape
 
 from ..service_proc import start_serve, stop_serve
@@ -297,6 +297,10 @@ def test_every_pool_has_its_own_fingerprint_and_keys(tmp_path, model, controller
     assert len({r.fingerprint() for r in ranks} | {m.layout.fingerprint()}) == 3
     with pytest.raises(ConfigError, match="register_mem_pool_host"):
         b.register_mem_host_pool_v2(m.segments.host_pool, PoolName.KV)
+    # Per-page timeouts: the KV store keeps the default, a 74 MiB state slot gets 1.5 s.
+    assert (b.store.options.timeout_ms, m.store.options.timeout_ms) == (50, -(-m.layout.page_bytes // 50_000))
+    assert (side_timeout_ms(1 << 20, None), side_timeout_ms(1 << 20, 200), side_timeout_ms(10**8, 200)) == (
+        50, 200, 2000)
 
 
 def test_v2_kv_transfers_are_v1_objects_and_bad_transfers_move_nothing(tmp_path, model, controllers):
