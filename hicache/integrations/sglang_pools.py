@@ -26,6 +26,7 @@ one state slot per node end, ``page_size`` 1). This module stores side pools:
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 import threading
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence
@@ -38,6 +39,7 @@ from hicache.errors import ConfigError, IntegrityError
 from hicache.hashing import HASH_BYTES
 from hicache.layout import KVLayout
 from hicache.storage import StorageBackend, StorageStats
+from hicache.storage.base import StorageOptions
 from hicache.types import PageHash
 
 KV_POOL = PoolName.KV  # the anchor pool, stored by the v1 methods
@@ -47,7 +49,7 @@ KV_POOL = PoolName.KV  # the anchor pool, stored by the v1 methods
 # writes of that slot measured 150 MiB/s (median of 5: one join copy, xxh3, the
 # write) and reads 2.4 GiB/s; 50 MB/s leaves 3x for a loaded disk or network.
 SLOW_PAGE_BYTES_PER_S = 50e6
-DEFAULT_TIMEOUT_MS = 50  # StorageOptions' default
+DEFAULT_TIMEOUT_MS: int = next(f.default for f in dataclasses.fields(StorageOptions) if f.name == "timeout_ms")
 
 
 def side_timeout_ms(page_bytes: int, configured: int | None) -> int:
