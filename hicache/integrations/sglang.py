@@ -37,15 +37,26 @@ node-local service (``hicache+unix://``) accepts it. The copying
 ``get``/``set`` produce the same bytes, so either path reads what the other
 wrote.
 
-Not implemented: the v2 hybrid-pool methods (``batch_exists_v2``,
-``batch_get_v2``, ``batch_set_v2``: Mamba/SWA/indexer side pools), host
-layouts other than ``layer_first``/``page_first``/``page_first_direct``,
-DCP shards (SGLang only allows file/Mooncake there) and ``page_head`` split
-heads across heterogeneous TP. Registering such a pool raises ``ConfigError``.
+Hybrid models (SGLang's ``HybridCacheController``): the v2 methods
+(``register_mem_host_pool_v2``, ``batch_exists_v2``, ``batch_get_v2``,
+``batch_set_v2``) store the side pools of its ``HostPoolGroup`` (SWA KV pages,
+Mamba state slots) under per-pool keys and fingerprints, with SGLang's
+``all_pages`` / ``trailing_pages`` hit policies; see
+``hicache.integrations.sglang_pools``.
+
+Not implemented: the ``block_groups`` hit policy and DeepSeek-V4's compressed
+pools, pools without zero-copy page metadata (a Mamba pool with slot side
+states), anchors without a KV buffer of their own (the shared page-envelope
+arena), host layouts other than ``layer_first``/``page_first``/
+``page_first_direct``, DCP shards (SGLang only allows file/Mooncake there) and
+``page_head`` split heads across heterogeneous TP, and side pools through the
+node-local service (it serves one layout). Registering such a pool raises
+``ConfigError``.
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import logging
 import os
@@ -59,15 +70,31 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolTransfer,
+    PoolTransferResult,
 )
+from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 from hicache.errors import ConfigError, IntegrityError
 from hicache.hashing import HASH_BYTES
 from hicache.integrations.metrics import AdapterMetrics, AdapterStats, adapter_stats, start_line, warnings_for
+from hicache.integrations.sglang_pools import (
+    KV_POOL,
+    PageSegments,
+    PoolVerdict,
+    SidePool,
+    SidePools,
+    fold_hits,
+    mamba_layout,
+    page_bytes_of,
+    pool_tag,
+    side_timeout_ms,
+)
 from hicache.layout import KVLayout
 from hicache.storage import StorageBackend, StorageStats, open_storage
+from hicache.storage.service import SCHEME as SERVICE_SCHEME
 from hicache.types import PageHash
 
 log = logging.getLogger(__name__)
@@ -105,8 +132,8 @@ def sglang_layout(host_pool: Any, config: HiCacheStorageConfig) -> KVLayout:
                           f"start SGLang with --hicache-mem-layout one of {SUPPORTED_LAYOUTS}")
     if getattr(host_pool, "kv_buffer", None) is None:
         raise ConfigError(f"hicache SGLang backend: {type(host_pool).__name__} has no materialized "
-                          "kv_buffer (a logical anchor pool); its data lives in v2 side pools, "
-                          "which this backend does not implement")
+                          "kv_buffer (a logical anchor pool over a shared page arena); this backend "
+                          "stores an anchor KV pool of its own beside v2 side pools")
     if config.dcp_size > 1:
         raise ConfigError(f"hicache SGLang backend: decode context parallel (dcp_size="
                           f"{config.dcp_size}) is not supported")
@@ -114,13 +141,7 @@ def sglang_layout(host_pool: Any, config: HiCacheStorageConfig) -> KVLayout:
     if dtype is None:
         raise ConfigError(f"hicache SGLang backend: KV dtype {host_pool.dtype} is not supported; "
                           f"known: {sorted(_DTYPE_NAMES.values())}")
-    model = config.model_name or "unnamed"
-    tag = f"{model}#sglang:{layout}"
-    if config.pp_size > 1:
-        tag += f":pp{config.pp_rank}/{config.pp_size}"
-    if config.attn_cp_size > 1:
-        tag += f":cp{config.attn_cp_rank}/{config.attn_cp_size}"
-    common = dict(model_id=tag, num_layers=host_pool.layer_num, dtype=dtype,
+    common = dict(model_id=pool_tag(config, layout), num_layers=host_pool.layer_num, dtype=dtype,
                   page_size=host_pool.page_size,
                   host_layout="layer_first" if layout == "layer_first" else "page_first")
     if isinstance(host_pool, MLATokenToKVPoolHost):
@@ -148,6 +169,13 @@ def auth_key(extra: Mapping[str, Any], env: Mapping[str, str] = os.environ) -> b
         if v is not None and not isinstance(v, str):
             raise ConfigError(f"hicache SGLang backend: {name} must be a string, got {type(v).__name__}")
     return StorageConfig(url="", auth_key=key or "", auth_key_file=path or "").resolved_auth_key()
+
+
+def _summed(a: AdapterStats, b: AdapterStats) -> AdapterStats:
+    """Two adapters' counters added (the KV store's and a side pool's)."""
+    def add(x: Any, y: Any) -> Any:
+        return {k: x.get(k, 0) + y.get(k, 0) for k in {*x, *y}} if isinstance(x, dict) else x + y
+    return AdapterStats(**{f.name: add(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)})
 
 
 class _Segment(NamedTuple):
@@ -201,6 +229,7 @@ class HiCacheBackend(HiCacheStorage):
         self.is_writer = storage_config.is_storage_writer
         self.metrics = AdapterMetrics("sglang")
         self._warn = warnings_for(log)
+        self.side = SidePools()  # v2 side pools (SWA, Mamba state, ...), each with its own store
 
     # ---------------------------------------------------------------- setup
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -401,15 +430,135 @@ class HiCacheBackend(HiCacheStorage):
             self.lookup_hits += found
         self.publish()
 
+    # ------------------------------------------------------------ v2 side pools
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Bind one pool of a hybrid model's ``HostPoolGroup`` and open its own L3 store.
+
+        The ``kv`` entry is the anchor pool the v1 methods store (SGLang registers
+        it first, through ``register_mem_pool_host``); every other pool (``swa``,
+        ``mamba``, ...) gets a store of its own layout (see
+        ``hicache.integrations.sglang_pools``). Raises ``ConfigError`` for a pool
+        this backend cannot store, which fails SGLang's attach.
+        """
+        name = str(host_pool_name)
+        if name == str(KV_POOL):
+            if host_pool is not self.mem_pool_host:
+                raise ConfigError("hicache SGLang backend: the v2 'kv' pool is not the host pool given to "
+                                  "register_mem_pool_host(); SGLang registers its anchor pool there first")
+            super().register_mem_host_pool_v2(host_pool, host_pool_name)
+            return
+        if self.url.partition("://")[0].lower() == SERVICE_SCHEME:
+            raise ConfigError(f"hicache SGLang backend: side pool {name!r} of a hybrid model cannot go through the "
+                              f"node-local service ({self.url}): it serves one layout, the KV pool's; use an "
+                              "object store URL (file://, redis://, a Redis Cluster) for hybrid models")
+        layout, segs = self._side_layout(host_pool, name)
+        opts = {**self._open_opts,
+                "timeout_ms": side_timeout_ms(layout.page_bytes, self._open_opts.get("timeout_ms"))}
+        store = open_storage(self.url, fingerprint=layout.fingerprint(), layout=layout, **opts)
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        self.side.add(SidePool(name, layout, store, segs, replicated=isinstance(host_pool, MLATokenToKVPoolHost)))
+        log.info("hicache SGLang backend: side pool %r, %d pages of %d bytes (%s), L3 fingerprint %s",
+                 name, host_pool.size // host_pool.page_size, layout.page_bytes, layout.model_id,
+                 layout.fingerprint())
+
+    def _side_layout(self, host_pool: Any, name: str) -> tuple[KVLayout, PageSegments]:
+        """A side pool's layout (its fingerprint names the pool) and its page segments."""
+        segs, nbytes = page_bytes_of(host_pool, name)
+        if isinstance(host_pool, MambaPoolHost):
+            return mamba_layout(host_pool, name, self.storage_config, nbytes), segs
+        base = sglang_layout(host_pool, self.storage_config)
+        layout = base.replace(model_id=f"{base.model_id}:{name}")
+        if layout.page_bytes != nbytes:
+            raise ConfigError(f"hicache SGLang backend: a page of pool {name!r} holds {nbytes} bytes but "
+                              f"layout {layout.model_id!r} describes {layout.page_bytes}")
+        return layout, segs
+
+    def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
+                        extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
+        """The longest prefix of ``keys`` that the KV pool and every pool of
+        ``pool_transfers`` can resume from, under each transfer's hit policy
+        (``sglang_pools.fold_hits``). A transfer's own keys are not looked up: only
+        their count matters (``trailing_pages``); the pages are ``keys``' own.
+        Stored, not yet verified: reads verify. Raises ``ValueError`` for a hit
+        policy other than all_pages / trailing_pages."""
+        store = self._require_store()
+        kv = store.prefix_hits([page_key(k) for k in keys]) if keys else 0
+        verdicts = []
+        for t in pool_transfers or ():
+            if str(t.name) == str(KV_POOL):
+                continue
+            if self.side.get(t.name) is None:
+                self._warn.warning("v2-pool", "hicache SGLang backend: pool %r was never registered "
+                                   "(register_mem_host_pool_v2); its pages count as missing", str(t.name))
+            verdicts.append(PoolVerdict(t.name, t.hit_policy, len(t.keys or ()), self.side.exists(t.name, keys[:kv])))
+        out = fold_hits(kv, verdicts)
+        self._looked_up(len(keys), out.kv_hit_pages)
+        return out
+
+    def batch_get_v2(self, transfers: List[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[Any, List[bool]]:
+        """Per pool, load its keys' verified pages into its host indices: ``True`` for
+        the leading run loaded (absent, corrupt, foreign or L3 down ends it, as in
+        ``batch_get_v1``). A ``kv`` transfer is the v1 read."""
+        return self._v2("prefetch", transfers)
+
+    def batch_set_v2(self, transfers: List[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[Any, List[bool]]:
+        """Per pool, store its keys' pages from its host indices; per key, whether L3
+        now holds it. A pool replicated across TP ranks (MLA) is stored by the
+        writer rank only, as in ``batch_set_v1``."""
+        return self._v2("backup", transfers)
+
+    def _v2(self, kind: str, transfers: List[PoolTransfer]) -> dict[Any, List[bool]]:
+        self._require_store()
+        out: dict[Any, List[bool]] = {}
+        for t in transfers:
+            keys = list(t.keys or ())
+            if str(t.name) == str(KV_POOL):
+                v1 = self.batch_get_v1 if kind == "prefetch" else self.batch_set_v1
+                out[t.name] = v1(keys, t.host_indices) if keys else []
+            else:
+                out[t.name] = self._side_io(kind, t, keys)
+        self.publish()
+        return out
+
+    def _side_io(self, kind: str, t: PoolTransfer, keys: List[str]) -> List[bool]:
+        pool = self.side.get(t.name)
+        if pool is None or not keys:
+            if keys:
+                self._warn.warning("v2-pool", "hicache SGLang backend: pool %r was never registered "
+                                   "(register_mem_host_pool_v2); %s of %d pages fails", str(t.name), kind, len(keys))
+            return [False] * len(keys)
+        if kind == "backup" and pool.replicated and not self.is_writer:
+            with self._lock:
+                self.skipped_writes += len(keys)
+            return [True] * len(keys)
+        want = len(keys) * pool.segments.host_pool.page_size
+        if t.host_indices is None or t.host_indices.numel() != want:
+            # What SGLang's file backend does (its controller relies on it): nothing moves.
+            got = None if t.host_indices is None else t.host_indices.numel()
+            self._warn.warning("v2-indices", "hicache SGLang backend: %s of pool %r refused: %d keys need %d "
+                               "host indices, got %s", kind, pool.name, len(keys), want, got)
+            return [False] * len(keys)
+        t0 = time.perf_counter()
+        ok = (self.side.read if kind == "prefetch" else self.side.write)(pool, keys, t.host_indices)
+        if kind == "backup" and not all(ok):
+            self._warn.warning("put", "hicache SGLang backend: L3 %s took %d of %d pages of pool %r; the rest "
+                               "are recomputed when needed", pool.store.name, sum(ok), len(ok), pool.name)
+        self._record(kind, sum(ok), time.perf_counter() - t0, pool.layout.page_bytes)
+        return ok
+
     # ------------------------------------------------------------------ admin
     def clear(self) -> bool:
-        """Delete this layout's pages (other layouts and TP ranks are untouched)."""
-        return self._require_store().clear() is not None
+        """Delete this layout's pages and its side pools' (other layouts and TP ranks
+        are untouched)."""
+        kv = self._require_store().clear() is not None
+        return self.side.clear() and kv
 
-    def _record(self, kind: str, pages: int, seconds: float) -> None:
+    def _record(self, kind: str, pages: int, seconds: float, page_bytes: int = 0) -> None:
         if pages <= 0:
             return
-        gb = pages * self.layout.page_bytes / 1e9
+        gb = pages * (page_bytes or self.layout.page_bytes) / 1e9
         with self._lock:
             getattr(self._transfers, f"{kind}_pgs").append(pages)
             getattr(self._transfers, f"{kind}_bandwidth").append(gb / max(seconds, 1e-9))
@@ -430,7 +579,10 @@ class HiCacheBackend(HiCacheStorage):
         store = self._require_store()
         with self._lock:
             own = dict(lookups=self.lookups, lookup_hits=self.lookup_hits, skipped=self.skipped_writes)
-        return adapter_stats(store, **own)
+        total = adapter_stats(store, **own)
+        for pool in self.side.all():
+            total = _summed(total, adapter_stats(pool.store))
+        return total
 
     def publish(self) -> None:
         """Bring the ``hicache_adapter_*`` counters up to date (called after every batch call)."""
@@ -441,9 +593,21 @@ class HiCacheBackend(HiCacheStorage):
         """hicache's L3 counters (hits, misses, corrupt, fingerprint mismatches, drops)."""
         return self._require_store().stats()
 
+    def pool_stats(self, name: Any) -> StorageStats:
+        """The L3 counters of one pool (``kv``: ``hicache_stats()``). Raises ``KeyError``
+        for a pool never registered."""
+        if str(name) == str(KV_POOL):
+            return self.hicache_stats()
+        pool = self.side.get(name)
+        if pool is None:
+            raise KeyError(f"hicache SGLang backend: no side pool {str(name)!r}; registered: "
+                           f"{[p.name for p in self.side.all()]}")
+        return pool.store.stats()
+
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
+        self.side.close()
 
     def check_integrity(self) -> None:
         """The store verifies (counters and, where it can list, every object), and
@@ -464,6 +628,7 @@ class HiCacheBackend(HiCacheStorage):
                 raise IntegrityError(f"hicache SGLang backend: {held} per-call figures held (window "
                                      f"{self.stats_window}), lookups {self.lookup_hits}/{self.lookups}")
         self.metrics.check_integrity()
+        self.side.check_integrity(lambda host_pool, name: self._side_layout(host_pool, name)[0])
         if self._page_bytes() != self.layout.page_bytes or self._plane_sizes != [
                 p.page_bytes for p in self.layout.planes]:
             raise IntegrityError(f"hicache SGLang backend: pool pages of {self._page_bytes()} bytes, "

@@ -12,8 +12,7 @@ Every model runs with all its layers (each page at its real bytes: up to 4.4 MiB
 for DeepSeek-V3 at page 64, 4 MiB for Qwen3-32B at page 16). Hybrid rows of the
 table: gpt-oss-120b's sliding layers are pooled as full KV (SGLang's
 ``--disable-hybrid-swa-memory``); qwen3-next's 12 full-attention layers are its
-MHA pool (its Mamba state lives in v2 side pools, which this backend does not
-implement). DeepSeek-V3's MTP layer has its own pool in SGLang's draft worker,
+MHA pool (its Mamba state lives in a v2 side pool: test_hybrid_pools.py). DeepSeek-V3's MTP layer has its own pool in SGLang's draft worker,
 so the target pool holds the 61 model layers.
 """
 from __future__ import annotations
