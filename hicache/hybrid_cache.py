@@ -1,0 +1,487 @@
+"""``HybridCache``: a hybrid model's layer groups on the three tiers, hits floored
+where every group can resume.
+
+Composition, not branching inside ``HiCache``:
+
+* the ``full`` groups' layers are one ``HiCache`` over their planes (every
+  page of every prefix, as for any model; draft planes travel with them);
+* each ``swa`` group and the ``state`` group is a ``GroupTiers`` (L1, L2, L3
+  like pages): SWA pages keyed by the page's chained hash, state snapshots
+  keyed by the hash of the boundary's last page;
+* the *record*: per resumable boundary (a page boundary of a cached prefix,
+  keyed by its last page's hash) which SWA pages its window needs and whether
+  a snapshot is kept there. Boundaries are recorded at every
+  ``snapshot_every``-th page (when a state group exists: the snapshot is
+  taken there) and at the page-floored end of every finished or preempted
+  request. SWA pages outside every recorded window are freed (a running
+  request frees them as its window moves on) or never stored.
+
+``admit`` asks ``HiCache`` for the full groups' hit, then
+``hicache.hybrid.resumable_floor`` for the longest prefix every group can
+resume from, takes the SWA window and the snapshot there onto L1, and keeps
+the seed contract's exact accounting: a running or preempted request's own
+partial page counts when the floor reaches its whole match and the engine
+still holds the request's live state. Between the floor and the full hit the
+engine *replays*: it recomputes the SWA and state layers, the full layers'
+KV is reused. Each group's layout (``group_layout``) has its own
+fingerprint, derived from the hybrid layout's, in every L3 object.
+
+Not wired: service mode (``hicache+unix://``), TP/CP consensus on the floor,
+and asynchronous (layer-wise) loads of SWA pages and snapshots (they move
+synchronously at admission; the full groups' pages load as ``HiCache``'s do).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from hicache.cache import Tokens
+from hicache.config import HiCacheConfig
+from hicache.errors import ConfigError, IntegrityError, LayoutError
+from hicache.group_tiers import GroupTiers, TierCounts
+from hicache.hashing import page_hashes
+from hicache.hicache import Admission, HiCache
+from hicache.hybrid import LayerGroup, resumable_floor
+from hicache.layout import KVLayout
+from hicache.request import Request, RequestState
+from hicache.types import DevicePageId, PageHash
+
+
+def group_layout(layout: KVLayout, kinds: tuple[str, ...], gi: int = -1) -> KVLayout:
+    """The layout of one part of a hybrid ``layout``: ``("full",)`` the planes of every
+    full group's layers (in layer order; draft planes kept), ``("swa",)`` group ``gi``'s
+    layers (no draft planes), ``("state",)`` the state group's snapshot as one row of
+    ``len(layers) * state_bytes`` bytes. The model id names the hybrid's fingerprint, so
+    each part's fingerprint changes with any group of the whole."""
+    fp = layout.fingerprint()
+    if kinds == ("state",):
+        g = layout.groups[gi]
+        return KVLayout.rows(f"hybrid:{fp}:state{gi}", len(g.layers) * g.state_bytes,
+                             {"hybrid": fp, "group": gi, "state_bytes": g.state_bytes, "layers": len(g.layers)})
+    if kinds == ("full",):
+        n = sum(len(g.layers) for g in layout.groups if g.kind == "full")
+        return layout.replace(model_id=f"hybrid:{fp}:full", num_layers=n, groups=())
+    g = layout.groups[gi]
+    return layout.replace(model_id=f"hybrid:{fp}:swa{gi}", num_layers=len(g.layers), groups=(), draft_layers=0)
+
+
+@dataclass(frozen=True, slots=True)
+class HybridPools:
+    """Sizes of the groups' own pools (0: the same page counts as the full groups' pools)."""
+
+    swa_device_pages: int = 0
+    swa_host_pages: int = 0
+    state_device_slots: int = 0  # 0: device_pages // snapshot_every, at least 4
+    state_host_slots: int = 0  # 0: host_pages // snapshot_every, at least 4
+
+
+@dataclass(slots=True)
+class Boundary:
+    """What one resumable boundary needs of each non-full group (the record)."""
+
+    pages: int  # the boundary, in pages of its prefix
+    swa: dict[int, tuple[PageHash, ...]] = field(default_factory=dict)  # group -> its window's page hashes
+    snapshot: bool = False  # the state group keeps a snapshot keyed by this boundary's hash
+
+
+class HybridAdmission(NamedTuple):
+    """What ``HybridCache.admit`` decided. Valid until the request ends."""
+
+    full: Admission  # the full groups' admission (HiCache's)
+    hit: int  # the full groups' hit, tokens (exact: the request's own partial page included)
+    resume: int  # where every group resumes (<= hit); the engine replays [resume, hit)
+    limited_by: int | None  # index of the first group that cut the floor below the hit; None if none
+    state: torch.Tensor | None  # the snapshot at ``resume`` ([layers, state_bytes] uint8, a copy); None: none
+
+
+class HybridStats(NamedTuple):
+    admissions: int
+    hit_tokens: int  # the full groups' hits (exact), summed
+    resumed_tokens: int  # the floors, summed: tokens reused in every group
+    boundaries: int  # recorded boundaries now
+
+
+class HybridCache:
+    """See the module docstring. Not thread-safe: one scheduler thread calls everything."""
+
+    def __init__(self, config: HiCacheConfig | None = None, *, layout: KVLayout | None = None,
+                 pools: HybridPools = HybridPools(), storage=None):
+        cfg = self.config = config or HiCacheConfig.load()
+        self.layout = lay = layout or cfg.layout()
+        if not lay.groups or not any(g.kind == "full" for g in lay.groups):
+            raise LayoutError(f"HybridCache needs a layout with layer groups including a full group; "
+                              f"{lay.model_id!r} has {[g.to_list() for g in lay.groups]}; use HiCache")
+        if cfg.storage.url.startswith("hicache+unix:"):
+            raise ConfigError("HybridCache does not run in service mode (hicache+unix://) yet: the node "
+                              "service keeps no SWA pages or state snapshots; use an embedded L3 URL")
+        self.groups: tuple[LayerGroup, ...] = lay.groups
+        self.ps = lay.page_size
+        self.hc = HiCache(cfg, layout=group_layout(lay, ("full",)), storage=storage)
+        self.stores: dict[int, GroupTiers] = {}
+        for gi, g in enumerate(self.groups):
+            if g.kind != "full":
+                self.stores[gi] = self._store(gi, g, pools)
+        self.state_gi = next((gi for gi, g in enumerate(self.groups) if g.kind == "state"), None)
+        self.boundaries: dict[PageHash, Boundary] = {}
+        self.live: dict[str, HybridRequest] = {}
+        self._admissions = self._hit = self._resumed = 0
+
+    def _store(self, gi: int, g: LayerGroup, pools: HybridPools) -> GroupTiers:
+        cfg, kind = self.config, g.kind
+        lay = group_layout(self.layout, (kind,), gi)
+        if kind == "swa":
+            dev = pools.swa_device_pages or cfg.pool.device_pages
+            host = pools.swa_host_pages or cfg.pool.host_pages
+        else:
+            dev = pools.state_device_slots or max(4, cfg.pool.device_pages // g.snapshot_every)
+            host = pools.state_host_slots or max(4, cfg.pool.host_pages // g.snapshot_every)
+        l3 = None
+        if cfg.storage.url:
+            from hicache.storage import open_storage
+            from hicache.storage.capacity import backend_options
+            st = cfg.storage
+            l3 = open_storage(st.url, fingerprint=lay.fingerprint(), layout=lay, timeout_ms=st.timeout_ms,
+                              max_retries=st.max_retries, auth_key=st.resolved_auth_key(), **backend_options(st))
+        return GroupTiers(f"{kind}{gi}", lay, dev, host, str(self.hc.device_pool.device), l3)
+
+    # ------------------------------------------------------------- requests
+    def new_request(self, rid: str, tokens: Tokens, namespace: str = "") -> "HybridRequest":
+        """A WAITING request over every group (see ``HybridRequest``)."""
+        if rid in self.live:
+            raise ValueError(f"request id {rid!r} is live already")
+        req = self.live[rid] = HybridRequest(self, self.hc.new_request(rid, tokens, namespace))
+        return req
+
+    def admit(self, req: "HybridRequest", *, live_state_tokens: int = 0) -> HybridAdmission:
+        """Schedule ``req``: the full groups' hit through ``HiCache.admit`` (waited for), then
+        the floor every group resumes from, with the SWA window there pinned on L1 and the
+        snapshot there copied out. ``live_state_tokens``: tokens the engine still holds the
+        request's recurrent state for (0 after a preemption that dropped it). Afterwards
+        ``req.computed_tokens`` is the hit; compute ``[adm.resume, hit)`` again for the SWA
+        and state layers only, then the rest. Raises as ``HiCache.admit`` and ``OutOfPages``."""
+        full = self.hc.admit(req.inner)
+        full.wait()
+        exact = req.inner.computed_tokens
+        hashes = req.hashes(exact // self.ps)
+        holds = self._holds(hashes)
+        while True:
+            floor = resumable_floor(self.groups, self.ps, holds, exact_tokens=exact,
+                                    live_state_tokens=live_state_tokens)
+            miss = req._take(hashes, floor.pages)
+            if miss is None:
+                break
+            gi, page = miss  # listed but not loadable (e.g. a corrupt L3 object): floor again without it
+            holds[gi][page] = False
+        state = None
+        if self.state_gi is not None and floor.pages and floor.tokens == floor.pages * self.ps:
+            state = req._snapshot
+        req._prepare(floor.pages, exact)
+        self._admissions += 1
+        self._hit += exact
+        self._resumed += floor.tokens
+        req.resume = floor.tokens
+        return HybridAdmission(full, exact, floor.tokens, floor.limited_by, state)
+
+    def _holds(self, hashes: list[PageHash]) -> list[list[bool]]:
+        """``resumable_floor``'s rows: full groups hold the whole hit, the others what their
+        store holds (a state group's row ``i``: the snapshot at boundary ``i + 1``)."""
+        return [[True] * len(hashes) if g.kind == "full" else self.stores[gi].holding(hashes)
+                for gi, g in enumerate(self.groups)]
+
+    # ------------------------------------------------------------- the record
+    def _record(self, req: "HybridRequest", hashes: list[PageHash], b: int, snapshot: list | None) -> None:
+        """Record boundary ``b`` of ``req``'s sequence: each SWA group needs its window there
+        (taken from ``req``'s pages), the state group the snapshot given (if any)."""
+        key = hashes[b - 1]
+        rec = self.boundaries.get(key)
+        if rec is None:
+            rec = self.boundaries[key] = Boundary(b)
+        if rec.pages != b:
+            raise IntegrityError(f"boundary {key.hex()} recorded at {rec.pages} pages, again at {b}")
+        for gi, g in enumerate(self.groups):
+            if g.kind == "swa":
+                lo = max(0, b * self.ps - g.window + 1) // self.ps
+                fresh = gi not in rec.swa
+                rec.swa[gi] = tuple(hashes[lo:b])
+                req._keep_window(gi, hashes, lo, b, count=fresh)
+        if self.state_gi is not None and snapshot is not None and not rec.snapshot:
+            st = self.stores[self.state_gi]
+            raw = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in snapshot])
+            if raw.numel() != st.layout.row_bytes:
+                raise ValueError(f"snapshot at boundary {b}: {raw.numel()} bytes, the state group holds "
+                                 f"{st.layout.row_bytes} ({len(self.groups[self.state_gi].layers)} layers x "
+                                 f"{self.groups[self.state_gi].state_bytes} bytes)")
+            dev = st.alloc(1)[0]
+            row = st.device.buffers[0][dev]
+            row.copy_(raw.to(row.device))
+            st.keep(key, dev)
+            st.unpin(key)
+            rec.snapshot = True
+
+    def forget(self, key: PageHash) -> None:
+        """Drop boundary ``key`` from the record: the SWA pages only it needed and its
+        snapshot are freed on every tier (the full groups' pages are ``HiCache``'s)."""
+        rec = self.boundaries.pop(key)
+        for gi, hs in rec.swa.items():
+            for h in hs:
+                self.stores[gi].unref(h)
+        if rec.snapshot:
+            self.stores[self.state_gi].unref(key)
+
+    # ------------------------------------------------------------- tiers
+    def evict(self, num_pages: int) -> int:
+        """Take up to ``num_pages`` unpinned pages off L1 in every group (the full groups
+        through ``HiCache.evict``); they stay on L2/L3."""
+        return self.hc.evict(num_pages) + sum(s.evict_l1(num_pages) for s in self.stores.values())
+
+    def evict_host(self, num_pages: int) -> int:
+        """Drop up to ``num_pages`` pages from L2 in every group (L3 keeps its copies)."""
+        return len(self.hc.evict_host(num_pages)) + sum(s.evict_l2(num_pages) for s in self.stores.values())
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes of cached pages and snapshots held per tier, every group together
+        (L1/L2: indexed by the tree and the stores; running requests' private pages
+        excluded; L3: what the stores wrote plus the full groups' stored pages)."""
+        full = self.hc.layout.page_bytes
+        nodes = list(self.hc.cache.nodes())
+        l1 = sum(len(n.device_pages or ()) for n in nodes) * full
+        l2 = sum(len(n.host_pages or ()) for n in nodes) * full
+        l3 = sum(n.num_pages for n in nodes if n.in_storage) * full
+        for s in self.stores.values():
+            c, b = s.counts(), s.layout.page_bytes
+            l1, l2, l3 = l1 + c.l1 * b, l2 + c.l2 * b, l3 + c.l3 * b
+        return {"L1": l1, "L2": l2, "L3": l3}
+
+    def counts(self) -> dict[int, TierCounts]:
+        return {gi: s.counts() for gi, s in self.stores.items()}
+
+    def stats(self) -> HybridStats:
+        return HybridStats(self._admissions, self._hit, self._resumed, len(self.boundaries))
+
+    def drain(self) -> None:
+        self.hc.drain()
+
+    def check_integrity(self) -> None:
+        """``HiCache``'s checks, every store's, and the record against the stores: each
+        store's ``need`` counts equal the recorded boundaries that name each item."""
+        self.hc.check_integrity()
+        for s in self.stores.values():
+            s.check_integrity()
+        want: dict[int, dict[PageHash, int]] = {gi: {} for gi in self.stores}
+        for key, rec in self.boundaries.items():
+            for gi, hs in rec.swa.items():
+                for h in hs:
+                    want[gi][h] = want[gi].get(h, 0) + 1
+            if rec.snapshot:
+                want[self.state_gi][key] = want[self.state_gi].get(key, 0) + 1
+        for gi, s in self.stores.items():
+            if s.need != want[gi]:
+                diff = {h.hex()[:8]: (s.need.get(h), want[gi].get(h)) for h in set(s.need) ^ set(want[gi])
+                        or {h for h in s.need if s.need[h] != want[gi].get(h)}}
+                raise IntegrityError(f"{s.name}: need counts disagree with the record (store, record): {diff}")
+        for r in self.live.values():
+            r.check_integrity()
+
+    def close(self) -> None:
+        self.hc.close()
+        for s in self.stores.values():
+            if s.storage is not None:
+                s.storage.close()
+
+
+class HybridRequest:
+    """One request over every group: ``inner`` is the full groups' ``HiCache`` request; each
+    SWA group has a page table of this request's own (logical page -> L1 id, and the item's
+    hash when the id is a store item it pins rather than a private page). Every method may
+    mutate the cache."""
+
+    def __init__(self, owner: HybridCache, inner: Request):
+        self.owner, self.inner = owner, inner
+        self.rid = inner.rid
+        self.resume = 0
+        self.swa: dict[int, dict[int, tuple[DevicePageId, PageHash | None]]] = {gi: {} for gi, g in
+                                                                              enumerate(owner.groups)
+                                                                              if g.kind == "swa"}
+        self._snapshot: torch.Tensor | None = None
+        self._hashes: list[PageHash] = []
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.inner.computed_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.inner.num_tokens
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.inner.tokens
+
+    def hashes(self, num_pages: int) -> list[PageHash]:
+        """Chained hashes of the first ``num_pages`` pages of this request's tokens."""
+        if len(self._hashes) < num_pages:
+            ps = self.owner.ps
+            self._hashes = page_hashes(self.inner.tokens[:num_pages * ps], ps, self.inner.namespace)
+        return self._hashes[:num_pages]
+
+    def extend(self, tokens: Tokens) -> None:
+        self.inner.extend(tokens)
+
+    # ------------------------------------------------------------ admission
+    def _take(self, hashes: list[PageHash], b: int) -> tuple[int, int] | None:
+        """Pin what resuming at boundary ``b`` reads (SWA windows) and copy out the snapshot;
+        on a miss undo that and return ``(group, page)`` of the item that failed."""
+        o, ps = self.owner, self.owner.ps
+        self._snapshot = None
+        for gi, table in self.swa.items():
+            lo = max(0, b * ps - o.groups[gi].window + 1) // ps
+            for p in range(lo, b):
+                if p in table:
+                    continue  # a kept private tail page never sits below b; a pinned one is kept
+                dev = o.stores[gi].take(hashes[p])
+                if dev is None:
+                    self._release_swa(pinned_only=True)
+                    return gi, p
+                table[p] = (dev, hashes[p])
+        if o.state_gi is not None and b:
+            st = o.stores[o.state_gi]
+            dev = st.take(hashes[b - 1])
+            if dev is None:
+                self._release_swa(pinned_only=True)
+                return o.state_gi, b - 1
+            g = o.groups[o.state_gi]
+            self._snapshot = st.device.buffers[0][dev].view(len(g.layers), g.state_bytes).clone()
+            st.unpin(hashes[b - 1])
+        return None
+
+    def _prepare(self, b: int, exact: int) -> None:
+        """Private SWA pages for ``[b, ceil(exact / page_size))`` (the replayed span), keeping a
+        private tail page this request kept through a preemption."""
+        ps = self.owner.ps
+        for gi, table in self.swa.items():
+            for p in [p for p in table if p >= -(-exact // ps)]:
+                self._drop_page(gi, p)
+            want = [p for p in range(b, -(-exact // ps)) if p not in table]
+            for p, dev in zip(want, self.owner.stores[gi].alloc(len(want))):
+                table[p] = (dev, None)
+
+    # ------------------------------------------------------------ compute
+    def alloc(self, num_tokens: int) -> None:
+        """Slots for the next ``num_tokens`` tokens in every group (full: ``Request.alloc``)."""
+        ps = self.owner.ps
+        first = -(-self.inner.allocated_tokens // ps)
+        self.inner.alloc(num_tokens)
+        end = -(-self.inner.allocated_tokens // ps)
+        for gi, table in self.swa.items():
+            for p, dev in zip(range(first, end), self.owner.stores[gi].alloc(end - first)):
+                table[p] = (dev, None)
+
+    def slot_ids(self, gi: int | None = None) -> torch.Tensor:
+        """Slot ids per position: the full groups' (``gi`` None) or SWA group ``gi``'s, ``-1``
+        for a page this request does not hold (outside every window it reads)."""
+        o = self.owner
+        if gi is None:
+            return o.hc.device_pool.slot_ids(self.inner.pages)
+        table = self.swa[gi]
+        n = -(-self.inner.allocated_tokens // o.ps)
+        ids = torch.tensor([table[p][0] if p in table else -1 for p in range(n)], dtype=torch.int64)
+        slots = ids[:, None] * o.ps + torch.arange(o.ps)
+        return slots.masked_fill(ids[:, None] < 0, -1).reshape(-1)
+
+    def commit(self, num_tokens: int | None = None, snapshots: dict[int, list] | None = None) -> int:
+        """``Request.commit`` for the full groups, then ``advance``. Returns computed tokens."""
+        self.inner.commit(num_tokens)
+        self.advance(self.inner.computed_tokens, snapshots)
+        return self.inner.computed_tokens
+
+    def advance(self, upto: int, snapshots: dict[int, list] | None = None) -> None:
+        """The engine's SWA and state layers have consumed ``upto`` tokens (``<=``
+        ``computed_tokens``; less while replaying): record the boundaries of ``snapshots``
+        (boundary pages -> every state layer's tensor there) up to ``upto``, then free the
+        SWA pages no later position reads and no recorded window keeps."""
+        o, ps = self.owner, self.owner.ps
+        if upto > self.inner.computed_tokens:
+            raise ValueError(f"request {self.rid!r}: advance({upto}) beyond computed_tokens="
+                             f"{self.inner.computed_tokens}")
+        for b in sorted(snapshots or ()):
+            if not 1 <= b <= upto // ps:
+                raise ValueError(f"request {self.rid!r}: a snapshot at boundary {b} (pages) is not within "
+                                 f"the {upto} tokens consumed")
+            o._record(self, self.hashes(b), b, (snapshots or {})[b])
+        for gi in self.swa:
+            lo = max(0, upto - upto % ps - o.groups[gi].window + 1) // ps
+            for p in [p for p in self.swa[gi] if p < lo]:
+                self._drop_page(gi, p)
+
+    def _keep_window(self, gi: int, hashes: list[PageHash], lo: int, b: int, *, count: bool) -> None:
+        """Hand pages ``[lo, b)`` of this request's SWA group ``gi`` to the store for a boundary
+        (``count``: one more boundary needs each; else only re-store ones the store lost)."""
+        st, table = self.owner.stores[gi], self.swa[gi]
+        for p in range(lo, b):
+            dev, h = table.get(p, (None, None))
+            if dev is None:
+                raise IntegrityError(f"request {self.rid!r}: records boundary {b} of group {gi} but does not "
+                                     f"hold its page {p}")
+            if h is not None:
+                if count:
+                    st.ref(h)
+            elif count or not st.holding([hashes[p]])[0]:
+                table[p] = (st.keep(hashes[p], dev, needed=count), hashes[p])
+
+    def _drop_page(self, gi: int, p: int) -> None:
+        dev, h = self.swa[gi].pop(p)
+        st = self.owner.stores[gi]
+        if h is None:
+            st.free([dev])
+        else:
+            st.unpin(h)
+
+    def _release_swa(self, *, keep_page: int = -1, pinned_only: bool = False) -> None:
+        """Drop this request's SWA pages: all of them, but a private ``keep_page`` (a preempted
+        request's partial page), or only the pinned store items (an admission's rollback)."""
+        for gi, table in self.swa.items():
+            for p in [p for p, (_, h) in table.items() if h is not None or not (pinned_only or p == keep_page)]:
+                self._drop_page(gi, p)
+
+    # ------------------------------------------------------------ endings
+    def _record_end(self, snapshots: dict[int, list] | None) -> None:
+        b = self.inner.computed_tokens // self.owner.ps
+        self.advance(self.inner.computed_tokens, snapshots)
+        if b and self.swa:
+            self.owner._record(self, self.hashes(b), b, None)
+
+    def finish(self, snapshots: dict[int, list] | None = None) -> None:
+        """Record the end boundary (page-floored), share and release everything. -> FINISHED."""
+        if self.inner.state is RequestState.RUNNING:
+            self._record_end(snapshots)
+        self.inner.finish()
+        self._release_swa()
+        del self.owner.live[self.rid]
+
+    def preempt(self, snapshots: dict[int, list] | None = None) -> None:
+        """Record the end boundary, then ``Request.preempt``; the SWA page of a private partial
+        last page is kept with the full groups' (for an exact refresh). -> PREEMPTED."""
+        self._record_end(snapshots)
+        tail = self.inner.computed_tokens // self.owner.ps if self.inner.computed_tokens % self.owner.ps else -1
+        self.inner.preempt()
+        self._release_swa(keep_page=tail)
+        self.resume = 0
+
+    def abort(self) -> None:
+        """Release everything without recording anything. -> ABORTED."""
+        self.inner.abort()
+        self._release_swa()
+        del self.owner.live[self.rid]
+
+    def check_integrity(self) -> None:
+        """Pinned pages are the store's L1 copies of their items; private ones are the store's
+        private ids (and never held twice)."""
+        for gi, table in self.swa.items():
+            st = self.owner.stores[gi]
+            for p, (dev, h) in table.items():
+                ok = st.l1.get(h) == dev and h in st.pins if h is not None else dev in st.private
+                if not ok:
+                    raise IntegrityError(f"request {self.rid!r}: SWA group {gi} page {p} -> L1 {dev} "
+                                         f"({'item ' + h.hex() if h else 'private'}) is not held that way")
