@@ -97,6 +97,7 @@ def replay_hybrid(cfg: HiCacheConfig, shape_name: str, trace_path: str | None, *
         prompt_total = hit = resumed = 0
         for rid, prompt, output, ns in seqs:
             h, r = _serve(hy, rid, prompt, output, ns, end_snapshots, payload)
+            hy.drain()  # as the reference engine's replay: backups done before the next request
             prompt_total, hit, resumed = prompt_total + len(prompt), hit + h, resumed + r
         hy.drain()
         hy.check_integrity()

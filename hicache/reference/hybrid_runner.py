@@ -51,8 +51,12 @@ class HybridRunner:
         return self.cache.stores[self.swa_gi].device, req.slot_ids(self.swa_gi)
 
     def _state(self, adm: HybridAdmission) -> HybridState:
-        if adm.state is None:
-            return HybridState.zeros(self.model.hspec)
+        if adm.state is None:  # resume at 0, or a model without recurrent layers (nothing to carry)
+            st = HybridState.zeros(self.model.hspec)
+            if adm.resume and self.model.hspec.num_linear:
+                raise CacheStateError(f"resume at {adm.resume} without a snapshot or a live state")
+            st.pos = adm.resume
+            return st
         shape = self.model.hspec.state_shape
         return HybridState.at(adm.resume, [row.view(torch.float32).view(shape) for row in adm.state])
 
