@@ -12,9 +12,14 @@ Composition, not branching inside ``HiCache``:
   keyed by its last page's hash) which SWA pages its window needs and whether
   a snapshot is kept there. Boundaries are recorded at every
   ``snapshot_every``-th page (when a state group exists: the snapshot is
-  taken there) and at the page-floored end of every finished or preempted
-  request. SWA pages outside every recorded window are freed (a running
-  request frees them as its window moves on) or never stored.
+  taken there), at the page-floored end of every finished or preempted
+  request, and at every *fork*: the full groups' hit of an admission whose
+  floor fell short of it (where the index's node that the request continued
+  ends), once the request has recomputed up to it, with the snapshot there
+  when the engine supplies one. So each end of a node of the index becomes
+  resumable once a request has been through it again. SWA pages outside
+  every recorded window are freed (a running request frees them as its
+  window moves on) or never stored.
 
 ``admit`` asks ``HiCache`` for the full groups' hit, then
 ``hicache.hybrid.resumable_floor`` for the longest prefix every group can
@@ -182,6 +187,7 @@ class HybridCache:
         self._hit += exact
         self._resumed += floor.tokens
         req.resume = floor.tokens
+        req.fork = exact // self.ps if floor.pages < exact // self.ps else 0
         return HybridAdmission(full, exact, floor.tokens, floor.limited_by, state)
 
     def _holds(self, hashes: list[PageHash]) -> list[list[bool]]:
@@ -301,6 +307,7 @@ class HybridRequest:
         self.owner, self.inner = owner, inner
         self.rid = inner.rid
         self.resume = 0
+        self.fork = 0  # pages: the full hit this admission's floor fell short of (recorded once reached)
         self.swa: dict[int, dict[int, tuple[DevicePageId, PageHash | None]]] = {gi: {} for gi, g in
                                                                               enumerate(owner.groups)
                                                                               if g.kind == "swa"}
@@ -410,6 +417,10 @@ class HybridRequest:
                 raise ValueError(f"request {self.rid!r}: a snapshot at boundary {b} (pages) is not within "
                                  f"the {upto} tokens consumed")
             o._record(self, self.hashes(b), b, (snapshots or {})[b])
+        if self.fork and upto >= self.fork * ps:
+            b, self.fork = self.fork, 0
+            if self.swa:
+                o._record(self, self.hashes(b), b, None)
         for gi in self.swa:
             lo = max(0, upto - upto % ps - o.groups[gi].window + 1) // ps
             for p in [p for p in self.swa[gi] if p < lo]:

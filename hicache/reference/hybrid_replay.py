@@ -59,7 +59,10 @@ def _serve(hy: HybridCache, rid: str, prompt: list[int], output: list[int], ns: 
     adm = hy.admit(req)
     done = req.computed_tokens
     e = (len(prompt) + len(output)) // ps if end else 0
-    req.advance(done, _snapshots(hy, adm.resume // ps, done // ps, e, payload))
+    replay = _snapshots(hy, adm.resume // ps, done // ps, e, payload)
+    if hy.state_gi is not None and done // ps > adm.resume // ps:
+        replay[done // ps] = payload  # the fork: as HybridRunner marks it
+    req.advance(done, replay)
     req.alloc(len(prompt) - done)
     req.commit(None, _snapshots(hy, done // ps, len(prompt) // ps, e, payload))
     if output:
@@ -84,12 +87,12 @@ def replay_hybrid(cfg: HiCacheConfig, shape_name: str, trace_path: str | None, *
     # L2 holds the whole workload (write-through), L1 what the configuration gives it: what
     # is held on L2 at the end is what the layout keeps (memory: L2 ~ the workload's bytes).
     pages = sum(-(-(len(p) + len(o)) // ps) for _, p, o, _ in seqs) + 1
-    slots = acct.snapshots + 2
+    slots = acct.snapshots + len(seqs) + 2  # + one fork per request
     cfg = cfg.model_copy(update={
         "pool": cfg.pool.model_copy(update={"device_pages": min(cfg.pool.device_pages, pages), "host_pages": pages}),
         "policy": cfg.policy.model_copy(update={"write_policy": WritePolicy.WRITE_THROUGH})})
-    hy = HybridCache(cfg, layout=layout, pools=HybridPools(
-        state_device_slots=min(slots, max(4, cfg.pool.device_pages // snapshot_every)), state_host_slots=slots))
+    # snapshots: 4 on L1 (one is taken or recorded at a time; the rest stay on L2), all on L2
+    hy = HybridCache(cfg, layout=layout, pools=HybridPools(state_device_slots=4, state_host_slots=slots))
     try:
         payload = []
         if hy.state_gi is not None:

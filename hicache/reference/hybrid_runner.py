@@ -86,7 +86,7 @@ class HybridRunner:
         adm = self.cache.admit(req)
         st = self._state(adm)
         ends = {len(prompt) // self.ps, (len(prompt) + new_tokens) // self.ps} if self.snapshot_ends else set()
-        st.marks = ends
+        st.marks = ends | {adm.hit // self.ps}  # a fork the floor fell short of: snapshot it on the way
         replayed = self._replay(req, st)
         computed, logits = replayed, None
         while req.computed_tokens < len(prompt):
@@ -102,7 +102,7 @@ class HybridRunner:
                 req.preempt()
                 adm = self.cache.admit(req)  # the live state was dropped: live_state_tokens=0
                 st = self._state(adm)
-                st.marks = ends
+                st.marks = ends | {adm.hit // self.ps}
                 r = self._replay(req, st)
                 replayed, computed = replayed + r, computed + r
         if logits is None:  # the match caps at len - 1, so the last prompt token is always computed

@@ -113,13 +113,15 @@ def test_warm_equals_cold_floored_to_the_snapshot_on_every_tier(model, cold, tmp
     # page 8, so the floor is 32 and tokens 32..35 are replayed for the SWA and state layers.
     l1 = run.serve("l1", PROMPT)
     assert (l1.hit, l1.resume, l1.replayed, l1.computed) == (36, 32, 4, 5) and same(l1, cold[SPEC, "base"])
+    # ... and records that fork: page 9's window and a snapshot there, so later runs resume at 36
+    assert sorted(b.pages for b in hc.boundaries.values()) == [2, 4, 6, 8, 9, 10]
 
     hc.drain()
     hc.evict(10_000)
     assert _tiers(hc, SWA_GI).l1 == _tiers(hc, STATE_GI).l1 == 0
     hc.check_integrity()
     l2 = run.serve("l2", PROMPT)
-    assert (l2.hit, l2.resume, l2.replayed) == (36, 32, 4) and same(l2, cold[SPEC, "base"])
+    assert (l2.hit, l2.resume, l2.replayed) == (36, 36, 0) and same(l2, cold[SPEC, "base"])
 
     hc.drain()
     hc.evict(10_000)
@@ -127,8 +129,8 @@ def test_warm_equals_cold_floored_to_the_snapshot_on_every_tier(model, cold, tmp
     assert _tiers(hc, SWA_GI)[:2] == _tiers(hc, STATE_GI)[:2] == (0, 0)
     hc.check_integrity()
     l3 = run.serve("l3", PROMPT)
-    assert (l3.hit, l3.resume, l3.replayed) == (36, 32, 4) and same(l3, cold[SPEC, "base"])
-    # the window at page 8 (pages 6, 7) and the snapshot there came back from L3
+    assert (l3.hit, l3.resume, l3.replayed) == (36, 36, 0) and same(l3, cold[SPEC, "base"])
+    # the window at page 9 (pages 7, 8) and the snapshot there came back from L3
     assert hc.stores[SWA_GI].stats().taken_l3 == 2 and hc.stores[STATE_GI].stats().taken_l3 == 1
     assert hc.stores[STATE_GI].storage.stats().hits == 1
     hc.check_integrity()
@@ -142,6 +144,12 @@ def test_a_fork_resumes_from_the_shared_snapshot(model, cold):
     fork = run.serve("fork", FORK)
     # 7 shared pages (28 tokens) hit; the snapshot at page 6 is the floor
     assert (fork.hit, fork.resume, fork.replayed) == (28, 24, 4) and same(fork, cold[SPEC, "fork"])
+    # the fork point (page 7) is recorded on the way: the next request sharing it resumes there
+    # (the same prompt again hits 9 pages, no cached end: it floors to the snapshot at 8)
+    again = run.serve("again", FORK)
+    assert (again.hit, again.resume, again.replayed) == (36, 32, 4) and same(again, cold[SPEC, "fork"])
+    third = run.serve("third", PROMPT[:30] + [12, 13, 14, 15, 16, 17, 18])
+    assert (third.hit, third.resume, third.replayed) == (28, 28, 0)
     hc.check_integrity()
     hc.close()
 
