@@ -26,6 +26,8 @@ import hashlib
 from collections import OrderedDict
 from typing import NamedTuple
 
+import torch
+
 from hicache.errors import IntegrityError, OutOfPages
 from hicache.kernels.page_copy import copy_pages
 from hicache.layout import KVLayout
@@ -74,7 +76,7 @@ class GroupTiers:
         """``n`` private L1 ids (evicts unpinned items, least recently used first). Raises
         ``OutOfPages`` naming the group, allocating nothing, when that is not enough."""
         a = self.device.allocator
-        if a.num_free < n:
+        if a.num_free < n and a.num_free + sum(h not in self.pins for h in self.l1) >= n:
             self.evict_l1(n - a.num_free)
         if a.num_free < n:
             raise OutOfPages(f"{self.name}: asked for {n} L1 pages, {a.num_free} free of {a.capacity} "
@@ -108,6 +110,7 @@ class GroupTiers:
         if h not in self.l2:
             self._to_l2(h)
         if self.storage is not None and h not in self.stored and h in self.l2:
+            self._sync()  # the L1 -> L2 copy may still run on the GPU's stream
             if self.storage.put([(self.l3_key(h), self.host.read_page(self.l2[h]), self.sizes)]):
                 self.stored.add(h)
         return have
@@ -222,6 +225,10 @@ class GroupTiers:
             self.storage.delete([self.l3_key(h)])
         self.stored.discard(h)
         self._dropped += 1
+
+    def _sync(self) -> None:
+        if self.device.device.type == "cuda":
+            torch.cuda.current_stream(self.device.device).synchronize()
 
     def l3_key(self, h: PageHash) -> bytes:
         """The L3 key of item ``h``: derived from the group's name, so that it never equals

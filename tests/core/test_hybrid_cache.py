@@ -1,0 +1,172 @@
+"""``HybridCache`` and ``GroupTiers`` without a model: group layouts at the published
+shapes, one group's items on L1/L2/L3 under the record's counts, and the index-level
+life of hybrid requests (windows kept per boundary, freed outside them, bytes held
+equal to ``stored_bytes``), with ``check_integrity`` after every step."""
+import pytest
+import torch
+
+from hicache.config import HiCacheConfig
+from hicache.errors import ConfigError, IntegrityError, OutOfPages
+from hicache.group_tiers import GroupTiers, TierCounts
+from hicache.hashing import page_hashes
+from hicache.hybrid import LayerGroup, hybrid_layout, stored_bytes, swa_needed_pages
+from hicache.hybrid_cache import HybridCache, group_layout
+from hicache.layout import KVLayout
+from hicache.shapes import model_shape
+from hicache.storage import open_storage
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-120b", "qwen3-next-80b-a3b"])
+def test_group_layouts_at_the_real_shapes(name):
+    lay = hybrid_layout(model_shape(name), 16)
+    full = group_layout(lay, ("full",))
+    parts = [full] + [group_layout(lay, (g.kind,), gi) for gi, g in enumerate(lay.groups) if g.kind != "full"]
+    kv = sum(p.page_bytes for p in parts if p.kind != "rows")
+    assert kv == lay.page_bytes  # the full and SWA parts split the KV planes exactly
+    for p in parts:
+        if p.kind == "rows":
+            g = lay.groups[1]
+            assert p.row_bytes == len(g.layers) * g.state_bytes == 36 * 1_097_728  # 38.6 MiB per snapshot
+    assert all(lay.fingerprint() in p.model_id for p in parts) and len({p.fingerprint() for p in parts}) == len(parts)
+    if name.startswith("qwen3-next"):  # another snapshot interval: another fingerprint for every part
+        other = hybrid_layout(model_shape(name), 16, snapshot_every=16)
+        theirs = {group_layout(other, (g.kind,), gi).fingerprint() for gi, g in enumerate(other.groups)}
+        assert theirs.isdisjoint({p.fingerprint() for p in parts})
+
+
+def test_draft_planes_travel_with_the_full_group():
+    lay = KVLayout(model_id="m", num_layers=4, num_kv_heads=2, head_dim=8, page_size=4, draft_layers=1,
+                   groups=(LayerGroup("swa", (0, 2), window=6), LayerGroup("full", (1, 3))))
+    assert group_layout(lay, ("full",)).draft_layers == 1 and group_layout(lay, ("swa",), 0).draft_layers == 0
+
+
+def _tiers(l3=True):
+    lay = KVLayout(model_id="g", num_layers=1, num_kv_heads=1, head_dim=4, page_size=2, dtype="float32")
+    st = open_storage("memory://", fingerprint=lay.fingerprint()) if l3 else None
+    return GroupTiers("swa0", lay, 3, 2, "cpu", st)
+
+
+def _fill(t, dev, value):
+    t.device.buffers[0][dev * 2:(dev + 1) * 2] = value
+    t.device.buffers[1][dev * 2:(dev + 1) * 2] = -value
+
+
+def test_group_tiers_move_items_and_drop_what_no_boundary_needs():
+    t = _tiers()
+    h = [bytes([i]) * 16 for i in range(4)]
+    for i in range(3):
+        dev = t.alloc(1)[0]
+        _fill(t, dev, float(i + 1))
+        assert t.keep(h[i], dev) == dev
+        t.unpin(h[i])
+        t.check_integrity()
+    # L2 holds 2: keeping the third evicted the least recently used L2 copy (h0; L3 has it)
+    assert list(t.l2) == [h[1], h[2]] and t.counts() == TierCounts(3, 2, 3)
+    with pytest.raises(OutOfPages, match="swa0: asked for 4 L1 pages"):
+        t.alloc(4)
+    assert t.evict_l1(10) == 3 and t.counts() == TierCounts(0, 2, 3)
+    dev = t.take(h[0])  # from L3, through L2, onto L1
+    assert dev is not None and t.stats().taken_l3 == 1
+    assert torch.equal(t.device.buffers[0][dev * 2:(dev + 1) * 2], torch.full((2, 1, 4), 1.0))
+    t.unpin(h[0])
+    assert t.take(h[3]) is None
+    t.check_integrity()
+    t.ref(h[1])
+    t.unref(h[1])
+    assert h[1] not in t.l2 and t.storage.exists([t.l3_key(h[1])]) == [True]  # L2 made room for h0
+    t.unref(h[1])  # no boundary needs it: gone from every tier, L3 included
+    assert h[1] not in t.l1 and h[1] not in t.l2 and t.storage.exists([t.l3_key(h[1])]) == [False]
+    assert t.stats().dropped == 1
+    t.check_integrity()
+    with pytest.raises(IntegrityError, match="no request owns"):
+        t.free([t.l1[h[0]]])
+    t.need[h[0]] = 0
+    with pytest.raises(IntegrityError, match="count is below 1"):
+        t.check_integrity()
+
+
+def _cache(layout, url=""):
+    cfg = HiCacheConfig.load(env={}, overrides={"storage.url": url, "pool.device_pages": "48",
+                                                "pool.host_pages": "64", "pool.device": "cpu",
+                                                "policy.write_policy": "write_through"})
+    return HybridCache(cfg, layout=layout)
+
+
+def _serve(hc, rid, tokens, upto=None):
+    """Prefill ``tokens`` (no model: the pools' bytes stay as they are), finish."""
+    req = hc.new_request(rid, tokens)
+    adm = hc.admit(req)
+    req.advance(req.computed_tokens)
+    n = (upto or len(tokens)) - req.computed_tokens
+    req.alloc(n)
+    req.commit(n)
+    hc.check_integrity()
+    req.finish()
+    hc.check_integrity()
+    return adm
+
+
+def test_gpt_oss_windows_per_boundary_at_the_real_shape():
+    lay = hybrid_layout(model_shape("gpt-oss-120b"), 16)
+    hc = _cache(lay, "memory://")
+    a = list(range(1, 641))  # 40 pages: resumable only at its end, so 8 of 40 SWA pages are kept
+    _serve(hc, "a", a)
+    hc.drain()
+    st = hc.stores[0]
+    ha = page_hashes(a, 16)
+    assert swa_needed_pages([40], 128, 16) == set(range(32, 40))
+    assert set(st.l1) == set(st.l2) == st.stored == set(ha[32:40])
+    want = stored_bytes(lay, 40)
+    assert hc.held_bytes() == {"L1": want.hybrid, "L2": want.hybrid, "L3": want.hybrid}
+    assert want.saved == pytest.approx(0.4)
+    # a fork at page 20 hits 20 pages but floors to 0 (no boundary there), then records it
+    b = a[:320] + list(range(1000, 1320))
+    adm = _serve(hc, "b", b)
+    assert (adm.hit, adm.resume, adm.limited_by) == (320, 0, 0)
+    assert sorted(r.pages for r in hc.boundaries.values()) == [20, 40, 40]
+    adm = _serve(hc, "c", a[:320] + [7] * 40)
+    assert (adm.hit, adm.resume, adm.limited_by) == (320, 320, None)
+    # c ends at page 22: its window (pages 14..21) shares 14..19 with the fork's
+    assert st.counts() == TierCounts(8 * 3 + 2, 8 * 3 + 2, 8 * 3 + 2)
+    hc.close()
+
+
+def test_qwen3_next_snapshots_at_the_real_shape():
+    lay = hybrid_layout(model_shape("qwen3-next-80b-a3b"), 16, snapshot_every=4)
+    hc = _cache(lay)
+    st = hc.stores[1]
+    snap = [torch.arange(st.layout.row_bytes, dtype=torch.int32).to(torch.uint8)]
+    req = hc.new_request("a", list(range(1, 200)))  # 12 pages + 7 tokens
+    hc.admit(req)
+    req.alloc(199)
+    req.commit(199, {4: snap, 8: snap, 12: snap})
+    req.finish()
+    hc.check_integrity()
+    assert st.counts() == TierCounts(3, 3, 0)
+    r2 = hc.new_request("b", list(range(1, 150)) + [5] * 40)
+    adm = hc.admit(r2)
+    assert (adm.hit, adm.resume) == (144, 128) and torch.equal(adm.state.reshape(-1), snap[0])
+    with pytest.raises(ValueError, match="bytes, the state group holds"):
+        r2.advance(144, {9: [torch.zeros(8, dtype=torch.uint8)]})
+    r2.abort()
+    hc.check_integrity()
+    hc.close()
+
+
+def test_service_mode_and_non_hybrid_layouts_are_refused():
+    lay = hybrid_layout(model_shape("gpt-oss-120b"), 16)
+    cfg = HiCacheConfig.load(env={}, overrides={"storage.url": "hicache+unix:///tmp/x.sock", "pool.device": "cpu"})
+    with pytest.raises(ConfigError, match="service mode"):
+        HybridCache(cfg, layout=lay)
+
+
+def test_check_integrity_finds_a_record_that_disagrees_with_a_store():
+    lay = hybrid_layout(model_shape("gpt-oss-120b"), 16)
+    hc = _cache(lay)
+    _serve(hc, "a", list(range(1, 200)))
+    next(iter(hc.boundaries.values())).swa[0] = ()
+    with pytest.raises(IntegrityError, match="need counts disagree with the record"):
+        hc.check_integrity()
+    hc.close()
