@@ -17,7 +17,9 @@ Composition, not branching inside ``HiCache``:
   floor fell short of it (where the index's node that the request continued
   ends), once the request has recomputed up to it, with the snapshot there
   when the engine supplies one. So each end of a node of the index becomes
-  resumable once a request has been through it again. SWA pages outside
+  resumable once a request has been through it again. With a state group,
+  only where the engine supplies a snapshot (a boundary without one cannot
+  resume, so its SWA window is not kept). SWA pages outside
   every recorded window are freed (a running request frees them as its
   window moves on) or never stored.
 
@@ -51,6 +53,8 @@ from hicache.hicache import Admission, HiCache
 from hicache.hybrid import LayerGroup, resumable_floor
 from hicache.layout import KVLayout
 from hicache.request import Request, RequestState
+from hicache.storage import open_storage
+from hicache.storage.capacity import backend_options
 from hicache.types import DevicePageId, PageHash
 
 
@@ -144,8 +148,6 @@ class HybridCache:
             host = pools.state_host_slots or max(4, cfg.pool.host_pages // g.snapshot_every)
         l3 = None
         if cfg.storage.url:
-            from hicache.storage import open_storage
-            from hicache.storage.capacity import backend_options
             st = cfg.storage
             l3 = open_storage(st.url, fingerprint=lay.fingerprint(), layout=lay, timeout_ms=st.timeout_ms,
                               max_retries=st.max_retries, auth_key=st.resolved_auth_key(), **backend_options(st))
@@ -199,9 +201,12 @@ class HybridCache:
     # ------------------------------------------------------------- the record
     def _record(self, req: "HybridRequest", hashes: list[PageHash], b: int, snapshot: list | None) -> None:
         """Record boundary ``b`` of ``req``'s sequence: each SWA group needs its window there
-        (taken from ``req``'s pages), the state group the snapshot given (if any)."""
+        (taken from ``req``'s pages), the state group the snapshot given. With a state group a
+        boundary without a snapshot cannot resume: nothing is recorded for it."""
         key = hashes[b - 1]
         rec = self.boundaries.get(key)
+        if self.state_gi is not None and snapshot is None and (rec is None or not rec.snapshot):
+            return
         if rec is None:
             rec = self.boundaries[key] = Boundary(b)
         if rec.pages != b:

@@ -199,22 +199,23 @@ def test_forgotten_boundaries_free_everything_and_resume_from_zero(model, cold):
 @pytest.mark.parametrize("chunk", [3, 5, 64])
 def test_swa_pages_outside_every_window_are_not_held_and_bytes_match_the_accounting(models, cold, tmp_path,
                                                                                    chunk):
-    """SPARSE snapshots every 4 pages: the record is boundaries 4 and 8 (snapshots) and 10
-    (the end, 40 tokens); only their windows' SWA pages are held, on every tier, and the
-    bytes held are ``stored_bytes``' hybrid figure for the 10-page prefix."""
+    """SPARSE snapshots every 4 pages: the record is boundaries 4 and 8 (the end, page 10,
+    has no snapshot: it cannot resume, so its window is not kept); only their windows'
+    SWA pages are held, on every tier, and the bytes held are ``stored_bytes``' hybrid
+    figure for the 10-page prefix resumable at those boundaries."""
     hc = make_cache(f"file://{tmp_path}/l3", spec=SPARSE)
     clear_l3(hc)
     run = HybridRunner(hc, models[SPARSE], chunk_tokens=chunk)
     assert same(run.serve("a", PROMPT), cold[SPARSE, "base"])
     hc.drain()
-    need = swa_needed_pages([4, 8, 10], SPARSE.window, PS)
-    assert need == {2, 3, 6, 7, 8, 9}
+    need = swa_needed_pages([4, 8], SPARSE.window, PS)
+    assert need == {2, 3, 6, 7} and sorted(b.pages for b in hc.boundaries.values()) == [4, 8]
     hashes = page_hashes(PROMPT + cold[SPARSE, "base"].output, PS)
     st = hc.stores[SWA_GI]
     assert set(st.l1) == set(st.l2) == st.stored == {hashes[p] for p in need}
     assert [st.storage.exists([st.l3_key(h)])[0] for h in hashes] == [p in need for p in range(10)]
     assert _tiers(hc, STATE_GI) == TierCounts(2, 2, 2)
-    want = stored_bytes(SPARSE.kv_layout(PS), 10)
+    want = stored_bytes(SPARSE.kv_layout(PS), 10, boundaries=[4, 8])
     assert hc.held_bytes() == {"L1": want.hybrid, "L2": want.hybrid, "L3": want.hybrid}
     assert want.hybrid < want.every_layer_full + want.state_every_page
     hc.check_integrity()
