@@ -313,9 +313,9 @@ class HybridRequest:
         self.rid = inner.rid
         self.resume = 0
         self.fork = 0  # pages: the full hit this admission's floor fell short of (recorded once reached)
-        self.swa: dict[int, dict[int, tuple[DevicePageId, PageHash | None]]] = {gi: {} for gi, g in
-                                                                              enumerate(owner.groups)
-                                                                              if g.kind == "swa"}
+        # SWA group -> logical page -> (L1 id, the store item's hash; None: a private page)
+        self.swa: dict[int, dict[int, tuple[DevicePageId, PageHash | None]]] = {
+            gi: {} for gi, g in enumerate(owner.groups) if g.kind == "swa"}
         self._snapshot: torch.Tensor | None = None
         self._hashes: list[PageHash] = []
 
@@ -381,14 +381,22 @@ class HybridRequest:
 
     # ------------------------------------------------------------ compute
     def alloc(self, num_tokens: int) -> None:
-        """Slots for the next ``num_tokens`` tokens in every group (full: ``Request.alloc``)."""
+        """Slots for the next ``num_tokens`` tokens in every group (full: ``Request.alloc``).
+        Raises ``OutOfPages`` (allocating nothing in any group) or as ``Request.alloc``."""
         ps = self.owner.ps
         first = -(-self.inner.allocated_tokens // ps)
-        self.inner.alloc(num_tokens)
-        end = -(-self.inner.allocated_tokens // ps)
-        for gi, table in self.swa.items():
-            for p, dev in zip(range(first, end), self.owner.stores[gi].alloc(end - first)):
-                table[p] = (dev, None)
+        end = -(-(self.inner.allocated_tokens + max(0, num_tokens)) // ps)
+        got: dict[int, list[DevicePageId]] = {}
+        try:
+            for gi in self.swa:
+                got[gi] = self.owner.stores[gi].alloc(end - first)
+            self.inner.alloc(num_tokens)
+        except BaseException:
+            for gi, ids in got.items():
+                self.owner.stores[gi].free(ids)
+            raise
+        for gi, ids in got.items():
+            self.swa[gi].update({p: (dev, None) for p, dev in zip(range(first, end), ids)})
 
     def slot_ids(self, gi: int | None = None) -> torch.Tensor:
         """Slot ids per position: the full groups' (``gi`` None) or SWA group ``gi``'s, ``-1``

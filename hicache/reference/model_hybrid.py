@@ -170,8 +170,12 @@ class HybridModel(ReferenceModel):
 
     def check_pool(self, pool: DevicePool, *, draft: bool = False) -> None:
         want = self.hspec.kv_layout(pool.layout.page_size, pool.layout.host_layout)
-        if self._swa is not None or pool.layout.model_id.startswith("hybrid:"):
-            want = group_layout(want, ("full",))
+        full = group_layout(want, ("full",))  # split pools: the full layers' part of the layout
+        if self._swa is not None or not pool.layout.diff(full):
+            if self._swa is None and "swa" in self.hspec.pattern:
+                raise PoolError(f"pool holds only the full layers of {want.model_id}: pass the SWA layers' "
+                                "pool and slot ids as swa=(pool, slot_ids)")
+            want = full
         diff = pool.layout.diff(want)
         if diff or draft:
             raise PoolError(f"pool layout does not fit {want.model_id} (draft={draft}): " +

@@ -91,6 +91,8 @@ def test_group_layouts_fingerprints_and_pool_checks(model):
     with pytest.raises(PoolError, match="SWA group"):  # the full pool handed as the SWA pool
         model.forward_chunk(hc.hc.device_pool, [1, 2], 0, torch.arange(8), state=HybridState.zeros(SPEC),
                             swa=(hc.hc.device_pool, torch.arange(8)))
+    with pytest.raises(PoolError, match="pass the SWA layers' pool"):  # the full layers' pool alone
+        model.forward_chunk(hc.hc.device_pool, [1, 2], 0, torch.arange(8), state=HybridState.zeros(SPEC))
     hc.close()
 
 
