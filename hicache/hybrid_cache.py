@@ -271,6 +271,10 @@ class HybridCache:
     def stats(self) -> HybridStats:
         return HybridStats(self._admissions, self._hit, self._resumed, len(self.boundaries))
 
+    def poll(self) -> int:
+        """``HiCache.poll`` (the group stores move synchronously: nothing of theirs is in flight)."""
+        return self.hc.poll()
+
     def drain(self) -> None:
         self.hc.drain()
 
