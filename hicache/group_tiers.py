@@ -14,6 +14,10 @@ resumable boundaries whose resume reads item ``h`` (an SWA page inside that
 boundary's window, or the snapshot at that boundary). An item nobody needs
 is dropped from every tier, L3 included, as soon as no running request reads
 it: pages outside every cached boundary's window are freed or never stored.
+An item some boundary needs can still leave every tier (an L1 or L2 copy
+evicted with no copy below it, an L3 object gone or failing its checks):
+``take_gone`` hands those to the caller, whose record then forgets the
+boundaries that needed them.
 
 Moves are synchronous, in the caller's thread (write-through L1 -> L2 -> L3
 when an item is kept; L3 -> L2 -> L1 when a request takes it). Running
@@ -49,7 +53,7 @@ class GroupStats(NamedTuple):
     taken_l2: int  # ... loaded from L2
     taken_l3: int  # ... fetched from L3
     dropped: int  # items no boundary needed any more (freed from every tier)
-    lost: int  # L1/L2 copies evicted with no copy below them (a later miss, never wrong bytes)
+    lost: int  # items that left every tier (evicted with no copy below, an L3 object gone): a later miss
 
 
 class GroupTiers:
@@ -68,6 +72,7 @@ class GroupTiers:
         self.pins: dict[PageHash, int] = {}  # running requests reading each item's L1 copy
         self.private: set[DevicePageId] = set()  # L1 ids that requests allocated and own
         self._fetched: set[PageHash] = set()  # on L2 because take() just fetched them from L3
+        self._gone: set[PageHash] = set()  # needed items that left every tier (see take_gone)
         self._taken = [0, 0, 0]
         self._dropped = self._lost = 0
 
@@ -100,6 +105,7 @@ class GroupTiers:
         it through to L2 and L3. Returns the L1 id now holding ``h``, pinned for the caller."""
         if needed:
             self.need[h] = self.need.get(h, 0) + 1
+        self._gone.discard(h)  # held again: the boundaries that need it can resume again
         have = self.l1.get(h)
         if have is not None:
             self.free([dev])
@@ -167,6 +173,8 @@ class GroupTiers:
         if rest and self.storage is not None:
             for i, ok in zip(rest, self.storage.exists([self.l3_key(hashes[i]) for i in rest])):
                 out[i] = ok
+                if not ok and hashes[i] in self.stored:
+                    self._lose(hashes[i])  # L3 evicted it (its own capacity policy)
         return out
 
     # ------------------------------------------------------------- tiers
@@ -185,7 +193,7 @@ class GroupTiers:
             return False
         mv = self.storage.get([self.l3_key(h)], self.sizes)[0]
         if mv is None:
-            self.stored.discard(h)
+            self._lose(h)
             return False
         a = self.host.allocator
         if a.num_free < 1:
@@ -202,21 +210,39 @@ class GroupTiers:
         """Drop up to ``n`` unpinned L1 copies, least recently used first; returns how many."""
         victims = [h for h in self.l1 if h not in self.pins][:n]
         for h in victims:
-            self._lost += h not in self.l2 and h not in self.stored
             self.device.allocator.free([self.l1.pop(h)])
+            if h not in self.l2 and h not in self.stored:
+                self._lose(h)
         return len(victims)
 
     def evict_l2(self, n: int) -> int:
         """Drop up to ``n`` L2 copies, least recently used first; returns how many."""
         victims = list(self.l2)[:n]
         for h in victims:
-            self._lost += h not in self.l1 and h not in self.stored
             self.host.allocator.free([self.l2.pop(h)])
+            if h not in self.l1 and h not in self.stored:
+                self._lose(h)
         return len(victims)
+
+    def _lose(self, h: PageHash) -> None:
+        """Item ``h`` is on no tier any more (not dropped: some boundary may still need it)."""
+        self.stored.discard(h)
+        if h in self.l1 or h in self.l2:
+            return
+        self._lost += 1
+        if h in self.need:
+            self._gone.add(h)
+
+    def take_gone(self) -> set[PageHash]:
+        """The items some boundary needs that left every tier since the last call (the
+        caller forgets those boundaries, which drops the items' counts). Mutates."""
+        out, self._gone = self._gone, set()
+        return out
 
     def _drop_if_unused(self, h: PageHash) -> None:
         if h in self.need or h in self.pins:
             return
+        self._gone.discard(h)
         if h in self.l1:
             self.device.allocator.free([self.l1.pop(h)])
         if h in self.l2:
@@ -262,6 +288,10 @@ class GroupTiers:
             if h not in self.need and h not in self.pins:
                 raise IntegrityError(f"{self.name}: item {h.hex()} is held but no boundary needs it "
                                      "and no request reads it")
+        held = [h for h in self._gone if h in self.l1 or h in self.l2 or h in self.stored]
+        if held:
+            raise IntegrityError(f"{self.name}: items {[h.hex()[:8] for h in held]} are listed as gone from "
+                                 "every tier but are held")
         if any(h not in self.l1 for h in self.pins) or any(v < 1 for v in [*self.pins.values(),
                                                                           *self.need.values()]):
             raise IntegrityError(f"{self.name}: a pinned item is not on L1, or a count is below 1")

@@ -21,7 +21,12 @@ Composition, not branching inside ``HiCache``:
   only where the engine supplies a snapshot (a boundary without one cannot
   resume, so its SWA window is not kept). SWA pages outside
   every recorded window are freed (a running request frees them as its
-  window moves on) or never stored.
+  window moves on) or never stored. The record is bounded
+  (``hicache.hybrid_record``): at most ``HybridPools.max_boundaries``
+  boundaries, the least recently used forgotten first, and a boundary whose
+  full-attention prefix or one of whose items left every tier is forgotten
+  (``sweep``, at every admission, request end and eviction); forgetting frees
+  on every tier what only that boundary needed.
 
 ``admit`` asks ``HiCache`` for the full groups' hit, then
 ``hicache.hybrid.resumable_floor`` for the longest prefix every group can
@@ -31,27 +36,32 @@ partial page counts when the floor reaches its whole match and the engine
 still holds the request's live state. Between the floor and the full hit the
 engine *replays*: it recomputes the SWA and state layers, the full layers'
 KV is reused. Each group's layout (``group_layout``) has its own
-fingerprint, derived from the hybrid layout's, in every L3 object.
+fingerprint, derived from the hybrid layout's, in every L3 object. With a
+TP/CP ``consensus`` every rank admits the same full hit (``HiCache``'s) and
+the same floor (``_agreed_floor``: a boundary every rank resumes from).
 
-Not wired: service mode (``hicache+unix://``), TP/CP consensus on the floor,
+Not wired: service mode (``hicache+unix://``: refused with a ``ConfigError``),
 and asynchronous (layer-wise) loads of SWA pages and snapshots (they move
 synchronously at admission; the full groups' pages load as ``HiCache``'s do).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from hicache.cache import Tokens
 from hicache.config import HiCacheConfig
+from hicache.consensus import HitConsensus
 from hicache.errors import ConfigError, IntegrityError, LayoutError
 from hicache.group_tiers import GroupTiers, TierCounts
 from hicache.hashing import page_hashes
 from hicache.hicache import Admission, HiCache
-from hicache.hybrid import LayerGroup, resumable_floor
+from hicache.hybrid import HybridFloor, LayerGroup, resumable_floor
+from hicache.hybrid_record import DEFAULT_MAX_BOUNDARIES, BoundaryRecord
 from hicache.layout import KVLayout
+from hicache.redact import redact_url
 from hicache.request import Request, RequestState
 from hicache.storage import open_storage
 from hicache.storage.capacity import backend_options
@@ -78,21 +88,14 @@ def group_layout(layout: KVLayout, kinds: tuple[str, ...], gi: int = -1) -> KVLa
 
 @dataclass(frozen=True, slots=True)
 class HybridPools:
-    """Sizes of the groups' own pools (0: the same page counts as the full groups' pools)."""
+    """Sizes of the groups' own pools (0: the same page counts as the full groups' pools)
+    and of the boundary record."""
 
     swa_device_pages: int = 0
     swa_host_pages: int = 0
     state_device_slots: int = 0  # 0: device_pages // snapshot_every, at least 4
     state_host_slots: int = 0  # 0: host_pages // snapshot_every, at least 4
-
-
-@dataclass(slots=True)
-class Boundary:
-    """What one resumable boundary needs of each non-full group (the record)."""
-
-    pages: int  # the boundary, in pages of its prefix
-    swa: dict[int, tuple[PageHash, ...]] = field(default_factory=dict)  # group -> its window's page hashes
-    snapshot: bool = False  # the state group keeps a snapshot keyed by this boundary's hash
+    max_boundaries: int = DEFAULT_MAX_BOUNDARIES  # recorded boundaries kept; least recently used forgotten first
 
 
 class HybridAdmission(NamedTuple):
@@ -110,32 +113,39 @@ class HybridStats(NamedTuple):
     hit_tokens: int  # the full groups' hits (exact), summed
     resumed_tokens: int  # the floors, summed: tokens reused in every group
     boundaries: int  # recorded boundaries now
+    forgotten: int  # boundaries forgotten since the start (the cap, a prefix or an item gone, ``forget``)
 
 
 class HybridCache:
     """See the module docstring. Not thread-safe: one scheduler thread calls everything."""
 
     def __init__(self, config: HiCacheConfig | None = None, *, layout: KVLayout | None = None,
-                 pools: HybridPools = HybridPools(), storage=None):
+                 pools: HybridPools = HybridPools(), storage=None, consensus: HitConsensus | None = None):
+        """``consensus``: the TP/CP group's ``HitConsensus`` (``HiCache``'s argument); every
+        rank then admits the same full hit and the same floor. Raises ``LayoutError`` for a
+        layout without a full group, ``ConfigError`` for service mode or a bad ``pools``."""
         cfg = self.config = config or HiCacheConfig.load()
         self.layout = lay = layout or cfg.layout()
         if not lay.groups or not any(g.kind == "full" for g in lay.groups):
             raise LayoutError(f"HybridCache needs a layout with layer groups including a full group; "
                               f"{lay.model_id!r} has {[g.to_list() for g in lay.groups]}; use HiCache")
         if cfg.storage.url.startswith("hicache+unix:"):
-            raise ConfigError("HybridCache does not run in service mode (hicache+unix://) yet: the node "
-                              "service keeps no SWA pages or state snapshots; use an embedded L3 URL")
+            raise ConfigError(f"storage.url={redact_url(cfg.storage.url)!r}: HybridCache does not run in service "
+                              "mode (the node service keeps no SWA pages or state snapshots); set storage.url to "
+                              "an embedded L3 (file:///dir, redis://host:port, memory://) or to '' for none")
+        self.boundaries = BoundaryRecord(pools.max_boundaries, lay.page_size)
         self.groups: tuple[LayerGroup, ...] = lay.groups
         self.ps = lay.page_size
-        self.hc = HiCache(cfg, layout=group_layout(lay, ("full",)), storage=storage)
+        self.consensus = consensus
+        self.hc = HiCache(cfg, layout=group_layout(lay, ("full",)), storage=storage, consensus=consensus)
         self.stores: dict[int, GroupTiers] = {}
         for gi, g in enumerate(self.groups):
             if g.kind != "full":
                 self.stores[gi] = self._store(gi, g, pools)
         self.state_gi = next((gi for gi, g in enumerate(self.groups) if g.kind == "state"), None)
-        self.boundaries: dict[PageHash, Boundary] = {}
         self.live: dict[str, HybridRequest] = {}
         self._admissions = self._hit = self._resumed = 0
+        self._swept_epoch = -1  # the index's epoch at the last sweep of the record
 
     def _store(self, gi: int, g: LayerGroup, pools: HybridPools) -> GroupTiers:
         cfg, kind = self.config, g.kind
@@ -168,22 +178,20 @@ class HybridCache:
         request's recurrent state for (0 after a preemption that dropped it). Afterwards
         ``req.computed_tokens`` is the hit; compute ``[adm.resume, hit)`` again for the SWA
         and state layers only, then the rest. Raises as ``HiCache.admit`` and ``OutOfPages``."""
+        self.sweep()
         full = self.hc.admit(req.inner)
         full.wait()
         exact = req.inner.computed_tokens
         hashes = req.hashes(exact // self.ps)
         holds = self._holds(hashes)
-        while True:
-            floor = resumable_floor(self.groups, self.ps, holds, exact_tokens=exact,
-                                    live_state_tokens=live_state_tokens)
-            miss = req._take(hashes, floor.pages)
-            if miss is None:
-                break
-            gi, page = miss  # listed but not loadable (e.g. a corrupt L3 object): floor again without it
-            holds[gi][page] = False
+        floor = self._settle(req, hashes, holds, exact, live_state_tokens)
+        if self.consensus is not None:
+            floor = self._agreed_floor(self.consensus, req, hashes, holds, floor)
         state = None
         if self.state_gi is not None and floor.pages and floor.tokens == floor.pages * self.ps:
             state = req._snapshot
+        if floor.pages:
+            self.boundaries.use(hashes[floor.pages - 1], req.inner.node)
         req._prepare(floor.pages, exact)
         self._admissions += 1
         self._hit += exact
@@ -191,6 +199,39 @@ class HybridCache:
         req.resume = floor.tokens
         req.fork = exact // self.ps if floor.pages < exact // self.ps else 0
         return HybridAdmission(full, exact, floor.tokens, floor.limited_by, state)
+
+    def _settle(self, req: "HybridRequest", hashes: list[PageHash], holds: list[list[bool]], exact: int,
+                live_state_tokens: int, cap: int | None = None) -> HybridFloor:
+        """The floor over ``holds`` (its first ``cap`` pages when given: no exact tokens then)
+        with what resuming there reads taken by ``req``; an item listed but not loadable (e.g.
+        a corrupt L3 object) is marked missing and the floor computed again without it."""
+        rows = holds if cap is None else [r[:cap] for r in holds]
+        while True:
+            floor = resumable_floor(self.groups, self.ps, rows, exact_tokens=exact if cap is None else 0,
+                                    live_state_tokens=live_state_tokens)
+            miss = req._take(hashes, floor.pages)
+            if miss is None:
+                return floor
+            gi, page = miss
+            rows[gi][page] = False
+
+    def _agreed_floor(self, consensus: HitConsensus, req: "HybridRequest", hashes: list[PageHash],
+                      holds: list[list[bool]], floor: HybridFloor) -> HybridFloor:
+        """The floor every rank of ``consensus`` resumes from (collectives: every rank makes
+        the same calls, as their answers are the same). Ranks that found the same floor keep
+        it (a partial page included); otherwise each rank lowers its floor to a boundary it
+        can resume from at or below the page-floored minimum, until all name the same one.
+        Each round lowers the minimum, so this ends (at boundary 0 at worst).
+        ``limited_by`` stays this rank's own."""
+        ps = self.ps
+        lo, neg_hi = consensus.agree([floor.tokens, -floor.tokens])
+        while lo != -neg_hi:
+            t = lo // ps * ps
+            if floor.tokens != t:
+                req._release_swa(pinned_only=True)
+                floor = self._settle(req, hashes, holds, 0, 0, cap=t // ps)._replace(limited_by=floor.limited_by)
+            lo, neg_hi = consensus.agree([floor.tokens, -floor.tokens])
+        return floor
 
     def _holds(self, hashes: list[PageHash]) -> list[list[bool]]:
         """``resumable_floor``'s rows: full groups hold the whole hit, the others what their
@@ -207,49 +248,85 @@ class HybridCache:
         rec = self.boundaries.get(key)
         if self.state_gi is not None and snapshot is None and (rec is None or not rec.snapshot):
             return
-        if rec is None:
-            rec = self.boundaries[key] = Boundary(b)
-        if rec.pages != b:
+        node = req.inner.node  # the index node a running request holds: its path covers page b - 1
+        if node is None or node.start_page + node.num_pages < b:
+            raise IntegrityError(f"request {req.rid!r}: records boundary {b} but holds no index node through "
+                                 f"its last page ({node!r})")
+        if rec is not None and rec.pages != b:
             raise IntegrityError(f"boundary {key.hex()} recorded at {rec.pages} pages, again at {b}")
+        row = None
+        if self.state_gi is not None and snapshot is not None and not (rec is not None and rec.snapshot):
+            row = self._snapshot_row(b, snapshot)  # checked (and its slot taken) before anything is recorded
+        if rec is None:
+            rec = self.boundaries.add(key, b, node)
         for gi, g in enumerate(self.groups):
             if g.kind == "swa":
                 lo = max(0, b * self.ps - g.window + 1) // self.ps
                 fresh = gi not in rec.swa
                 rec.swa[gi] = tuple(hashes[lo:b])
                 req._keep_window(gi, hashes, lo, b, count=fresh)
-        if self.state_gi is not None and snapshot is not None and not rec.snapshot:
+        if row is not None and self.state_gi is not None:
             st = self.stores[self.state_gi]
-            raw = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in snapshot])
-            if raw.numel() != st.layout.row_bytes:
-                raise ValueError(f"snapshot at boundary {b}: {raw.numel()} bytes, the state group holds "
-                                 f"{st.layout.row_bytes} ({len(self.groups[self.state_gi].layers)} layers x "
-                                 f"{self.groups[self.state_gi].state_bytes} bytes)")
-            dev = st.alloc(1)[0]
-            row = st.device.buffers[0][dev]
-            row.copy_(raw.to(row.device))
-            st.keep(key, dev)
+            st.keep(key, row)
             st.unpin(key)
             rec.snapshot = True
+        self.boundaries.use(key, node)
+        for old in self.boundaries.over_cap():
+            self.forget(old)
+
+    def _snapshot_row(self, b: int, snapshot: list) -> DevicePageId:
+        """A private state-store L1 row holding ``snapshot`` (every state layer's tensor, as
+        bytes). Raises ``ValueError`` naming the sizes when they differ, ``OutOfPages``."""
+        assert self.state_gi is not None, "a snapshot needs a state group"
+        st, g = self.stores[self.state_gi], self.groups[self.state_gi]
+        raw = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in snapshot])
+        if raw.numel() != st.layout.row_bytes:
+            raise ValueError(f"snapshot at boundary {b}: {raw.numel()} bytes, the state group holds "
+                             f"{st.layout.row_bytes} ({len(g.layers)} layers x {g.state_bytes} bytes)")
+        dev = st.alloc(1)[0]
+        row = st.device.buffers[0][dev]
+        row.copy_(raw.to(row.device))
+        return dev
 
     def forget(self, key: PageHash) -> None:
         """Drop boundary ``key`` from the record: the SWA pages only it needed and its
-        snapshot are freed on every tier (the full groups' pages are ``HiCache``'s)."""
+        snapshot are freed on every tier (the full groups' pages are ``HiCache``'s).
+        Raises ``KeyError`` for a key not recorded."""
         rec = self.boundaries.pop(key)
         for gi, hs in rec.swa.items():
             for h in hs:
                 self.stores[gi].unref(h)
-        if rec.snapshot:
+        if rec.snapshot and self.state_gi is not None:
             self.stores[self.state_gi].unref(key)
+
+    def sweep(self) -> int:
+        """Forget every boundary that can no longer resume (see ``hicache.hybrid_record``):
+        an item it needs left every tier of its store, or (when pages left a tier of the
+        index since the last sweep) its full-attention prefix is held by no tier. Runs at
+        every admission, request end and eviction; returns the boundaries forgotten."""
+        lost = {gi: s.take_gone() for gi, s in self.stores.items()}
+        epoch = self.hc.cache.epoch
+        prefixes, self._swept_epoch = epoch != self._swept_epoch, epoch
+        if not prefixes and not any(lost.values()):
+            return 0
+        stale = self.boundaries.stale(lost, self.state_gi, prefixes=prefixes, l3=self.hc.storage is not None)
+        for key in stale:
+            self.forget(key)
+        return len(stale)
 
     # ------------------------------------------------------------- tiers
     def evict(self, num_pages: int) -> int:
         """Take up to ``num_pages`` unpinned pages off L1 in every group (the full groups
-        through ``HiCache.evict``); they stay on L2/L3."""
-        return self.hc.evict(num_pages) + sum(s.evict_l1(num_pages) for s in self.stores.values())
+        through ``HiCache.evict``); they stay on L2/L3 where written there. Then ``sweep``."""
+        got = self.hc.evict(num_pages) + sum(s.evict_l1(num_pages) for s in self.stores.values())
+        self.sweep()
+        return got
 
     def evict_host(self, num_pages: int) -> int:
-        """Drop up to ``num_pages`` pages from L2 in every group (L3 keeps its copies)."""
-        return len(self.hc.evict_host(num_pages)) + sum(s.evict_l2(num_pages) for s in self.stores.values())
+        """Drop up to ``num_pages`` pages from L2 in every group (L3 keeps its copies). Then ``sweep``."""
+        got = len(self.hc.evict_host(num_pages)) + sum(s.evict_l2(num_pages) for s in self.stores.values())
+        self.sweep()
+        return got
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of cached pages and snapshots held per tier, every group together
@@ -269,7 +346,8 @@ class HybridCache:
         return {gi: s.counts() for gi, s in self.stores.items()}
 
     def stats(self) -> HybridStats:
-        return HybridStats(self._admissions, self._hit, self._resumed, len(self.boundaries))
+        return HybridStats(self._admissions, self._hit, self._resumed, len(self.boundaries),
+                           self.boundaries.forgotten)
 
     def poll(self) -> int:
         """``HiCache.poll`` (the group stores move synchronously: nothing of theirs is in flight)."""
@@ -279,18 +357,14 @@ class HybridCache:
         self.hc.drain()
 
     def check_integrity(self) -> None:
-        """``HiCache``'s checks, every store's, and the record against the stores: each
-        store's ``need`` counts equal the recorded boundaries that name each item."""
+        """``HiCache``'s checks, every store's, the record's own (cap, anchors), and the
+        record against the stores: each store's ``need`` counts equal the recorded
+        boundaries that name each item."""
         self.hc.check_integrity()
         for s in self.stores.values():
             s.check_integrity()
-        want: dict[int, dict[PageHash, int]] = {gi: {} for gi in self.stores}
-        for key, rec in self.boundaries.items():
-            for gi, hs in rec.swa.items():
-                for h in hs:
-                    want[gi][h] = want[gi].get(h, 0) + 1
-            if rec.snapshot:
-                want[self.state_gi][key] = want[self.state_gi].get(key, 0) + 1
+        self.boundaries.check_integrity()
+        want = self.boundaries.need_counts(list(self.stores), self.state_gi)
         for gi, s in self.stores.items():
             if s.need != want[gi]:
                 diff = {h.hex()[:8]: (s.need.get(h), want[gi].get(h)) for h in set(s.need) ^ set(want[gi])
@@ -487,6 +561,7 @@ class HybridRequest:
         self.inner.finish()
         self._release_swa()
         del self.owner.live[self.rid]
+        self.owner.sweep()
 
     def preempt(self, snapshots: dict[int, list] | None = None) -> None:
         """Record the end boundary, then ``Request.preempt``; the SWA page of a private partial
@@ -496,6 +571,7 @@ class HybridRequest:
         self.inner.preempt()
         self._release_swa(keep_page=tail)
         self.resume = 0
+        self.owner.sweep()
 
     def abort(self) -> None:
         """Release everything without recording anything. -> ABORTED."""
