@@ -9,8 +9,8 @@ from hicache.config import HiCacheConfig
 from hicache.errors import ConfigError, IntegrityError, OutOfPages
 from hicache.group_tiers import GroupTiers, TierCounts
 from hicache.hashing import page_hashes
-from hicache.hybrid import LayerGroup, hybrid_layout, stored_bytes, swa_needed_pages
-from hicache.hybrid_cache import HybridCache, group_layout
+from hicache.hybrid import LayerGroup, hybrid_layout, stored_bytes, swa_needed_pages, workload_bytes
+from hicache.hybrid_cache import HybridCache, HybridPools, group_layout
 from hicache.layout import KVLayout
 from hicache.shapes import model_shape
 from hicache.storage import open_storage
@@ -169,4 +169,161 @@ def test_check_integrity_finds_a_record_that_disagrees_with_a_store():
     next(iter(hc.boundaries.values())).swa[0] = ()
     with pytest.raises(IntegrityError, match="need counts disagree with the record"):
         hc.check_integrity()
+    hc.close()
+
+
+# ------------------------------------------------------------- the record stays bounded
+def _pooled(layout, url="", *, max_boundaries=4, device_pages=48, host_pages=64, **more):
+    cfg = HiCacheConfig.load(env={}, overrides={"storage.url": url, "pool.device_pages": str(device_pages),
+                                                "pool.host_pages": str(host_pages), "pool.device": "cpu",
+                                                "policy.write_policy": "write_through",
+                                                "policy.prefetch_policy": "wait_complete", **more})
+    return HybridCache(cfg, layout=layout, pools=HybridPools(max_boundaries=max_boundaries))
+
+
+def _prompt(i, pages=10, extra=0):
+    return [(i * 7919 + j) % 50_000 + 1 for j in range(pages * 16)] + [60_000 + i] * extra
+
+
+def test_the_record_is_capped_least_recently_used_first_at_ten_times_the_cap():
+    lay = hybrid_layout(model_shape("gpt-oss-120b"), 16)
+    hc = _pooled(lay, "memory://", max_boundaries=4)
+    st = hc.stores[0]
+    for i in range(40):  # 40 prompts of 10 pages: one end boundary each, 10x the cap
+        if i == 20:  # resume from prompt 18's end: used, so it outlives 17 and 19
+            adm = _serve(hc, "again18", _prompt(18, extra=5))
+            assert (adm.hit, adm.resume) == (160, 160)
+        _serve(hc, f"p{i}", _prompt(i))
+        hc.drain()
+        assert len(hc.boundaries) <= 4 and len(st.need) <= 4 * 8
+        assert st.counts().l3 <= 4 * 8 and st.counts().l2 <= 4 * 8  # (L1 also holds running requests' pages)
+        if i == 21:
+            assert [hc.boundaries.get(k).pages for k in hc.boundaries] == [10] * 4
+            assert page_hashes(_prompt(18), 16)[9] in hc.boundaries
+        hc.check_integrity()
+    # the last four ends remain; what they need is all the group holds, on every tier
+    ends = [page_hashes(_prompt(i), 16) for i in range(36, 40)]
+    assert list(hc.boundaries) == [h[9] for h in ends]
+    assert set(st.l2) == st.stored == set(st.need) == {x for h in ends for x in h[2:10]}
+    assert hc.stats().boundaries == 4 and hc.stats().forgotten == 36
+    want = stored_bytes(lay, 10)  # the SWA group's L3 objects: four windows' worth
+    assert st.counts().l3 * st.layout.page_bytes == 4 * (want.hybrid - want.every_layer_full // 2)
+    # a forgotten one resumes from 0 (its full pages are still in L3); a kept one at its end
+    assert _serve(hc, "old", _prompt(3, extra=5)).resume == 0
+    assert _serve(hc, "new", _prompt(39, extra=5)).resume == 160
+    hc.close()
+
+
+def test_a_boundary_whose_full_prefix_left_every_tier_is_forgotten():
+    lay = hybrid_layout(model_shape("gpt-oss-120b"), 16)
+    hc = _pooled(lay, max_boundaries=64, device_pages=24, host_pages=24)  # no L3: 2 prompts fit on L2
+    st = hc.stores[0]
+    first = page_hashes(_prompt(0), 16)
+    _serve(hc, "p0", _prompt(0))
+    assert first[9] in hc.boundaries
+    for i in range(1, 4):
+        _serve(hc, f"p{i}", _prompt(i))
+        hc.drain()
+        hc.check_integrity()
+        # every boundary left is resumable: its prefix is still in the index
+        for key in hc.boundaries:
+            i_of = next(j for j in range(i + 1) if page_hashes(_prompt(j), 16)[9] == key)
+            assert hc.hc.match(_prompt(i_of))[0].tokens == 160
+    assert first[9] not in hc.boundaries and not set(first) & (set(st.need) | set(st.l1) | set(st.l2))
+    assert 0 < len(hc.boundaries) < 4 and hc.stats().forgotten == 4 - len(hc.boundaries)
+    assert _serve(hc, "again", _prompt(0, extra=5)).resume == 0
+    hc.close()
+
+
+def test_full_prefixes_stored_in_l3_keep_their_boundaries_and_resume_from_l3():
+    lay = hybrid_layout(model_shape("gpt-oss-120b"), 16)
+    hc = _pooled(lay, "memory://", max_boundaries=64, device_pages=24, host_pages=24)
+    for i in range(4):
+        _serve(hc, f"p{i}", _prompt(i))
+        hc.drain()
+    assert len(hc.boundaries) == 4 and hc.stats().forgotten == 0  # pages left L1/L2, L3 holds them
+    assert hc.hc.match(_prompt(0))[0].tokens == 0
+    adm = _serve(hc, "again", _prompt(0, extra=5))
+    assert (adm.hit, adm.resume) == (160, 160) and hc.stores[0].stats().taken_l3 == 8
+    hc.check_integrity()
+    hc.close()
+
+
+def test_a_boundary_whose_window_left_every_tier_is_forgotten():
+    lay = hybrid_layout(model_shape("gpt-oss-120b"), 16)
+    hc = _pooled(lay)  # no L3
+    _serve(hc, "p0", _prompt(0))
+    _serve(hc, "p1", _prompt(1))
+    st = hc.stores[0]
+    st.evict_l2(100)  # SWA pages on L1 only now; the full groups keep everything
+    assert hc.evict(8) and len(hc.boundaries) == 1 and hc.stats().forgotten == 1
+    assert list(hc.boundaries) == [page_hashes(_prompt(1), 16)[9]] and st.stats().lost == 8
+    assert len(st.need) == 8 and st.counts() == TierCounts(8, 0, 0)
+    hc.check_integrity()
+    hc.close()
+
+
+def test_accounted_bytes_equal_held_bytes_with_swa_and_state_groups():
+    """gpt-oss-120b's layers with a state group added (snapshots every 16 pages): the
+    prefix's end (page 40) has no snapshot, so no window is kept there; what the tiers
+    hold equals ``stored_bytes`` and ``workload_bytes`` of the sequence."""
+    base = hybrid_layout(model_shape("gpt-oss-120b"), 16)
+    lay = base.replace(groups=base.groups + (LayerGroup("state", (0, 1), state_bytes=4096, snapshot_every=16),))
+    hc = _cache(lay, "memory://")
+    snap = [torch.arange(2 * 4096, dtype=torch.int32).to(torch.uint8)]
+    tokens = list(range(1, 40 * 16 + 8))
+    req = hc.new_request("a", tokens)
+    hc.admit(req)
+    req.alloc(len(tokens))
+    req.commit(None, {16: snap, 32: snap})
+    req.finish()
+    hc.drain()
+    hc.check_integrity()
+    want = stored_bytes(lay, 40)
+    assert want == workload_bytes(lay, [(tokens, "")])
+    assert hc.held_bytes() == {"L1": want.hybrid, "L2": want.hybrid, "L3": want.hybrid}
+    assert sorted(b.pages for b in hc.boundaries.values()) == [16, 32]
+    assert set(hc.stores[0].l2) == {page_hashes(tokens, 16)[p] for p in swa_needed_pages([16, 32], 128, 16)}
+    hc.close()
+
+
+def test_record_cap_must_be_positive():
+    with pytest.raises(ConfigError, match=r"max_boundaries=0: .*positive count"):
+        _pooled(hybrid_layout(model_shape("gpt-oss-120b"), 16), max_boundaries=0)
+
+
+def test_a_boundary_follows_its_page_through_a_split_of_its_index_node():
+    """A's boundaries 4 and 8 are anchored at A's one index node. Another request of the
+    full groups' index shares 6 pages with A: the node is split at 6, the object A's
+    boundaries point at keeps the lower part (pages 6..9). When that part leaves every
+    tier, boundary 8 goes and boundary 4 stays: its page is in the upper part, still held."""
+    base = hybrid_layout(model_shape("gpt-oss-120b"), 16)
+    lay = base.replace(groups=base.groups + (LayerGroup("state", (0,), state_bytes=64, snapshot_every=4),))
+    lru = {"policy.device_eviction": "lru", "policy.host_eviction": "lru"}
+    hc = _pooled(lay, max_boundaries=64, **lru)  # no L3
+    a = _prompt(0)
+    req = hc.new_request("a", a)
+    hc.admit(req)
+    req.alloc(len(a))
+    req.commit(None, {4: [torch.zeros(64, dtype=torch.uint8)], 8: [torch.ones(64, dtype=torch.uint8)]})
+    req.finish()
+    other = hc.hc.new_request("b", a[:96] + _prompt(1)[:64])  # (no SWA or state layers run for it)
+    hc.hc.admit(other).wait()
+    other.alloc(other.num_tokens - other.computed_tokens)
+    other.commit()
+    other.finish()
+    hc.drain()
+    ha = page_hashes(a, 16)
+    assert set(hc.boundaries) == {ha[3], ha[7]} and hc.sweep() == 0
+    hc.hc.evict(4)  # A's tail leaves the full groups' L1 (the least recently used leaf) ...
+    assert hc.sweep() == 0
+    hc.hc.evict_host(4)  # ... and L2 (the group stores keep every item)
+    assert hc.hc.match(a)[0].tokens == 96
+    assert hc.sweep() == 1 and set(hc.boundaries) == {ha[3]} and hc.stats().forgotten == 1
+    hc.check_integrity()
+    r = hc.new_request("again", a[:70])
+    adm = hc.admit(r)
+    assert (adm.hit, adm.resume) == (69 // 16 * 16, 64) and torch.equal(adm.state, torch.zeros(1, 64, dtype=torch.uint8))
+    r.abort()
+    hc.check_integrity()
     hc.close()
