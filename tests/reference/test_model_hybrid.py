@@ -15,8 +15,8 @@ from hicache.config import HiCacheConfig
 from hicache.errors import LayoutError, PoolError
 from hicache.group_tiers import TierCounts
 from hicache.hashing import page_hashes
-from hicache.hybrid import LayerGroup, stored_bytes, swa_needed_pages
-from hicache.hybrid_cache import HybridCache, group_layout
+from hicache.hybrid import LayerGroup, stored_bytes, swa_needed_pages, workload_bytes
+from hicache.hybrid_cache import HybridCache, HybridPools, group_layout
 from hicache.reference.hybrid_runner import HybridRunner
 from hicache.reference.model_hybrid import HybridModel, HybridSpec, HybridState
 from hicache.reference.model_spec import ModelSpec
@@ -44,11 +44,11 @@ def model(models):
     return models[SPEC]
 
 
-def make_cache(url="", host_layout="page_first", spec=SPEC):
+def make_cache(url="", host_layout="page_first", spec=SPEC, pools=HybridPools(), device_pages=64, host_pages=128):
     cfg = HiCacheConfig.load(env={}, overrides={
-        "storage.url": url, "pool.device_pages": "64", "pool.host_pages": "128",
+        "storage.url": url, "pool.device_pages": str(device_pages), "pool.host_pages": str(host_pages),
         "policy.prefetch_policy": "wait_complete", "pool.device": "cpu", "policy.write_policy": "write_through"})
-    return HybridCache(cfg, layout=spec.kv_layout(PS, host_layout))
+    return HybridCache(cfg, layout=spec.kv_layout(PS, host_layout), pools=pools)
 
 
 @pytest.fixture(scope="module")
@@ -203,8 +203,9 @@ def test_swa_pages_outside_every_window_are_not_held_and_bytes_match_the_account
                                                                                    chunk):
     """SPARSE snapshots every 4 pages: the record is boundaries 4 and 8 (the end, page 10,
     has no snapshot: it cannot resume, so its window is not kept); only their windows'
-    SWA pages are held, on every tier, and the bytes held are ``stored_bytes``' hybrid
-    figure for the 10-page prefix resumable at those boundaries."""
+    SWA pages are held, on every tier, and the bytes held are ``stored_bytes``' and
+    ``workload_bytes``' hybrid figure for the 10-page prefix (their defaults account no
+    window at an end without a snapshot either)."""
     hc = make_cache(f"file://{tmp_path}/l3", spec=SPARSE)
     clear_l3(hc)
     run = HybridRunner(hc, models[SPARSE], chunk_tokens=chunk)
@@ -217,7 +218,8 @@ def test_swa_pages_outside_every_window_are_not_held_and_bytes_match_the_account
     assert set(st.l1) == set(st.l2) == st.stored == {hashes[p] for p in need}
     assert [st.storage.exists([st.l3_key(h)])[0] for h in hashes] == [p in need for p in range(10)]
     assert _tiers(hc, STATE_GI) == TierCounts(2, 2, 2)
-    want = stored_bytes(SPARSE.kv_layout(PS), 10, boundaries=[4, 8])
+    want = stored_bytes(SPARSE.kv_layout(PS), 10)
+    assert want == workload_bytes(SPARSE.kv_layout(PS), [(PROMPT + cold[SPARSE, "base"].output, "")])
     assert hc.held_bytes() == {"L1": want.hybrid, "L2": want.hybrid, "L3": want.hybrid}
     assert want.hybrid < want.every_layer_full + want.state_every_page
     hc.check_integrity()
@@ -341,5 +343,46 @@ def test_groups_round_trip_through_other_l3_backends(model, cold, scheme, reques
     r = run.serve("b", PROMPT)
     assert (r.hit, r.resume) == (36, 32) and same(r, cold[SPEC, "base"])
     assert hc.stores[STATE_GI].stats().taken_l3 == 1
+    hc.check_integrity()
+    hc.close()
+
+
+PROMPTS = [torch.randint(1, 97, (37,), generator=torch.Generator().manual_seed(100 + i)).tolist() for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def cold_many(model):
+    out = []
+    for i, prompt in enumerate(PROMPTS):
+        hc = make_cache()
+        out.append(HybridRunner(hc, model, chunk_tokens=64).serve(f"cold{i}", prompt))
+        hc.close()
+    return out
+
+
+@pytest.mark.parametrize("url", ["", "file"])
+def test_the_record_stays_bounded_under_pressure_and_what_remains_is_exact(model, cold_many, tmp_path, url):
+    """A record of at most 3 boundaries and pools of 24 pages: 8 prompts record 5
+    boundaries each (pages 2..10), 13x the cap, while their full pages crowd each other
+    off L1 and L2. After every request the record holds at most 3 boundaries and the
+    group stores only what they need (3 snapshots, 3 windows of 2 pages) on every tier;
+    the last prompt's boundaries 6, 8, 10 remain and it resumes at its last snapshot
+    bit for bit; an early prompt's boundaries are forgotten and it resumes from 0."""
+    hc = make_cache(f"file://{tmp_path}/l3" if url else "", pools=HybridPools(max_boundaries=3),
+                    device_pages=24, host_pages=24)
+    run = HybridRunner(hc, model, chunk_tokens=5)
+    swa, state = hc.stores[SWA_GI], hc.stores[STATE_GI]
+    for i, prompt in enumerate(PROMPTS):
+        assert same(run.serve(f"p{i}", prompt), cold_many[i])
+        hc.drain()
+        assert len(hc.boundaries) <= 3 and len(state.need) <= 3 and len(swa.need) <= 3 * 2
+        assert max(state.counts()) <= 3 and max(swa.counts()[1:]) <= 3 * 2
+        hc.check_integrity()
+    assert hc.stats().forgotten == 8 * 5 - 3
+    assert sorted(b.pages for b in hc.boundaries.values()) == [6, 8, 10]
+    last = run.serve("last", PROMPTS[-1])
+    assert (last.hit, last.resume, last.replayed) == (36, 32, 4) and same(last, cold_many[-1])
+    first = run.serve("first", PROMPTS[0])
+    assert first.resume == 0 and same(first, cold_many[0])
     hc.check_integrity()
     hc.close()
