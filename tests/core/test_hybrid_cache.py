@@ -155,11 +155,16 @@ def test_qwen3_next_snapshots_at_the_real_shape():
     hc.close()
 
 
-def test_service_mode_and_non_hybrid_layouts_are_refused():
+def test_service_mode_is_refused_naming_the_redacted_url_and_the_fix():
     lay = hybrid_layout(model_shape("gpt-oss-120b"), 16)
-    cfg = HiCacheConfig.load(env={}, overrides={"storage.url": "hicache+unix:///tmp/x.sock", "pool.device": "cpu"})
-    with pytest.raises(ConfigError, match="service mode"):
+    url = "hicache+unix://node:s3cretpw@/tmp/x.sock?token=abc123"
+    cfg = HiCacheConfig.load(env={}, overrides={"storage.url": url, "pool.device": "cpu"})
+    with pytest.raises(ConfigError) as e:
         HybridCache(cfg, layout=lay)
+    msg = str(e.value)
+    assert "storage.url='hicache+unix://node:***@/tmp/x.sock?token=***'" in msg, msg
+    assert "does not run in service mode" in msg and "set storage.url to an embedded L3 (file:///dir" in msg
+    assert "s3cretpw" not in msg and "abc123" not in msg
 
 
 def test_check_integrity_finds_a_record_that_disagrees_with_a_store():
