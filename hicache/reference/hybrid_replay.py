@@ -105,11 +105,13 @@ def replay_hybrid(cfg: HiCacheConfig, shape_name: str, trace_path: str | None, *
         hy.drain()
         hy.check_integrity()
         held = hy.held_bytes()
+        stats = hy.stats()
         return {"shape": shape_name, "trace": trace.name, "page_size": ps, "snapshot_every": snapshot_every,
                 "requests": len(seqs), "prompt_tokens": prompt_total, "hit_tokens": hit,
                 "resumed_tokens": resumed, "hit_rate": hit / prompt_total if prompt_total else 0.0,
                 "floored_hit_rate": resumed / prompt_total if prompt_total else 0.0,
-                "held_bytes": held, "groups": {hy.stores[gi].name: hy.stores[gi].counts()._asdict()
+                "held_bytes": held, "boundaries": stats.boundaries, "forgotten_boundaries": stats.forgotten,
+                "groups": {hy.stores[gi].name: hy.stores[gi].counts()._asdict()
                                                for gi in hy.stores},
                 "every_layer_full_bytes": acct.every_layer_full, "state_every_page_bytes": acct.state_every_page,
                 "accounted_hybrid_bytes": acct.hybrid, "saved": 1.0 - held["L2"] / (acct.every_layer_full +
@@ -132,7 +134,8 @@ def format_report(r: dict[str, Any]) -> str:
                 if r["state_every_page_bytes"] else ""),
              f"  saved: {r['saved']:.1%} of {base / mib:,.1f} MiB (accounted by workload_bytes: "
              f"{r['accounted_hybrid_bytes'] / mib:,.1f} MiB held)",
-             f"  group items (L1/L2/L3): {r['groups']}"]
+             f"  group items (L1/L2/L3): {r['groups']}",
+             f"  boundaries recorded: {r['boundaries']:,} ({r['forgotten_boundaries']:,} forgotten)"]
     return "\n".join(lines)
 
 

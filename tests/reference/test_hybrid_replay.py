@@ -31,6 +31,8 @@ def test_replay_hybrid_reports_realised_bytes_and_the_floored_hit_rate(shape, ev
     assert r["held_bytes"]["L2"] == full_pages * full + c["l2"] * item
     assert 0 < r["held_bytes"]["L2"] <= r["every_layer_full_bytes"] + r["state_every_page_bytes"]
     assert 0 < r["floored_hit_rate"] <= r["hit_rate"] < 1
+    # the workload fits the record (default cap 4096): nothing forgotten, what is held is all needed
+    assert r["boundaries"] > 0 and r["forgotten_boundaries"] == 0 and "boundaries recorded:" in text
     if shape == "gpt-oss-120b":  # tiny's sequences are shorter than the 128-token window: every page kept
         assert c["l2"] == full_pages and r["saved"] == pytest.approx(0.0)
     else:  # one 38.6 MiB snapshot per kept boundary instead of one per page
