@@ -25,8 +25,9 @@ Composition, not branching inside ``HiCache``:
   (``hicache.hybrid_record``): at most ``HybridPools.max_boundaries``
   boundaries, the least recently used forgotten first, and a boundary whose
   full-attention prefix or one of whose items left every tier is forgotten
-  (``sweep``, at every admission, request end and eviction); forgetting frees
-  on every tier what only that boundary needed.
+  (``sweep``: at every admission and request end within a budget, at every
+  eviction in full); forgetting frees on every tier what only that boundary
+  needed.
 
 ``admit`` asks ``HiCache`` for the full groups' hit, then
 ``hicache.hybrid.resumable_floor`` for the longest prefix every group can
@@ -59,7 +60,7 @@ from hicache.group_tiers import GroupTiers, TierCounts
 from hicache.hashing import page_hashes
 from hicache.hicache import Admission, HiCache
 from hicache.hybrid import HybridFloor, LayerGroup, resumable_floor
-from hicache.hybrid_record import DEFAULT_MAX_BOUNDARIES, BoundaryRecord
+from hicache.hybrid_record import DEFAULT_MAX_BOUNDARIES, SWEEP_BATCH, BoundaryRecord
 from hicache.layout import KVLayout
 from hicache.redact import redact_url
 from hicache.request import Request, RequestState
@@ -178,7 +179,7 @@ class HybridCache:
         request's recurrent state for (0 after a preemption that dropped it). Afterwards
         ``req.computed_tokens`` is the hit; compute ``[adm.resume, hit)`` again for the SWA
         and state layers only, then the rest. Raises as ``HiCache.admit`` and ``OutOfPages``."""
-        self.sweep()
+        self.sweep(SWEEP_BATCH)
         full = self.hc.admit(req.inner)
         full.wait()
         exact = req.inner.computed_tokens
@@ -263,7 +264,7 @@ class HybridCache:
             if g.kind == "swa":
                 lo = max(0, b * self.ps - g.window + 1) // self.ps
                 fresh = gi not in rec.swa
-                rec.swa[gi] = tuple(hashes[lo:b])
+                self.boundaries.set_window(key, gi, tuple(hashes[lo:b]))
                 req._keep_window(gi, hashes, lo, b, count=fresh)
         if row is not None and self.state_gi is not None:
             st = self.stores[self.state_gi]
@@ -299,17 +300,17 @@ class HybridCache:
         if rec.snapshot and self.state_gi is not None:
             self.stores[self.state_gi].unref(key)
 
-    def sweep(self) -> int:
+    def sweep(self, limit: int | None = None) -> int:
         """Forget every boundary that can no longer resume (see ``hicache.hybrid_record``):
-        an item it needs left every tier of its store, or (when pages left a tier of the
-        index since the last sweep) its full-attention prefix is held by no tier. Runs at
-        every admission, request end and eviction; returns the boundaries forgotten."""
+        an item it needs left every tier of its store, or its full-attention prefix is held
+        by no tier (checked once pages left a tier of the index: ``limit`` boundaries per
+        call, None: all). Admissions and request ends sweep ``SWEEP_BATCH``, ``evict`` and
+        ``evict_host`` all. Returns the boundaries forgotten."""
         lost = {gi: s.take_gone() for gi, s in self.stores.items()}
         epoch = self.hc.cache.epoch
-        prefixes, self._swept_epoch = epoch != self._swept_epoch, epoch
-        if not prefixes and not any(lost.values()):
-            return 0
-        stale = self.boundaries.stale(lost, self.state_gi, prefixes=prefixes, l3=self.hc.storage is not None)
+        changed, self._swept_epoch = epoch != self._swept_epoch, epoch
+        stale = self.boundaries.stale(lost, self.state_gi, index_changed=changed, l3=self.hc.storage is not None,
+                                      limit=limit)
         for key in stale:
             self.forget(key)
         return len(stale)
@@ -363,13 +364,13 @@ class HybridCache:
         self.hc.check_integrity()
         for s in self.stores.values():
             s.check_integrity()
-        self.boundaries.check_integrity()
         want = self.boundaries.need_counts(list(self.stores), self.state_gi)
         for gi, s in self.stores.items():
             if s.need != want[gi]:
                 diff = {h.hex()[:8]: (s.need.get(h), want[gi].get(h)) for h in set(s.need) ^ set(want[gi])
                         or {h for h in s.need if s.need[h] != want[gi].get(h)}}
                 raise IntegrityError(f"{s.name}: need counts disagree with the record (store, record): {diff}")
+        self.boundaries.check_integrity()
         for r in self.live.values():
             r.check_integrity()
 
@@ -561,7 +562,7 @@ class HybridRequest:
         self.inner.finish()
         self._release_swa()
         del self.owner.live[self.rid]
-        self.owner.sweep()
+        self.owner.sweep(SWEEP_BATCH)
 
     def preempt(self, snapshots: dict[int, list] | None = None) -> None:
         """Record the end boundary, then ``Request.preempt``; the SWA page of a private partial
@@ -571,7 +572,7 @@ class HybridRequest:
         self.inner.preempt()
         self._release_swa(keep_page=tail)
         self.resume = 0
-        self.owner.sweep()
+        self.owner.sweep(SWEEP_BATCH)
 
     def abort(self) -> None:
         """Release everything without recording anything. -> ABORTED."""

@@ -171,8 +171,14 @@ def test_check_integrity_finds_a_record_that_disagrees_with_a_store():
     lay = hybrid_layout(model_shape("gpt-oss-120b"), 16)
     hc = _cache(lay)
     _serve(hc, "a", list(range(1, 200)))
-    next(iter(hc.boundaries.values())).swa[0] = ()
+    rec = next(iter(hc.boundaries.values()))
+    window, rec.swa[0] = rec.swa[0], ()
     with pytest.raises(IntegrityError, match="need counts disagree with the record"):
+        hc.check_integrity()
+    rec.swa[0] = window
+    hc.check_integrity()
+    hc.boundaries._users.pop((0, window[0]))  # the reverse index (item -> boundaries) loses an entry
+    with pytest.raises(IntegrityError, match=f"item -> boundaries index disagrees .*{window[0].hex()[:8]}"):
         hc.check_integrity()
     hc.close()
 
@@ -330,5 +336,20 @@ def test_a_boundary_follows_its_page_through_a_split_of_its_index_node():
     adm = hc.admit(r)
     assert (adm.hit, adm.resume) == (69 // 16 * 16, 64) and torch.equal(adm.state, torch.zeros(1, 64, dtype=torch.uint8))
     r.abort()
+    hc.check_integrity()
+    hc.close()
+
+
+def test_a_limited_sweep_checks_every_boundary_over_several_calls():
+    lay = hybrid_layout(model_shape("gpt-oss-120b"), 16)
+    hc = _pooled(lay, max_boundaries=64)  # no L3
+    for i in range(4):
+        _serve(hc, f"p{i}", _prompt(i, pages=3))
+    hc.drain()
+    assert len(hc.boundaries) == 4 and hc.sweep(1) == 0  # nothing left a tier since the last sweep
+    hc.hc.evict(100)
+    hc.hc.evict_host(100)  # every full page gone from every tier (the group stores keep theirs)
+    assert [hc.sweep(1) for _ in range(5)] == [1, 1, 1, 1, 0]
+    assert len(hc.boundaries) == 0 and hc.stores[0].counts() == TierCounts(0, 0, 0)
     hc.check_integrity()
     hc.close()
