@@ -214,7 +214,7 @@ class HybridCache:
             if miss is None:
                 return floor
             gi, page = miss
-            rows[gi][page] = False
+            rows[gi][page] = holds[gi][page] = False  # (``holds`` too: a lower cap later skips it)
 
     def _agreed_floor(self, consensus: HitConsensus, req: "HybridRequest", hashes: list[PageHash],
                       holds: list[list[bool]], floor: HybridFloor) -> HybridFloor:
