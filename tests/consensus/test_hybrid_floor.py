@@ -5,7 +5,9 @@ through an in-process ``NodeServer`` (as ``test_consensus``' service tests). The
 is gpt-oss-120b's (SWA-128 and full layers, TP rank r of 2) with a small state group
 added, so that the ranks can hold snapshots at different boundaries: each rank's own
 floor differs, and the group must settle on a boundary every rank resumes from (the
-minimum over ranks can be one where some rank holds no snapshot).
+minimum over ranks can be one where some rank holds no snapshot). At the value level,
+the reference hybrid model served on two ranks that had to lower their floors to agree
+still equals a cold run bit for bit.
 """
 from __future__ import annotations
 
@@ -21,9 +23,15 @@ from hicache.consensus import ServiceConsensus
 from hicache.hashing import page_hashes
 from hicache.hybrid import LayerGroup, hybrid_layout
 from hicache.hybrid_cache import HybridCache
+from hicache.reference.hybrid_runner import HybridRunner
+from hicache.reference.model_hybrid import HybridModel, HybridSpec
+from hicache.reference.model_spec import ModelSpec
 from hicache.service.server import NodeServer
 from hicache.shapes import model_shape
 from hicache.shm import shm_path
+
+# an exception in a rank's thread fails the test (not only a warning)
+pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 
 PS = 16
 PROMPT = [(7919 * j) % 50_000 + 1 for j in range(10 * PS)]  # 10 pages
@@ -171,3 +179,53 @@ def test_an_exact_partial_page_floor_stands_only_when_every_rank_has_it(server, 
         t.join()
     want = 5 * PS + 3 if lose_on < 0 else 0
     assert out == [(5 * PS + 3, want, 5 * PS + 3)] * 2
+
+
+# ------------------------------------------------ value level: the agreed floor is exact
+BASE = ModelSpec(vocab=97, hidden=32, num_layers=4, num_q_heads=4, mlp=48, num_kv_heads=2, head_dim=8, seed=3)
+SPEC = HybridSpec(BASE, ("swa", "full", "linear", "swa", "full", "linear"), window=6, snapshot_every=2)
+MODEL_PS = 4
+MODEL_PROMPT = torch.randint(1, 97, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+def _model_cache(consensus) -> HybridCache:
+    cfg = HiCacheConfig.load(env={}, overrides={"storage.url": "", "pool.device_pages": "64",
+                                                "pool.host_pages": "64", "pool.device": "cpu",
+                                                "policy.write_policy": "write_through"})
+    return HybridCache(cfg, layout=SPEC.kv_layout(MODEL_PS, "page_first"), consensus=consensus)
+
+
+def _model_rank(sock: str, rank: int, model: HybridModel, out: list) -> None:
+    """Serve MODEL_PROMPT, then (rank 1) forget the boundary at page 8, then serve it again."""
+    with ServiceConsensus(sock, "model", rank, 2, timeout_s=60) as c:
+        hc = _model_cache(c)
+        try:
+            run = HybridRunner(hc, model, chunk_tokens=5)
+            run.serve("a", MODEL_PROMPT)
+            if rank == 1:
+                hc.forget(page_hashes(MODEL_PROMPT, MODEL_PS)[7])
+            out[rank] = run.serve("b", MODEL_PROMPT)
+            hc.check_integrity()
+        finally:
+            hc.close()
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_ranks_that_lower_their_floor_to_agree_still_equal_a_cold_run(server):
+    """Rank 0 holds the snapshot at page 8, rank 1 no longer: both resume at page 6 (24
+    tokens), replay 24..35 for the SWA and linear layers, and equal a cold run bit for bit."""
+    model = HybridModel(SPEC)
+    hc = _model_cache(None)
+    cold = HybridRunner(hc, model, chunk_tokens=64).serve("cold", MODEL_PROMPT)
+    hc.close()
+    out: list = [None, None]
+    # one model per rank (a model keeps per-call state while it runs a chunk); same weights (seeded)
+    ts = [threading.Thread(target=_model_rank, args=(server.socket_path, r, HybridModel(SPEC), out))
+          for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    for r in out:
+        assert (r.hit, r.resume, r.replayed) == (36, 24, 12)
+        assert torch.equal(r.last_logits, cold.last_logits) and r.output == cold.output
