@@ -167,7 +167,8 @@ class GroupTiers:
         return dev
 
     def holding(self, hashes: list[PageHash]) -> list[bool]:
-        """Whether each item is on some tier (L3 presence is not verified here: ``take`` does)."""
+        """Whether each item is on some tier (L3: listed; its bytes are verified by ``take``).
+        An item this store put in L3 that L3 no longer lists is recorded as gone (``take_gone``)."""
         out = [h in self.l1 or h in self.l2 for h in hashes]
         rest = [i for i, ok in enumerate(out) if not ok]
         if rest and self.storage is not None:

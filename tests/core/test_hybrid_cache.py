@@ -353,3 +353,35 @@ def test_a_limited_sweep_checks_every_boundary_over_several_calls():
     assert len(hc.boundaries) == 0 and hc.stores[0].counts() == TierCounts(0, 0, 0)
     hc.check_integrity()
     hc.close()
+
+
+@pytest.mark.parametrize("then", ["abort", "finish"])
+def test_an_item_l3_lost_is_found_at_admission(then):
+    """L3 loses one page of a window held only there (its own eviction, say): the admission
+    sees the miss and floors to 0. A request that then computes the page again and ends at
+    the same boundary stores it again (the boundary is whole again); one that aborts leaves
+    the boundary to the next sweep, which forgets it and frees the rest of its window."""
+    lay = hybrid_layout(model_shape("gpt-oss-120b"), 16)
+    hc = _pooled(lay, "memory://", max_boundaries=64)
+    _serve(hc, "p0", _prompt(0))
+    hc.drain()
+    st, h = hc.stores[0], page_hashes(_prompt(0), 16)
+    st.evict_l1(100)
+    st.evict_l2(100)
+    assert st.counts() == TierCounts(0, 0, 8) and st.stats().lost == 0
+    st.storage.delete([st.l3_key(h[5])])
+    req = hc.new_request("again", _prompt(0, extra=5))
+    adm = hc.admit(req)
+    assert (adm.hit, adm.resume, adm.limited_by) == (160, 0, 0) and st.stats().lost == 1
+    if then == "abort":
+        req.abort()
+        assert hc.sweep() == 1 and len(hc.boundaries) == 0 and st.counts() == TierCounts(0, 0, 0)
+    else:
+        req.advance(req.computed_tokens)
+        req.alloc(5)
+        req.commit()
+        req.finish()
+        assert hc.stats().forgotten == 0 and list(hc.boundaries) == [h[9]]
+        assert st.stored == set(h[2:10]) and st.storage.exists([st.l3_key(h[5])]) == [True]
+    hc.check_integrity()
+    hc.close()
