@@ -22,7 +22,7 @@ The record stays bounded:
 
 The prefix check runs after pages left a tier of the index (its ``epoch``
 moved), over at most ``limit`` boundaries per call from a rotating cursor (the
-admission path's budget: ~0.5 us a boundary), until every boundary recorded
+admission path's budget; ``bench/hybrid_record.py`` times it), until every boundary recorded
 before that change was checked; a full sweep (``limit=None``) checks them all.
 Items that left their store are looked up in a reverse index (item ->
 boundaries that need it), not by scanning the record.
@@ -45,8 +45,9 @@ from hicache.errors import ConfigError, IntegrityError
 from hicache.index.node import Node
 from hicache.types import PageHash
 
-# Boundaries whose prefix one admission's sweep checks at most (~0.13 ms on a
-# 2-core Xeon VM at ~0.5 us each; a full check of 4096 measured 2.1 ms there).
+# Boundaries whose prefix one admission's sweep checks at most: 0.13 ms on the
+# 2-core dev box (bench/hybrid_record.py: ~0.2 us a boundary plus a copy of the
+# keys; a full check of 4096 boundaries 0.8 ms, of 16384 ~4 ms).
 SWEEP_BATCH = 256
 # Boundaries kept by default. Each costs ~0.3 KiB of Python objects here plus
 # its items in the stores (an SWA window, a snapshot), which the stores' own
@@ -165,7 +166,9 @@ class BoundaryRecord:
         if n:
             keys = list(self._items)
             start = self._cursor % len(keys)
-            gone = [k for k in (keys[start:] + keys[:start])[:n] if not self._prefix_held(self._items[k], l3)]
+            batch = keys[start:start + n]
+            batch += keys[:n - len(batch)]  # wrapped around
+            gone = [k for k in batch if not self._prefix_held(self._items[k], l3)]
             out.update(gone)
             # the caller forgets ``gone``: the next unchecked key moves up by as many places
             self._cursor, self._unchecked = start + n - len(gone), self._unchecked - n
