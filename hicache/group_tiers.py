@@ -234,6 +234,10 @@ class GroupTiers:
         if h in self.need:
             self._gone.add(h)
 
+    def lost(self, h: PageHash) -> bool:
+        """Item ``h`` is needed but left every tier (not yet handed out by ``take_gone``)."""
+        return h in self._gone
+
     def take_gone(self) -> set[PageHash]:
         """The items some boundary needs that left every tier since the last call (the
         caller forgets those boundaries, which drops the items' counts). Mutates."""

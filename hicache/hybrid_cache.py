@@ -255,8 +255,8 @@ class HybridCache:
                                  f"its last page ({node!r})")
         if rec is not None and rec.pages != b:
             raise IntegrityError(f"boundary {key.hex()} recorded at {rec.pages} pages, again at {b}")
-        row = None
-        if self.state_gi is not None and snapshot is not None and not (rec is not None and rec.snapshot):
+        row, had = None, rec is not None and rec.snapshot
+        if self.state_gi is not None and snapshot is not None and (not had or self.stores[self.state_gi].lost(key)):
             row = self._snapshot_row(b, snapshot)  # checked (and its slot taken) before anything is recorded
         if rec is None:
             rec = self.boundaries.add(key, b, node)
@@ -268,7 +268,7 @@ class HybridCache:
                 req._keep_window(gi, hashes, lo, b, count=fresh)
         if row is not None and self.state_gi is not None:
             st = self.stores[self.state_gi]
-            st.keep(key, row)
+            st.keep(key, row, needed=not had)  # (had: the store lost it; kept again, counted once)
             st.unpin(key)
             rec.snapshot = True
         self.boundaries.use(key, node)

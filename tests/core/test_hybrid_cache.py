@@ -385,3 +385,36 @@ def test_an_item_l3_lost_is_found_at_admission(then):
         assert st.stored == set(h[2:10]) and st.storage.exists([st.l3_key(h[5])]) == [True]
     hc.check_integrity()
     hc.close()
+
+
+def test_a_snapshot_l3_lost_is_stored_again_by_a_request_that_recomputes_it():
+    base = hybrid_layout(model_shape("gpt-oss-120b"), 16)
+    lay = base.replace(groups=base.groups + (LayerGroup("state", (0,), state_bytes=64, snapshot_every=4),))
+    hc = _pooled(lay, "memory://", max_boundaries=64)
+    a = _prompt(0, pages=4)
+    snap = {4: [torch.full((64,), 7, dtype=torch.uint8)]}
+    req = hc.new_request("a", a)
+    hc.admit(req)
+    req.alloc(len(a))
+    req.commit(None, snap)
+    req.finish()
+    hc.drain()
+    st, key = hc.stores[2], page_hashes(a, 16)[3]
+    st.evict_l1(10)
+    st.evict_l2(10)
+    st.storage.delete([st.l3_key(key)])
+    again = hc.new_request("b", a + [1, 2, 3])
+    adm = hc.admit(again)  # the snapshot is gone from L3: floor 0
+    assert (adm.hit, adm.resume, adm.limited_by) == (64, 0, 2) and st.lost(key)
+    again.advance(64, snap)  # the engine replays 0..64 and hands the snapshot at page 4 again
+    again.alloc(3)
+    again.commit()
+    again.finish()
+    assert not st.lost(key) and list(hc.boundaries) == [key] and hc.stats().forgotten == 0
+    assert st.need == {key: 1} and key in st.stored
+    third = hc.new_request("c", a + [4, 5, 6])
+    adm = hc.admit(third)
+    assert adm.resume == 64 and torch.equal(adm.state.reshape(-1), snap[4][0])
+    third.abort()
+    hc.check_integrity()
+    hc.close()
