@@ -206,7 +206,7 @@ def test_the_record_is_capped_least_recently_used_first_at_ten_times_the_cap():
             assert (adm.hit, adm.resume) == (160, 160)
         _serve(hc, f"p{i}", _prompt(i))
         hc.drain()
-        assert len(hc.boundaries) <= 4 and len(st.need) <= 4 * 8
+        assert len(hc.boundaries) <= 4 and len(st.need) <= 4 * 8 and len(hc.boundaries._users) <= 4 * 8
         assert st.counts().l3 <= 4 * 8 and st.counts().l2 <= 4 * 8  # (L1 also holds running requests' pages)
         if i == 21:
             assert [hc.boundaries.get(k).pages for k in hc.boundaries] == [10] * 4
