@@ -71,6 +71,14 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
                         "path) is L2 (its shared segment) and, behind it, L3: storage.url becomes "
                         "hicache+unix://SOCKET and the KV layout takes the configured model.model_id, "
                         "which the service must share")
+    hy = p.add_argument_group("hybrid models (--hybrid; README \"Hybrid models\")")
+    hy.add_argument("--hybrid", metavar="SHAPE", choices=("gpt-oss-120b", "qwen3-next-80b-a3b"),
+                    help="no model: replay the trace through a HybridCache at this published hybrid shape and "
+                         "print the bytes held against every layer in full, and the hit rate with the floor")
+    hy.add_argument("--snapshot-every", type=int, default=8, metavar="K",
+                    help="--hybrid: a recurrent-state snapshot every K pages (default 8)")
+    hy.add_argument("--end-snapshots", action="store_true",
+                    help="--hybrid: also snapshot each request's last full page")
     sim = p.add_argument_group("simulation (--simulate; docs/traces.md)")
     sim.add_argument("--simulate", action="store_true",
                      help="no model: the real index, tiers, policies and L3 backend with stand-in payloads, bytes "
@@ -175,6 +183,9 @@ def cmd_storage(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    if args.hybrid:
+        from hicache.reference import hybrid_replay
+        return hybrid_replay.main(args, _load(args))
     if args.simulate or args.sweep:
         from hicache.reference import sim_report
         return sim_report.main(args, _load(args))

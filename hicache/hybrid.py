@@ -226,15 +226,17 @@ def snapshot_boundaries(num_pages: int, every: int) -> list[int]:
 def stored_bytes(layout: _Layout, num_pages: int, boundaries: Iterable[int] | None = None) -> StoredBytes:
     """What one prefix of ``num_pages`` pages costs in ``layout`` (draft planes excluded).
 
-    ``boundaries``: where the prefix must stay resumable (default: its end, plus
-    every snapshot boundary when the layout has a state group; a hit elsewhere
-    is floored to one of them anyway). Pure.
+    ``boundaries``: where the prefix must stay resumable, so where SWA groups keep
+    their windows. Default, as ``HybridCache`` keeps them: without a state group
+    the prefix's end; with one only its snapshot boundaries (a boundary without a
+    snapshot cannot resume, so no window is kept for it; the end too when it is a
+    snapshot boundary). Snapshots are counted at the snapshot boundaries. Pure.
     """
     groups = layout.groups
     state = next((g for g in groups if g.kind == "state"), None)
     snaps = snapshot_boundaries(num_pages, state.snapshot_every) if state else []
     if boundaries is None:
-        boundaries = sorted({num_pages, *snaps}) if num_pages else []
+        boundaries = snaps if state else ([num_pages] if num_pages else [])
     bset = list(boundaries)
     full = _layer_page_bytes(layout, range(layout.num_layers)) * num_pages
     hybrid = 0
@@ -253,9 +255,11 @@ def workload_bytes(layout: _Layout, sequences: Iterable[tuple[Sequence[int], str
                    end_snapshots: bool = False) -> StoredBytes:
     """``stored_bytes`` for a whole workload: every distinct page of ``sequences``
     (token ids, namespace) once, as a prefix tree would hold them. Each sequence
-    stays resumable at its page-floored end and at its snapshot boundaries; an
-    SWA page is kept when some sequence's boundary needs it. ``end_snapshots``:
-    a state group also keeps a snapshot at each sequence's last full page. Pure."""
+    stays resumable at its snapshot boundaries and, without a state group or with
+    ``end_snapshots`` (a state group also keeps a snapshot at each sequence's last
+    full page), at its page-floored end; an SWA page is kept when some sequence's
+    boundary needs it (as ``HybridCache`` keeps them: with a state group, only
+    boundaries with a snapshot). Pure."""
     from hicache.hashing import page_hashes
 
     ps = layout.page_size
@@ -271,10 +275,11 @@ def workload_bytes(layout: _Layout, sequences: Iterable[tuple[Sequence[int], str
         snaps.update(hashes[b - 1] for b in every)
         if state and end_snapshots and n:
             snaps.add(hashes[n - 1])
+        ends = {n} if n and (end_snapshots or not state) else set()
         for gi, g in enumerate(layout.groups):
             if g.kind == "swa":
                 keep = swa_keep.setdefault(gi, set())
-                keep.update(hashes[p] for p in swa_needed_pages({n, *every} if n else (), g.window, ps))
+                keep.update(hashes[p] for p in swa_needed_pages(ends | set(every), g.window, ps))
     full = _layer_page_bytes(layout, range(layout.num_layers)) * len(pages)
     hybrid = full if not layout.groups else 0
     for gi, g in enumerate(layout.groups):

@@ -31,10 +31,12 @@ import torch.nn.functional as F
 
 from hicache.reference import model_layers as ml
 from hicache.reference.model import ChunkOutput, ReferenceModel, StoreFn, _Stack
-from hicache.reference.model_kv import gather_context
+from hicache.reference.model_kv import gather_context, write_kv
 from hicache.reference.model_spec import ModelSpec
 from hicache.errors import IntegrityError, InvalidArgument, LayoutError, PoolError
 from hicache.hybrid import LayerGroup
+from hicache.hybrid_cache import group_layout
+from hicache.provenance import Row
 from hicache.layout import HostLayout, KVLayout
 from hicache.pools import DevicePool
 
@@ -140,6 +142,14 @@ class HybridModel(ReferenceModel):
     must be at ``start`` (``state.pos == start``) and is advanced to the
     chunk's end. ``replay=True`` computes the chunk only to advance the state
     (its KV is already in the pool at those slots and is not written).
+
+    Split pools (``swa=(swa_pool, swa_slots)``, how ``hicache.hybrid_cache``
+    keeps a hybrid): ``pool`` holds the full layers only (its layer ``j`` is
+    the ``j``-th full layer) and ``swa_pool`` the sliding-window layers, at
+    their own slot ids (``-1`` for pages outside every window the chunk
+    reads: never read). ``replay=True`` then skips only the full layers'
+    writes: the SWA layers' KV of the replayed span is written again (the
+    same bytes the cold run wrote).
     """
 
     def __init__(self, spec: HybridSpec, *, device: str | torch.device = "cpu"):
@@ -156,30 +166,49 @@ class HybridModel(ReferenceModel):
         self._state: HybridState | None = None
         self._end = 0
         self._replay = False
+        self._swa: tuple[DevicePool, torch.Tensor] | None = None
 
     def check_pool(self, pool: DevicePool, *, draft: bool = False) -> None:
         want = self.hspec.kv_layout(pool.layout.page_size, pool.layout.host_layout)
+        full = group_layout(want, ("full",))  # split pools: the full layers' part of the layout
+        if self._swa is not None or not pool.layout.diff(full):
+            if self._swa is None and "swa" in self.hspec.pattern:
+                raise PoolError(f"pool holds only the full layers of {want.model_id}: pass the SWA layers' "
+                                "pool and slot ids as swa=(pool, slot_ids)")
+            want = full
         diff = pool.layout.diff(want)
         if diff or draft:
             raise PoolError(f"pool layout does not fit {want.model_id} (draft={draft}): " +
                             "; ".join(f"{f}: pool={a!r} model={b!r}" for f, a, b in diff))
 
     def forward_chunk(self, pool: DevicePool, tokens, start_pos: int, slot_ids: torch.Tensor, *,
-                      state: HybridState, replay: bool = False, all_logits: bool = False) -> ChunkOutput:
-        """See the class docstring. Raises ``ValueError`` when ``state`` is not at ``start_pos``."""
+                      state: HybridState, replay: bool = False, all_logits: bool = False,
+                      swa: tuple[DevicePool, torch.Tensor] | None = None) -> ChunkOutput:
+        """See the class docstring. Raises ``ValueError`` when ``state`` is not at ``start_pos``,
+        ``PoolError`` when ``swa``'s pool is not this model's SWA group."""
         if state.pos != start_pos:
             raise ValueError(f"HybridModel.forward_chunk: state is at token {state.pos}, the chunk starts at "
                              f"{start_pos}; resume the state from a snapshot at {start_pos} first")
         n = len(tokens) if not isinstance(tokens, torch.Tensor) else int(tokens.numel())
-        self._state, self._end, self._replay = state, start_pos + n, replay
+        if swa is not None:
+            self._check_swa_pool(swa[0])
+        self._state, self._end, self._replay, self._swa = state, start_pos + n, replay, swa
         try:
             return super().forward_chunk(pool, tokens, start_pos, slot_ids, draft=False, all_logits=all_logits)
         finally:
-            self._state, self._replay = None, False
+            self._state, self._replay, self._swa = None, False, None
+
+    def _check_swa_pool(self, pool: DevicePool) -> None:
+        full = self.hspec.kv_layout(pool.layout.page_size)
+        gi = next((i for i, g in enumerate(full.groups) if g.kind == "swa"), None)
+        want = None if gi is None else group_layout(full, ("swa",), gi)
+        if want is None or pool.layout.fingerprint() != want.fingerprint():
+            raise PoolError(f"swa pool layout {pool.layout.model_id!r} is not the SWA group of "
+                            f"{self.hspec.model_id} (want {None if want is None else want.model_id!r})")
 
     def decode_step(self, pool: DevicePool, token: int, pos: int, slot_ids: torch.Tensor, *,
-                    state: HybridState) -> ChunkOutput:
-        return self.forward_chunk(pool, [token], pos, slot_ids, state=state)
+                    state: HybridState, swa: tuple[DevicePool, torch.Tensor] | None = None) -> ChunkOutput:
+        return self.forward_chunk(pool, [token], pos, slot_ids, state=state, swa=swa)
 
     # ------------------------------------------------------------------ core
     def _tile(self, pool: DevicePool, stack: _Stack, inputs: tuple[torch.Tensor, ...], t0: int, T: int,
@@ -194,6 +223,7 @@ class HybridModel(ReferenceModel):
         a, b = max(t0, st.pos), min(t0 + T, self._end)  # this tile's valid rows
         x = stack.embed(*inputs)
         kv_i = lin_i = 0
+        at = {"full": 0, "swa": 0}  # split pools: the layer's index in its own pool
         for kind in hs.pattern:
             if kind == "linear":
                 lw = self.linear[lin_i]
@@ -203,18 +233,42 @@ class HybridModel(ReferenceModel):
                 continue
             lw = w.layers[kv_i]
             q, kv = ml.project(s, lw, ml.rms_norm(x, lw.attn_norm, s.norm_eps), cos, sin)
-            if not self._replay:
-                store(kv_i, kv)
-            ctx = gather_context(pool, kv_i, ctx_slots, t0 + T, x.dtype)
-            if kind == "swa":
-                old = max(0, t0 - hs.window + 1)  # no query of this tile sees a key before this
+            old = max(0, t0 - hs.window + 1) if kind == "swa" else 0  # no query of this tile sees a key before
+            if self._swa is not None and kind == "swa":
+                ctx = self._swa_context(at["swa"], kv, t0, T, a, b, old, x.dtype)
+            else:
+                li = at[kind] if self._swa is not None else kv_i
+                if not self._replay:
+                    store(li, kv)
+                ctx = gather_context(pool, li, ctx_slots, t0 + T, x.dtype)
                 for t in ctx.values():
                     t[:old] = 0
             x = x + F.linear(_attend(q, ctx["k"], ctx["v"], pos, hs.window if kind == "swa" else 0), lw.w_o)
             x = x + ml.mlp(lw, ml.rms_norm(x, lw.mlp_norm, s.norm_eps))
             kv_i += 1
+            at[kind] += 1
         st.pos = max(st.pos, b)
         return x
+
+    def _swa_context(self, layer: int, kv: dict, t0: int, T: int, a: int, b: int, old: int,
+                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Split pools: write rows ``[a, b)`` of this tile into the SWA pool (always, replay
+        too) and read back keys ``[old, b)`` (older ones are zeros, as on one pool)."""
+        assert self._swa is not None
+        spool, sslots = self._swa
+        sslots = sslots.to(self.device)
+        tslots = torch.full((T,), -1, dtype=torch.int64, device=self.device)
+        tslots[a - t0:b - t0] = sslots[a:b]
+        prov = torch.full((T,), int(Row.STATIC_PAD), dtype=torch.int8, device=self.device)
+        prov[a - t0:b - t0] = int(Row.VALID)
+        write_kv(spool, layer, kv, tslots, prov)
+        ctx = gather_context(spool, layer, sslots[old:b], b - old, dtype)
+        out = {}
+        for name, t in ctx.items():
+            full = torch.zeros((t0 + T, *t.shape[1:]), dtype=dtype, device=t.device)
+            full[old:b] = t
+            out[name] = full
+        return out
 
     def _recur(self, st: HybridState, li: int, h: torch.Tensor, t0: int, a: int, b: int,
                page_size: int) -> torch.Tensor:

@@ -240,3 +240,21 @@ def test_workload_bytes_end_snapshots():
     assert (plain.snapshots, plain.hybrid) == (2, lay.page_bytes * 12 + 2 * 2 * 100)
     ends = workload_bytes(lay, [(a, ""), (b, ""), (shared, "")], end_snapshots=True)
     assert (ends.snapshots, ends.hybrid) == (4, lay.page_bytes * 12 + 4 * 2 * 100)  # + page 10 of each fork
+
+
+def test_with_a_state_group_swa_windows_are_accounted_only_where_a_snapshot_is():
+    """``HybridCache`` keeps no SWA window at a boundary without a snapshot (it cannot
+    resume there): a prefix's end is accounted only when it is a snapshot boundary
+    (or, in a workload, with ``end_snapshots``)."""
+    lay = small(groups=(SWA(5, 0, 2), FULL(1, 3), STATE(4, n=2, b=100)))
+    layer_page = 2 * 2 * 8 * 2 * 4  # K and V, 2 heads x 8, bf16, 4 tokens
+    # 10 pages: snapshots at 4 and 8; resuming there reads keys 12..15 and 28..31: pages 3 and 7
+    s = stored_bytes(lay, 10)
+    assert swa_needed_pages([4, 8], 5, 4) == {3, 7}
+    assert s == (2 * layer_page * 10 + 2 * layer_page * 2 + 2 * 2 * 100, 4 * layer_page * 10, 2, 10 * 2 * 100)
+    assert stored_bytes(lay, 3).hybrid == 2 * layer_page * 3  # no snapshot boundary: no window at all
+    assert stored_bytes(lay, 8) == stored_bytes(lay, 8, boundaries=[4, 8])  # the end is a snapshot boundary
+    seq = list(range(1, 43))  # 10 pages + 2 tokens
+    assert workload_bytes(lay, [(seq, "")]) == s
+    ends = workload_bytes(lay, [(seq, "")], end_snapshots=True)  # + the snapshot and window at page 10
+    assert (ends.snapshots, ends.hybrid) == (3, s.hybrid + 2 * layer_page * 1 + 2 * 100)

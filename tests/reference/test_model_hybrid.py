@@ -1,52 +1,66 @@
 """Value-level proof for hybrid models: a tiny model of sliding-window, full-attention
-and recurrent (linear-attention) layers, served through ``HiCache`` by
+and recurrent (linear-attention) layers, served through ``HybridCache`` by
 ``HybridRunner``, produces bit for bit the logits and tokens of a cold run when it
 resumes from a hit floored to the last state snapshot: from L1, L2 and L3, with
-chunked prefill ending mid-window and mid-page, and after preemption. SWA pages
-outside the resume boundary's window are never read; corrupting one inside the
-window, or a snapshot's values, changes the logits (the check can fail)."""
+chunked prefill ending mid-window and mid-page, and after preemption. The SWA
+layers' pages and the snapshots live in the cache's group stores, which hold only
+the pages inside some recorded boundary's window (counted per tier against
+``swa_needed_pages``; the bytes held equal ``stored_bytes``' hybrid figure).
+Corrupting a held page inside the window, or a snapshot's values, changes the
+logits (the checks can fail)."""
 import pytest
 import torch
 
 from hicache.config import HiCacheConfig
-from hicache.reference.hybrid_runner import HybridRunner, SnapshotStore, _l3_key
+from hicache.errors import LayoutError, PoolError
+from hicache.group_tiers import TierCounts
+from hicache.hashing import page_hashes
+from hicache.hybrid import LayerGroup, stored_bytes, swa_needed_pages, workload_bytes
+from hicache.hybrid_cache import HybridCache, HybridPools, group_layout
+from hicache.reference.hybrid_runner import HybridRunner
 from hicache.reference.model_hybrid import HybridModel, HybridSpec, HybridState
 from hicache.reference.model_spec import ModelSpec
-from hicache.errors import PoolError
-from hicache.hashing import page_hashes
-from hicache.hicache import HiCache
-from hicache.hybrid import LayerGroup, swa_needed_pages
 from hicache.storage import open_storage
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BASE = ModelSpec(vocab=97, hidden=32, num_layers=4, num_q_heads=4, mlp=48, num_kv_heads=2, head_dim=8, seed=3)
 SPEC = HybridSpec(BASE, ("swa", "full", "linear", "swa", "full", "linear"), window=6, snapshot_every=2)
+SPARSE = HybridSpec(BASE, SPEC.pattern, window=6, snapshot_every=4)  # fewer boundaries: SWA pages to free
+SWA_ONLY = HybridSpec(BASE, ("swa", "full", "swa", "full"), window=6)  # gpt-oss-like: no recurrent layer
 PS = 4
 PROMPT = torch.randint(1, 97, (37,), generator=torch.Generator().manual_seed(1)).tolist()  # 9 pages + 1
+FORK = PROMPT[:30] + [5, 6, 7, 8, 9, 10, 11]
+SWA_GI, STATE_GI = 0, 2  # SPEC's groups: swa (0, 2), full (1, 3), state
 
 
 @pytest.fixture(scope="module")
-def model():
-    return HybridModel(SPEC)
+def models():
+    return {s: HybridModel(s) for s in (SPEC, SPARSE, SWA_ONLY)}
 
 
-def make_cache(url="", host_layout="page_first", spec=SPEC):
+@pytest.fixture(scope="module")
+def model(models):
+    return models[SPEC]
+
+
+def make_cache(url="", host_layout="page_first", spec=SPEC, pools=HybridPools(), device_pages=64, host_pages=128):
     cfg = HiCacheConfig.load(env={}, overrides={
-        "storage.url": url, "pool.device_pages": "64", "pool.host_pages": "128",
-        "policy.prefetch_policy": "wait_complete", "pool.device": "cpu"})
-    return HiCache(cfg, layout=spec.kv_layout(PS, host_layout))
+        "storage.url": url, "pool.device_pages": str(device_pages), "pool.host_pages": str(host_pages),
+        "policy.prefetch_policy": "wait_complete", "pool.device": "cpu", "policy.write_policy": "write_through"})
+    return HybridCache(cfg, layout=spec.kv_layout(PS, host_layout), pools=pools)
 
 
 @pytest.fixture(scope="module")
-def cold(model):
+def cold(models):
     """Unchunked, nothing cached: the reference every warm run must equal."""
     out = {}
-    for name, prompt in (("base", PROMPT), ("fork", PROMPT[:30] + [5, 6, 7, 8, 9, 10, 11])):
-        hc = make_cache()
-        out[name] = HybridRunner(hc, model, chunk_tokens=64).serve(name, prompt)
-        assert out[name].hit == 0 and out[name].computed == len(prompt)
-        hc.close()
+    for spec in (SPEC, SPARSE, SWA_ONLY):
+        for name, prompt in (("base", PROMPT), ("fork", FORK)):
+            hc = make_cache(spec=spec)
+            r = out[spec, name] = HybridRunner(hc, models[spec], chunk_tokens=64).serve(name, prompt)
+            assert r.hit == 0 and r.computed == len(prompt)
+            hc.close()
     return out
 
 
@@ -54,50 +68,74 @@ def same(a, b):
     return torch.equal(a.last_logits, b.last_logits) and a.output == b.output
 
 
-def test_layout_groups_and_pool_check(model):
+def clear_l3(hc):
+    for st in [hc.hc.storage, *(s.storage for s in hc.stores.values())]:
+        st.clear()
+
+
+def test_group_layouts_fingerprints_and_pool_checks(model):
     lay = SPEC.kv_layout(PS)
     assert lay.groups == (LayerGroup("swa", (0, 2), window=6), LayerGroup("full", (1, 3)),
                           LayerGroup("state", (0, 1), state_bytes=4 * 4 * 8 * 8, snapshot_every=2))
-    assert lay.fingerprint() != BASE.kv_layout(PS).fingerprint()
-    hc = HiCache(HiCacheConfig.load(env={}, overrides={"pool.device": "cpu", "storage.url": ""}),
-                 layout=BASE.kv_layout(PS, model_id=SPEC.model_id))
-    with pytest.raises(PoolError, match="groups"):
-        HybridRunner(hc, model).serve("x", PROMPT)
+    full, swa, state = (group_layout(lay, ("full",)), group_layout(lay, ("swa",), 0),
+                        group_layout(lay, ("state",), 2))
+    assert (full.num_layers, swa.num_layers, state.kind, state.row_bytes) == (2, 2, "rows", 2 * 4 * 4 * 8 * 8)
+    other = SPARSE.kv_layout(PS)  # another snapshot interval: every part's fingerprint changes
+    fps = {x.fingerprint() for x in (full, swa, state, group_layout(other, ("full",)),
+                                     group_layout(other, ("swa",), 0), group_layout(other, ("state",), 2))}
+    assert len(fps) == 6
+    cfg = HiCacheConfig.load(env={}, overrides={"pool.device": "cpu", "storage.url": ""})
+    with pytest.raises(LayoutError, match="layer groups"):
+        HybridCache(cfg, layout=BASE.kv_layout(PS))
+    hc = make_cache()
+    with pytest.raises(PoolError, match="SWA group"):  # the full pool handed as the SWA pool
+        model.forward_chunk(hc.hc.device_pool, [1, 2], 0, torch.arange(8), state=HybridState.zeros(SPEC),
+                            swa=(hc.hc.device_pool, torch.arange(8)))
+    with pytest.raises(PoolError, match="pass the SWA layers' pool"):  # the full layers' pool alone
+        model.forward_chunk(hc.hc.device_pool, [1, 2], 0, torch.arange(8), state=HybridState.zeros(SPEC))
     hc.close()
+
+
+def _tiers(hc, gi):
+    return hc.stores[gi].counts()
 
 
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
 def test_warm_equals_cold_floored_to_the_snapshot_on_every_tier(model, cold, tmp_path, host_layout):
     hc = make_cache(f"file://{tmp_path}/l3", host_layout)
-    # chunks end mid-page and mid-window (6 = W); snapshots written through to the same file:// L3
-    run = HybridRunner(hc, model, chunk_tokens=6, state_url=f"file://{tmp_path}/l3")
+    run = HybridRunner(hc, model, chunk_tokens=6)  # chunks end mid-page and mid-window (6 = W)
     first = run.serve("first", PROMPT)
-    assert (first.hit, first.resume) == (0, 0) and same(first, cold["base"])
-    # 10: taken while decoding (37 prompt + 3 answer tokens), keyed by the answer's page hash
-    assert sorted(s.pages for s in run.store._snaps.values()) == [2, 4, 6, 8, 10]
+    assert (first.hit, first.resume) == (0, 0) and same(first, cold[SPEC, "base"])
+    # boundaries 2..10 (10: taken while decoding 37 prompt + 3 answer tokens), each held on all tiers
+    assert sorted(b.pages for b in hc.boundaries.values()) == [2, 4, 6, 8, 10]
+    assert _tiers(hc, STATE_GI) == TierCounts(5, 5, 5)
+    hc.check_integrity()
 
     # Hit: 9 pages (36 tokens, the last token is always computed); the last snapshot is at
-    # page 8, so the floor is 32 and tokens 32..35 are replayed to advance the state.
+    # page 8, so the floor is 32 and tokens 32..35 are replayed for the SWA and state layers.
     l1 = run.serve("l1", PROMPT)
-    assert (l1.hit, l1.resume, l1.replayed, l1.computed) == (36, 32, 4, 5) and same(l1, cold["base"])
+    assert (l1.hit, l1.resume, l1.replayed, l1.computed) == (36, 32, 4, 5) and same(l1, cold[SPEC, "base"])
+    # ... and records that fork: page 9's window and a snapshot there, so later runs resume at 36
+    assert sorted(b.pages for b in hc.boundaries.values()) == [2, 4, 6, 8, 9, 10]
 
     hc.drain()
     hc.evict(10_000)
+    assert _tiers(hc, SWA_GI).l1 == _tiers(hc, STATE_GI).l1 == 0
     hc.check_integrity()
     l2 = run.serve("l2", PROMPT)
-    assert (l2.hit, l2.resume, l2.replayed) == (36, 32, 4) and same(l2, cold["base"])
+    assert (l2.hit, l2.resume, l2.replayed) == (36, 36, 0) and same(l2, cold[SPEC, "base"])
 
     hc.drain()
     hc.evict(10_000)
     hc.evict_host(10_000)
-    assert run.store.evict_host() == 5
+    assert _tiers(hc, SWA_GI)[:2] == _tiers(hc, STATE_GI)[:2] == (0, 0)
     hc.check_integrity()
     l3 = run.serve("l3", PROMPT)
-    assert (l3.hit, l3.resume, l3.replayed) == (36, 32, 4) and same(l3, cold["base"])
-    assert run.store.l3_hits == 1 and run.store.storage.stats().hits >= 1
-    run.store.check_integrity()
+    assert (l3.hit, l3.resume, l3.replayed) == (36, 36, 0) and same(l3, cold[SPEC, "base"])
+    # the window at page 9 (pages 7, 8) and the snapshot there came back from L3
+    assert hc.stores[SWA_GI].stats().taken_l3 == 2 and hc.stores[STATE_GI].stats().taken_l3 == 1
+    assert hc.stores[STATE_GI].storage.stats().hits == 1
     hc.check_integrity()
-    run.close()
     hc.close()
 
 
@@ -105,9 +143,16 @@ def test_a_fork_resumes_from_the_shared_snapshot(model, cold):
     hc = make_cache()
     run = HybridRunner(hc, model, chunk_tokens=5)
     run.serve("base", PROMPT)
-    fork = run.serve("fork", PROMPT[:30] + [5, 6, 7, 8, 9, 10, 11])
+    fork = run.serve("fork", FORK)
     # 7 shared pages (28 tokens) hit; the snapshot at page 6 is the floor
-    assert (fork.hit, fork.resume, fork.replayed) == (28, 24, 4) and same(fork, cold["fork"])
+    assert (fork.hit, fork.resume, fork.replayed) == (28, 24, 4) and same(fork, cold[SPEC, "fork"])
+    # the fork point (page 7) is recorded on the way: the next request sharing it resumes there
+    # (the same prompt again hits 9 pages, no cached end: it floors to the snapshot at 8)
+    again = run.serve("again", FORK)
+    assert (again.hit, again.resume, again.replayed) == (36, 32, 4) and same(again, cold[SPEC, "fork"])
+    third = run.serve("third", PROMPT[:30] + [12, 13, 14, 15, 16, 17, 18])
+    assert (third.hit, third.resume, third.replayed) == (28, 28, 0)
+    hc.check_integrity()
     hc.close()
 
 
@@ -115,73 +160,114 @@ def test_preempt_and_resume(model, cold):
     hc = make_cache()
     run = HybridRunner(hc, model, chunk_tokens=7)
     r = run.serve("p", PROMPT, preempt_at=21)  # preempted at 21 tokens (5 pages + 1): its state is dropped
-    assert same(r, cold["base"])
+    assert same(r, cold[SPEC, "base"])
     # re-admitted: a 20-token page hit plus its own partial page (21 exact tokens); without
     # its live state the floor is the snapshot at page 4, and tokens 16..20 are replayed
     assert (r.hit, r.resume, r.replayed) == (20, 16, 5) and r.computed == 37 + 5
+    hc.check_integrity()
     hc.close()
 
 
-def test_no_snapshot_means_resume_from_zero(model, cold):
+def test_preempt_keeps_exact_accounting_without_a_state_group(models, cold):
+    """gpt-oss-like (SWA + full): the preempted request's own partial page is kept in both
+    groups, so it resumes at its exact 21 tokens and replays nothing."""
+    hc = make_cache(spec=SWA_ONLY)
+    run = HybridRunner(hc, models[SWA_ONLY], chunk_tokens=7)
+    r = run.serve("p", PROMPT, preempt_at=21)
+    assert (r.hit, r.resume, r.replayed, r.computed) == (20, 21, 0, 37) and same(r, cold[SWA_ONLY, "base"])
+    # no state group: the only boundaries are the ends (preempted at page 5, finished at page 10)
+    assert sorted(b.pages for b in hc.boundaries.values()) == [5, 10]
+    # a new request hits 9 pages; boundary 9 is no cached prefix's end, so it floors to 5
+    again = run.serve("again", PROMPT)
+    assert (again.hit, again.resume, again.replayed) == (36, 20, 16) and same(again, cold[SWA_ONLY, "base"])
+    hc.check_integrity()
+    hc.close()
+
+
+def test_forgotten_boundaries_free_everything_and_resume_from_zero(model, cold):
     hc = make_cache()
     run = HybridRunner(hc, model, chunk_tokens=64)
     run.serve("a", PROMPT)
-    run.store._snaps.clear()
+    for key in list(hc.boundaries):
+        hc.forget(key)
+    assert _tiers(hc, SWA_GI) == _tiers(hc, STATE_GI) == TierCounts(0, 0, 0)
+    hc.check_integrity()
     r = run.serve("b", PROMPT)
-    assert (r.hit, r.resume, r.replayed) == (36, 0, 36) and same(r, cold["base"])
+    assert (r.hit, r.resume, r.replayed) == (36, 0, 36) and same(r, cold[SPEC, "base"])
+    hc.check_integrity()
+    hc.close()
+
+
+@pytest.mark.parametrize("chunk", [3, 5, 64])
+def test_swa_pages_outside_every_window_are_not_held_and_bytes_match_the_accounting(models, cold, tmp_path,
+                                                                                   chunk):
+    """SPARSE snapshots every 4 pages: the record is boundaries 4 and 8 (the end, page 10,
+    has no snapshot: it cannot resume, so its window is not kept); only their windows'
+    SWA pages are held, on every tier, and the bytes held are ``stored_bytes``' and
+    ``workload_bytes``' hybrid figure for the 10-page prefix (their defaults account no
+    window at an end without a snapshot either)."""
+    hc = make_cache(f"file://{tmp_path}/l3", spec=SPARSE)
+    clear_l3(hc)
+    run = HybridRunner(hc, models[SPARSE], chunk_tokens=chunk)
+    assert same(run.serve("a", PROMPT), cold[SPARSE, "base"])
+    hc.drain()
+    need = swa_needed_pages([4, 8], SPARSE.window, PS)
+    assert need == {2, 3, 6, 7} and sorted(b.pages for b in hc.boundaries.values()) == [4, 8]
+    hashes = page_hashes(PROMPT + cold[SPARSE, "base"].output, PS)
+    st = hc.stores[SWA_GI]
+    assert set(st.l1) == set(st.l2) == st.stored == {hashes[p] for p in need}
+    assert [st.storage.exists([st.l3_key(h)])[0] for h in hashes] == [p in need for p in range(10)]
+    assert _tiers(hc, STATE_GI) == TierCounts(2, 2, 2)
+    want = stored_bytes(SPARSE.kv_layout(PS), 10)
+    assert want == workload_bytes(SPARSE.kv_layout(PS), [(PROMPT + cold[SPARSE, "base"].output, "")])
+    assert hc.held_bytes() == {"L1": want.hybrid, "L2": want.hybrid, "L3": want.hybrid}
+    assert want.hybrid < want.every_layer_full + want.state_every_page
+    hc.check_integrity()
     hc.close()
 
 
 def _warm_with(model, mutate):
-    """Cache PROMPT, apply ``mutate(hc, run, match)``, serve it again."""
+    """Cache PROMPT, apply ``mutate(hc)``, serve it again."""
     hc = make_cache()
     run = HybridRunner(hc, model, chunk_tokens=64)
     run.serve("a", PROMPT)
-    m = hc.cache.match(PROMPT)
-    assert m.device_tokens == 36
-    mutate(hc, run, m)
+    mutate(hc)
     r = run.serve("b", PROMPT)
-    run.store.check_integrity()
+    hc.check_integrity()
     hc.close()
     return r
 
 
-def _poke_swa(page):
-    def mutate(hc, run, m):
-        k0 = hc.device_pool.plane("k", 0)  # KV layer 0 is an SWA layer
-        k0[m.device_pages[page] * PS:(m.device_pages[page] + 1) * PS] = 1e4
-    return mutate
+def test_a_held_swa_page_inside_the_window_is_read(model, cold):
+    h = page_hashes(PROMPT, PS)
+
+    def poke(page):
+        def mutate(hc):
+            st = hc.stores[SWA_GI]
+            dev = st.l1[h[page]]
+            st.device.plane("k", 0)[dev * PS:(dev + 1) * PS] = 1e4
+        return mutate
+
+    # resume at page 8 reads keys 27..31: pages 6 and 7; pages 4 and 5 are held (the window
+    # of boundary 6) but not read from there on; a poked page is rewritten by nobody
+    for page, read in ((6, True), (7, True), (5, False), (4, False)):
+        r = _warm_with(model, poke(page))
+        assert r.resume == 32 and same(r, cold[SPEC, "base"]) == (not read), page
 
 
-def test_swa_pages_outside_the_window_are_never_read(model, cold):
-    need = swa_needed_pages([8], SPEC.window, PS)  # resume at page 8: keys 27..31
-    assert need == {6, 7}
-    for page in range(8):
-        r = _warm_with(model, _poke_swa(page))
-        assert r.resume == 32
-        assert same(r, cold["base"]) == (page not in need), page
-
-
-def test_a_wrong_snapshot_changes_the_logits_and_a_corrupt_one_is_dropped(model, cold):
-    def wrong(hc, run, m):
-        h = page_hashes(PROMPT, PS)
-        run.store.put(h[7], 8, [t + 1e-3 for t in run.store.get(h[7], 8).layers])  # valid digest, wrong values
+def test_a_wrong_snapshot_changes_the_logits(model, cold):
+    def wrong(hc):
+        st = hc.stores[STATE_GI]
+        st.device.buffers[0][st.l1[page_hashes(PROMPT, PS)[7]]].view(torch.float32)[0] += 1e-3
 
     r = _warm_with(model, wrong)
-    assert r.resume == 32 and not torch.equal(r.last_logits, cold["base"].last_logits)
-
-    def corrupt(hc, run, m):
-        run.store._snaps[page_hashes(PROMPT, PS)[7]].layers[0][0, 0, 0] += 1.0  # digest now fails
-
-    runs = []
-    r = _warm_with(model, lambda hc, run, m: (corrupt(hc, run, m), runs.append(run)))
-    assert r.resume == 24 and same(r, cold["base"]) and runs[0].store.corrupt == 1
+    assert r.resume == 32 and not torch.equal(r.last_logits, cold[SPEC, "base"].last_logits)
 
 
 def test_state_must_be_at_the_chunk_start(model):
     hc = make_cache()
     with pytest.raises(ValueError, match="state is at token 4"):
-        model.forward_chunk(hc.device_pool, [1, 2], 0, torch.arange(8), state=HybridState([], pos=4))
+        model.forward_chunk(hc.hc.device_pool, [1, 2], 0, torch.arange(8), state=HybridState([], pos=4))
     st = HybridState.zeros(SPEC)
     st.check_integrity(SPEC)
     st.layers[0][0, 0, 0] = float("nan")
@@ -190,29 +276,33 @@ def test_state_must_be_at_the_chunk_start(model):
     hc.close()
 
 
-def test_snapshots_in_l3_are_verified(model, cold, tmp_path):
+def test_snapshots_and_swa_pages_in_l3_are_verified(model, cold, tmp_path):
     url = f"file://{tmp_path}/l3"
     hc = make_cache(url)
-    run = HybridRunner(hc, model, chunk_tokens=64, state_url=url)
+    clear_l3(hc)
+    run = HybridRunner(hc, model, chunk_tokens=64)
     run.serve("a", PROMPT)
-    run.store.evict_host()
+    hc.drain()
+    hc.evict(10_000)
+    hc.evict_host(10_000)
     # flip one payload byte of the page-8 snapshot object: the codec's checksum catches it
-    path = run.store.storage._path(run.store.storage._full(_l3_key(page_hashes(PROMPT, PS)[7])))[1]
+    st = hc.stores[STATE_GI]
+    key = st.l3_key(page_hashes(PROMPT, PS)[7])
+    path = st.storage._path(st.storage._full(key))[1]
     raw = bytearray(open(path, "rb").read())
     raw[-5] ^= 0x40
     open(path, "wb").write(bytes(raw))
     r = run.serve("b", PROMPT)
-    assert (r.hit, r.resume) == (36, 24) and same(r, cold["base"])
-    assert run.store.storage.stats().corrupt == 1 and run.store.l3_hits == 1
-    run.store.check_integrity()
-    # another layout's store (another window: another fingerprint) under the same prefix reads none
-    other = HybridSpec(BASE, SPEC.pattern, window=5, snapshot_every=2).kv_layout(PS).fingerprint()
-    foreign = SnapshotStore(other, run.store.shapes, open_storage(url, fingerprint=other,
-                                                                 key_prefix=run.store.storage.key_prefix))
-    assert foreign.has(page_hashes(PROMPT, PS)[5]) and foreign.get(page_hashes(PROMPT, PS)[5], 6) is None
-    assert foreign.storage.stats().fingerprint_mismatch == 1
-    foreign.storage.close()
-    run.close()
+    assert (r.hit, r.resume) == (36, 24) and same(r, cold[SPEC, "base"])
+    assert st.storage.stats().corrupt == 1
+    hc.check_integrity()
+    # another layout's state group (another window: another fingerprint) reads none of them
+    other = group_layout(HybridSpec(BASE, SPEC.pattern, window=5, snapshot_every=2).kv_layout(PS), ("state",), 2)
+    foreign = open_storage(url, fingerprint=other.fingerprint(), key_prefix=st.storage.key_prefix)
+    key6 = st.l3_key(page_hashes(PROMPT, PS)[5])
+    assert foreign.exists([key6]) == [True] and foreign.get([key6], st.sizes) == [None]
+    assert foreign.stats().fingerprint_mismatch == 1
+    foreign.close()
     hc.close()
 
 
@@ -222,32 +312,77 @@ def test_a_follow_up_turn_resumes_at_its_parents_end_with_end_snapshots(model, s
     hc = make_cache()
     cold1 = HybridRunner(hc, model, chunk_tokens=64).serve("c1", p1)
     turn2 = p1 + cold1.output + [7, 8, 9, 10, 11, 12]
-    cold2 = HybridRunner(make_cache(), model, chunk_tokens=64).serve("c2", turn2)
+    hc2 = make_cache()
+    cold2 = HybridRunner(hc2, model, chunk_tokens=64).serve("c2", turn2)
     hc.close()
+    hc2.close()
 
     hc = make_cache()
     run = HybridRunner(hc, model, chunk_tokens=5, snapshot_ends=snapshot_ends)
     first = run.serve("t1", p1)
     assert same(first, cold1)
-    pages = sorted(s.pages for s in run.store._snaps.values())
-    assert pages == ([2, 4, 6, 8, 9] if snapshot_ends else [2, 4, 6, 8])  # 9: taken while decoding
+    snaps = sorted(b.pages for b in hc.boundaries.values() if b.snapshot)
+    assert snaps == ([2, 4, 6, 8, 9] if snapshot_ends else [2, 4, 6, 8])  # 9: taken while decoding
     second = run.serve("t2", turn2)
     assert (second.hit, second.resume, second.replayed) == (36, resume, 36 - resume) and same(second, cold2)
-    run.store.check_integrity()
+    hc.check_integrity()
     hc.close()
 
 
 @pytest.mark.parametrize("scheme", ["memory", "redis"])
-def test_snapshots_round_trip_through_other_l3_backends(model, cold, scheme, request):
+def test_groups_round_trip_through_other_l3_backends(model, cold, scheme, request):
     url = "memory://" if scheme == "memory" else request.getfixturevalue("redis_url")
-    hc = make_cache()
-    run = HybridRunner(hc, model, chunk_tokens=64, state_url=url)
-    run.store.storage.clear()  # redis: a session-wide server
+    hc = make_cache(url)
+    clear_l3(hc)  # redis: a session-wide server
+    run = HybridRunner(hc, model, chunk_tokens=64)
     run.serve("a", PROMPT)
-    assert run.store.storage.stats().put_ok == 5 and run.store.evict_host() == 5
-    hc.evict(10_000)  # pages stay in L2, snapshots come back from L3
+    assert hc.stores[STATE_GI].storage.stats().put_ok == 5
+    hc.drain()
+    hc.evict(10_000)
+    hc.evict_host(10_000)
     r = run.serve("b", PROMPT)
-    assert (r.hit, r.resume, run.store.l3_hits) == (36, 32, 1) and same(r, cold["base"])
-    run.store.check_integrity()
-    run.close()
+    assert (r.hit, r.resume) == (36, 32) and same(r, cold[SPEC, "base"])
+    assert hc.stores[STATE_GI].stats().taken_l3 == 1
+    hc.check_integrity()
+    hc.close()
+
+
+PROMPTS = [torch.randint(1, 97, (37,), generator=torch.Generator().manual_seed(100 + i)).tolist() for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def cold_many(model):
+    out = []
+    for i, prompt in enumerate(PROMPTS):
+        hc = make_cache()
+        out.append(HybridRunner(hc, model, chunk_tokens=64).serve(f"cold{i}", prompt))
+        hc.close()
+    return out
+
+
+@pytest.mark.parametrize("url", ["", "file"])
+def test_the_record_stays_bounded_under_pressure_and_what_remains_is_exact(model, cold_many, tmp_path, url):
+    """A record of at most 3 boundaries and pools of 24 pages: 8 prompts record 5
+    boundaries each (pages 2..10), 13x the cap, while their full pages crowd each other
+    off L1 and L2. After every request the record holds at most 3 boundaries and the
+    group stores only what they need (3 snapshots, 3 windows of 2 pages) on every tier;
+    the last prompt's boundaries 6, 8, 10 remain and it resumes at its last snapshot
+    bit for bit; an early prompt's boundaries are forgotten and it resumes from 0."""
+    hc = make_cache(f"file://{tmp_path}/l3" if url else "", pools=HybridPools(max_boundaries=3),
+                    device_pages=24, host_pages=24)
+    run = HybridRunner(hc, model, chunk_tokens=5)
+    swa, state = hc.stores[SWA_GI], hc.stores[STATE_GI]
+    for i, prompt in enumerate(PROMPTS):
+        assert same(run.serve(f"p{i}", prompt), cold_many[i])
+        hc.drain()
+        assert len(hc.boundaries) <= 3 and len(state.need) <= 3 and len(swa.need) <= 3 * 2
+        assert max(state.counts()) <= 3 and max(swa.counts()[1:]) <= 3 * 2
+        hc.check_integrity()
+    assert hc.stats().forgotten == 8 * 5 - 3
+    assert sorted(b.pages for b in hc.boundaries.values()) == [6, 8, 10]
+    last = run.serve("last", PROMPTS[-1])
+    assert (last.hit, last.resume, last.replayed) == (36, 32, 4) and same(last, cold_many[-1])
+    first = run.serve("first", PROMPTS[0])
+    assert first.resume == 0 and same(first, cold_many[0])
+    hc.check_integrity()
     hc.close()

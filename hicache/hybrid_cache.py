@@ -1,0 +1,592 @@
+"""``HybridCache``: a hybrid model's layer groups on the three tiers, hits floored
+where every group can resume.
+
+Composition, not branching inside ``HiCache``:
+
+* the ``full`` groups' layers are one ``HiCache`` over their planes (every
+  page of every prefix, as for any model; draft planes travel with them);
+* each ``swa`` group and the ``state`` group is a ``GroupTiers`` (L1, L2, L3
+  like pages): SWA pages keyed by the page's chained hash, state snapshots
+  keyed by the hash of the boundary's last page;
+* the *record*: per resumable boundary (a page boundary of a cached prefix,
+  keyed by its last page's hash) which SWA pages its window needs and whether
+  a snapshot is kept there. Boundaries are recorded at every
+  ``snapshot_every``-th page (when a state group exists: the snapshot is
+  taken there), at the page-floored end of every finished or preempted
+  request, and at every *fork*: the full groups' hit of an admission whose
+  floor fell short of it (where the index's node that the request continued
+  ends), once the request has recomputed up to it, with the snapshot there
+  when the engine supplies one. So each end of a node of the index becomes
+  resumable once a request has been through it again. With a state group,
+  only where the engine supplies a snapshot (a boundary without one cannot
+  resume, so its SWA window is not kept). SWA pages outside
+  every recorded window are freed (a running request frees them as its
+  window moves on) or never stored. The record is bounded
+  (``hicache.hybrid_record``): at most ``HybridPools.max_boundaries``
+  boundaries, the least recently used forgotten first, and a boundary whose
+  full-attention prefix or one of whose items left every tier is forgotten
+  (``sweep``: at every admission and request end within a budget, at every
+  eviction in full); forgetting frees on every tier what only that boundary
+  needed.
+
+``admit`` asks ``HiCache`` for the full groups' hit, then
+``hicache.hybrid.resumable_floor`` for the longest prefix every group can
+resume from, takes the SWA window and the snapshot there onto L1, and keeps
+the seed contract's exact accounting: a running or preempted request's own
+partial page counts when the floor reaches its whole match and the engine
+still holds the request's live state. Between the floor and the full hit the
+engine *replays*: it recomputes the SWA and state layers, the full layers'
+KV is reused. Each group's layout (``group_layout``) has its own
+fingerprint, derived from the hybrid layout's, in every L3 object. With a
+TP/CP ``consensus`` every rank admits the same full hit (``HiCache``'s) and
+the same floor (``_agreed_floor``: a boundary every rank resumes from).
+
+Not wired: service mode (``hicache+unix://``: refused with a ``ConfigError``),
+and asynchronous (layer-wise) loads of SWA pages and snapshots (they move
+synchronously at admission; the full groups' pages load as ``HiCache``'s do).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from hicache.cache import Tokens
+from hicache.config import HiCacheConfig
+from hicache.consensus import HitConsensus
+from hicache.errors import ConfigError, IntegrityError, LayoutError
+from hicache.group_tiers import GroupTiers, TierCounts
+from hicache.hashing import page_hashes
+from hicache.hicache import Admission, HiCache
+from hicache.hybrid import HybridFloor, LayerGroup, resumable_floor
+from hicache.hybrid_record import DEFAULT_MAX_BOUNDARIES, SWEEP_BATCH, BoundaryRecord
+from hicache.layout import KVLayout
+from hicache.redact import redact_url
+from hicache.request import Request, RequestState
+from hicache.storage import open_storage
+from hicache.storage.capacity import backend_options
+from hicache.types import DevicePageId, PageHash
+
+
+def group_layout(layout: KVLayout, kinds: tuple[str, ...], gi: int = -1) -> KVLayout:
+    """The layout of one part of a hybrid ``layout``: ``("full",)`` the planes of every
+    full group's layers (in layer order; draft planes kept), ``("swa",)`` group ``gi``'s
+    layers (no draft planes), ``("state",)`` the state group's snapshot as one row of
+    ``len(layers) * state_bytes`` bytes. The model id names the hybrid's fingerprint, so
+    each part's fingerprint changes with any group of the whole."""
+    fp = layout.fingerprint()
+    if kinds == ("state",):
+        g = layout.groups[gi]
+        return KVLayout.rows(f"hybrid:{fp}:state{gi}", len(g.layers) * g.state_bytes,
+                             {"hybrid": fp, "group": gi, "state_bytes": g.state_bytes, "layers": len(g.layers)})
+    if kinds == ("full",):
+        n = sum(len(g.layers) for g in layout.groups if g.kind == "full")
+        return layout.replace(model_id=f"hybrid:{fp}:full", num_layers=n, groups=())
+    g = layout.groups[gi]
+    return layout.replace(model_id=f"hybrid:{fp}:swa{gi}", num_layers=len(g.layers), groups=(), draft_layers=0)
+
+
+@dataclass(frozen=True, slots=True)
+class HybridPools:
+    """Sizes of the groups' own pools (0: the same page counts as the full groups' pools)
+    and of the boundary record."""
+
+    swa_device_pages: int = 0
+    swa_host_pages: int = 0
+    state_device_slots: int = 0  # 0: device_pages // snapshot_every, at least 4
+    state_host_slots: int = 0  # 0: host_pages // snapshot_every, at least 4
+    max_boundaries: int = DEFAULT_MAX_BOUNDARIES  # recorded boundaries kept; least recently used forgotten first
+
+
+class HybridAdmission(NamedTuple):
+    """What ``HybridCache.admit`` decided. Valid until the request ends."""
+
+    full: Admission  # the full groups' admission (HiCache's)
+    hit: int  # the full groups' hit, tokens (exact: the request's own partial page included)
+    resume: int  # where every group resumes (<= hit); the engine replays [resume, hit)
+    limited_by: int | None  # index of the first group that cut the floor below the hit; None if none
+    state: torch.Tensor | None  # the snapshot at ``resume`` ([layers, state_bytes] uint8, a copy); None: none
+
+
+class HybridStats(NamedTuple):
+    admissions: int
+    hit_tokens: int  # the full groups' hits (exact), summed
+    resumed_tokens: int  # the floors, summed: tokens reused in every group
+    boundaries: int  # recorded boundaries now
+    forgotten: int  # boundaries forgotten since the start (the cap, a prefix or an item gone, ``forget``)
+
+
+class HybridCache:
+    """See the module docstring. Not thread-safe: one scheduler thread calls everything."""
+
+    def __init__(self, config: HiCacheConfig | None = None, *, layout: KVLayout | None = None,
+                 pools: HybridPools = HybridPools(), storage=None, consensus: HitConsensus | None = None):
+        """``consensus``: the TP/CP group's ``HitConsensus`` (``HiCache``'s argument); every
+        rank then admits the same full hit and the same floor. Raises ``LayoutError`` for a
+        layout without a full group, ``ConfigError`` for service mode or a bad ``pools``."""
+        cfg = self.config = config or HiCacheConfig.load()
+        self.layout = lay = layout or cfg.layout()
+        if not lay.groups or not any(g.kind == "full" for g in lay.groups):
+            raise LayoutError(f"HybridCache needs a layout with layer groups including a full group; "
+                              f"{lay.model_id!r} has {[g.to_list() for g in lay.groups]}; use HiCache")
+        if cfg.storage.url.startswith("hicache+unix:"):
+            raise ConfigError(f"storage.url={redact_url(cfg.storage.url)!r}: HybridCache does not run in service "
+                              "mode (the node service keeps no SWA pages or state snapshots); set storage.url to "
+                              "an embedded L3 (file:///dir, redis://host:port, memory://) or to '' for none")
+        self.boundaries = BoundaryRecord(pools.max_boundaries, lay.page_size)
+        self.groups: tuple[LayerGroup, ...] = lay.groups
+        self.ps = lay.page_size
+        self.consensus = consensus
+        self.hc = HiCache(cfg, layout=group_layout(lay, ("full",)), storage=storage, consensus=consensus)
+        self.stores: dict[int, GroupTiers] = {}
+        for gi, g in enumerate(self.groups):
+            if g.kind != "full":
+                self.stores[gi] = self._store(gi, g, pools)
+        self.state_gi = next((gi for gi, g in enumerate(self.groups) if g.kind == "state"), None)
+        self.live: dict[str, HybridRequest] = {}
+        self._admissions = self._hit = self._resumed = 0
+        self._swept_epoch = -1  # the index's epoch at the last sweep of the record
+
+    def _store(self, gi: int, g: LayerGroup, pools: HybridPools) -> GroupTiers:
+        cfg, kind = self.config, g.kind
+        lay = group_layout(self.layout, (kind,), gi)
+        if kind == "swa":
+            dev = pools.swa_device_pages or cfg.pool.device_pages
+            host = pools.swa_host_pages or cfg.pool.host_pages
+        else:
+            dev = pools.state_device_slots or max(4, cfg.pool.device_pages // g.snapshot_every)
+            host = pools.state_host_slots or max(4, cfg.pool.host_pages // g.snapshot_every)
+        l3 = None
+        if cfg.storage.url:
+            st = cfg.storage
+            l3 = open_storage(st.url, fingerprint=lay.fingerprint(), layout=lay, timeout_ms=st.timeout_ms,
+                              max_retries=st.max_retries, auth_key=st.resolved_auth_key(), **backend_options(st))
+        return GroupTiers(f"{kind}{gi}", lay, dev, host, str(self.hc.device_pool.device), l3)
+
+    # ------------------------------------------------------------- requests
+    def new_request(self, rid: str, tokens: Tokens, namespace: str = "") -> "HybridRequest":
+        """A WAITING request over every group (see ``HybridRequest``)."""
+        if rid in self.live:
+            raise ValueError(f"request id {rid!r} is live already")
+        req = self.live[rid] = HybridRequest(self, self.hc.new_request(rid, tokens, namespace))
+        return req
+
+    def admit(self, req: "HybridRequest", *, live_state_tokens: int = 0) -> HybridAdmission:
+        """Schedule ``req``: the full groups' hit through ``HiCache.admit`` (waited for), then
+        the floor every group resumes from, with the SWA window there pinned on L1 and the
+        snapshot there copied out. ``live_state_tokens``: tokens the engine still holds the
+        request's recurrent state for (0 after a preemption that dropped it). Afterwards
+        ``req.computed_tokens`` is the hit; compute ``[adm.resume, hit)`` again for the SWA
+        and state layers only, then the rest. Raises as ``HiCache.admit`` and ``OutOfPages``."""
+        self.sweep(SWEEP_BATCH)
+        full = self.hc.admit(req.inner)
+        full.wait()
+        exact = req.inner.computed_tokens
+        hashes = req.hashes(exact // self.ps)
+        holds = self._holds(hashes)
+        floor = self._settle(req, hashes, holds, exact, live_state_tokens)
+        if self.consensus is not None:
+            floor = self._agreed_floor(self.consensus, req, hashes, holds, floor)
+        state = None
+        if self.state_gi is not None and floor.pages and floor.tokens == floor.pages * self.ps:
+            state = req._snapshot
+        if floor.pages:
+            self.boundaries.use(hashes[floor.pages - 1], req.inner.node)
+        req._prepare(floor.pages, exact)
+        self._admissions += 1
+        self._hit += exact
+        self._resumed += floor.tokens
+        req.resume = floor.tokens
+        req.fork = exact // self.ps if floor.pages < exact // self.ps else 0
+        return HybridAdmission(full, exact, floor.tokens, floor.limited_by, state)
+
+    def _settle(self, req: "HybridRequest", hashes: list[PageHash], holds: list[list[bool]], exact: int,
+                live_state_tokens: int, cap: int | None = None) -> HybridFloor:
+        """The floor over ``holds`` (its first ``cap`` pages when given: no exact tokens then)
+        with what resuming there reads taken by ``req``; an item listed but not loadable (e.g.
+        a corrupt L3 object) is marked missing and the floor computed again without it."""
+        rows = holds if cap is None else [r[:cap] for r in holds]
+        while True:
+            floor = resumable_floor(self.groups, self.ps, rows, exact_tokens=exact if cap is None else 0,
+                                    live_state_tokens=live_state_tokens)
+            miss = req._take(hashes, floor.pages)
+            if miss is None:
+                return floor
+            gi, page = miss
+            rows[gi][page] = holds[gi][page] = False  # (``holds`` too: a lower cap later skips it)
+
+    def _agreed_floor(self, consensus: HitConsensus, req: "HybridRequest", hashes: list[PageHash],
+                      holds: list[list[bool]], floor: HybridFloor) -> HybridFloor:
+        """The floor every rank of ``consensus`` resumes from (collectives: every rank makes
+        the same calls, as their answers are the same). Ranks that found the same floor keep
+        it (a partial page included); otherwise each rank lowers its floor to a boundary it
+        can resume from at or below the page-floored minimum, until all name the same one.
+        Each round lowers the minimum, so this ends (at boundary 0 at worst).
+        ``limited_by`` stays this rank's own."""
+        ps = self.ps
+        lo, neg_hi = consensus.agree([floor.tokens, -floor.tokens])
+        while lo != -neg_hi:
+            t = lo // ps * ps
+            if floor.tokens != t:
+                req._release_swa(pinned_only=True)
+                floor = self._settle(req, hashes, holds, 0, 0, cap=t // ps)._replace(limited_by=floor.limited_by)
+            lo, neg_hi = consensus.agree([floor.tokens, -floor.tokens])
+        return floor
+
+    def _holds(self, hashes: list[PageHash]) -> list[list[bool]]:
+        """``resumable_floor``'s rows: full groups hold the whole hit, the others what their
+        store holds (a state group's row ``i``: the snapshot at boundary ``i + 1``)."""
+        return [[True] * len(hashes) if g.kind == "full" else self.stores[gi].holding(hashes)
+                for gi, g in enumerate(self.groups)]
+
+    # ------------------------------------------------------------- the record
+    def _record(self, req: "HybridRequest", hashes: list[PageHash], b: int, snapshot: list | None) -> None:
+        """Record boundary ``b`` of ``req``'s sequence: each SWA group needs its window there
+        (taken from ``req``'s pages), the state group the snapshot given. With a state group a
+        boundary without a snapshot cannot resume: nothing is recorded for it."""
+        key = hashes[b - 1]
+        rec = self.boundaries.get(key)
+        if self.state_gi is not None and snapshot is None and (rec is None or not rec.snapshot):
+            return
+        node = req.inner.node  # the index node a running request holds: its path covers page b - 1
+        if node is None or node.start_page + node.num_pages < b:
+            raise IntegrityError(f"request {req.rid!r}: records boundary {b} but holds no index node through "
+                                 f"its last page ({node!r})")
+        if rec is not None and rec.pages != b:
+            raise IntegrityError(f"boundary {key.hex()} recorded at {rec.pages} pages, again at {b}")
+        row, had = None, rec is not None and rec.snapshot
+        if self.state_gi is not None and snapshot is not None and (not had or self.stores[self.state_gi].lost(key)):
+            row = self._snapshot_row(b, snapshot)  # checked (and its slot taken) before anything is recorded
+        if rec is None:
+            rec = self.boundaries.add(key, b, node)
+        for gi, g in enumerate(self.groups):
+            if g.kind == "swa":
+                lo = max(0, b * self.ps - g.window + 1) // self.ps
+                fresh = gi not in rec.swa
+                self.boundaries.set_window(key, gi, tuple(hashes[lo:b]))
+                req._keep_window(gi, hashes, lo, b, count=fresh)
+        if row is not None and self.state_gi is not None:
+            st = self.stores[self.state_gi]
+            st.keep(key, row, needed=not had)  # (had: the store lost it; kept again, counted once)
+            st.unpin(key)
+            rec.snapshot = True
+        self.boundaries.use(key, node)
+        for old in self.boundaries.over_cap():
+            self.forget(old)
+
+    def _snapshot_row(self, b: int, snapshot: list) -> DevicePageId:
+        """A private state-store L1 row holding ``snapshot`` (every state layer's tensor, as
+        bytes). Raises ``ValueError`` naming the sizes when they differ, ``OutOfPages``."""
+        assert self.state_gi is not None, "a snapshot needs a state group"
+        st, g = self.stores[self.state_gi], self.groups[self.state_gi]
+        raw = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in snapshot])
+        if raw.numel() != st.layout.row_bytes:
+            raise ValueError(f"snapshot at boundary {b}: {raw.numel()} bytes, the state group holds "
+                             f"{st.layout.row_bytes} ({len(g.layers)} layers x {g.state_bytes} bytes)")
+        dev = st.alloc(1)[0]
+        row = st.device.buffers[0][dev]
+        row.copy_(raw.to(row.device))
+        return dev
+
+    def forget(self, key: PageHash) -> None:
+        """Drop boundary ``key`` from the record: the SWA pages only it needed and its
+        snapshot are freed on every tier (the full groups' pages are ``HiCache``'s).
+        Raises ``KeyError`` for a key not recorded."""
+        rec = self.boundaries.pop(key)
+        for gi, hs in rec.swa.items():
+            for h in hs:
+                self.stores[gi].unref(h)
+        if rec.snapshot and self.state_gi is not None:
+            self.stores[self.state_gi].unref(key)
+
+    def sweep(self, limit: int | None = None) -> int:
+        """Forget every boundary that can no longer resume (see ``hicache.hybrid_record``):
+        an item it needs left every tier of its store, or its full-attention prefix is held
+        by no tier (checked once pages left a tier of the index: ``limit`` boundaries per
+        call, None: all). Admissions and request ends sweep ``SWEEP_BATCH``, ``evict`` and
+        ``evict_host`` all. Returns the boundaries forgotten."""
+        lost = {gi: s.take_gone() for gi, s in self.stores.items()}
+        epoch = self.hc.cache.epoch
+        changed, self._swept_epoch = epoch != self._swept_epoch, epoch
+        stale = self.boundaries.stale(lost, self.state_gi, index_changed=changed, l3=self.hc.storage is not None,
+                                      limit=limit)
+        for key in stale:
+            self.forget(key)
+        return len(stale)
+
+    # ------------------------------------------------------------- tiers
+    def evict(self, num_pages: int) -> int:
+        """Take up to ``num_pages`` unpinned pages off L1 in every group (the full groups
+        through ``HiCache.evict``); they stay on L2/L3 where written there. Then ``sweep``."""
+        got = self.hc.evict(num_pages) + sum(s.evict_l1(num_pages) for s in self.stores.values())
+        self.sweep()
+        return got
+
+    def evict_host(self, num_pages: int) -> int:
+        """Drop up to ``num_pages`` pages from L2 in every group (L3 keeps its copies). Then ``sweep``."""
+        got = len(self.hc.evict_host(num_pages)) + sum(s.evict_l2(num_pages) for s in self.stores.values())
+        self.sweep()
+        return got
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes of cached pages and snapshots held per tier, every group together
+        (L1/L2: indexed by the tree and the stores; running requests' private pages
+        excluded; L3: what the stores wrote plus the full groups' stored pages)."""
+        full = self.hc.layout.page_bytes
+        nodes = list(self.hc.cache.nodes())
+        l1 = sum(len(n.device_pages or ()) for n in nodes) * full
+        l2 = sum(len(n.host_pages or ()) for n in nodes) * full
+        l3 = sum(n.num_pages for n in nodes if n.in_storage) * full
+        for s in self.stores.values():
+            c, b = s.counts(), s.layout.page_bytes
+            l1, l2, l3 = l1 + c.l1 * b, l2 + c.l2 * b, l3 + c.l3 * b
+        return {"L1": l1, "L2": l2, "L3": l3}
+
+    def counts(self) -> dict[int, TierCounts]:
+        return {gi: s.counts() for gi, s in self.stores.items()}
+
+    def stats(self) -> HybridStats:
+        return HybridStats(self._admissions, self._hit, self._resumed, len(self.boundaries),
+                           self.boundaries.forgotten)
+
+    def poll(self) -> int:
+        """``HiCache.poll`` (the group stores move synchronously: nothing of theirs is in flight)."""
+        return self.hc.poll()
+
+    def drain(self) -> None:
+        self.hc.drain()
+
+    def check_integrity(self) -> None:
+        """``HiCache``'s checks, every store's, the record's own (cap, anchors), and the
+        record against the stores: each store's ``need`` counts equal the recorded
+        boundaries that name each item."""
+        self.hc.check_integrity()
+        for s in self.stores.values():
+            s.check_integrity()
+        want = self.boundaries.need_counts(list(self.stores), self.state_gi)
+        for gi, s in self.stores.items():
+            if s.need != want[gi]:
+                diff = {h.hex()[:8]: (s.need.get(h), want[gi].get(h)) for h in set(s.need) ^ set(want[gi])
+                        or {h for h in s.need if s.need[h] != want[gi].get(h)}}
+                raise IntegrityError(f"{s.name}: need counts disagree with the record (store, record): {diff}")
+        self.boundaries.check_integrity()
+        for r in self.live.values():
+            r.check_integrity()
+
+    def close(self) -> None:
+        self.hc.close()
+        for s in self.stores.values():
+            if s.storage is not None:
+                s.storage.close()
+
+
+class HybridRequest:
+    """One request over every group: ``inner`` is the full groups' ``HiCache`` request; each
+    SWA group has a page table of this request's own (logical page -> L1 id, and the item's
+    hash when the id is a store item it pins rather than a private page). Every method may
+    mutate the cache."""
+
+    def __init__(self, owner: HybridCache, inner: Request):
+        self.owner, self.inner = owner, inner
+        self.rid = inner.rid
+        self.resume = 0
+        self.fork = 0  # pages: the full hit this admission's floor fell short of (recorded once reached)
+        # SWA group -> logical page -> (L1 id, the store item's hash; None: a private page)
+        self.swa: dict[int, dict[int, tuple[DevicePageId, PageHash | None]]] = {
+            gi: {} for gi, g in enumerate(owner.groups) if g.kind == "swa"}
+        self._snapshot: torch.Tensor | None = None
+        self._hashes: list[PageHash] = []
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.inner.computed_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.inner.num_tokens
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.inner.tokens
+
+    def hashes(self, num_pages: int) -> list[PageHash]:
+        """Chained hashes of the first ``num_pages`` pages of this request's tokens."""
+        if len(self._hashes) < num_pages:
+            ps = self.owner.ps
+            self._hashes = page_hashes(self.inner.tokens[:num_pages * ps], ps, self.inner.namespace)
+        return self._hashes[:num_pages]
+
+    def extend(self, tokens: Tokens) -> None:
+        self.inner.extend(tokens)
+
+    # ------------------------------------------------------------ admission
+    def _take(self, hashes: list[PageHash], b: int) -> tuple[int, int] | None:
+        """Pin what resuming at boundary ``b`` reads (SWA windows) and copy out the snapshot;
+        on a miss undo that and return ``(group, page)`` of the item that failed."""
+        o, ps = self.owner, self.owner.ps
+        self._snapshot = None
+        for gi, table in self.swa.items():
+            lo = max(0, b * ps - o.groups[gi].window + 1) // ps
+            for p in range(lo, b):
+                if p in table:
+                    continue  # a kept private tail page never sits below b; a pinned one is kept
+                dev = o.stores[gi].take(hashes[p])
+                if dev is None:
+                    self._release_swa(pinned_only=True)
+                    return gi, p
+                table[p] = (dev, hashes[p])
+        if o.state_gi is not None and b:
+            st = o.stores[o.state_gi]
+            dev = st.take(hashes[b - 1])
+            if dev is None:
+                self._release_swa(pinned_only=True)
+                return o.state_gi, b - 1
+            g = o.groups[o.state_gi]
+            self._snapshot = st.device.buffers[0][dev].view(len(g.layers), g.state_bytes).clone()
+            st.unpin(hashes[b - 1])
+        return None
+
+    def _prepare(self, b: int, exact: int) -> None:
+        """Private SWA pages for ``[b, ceil(exact / page_size))`` (the replayed span), keeping a
+        private tail page this request kept through a preemption."""
+        ps = self.owner.ps
+        for gi, table in self.swa.items():
+            for p in [p for p in table if p >= -(-exact // ps)]:
+                self._drop_page(gi, p)
+            want = [p for p in range(b, -(-exact // ps)) if p not in table]
+            for p, dev in zip(want, self.owner.stores[gi].alloc(len(want))):
+                table[p] = (dev, None)
+
+    # ------------------------------------------------------------ compute
+    def alloc(self, num_tokens: int) -> None:
+        """Slots for the next ``num_tokens`` tokens in every group (full: ``Request.alloc``).
+        Raises ``OutOfPages`` (allocating nothing in any group) or as ``Request.alloc``."""
+        ps = self.owner.ps
+        first = -(-self.inner.allocated_tokens // ps)
+        end = -(-(self.inner.allocated_tokens + max(0, num_tokens)) // ps)
+        got: dict[int, list[DevicePageId]] = {}
+        try:
+            for gi in self.swa:
+                got[gi] = self.owner.stores[gi].alloc(end - first)
+            self.inner.alloc(num_tokens)
+        except BaseException:
+            for gi, ids in got.items():
+                self.owner.stores[gi].free(ids)
+            raise
+        for gi, ids in got.items():
+            self.swa[gi].update({p: (dev, None) for p, dev in zip(range(first, end), ids)})
+
+    def slot_ids(self, gi: int | None = None) -> torch.Tensor:
+        """Slot ids per position: the full groups' (``gi`` None) or SWA group ``gi``'s, ``-1``
+        for a page this request does not hold (outside every window it reads)."""
+        o = self.owner
+        if gi is None:
+            return o.hc.device_pool.slot_ids(self.inner.pages)
+        table = self.swa[gi]
+        n = -(-self.inner.allocated_tokens // o.ps)
+        ids = torch.tensor([table[p][0] if p in table else -1 for p in range(n)], dtype=torch.int64)
+        slots = ids[:, None] * o.ps + torch.arange(o.ps)
+        return slots.masked_fill(ids[:, None] < 0, -1).reshape(-1)
+
+    def commit(self, num_tokens: int | None = None, snapshots: dict[int, list] | None = None) -> int:
+        """``Request.commit`` for the full groups, then ``advance``. Returns computed tokens."""
+        self.inner.commit(num_tokens)
+        self.advance(self.inner.computed_tokens, snapshots)
+        return self.inner.computed_tokens
+
+    def advance(self, upto: int, snapshots: dict[int, list] | None = None) -> None:
+        """The engine's SWA and state layers have consumed ``upto`` tokens (``<=``
+        ``computed_tokens``; less while replaying): record the boundaries of ``snapshots``
+        (boundary pages -> every state layer's tensor there) up to ``upto``, then free the
+        SWA pages no later position reads and no recorded window keeps."""
+        o, ps = self.owner, self.owner.ps
+        if upto > self.inner.computed_tokens:
+            raise ValueError(f"request {self.rid!r}: advance({upto}) beyond computed_tokens="
+                             f"{self.inner.computed_tokens}")
+        for b in sorted(snapshots or ()):
+            if not 1 <= b <= upto // ps:
+                raise ValueError(f"request {self.rid!r}: a snapshot at boundary {b} (pages) is not within "
+                                 f"the {upto} tokens consumed")
+            o._record(self, self.hashes(b), b, (snapshots or {})[b])
+        if self.fork and upto >= self.fork * ps:
+            b, self.fork = self.fork, 0
+            if self.swa:
+                o._record(self, self.hashes(b), b, None)
+        for gi in self.swa:
+            lo = max(0, upto - upto % ps - o.groups[gi].window + 1) // ps
+            for p in [p for p in self.swa[gi] if p < lo]:
+                self._drop_page(gi, p)
+
+    def _keep_window(self, gi: int, hashes: list[PageHash], lo: int, b: int, *, count: bool) -> None:
+        """Hand pages ``[lo, b)`` of this request's SWA group ``gi`` to the store for a boundary
+        (``count``: one more boundary needs each; else only re-store ones the store lost)."""
+        st, table = self.owner.stores[gi], self.swa[gi]
+        for p in range(lo, b):
+            dev, h = table.get(p, (None, None))
+            if dev is None:
+                raise IntegrityError(f"request {self.rid!r}: records boundary {b} of group {gi} but does not "
+                                     f"hold its page {p}")
+            if h is not None:
+                if count:
+                    st.ref(h)
+            elif count or not st.holding([hashes[p]])[0]:
+                table[p] = (st.keep(hashes[p], dev, needed=count), hashes[p])
+
+    def _drop_page(self, gi: int, p: int) -> None:
+        dev, h = self.swa[gi].pop(p)
+        st = self.owner.stores[gi]
+        if h is None:
+            st.free([dev])
+        else:
+            st.unpin(h)
+
+    def _release_swa(self, *, keep_page: int = -1, pinned_only: bool = False) -> None:
+        """Drop this request's SWA pages: all of them, but a private ``keep_page`` (a preempted
+        request's partial page), or only the pinned store items (an admission's rollback)."""
+        for gi, table in self.swa.items():
+            for p in [p for p, (_, h) in table.items() if h is not None or not (pinned_only or p == keep_page)]:
+                self._drop_page(gi, p)
+
+    # ------------------------------------------------------------ endings
+    def _record_end(self, snapshots: dict[int, list] | None) -> None:
+        b = self.inner.computed_tokens // self.owner.ps
+        self.advance(self.inner.computed_tokens, snapshots)
+        if b and self.swa:
+            self.owner._record(self, self.hashes(b), b, None)
+
+    def finish(self, snapshots: dict[int, list] | None = None) -> None:
+        """Record the end boundary (page-floored), share and release everything. -> FINISHED."""
+        if self.inner.state is RequestState.RUNNING:
+            self._record_end(snapshots)
+        self.inner.finish()
+        self._release_swa()
+        del self.owner.live[self.rid]
+        self.owner.sweep(SWEEP_BATCH)
+
+    def preempt(self, snapshots: dict[int, list] | None = None) -> None:
+        """Record the end boundary, then ``Request.preempt``; the SWA page of a private partial
+        last page is kept with the full groups' (for an exact refresh). -> PREEMPTED."""
+        self._record_end(snapshots)
+        tail = self.inner.computed_tokens // self.owner.ps if self.inner.computed_tokens % self.owner.ps else -1
+        self.inner.preempt()
+        self._release_swa(keep_page=tail)
+        self.resume = 0
+        self.owner.sweep(SWEEP_BATCH)
+
+    def abort(self) -> None:
+        """Release everything without recording anything. -> ABORTED."""
+        self.inner.abort()
+        self._release_swa()
+        del self.owner.live[self.rid]
+
+    def check_integrity(self) -> None:
+        """Pinned pages are the store's L1 copies of their items; private ones are the store's
+        private ids (and never held twice)."""
+        for gi, table in self.swa.items():
+            st = self.owner.stores[gi]
+            for p, (dev, h) in table.items():
+                ok = st.l1.get(h) == dev and h in st.pins if h is not None else dev in st.private
+                if not ok:
+                    raise IntegrityError(f"request {self.rid!r}: SWA group {gi} page {p} -> L1 {dev} "
+                                         f"({'item ' + h.hex() if h else 'private'}) is not held that way")
