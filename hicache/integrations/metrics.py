@@ -16,7 +16,8 @@ API (all of it):
 * ``Increases(cls)``: what each series gained since the previous call (the
   shape both export channels need: a counter is only ever increased).
 * ``adapter_stats(store, **adapter_counts)``: an ``AdapterStats`` from an L3
-  backend's counters plus the adapter's own (lookups, skipped stores).
+  backend's counters plus the adapter's own (lookups, skipped stores);
+  ``summed(a, b)`` two of them added (a backend over several stores).
 * ``AdapterMetrics(engine, registry=None)``: the ``AdapterStats`` families as
   ``prometheus_client`` counters on ``registry`` (default: the process
   registry, where the engines' own metrics live); ``update(stats)``.
@@ -245,6 +246,14 @@ def adapter_stats(store: Any, *, lookups: int = 0, lookup_hits: int = 0, skipped
                         stored=s.put_ok, dropped=s.put_dropped, skipped=skipped, bytes_read=s.bytes_read,
                         bytes_written=s.bytes_written, corrupt=s.corrupt, foreign=s.fingerprint_mismatch,
                         errors=store.errors_by_op())
+
+
+def summed(a: AdapterStats, b: AdapterStats) -> AdapterStats:
+    """Two stores' ``AdapterStats`` added field by field (SGLang: the KV store's and each
+    side pool's); per-operation errors are added per operation."""
+    def add(x: Any, y: Any) -> Any:
+        return {k: x.get(k, 0) + y.get(k, 0) for k in {*x, *y}} if isinstance(x, dict) else x + y
+    return AdapterStats(**{f.name: add(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)})
 
 
 # One set of counters per registry: prometheus_client refuses a second family of the

@@ -37,8 +37,8 @@ from hicache.storage import codec, into
 from hicache.storage.capacity import StorageUsage
 from hicache.storage.codec import Buffer, ReadStatus
 from hicache.storage.health import DOWN, Health
-from hicache.storage.options import PutItem, StorageOptions
-from hicache.storage.put_batch import PutBatch, put_rows
+from hicache.storage.options import StorageOptions
+from hicache.storage.put_batch import PutBatch, PutItem, put_rows
 from hicache.storage.reads import ObjectWarnings, ReadTally, failing_objects
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class StorageBackend(abc.ABC):
         # StorageStats.errors split by operation (get, put, exists, delete, scan, ping); the
         # keys are those fixed op names, so the dict stays small. Sums to stats.errors.
         self._op_errors: dict[str, int] = {}
-        self._health = Health(name, options)
+        self._health = Health(name, options.probe_max_ms, options.timeout_s)
         self._closed = False
         self._warnings = ObjectWarnings(log)  # per-object: rate-limited; per kind of call problem: once
         self._wake = threading.Event()  # set by close(): the pinger stops

@@ -10,19 +10,17 @@ import logging
 import time
 from typing import Any, Callable
 
-from hicache.storage.options import StorageOptions
-
 log = logging.getLogger(__name__)
 
 DOWN: Any = object()  # what a raw call answers when it was skipped (circuit open) or failed
 
 
-def probe_backoff(options: StorageOptions) -> Any:
+def probe_backoff(probe_max_ms: int, timeout_s: float) -> Any:
     """redis-py's ``ExponentialBackoff`` for probe spacing. The memory and file
     backends must also work where redis-py is not installed (the core imports
     without service dependencies); they never have network outages, so a
     fixed spacing at the cap is enough there."""
-    cap = options.probe_max_ms / 1000.0
+    cap = probe_max_ms / 1000.0
     try:
         from redis.backoff import ExponentialBackoff
     except ImportError:
@@ -30,16 +28,17 @@ def probe_backoff(options: StorageOptions) -> Any:
             def compute(self, failures: int) -> float:
                 return cap
         return _Fixed()
-    return ExponentialBackoff(cap=cap, base=options.timeout_s)
+    return ExponentialBackoff(cap=cap, base=timeout_s)
 
 
 class Health:
-    """Outage state: one warning per outage, probes spaced by a redis-py backoff."""
+    """Outage state: one warning per outage, probes spaced by a redis-py backoff
+    (``probe_max_ms`` and ``timeout_s`` as in ``StorageOptions``)."""
 
-    def __init__(self, name: str, options: StorageOptions, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, name: str, probe_max_ms: int, timeout_s: float, clock: Callable[[], float] = time.monotonic):
         self.name = name
         self.clock = clock
-        self.backoff = probe_backoff(options)
+        self.backoff = probe_backoff(probe_max_ms, timeout_s)
         self.down = False
         self.failures = 0  # consecutive failed calls in this outage
         self.probe_at = 0.0

@@ -3,18 +3,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
 
 from hicache.errors import ConfigError
 from hicache.layout import KVLayout
 from hicache.storage import codec
-from hicache.storage.codec import Buffer
 
 # A shorter MAC key is guessable; 16 bytes (e.g. 22 base64 characters) is the floor.
 MIN_AUTH_KEY_BYTES = 16
-
-# A page put: (page hash, payload in canonical plane order, plane sizes).
-PutItem = tuple[bytes, Buffer, Sequence[int]]
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from hicache.storage import codec
-from hicache.storage.options import PutItem
+from hicache.storage.codec import Buffer
 
+# A page put: (page hash, payload in canonical plane order, plane sizes).
+PutItem = tuple[bytes, Buffer, Sequence[int]]
 Row = tuple[bytes, bytes, memoryview, codec.PlaneSizes]  # (full key, page hash, payload, plane sizes)
 
 

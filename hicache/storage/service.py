@@ -38,8 +38,8 @@ from hicache.errors import ConfigError, ContractMismatch, IntegrityError, OutOfP
 from hicache.layout import KVLayout
 from hicache.storage.base import StorageBackend
 from hicache.storage.health import DOWN
-from hicache.storage.options import PutItem, StorageOptions
-from hicache.storage.put_batch import PutBatch
+from hicache.storage.options import StorageOptions
+from hicache.storage.put_batch import PutBatch, PutItem
 from hicache.storage.codec import Buffer, as_bytes_view
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,8 @@ from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTr
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
 from hicache.errors import ConfigError
-from hicache.integrations.sglang import HiCacheBackend, page_key, sglang_layout
+from hicache.integrations.sglang import HiCacheBackend
+from hicache.integrations.sglang_keys import page_key, sglang_layout
 from hicache.integrations.sglang_pools import PoolVerdict, fold_hits, mamba_layout, pool_key, side_timeout_ms
 from hicache.shapes import model_shape
 
