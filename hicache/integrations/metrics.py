@@ -7,20 +7,22 @@ API (all of it):
 * ``AdapterStats``: the counters both adapters keep (lookups, loads, stores,
   bytes, per-operation errors, rejected objects), each a
   ``hicache.stat_schema.stat`` field naming its family, help and labels.
-* ``VllmTierStats(AdapterStats)`` and ``GroupCounts``: the vLLM tier's extras
-  (lookup answers, jobs, the known-chunk gauge, chunks per KV cache group),
-  declared here in the same style. SGLang's side pools add no family: their
-  stores' counters are summed into ``AdapterStats``.
+* ``SglangStats(AdapterStats)`` and ``PoolCounts``: the SGLang backend's
+  extras (pages per host pool: the KV pool and v2 side pools);
+  ``VllmTierStats(AdapterStats)`` and ``GroupCounts``: the vLLM tier's
+  (lookup answers, jobs, the known-chunk gauge, chunks per KV cache group).
+  Declared here in the same style.
 * ``Family`` and ``families(cls)``: the Prometheus families a stats class
   declares (name, help, kind, label names); ``series(stats)`` its samples.
 * ``Increases(cls)``: what each series gained since the previous call (the
   shape both export channels need: a counter is only ever increased).
 * ``adapter_stats(store, **adapter_counts)``: an ``AdapterStats`` from an L3
   backend's counters plus the adapter's own (lookups, skipped stores);
-  ``summed(a, b)`` two of them added (a backend over several stores).
-* ``AdapterMetrics(engine, registry=None)``: the ``AdapterStats`` families as
+  ``sglang_stats(by_pool)`` the ``SglangStats`` of one per host pool.
+* ``AdapterMetrics(engine, registry=None)``: the ``SglangStats`` families as
   ``prometheus_client`` counters on ``registry`` (default: the process
-  registry, where the engines' own metrics live); ``update(stats)``.
+  registry, where the engines' own metrics live); ``update(stats)`` takes an
+  ``SglangStats`` or a plain ``AdapterStats``.
 * ``start_line(log, engine, url, fingerprint, capacity)``: the INFO line at
   start (URL redacted).
 * ``warnings_for(log)``: a ``hicache.ratelimit.LogLimiter`` (a few lines per
@@ -90,6 +92,31 @@ class AdapterStats:
                         labels={"reason": "foreign"})
     errors: dict[str, int] = stat("failed L3 calls and items, per operation", metric="errors", key_label="op",
                                   default_factory=dict)
+
+
+def _pool(help: str, result: str, family_help: str | None = None) -> Any:
+    return stat(default=0, help=help, metric="pool_pages", labels={"result": result}, family_help=family_help)
+
+
+@dataclasses.dataclass(slots=True)
+class PoolCounts:
+    """Pages of one SGLang host pool: the KV pool (``kv``) or a v2 side pool (``swa``,
+    ``mamba``, ...), each its own L3 store."""
+
+    hits: int = _pool("pages of the pool read from L3 and verified", "hit",
+                      "pages per SGLang host pool: loaded (hit), not loaded (miss), stored, dropped")
+    misses: int = _pool("pages of the pool not read: absent, rejected or L3 down", "miss")
+    stored: int = _pool("pages of the pool stored in L3", "stored")
+    dropped: int = _pool("pages of the pool L3 did not take", "dropped")
+
+
+@dataclasses.dataclass(slots=True)
+class SglangStats(AdapterStats):
+    """``AdapterStats`` of SGLang's ``HiCacheBackend`` (every pool's store summed) plus
+    the same figures per host pool."""
+
+    pools: dict[str, PoolCounts] = stat("per SGLang host pool (by pool name)", metric=None, key_label="pool",
+                                        default_factory=dict)
 
 
 def _job(help: str, op: str, result: str) -> Any:
@@ -248,12 +275,19 @@ def adapter_stats(store: Any, *, lookups: int = 0, lookup_hits: int = 0, skipped
                         errors=store.errors_by_op())
 
 
-def summed(a: AdapterStats, b: AdapterStats) -> AdapterStats:
-    """Two stores' ``AdapterStats`` added field by field (SGLang: the KV store's and each
-    side pool's); per-operation errors are added per operation."""
+def sglang_stats(by_pool: dict[str, AdapterStats]) -> SglangStats:
+    """``SglangStats`` of a backend over several stores, one per host pool: their
+    ``AdapterStats`` added field by field (per-operation errors per operation),
+    and each pool's own figures."""
     def add(x: Any, y: Any) -> Any:
         return {k: x.get(k, 0) + y.get(k, 0) for k in {*x, *y}} if isinstance(x, dict) else x + y
-    return AdapterStats(**{f.name: add(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)})
+    total = AdapterStats()
+    for s in by_pool.values():
+        total = AdapterStats(**{f.name: add(getattr(total, f.name), getattr(s, f.name))
+                                for f in dataclasses.fields(AdapterStats)})
+    pools = {name: PoolCounts(hits=s.hits, misses=s.misses, stored=s.stored, dropped=s.dropped)
+             for name, s in by_pool.items()}
+    return SglangStats(**{f.name: getattr(total, f.name) for f in dataclasses.fields(AdapterStats)}, pools=pools)
 
 
 # One set of counters per registry: prometheus_client refuses a second family of the
@@ -271,13 +305,14 @@ def _counters(registry: Any) -> dict[str, Any]:
             made = _BY_REGISTRY[registry] = {
                 fam.name: Counter(SGLANG_PREFIX + fam.name, fam.help, labelnames=("engine", *fam.labels),
                                   registry=registry)
-                for fam in families(AdapterStats).values()}
+                for fam in families(SglangStats).values()}
         return made
 
 
 class AdapterMetrics:
-    """The ``AdapterStats`` families as prometheus_client counters labelled
-    ``engine=<engine>`` (SGLang's channel; see the module docstring).
+    """The ``SglangStats`` families (``AdapterStats``'s and the per-pool one) as
+    prometheus_client counters labelled ``engine=<engine>`` (SGLang's channel; see
+    the module docstring).
 
     ``update`` is thread-safe and adds only increases (``Increases``).
     """
@@ -287,7 +322,7 @@ class AdapterMetrics:
             from prometheus_client import REGISTRY as registry  # noqa: N811 (the process registry)
         self.engine = engine
         self._counters = _counters(registry)
-        self._increases = Increases(AdapterStats)
+        self._increases = Increases(SglangStats)
         self._lock = threading.Lock()
 
     def update(self, stats: AdapterStats) -> None:

@@ -75,7 +75,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 from hicache.errors import ConfigError, IntegrityError
-from hicache.integrations.metrics import AdapterMetrics, AdapterStats, adapter_stats, start_line, summed, warnings_for
+from hicache.integrations.metrics import AdapterMetrics, SglangStats, adapter_stats, sglang_stats, start_line, warnings_for
 from hicache.integrations.sglang_keys import auth_key, page_key, sglang_layout
 from hicache.integrations.sglang_pools import (
     KV_POOL,
@@ -495,15 +495,15 @@ class HiCacheBackend(HiCacheStorage):
                               prefetch_bandwidth=list(t.prefetch_bandwidth),
                               backup_bandwidth=list(t.backup_bandwidth))
 
-    def adapter_stats(self) -> AdapterStats:
-        """This backend's counters as the shared adapter metric set declares them."""
+    def adapter_stats(self) -> SglangStats:
+        """This backend's counters as ``hicache.integrations.metrics`` declares them:
+        every pool's store summed, and each pool's own (``kv``: the v1 KV pool)."""
         store = self._require_store()
         with self._lock:
             own = dict(lookups=self.lookups, lookup_hits=self.lookup_hits, skipped=self.skipped_writes)
-        total = adapter_stats(store, **own)
-        for pool in self.side.all():
-            total = summed(total, adapter_stats(pool.store))
-        return total
+        by_pool = {str(KV_POOL): adapter_stats(store, **own)}
+        by_pool.update((str(pool.name), adapter_stats(pool.store)) for pool in self.side.all())
+        return sglang_stats(by_pool)
 
     def publish(self) -> None:
         """Bring the ``hicache_adapter_*`` counters up to date (called after every batch call)."""

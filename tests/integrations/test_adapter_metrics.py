@@ -15,10 +15,13 @@ from hicache.integrations.metrics import (
     AdapterStats,
     GroupCounts,
     Increases,
+    PoolCounts,
+    SglangStats,
     VllmTierStats,
     adapter_stats,
     families,
     series,
+    sglang_stats,
     start_line,
     warnings_for,
 )
@@ -87,7 +90,8 @@ def test_families_follow_the_store_counters():
     families = {ln.split()[2].removesuffix("_total") for ln in text.splitlines()
                 if ln.startswith("# TYPE") and ln.endswith(" counter")}
     assert families == {"hicache_adapter_lookup_pages", "hicache_adapter_load_pages", "hicache_adapter_store_pages",
-                        "hicache_adapter_bytes", "hicache_adapter_rejected_objects", "hicache_adapter_errors"}
+                        "hicache_adapter_bytes", "hicache_adapter_rejected_objects", "hicache_adapter_errors",
+                        "hicache_adapter_pool_pages"}
     m.check_integrity()
     store.check_integrity()
 
@@ -118,7 +122,7 @@ def test_a_counter_never_goes_down():
 
 
 def test_every_field_declares_a_family():
-    for cls in (AdapterStats, VllmTierStats, GroupCounts):
+    for cls in (AdapterStats, SglangStats, PoolCounts, VllmTierStats, GroupCounts):
         for f in dataclasses.fields(cls):
             assert metric_of(f) or f.metadata["key_label"], (cls, f.name)  # a family, or a dict of them
             assert f.metadata["help"], (cls, f.name)
@@ -136,11 +140,13 @@ def test_check_integrity_catches_an_undeclared_series():
 
 
 def test_sglang_channel_serves_exactly_the_declared_families():
-    """Every AdapterStats family, its help and its labels (plus ``engine``), nothing else."""
+    """Every SglangStats family, its help and its labels (plus ``engine``), nothing else."""
     reg = CollectorRegistry()
     m = AdapterMetrics("sglang", registry=reg)
     m.update(AdapterStats(errors={"get": 1}))
-    declared = families(AdapterStats)
+    declared = families(SglangStats)
+    assert families(AdapterStats).items() <= declared.items()
+    assert set(declared) - set(families(AdapterStats)) == {"pool_pages"}
     served = {f.name: f for f in reg.collect()}
     assert set(served) == {SGLANG_PREFIX + n for n in declared}
     for name, fam in declared.items():
@@ -169,6 +175,21 @@ def test_the_vllm_declaration_extends_the_shared_one():
                    ("group_pages", (("group", "0"), ("result", "stored"))): 4,
                    ("group_pages", (("group", "0"), ("result", "hit"))): 1,
                    ("group_pages", (("group", "3"), ("result", "miss"))): 2}
+
+
+def test_sglang_pools_sum_and_count_per_pool():
+    reg = CollectorRegistry()
+    kv = AdapterStats(lookups=4, lookup_hits=2, hits=3, misses=1, stored=5, errors={"get": 1})
+    swa = AdapterStats(hits=7, misses=1, stored=8, corrupt=1, errors={"get": 2, "put": 1})
+    s = sglang_stats({"kv": kv, "swa": swa})
+    assert (s.lookups, s.hits, s.misses, s.stored, s.corrupt, s.errors) == (4, 10, 2, 13, 1, {"get": 3, "put": 1})
+    assert s.pools == {"kv": PoolCounts(hits=3, misses=1, stored=5), "swa": PoolCounts(hits=7, misses=1, stored=8)}
+    m = AdapterMetrics("sglang", registry=reg)
+    m.update(s)
+    assert sample(reg, "hicache_adapter_pool_pages_total", engine="sglang", pool="swa", result="hit") == 7
+    assert sample(reg, "hicache_adapter_pool_pages_total", engine="sglang", pool="kv", result="stored") == 5
+    assert sample(reg, "hicache_adapter_load_pages_total", engine="sglang", result="hit") == 10
+    m.check_integrity()
 
 
 def test_increases_report_gauges_as_values_and_counters_as_gains():

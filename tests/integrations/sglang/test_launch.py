@@ -96,6 +96,9 @@ def test_sglang_process_logs_the_start_line_and_serves_the_metrics(redis_url, tm
     assert got[f'hicache_adapter_bytes_total{{{lab},op="read"}}'] == want["bytes_read"] == 4 * 131072
     assert got[f'hicache_adapter_rejected_objects_total{{{lab},reason="corrupt"}}'] == want["corrupt"] == 1
     assert got[f'hicache_adapter_rejected_objects_total{{{lab},reason="foreign"}}'] == want["foreign"] == 1
+    # One pool (no v2 side pools): its own figures are the totals.
+    assert got[f'hicache_adapter_pool_pages_total{{{lab},pool="kv",result="hit"}}'] == want["pools"]["kv"]["hits"] == 4
+    assert got[f'hicache_adapter_pool_pages_total{{{lab},pool="kv",result="stored"}}'] == want["pools"]["kv"]["stored"]
     # The first call to the dead L3 (the existence check before a put) fails and opens the
     # circuit; later calls are answered at once, without L3, and are not errors (the
     # background pinger's failures count as op="ping", as many as its backoff allowed).
