@@ -20,6 +20,11 @@ thread and answers 0 (a miss) when L3 has not answered within ``budget_s``;
 the late answer is discarded. A scheduler passes its prefetch policy's
 budget, so a slow L3 never holds a scheduler step longer than the policy
 allows.
+
+Pieces beside it: ``options`` (``StorageOptions``), ``health`` (the circuit
+breaker and probe backoff), ``put_batch`` (what ``_raw_put`` receives),
+``reads`` (judging and counting what a read brought back) and ``into``
+(reads into the caller's buffers).
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ from hicache.storage.put_batch import PutBatch, PutItem, put_rows
 from hicache.storage.reads import ObjectWarnings, ReadTally, failing_objects
 
 log = logging.getLogger(__name__)
+
 
 class StorageBackend(abc.ABC):
     """One L3 store. Keys are 16-byte page hashes; values are verified page payloads.
