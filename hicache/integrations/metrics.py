@@ -68,9 +68,9 @@ VLLM_PREFIX = "hicache_vllm_"
 class AdapterStats:
     """Counters of one adapter since it started (pages unless named otherwise)."""
 
-    lookups: int = stat(default=0, help="pages asked of L3 by existence lookups", metric="lookup_pages",
-                        labels={"result": "asked"}, family_help="pages asked of L3 by existence lookups, "
-                        "and their answers")
+    lookups: int = stat(default=0, help="pages the engine asked about (is it in L3?)", metric="lookup_pages",
+                        labels={"result": "asked"}, family_help="existence lookups of pages (asked), and their "
+                        "answers (not verified: loads verify)")
     lookup_hits: int = stat(default=0, help="pages lookups found in L3", metric="lookup_pages", labels={"result": "found"})
     hits: int = stat(default=0, help="pages read from L3 and verified", metric="load_pages", labels={"result": "hit"},
                      family_help="pages read from L3: verified hits, and misses (absent, rejected, L3 down)")
@@ -130,7 +130,8 @@ class GroupCounts:
 
     stored: int = stat(default=0, help="chunks of the group written to L3", metric="group_pages",
                        labels={"result": "stored"}, family_help="chunks per KV cache group: stored, loaded "
-                       "(read, verified, copied into a primary row), missed (absent, corrupt, foreign, L3 down)")
+                       "(hit: read, verified, copied into a primary row), not loaded (miss: absent, corrupt, "
+                       "foreign, L3 down)")
     loaded: int = stat(default=0, help="chunks of the group loaded", metric="group_pages", labels={"result": "hit"})
     load_missed: int = stat(default=0, help="chunks of the group a load did not find", metric="group_pages",
                             labels={"result": "miss"})
