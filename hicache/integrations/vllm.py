@@ -370,13 +370,15 @@ class HiCacheTier(SecondaryTierManager):
 
     def check_integrity(self) -> None:
         """Job and lookup accounting balance, counters are sane, the per-group counts add
-        up to them, the known-chunk set is within its cap, and the storage backend's own
-        check passes (where it can list its objects, every one verifies). Raises ``IntegrityError``."""
+        up to them, the known-chunk set is within its cap, every series reported to vLLM
+        is a declared family, and the storage backend's own check passes (where it can
+        list its objects, every one verifies). Raises ``IntegrityError``."""
         with self._lock:
             in_flight = sum(not f.done() for f in self._in_flight.values())
             done_unlisted = [j for j, f in self._in_flight.items() if f.done()]
             stats, unreported = dataclasses.replace(self._stats), len(self._finished)
             self._known.check_integrity()
+            self._reported.check_integrity()  # every series handed to vLLM is a declared family
             self._groups.check(stats.stored, stats.hits, stats.misses)
         if done_unlisted:
             raise IntegrityError(f"HiCacheTier: jobs {done_unlisted[:5]} finished but still listed in flight")
