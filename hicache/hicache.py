@@ -118,7 +118,7 @@ class HiCache:
         self.cache = PrefixCache(self.layout, self.device_pool,
                                  self.host_pool if tier is None else PageAllocator(0, "L2 (shared)"),
                                  eviction=cfg.policy.device_eviction, host_eviction=cfg.policy.host_eviction)
-        self.tiers = TierManager(self.cache)
+        self.tiers = TierManager(self.cache, debug_states=cfg.debug_states or None)
         self.service = None if tier is None else ServiceMode(tier, self.cache, self.tiers)
         self.tier_stats = self.tiers.stats
         # In-flight work: every submitted, not yet completed job -> its plan. A load's
@@ -452,7 +452,7 @@ class HiCache:
     def evict_host(self, num_pages: int) -> list[int]:
         """Drop at least ``num_pages`` logical pages from L2 (never pages a transfer
         holds); returns the freed L2 ids (already free in the host pool)."""
-        return self.cache.evict_host(num_pages)
+        return self.tiers.evict_host(num_pages)
 
     def _make_room(self, num_pages: int) -> None:
         """Before an admission allocates ``num_pages`` L1 pages: under ``write_back``
