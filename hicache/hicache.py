@@ -628,12 +628,18 @@ class HiCache:
 
     def _check_in_flight(self) -> None:
         """The in-flight registry agrees with itself and with the tier manager: each
-        load's job is in flight with that load's plan, and every node still filling
-        belongs to one of them."""
+        load's job is in flight with that load's plan, every node still filling
+        belongs to one of them, and each queued write-back victim waits for its own
+        pinning backup."""
         for last, job in self._load_job.items():
             plan = self._jobs.get(job)
             if not isinstance(plan, LoadPlan) or plan.last is not last:
                 raise IntegrityError(f"load job {job} of {last!r} is not in flight with its plan ({plan!r})")
+        for victim, job in self._evict_after_write.items():
+            plan = self._jobs.get(job)
+            if not isinstance(plan, BackupPlan) or plan.node is not victim or victim.lock_ref < 1:
+                raise IntegrityError(f"write-back victim {victim!r} waits for job {job}, which is not its "
+                                     f"pinning backup in flight ({plan!r})")
         for n, plan in self.tiers.loading.items():
             job = self._load_job.get(plan.last)
             if job is None or self._jobs.get(job) is not plan:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from hicache.config import HiCacheConfig
+from hicache.errors import IntegrityError
 from hicache.hicache import HiCache
 from hicache.shapes import model_shapes
 from hicache.transfer import TransferController
@@ -56,6 +57,11 @@ def test_admission_skips_unwritten_victims_queues_them_and_loads_once_poll_evict
                     Expected(no_room_pages=5, write_back_queued_pages=5, waits=0))
     assert hc.stats().misses.no_l1_room == 5  # the miss has its reason
     hc.check_integrity()
+    ((victim, job),) = hc._evict_after_write.items()
+    hc._evict_after_write[victim] = job + 1000  # a victim waiting for a job not in flight: caught
+    with pytest.raises(IntegrityError, match="waits for job"):
+        hc.check_integrity()
+    hc._evict_after_write[victim] = job
     req.abort()
 
     hc.transfers.wait_all()  # (the test waits; the admission did not)
