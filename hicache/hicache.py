@@ -136,6 +136,7 @@ class HiCache:
         # write_back: eviction victims whose write-back is queued (pinned until it completes
         # in poll(), which then evicts them) -> the job of the victim's own backup.
         self._evict_after_write: dict[Node, JobId] = {}
+        self._write_back_jobs: dict[JobId, None] = {}  # every backup those queued (paths too), in order
         self._prefetched = 0  # pages the last completed prefetch brought into L2
 
     # ------------------------------------------------------------- requests
@@ -322,6 +323,8 @@ class HiCache:
             job = self._backup(n)
             if job is None and self._unbacked(n):
                 return False  # no L2 room: the victim goes without a copy (the path queued so far stays)
+            if job is not None:
+                self._write_back_jobs[job] = None
             own = job if n is victim else own
         if own is None:  # the shared L2 held it already: it is backed now
             return False
@@ -384,6 +387,7 @@ class HiCache:
                 self._store(n)
             if plan.shared is not None:
                 self.service.backup_done(plan, r.ok)
+            self._write_back_jobs.pop(r.job, None)
             self._evict_written(plan.node)
         elif isinstance(plan, LoadPlan):
             tiers.complete_load(plan, r.ok)
@@ -457,16 +461,29 @@ class HiCache:
     def _make_room(self, num_pages: int) -> None:
         """Before an admission allocates ``num_pages`` L1 pages: under ``write_back``
         evict here (the index's own eviction would drop unwritten pages), never
-        waiting: victims not yet on L2 are skipped and their write-back queued.
-        Raises ``OutOfPages`` when that leaves too few free: the load is a miss."""
+        waiting: victims not yet on L2 are skipped and their write-back queued;
+        the copies already done (inline CPU copies: all) complete here and their
+        victims go. Raises ``OutOfPages`` when that leaves too few free: the load
+        is a miss."""
         a = self.cache.device_allocator
         if self.policy.write_policy is not _WRITE_BACK or a.num_free >= num_pages:
             return
         self._evict_now(num_pages - a.num_free)
         if a.num_free < num_pages:
+            self._reap_write_backs()
+        if a.num_free < num_pages:
             raise OutOfPages(f"L1: {num_pages} pages needed to load an L2 hit, {a.num_free} free; the write-back "
                              f"of {len(self._evict_after_write)} victim(s) is queued (poll() evicts them once "
                              "written); admission does not wait for it")
+
+    def _reap_write_backs(self) -> None:
+        """Complete the queued write-backs that are done already, in the order they were
+        queued (a path's upper nodes first), stopping at the first still running; never
+        waits. Their victims leave L1 (``_evict_written``). CPU copies run inline
+        (``inline_transfers``) are all done here."""
+        for job in list(self._write_back_jobs):
+            if not self._observe(job):
+                return
 
     def _room_to_compute(self, num_pages: int) -> None:
         """Before a running request allocates ``num_pages`` L1 pages for the tokens it
@@ -635,6 +652,9 @@ class HiCache:
             plan = self._jobs.get(job)
             if not isinstance(plan, LoadPlan) or plan.last is not last:
                 raise IntegrityError(f"load job {job} of {last!r} is not in flight with its plan ({plan!r})")
+        for job in self._write_back_jobs:
+            if not isinstance(self._jobs.get(job), BackupPlan):
+                raise IntegrityError(f"write-back job {job} is not a backup in flight ({self._jobs.get(job)!r})")
         for victim, job in self._evict_after_write.items():
             plan = self._jobs.get(job)
             if not isinstance(plan, BackupPlan) or plan.node is not victim or victim.lock_ref < 1:

@@ -6,6 +6,7 @@ import torch
 from hicache.errors import OutOfPages
 from tests.helpers.expected import Expected, Movement, assert_expected
 from tests.helpers.tiers import TOK, check_l1_values, make, page_value, serve
+from tests.helpers.tiers import CopyGate as _Gate
 
 
 def test_write_through_backs_up_every_inserted_page():
@@ -131,22 +132,6 @@ def test_redis_round_trip_through_tiers(redis_url):
 # --------------------------------------------------------------- load-back races
 # The copy worker is held at a gate so that the scheduler acts while a load back
 # is still in flight (found in review; each failed before the fix).
-
-class _Gate:
-    def __init__(self, monkeypatch):
-        import threading
-        import hicache.transfer as tr
-        self.event = threading.Event()
-        orig = tr._copy_pages
-
-        def held(*a, **k):
-            self.event.wait()
-            orig(*a, **k)
-        monkeypatch.setattr(tr, "_copy_pages", held)
-
-    def open(self):
-        self.event.set()
-
 
 def _l2_only(hc, tokens):
     serve(hc, "warm", tokens)

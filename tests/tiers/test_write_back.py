@@ -13,7 +13,7 @@ from hicache.hicache import HiCache
 from hicache.shapes import model_shapes
 from hicache.transfer import TransferController
 from tests.helpers.expected import Expected, Movement, assert_expected, expected_diff
-from tests.helpers.tiers import PS, TOK, check_l1_values, make, serve
+from tests.helpers.tiers import LAYOUT, PS, TOK, CopyGate, check_l1_values, make, serve
 from tests.tiers.test_real_shapes import l1_rows_equal, rows_for
 from tests.tiers.test_real_shapes import serve as serve_real
 
@@ -41,7 +41,7 @@ def _fill(hc, first: int, n: int) -> list[list[int]]:
     return prompts
 
 
-def test_admission_skips_unwritten_victims_queues_them_and_loads_once_poll_evicted_them(waits):
+def test_admission_skips_unwritten_victims_queues_them_and_loads_once_poll_evicted_them(waits, monkeypatch):
     hc = make(**WB)
     serve(hc, "a", TOK)
     hc.evict(100)  # an explicit eviction waits for the write-back: TOK is on L2 only now
@@ -50,6 +50,7 @@ def test_admission_skips_unwritten_victims_queues_them_and_loads_once_poll_evict
     hc.drain()
     hc.check_integrity()
 
+    gate = CopyGate(monkeypatch)  # the victims' copies stay in flight however fast the machine is
     before = Movement.start(hc, waits=waits)
     req = hc.new_request("b", TOK)
     adm = hc.admit(req)  # needs 5 L1 pages: the victim x[0] is queued, not waited for
@@ -64,6 +65,7 @@ def test_admission_skips_unwritten_victims_queues_them_and_loads_once_poll_evict
     hc._evict_after_write[victim] = job
     req.abort()
 
+    gate.open()
     hc.transfers.wait_all()  # (the test waits; the admission did not)
     before = Movement.start(hc, waits=waits)
     hc.poll()  # the queued write-back completes: x[0] goes to L2 and leaves L1
@@ -119,6 +121,27 @@ def test_a_request_computing_its_tokens_still_gets_its_pages(waits):
     hc.close()
 
 
+def test_write_backs_already_done_complete_inside_admission_without_waiting(waits):
+    """Inline CPU copies (``--simulate``, replay) are done at submit: the admission
+    completes its own victims' write-backs, evicts them and loads (no miss)."""
+    o = {"storage.url": "", "pool.device": "cpu", "pool.device_pages": "16", "pool.host_pages": "32", **WB}
+    hc = HiCache(HiCacheConfig.load(env={}, overrides=o), layout=LAYOUT, inline_transfers=True)
+    serve(hc, "a", TOK)
+    hc.evict(100)
+    x = _fill(hc, 300, 3)
+    before = Movement.start(hc, waits=waits)
+    adm, _ = serve(hc, "b", TOK)
+    assert_expected(before.observe(hc, adm, waits=waits),
+                    Expected(host_tokens=20, loaded_l2_pages=5, backed_up_pages=5, evicted_l1_pages=5,
+                             write_back_queued_pages=5, waits=0))
+    assert check_l1_values(hc, TOK) == 20 and not hc._write_back_jobs and not hc._evict_after_write
+    hc.evict(100)
+    adm, _ = serve(hc, "x0", x[0])
+    assert adm.host_tokens == 20 and check_l1_values(hc, x[0]) == 20
+    hc.check_integrity()
+    hc.close()
+
+
 def test_the_expected_record_reads_as_a_diff():
     diff = expected_diff(Expected(host_tokens=20, waits=1), Expected(host_tokens=16, waits=None))
     assert diff == ["host_tokens: expected 16, got 20"]
@@ -131,7 +154,7 @@ SHAPES = [s for s in model_shapes() if s.name in {"llama-3.1-8b", "deepseek-v3"}
 
 @pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
-def test_real_shapes_stay_bit_exact_when_admission_skips_unwritten_victims(shape, waits):
+def test_real_shapes_stay_bit_exact_when_admission_skips_unwritten_victims(shape, waits, monkeypatch):
     ps, pages = 16, 2
     o = {"storage.url": "", "pool.device": "cpu", "pool.device_pages": "4", "pool.host_pages": "8",
          "policy.prefetch_policy": "wait_complete", **WB}
@@ -143,6 +166,7 @@ def test_real_shapes_stay_bit_exact_when_admission_skips_unwritten_victims(shape
     hc.evict(100)  # a on L2 only
     serve_real(hc, "b", b, rows_b)  # 2 unwritten pages on L1
     serve_real(hc, "b'", b[:ps] + [9] * (ps + 1), rows_b)  # one more unwritten page: 3 of 4 used
+    gate = CopyGate(monkeypatch)
     before = Movement.start(hc, waits=waits)
     req = hc.new_request("a2", a)
     adm = hc.admit(req)  # 1 free, no clean victim: one unwritten leaf is queued, nothing waited for
@@ -150,6 +174,7 @@ def test_real_shapes_stay_bit_exact_when_admission_skips_unwritten_victims(shape
                     Expected(no_room_pages=pages, write_back_queued_pages=1, waits=0))
     hc.check_integrity()
     req.abort()
+    gate.open()
     hc.drain()  # the queued write-back completes; its victim leaves L1
     adm = serve_real(hc, "a3", a, rows_a)
     assert (adm.device_tokens, adm.host_tokens) == (0, pages * ps)
