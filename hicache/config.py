@@ -248,6 +248,7 @@ class HiCacheConfig(BaseSettings):
     service: ServiceConfig = ServiceConfig()
     simulate: SimulateConfig = SimulateConfig()
     log_level: str = "WARNING"
+    debug_states: bool = False  # check every L2 page's state transition (hicache.host_states); tests, debugging
 
     @field_validator("log_level")
     @classmethod
