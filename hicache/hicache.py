@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from typing import NamedTuple
 
@@ -129,6 +130,8 @@ class HiCache:
         self.misses = MissTracker(cfg.policy.miss_window_pages)
         self._l3_outcome: L3Outcome | None = None  # what the last admission's L3 lookup found
         self._no_room_pages = 0  # L2-hit pages the last admission could not load: no L1 room
+        # write_back: L1 pages at the eviction end kept clean ahead of eviction (``_clean_ahead``)
+        self._clean_pages = math.ceil(cfg.policy.write_back_clean_fraction * self.cache.device_allocator.capacity)
         self._prefetched = 0  # pages the last completed prefetch brought into L2
 
     # ------------------------------------------------------------- requests
@@ -191,6 +194,7 @@ class HiCache:
                 self._selective_backup(m.device_node)
         device_tokens = min(device_tokens, m.device_tokens)  # L1 pages evicted meanwhile were not a hit
         host_tokens = m.device_tokens - device_tokens
+        self._clean_ahead()  # write_back: room for the next admission (starts copies, never waits)
         return Admission(m, device_tokens, host_tokens, min(storage_tokens, host_tokens), tuple(loads))
 
     def _agreed(self, req: Request, m: MatchResult) -> MatchResult:
@@ -303,11 +307,12 @@ class HiCache:
             if self._unbacked(n) and n.hit_count >= self.policy.write_through_threshold:
                 self._backup(n)
 
-    def _queue_write_back(self, victim: Node) -> bool:
+    def _queue_write_back(self, victim: Node, evict: bool = True) -> bool:
         """write_back: queue the backup of an eviction victim whose pages are not yet
         on L2 (and of its path), without waiting. True: queued; the backup pins the
-        victim on L1 until it completes in ``poll()``, which then evicts it. False:
-        evict it now (it is on L2 already, or L2 has no room for it: dropped)."""
+        victim on L1 until it completes in ``poll()``, which then evicts it (``evict``;
+        else it stays on L1, clean: ``_clean_ahead``). False: evict it now (it is on
+        L2 already, or L2 has no room for it: dropped)."""
         if self.policy.write_policy is not _WRITE_BACK or not self._unbacked(victim):
             return False
         own = None
@@ -318,12 +323,28 @@ class HiCache:
             if job is None and self._unbacked(n):
                 return False  # no L2 room: the victim goes without a copy (the path queued so far stays)
             if job is not None:
-                self._jobs.queue_write_back(job, victim=n is victim)
+                self._jobs.queue_write_back(job, victim=evict and n is victim)
             own = job if n is victim else own
         if own is None:  # the shared L2 held it already: it is backed now
             return False
-        self.tier_stats.write_back_queued_pages += len(victim.device_pages or ())
+        if evict:
+            self.tier_stats.write_back_queued_pages += len(victim.device_pages or ())
         return True
+
+    def _clean_ahead(self) -> None:
+        """write_back: keep room ready for the next admission, never waiting. Free L1
+        pages and the pages of backups in flight count as room; when they and the
+        clean candidates at the eviction end cover fewer than the watermark
+        (``write_back_clean_fraction`` of L1), start the write-back of the dirty
+        candidates among them, in eviction order (they stay on L1, clean once the
+        copy completes in ``poll()``), so an admission that needs room evicts clean
+        victims and keeps its L2 hit. Nothing is written while L1 has room."""
+        want = self._clean_pages - self.cache.device_allocator.num_free - self._jobs.write_back_pages()
+        if self.policy.write_policy is not _WRITE_BACK or want <= 0:
+            return
+        for v in self.cache.device_victims(want):
+            if self._unbacked(v):
+                self._queue_write_back(v, evict=False)
 
     def _evict_written(self, node: Node) -> None:
         """A queued write-back of victim ``node`` completed: evict it now if it has its L2
@@ -401,6 +422,9 @@ class HiCache:
         copies, so the victims stay L2 hits (admission never waits: ``_make_room``).
         Returns pages evicted (fewer only when nothing else is evictable)."""
         before = self._device_evicted()
+        for job in self._jobs.write_backs():  # cleaning ahead pins its nodes: let those copies land first
+            if job in self._jobs and not self._jobs.is_victim(job):
+                self._wait(job)
         self._evict_now(num_pages)
         while (victims := self._jobs.victim_jobs()) and (got := self._device_evicted() - before) < num_pages:
             self._wait(victims[0])  # observing evicts the written victims
@@ -449,9 +473,13 @@ class HiCache:
         a = self.cache.device_allocator
         if self.policy.write_policy is not _WRITE_BACK or a.num_free >= num_pages:
             return
-        self._evict_now(num_pages - a.num_free)
-        if a.num_free < num_pages:
-            self._reap_write_backs()
+        self._reap_write_backs()  # the copies of the pages cleaned ahead that landed: evictable now
+        while a.num_free < num_pages:
+            free = a.num_free
+            self._evict_now(num_pages - free)
+            self._reap_write_backs()  # victims written already (inline copies: all) go; their parents next round
+            if a.num_free == free:
+                break
         if a.num_free < num_pages:
             raise OutOfPages(f"L1: {num_pages} pages needed to load an L2 hit, {a.num_free} free; the write-back "
                              f"of {len(self._jobs.victim_jobs())} victim(s) is queued (poll() evicts them once "
@@ -502,6 +530,7 @@ class HiCache:
         ``TransferError`` once a load back has failed (see ``_check_healthy``)."""
         n = self._observe()
         self._check_healthy()
+        self._clean_ahead()
         return n
 
     def _check_healthy(self) -> None:

@@ -16,7 +16,7 @@ Not thread-safe: the scheduler thread calls everything.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, cast
 
 from hicache.errors import CacheStateError, IntegrityError
 from hicache.index.node import Node
@@ -68,9 +68,17 @@ class InFlight:
         its node was a victim to evict now."""
         return self._write_backs.pop(job, False)
 
+    def is_victim(self, job: JobId) -> bool:
+        """``job`` is a queued write-back whose node leaves L1 once written."""
+        return self._write_backs.get(job, False)
+
     def write_backs(self) -> list[JobId]:
         """The write-back backups still in flight, in the order they were queued."""
         return list(self._write_backs)
+
+    def write_back_pages(self) -> int:
+        """L1 pages the write-back backups in flight are copying to L2."""
+        return sum(len(cast(BackupPlan, self._jobs[j]).device) for j in self._write_backs)
 
     def victim_jobs(self) -> list[JobId]:
         """The queued write-backs whose node leaves L1 once written, in queue order."""

@@ -18,6 +18,8 @@ from tests.tiers.test_real_shapes import l1_rows_equal, rows_for
 from tests.tiers.test_real_shapes import serve as serve_real
 
 WB = {"policy.write_policy": "write_back"}
+# The queue alone, without cleaning ahead (``_clean_ahead``): admission then meets dirty victims.
+WB_QUEUE_ONLY = {**WB, "policy.write_back_clean_fraction": "0"}
 
 
 @pytest.fixture
@@ -42,7 +44,7 @@ def _fill(hc, first: int, n: int) -> list[list[int]]:
 
 
 def test_admission_skips_unwritten_victims_queues_them_and_loads_once_poll_evicted_them(waits, monkeypatch):
-    hc = make(**WB)
+    hc = make(**WB_QUEUE_ONLY)
     serve(hc, "a", TOK)
     hc.evict(100)  # an explicit eviction waits for the write-back: TOK is on L2 only now
     assert hc.cache.stats().host_pages_cached == 5 and hc.cache.stats().device_pages_cached == 0
@@ -124,7 +126,7 @@ def test_a_request_computing_its_tokens_still_gets_its_pages(waits):
 def test_write_backs_already_done_complete_inside_admission_without_waiting(waits):
     """Inline CPU copies (``--simulate``, replay) are done at submit: the admission
     completes its own victims' write-backs, evicts them and loads (no miss)."""
-    o = {"storage.url": "", "pool.device": "cpu", "pool.device_pages": "16", "pool.host_pages": "32", **WB}
+    o = {"storage.url": "", "pool.device": "cpu", "pool.device_pages": "16", "pool.host_pages": "32", **WB_QUEUE_ONLY}
     hc = HiCache(HiCacheConfig.load(env={}, overrides=o), layout=LAYOUT, inline_transfers=True)
     serve(hc, "a", TOK)
     hc.evict(100)
@@ -138,6 +140,57 @@ def test_write_backs_already_done_complete_inside_admission_without_waiting(wait
     hc.evict(100)
     adm, _ = serve(hc, "x0", x[0])
     assert adm.host_tokens == 20 and check_l1_values(hc, x[0]) == 20
+    hc.check_integrity()
+    hc.close()
+
+
+def test_cleaning_ahead_in_poll_keeps_the_l2_hit_and_admission_never_waits(waits, monkeypatch):
+    """L1 full of unwritten pages: ``poll()`` writes the ones next in eviction order back
+    ahead of time (watermark 6 of 16 pages), so the admission that needs 5 pages of
+    room evicts clean victims at once and loads its L2 hit, with every copy held
+    in flight (nothing waited for, no miss); all of it bit-exact."""
+    hc = make(**WB, **{"policy.write_back_clean_fraction": "0.375", "policy.device_eviction": "lru"})
+    serve(hc, "a", TOK)
+    hc.evict(100)  # TOK on L2 only
+    before = Movement.start(hc, waits=waits)
+    x = _fill(hc, 300, 3)  # 15 pages on L1, 1 free: below the watermark, poll() cleans the LRU end
+    got = before.observe(hc, waits=waits)
+    assert (got.write_back_queued_pages, got.evicted_l1_pages, got.waits) == (0, 0, 0)
+    assert hc.tiers.backing_up or got.backed_up_pages >= 5  # started in poll, not waited for
+    hc.transfers.wait_all()  # (the test lets the copies land, as the next engine steps would)
+    hc.poll()
+    assert not hc.l2.unbacked(hc.cache.match(x[0]).device_node) and hc.cache.device_allocator.num_free == 1
+    hc.check_integrity()
+
+    gate = CopyGate(monkeypatch)  # from here every copy stays in flight: admission cannot lean on one
+    before = Movement.start(hc, waits=waits)
+    req = hc.new_request("b", TOK)
+    adm = hc.admit(req)  # needs 5 L1 pages: x[0] is clean, evicted now; the hit is kept
+    assert_expected(before.observe(hc, adm, waits=waits),
+                    Expected(host_tokens=20, loaded_l2_pages=5, evicted_l1_pages=5, waits=0))
+    assert hc.stats().misses.no_l1_room == 0
+    hc.check_integrity()
+    gate.open()
+    adm.wait()
+    req.finish()
+    hc.drain()
+    assert check_l1_values(hc, TOK) == 20  # loaded back bit-exact
+    hc.evict(100)
+    adm, _ = serve(hc, "x0", x[0])  # x[0] was cleaned before it left L1: it comes back by value
+    assert adm.host_tokens == 20 and check_l1_values(hc, x[0]) == 20
+    hc.check_integrity()
+    hc.close()
+
+
+def test_cleaning_ahead_writes_nothing_while_l1_has_room(waits):
+    hc = make(**WB, **{"policy.write_back_clean_fraction": "0.375"})
+    before = Movement.start(hc, waits=waits)
+    _fill(hc, 300, 2)  # 10 of 16 pages used: 6 free reach the watermark
+    hc.drain()
+    assert_expected(before.observe(hc, waits=waits), Expected(waits=None))
+    _fill(hc, 600, 1)  # 15 used, 1 free: now the LRU end is written ahead
+    hc.drain()
+    assert before.observe(hc).backed_up_pages >= 5 and before.observe(hc).evicted_l1_pages == 0
     hc.check_integrity()
     hc.close()
 
@@ -181,6 +234,46 @@ def test_real_shapes_stay_bit_exact_when_admission_skips_unwritten_victims(shape
     assert l1_rows_equal(hc, a, rows_a) == pages * ps
     hc.evict(100)
     adm = serve_real(hc, "b2", b, rows_b)  # every page of b was written back before it left L1
+    assert adm.host_tokens == pages * ps and l1_rows_equal(hc, b, rows_b) == pages * ps
+    hc.check_integrity()
+    hc.close()
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+def test_real_shapes_keep_the_l2_hit_when_poll_cleaned_ahead(shape, waits, monkeypatch):
+    """As the toy test above at real shapes: L1 of 4 pages, watermark 2 pages; the page
+    ``poll()`` cleaned is the admission's clean victim; bit-exact on both sides."""
+    ps, pages = 16, 2
+    o = {"storage.url": "", "pool.device": "cpu", "pool.device_pages": "4", "pool.host_pages": "8",
+         "policy.prefetch_policy": "wait_complete", "policy.device_eviction": "lru",
+         "policy.write_back_clean_fraction": "0.5", **WB}
+    hc = HiCache(HiCacheConfig.load(env={}, overrides=o), layout=shape.kv_layout(ps, host_layout="page_first"))
+    a = list(range(1000, 1000 + pages * ps + 1))
+    b = list(range(5000, 5000 + pages * ps + 1))
+    b2 = b[:ps] + [9] * (ps + 1)
+    rows_a, rows_b = rows_for(hc, len(a), seed=1), rows_for(hc, len(b), seed=2)
+    serve_real(hc, "a", a, rows_a)
+    hc.evict(100)  # a on L2 only
+    serve_real(hc, "b", b, rows_b)
+    serve_real(hc, "b'", b2, rows_b)  # 3 of 4 L1 pages used, none on L2: poll() cleaned b's LRU leaf
+    hc.drain()  # (its copy lands, as the next engine steps would let it)
+    assert hc.cache.device_allocator.num_free == 1 and not hc.l2.unbacked(hc.cache.match(b).device_node)
+    assert hc.tier_stats.backup_pages == 2 * pages  # a's pages (evict), then b's path, ahead of eviction
+    gate = CopyGate(monkeypatch)
+    before = Movement.start(hc, waits=waits)
+    req = hc.new_request("a2", a)
+    adm = hc.admit(req)  # needs 2 pages: 1 free + the clean leaf, evicted now; nothing waited for
+    assert_expected(before.observe(hc, adm, waits=waits),
+                    Expected(host_tokens=pages * ps, loaded_l2_pages=pages, evicted_l1_pages=1, waits=0))
+    hc.check_integrity()
+    gate.open()
+    adm.wait()
+    req.finish()
+    hc.drain()
+    assert l1_rows_equal(hc, a, rows_a) == pages * ps
+    hc.evict(100)
+    adm = serve_real(hc, "b3", b, rows_b)  # b's pages were written back before they left L1
     assert adm.host_tokens == pages * ps and l1_rows_equal(hc, b, rows_b) == pages * ps
     hc.check_integrity()
     hc.close()
