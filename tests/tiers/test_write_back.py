@@ -277,3 +277,38 @@ def test_real_shapes_keep_the_l2_hit_when_poll_cleaned_ahead(shape, waits, monke
     assert adm.host_tokens == pages * ps and l1_rows_equal(hc, b, rows_b) == pages * ps
     hc.check_integrity()
     hc.close()
+
+
+def test_service_mode_cleans_ahead_into_the_shared_segment_and_admission_keeps_the_hit(waits, monkeypatch):
+    """The same with L2 = the node service's segment (``SharedL2``): the pages cleaned
+    ahead are committed to the segment, the admission evicts them at once and loads
+    its shared hit without waiting, and another engine of the node reads them back
+    bit-exact."""
+    from tests.tiers.service_node import running_service, socket_url
+    with running_service(LAYOUT) as srv:
+        url = socket_url(srv)
+        over = {**WB, "policy.write_back_clean_fraction": "0.375", "policy.device_eviction": "lru"}
+        hc, other = make(url, **over), make(url)
+        serve(hc, "a", TOK)
+        hc.evict(100)  # TOK committed to the segment, off L1
+        x = _fill(hc, 300, 3)  # 1 L1 page free: poll() commits x[0] ahead of eviction
+        hc.drain()
+        assert hc.cache.match(x[0]).device_node.in_storage and hc.cache.device_allocator.num_free == 1
+        gate = CopyGate(monkeypatch)
+        before = Movement.start(hc, waits=waits)
+        req = hc.new_request("b", TOK)
+        adm = hc.admit(req)
+        assert_expected(before.observe(hc, adm, waits=waits),
+                        Expected(host_tokens=20, loaded_l2_pages=5, evicted_l1_pages=5, waits=0))
+        hc.check_integrity()
+        gate.open()
+        adm.wait()
+        req.finish()
+        hc.drain()
+        assert check_l1_values(hc, TOK) == 20
+        adm, _ = serve(other, "x0", x[0])  # x[0] left hc's L1 only after its commit: by value
+        assert adm.host_tokens == 20 and check_l1_values(other, x[0]) == 20
+        for h in (hc, other):
+            h.drain()
+            h.check_integrity()
+            h.close()
