@@ -148,12 +148,15 @@ def test_off_unless_asked_for(monkeypatch):
     assert TierManager(PrefixCache(c.layout, PageAllocator(2), PageAllocator(2)), debug_states=True).states
 
 
-@pytest.mark.parametrize("policy", ["write_through", "write_back", "write_through_selective"])
+@pytest.mark.parametrize("policy,clean", [("write_through", "0.125"), ("write_back", "0"), ("write_back", "0.125"),
+                                          ("write_back", "0.5"), ("write_through_selective", "0.125")])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_a_randomized_run_over_hicache_keeps_every_l2_page_in_a_legal_state(policy, seed, tmp_path):
+def test_a_randomized_run_over_hicache_keeps_every_l2_page_in_a_legal_state(policy, clean, seed, tmp_path):
+    """``clean``: ``write_back_clean_fraction`` (write_back: none, the default, half of L1 cleaned ahead)."""
     rnd = random.Random(seed)
     hc = make("memory://", **{"policy.write_policy": policy, "pool.device_pages": "12",
-                              "pool.host_pages": "14", "policy.write_through_threshold": "2"})
+                              "pool.host_pages": "14", "policy.write_through_threshold": "2",
+                              "policy.write_back_clean_fraction": clean})
     assert hc.tiers.states is not None
     prompts = [list(range(1000 * k, 1000 * k + len(TOK))) for k in range(5)] + [TOK, TOK[:12] + [1, 2, 3]]
     for step in range(100):
