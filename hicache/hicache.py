@@ -425,10 +425,12 @@ class HiCache:
         for job in self._jobs.write_backs():  # cleaning ahead pins its nodes: let those copies land first
             if job in self._jobs and not self._jobs.is_victim(job):
                 self._wait(job)
-        self._evict_now(num_pages)
-        while (victims := self._jobs.victim_jobs()) and (got := self._device_evicted() - before) < num_pages:
+        self._evict_now(num_pages - self._jobs.victim_pages())  # (queued victims leave once written)
+        while (got := self._device_evicted() - before) < num_pages and (victims := self._jobs.victim_jobs()):
             self._wait(victims[0])  # observing evicts the written victims
-            if self._evict_now(num_pages - got) == 0 and self._device_evicted() - before == got:
+            now = self._device_evicted() - before
+            short = num_pages - now - self._jobs.victim_pages()
+            if short > 0 and self._evict_now(short) == 0 and now == got:
                 break  # the copy failed (the victim stays on L1): no progress to wait for
         return self._device_evicted() - before
 
@@ -476,7 +478,9 @@ class HiCache:
         self._reap_write_backs()  # the copies of the pages cleaned ahead that landed: evictable now
         while a.num_free < num_pages:
             free = a.num_free
-            self._evict_now(num_pages - free)
+            short = num_pages - free - self._jobs.victim_pages()  # queued victims leave once written
+            if short > 0:
+                self._evict_now(short)
             self._reap_write_backs()  # victims written already (inline copies: all) go; their parents next round
             if a.num_free == free:
                 break

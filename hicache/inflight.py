@@ -80,6 +80,10 @@ class InFlight:
         """L1 pages the write-back backups in flight are copying to L2."""
         return sum(len(cast(BackupPlan, self._jobs[j]).device) for j in self._write_backs)
 
+    def victim_pages(self) -> int:
+        """Logical L1 pages of the victims whose write-back is queued (they leave once written)."""
+        return sum(cast(BackupPlan, self._jobs[j]).node.num_pages for j, v in self._write_backs.items() if v)
+
     def victim_jobs(self) -> list[JobId]:
         """The queued write-backs whose node leaves L1 once written, in queue order."""
         return [j for j, v in self._write_backs.items() if v]
