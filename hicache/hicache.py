@@ -339,8 +339,10 @@ class HiCache:
         candidates among them, in eviction order (they stay on L1, clean once the
         copy completes in ``poll()``), so an admission that needs room evicts clean
         victims and keeps its L2 hit. Nothing is written while L1 has room."""
+        if self.policy.write_policy is not _WRITE_BACK:
+            return
         want = self._clean_pages - self.cache.device_allocator.num_free - self._jobs.write_back_pages()
-        if self.policy.write_policy is not _WRITE_BACK or want <= 0:
+        if want <= 0:
             return
         for v in self.cache.device_victims(want):
             if self._unbacked(v):
