@@ -3,7 +3,9 @@
 No module-global state: everything the routes need hangs off ``app.state``
 (``rest``: the ``RestState``; ``registry``: its Prometheus registry). The
 lifespan samples byte counters once a second so bandwidth figures are fresh
-between scrapes, and closes the event bus on shutdown so streams end.
+between scrapes, pulls the node service's KV events every ``EVENT_POLL_S``
+into the event bus (the service never calls the app), and closes the bus on
+shutdown so streams end.
 """
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ from hicache.errors import ConfigError, ServiceError
 log = logging.getLogger(__name__)
 
 SAMPLE_INTERVAL_S = 1.0
+# How often the KV events are pulled from the service: the latency a /v1/events
+# reader sees on top of the service's own; one hop onto the service's loop each time.
+EVENT_POLL_S = 0.02
 
 
 async def _sample_forever(state: RestState) -> None:
@@ -42,17 +47,28 @@ async def _sample_forever(state: RestState) -> None:
             log.debug("stats sample skipped: %s", e)
 
 
+async def pump_events(state: RestState, interval_s: float = EVENT_POLL_S) -> None:
+    """Forever: take the service's KV events and publish them to the bus."""
+    while True:
+        try:
+            state.bus.publish(await asyncio.to_thread(state.engine.take_events))
+        except (ServiceError, RuntimeError, TimeoutError) as e:  # engine stopping; try again later
+            log.debug("event pull skipped: %s", e)
+        await asyncio.sleep(interval_s)
+
+
 def create_app(state: RestState) -> FastAPI:
     """A FastAPI app serving ``state``. Raises ``ConfigError`` if the bind needs a token and has none."""
     check_bind(state.config.service.host, state.admin_token)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(_sample_forever(state))
+        tasks = [asyncio.create_task(_sample_forever(state)), asyncio.create_task(pump_events(state))]
         try:
             yield
         finally:
-            task.cancel()
+            for t in tasks:
+                t.cancel()
             state.bus.close()
 
     # docs_url/redoc_url off: FastAPI's own pages load Swagger UI from a CDN

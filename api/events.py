@@ -1,11 +1,13 @@
 """KV events (pages stored / removed) fanned out to REST subscribers.
 
-``EventBus.publish`` is called from any thread (the engine server's loop
-calls it through the ``L2Listener`` methods) and never blocks: each
-subscriber has a bounded queue, and an event that does not fit is dropped
-and counted on that subscriber and on the bus. Subscribers consume on an
-asyncio loop (the REST app's); ``publish`` wakes them with
-``call_soon_threadsafe``.
+The REST app pulls the node service's events (``ServiceView.take_events``,
+see ``pump_events`` in ``hicache.api.app``) and hands each batch to
+``EventBus.publish``, which may be called from any thread and never blocks:
+each subscriber has a bounded queue, and an event that does not fit is
+dropped and counted on that subscriber and on the bus. Events the service
+itself dropped (its log was full) count as dropped for every subscriber, so
+each stream reports them. Subscribers consume on an asyncio loop (the REST
+app's); ``publish`` wakes them with ``call_soon_threadsafe``.
 """
 from __future__ import annotations
 
@@ -13,12 +15,13 @@ import asyncio
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, Sequence
+from typing import Literal, NamedTuple
 
 from hicache.errors import IntegrityError, InvalidArgument
-from hicache.types import PageHash
+from hicache.service.events import EventKind, Taken
 
 EventType = Literal["stored", "removed"]
+_TYPE: dict[EventKind, EventType] = {EventKind.STORED: "stored", EventKind.REMOVED: "removed"}
 
 
 class Event(NamedTuple):
@@ -42,7 +45,7 @@ class Subscription:
 
 
 class EventBus:
-    """Thread-safe fan-out with bounded per-subscriber queues. Implements ``L2Listener``."""
+    """Thread-safe fan-out with bounded per-subscriber queues."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -53,24 +56,23 @@ class EventBus:
         self._closed = False
 
     # ------------------------------------------------------------- producers
-    def pages_stored(self, pages: Sequence[tuple[PageHash, PageHash | None]], tier: str = "L2") -> None:
-        self._publish([("stored", tier, h, p) for h, p in pages])
-
-    def pages_removed(self, hashes: Sequence[PageHash], tier: str = "L2") -> None:
-        self._publish([("removed", tier, h, None) for h in hashes])
-
-    def _publish(self, items: list[tuple[EventType, str, bytes, bytes | None]]) -> None:
+    def publish(self, taken: Taken) -> None:
+        """Number ``taken``'s events in order and queue them for every subscriber;
+        ``taken.dropped`` (lost before the bus) counts as dropped for each one."""
+        if not taken.events and not taken.dropped:
+            return
         wake = []
         with self._lock:
             events = []
-            for typ, tier, h, parent in items:
+            for e in taken.events:
                 self._seq += 1
-                events.append(Event(self._seq, typ, tier, bytes(h), None if parent is None else bytes(parent)))
+                events.append(Event(self._seq, _TYPE[e.kind], e.tier, bytes(e.page_hash),
+                                    None if e.parent is None else bytes(e.parent)))
             self.published += len(events)
             for s in self._subs:
-                room = s.maxsize - len(s.queue)
-                s.queue.extend(events[:max(room, 0)])
-                lost = len(events) - max(room, 0)
+                room = max(s.maxsize - len(s.queue), 0)
+                s.queue.extend(events[:room])
+                lost = len(events) - min(room, len(events)) + taken.dropped
                 if lost > 0:
                     s.dropped += lost
                     self.dropped += lost

@@ -8,7 +8,6 @@ from it; ``/v1/events`` carries ``stored`` events for both tiers.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import signal
@@ -105,8 +104,7 @@ def serve(cfg: HiCacheConfig) -> int:
         rest_sock.close()
         raise
     bus = EventBus()
-    engine = NodeServer(cfg, layout, listener=bus, storage=storage,
-                          on_l3_stored=functools.partial(bus.pages_stored, tier="L3"))
+    engine = NodeServer(cfg, layout, storage=storage)  # the app pulls its KV events into bus
     try:
         engine.start()
     except BaseException:

@@ -21,7 +21,7 @@ class RestState:
     """Everything the routes use. Built by ``serve`` (or a test) before the app.
 
     ``engine`` is the node service as the routes see it (``ServiceView``: an
-    ``NodeServer`` in ``serve``, anything with those four methods in a test);
+    ``NodeServer`` in ``serve``, anything with those five methods in a test);
     it must be serving before requests arrive. ``storage`` is None when no L3
     is configured. The app does not own either: whoever built them stops and
     closes them.

@@ -138,6 +138,9 @@ class StorageConfig(_Section):
 class PolicyConfig(_Section):
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
     write_through_threshold: int = Field(2, ge=1)  # hits before a selective backup
+    # write_back: share of L1 pages, at the eviction end, kept clean (on L2 or being copied
+    # there) ahead of eviction, so admission finds clean victims and never waits (0: off).
+    write_back_clean_fraction: float = Field(0.125, ge=0.0, le=1.0)
     device_eviction: str = "qd_lru"  # beat lru on Mooncake and the built-in traces (bench/RESULTS.md)
     host_eviction: str = "qd_lru"
     prefetch_policy: PrefetchPolicy = PrefetchPolicy.TIMEOUT
@@ -248,6 +251,7 @@ class HiCacheConfig(BaseSettings):
     service: ServiceConfig = ServiceConfig()
     simulate: SimulateConfig = SimulateConfig()
     log_level: str = "WARNING"
+    debug_states: bool = False  # check every L2 page's state transition (hicache.host_states); tests, debugging
 
     @field_validator("log_level")
     @classmethod

@@ -13,6 +13,8 @@ exactly one reason (``MissStats``):
     tokens, ``fingerprint_mismatch`` when L3 has an object for it written by
     another layout, else ``first_use``;
   - L1: ``l1_evicted`` (evicted from L1 with no L2 copy);
+  - on L2 but not loaded, because the admission found no L1 room for it
+    (``no_l1_room``; write-back never blocks admission);
   - L2: ``l2_evicted`` (evicted from L2 with no L3 copy);
   - L3: ``prefetch_expired`` (L3 held it but the prefetch did not complete in
     the policy's budget), ``l3_error`` (the read failed: an error, a corrupt
@@ -60,12 +62,13 @@ class MissTracker:
         self.stats = MissStats()
 
     def account(self, hashes: Sequence[bytes], num_pages: int, hit_pages: int, cap_pages: int,
-                l3: L3Outcome | None = None, other_ns_pages: int = 0) -> MissStats:
+                l3: L3Outcome | None = None, other_ns_pages: int = 0, no_room_pages: int = 0) -> MissStats:
         """Give each missed page of one admission its reason and count it. ``hashes``:
         the page hashes of the request's full pages (at least ``cap_pages`` of them);
         ``num_pages``: its pages, the partial one included; ``hit_pages``: its
         admitted hit; ``cap_pages``: pages it could hit at most (all but the last
-        token); ``other_ns_pages``: leading pages another namespace's tree holds.
+        token); ``other_ns_pages``: leading pages another namespace's tree holds;
+        ``no_room_pages``: pages after the hit that L2 held but L1 had no room for.
         Afterwards the missed full pages count as computed (L1). Returns this
         admission's reasons (a new object)."""
         if cap_pages <= hit_pages:  # the common hit: nothing missed but the partial page
@@ -78,7 +81,9 @@ class MissTracker:
         tier = self._tier
         for j in range(hit_pages, cap_pages):
             t = tier.get(hashes[j])
-            if t is None:
+            if j < hit_pages + no_room_pages:
+                got.no_l1_room += 1
+            elif t is None:
                 if j < other_ns_pages:
                     got.other_namespace += 1
                 elif l3 is not None and l3.fingerprint_mismatches and l3.delivered <= j - l3.first_page < l3.held:
@@ -139,7 +144,7 @@ class MissTracker:
 
 
 def admission_misses(tracker: MissTracker, cache, key: bytes, namespace: str, hit_tokens: int,
-                     hit_node, l3: L3Outcome | None) -> MissStats:
+                     hit_node, l3: L3Outcome | None, no_room_pages: int = 0) -> MissStats:
     """Account one admission of ``key`` whose admitted hit is ``hit_tokens`` (whole
     pages) ending at ``hit_node`` (the locked match's last node; None for no hit) in
     ``cache`` (a ``PrefixCache``, read only). Hashes only the missed full pages,
@@ -163,4 +168,4 @@ def admission_misses(tracker: MissTracker, cache, key: bytes, namespace: str, hi
             if ns != namespace:
                 o = tree.match(key, ns, max_pages=cap)
                 other = max(other, o.device_num_pages + o.host_num_pages)
-    return tracker.account(hashes, -(-n // ps), hit, cap, l3, other)
+    return tracker.account(hashes, -(-n // ps), hit, cap, l3, other, no_room_pages)

@@ -57,6 +57,8 @@ class TierMoveStats:
     prefetch_pages: int = 0  # pages that landed in L2 from L3
     prefetch_waited_ms: float = 0.0
     load_back_pages: int = 0  # L2 -> L1
+    load_back_no_room_pages: int = 0  # L2 hits not loaded: no L1 room (admission never waits for it)
+    write_back_queued_pages: int = 0  # write_back: L1 pages of eviction victims queued for L2, evicted once copied
     backup_pages: int = 0  # L1 -> L2 completed
     backup_dropped_pages: int = 0  # no L2 space, or the path was not on L2
     storage_put_pages: int = 0  # L2 -> L3 completed
@@ -151,6 +153,8 @@ class MissStats:
 
     first_use: int = _reason("First use: no earlier request computed the page.", "first_use")
     l1_evicted: int = _reason("Evicted from L1 with no L2 copy.", "l1_evicted")
+    no_l1_room: int = _reason("On L2, but L1 had no room to load it into (pinned, or its victims "
+                              "still being written back).", "no_l1_room")
     l2_evicted: int = _reason("Evicted from L2 with no L3 copy.", "l2_evicted")
     l3_evicted: int = _reason("Evicted from L3 (stored there once, gone now).", "l3_evicted")
     l3_error: int = _reason("L3 held it but the read failed (error, corrupt object).", "l3_error")

@@ -30,6 +30,12 @@ These are the movements of the private L2 (``hicache.l2.private``). In
 service mode the node's shared segment is L2 and ``hicache.l2.shared`` makes
 its own backup and load plans; only ``backing_up`` and ``stats`` are common.
 
+Debug mode (``HICACHE_DEBUG_STATES=1``, ``debug_states = true``): every
+private L2 page carries a state (``hicache.host_states``: free, reserved,
+protected, synced, backed up) moved at each step above; an illegal move
+raises ``IntegrityError`` and ``check_integrity`` cross-checks the table
+against the allocator, the index and the plans in flight.
+
 L1 pages for a load come from the caller (``prepare_load(..., device_pages)``):
 hicache's own allocator (``PrefixCache.alloc_device``) or an engine's block
 pool, whichever owns L1 (``DeviceBlocks``). L2 pages come from the index's
@@ -43,6 +49,7 @@ from typing import Protocol, cast
 from hicache.allocator import PageAllocator
 from hicache.cache import PrefixCache
 from hicache.errors import CacheStateError, IntegrityError
+from hicache.host_states import HostPageState, HostPageStates, enabled_by_env
 from hicache.index.node import Node
 from hicache.stats import TierMoveStats
 from hicache.request import MatchResult
@@ -63,7 +70,8 @@ class DeviceBlocks(Protocol):
 class TierManager:
     """Two-phase tier movements over one ``PrefixCache`` (see the module docstring)."""
 
-    def __init__(self, cache: PrefixCache):
+    def __init__(self, cache: PrefixCache, *, debug_states: bool | None = None):
+        """``debug_states``: keep the L2 page state table (None: ``HICACHE_DEBUG_STATES``)."""
         if cache.host_allocator is None:
             raise CacheStateError("TierManager needs a PrefixCache with a host (L2) allocator")
         self.cache = cache
@@ -71,6 +79,8 @@ class TierManager:
         self.stats = TierMoveStats()
         self.backing_up: set[Node] = set()  # nodes with a backup prepared and not completed (either L2)
         self._host_in_flight: set[HostPageId] = set()  # L2 ids held by prepared, uncompleted plans
+        on = enabled_by_env() if debug_states is None else debug_states
+        self.states: HostPageStates | None = HostPageStates(self._host.capacity) if on else None
 
     @property
     def host_in_flight(self) -> list[HostPageId]:
@@ -86,12 +96,28 @@ class TierManager:
     def _release_host(self, ids: list[HostPageId]) -> None:
         self._host_in_flight.difference_update(ids)
 
+    def _to(self, pages: list[HostPageId], state: HostPageState) -> None:
+        if self.states is not None:
+            self.states.move(pages, state)
+
     def alloc_host(self, n: int) -> list[HostPageId] | None:
-        """``n`` L2 pages, evicting unpinned L2 pages when short; None if that is not enough."""
+        """``n`` L2 pages (RESERVED), evicting unpinned L2 pages when short; None if
+        that is not enough."""
         a = self._host
         if a.num_free < n:
-            self.cache.evict_host(n - a.num_free)
-        return cast(list[HostPageId], a.alloc(n)) if a.num_free >= n else None
+            self.evict_host(n - a.num_free)
+        if a.num_free < n:
+            return None
+        ids = cast(list[HostPageId], a.alloc(n))
+        self._to(ids, HostPageState.RESERVED)
+        return ids
+
+    def evict_host(self, num_pages: int) -> list[HostPageId]:
+        """Drop at least ``num_pages`` logical pages from L2 (never pinned ones); the
+        freed ids (FREE, already back in the allocator)."""
+        freed = self.cache.evict_host(num_pages)
+        self._to(freed, HostPageState.FREE)
+        return freed
 
     # ----------------------------------------------------------------- L1 -> L2
     def prepare_backup(self, node: Node, *, pin: bool = True) -> BackupPlan | None:
@@ -108,6 +134,7 @@ class TierManager:
         self.backing_up.add(node)
         plan = BackupPlan(node, dev, host, node.draft_device, pin)
         self._hold_host(host)
+        self._to(host, HostPageState.PROTECTED)
         return plan
 
     def complete_backup(self, plan: BackupPlan, ok: bool) -> list[Node]:
@@ -121,6 +148,7 @@ class TierManager:
         self._release_host(host)
         if not ok:
             self.stats.transfer_errors += 1
+            self._to(host, HostPageState.FREE)
             self._host.free(host)
             return []
         where = {d: i for i, d in enumerate(dev)}
@@ -138,11 +166,13 @@ class TierManager:
             except CacheStateError:
                 break  # the parent never reached L2: drop this copy
             used.update(ids)
+            self._to(ids, HostPageState.SYNCED)
             self.stats.backup_pages += len(ids)
             attached.append(n)
         rest = [h for h in host if h not in used]
         if rest:
             self.stats.backup_dropped_pages += len(rest)
+            self._to(rest, HostPageState.FREE)
             self._host.free(rest)
         return attached
 
@@ -162,12 +192,16 @@ class TierManager:
         cache.inc_host_lock(last)
         if m.device_node is not None:
             cache.inc_lock(m.device_node)
+        if self.states is not None:
+            self.states.read(_host_ids(path))
         return LoadRequest(last, path, m.device_node, sum(len(_on_l2(n)) for n in path))
 
     def cancel_load(self, req: LoadRequest) -> None:
         """Release a ``plan_load`` that got no L1 pages."""
         self._unpin_anchor(req)
         self.cache.dec_host_lock(req.last)
+        if self.states is not None:
+            self.states.done_reading(_host_ids(req.path))
 
     def prepare_load(self, req: LoadRequest, device_pages: list[DevicePageId]) -> LoadPlan:
         """Give ``req``'s path the L1 pages ``device_pages`` (from whoever owns L1).
@@ -199,6 +233,8 @@ class TierManager:
         """Unpin a finished load. A failed one leaves the L1 pages indexed with
         unknown bytes: the caller must stop serving (``HiCache`` raises)."""
         self.cache.dec_host_lock(plan.last)
+        if self.states is not None:
+            self.states.done_reading(plan.host)
         self.cache.dec_lock(plan.last)
         if not ok:
             self.stats.transfer_errors += 1
@@ -213,15 +249,21 @@ class TierManager:
             self.stats.storage_put_skipped_draft_pages += len(_on_l2(node))
             return None
         self.cache.inc_host_lock(node)
-        return StorePlan(node, list(_on_l2(node)), self.cache.hashes(node))
+        plan = StorePlan(node, list(_on_l2(node)), self.cache.hashes(node))
+        if self.states is not None:
+            self.states.read(plan.host)
+        return plan
 
     def complete_store(self, plan: StorePlan, stored: int) -> None:
         """``stored``: leading pages L3 accepted; the node is flagged only when all were."""
         self.cache.dec_host_lock(plan.node)
         self.stats.storage_put_pages += stored
         self.stats.storage_put_dropped_pages += len(plan.host) - stored
+        if self.states is not None:
+            self.states.done_reading(plan.host)
         if stored == len(plan.host):
             self.cache.set_stored(plan.node)
+            self._to(plan.host, HostPageState.BACKED_UP)
 
     # ----------------------------------------------------------------- L3 -> L2
     def prepare_prefetch(self, key: bytes, namespace: str, first_page: int,
@@ -235,6 +277,7 @@ class TierManager:
         ps4 = self.cache.page_size * 4
         plan = PrefetchPlan(key[:(first_page + len(hashes)) * ps4], namespace, first_page, host, hashes)
         self._hold_host(host)
+        self._to(host, HostPageState.PROTECTED)
         return plan
 
     def complete_prefetch(self, plan: PrefetchPlan, loaded: int) -> int:
@@ -248,7 +291,10 @@ class TierManager:
             unused = unused + dup
             if node is not None:
                 self.cache.set_stored(node)
+            dups = set(dup)
+            self._to([h for h in got if h not in dups], HostPageState.BACKED_UP)
         if unused:
+            self._to(unused, HostPageState.FREE)
             self._host.free(unused)
         taken = len(plan.host) - len(unused)
         self.stats.prefetch_pages += taken
@@ -260,12 +306,19 @@ class TierManager:
         for n in self.backing_up:
             if n.device_pages is None:
                 raise IntegrityError(f"{n!r} is being backed up but is not on L1")
+        if self.states is not None:
+            indexed = {p: n.host_lock_ref for n in self.cache.nodes() for p in n.host_pages or ()}
+            self.states.check(self._host.is_allocated, indexed, set(self._host_in_flight))
 
 
 def _on_l1(n: Node) -> list[DevicePageId]:
     if n.device_pages is None:
         raise CacheStateError(f"{n!r} is not on L1")
     return n.device_pages
+
+
+def _host_ids(path: tuple[Node, ...]) -> list[HostPageId]:
+    return [h for n in path for h in _on_l2(n)]
 
 
 def _on_l2(n: Node) -> list[HostPageId]:

@@ -18,11 +18,12 @@
 - longest function: ``end_lineno - lineno + 1`` of a def (decorators excluded);
   functions over ``MAX_FUNCTION_LINES`` are listed, except those in
   ``LONG_FUNCTION_EXCEPTIONS`` (the Triton kernel, whose length is its clarity);
-- upward calls: (a) hook parameters a constructor accepts (``on_*`` with a
-  callable default of ``None``: ``on_insert``, ``on_device_evict``,
-  ``on_share``), (b) call sites of such a hook (``x.on_insert(...)``), and
+- upward calls: (a) hook parameters a constructor accepts (``on_*`` that is
+  not a ``bool``: ``on_insert``, ``on_l3_stored``; or a listener:
+  ``listener``, ``*_listener``, ``*_hook``), (b) call sites of such a hook
+  (``x.on_insert(...)``, ``self.listener.pages_stored(...)``), and
   (c) completion closures: a nested ``def`` handed to a call as ``on_done=``
-  (or any ``on_*=`` keyword).
+  (or any ``on_*=`` keyword). Events are pulled instead (``take_events()``).
 
 ``kernels/`` and ``api/`` import as ``hicache.kernels`` / ``hicache.api`` (the
 ``__path__`` remap in ``hicache/__init__.py``), and are named so here.
@@ -41,6 +42,11 @@ _REMAP = {"kernels": "hicache.kernels", "api": "hicache.api"}
 # and replay would, to refuse the same settings) and the storage admin commands.
 ENTRY_POINTS = {"hicache.cli", "hicache.runtime_check", "hicache.storage.admin_cli", "hicache.storage.admin"}
 _ROOT = "hicache"  # its __init__ imports nothing of its own at module level: not an edge
+
+
+def is_hook_name(name: str) -> bool:
+    """A constructor parameter or attribute that names a callback into the caller."""
+    return name.startswith("on_") or name == "listener" or name.endswith(("_listener", "_hook")) or name == "hook"
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -213,12 +219,13 @@ def scan(paths: list[pathlib.Path], root: pathlib.Path | None = None) -> dict:
                 if node.name == "__init__":
                     args = node.args.args + node.args.kwonlyargs
                     for a in args:
-                        if a.arg.startswith("on_") and not (isinstance(a.annotation, ast.Name)
-                                                            and a.annotation.id == "bool"):
+                        if is_hook_name(a.arg) and not (isinstance(a.annotation, ast.Name)
+                                                        and a.annotation.id == "bool"):
                             hooks.append(f"{path}:{node.lineno} {a.arg}")
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                    and node.func.attr.startswith("on_") and node.func.attr != "on_done":
-                hook_calls.append(f"{path}:{node.lineno} .{node.func.attr}()")
+            if isinstance(node, ast.Call):
+                hook = _hook_call(node)
+                if hook is not None:
+                    hook_calls.append(f"{path}:{node.lineno} {hook}")
     closures = sorted(set(closures))
     long_funcs = sorted(((n, where) for n, where, key in funcs
                          if n > MAX_FUNCTION_LINES and key not in LONG_FUNCTION_EXCEPTIONS), reverse=True)
@@ -226,6 +233,18 @@ def scan(paths: list[pathlib.Path], root: pathlib.Path | None = None) -> dict:
             "long_functions": long_funcs,
             "hook_params": hooks, "hook_calls": hook_calls, "closures": closures,
             "upward_calls": len(hook_calls) + len(closures), **import_graph(paths, root)}
+
+
+def _hook_call(call: ast.Call) -> str | None:
+    """``.on_x()`` or ``.listener.y()`` (a call through a hook attribute), else None."""
+    f = call.func
+    if not isinstance(f, ast.Attribute):
+        return None
+    if f.attr.startswith("on_") and f.attr != "on_done":
+        return f".{f.attr}()"
+    if isinstance(f.value, ast.Attribute) and is_hook_name(f.value.attr):
+        return f".{f.value.attr}.{f.attr}()"
+    return None
 
 
 def source_paths(pkgs: list[str], root: pathlib.Path | None = None) -> list[pathlib.Path]:

@@ -13,7 +13,7 @@ def open_state(cfg: HiCacheConfig, admin_token: str = "") -> RestState:
     """Start an engine server for ``cfg`` (and its L3, when configured) behind a ``RestState``."""
     layout = cfg.layout()
     bus = EventBus()
-    engine = NodeServer(cfg, layout, listener=bus)
+    engine = NodeServer(cfg, layout)
     engine.start()
     storage = open_l3(cfg, layout)  # as hicache serve opens it (cap, eviction, MAC key)
     return RestState(config=cfg, layout=layout, engine=engine, storage=storage, admin_token=admin_token, bus=bus)

@@ -130,7 +130,9 @@ def replay(cfg: HiCacheConfig, trace_path: str | None, *, progress: bool = True,
     items = sorted(trace.requests, key=lambda r: r.arrival)
     spec = model_spec_for(cfg, trace.vocab)
     layout = spec.kv_layout(cfg.model.page_size, cfg.model.host_layout, model_id=layout_model_id)
-    hc = HiCache(cfg, layout=layout)
+    # On CPU the copies run inline (complete at submit, observed in poll/drain as on a
+    # GPU): the schedule then does not depend on how fast copy threads run on the box.
+    hc = HiCache(cfg, layout=layout, inline_transfers=_cpu(cfg.pool.device))
     model = ReferenceModel(spec, device=hc.device_pool.device)
     l3_before = _service_l3(hc)
     bar = iter_progress(len(items), progress)
@@ -170,6 +172,11 @@ def replay(cfg: HiCacheConfig, trace_path: str | None, *, progress: bool = True,
                                             "L3": redact_url(cfg.storage.url) or "(none)",
                                             "page_size": cfg.model.page_size},
             "rows": rows, "series": series, "stats": stats}
+
+
+def _cpu(device: str) -> bool:
+    """``pool.device`` resolves to the CPU ("auto" without CUDA)."""
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
 
 
 def _oracle(run: EngineRun, page_size: int, prompt_total: int) -> tuple[dict[str, Any], int]:

@@ -27,6 +27,11 @@ later commit of a complete copy upgrades an incomplete page in place of it
 A ``PageJournal`` (optional) is told which page holds which committed hash,
 so that a restarted server can adopt the segment (``restore``).
 
+KV events: the index records pages entering and leaving it in a bounded
+``EventLog`` (``hicache.service.events``); its owner pulls them with
+``take_events()`` (the server does after every request, feeding its L3
+writer and the REST event stream). Nothing is called back.
+
 Not thread-safe: the server touches it only from its event loop thread. The
 one exception is ``generation(page)``, a single list read that any thread may
 make (the L3 writer uses it as a seqlock, see ``hicache.service.l3_tier``).
@@ -41,28 +46,10 @@ from hicache.allocator import PageAllocator
 from hicache.errors import ForeignPage, IntegrityError, OutOfPages, ServiceError
 from hicache.hashing import HASH_BYTES
 from hicache.protocol import CommitResult
+from hicache.service.events import EventKind, EventLog, Taken
 from hicache.types import HostPageId, PageHash
 
 OwnerId = int
-
-
-class L2Listener(Protocol):
-    """Told about pages entering and leaving the index (KV events).
-
-    Called on the index's thread, synchronously: implementations must not
-    block and must not call back into the index.
-    """
-
-    def pages_stored(self, pages: Sequence[tuple[PageHash, PageHash | None]]) -> None:
-        """``(page hash, parent hash)`` of newly lookup-able pages, head first,
-        then of pages whose draft-incomplete copy a complete one replaced.
-
-        The parent is the previous hash of the same commit, or None for a
-        commit's first page (the service does not know what preceded it).
-        """
-
-    def pages_removed(self, hashes: Sequence[PageHash]) -> None:
-        """Pages that stopped being lookup-able (evicted or flushed)."""
 
 
 class PageJournal(Protocol):
@@ -112,11 +99,14 @@ class L2Index:
     request's hashes: a lookup of an 8K-token prompt is 512 of them.
     """
 
-    def __init__(self, allocator: PageAllocator, listener: L2Listener | None = None,
-                 journal: PageJournal | None = None):
+    def __init__(self, allocator: PageAllocator, journal: PageJournal | None = None,
+                 max_events: int | None = None):
+        """``max_events``: how many KV events wait for ``take_events`` before new
+        ones are dropped (default: four times the pages, at least 1024; enough for
+        whatever one call records, so an owner that takes after each call loses none)."""
         self.allocator = allocator
-        self.listener = listener
         self.journal = journal
+        self._events = EventLog(max_events if max_events is not None else max(1024, 4 * allocator.capacity))
         self._incomplete: set[PageHash] = set()  # committed hashes whose page lacks valid draft rows
         self._page_of: dict[PageHash, HostPageId] = {}  # committed hash -> its page
         self._hash_of: dict[int, PageHash] = {}  # committed page id -> its hash
@@ -229,8 +219,7 @@ class L2Index:
                              "(the rest are reserved or acquired); release pages or enlarge pool.host_pages")
         if short > 0:
             gone = [self._evict_one() for _ in range(short)]
-            if self.listener is not None:
-                self.listener.pages_removed(gone)
+            self._events.record(EventKind.REMOVED, "L2", [(h, None) for h in gone])
         pages = self.allocator.alloc(n)
         self._owners[owner].reserved.update(pages)
         self.counters.reservations += n
@@ -265,8 +254,8 @@ class L2Index:
             del self._lru[h]
             self._drop_entry(h)
         self.counters.flushed += len(gone)
-        if gone and self.listener is not None:
-            self.listener.pages_removed(gone)
+        if gone:
+            self._events.record(EventKind.REMOVED, "L2", [(h, None) for h in gone])
         return len(gone)
 
     def commit(self, owner: OwnerId, hashes: Sequence[PageHash], pages: Sequence[int],
@@ -314,11 +303,14 @@ class L2Index:
         c = self.counters
         c.commits += len(inserted)
         c.duplicates += len(dup_pages)
-        if (inserted or upgraded) and self.listener is not None:
+        if inserted or upgraded:
+            # Newly lookup-able pages head first, then pages whose draft-incomplete copy a
+            # complete one replaced (the L3 writer stores those now). The parent is the
+            # previous hash of the same commit, or None for its first page.
             prev: dict[PageHash, PageHash | None] = {}
             for i, h in enumerate(hashes):
                 prev.setdefault(h, hashes[i - 1] if i else None)
-            self.listener.pages_stored([(h, prev[h]) for h in inserted + upgraded])
+            self._events.record(EventKind.STORED, "L2", [(h, prev[h]) for h in inserted + upgraded], owner)
         return CommitResult(len(inserted), len(dup_pages))
 
     def _upgrade(self, h: PageHash, p: int) -> int:
@@ -457,13 +449,22 @@ class L2Index:
         """Committed pages ``reserve`` may evict now (those nobody has acquired)."""
         return len(self._lru) - len(self._refs)
 
+    def take_events(self) -> Taken:
+        """KV events recorded since the previous call, oldest first, and how many a full
+        log dropped meanwhile; clears them. STORED: ``(hash, parent)`` of pages that
+        became lookup-able (``owner``: whose commit), then of draft upgrades; REMOVED:
+        pages evicted or flushed."""
+        return self._events.take()
+
     def committed_pages(self) -> dict[int, tuple[PageHash, bool]]:
         """``{page: (hash, draft complete)}`` of every committed page (a fresh dict)."""
         return {p: (h, h not in self._incomplete) for h, p in self._page_of.items()}
 
     def check_integrity(self) -> None:
-        """Every page is free, reserved by one owner, or committed once; refs balance."""
+        """Every page is free, reserved by one owner, or committed once; refs balance;
+        the event log is bounded and balanced."""
         self.allocator.check_integrity()
+        self._events.check_integrity()
         reserved: set[int] = set()
         for oid, o in self._owners.items():
             if reserved & o.reserved:

@@ -6,15 +6,17 @@ waits for L3: the *writer* (a bounded queue of pages to store) and the
 *reader* (one fetch at a time; at most ``MAX_FETCH_JOBS`` queued). The loop
 only enqueues, reserves and commits.
 
-Writes. ``pages_stored`` (an ``L2Listener`` hook, called on the loop when an
-engine's commit inserts pages) queues ``(hash, parent, page, generation)``.
+Writes. ``queue_writes`` (called on the loop by the server with the STORED
+events it took from the L2 index) queues ``(hash, parent, page, generation)``.
 The writer copies each page out of the shared segment *without* locking it,
 then re-reads the page's generation (``L2Index.generation``, bumped whenever a
 committed page leaves L2): unchanged means the page was not recycled during
 the copy, so the bytes are the ones committed under the hash (a seqlock:
 committed pages are never written in place). A changed generation drops the
 page (``stale``); a full queue drops it (``dropped``). Pages that came from
-L3 are not written back.
+L3 (committed by ``L3_OWNER``) are not written back. Pages the writer stored
+are recorded as L3 STORED events, which the server pulls with
+``take_events()`` (for the REST event stream); nothing is called back.
 
 Reads. ``fetch(hashes, wait_s)`` asks L3 how many leading ``hashes`` it
 holds, reserves that many L2 pages under ``L3_OWNER``, copies the payloads
@@ -30,11 +32,12 @@ import logging
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 from hicache.errors import ConfigError, IntegrityError, OutOfPages
 from hicache.pools import HostPool
 from hicache.stats import L3TierStats
+from hicache.service.events import EventKind, EventLog, KVEvent, Taken
 from hicache.service.l2_index import L2Index
 from hicache.storage import StorageBackend
 from hicache.types import PageHash
@@ -49,9 +52,6 @@ MAX_BATCH_PAGES = 64
 MAX_BATCH_BYTES = 8 << 20
 STOP_TIMEOUT_S = 30.0
 
-StoredPages = Sequence[tuple[PageHash, PageHash | None]]
-
-
 class _Pending(NamedTuple):
     page_hash: PageHash
     parent: PageHash | None
@@ -62,28 +62,26 @@ class _Pending(NamedTuple):
 class L3Tier:
     """Write-behind and read-through between the service's L2 and its L3 backend.
 
-    Built and used on the server's event loop (``pages_stored``, ``fetch``);
+    Built and used on the server's event loop (``queue_writes``, ``fetch``);
     ``stats`` and ``check_integrity`` may be called from any thread. ``aclose``
     stops both workers; it must finish before the segment is unmapped.
-    ``on_l3_stored`` (optional) is told, from the writer thread, about pages
-    stored in L3 (KV events).
+    ``take_events`` (any thread) returns the pages stored in L3 since the last call.
     """
 
     def __init__(self, storage: StorageBackend, index: L2Index, pool: HostPool, *, max_wait_s: float,
-                 queue_pages: int, on_l3_stored: Callable[[StoredPages], None] | None = None):
+                 queue_pages: int):
         if queue_pages < 1:
             raise ConfigError(f"L3 writer: queue_pages={queue_pages}; it must be >= 1")
         self.storage = storage
         self.index = index
         self.pool = pool
         self.max_wait_s = max_wait_s
-        self.on_l3_stored = on_l3_stored
         self._sizes = [p.page_bytes for p in pool.layout.planes]
         self._batch = max(1, min(MAX_BATCH_PAGES, MAX_BATCH_BYTES // pool.layout.page_bytes))
         self._lock = threading.Lock()  # guards _stats and makes "put in queue + count" one step
         self._stats = L3TierStats()
         self._writes: queue.Queue[_Pending | None] = queue.Queue(queue_pages)
-        self._from_l3: set[PageHash] = set()  # being committed by a fetch: not written back
+        self._events = EventLog(queue_pages)  # pages stored in L3, until the owner takes them
         self._jobs: set[asyncio.Task] = set()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-read")
         self._writer = threading.Thread(target=self._write_loop, name="hicache-l3-write", daemon=True)
@@ -96,11 +94,14 @@ class L3Tier:
                 setattr(self._stats, k, getattr(self._stats, k) + v)
 
     # ------------------------------------------------------------ write-behind
-    def pages_stored(self, pages: StoredPages) -> None:
-        """Queue newly committed pages for L3 (on the loop; never blocks)."""
-        for h, parent in pages:
-            if h in self._from_l3:
+    def queue_writes(self, events: Sequence[KVEvent]) -> None:
+        """Queue the pages of L2 STORED ``events`` (as ``L2Index.take_events`` returns
+        them) for L3; on the loop, never blocks. Pages a fetch brought from L3, and
+        other events, are skipped."""
+        for e in events:
+            if e.kind is not EventKind.STORED or e.tier != "L2" or e.owner == L3_OWNER:
                 continue
+            h, parent = e.page_hash, e.parent
             if not self.index.draft_complete(h):
                 self._count(skipped_draft=1)
                 continue
@@ -114,9 +115,6 @@ class L3Tier:
                     self._stats.queued += 1
                 except queue.Full:
                     self._stats.dropped += 1
-
-    def pages_removed(self, hashes: Sequence[PageHash]) -> None:
-        """L2 evictions do not touch L3."""
 
     def _write_loop(self) -> None:
         while True:
@@ -150,13 +148,16 @@ class L3Tier:
             log.exception("L3 put of %d pages failed", len(fresh))
             stored = 0
         # put() stores a subset without saying which on a per-page failure;
-        # events are only published when the whole batch landed.
+        # events are only recorded when the whole batch landed, and before the
+        # count, so whoever sees ``written`` can take the events.
+        if stored and stored == len(fresh):
+            self._events.record(EventKind.STORED, "L3", [(p.page_hash, p.parent) for p, _ in fresh])
         self._count(written=stored, stale=stale, failed=len(fresh) - stored)
-        if stored and stored == len(fresh) and self.on_l3_stored is not None:
-            try:
-                self.on_l3_stored([(p.page_hash, p.parent) for p, _ in fresh])
-            except Exception:  # a listener's bug must not stop write-back
-                log.exception("L3 write-back: the stored-pages listener failed")
+
+    def take_events(self) -> Taken:
+        """L3 STORED events since the previous call (oldest first) and how many the
+        bounded log dropped meanwhile; clears them. Any thread."""
+        return self._events.take()
 
     # ------------------------------------------------------------ read-through
     async def fetch(self, hashes: Sequence[PageHash], wait_s: float) -> int:
@@ -222,11 +223,7 @@ class L3Tier:
             self.index.cancel(L3_OWNER, unused)
         if not hashes:
             return
-        self._from_l3.update(hashes)
-        try:
-            self.index.commit(L3_OWNER, hashes, pages)
-        finally:
-            self._from_l3.clear()
+        self.index.commit(L3_OWNER, hashes, pages)  # its STORED events name L3_OWNER: not written back
         self._count(fetched=len(hashes))
 
     # -------------------------------------------------------------- lifecycle
@@ -266,4 +263,5 @@ class L3Tier:
         if not done <= s.queued or s.queued - done < q:
             raise IntegrityError(f"L3 writer: queued={s.queued}, written+stale+failed={done}, "
                                  f"still queued={q}: pages were lost or counted twice")
+        self._events.check_integrity()
         self.storage.check_integrity()

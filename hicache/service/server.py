@@ -10,6 +10,12 @@ With an L3 backend (``storage=``; ``storage.url`` when run from the command
 line) committed pages are written behind to L3 and ``fetch`` loads L2 misses
 back from it, on worker threads (``hicache.service.l3_tier``).
 
+KV events are pulled, never pushed: after every request the server takes the
+L2 index's events (``L2Index.take_events``), queues the STORED ones for its
+L3 writer and keeps all of them in a bounded log; ``take_events()`` (any
+thread; the REST app polls it) returns those and the L3 writer's, in the
+order they happened.
+
 Concurrency: one asyncio event loop owns every piece of state. ``start()``
 runs it in a thread (tests, embedding next to a REST app), ``run_forever()``
 in the calling thread (the CLI). ``stats()`` and ``check_integrity()`` may be
@@ -27,7 +33,7 @@ import os
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from hicache.service.ops import Dispatcher
 from hicache.service.preflight import check_socket_path
@@ -38,8 +44,9 @@ from hicache.config import HiCacheConfig, parse_set_flags
 from hicache.errors import ConfigError, HiCacheError, IntegrityError, ServiceError
 from hicache.service.l2_segment import L2Segment
 from hicache.layout import KVLayout
-from hicache.service.l2_index import L2Index, L2Listener
-from hicache.service.l3_tier import L3Tier, StoredPages
+from hicache.service.events import EventLog, Taken, merge
+from hicache.service.l2_index import L2Index
+from hicache.service.l3_tier import L3Tier
 from hicache.pools import HostPool
 from hicache.protocol import HEADER_BYTES, body_length, pack, unpack
 from hicache.ratelimit import LogLimiter
@@ -56,25 +63,24 @@ MAX_SOCKET_PATH = 107
 # (up to service.max_request_bytes: ~1-2 s for 8 MiB of small arrays) on a
 # worker thread, so other clients are answered meanwhile.
 UNPACK_INLINE_BYTES = 256 << 10
+# KV events the server keeps for ``take_events`` beyond the L2 pages (at least this
+# many): the REST app takes them every few tens of ms, so this is a burst allowance.
+MIN_KEPT_EVENTS = 65536
 
 
 class NodeServer:
     """The service. Build, ``start()`` (or ``run_forever()``), ``stop()``.
 
     Owns the shared segment and the socket file: both are removed on stop.
-    ``listener`` (optional) is told about pages entering and leaving L2, on
-    the server's loop thread (see ``L2Listener``). ``storage`` (optional) is
-    the node's L3; the server uses it but does not close it. ``on_l3_stored``
-    (optional) is told about pages written to L3, from the writer thread.
+    ``storage`` (optional) is the node's L3; the server uses it but does not
+    close it. KV events (pages entering and leaving L2, pages written to L3)
+    are pulled with ``take_events()``.
     """
 
     def __init__(self, config: HiCacheConfig, layout: KVLayout | None = None,
-                 listener: L2Listener | None = None, storage: StorageBackend | None = None,
-                 on_l3_stored: Callable[[StoredPages], None] | None = None):
+                 storage: StorageBackend | None = None):
         self.config = config
-        self.listener = listener
         self.storage = storage
-        self.on_l3_stored = on_l3_stored
         self.layout = layout if layout is not None else config.layout()
         svc = config.service
         self.socket_path = svc.socket_path
@@ -95,6 +101,7 @@ class NodeServer:
         self.pool: HostPool | None = None
         self.index: L2Index | None = None
         self.l3: L3Tier | None = None
+        self._events: EventLog | None = None  # L2 events taken from the index, until take_events()
         self.dispatcher: Dispatcher | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -187,7 +194,8 @@ class NodeServer:
                         opened.restored, opened.reason)
         try:
             self.pool = self.segment.pool
-            self.index = L2Index(self.pool.allocator, self.listener, journal=self.segment)
+            self.index = L2Index(self.pool.allocator, journal=self.segment)
+            self._events = EventLog(max(MIN_KEPT_EVENTS, 4 * self.num_pages))
             if opened.restored:
                 self.index.restore(self.segment.entries())
             if self.storage is not None:
@@ -196,8 +204,7 @@ class NodeServer:
                 # timeout_ms per attempt; wait for no longer than both.
                 wait_s = 2 * (1 + st.max_retries) * st.timeout_ms / 1000.0
                 self.l3 = L3Tier(self.storage, self.index, self.pool, max_wait_s=wait_s,
-                                 queue_pages=self.num_pages, on_l3_stored=self.on_l3_stored)
-                self.index.listener = _Fanout([x for x in (self.listener, self.l3) if x is not None])
+                                 queue_pages=self.num_pages)
             self.dispatcher = Dispatcher(self.layout, self.index, self.segment.info, lambda: self._snapshot().to_dict(),
                                          self.l3, WriteMarks(self.pool))
         except BaseException:
@@ -250,6 +257,7 @@ class NodeServer:
                 else:
                     reply = d.hello(cid, req)
                     registered = reply.body["ok"]
+                self._pump_events()
                 writer.write(pack(reply.body))
                 await writer.drain()
                 if reply.close:
@@ -362,8 +370,32 @@ class NodeServer:
     def flush_l2(self) -> int:
         """Drop every unlocked committed L2 page; returns how many. Any thread."""
         def flush() -> int:
-            return self._serving().flush()
+            n = self._serving().flush()
+            self._pump_events()
+            return n
         return self._on_loop(flush)
+
+    def take_events(self) -> Taken:
+        """KV events since the previous call, in the order they happened: L2 STORED
+        (a commit, ``owner`` the client) and REMOVED (evicted, flushed), L3 STORED
+        (written behind); and how many were dropped meanwhile (a bounded log was
+        full: a reader resynchronises). Clears them. Any thread."""
+        def take() -> Taken:
+            self._serving()
+            self._pump_events()
+            assert self._events is not None, "_open_state builds the index and the event log together"
+            return merge(self._events.take(), *([self.l3.take_events()] if self.l3 is not None else []))
+        return self._on_loop(take)
+
+    def _pump_events(self) -> None:
+        """On the loop: take the index's events, queue its new pages for L3, keep them all."""
+        if self.index is None or self._events is None:
+            return
+        taken = self.index.take_events()
+        if taken.events and self.l3 is not None:
+            self.l3.queue_writes(taken.events)
+        if taken.events or taken.dropped:
+            self._events.extend(taken.events, taken.dropped)
 
     def check_integrity(self) -> None:
         """Index, allocator and pool invariants, then the L3 side (off the loop:
@@ -373,6 +405,8 @@ class NodeServer:
             if self.pool is None or self.segment is None:  # _close_state drops them on stop
                 raise ServiceError("not_serving", "engine server was stopped; its pool and segment are gone")
             index.check_integrity()
+            if self._events is not None:
+                self._events.check_integrity()
             self.pool.check_integrity()
             bad = self.segment.check_against(index.committed_pages())
             if bad:
@@ -403,21 +437,6 @@ class NodeServer:
             clients=idx.num_owners - (self.l3 is not None), clients_total=self._next_client,
             errors=dict(d.errors), l3=self.l3.stats().to_dict() if self.l3 is not None else {},
             engines={str(o): dataclasses.asdict(r) for o, r in sorted(d.reports.items())})
-
-
-class _Fanout:
-    """One ``L2Listener`` that tells several, in order."""
-
-    def __init__(self, listeners: list[L2Listener]):
-        self.listeners = listeners
-
-    def pages_stored(self, pages: Sequence[tuple[PageHash, PageHash | None]]) -> None:
-        for x in self.listeners:
-            x.pages_stored(pages)
-
-    def pages_removed(self, hashes: Sequence[PageHash]) -> None:
-        for x in self.listeners:
-            x.pages_removed(hashes)
 
 
 def open_l3(cfg: HiCacheConfig, layout: KVLayout) -> StorageBackend | None:

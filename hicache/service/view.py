@@ -1,7 +1,7 @@
 """What the REST app sees of the node service: ``ServiceView`` and its ``ServiceStats``.
 
 The routes depend on this Protocol only, never on ``NodeServer``, so the app
-can be built over any object with these four methods (a test fake, another
+can be built over any object with these five methods (a test fake, another
 server). ``NodeServer`` satisfies it; mypy checks that at the bottom of
 ``hicache/service/server.py``.
 """
@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from hicache.service.events import Taken
 from hicache.types import PageHash
 
 
@@ -69,6 +70,12 @@ class ServiceView(Protocol):
 
     def flush_l2(self) -> int:
         """Drop every unlocked committed L2 page; returns how many were dropped."""
+        ...
+
+    def take_events(self) -> Taken:
+        """KV events (pages stored and removed, per tier) since the previous call,
+        oldest first, and how many were dropped meanwhile; clears them (the REST
+        app polls it and fans the events out to ``/v1/events`` subscribers)."""
         ...
 
     def check_integrity(self) -> None:

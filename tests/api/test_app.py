@@ -16,6 +16,7 @@ from hicache.api.stats import RateTracker
 from hicache.config import HiCacheConfig
 from hicache.errors import ConfigError
 from hicache.hashing import page_hashes
+from hicache.service.events import EventKind, EventLog
 
 TOKEN = "tok-1234567890abcdef"
 
@@ -128,8 +129,10 @@ def test_event_bus_bounds_each_subscriber_and_counts_drops():
 
     async def run():
         small, big = bus.subscribe(2), bus.subscribe(10)
-        bus.pages_stored([(x, p) for x, p in zip(h, [None, *h[:-1]])])
-        bus.pages_removed(h[:1])
+        log = EventLog(16)  # as the service records them; the app's pump publishes each take
+        log.record(EventKind.STORED, "L2", zip(h, [None, *h[:-1]]))
+        log.record(EventKind.REMOVED, "L2", [(h[0], None)])
+        bus.publish(log.take())
         bus.check_integrity()
         a = await bus.next_batch(small, 0.1)
         b = await bus.next_batch(big, 0.1)
@@ -142,6 +145,28 @@ def test_event_bus_bounds_each_subscriber_and_counts_drops():
     assert ev_b[1].parent_hash == h[0] and ev_b[0].parent_hash is None and dropped_b == 0
     assert end is None
     assert (bus.published, bus.dropped) == (6, 4)
+
+
+def test_events_the_service_dropped_reach_every_subscriber_as_dropped():
+    bus = EventBus()
+    h = page_hashes(list(range(3 * 4)), 4)
+
+    async def run():
+        sub = bus.subscribe(10)
+        log = EventLog(2)  # the service's log is full after two events: the third is dropped
+        log.record(EventKind.STORED, "L2", zip(h, [None, *h[:-1]]))
+        taken = log.take()
+        log.check_integrity()
+        bus.publish(taken)
+        got = await bus.next_batch(sub, 0.1)
+        bus.close()
+        return taken, got
+
+    taken, (events, dropped) = asyncio.run(run())
+    assert (len(taken.events), taken.dropped) == (2, 1)
+    assert [e.page_hash for e in events] == h[:2] and dropped == 1
+    assert (bus.published, bus.dropped) == (2, 1)
+    bus.check_integrity()
 
 
 def test_rate_tracker_uses_a_sliding_window():

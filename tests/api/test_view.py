@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from hicache.api.app import create_app
 from hicache.api.deps import RestState
+from hicache.service.events import EMPTY, Taken
 from hicache.service.view import ServiceStats, ServiceView
 from hicache.config import HiCacheConfig
 from hicache.errors import IntegrityError, ServiceError
@@ -59,6 +60,10 @@ class FakeView:
         self.pages.clear()
         self.flushed += n
         return n
+
+    def take_events(self) -> Taken:
+        self._serving()
+        return EMPTY
 
     def check_integrity(self) -> None:
         self.integrity_checks += 1
@@ -131,6 +136,6 @@ def test_engine_server_has_exactly_the_view_methods():
     # mypy checks the signatures (the end of hicache/service/server.py); this pins the names.
     from hicache.service.server import NodeServer
     names = {n for n in vars(ServiceView) if not n.startswith("_")}
-    assert names == {"stats", "peek_l2", "flush_l2", "check_integrity"}
+    assert names == {"stats", "peek_l2", "flush_l2", "take_events", "check_integrity"}
     assert all(callable(getattr(NodeServer, n)) for n in names)
     assert {f.name for f in dataclasses.fields(ServiceStats)} >= {"capacity_pages", "clients", "l3"}

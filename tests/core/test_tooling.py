@@ -60,3 +60,36 @@ def test_no_function_over_60_lines_but_the_triton_kernel():
     m = _metrics()
     assert m["long_functions"] == [], m["long_functions"]
     assert m["longest_function"][0] > 60 and "_page_copy_kernel" in m["longest_function"][1]  # the one exception
+
+
+def test_no_hooks_and_no_upward_calls():
+    """Events are pulled (``take_events()``): no constructor takes a hook or a listener,
+    nothing calls one, and no completion closure is handed down."""
+    m = _metrics()
+    assert m["hook_params"] == [], m["hook_params"]
+    assert m["hook_calls"] == [], m["hook_calls"]
+    assert m["closures"] == [] and m["upward_calls"] == 0, m["closures"]
+
+
+def test_hook_scan_can_fail(tmp_path):
+    """The scan sees each kind of hook (so the test above can fail)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import code_metrics
+    finally:
+        sys.path.pop(0)
+    src = tmp_path / "hooked.py"
+    src.write_text(
+        "class A:\n"
+        "    def __init__(self, listener=None, on_stored=None, on_gpu: bool = False):\n"
+        "        self.listener, self.on_stored = listener, on_stored\n"
+        "    def go(self):\n"
+        "        self.listener.pages_stored([])\n"
+        "        self.on_stored([])\n"
+        "        def done():\n"
+        "            pass\n"
+        "        run(on_done=done)\n")
+    m = code_metrics.scan([src], tmp_path)
+    assert m["hook_params"] == ["hooked.py:2 listener", "hooked.py:2 on_stored"]
+    assert m["hook_calls"] == ["hooked.py:5 .listener.pages_stored()", "hooked.py:6 .on_stored()"]
+    assert m["closures"] == ["hooked.py:9 on_done=done"] and m["upward_calls"] == 3

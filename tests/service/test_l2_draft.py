@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.allocator import PageAllocator
+from hicache.service.events import EventKind
 from hicache.service.l2_index import CommitResult, L2Index
 from hicache.cache import PrefixCache
 from hicache.errors import OutOfPages, ServiceError
@@ -86,21 +87,20 @@ def test_a_complete_copy_upgrades_an_incomplete_page_unless_it_is_acquired():
     idx.check_integrity()
 
 
-def test_listener_hears_of_upgrades_so_l3_gets_the_complete_copy():
-    stored = []
-
-    class L:
-        def pages_stored(self, pages):
-            stored.append(list(pages))
-
-        def pages_removed(self, hashes):
-            pass
-    idx = L2Index(PageAllocator(4), listener=L())
+def test_upgrades_are_stored_events_so_l3_gets_the_complete_copy():
+    idx = L2Index(PageAllocator(4))
     idx.add_owner(1)
     a = chain(0, 2)
+    stored = []
     idx.commit(1, a, idx.reserve(1, 2), draft_pages=1)
+    stored.append([(e.page_hash, e.parent) for e in idx.take_events().events])
     idx.commit(1, a, idx.reserve(1, 2), draft_pages=2)
+    taken = idx.take_events()
+    stored.append([(e.page_hash, e.parent) for e in taken.events])
     assert stored == [[(a[0], None), (a[1], a[0])], [(a[1], a[0])]]
+    assert {(e.kind, e.tier, e.owner) for e in taken.events} == {(EventKind.STORED, "L2", 1)} and taken.dropped == 0
+    assert idx.take_events() == ([], 0)  # taken once
+    idx.check_integrity()
 
 
 def test_embedded_and_shared_index_cut_the_same_hit():

@@ -164,7 +164,7 @@ def test_outage_gives_misses_then_reconnects_after_restart(tmpdir_short, caplog)
 class InProc(NamedTuple):
     srv: NodeServer
     storage: object  # the service's L3 backend
-    stored: list  # (hash, parent) the service reported as written to L3
+    stored: L3Stored  # stored(): (hash, parent) the service reported as written to L3
 
 
 def _server(tmp: Path, layout: KVLayout, url: str, host_pages: int = 8) -> InProc:
@@ -173,10 +173,22 @@ def _server(tmp: Path, layout: KVLayout, url: str, host_pages: int = 8) -> InPro
         "service.socket_path": str(tmp / "s.sock"), "service.shm_name": unique_shm_name()})
     storage = open_storage(url, fingerprint=layout.fingerprint(), layout=layout,
                            timeout_ms=1000, key_prefix=f"t{uuid.uuid4().hex[:8]}:")
-    stored: list = []
-    srv = NodeServer(cfg, layout, storage=storage, on_l3_stored=stored.extend)
+    srv = NodeServer(cfg, layout, storage=storage)
     srv.start()
-    return InProc(srv, storage, stored)
+    return InProc(srv, storage, L3Stored(srv))
+
+
+class L3Stored:
+    """Pulls the server's KV events (as the REST app does) and keeps the L3 STORED ones."""
+
+    def __init__(self, srv: NodeServer):
+        self.srv, self.pages = srv, []
+
+    def __call__(self) -> list:
+        taken = self.srv.take_events()
+        assert taken.dropped == 0
+        self.pages += [(e.page_hash, e.parent) for e in taken.events if e.tier == "L3"]
+        return self.pages
 
 
 def _wait(pred, what: str, limit: float = 20.0):
@@ -202,7 +214,7 @@ def test_service_writes_committed_pages_to_redis_and_serves_them_after_flush(nam
             _wait(lambda: srv.stats().l3["written"] == 3, "pages never reached L3")
             # In Redis, as verified L3 objects any engine can read.
             assert [bytes(x) for x in storage.get(h[:3], sizes)] == [payload(layout, i) for i in range(3)]
-            assert stored == [(h[0], None), (h[1], h[0]), (h[2], h[1])]
+            assert stored() == [(h[0], None), (h[1], h[0]), (h[2], h[1])]
 
             assert srv.flush_l2() == 3
             assert c.lookup(h).num_pages == 0
@@ -218,7 +230,7 @@ def test_service_writes_committed_pages_to_redis_and_serves_them_after_flush(nam
                             "fetched": 3, "fetch_timeouts": 0, "fetch_busy": 0, "fetch_no_room": 0,
                             "skipped_draft": 0, "queue_pages": 0}
             assert s.clients == 1 and s.reserved_pages == 0 and s.committed_pages == 3
-            assert len(stored) == 3  # pages that came from L3 are not written back
+            assert len(stored()) == 3  # pages that came from L3 are not written back
             srv.check_integrity()
     finally:
         srv.stop()

@@ -4,26 +4,12 @@ exactly what a fresh lookup would have found, and completes no transfer but its
 own prefetch (the rest complete in ``poll``)."""
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import pytest
 
-from hicache.config import HiCacheConfig
-from hicache.hicache import Admission, HiCache
-from hicache.layout import KVLayout
+from hicache.hicache import HiCache
 from hicache.index.radix import RadixTree
-
-PS = 4
-TOK = list(range(100, 121))  # 5 pages + 1 token
-
-
-def make(url="", **over) -> HiCache:
-    layout = KVLayout(model_id="t", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32",
-                      page_size=PS, host_layout="page_first")
-    o = {"storage.url": url, "pool.device": "cpu", "pool.device_pages": "16", "pool.host_pages": "32",
-         "policy.prefetch_policy": "wait_complete"}
-    o.update({k: str(v) for k, v in over.items()})
-    return HiCache(HiCacheConfig.load(env={}, overrides=o), layout=layout)
+from tests.helpers.expected import Expected, Movement, assert_expected
+from tests.helpers.tiers import LAYOUT, PS, TOK, make
 
 
 @pytest.fixture
@@ -39,20 +25,13 @@ def lookups(monkeypatch) -> list[int]:
     return n
 
 
-class Expected(NamedTuple):
-    """What one admission should report (as vLLM's ``ExpectedPrepareStoreOutput``)."""
-
-    device_tokens: int
-    host_tokens: int
-    storage_tokens: int
-    lookups: int
-
-
-def admit_counted(hc: HiCache, rid: str, tokens, lookups: list[int]) -> tuple[Admission, int]:
+def admit_counted(hc: HiCache, rid: str, tokens, lookups: list[int]) -> Expected:
+    """Admit ``tokens`` and report what the admission did (``Expected``), checking that
+    it locked what a fresh lookup finds; then compute the rest, commit, finish, poll."""
     req = hc.new_request(rid, tokens)
-    before = lookups[0]
+    before = Movement.start(hc, lookups)
     adm = hc.admit(req)
-    n = lookups[0] - before
+    got = before.observe(hc, adm, lookups)
     fresh = req.match()  # what a second lookup would have locked: the same hit, all on L1 now
     assert (adm.match.device_tokens, adm.match.host_tokens, adm.match.exact_tokens, adm.match.device_pages) == \
         (fresh.device_tokens, fresh.host_tokens, fresh.exact_tokens, fresh.device_pages)
@@ -62,18 +41,14 @@ def admit_counted(hc: HiCache, rid: str, tokens, lookups: list[int]) -> tuple[Ad
     req.commit()
     req.finish()
     hc.poll()
-    return adm, n
-
-
-def expect(adm: Admission, n: int, want: Expected) -> None:
-    assert Expected(adm.device_tokens, adm.host_tokens, adm.storage_tokens, n) == want
+    return got
 
 
 def test_a_miss_and_an_l1_hit_look_up_once(lookups):
     hc = make()
-    expect(*admit_counted(hc, "a", TOK, lookups), Expected(0, 0, 0, 1))
+    assert_expected(admit_counted(hc, "a", TOK, lookups), Expected(lookups=1))
     hc.drain()
-    expect(*admit_counted(hc, "b", TOK, lookups), Expected(20, 0, 0, 1))
+    assert_expected(admit_counted(hc, "b", TOK, lookups), Expected(device_tokens=20, lookups=1))
     hc.check_integrity()
     hc.close()
 
@@ -83,7 +58,7 @@ def test_an_l2_hit_is_loaded_back_and_locked_without_a_second_lookup(lookups):
     admit_counted(hc, "a", TOK, lookups)
     hc.drain()
     hc.evict(100)  # L2 only now
-    expect(*admit_counted(hc, "b", TOK, lookups), Expected(0, 20, 0, 1))
+    assert_expected(admit_counted(hc, "b", TOK, lookups), Expected(host_tokens=20, loaded_l2_pages=5, lookups=1))
     hc.check_integrity()
     hc.close()
 
@@ -96,9 +71,9 @@ def test_room_made_in_l1_for_a_load_back_does_not_cost_a_lookup(lookups):
     admit_counted(hc, "x", list(range(300, 329)), lookups)  # 7 pages fill L1 (unlocked once finished)
     hc.drain()
     epoch = hc.cache.epoch
-    adm, n = admit_counted(hc, "b", TOK, lookups)
+    got = admit_counted(hc, "b", TOK, lookups)
     assert hc.cache.epoch > epoch  # the load back's allocation evicted x's pages
-    expect(adm, n, Expected(0, 20, 0, 1))
+    assert_expected(got, Expected(host_tokens=20, loaded_l2_pages=5, evicted_l1_pages=7, lookups=1))
     hc.check_integrity()
     hc.close()
 
@@ -134,7 +109,8 @@ def test_an_l3_hit_looks_up_again_only_for_the_pages_the_prefetch_added(tmp_path
     a.drain()
     a.close()
     b = make(url)
-    expect(*admit_counted(b, "b", TOK, lookups), Expected(0, 20, 20, 2))
+    assert_expected(admit_counted(b, "b", TOK, lookups),
+                    Expected(host_tokens=20, storage_tokens=20, loaded_l2_pages=5, loaded_l3_pages=5, lookups=2))
     b.check_integrity()
     b.close()
 
@@ -211,10 +187,6 @@ def test_an_l2_page_is_held_by_one_plan_at_a_time():
 # (``hicache.l2.shared``): the shared hit is acquired at the service, not
 # looked up in this engine's index, and the load back's hit is known without
 # a second lookup.
-LAYOUT = KVLayout(model_id="t", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=PS,
-                  host_layout="page_first")
-
-
 @pytest.fixture
 def service_url():
     from tests.tiers.service_node import running_service, socket_url
@@ -225,9 +197,9 @@ def service_url():
 def test_service_mode_a_miss_and_an_l1_hit_look_up_once(service_url, lookups):
     hc = make(service_url)
     assert hc.shared is not None and hc.private_host_bytes == 0
-    expect(*admit_counted(hc, "a", TOK, lookups), Expected(0, 0, 0, 1))
+    assert_expected(admit_counted(hc, "a", TOK, lookups), Expected(lookups=1))
     hc.drain()
-    expect(*admit_counted(hc, "b", TOK, lookups), Expected(20, 0, 0, 1))
+    assert_expected(admit_counted(hc, "b", TOK, lookups), Expected(device_tokens=20, lookups=1))
     hc.check_integrity()
     hc.close()
 
@@ -236,15 +208,15 @@ def test_service_mode_a_shared_hit_is_loaded_back_without_a_second_lookup(servic
     a, b = make(service_url), make(service_url)  # two engines of one node
     admit_counted(a, "a", TOK, lookups)
     a.drain()  # write_through: a's pages are committed to the segment
-    expect(*admit_counted(b, "b", TOK, lookups), Expected(0, 20, 0, 1))
+    assert_expected(admit_counted(b, "b", TOK, lookups), Expected(host_tokens=20, loaded_l2_pages=5, lookups=1))
     b.drain()
     hc = make(service_url, **{"pool.device_pages": "8"})
     admit_counted(hc, "x", list(range(300, 329)), lookups)  # 7 pages fill its L1 (unlocked once finished)
     hc.drain()
     epoch = hc.cache.epoch
-    adm, n = admit_counted(hc, "c", TOK, lookups)
+    got = admit_counted(hc, "c", TOK, lookups)
     assert hc.cache.epoch > epoch  # the load back's allocation evicted x's pages
-    expect(adm, n, Expected(0, 20, 0, 1))
+    assert_expected(got, Expected(host_tokens=20, loaded_l2_pages=5, evicted_l1_pages=7, lookups=1))
     for h in (a, b, hc):
         h.drain()
         h.check_integrity()

@@ -3,65 +3,23 @@ L3 outages. Pages carry recognisable bytes so every move is checked by value."""
 import pytest
 import torch
 
-from hicache.config import HiCacheConfig
 from hicache.errors import OutOfPages
-from hicache.hicache import HiCache
-from hicache.layout import KVLayout
-
-PS = 4
-
-
-def make(url="", **over):
-    layout = KVLayout(model_id="t", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32",
-                      page_size=PS, host_layout="page_first")
-    o = {"storage.url": url, "pool.device": "cpu", "pool.device_pages": "16", "pool.host_pages": "32",
-         "policy.prefetch_policy": "wait_complete"}
-    o.update({k: str(v) for k, v in over.items()})
-    return HiCache(HiCacheConfig.load(env={}, overrides=o), layout=layout)
-
-
-def page_value(token: int, plane: int) -> float:
-    return float(token * 10 + plane)
-
-
-def serve(hc, rid, tokens, finish=True):
-    """Admit, 'compute' the missing tokens by writing token-derived values, commit."""
-    req = hc.new_request(rid, tokens)
-    adm = hc.admit(req)
-    adm.wait()
-    start = req.computed_tokens
-    req.alloc(len(tokens) - start)
-    slots = hc.device_pool.slot_ids(req.pages)[:len(tokens)]
-    for i, buf in enumerate(hc.device_pool.buffers):
-        for pos in range(start, len(tokens)):
-            buf[slots[pos]] = page_value(tokens[pos], i)
-    req.commit()
-    if finish:
-        req.finish()
-    hc.poll()
-    return adm, req
-
-
-def check_l1_values(hc, tokens):
-    m = hc.cache.match(tokens)
-    slots = hc.device_pool.slot_ids(m.device_pages)
-    for i, buf in enumerate(hc.device_pool.buffers):
-        for pos in range(m.device_tokens):
-            assert torch.all(buf[slots[pos]] == page_value(tokens[pos], i)), (pos, i)
-    return m.device_tokens
-
-
-TOK = list(range(100, 121))  # 5 pages + 1 token
+from tests.helpers.expected import Expected, Movement, assert_expected
+from tests.helpers.tiers import TOK, check_l1_values, make, page_value, serve
+from tests.helpers.tiers import CopyGate as _Gate
 
 
 def test_write_through_backs_up_every_inserted_page():
     hc = make()
+    before = Movement.start(hc)
     serve(hc, "a", TOK)
     hc.drain()
+    assert_expected(before.observe(hc), Expected(backed_up_pages=5))
     assert hc.cache.stats().host_pages_cached == 5
     hc.evict(100)
+    before = Movement.start(hc)
     adm, _ = serve(hc, "b", TOK)
-    assert (adm.device_tokens, adm.host_tokens) == (0, 20)
+    assert_expected(before.observe(hc, adm), Expected(host_tokens=20, loaded_l2_pages=5))
     assert check_l1_values(hc, TOK) == 20
     hc.check_integrity()
     hc.close()
@@ -82,13 +40,17 @@ def test_write_through_selective_waits_for_hits():
 
 def test_write_back_saves_on_eviction_only():
     hc = make(**{"policy.write_policy": "write_back"})
+    before = Movement.start(hc)
     serve(hc, "a", TOK)
     hc.drain()
-    assert hc.cache.stats().host_pages_cached == 0
+    assert_expected(before.observe(hc), Expected())  # nothing written yet
     hc.evict(100)
+    assert_expected(before.observe(hc), Expected(backed_up_pages=5, evicted_l1_pages=5, write_back_queued_pages=5))
     assert hc.cache.stats().host_pages_cached == 5 and hc.cache.stats().device_pages_cached == 0
+    before = Movement.start(hc)
     adm, _ = serve(hc, "b", TOK)
-    assert adm.host_tokens == 20 and check_l1_values(hc, TOK) == 20
+    assert_expected(before.observe(hc, adm), Expected(host_tokens=20, loaded_l2_pages=5))
+    assert check_l1_values(hc, TOK) == 20
     hc.check_integrity()
     hc.close()
 
@@ -170,22 +132,6 @@ def test_redis_round_trip_through_tiers(redis_url):
 # --------------------------------------------------------------- load-back races
 # The copy worker is held at a gate so that the scheduler acts while a load back
 # is still in flight (found in review; each failed before the fix).
-
-class _Gate:
-    def __init__(self, monkeypatch):
-        import threading
-        import hicache.transfer as tr
-        self.event = threading.Event()
-        orig = tr._copy_pages
-
-        def held(*a, **k):
-            self.event.wait()
-            orig(*a, **k)
-        monkeypatch.setattr(tr, "_copy_pages", held)
-
-    def open(self):
-        self.event.set()
-
 
 def _l2_only(hc, tokens):
     serve(hc, "warm", tokens)

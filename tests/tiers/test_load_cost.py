@@ -7,8 +7,9 @@ import math
 import pytest
 
 from hicache.load_cost import AdmissionStats, BandwidthMeter, Choice, CostInputs, CostModel, choose, estimate
+from tests.helpers.tiers import TOK, check_l1_values, make, serve
 
-from .test_hicache import TOK, _Gate, _l2_only, check_l1_values, make, serve
+from .test_hicache import _Gate, _l2_only
 
 FAST, SLOW = 1e12, 10.0  # bytes/s
 RATE = 1000.0  # prefill tokens/s

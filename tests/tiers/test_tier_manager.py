@@ -87,7 +87,7 @@ def test_load_back_pins_its_pages_until_complete(owner):
     assert (m.device_tokens, m.host_tokens) == (0, 16)
     req = tm.plan_load(m)
     assert req.num_pages == 4 and req.last.host_lock_ref == 1
-    assert c.evict_host(100) == []  # pinned on L2 from plan_load on
+    assert tm.evict_host(100) == []  # pinned on L2 from plan_load on
     plan = tm.prepare_load(req, blocks.alloc_device(req.num_pages))
     assert (plan.host, plan.device) == ([0, 1, 2, 3], [3, 2, 1, 0])  # LIFO: the ids X freed
     assert c.match(X + [0]).device_tokens == 16 and plan.last.lock_ref == 1 and plan.last.host_lock_ref == 1
@@ -95,7 +95,7 @@ def test_load_back_pins_its_pages_until_complete(owner):
     check(c, tm)
     tm.complete_load(plan, ok=True)
     assert (plan.last.lock_ref, plan.last.host_lock_ref, tm.stats.load_back_pages) == (0, 0, 4)
-    assert c.evict(100) == 4 and c.evict_host(100) == [0, 1, 2, 3]
+    assert c.evict(100) == 4 and tm.evict_host(100) == [0, 1, 2, 3]
     check(c, tm)
 
 
@@ -106,7 +106,7 @@ def test_cancelled_load_releases_its_pins():
     c.evict(100)
     req = tm.plan_load(c.match(X + [0]))
     tm.cancel_load(req)
-    assert req.last.host_lock_ref == 0 and c.evict_host(100) == [0, 1, 2, 3]
+    assert req.last.host_lock_ref == 0 and tm.evict_host(100) == [0, 1, 2, 3]
     check(c, tm)
 
 
