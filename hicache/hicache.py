@@ -5,7 +5,8 @@ the transfer controller, and implements the write policies, load back and
 prefetch on top of the index. The index never calls up: requests made here
 are ``TieredRequest`` handles, which act on what each index call returns
 (back up the nodes an insert created, wait for loads and copy draft planes
-before adopting the index's pages, write back eviction victims)::
+before adopting the index's pages). Making L1 room (eviction, the write-back
+queue, cleaning ahead) is one component it owns, ``L1Room`` (``hicache.room``)::
 
     hc = HiCache(HiCacheConfig.load())
     req = hc.new_request("r1", prompt_ids)
