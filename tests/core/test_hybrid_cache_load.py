@@ -9,6 +9,7 @@ qwen3-next-80b-a3b shapes, on the CPU and (marked ``gpu``) on CUDA pools."""
 from __future__ import annotations
 
 import threading
+import time
 import zlib
 
 import pytest
@@ -236,4 +237,92 @@ def test_a_lowered_floor_gives_back_the_items_it_took(tmp_path):
     req.finish()
     hc.drain()
     hc.check_integrity()
+    hc.close()
+
+
+# ----------------------------------------------------------------- on the GPU
+def _poison(hc: HybridCache) -> None:
+    """0xFF in every L1 pool: a page or snapshot the loads did not bring reads as that."""
+    for pool in (hc.hc.device_pool, *(s.device for s in hc.stores.values())):
+        for b in pool.buffers:
+            b.view(-1).view(torch.uint8).fill_(0xFF)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("name,pages", CASES)
+def test_gpu_warm_pages_and_snapshot_equal_the_cold_request(name, pages):
+    """On CUDA pools (pinned L2, a CUDA stream per group, full layers through HiCache's
+    stream): every layer waited for on the compute stream, then L1 equals what the cold
+    request wrote, byte for byte. Full layer counts of both shapes (no reduction)."""
+    lay = _layout(name)
+    hc = _cache(lay, "cuda:0")
+    gen = torch.Generator().manual_seed(zlib.crc32(f"gpu-{name}".encode()))
+    tokens = torch.randint(1, 50_000, (pages * hc.ps + 1,), generator=gen).tolist()
+    want = _cold(hc, tokens, gen)
+    _poison(hc)
+    req = hc.new_request("warm", tokens)
+    adm = hc.admit(req)
+    assert (adm.hit, adm.resume) == (pages * hc.ps, pages * hc.ps)
+    assert hc.loader is not None and hc.loader.on_gpu
+    for i in range(lay.num_layers):
+        adm.wait_layer(i)  # device-side: the current stream waits, the host does not
+    _check_bytes(hc, req, adm, want)  # reads on the current stream, after its waits
+    req.finish()
+    hc.drain()
+    assert not any(s.loading for s in hc.stores.values())
+    hc.check_integrity()
+    hc.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("name,pages", CASES[1:])
+def test_gpu_full_layers_do_not_wait_for_a_held_group(name, pages):
+    """The non-full group's stream is held by a device-side wait on a pinned flag (as
+    tests/kernels/test_hybrid_copy.py holds one): the compute stream's waits on every
+    full layer complete while the held group has not moved a byte; then the flag opens
+    and every byte is right. A first, unheld round loads every kernel and captures
+    HiCache's load graph (lazy loading would synchronise the context under the hold)."""
+    from hicache.load_graph import _stream_wait_value_works, _wait_value64
+
+    if not _stream_wait_value_works(torch.device("cuda")):
+        pytest.fail("cuStreamWaitValue64 is unavailable: the hold cannot be placed")
+    lay = _layout(name)
+    hc = _cache(lay, "cuda:0")
+    gen = torch.Generator().manual_seed(zlib.crc32(f"gpu-held-{name}".encode()))
+    tokens = torch.randint(1, 50_000, (pages * hc.ps + 1,), generator=gen).tolist()
+    want = _cold(hc, tokens, gen)
+    held = next(gi for gi, g in enumerate(lay.groups) if g.kind != "full")
+    fulls = [i for g in lay.groups if g.kind == "full" for i in g.layers]
+    for rnd in ("warm-up", "held"):
+        _poison(hc)
+        torch.cuda.synchronize()
+        flag = torch.zeros(1, dtype=torch.int64).pin_memory()
+        if rnd == "held":
+            _wait_value64(hc.loader.streams[held], flag.data_ptr(), 1)
+        try:
+            req = hc.new_request(rnd, tokens)
+            adm = hc.admit(req)
+            for i in fulls:
+                adm.wait_layer(i)
+            after = torch.cuda.Event()
+            after.record()
+            deadline = time.monotonic() + 20
+            while not after.query() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert after.query(), "the compute stream's wait on the full layers needed the held group's copy"
+            if rnd == "held":
+                assert not adm.waits.group_ready(held)
+                st = hc.stores[held]
+                for h in st.loading:
+                    assert bool((_page(st.device, 0, st.l1[h]).cpu() == 0xFF).all()), "the held group moved"
+        finally:
+            flag.fill_(1)
+        adm.wait()
+        _check_bytes(hc, req, adm, want)
+        req.finish()
+        hc.drain()
+        hc.evict(10 ** 6)
+        hc.check_integrity()
     hc.close()
