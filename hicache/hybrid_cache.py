@@ -63,7 +63,7 @@ import torch
 from hicache.cache import Tokens
 from hicache.config import HiCacheConfig
 from hicache.consensus import HitConsensus
-from hicache.errors import ConfigError, IntegrityError, LayoutError
+from hicache.errors import ConfigError, IntegrityError, LayoutError, TransferError
 from hicache.group_tiers import GroupTiers, TierCounts
 from hicache.hashing import page_hashes
 from hicache.hicache import Admission, HiCache
@@ -174,6 +174,7 @@ class HybridCache:
         self.state_gi = next((gi for gi, g in enumerate(self.groups) if g.kind == "state"), None)
         self.loader = HybridLoader.per_group(lay, {gi: (s.host, s.device) for gi, s in self.stores.items()},
                                              copier=copier) if self.stores else None
+        self._failed: TransferError | None = None  # a group load that failed (settle_loads)
         self.live: dict[str, HybridRequest] = {}
         self._admissions = self._hit = self._resumed = 0
         self._swept_epoch = -1  # the index's epoch at the last sweep of the record
@@ -428,8 +429,16 @@ class HybridCache:
 
     def settle_loads(self, wait: bool = False) -> int:
         """Observe the group stores' L2 -> L1 loads done (``wait``: wait for all first); each
-        releases the pin it held. Raises ``TransferError`` for a load that failed."""
-        return sum(st.settle_loads(wait) for st in self.stores.values())
+        releases the pin it held. Raises ``TransferError`` for a load that failed, then at
+        every later call: its items' L1 pages hold unknown bytes, so the cache stops serving."""
+        if self._failed is not None:
+            raise TransferError(f"a group load failed earlier ({self._failed}); this HybridCache stops serving: "
+                                "close it and build a new one") from self._failed
+        try:
+            return sum(st.settle_loads(wait) for st in self.stores.values())
+        except TransferError as e:
+            self._failed = e
+            raise
 
     def drain(self) -> None:
         self.hc.drain()

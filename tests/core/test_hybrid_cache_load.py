@@ -17,6 +17,7 @@ import torch
 
 import hicache.transfer as tr
 from hicache.config import HiCacheConfig
+from hicache.errors import TransferError
 from hicache.hashing import page_hashes
 from hicache.hybrid import LayerGroup, hybrid_layout
 from hicache.hybrid_cache import HybridCache, HybridPools
@@ -237,6 +238,34 @@ def test_a_lowered_floor_gives_back_the_items_it_took(tmp_path):
     req.finish()
     hc.drain()
     hc.check_integrity()
+    hc.close()
+
+
+def test_a_failed_group_load_raises_for_its_layers_and_stops_the_cache():
+    class Failing(PageCopier):
+        held = None
+
+        def copy_pages(self, src, dst, *a, **kw):
+            if dst is self.held:
+                raise RuntimeError("swa copy broke")
+            return super().copy_pages(src, dst, *a, **kw)
+
+    cp = Failing()
+    hc = _cache(TOY, "cpu", cp)
+    gen = torch.Generator().manual_seed(11)
+    tokens = torch.randint(1, 97, (5 * 4 + 1,), generator=gen).tolist()
+    _cold(hc, tokens, gen)
+    cp.held = hc.stores[0].device
+    req = hc.new_request("warm", tokens)
+    adm = hc.admit(req)
+    adm.wait_layer(1)  # full: unaffected
+    adm.waits.wait_state()
+    with pytest.raises(TransferError, match=r"group 0 \(swa\) failed.*swa copy broke"):
+        adm.wait_layer(0)
+    with pytest.raises(TransferError, match="swa0: loading items .* failed"):
+        hc.poll()
+    with pytest.raises(TransferError, match="stops serving"):
+        hc.admit(hc.new_request("next", tokens))
     hc.close()
 
 
