@@ -124,7 +124,9 @@ class HybridAdmission(NamedTuple):
     def state(self) -> torch.Tensor | None:
         """The snapshot at ``resume`` (``[layers, state_bytes]`` uint8, a copy), once it is on
         L1 (waits for the state group's copy only); None: no snapshot (resume at 0, at the
-        request's own partial page with its live state, or no state group)."""
+        request's own partial page with its live state, or no state group). Read it before
+        the request's first ``commit`` / ``advance``, which give its L1 row back (then it
+        raises ``CacheStateError``)."""
         return self.waits.snapshot()
 
     def wait_layer(self, i: int) -> None:
@@ -222,7 +224,8 @@ class HybridCache:
         if self.consensus is not None:
             floor = self._agreed_floor(self.consensus, req, hashes, holds, floor)
         # (a floor inside a page resumes at the request's own partial page, from the engine's live state)
-        waits = self._start_loads(req, hashes, floor.pages, full, snapshot=floor.tokens == floor.pages * self.ps)
+        waits = req._waits = self._start_loads(req, hashes, floor.pages, full,
+                                               snapshot=floor.tokens == floor.pages * self.ps)
         if floor.pages:
             self.boundaries.use(hashes[floor.pages - 1], req.inner.node)
         req._prepare(floor.pages, exact)
@@ -487,6 +490,7 @@ class HybridRequest:
         self.swa: dict[int, dict[int, tuple[DevicePageId, PageHash | None]]] = {
             gi: {} for gi, g in enumerate(owner.groups) if g.kind == "swa"}
         self._state_item: tuple[PageHash, DevicePageId] | None = None  # the snapshot it pins (and its L1 row)
+        self._waits: AdmissionWaits | None = None  # the last admission's (its snapshot row is given back here)
         self._hashes: list[PageHash] = []
 
     @property
@@ -546,8 +550,12 @@ class HybridRequest:
         return out
 
     def _release_state(self) -> None:
+        """Unpin the snapshot it read (kept from admission until its first advance: the engine
+        reads it first; the load's own pin holds it while the copy runs)."""
         if self._state_item is not None and self.owner.state_gi is not None:
             self.owner.stores[self.owner.state_gi].unpin(self._state_item[0])
+            if self._waits is not None:
+                self._waits.release_state()
         self._state_item = None
 
     def _prepare(self, b: int, exact: int) -> None:
@@ -604,6 +612,7 @@ class HybridRequest:
         (boundary pages -> every state layer's tensor there) up to ``upto``, then free the
         SWA pages no later position reads and no recorded window keeps."""
         o, ps = self.owner, self.owner.ps
+        self._release_state()  # the engine read the snapshot before computing from it
         if upto > self.inner.computed_tokens:
             raise ValueError(f"request {self.rid!r}: advance({upto}) beyond computed_tokens="
                              f"{self.inner.computed_tokens}")

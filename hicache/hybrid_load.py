@@ -24,7 +24,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
 
-from hicache.errors import IntegrityError, InvalidArgument, TransferError
+from hicache.errors import CacheStateError, IntegrityError, InvalidArgument, TransferError
 from hicache.hybrid_copy import GroupCopy, HybridCopyPlan, Pool
 from hicache.kernels.page_copy import PageCopier, default_copier
 from hicache.layout import KVLayout
@@ -132,13 +132,14 @@ class AdmissionWaits:
     and the loads of earlier admissions still bringing an item it reads); the snapshot
     only on the state group's. So a full layer never waits for an SWA window or a
     snapshot, nor an SWA layer for the full pages. ``state_row``: the L1 row of the
-    snapshot at the floor (``[layers, state_bytes]`` uint8), read by ``snapshot()``.
-    Valid until the request ends or is admitted again; ``wait_*`` raise as
-    ``HybridLoadHandle``'s and ``HiCache``'s."""
+    snapshot at the floor (``[layers, state_bytes]`` uint8), read by ``snapshot()``
+    until ``release_state()`` (the request gave the row back). Valid until the request
+    ends or is admitted again; ``wait_*`` raise as ``HybridLoadHandle``'s and ``HiCache``'s."""
 
     def __init__(self, layout: KVLayout, full: LayerWaits, loads: Mapping[int, Sequence[HybridLoadHandle]],
                  state_row: torch.Tensor | None = None):
         self.full, self.loads, self.state_row = full, {g: tuple(hs) for g, hs in loads.items()}, state_row
+        self._state_released = False
         fulls = sorted(i for g in layout.groups if g.kind == "full" for i in g.layers)
         self._full_index = {layer: j for j, layer in enumerate(fulls)}
         self._group_of = {i: gi for gi, g in enumerate(layout.groups) if g.kind != "state" for i in g.layers}
@@ -162,11 +163,19 @@ class AdmissionWaits:
             h.wait_state()
 
     def snapshot(self) -> torch.Tensor | None:
-        """A copy of the snapshot at the floor, once it is on L1; None without one."""
+        """A copy of the snapshot at the floor, once it is on L1; None without one. Raises
+        ``CacheStateError`` after ``release_state()``: the row may hold another snapshot."""
+        if self._state_released:
+            raise CacheStateError("the snapshot at the floor was given back when the request first advanced; "
+                                  "read HybridAdmission.state before its first commit or advance")
         if self.state_row is None:
             return None
         self.wait_state()
         return self.state_row.clone()
+
+    def release_state(self) -> None:
+        """The request gave the snapshot's L1 row back (``snapshot()`` raises from now on)."""
+        self._state_released = self.state_row is not None
 
     def group_ready(self, g: int) -> bool:
         """Every copy of non-full group ``g`` this admission waits for is done."""

@@ -17,7 +17,7 @@ import torch
 
 import hicache.transfer as tr
 from hicache.config import HiCacheConfig
-from hicache.errors import TransferError
+from hicache.errors import CacheStateError, TransferError
 from hicache.hashing import page_hashes
 from hicache.hybrid import LayerGroup, hybrid_layout
 from hicache.hybrid_cache import HybridCache, HybridPools
@@ -237,6 +237,29 @@ def test_a_lowered_floor_gives_back_the_items_it_took(tmp_path):
     _check_bytes(hc, req, adm, want)
     req.finish()
     hc.drain()
+    hc.check_integrity()
+    hc.close()
+
+
+def test_the_snapshot_row_is_given_back_at_the_first_advance():
+    """The request pins the snapshot's L1 row from admission until its first advance (the
+    engine reads it first), not for its whole life: a state pool of a few slots serves
+    many running requests."""
+    hc = _cache(TOY, "cpu")
+    gen = torch.Generator().manual_seed(13)
+    tokens = torch.randint(1, 97, (5 * 4 + 1,), generator=gen).tolist()
+    want = _cold(hc, tokens, gen)
+    req = hc.new_request("warm", tokens)
+    adm = hc.admit(req)
+    st, h = hc.stores[2], page_hashes(tokens[:20], 4)[4]
+    assert torch.equal(adm.state, want["state"][5])
+    assert hc.settle_loads(wait=True) == 3 and st.pins == {h: 1}  # 2 SWA pages and the snapshot loaded
+    req.advance(req.computed_tokens)
+    assert h not in st.pins
+    with pytest.raises(CacheStateError, match="before its first commit or advance"):
+        adm.state
+    hc.check_integrity()
+    req.finish()
     hc.check_integrity()
     hc.close()
 
