@@ -517,8 +517,9 @@ class HybridRequest:
 
     # ------------------------------------------------------------ admission
     def _take(self, hashes: list[PageHash], b: int) -> tuple[int, int] | None:
-        """Pin what resuming at boundary ``b`` reads (SWA windows) and copy out the snapshot;
-        on a miss undo that and return ``(group, page)`` of the item that failed."""
+        """Take (pin on L1; a copy from L2 is listed as pending) what resuming at boundary ``b``
+        reads: the SWA windows and the snapshot. On a miss undo that and return ``(group,
+        page)`` of the item that failed."""
         o, ps = self.owner, self.owner.ps
         self._release_state()
         for gi, table in self.swa.items():
