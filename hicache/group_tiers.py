@@ -127,7 +127,9 @@ class GroupTiers:
             self.need[h] = self.need.get(h, 0) + 1
         self._gone.discard(h)  # held again: the boundaries that need it can resume again
         have = self.l1.get(h)
-        assert h not in self.pending, f"{self.name}: keep({h.hex()[:8]}) while its load is planned, not started"
+        if h in self.pending:
+            raise IntegrityError(f"{self.name}: keep({h.hex()[:8]}) while its load is planned but not started "
+                                 "(keep runs between admissions, never inside one)")
         if h in self.loading:  # another admission is loading it: the caller reads its L1 page next
             ld, g = self.loading[h]
             ld.sync_group(g)

@@ -245,8 +245,7 @@ class HybridCache:
         reads = req._reads()
         for gi, st in self.stores.items():
             st.cancel_pending(set(reads[gi]))
-        if any(st.pending for st in self.stores.values()):
-            assert self.loader is not None, "items taken without group stores"
+        if self.loader is not None and any(st.pending for st in self.stores.values()):
             own = self.loader.load(self._plan(hashes, b))
             for gi, st in self.stores.items():
                 st.started(own, gi)
@@ -272,8 +271,10 @@ class HybridCache:
             resident.append([r is None for r in rows])
         plan = plan_load(self.layout, b, src, dst, resident)
         moved = {c.group: len(c.src) for c in plan.copies}
-        assert all(moved[gi] == len(st.pending) for gi, st in self.stores.items()), \
-            f"pending copies {[len(st.pending) for st in self.stores.values()]} outside the plan {moved}"
+        if any(moved[gi] != len(st.pending) for gi, st in self.stores.items()):
+            raise IntegrityError(f"pending copies per store {[len(st.pending) for st in self.stores.values()]} "
+                                 f"are not what the plan for boundary {b} moves {moved}: an item taken outside "
+                                 "the window or snapshot the request reads")
         return on_group_pools(plan, self.layout, {gi: st.layout for gi, st in self.stores.items()})
 
     def _settle(self, req: "HybridRequest", hashes: list[PageHash], holds: list[list[bool]], exact: int,
