@@ -60,7 +60,7 @@ def run(url: str | None, args) -> dict:
     for tier in manager.secondary_tiers:
         s = tier.stats()
         tier.check_integrity()
-        out.update(l3_loaded=s.loaded, l3_written_bytes=s.bytes_written, l3_read_bytes=s.bytes_read)
+        out.update(l3_loaded=s.hits, l3_written_bytes=s.bytes_written, l3_read_bytes=s.bytes_read)
         tier.storage.clear()
     manager.shutdown()
     return out

@@ -34,7 +34,7 @@ from hicache.reference.model_spec import ModelSpec
 from hicache.hicache import HiCache
 from hicache.layout import KVLayout
 from hicache.load_cost import Choice, choose
-from hicache.storage.base import StorageOptions
+from hicache.storage.options import StorageOptions
 from hicache.storage.memory import MemoryBackend
 
 

@@ -150,7 +150,7 @@ def describe_device(setting: str) -> str:
 
 def cmd_info(args: argparse.Namespace) -> int:
     from hicache.runtime_check import check_runtime
-    from hicache.storage.base import redact_url  # torch-free
+    from hicache.redact import redact_url  # torch-free
     cfg = _load(args)
     check_runtime(cfg)  # what replay and serve would refuse at start (auth_key, L3 URL)
     layout = cfg.layout()

@@ -354,7 +354,9 @@ class HybridCache:
     def _snapshot_row(self, b: int, snapshot: list) -> DevicePageId:
         """A private state-store L1 row holding ``snapshot`` (every state layer's tensor, as
         bytes). Raises ``ValueError`` naming the sizes when they differ, ``OutOfPages``."""
-        assert self.state_gi is not None, "a snapshot needs a state group"
+        if self.state_gi is None:
+            raise LayoutError(f"a snapshot needs a state group; the layout's groups are "
+                              f"{[g.kind for g in self.groups]}", "groups", None)
         st, g = self.stores[self.state_gi], self.groups[self.state_gi]
         raw = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in snapshot])
         if raw.numel() != st.layout.row_bytes:

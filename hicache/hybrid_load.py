@@ -53,7 +53,10 @@ class HybridLoadHandle:
             self.events.append([None if on_gpu else threading.Event() for _ in c.steps])
         self.errors: list[BaseException | None] = [None] * len(plan.copies)
         missing = set(range(layout.num_layers)) - set(self._step_of)
-        assert not missing, f"layers {sorted(missing)} belong to no group of the plan"
+        if missing:
+            raise InvalidArgument(f"layers {sorted(missing)} belong to no group of the plan; "
+                                  f"plan_load covers every layer of the layout (its groups: "
+                                  f"{[g.kind for g in layout.groups]})")
 
     # ------------------------------------------------------------ the engine's side
     def wait_layer(self, i: int) -> None:

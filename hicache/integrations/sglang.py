@@ -22,10 +22,10 @@ through its multiprocess directory (``--enable-metrics``).
 SGLang's ``StorageBackendFactory`` builds ``HiCacheBackend(storage_config, {})``
 and its ``HiCacheController`` then calls ``register_mem_pool_host``; the L3
 store is opened there, because hicache's fingerprint is derived from the host
-pool (``sglang_layout``).
+pool (``sglang_keys.sglang_layout``).
 
 Keys: SGLang's page hash string is the key, mapped to hicache's 16-byte key
-space by BLAKE2b-128 (``page_key``). Objects: hicache's codec (header with
+space by BLAKE2b-128 (``sglang_keys.page_key``). Objects: hicache's codec (header with
 fingerprint, key and xxh3 checksum), verified on every read; a corrupt or
 foreign object is a miss that ends the hit, and its bytes never reach the
 host pool.
@@ -56,13 +56,10 @@ node-local service (it serves one layout). Registering such a pool raises
 from __future__ import annotations
 
 import collections
-import dataclasses
-import hashlib
 import logging
-import os
 import threading
 import time
-from typing import Any, List, Mapping, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -78,8 +75,8 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 from hicache.errors import ConfigError, IntegrityError
-from hicache.hashing import HASH_BYTES
-from hicache.integrations.metrics import AdapterMetrics, AdapterStats, adapter_stats, start_line, warnings_for
+from hicache.integrations.metrics import AdapterMetrics, SglangStats, adapter_stats, sglang_stats, start_line, warnings_for
+from hicache.integrations.sglang_keys import auth_key, page_key, sglang_layout
 from hicache.integrations.sglang_pools import (
     KV_POOL,
     PageSegments,
@@ -89,95 +86,19 @@ from hicache.integrations.sglang_pools import (
     fold_hits,
     mamba_layout,
     page_bytes_of,
-    pool_tag,
     side_timeout_ms,
 )
 from hicache.layout import KVLayout
 from hicache.storage import StorageBackend, StorageStats, open_storage
 from hicache.storage.service import SCHEME as SERVICE_SCHEME
-from hicache.types import PageHash
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 # extra_config keys this backend reads (besides the factory's own).
 _OPTIONS = ("url", "timeout_ms", "max_retries", "key_prefix", "auth_key", "auth_key_file", "stats_window")
 # Per-call figures kept for get_stats() between two calls; SGLang calls it only with
 # --enable-metrics (its storage metrics), so without a bound the lists would grow forever.
 STATS_WINDOW = 1024
-AUTH_ENV = ("HICACHE_STORAGE__AUTH_KEY", "HICACHE_STORAGE__AUTH_KEY_FILE")
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
-                torch.uint8: "uint8", torch.float8_e4m3fn: "float8_e4m3fn",
-                torch.float8_e5m2: "float8_e5m2"}
-
-
-def page_key(sglang_hash: str) -> PageHash:
-    """hicache's 16-byte L3 key for one SGLang page hash string."""
-    return PageHash(hashlib.blake2b(sglang_hash.encode(), digest_size=HASH_BYTES).digest())
-
-
-def sglang_layout(host_pool: Any, config: HiCacheStorageConfig) -> KVLayout:
-    """The ``KVLayout`` whose fingerprint tags this pool's pages.
-
-    ``model_id`` carries the model name, the SGLang host layout (it decides
-    the byte order of a stored page) and the PP stage / attention-CP rank
-    when those shard a page. MHA pages carry the TP rank (each rank holds
-    other heads); MLA pages are replicated across TP ranks, so every rank
-    gets one fingerprint and shares one object per page.
-    Raises ``ConfigError`` for a pool this backend does not support.
-    """
-    layout = getattr(host_pool, "layout", None)
-    if layout not in SUPPORTED_LAYOUTS:
-        raise ConfigError(f"hicache SGLang backend: host layout {layout!r} is not supported; "
-                          f"start SGLang with --hicache-mem-layout one of {SUPPORTED_LAYOUTS}")
-    if getattr(host_pool, "kv_buffer", None) is None:
-        raise ConfigError(f"hicache SGLang backend: {type(host_pool).__name__} has no materialized "
-                          "kv_buffer (a logical anchor pool over a shared page arena); this backend "
-                          "stores an anchor KV pool of its own beside v2 side pools")
-    if config.dcp_size > 1:
-        raise ConfigError(f"hicache SGLang backend: decode context parallel (dcp_size="
-                          f"{config.dcp_size}) is not supported")
-    dtype = _DTYPE_NAMES.get(host_pool.dtype)
-    if dtype is None:
-        raise ConfigError(f"hicache SGLang backend: KV dtype {host_pool.dtype} is not supported; "
-                          f"known: {sorted(_DTYPE_NAMES.values())}")
-    common = dict(model_id=pool_tag(config, layout), num_layers=host_pool.layer_num, dtype=dtype,
-                  page_size=host_pool.page_size,
-                  host_layout="layer_first" if layout == "layer_first" else "page_first")
-    if isinstance(host_pool, MLATokenToKVPoolHost):
-        return KVLayout(kind="mla", kv_lora_rank=host_pool.kv_lora_rank,
-                        rope_dim=host_pool.kv_cache_dim - host_pool.kv_lora_rank, **common)
-    if type(host_pool) is MHATokenToKVPoolHost:
-        if host_pool.v_head_dim != host_pool.head_dim:
-            raise ConfigError(f"hicache SGLang backend: MHA head_dim={host_pool.head_dim} != "
-                              f"v_head_dim={host_pool.v_head_dim} is not supported")
-        return KVLayout(kind="mha", num_kv_heads=host_pool.head_num, head_dim=host_pool.head_dim,
-                        tp_rank=config.tp_rank, tp_size=config.tp_size, **common)
-    raise ConfigError(f"hicache SGLang backend: host pool {type(host_pool).__name__} is not supported; "
-                      "use an MHA (MHATokenToKVPoolHost) or MLA (MLATokenToKVPoolHost) model")
-
-
-def auth_key(extra: Mapping[str, Any], env: Mapping[str, str] = os.environ) -> bytes:
-    """The L3 MAC secret: ``auth_key`` / ``auth_key_file`` of the extra config, else the
-    environment's ``HICACHE_STORAGE__AUTH_KEY`` / ``..._FILE``; b"" for none.
-    Resolved as hicache's own ``storage`` section does. Raises ``ConfigError``."""
-    from hicache.config import StorageConfig
-    key, path = extra.get("auth_key"), extra.get("auth_key_file")
-    if key is None and path is None:
-        key, path = env.get(AUTH_ENV[0]), env.get(AUTH_ENV[1])
-    for name, v in (("auth_key", key), ("auth_key_file", path)):
-        if v is not None and not isinstance(v, str):
-            raise ConfigError(f"hicache SGLang backend: {name} must be a string, got {type(v).__name__}")
-    return StorageConfig(url="", auth_key=key or "", auth_key_file=path or "").resolved_auth_key()
-
-
-def _summed(a: AdapterStats, b: AdapterStats) -> AdapterStats:
-    """Two adapters' counters added (the KV store's and a side pool's)."""
-    def add(x: Any, y: Any) -> Any:
-        return {k: x.get(k, 0) + y.get(k, 0) for k in {*x, *y}} if isinstance(x, dict) else x + y
-    return AdapterStats(**{f.name: add(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)})
-
-
 class _Segment(NamedTuple):
     offset: int  # byte offset in the host pool's kv_buffer
     size: int
@@ -574,15 +495,15 @@ class HiCacheBackend(HiCacheStorage):
                               prefetch_bandwidth=list(t.prefetch_bandwidth),
                               backup_bandwidth=list(t.backup_bandwidth))
 
-    def adapter_stats(self) -> AdapterStats:
-        """This backend's counters as the shared adapter metric set declares them."""
+    def adapter_stats(self) -> SglangStats:
+        """This backend's counters as ``hicache.integrations.metrics`` declares them:
+        every pool's store summed, and each pool's own (``kv``: the v1 KV pool)."""
         store = self._require_store()
         with self._lock:
             own = dict(lookups=self.lookups, lookup_hits=self.lookup_hits, skipped=self.skipped_writes)
-        total = adapter_stats(store, **own)
-        for pool in self.side.all():
-            total = _summed(total, adapter_stats(pool.store))
-        return total
+        by_pool = {str(KV_POOL): adapter_stats(store, **own)}
+        by_pool.update((str(pool.name), adapter_stats(pool.store)) for pool in self.side.all())
+        return sglang_stats(by_pool)
 
     def publish(self) -> None:
         """Bring the ``hicache_adapter_*`` counters up to date (called after every batch call)."""

@@ -39,7 +39,7 @@ from hicache.errors import ConfigError, IntegrityError
 from hicache.hashing import HASH_BYTES
 from hicache.layout import KVLayout
 from hicache.storage import StorageBackend, StorageStats
-from hicache.storage.base import StorageOptions
+from hicache.storage.options import StorageOptions
 from hicache.types import PageHash
 
 KV_POOL = PoolName.KV  # the anchor pool, stored by the v1 methods

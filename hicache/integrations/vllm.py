@@ -34,6 +34,10 @@ groups are in the fingerprint (``vllm_layout``); the tier refuses a job whose
 keys name a group vLLM did not declare, and counts chunks per group
 (``group_stats``). See ``hicache/integrations/vllm_groups.py``.
 
+Metrics: ``VllmTierStats`` (``hicache.integrations.metrics``, with the SGLang
+backend's counters) declares every figure; vLLM serves them on its
+``/metrics`` as ``hicache_vllm_<family>`` through its tier-metric path.
+
 Failure model: the storage backend turns an L3 outage into misses and dropped
 writes; a job whose pages did not all move reports ``success=False`` (a
 promotion names the keys that did arrive). No exception reaches vLLM from a
@@ -73,27 +77,25 @@ from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManag
 from hicache.config import StorageConfig
 from hicache.errors import ConfigError, IntegrityError
 from hicache.integrations.known import KnownSet
-from hicache.integrations.vllm_groups import GroupCounts, GroupLedger, KVGroup, kv_groups
+from hicache.integrations.metrics import VLLM_PREFIX, GroupCounts, Increases, VllmTierStats, families
+from hicache.integrations.vllm_groups import GroupLedger, KVGroup, kv_groups
 from hicache.layout import MAX_MODEL_ID_CHARS, KVLayout
 from hicache.ratelimit import LogLimiter
 from hicache.storage import StorageBackend, open_storage
-from hicache.storage.base import redact_url
+from hicache.redact import redact_url
 from hicache.types import PageHash
 
 # Under vLLM's "vllm" logger: its handler and level (VLLM_LOGGING_LEVEL, INFO by
 # default) apply, so the start line appears in a vLLM process without any setup.
 log = init_logger("vllm.hicache")
 
-__all__ = ["HiCacheTier", "TierStats", "page_hash", "vllm_layout", "DEFAULT_MAX_KNOWN_CHUNKS",
-           "METRIC_PREFIX"]
+__all__ = ["HiCacheTier", "page_hash", "vllm_layout", "DEFAULT_MAX_KNOWN_CHUNKS"]
 
 # Chunks the tier remembers as stored in L3 (an LRU). An entry costs ~200 bytes
 # (key, ordered-dict node), so the default bounds it near 20 MB; at a 2 MiB row
 # (Llama-3.1-8B, block 16) it covers 200 GiB of L3. Beyond it, lookups of
 # forgotten chunks go to L3 (probe_l3) or miss.
 DEFAULT_MAX_KNOWN_CHUNKS = 100_000
-# Prometheus names: METRIC_PREFIX + a TierStats field (counters get "_total").
-METRIC_PREFIX = "hicache_vllm_"
 
 
 def vllm_layout(config: OffloadingConfig, row_bytes: int) -> KVLayout:
@@ -161,56 +163,7 @@ def page_hash(key: OffloadKey) -> PageHash:
     return PageHash(hashlib.blake2b(key, digest_size=16).digest())
 
 
-def _c(doc: str) -> Any:
-    """A counter field of ``TierStats``: ``doc`` is its Prometheus help text."""
-    return dataclasses.field(default=0, metadata={"doc": doc})
-
-
-@dataclasses.dataclass(slots=True)
-class TierStats:
-    """Counters since the tier was built (chunks, not jobs, unless named ``jobs``).
-
-    The one declaration of the tier's figures: ``HiCacheTier.build_metric_definitions``
-    names a Prometheus counter ``hicache_vllm_<field>`` after each field, with
-    the field's ``doc``. ``corrupt``, ``foreign`` and ``l3_errors`` are the storage
-    backend's own counts (this tier is its only user).
-    """
-
-    lookups: int = _c("Chunk lookups vLLM asked this tier")
-    lookup_hits: int = _c("Lookups answered HIT")
-    lookup_misses: int = _c("Lookups answered MISS")
-    lookup_retries: int = _c("Lookups answered RETRY (the async L3 probe was still running)")
-    store_jobs: int = _c("Cascade (store) jobs submitted")
-    load_jobs: int = _c("Promotion (load) jobs submitted")
-    jobs_reported: int = _c("Job results handed back to vLLM")
-    store_failed_jobs: int = _c("Store jobs reported failed: some chunk did not reach L3")
-    load_failed_jobs: int = _c("Load jobs reported failed: some chunk was not loaded")
-    stored: int = _c("Chunks written to L3")
-    store_skipped: int = _c("Chunks already known in L3, not rewritten")
-    store_failed: int = _c("Chunks L3 did not take (outage, per-item error): store errors")
-    loaded: int = _c("Chunks read, verified and copied into vLLM's CPU rows")
-    load_missed: int = _c("Chunks a load did not find: absent, corrupt, foreign, or L3 down")
-    bytes_written: int = _c("Bytes of chunks written to L3")
-    bytes_read: int = _c("Bytes of chunks loaded from L3")
-    corrupt: int = _c("Objects refused on read: damaged, or a forged/missing MAC (deleted)")
-    foreign: int = _c("Objects refused on read: written for another layout (fingerprint)")
-    l3_errors: int = _c("L3 calls or items that failed (every operation)")
-
-    def check(self, in_flight: int, unreported: int) -> None:
-        bad = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) < 0]
-        if bad:
-            raise IntegrityError(f"HiCacheTier: negative counters {bad}: {self}")
-        if self.store_jobs + self.load_jobs != self.jobs_reported + in_flight + unreported:
-            raise IntegrityError(f"HiCacheTier: {self.store_jobs} store + {self.load_jobs} load jobs != "
-                                 f"{self.jobs_reported} reported + {in_flight} in flight + {unreported} "
-                                 "finished unreported")
-        if self.lookups != self.lookup_hits + self.lookup_misses + self.lookup_retries:
-            raise IntegrityError(f"HiCacheTier: lookups={self.lookups} != hits {self.lookup_hits} + misses "
-                                 f"{self.lookup_misses} + retries {self.lookup_retries}")
-
-
 TIER_METRIC_LABEL = "hicache_tier"  # the tier_type of the series (several HiCacheTiers may be configured)
-KNOWN_CHUNKS_GAUGE = METRIC_PREFIX + "known_chunks"
 
 
 class _L3Lookup(AsyncLookupManager):
@@ -271,11 +224,11 @@ class HiCacheTier(SecondaryTierManager):
                                                     max_retries=max_retries, key_prefix=key_prefix,
                                                     layout=self.layout, auth_key=key)
         self._sizes = [self._row_bytes]
-        self._lock = threading.Lock()  # guards _finished, _stats, _groups, _known and _in_flight (pool threads write)
+        self._lock = threading.Lock()  # guards _finished, _stats, _reported, _groups, _known and _in_flight (pool threads write)
         self._finished: list[JobResult] = []
         self._in_flight: dict[JobId, Future] = {}
-        self._stats = TierStats()
-        self._reported = TierStats()  # what get_stats() has handed to vLLM's metrics so far
+        self._stats = VllmTierStats()  # what the tier counts itself (stats() adds the backend's and the gauges)
+        self._reported = Increases(VllmTierStats)  # what get_stats() has handed to vLLM's metrics so far
         # Chunks this tier believes L3 holds (stored or loaded by it), an LRU: a
         # load that misses removes the chunk, and Redis may evict any of them.
         self._known = KnownSet(max_known_chunks)
@@ -372,38 +325,38 @@ class HiCacheTier(SecondaryTierManager):
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
         """vLLM registers these on its own Prometheus registry (the one its ``/metrics``
-        serves): a counter ``hicache_vllm_<field>`` per ``TierStats`` field and a gauge of
-        the known-chunk set's size, each labelled with the tier's type."""
-        labels = (TIER_METRIC_LABEL,)
-        out: dict[str, OffloadingMetricMetadata] = {
-            METRIC_PREFIX + f.name: OffloadingCounterMetadata(documentation=f.metadata["doc"], labelnames=labels)
-            for f in dataclasses.fields(TierStats)}
-        out[KNOWN_CHUNKS_GAUGE] = OffloadingGaugeMetadata(
-            documentation="Chunks the tier believes L3 holds (an LRU of max_known_chunks)", labelnames=labels)
-        return out
+        serves): ``hicache_vllm_<family>`` for each family ``VllmTierStats`` declares,
+        with its help and labels, plus the tier's type (``hicache_tier``)."""
+        meta = {"counter": OffloadingCounterMetadata, "gauge": OffloadingGaugeMetadata}
+        return {VLLM_PREFIX + fam.name: meta[fam.kind](documentation=fam.help,
+                                                       labelnames=(TIER_METRIC_LABEL, *fam.labels))
+                for fam in families(VllmTierStats).values()}
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        """The counters' increase since the previous call, in vLLM's metric payload
-        (vLLM's manager calls this once per scheduler step and ships it to /metrics)."""
+        """The counters' increase since the previous call and the gauges' values, in
+        vLLM's metric payload (vLLM's manager calls this once per scheduler step and
+        ships it to /metrics)."""
         now = self.stats()
         with self._lock:
-            last, self._reported = self._reported, now
-            known = len(self._known)
+            moved = self._reported.take(now)
         out = OffloadingConnectorStats()
-        label = (self.tier_type,)
-        for f in dataclasses.fields(TierStats):
-            delta = getattr(now, f.name) - getattr(last, f.name)
-            if delta:
-                out.increase_counter(METRIC_PREFIX + f.name, delta, label)
-        out.set_gauge(KNOWN_CHUNKS_GAUGE, known, label)
+        for fam, labels, value in moved:
+            values = (self.tier_type, *(labels[n] for n in fam.labels))
+            if fam.kind == "gauge":
+                out.set_gauge(VLLM_PREFIX + fam.name, value, values)
+            else:
+                out.increase_counter(VLLM_PREFIX + fam.name, value, values)
         return out
 
-    def stats(self) -> TierStats:
-        """A snapshot copy of the counters (the storage backend's rejections included)."""
-        st = self.storage.stats()
+    def stats(self) -> VllmTierStats:
+        """A snapshot copy of the counters: the tier's own, the storage backend's
+        rejections and per-operation errors, the known-chunk gauge and the per-group counts."""
+        st, errors = self.storage.stats(), self.storage.errors_by_op()
         with self._lock:
             out = dataclasses.replace(self._stats)
-        out.corrupt, out.foreign, out.l3_errors = st.corrupt, st.fingerprint_mismatch, st.errors
+            out.known_chunks = len(self._known)
+            out.groups = {str(g): c for g, c in self._groups.snapshot().items()}
+        out.corrupt, out.foreign, out.errors = st.corrupt, st.fingerprint_mismatch, errors
         return out
 
     def group_stats(self) -> dict[int, GroupCounts]:
@@ -417,14 +370,16 @@ class HiCacheTier(SecondaryTierManager):
 
     def check_integrity(self) -> None:
         """Job and lookup accounting balance, counters are sane, the per-group counts add
-        up to them, the known-chunk set is within its cap, and the storage backend's own
-        check passes (where it can list its objects, every one verifies). Raises ``IntegrityError``."""
+        up to them, the known-chunk set is within its cap, every series reported to vLLM
+        is a declared family, and the storage backend's own check passes (where it can
+        list its objects, every one verifies). Raises ``IntegrityError``."""
         with self._lock:
             in_flight = sum(not f.done() for f in self._in_flight.values())
             done_unlisted = [j for j, f in self._in_flight.items() if f.done()]
             stats, unreported = dataclasses.replace(self._stats), len(self._finished)
             self._known.check_integrity()
-            self._groups.check(stats.stored, stats.loaded, stats.load_missed)
+            self._reported.check_integrity()  # every series handed to vLLM is a declared family
+            self._groups.check(stats.stored, stats.hits, stats.misses)
         if done_unlisted:
             raise IntegrityError(f"HiCacheTier: jobs {done_unlisted[:5]} finished but still listed in flight")
         stats.check(in_flight, unreported)
@@ -486,8 +441,8 @@ class HiCacheTier(SecondaryTierManager):
             self._groups.stored(landed)
             s = self._stats
             s.stored += len(landed)
-            s.store_failed += len(todo) - len(landed)
-            s.store_skipped += len(keys) - len(todo)
+            s.dropped += len(todo) - len(landed)
+            s.skipped += len(keys) - len(todo)
             s.bytes_written += len(landed) * self._row_bytes
         nbytes = len(landed) * self._row_bytes
         return JobResult(job_id=job_id, success=len(landed) == len(todo), transfer_bytes=nbytes)
@@ -504,8 +459,8 @@ class HiCacheTier(SecondaryTierManager):
             self._known.discard(missed)
             self._groups.loaded(ok, missed)
             s = self._stats
-            s.loaded += len(ok)
-            s.load_missed += len(missed)
+            s.hits += len(ok)
+            s.misses += len(missed)
             s.bytes_read += len(ok) * self._row_bytes
         if missed and self._lookup is not None:
             # vLLM's hook for a failed load: the cached probe verdict turns into a

@@ -6,7 +6,9 @@ Gated DeltaNet groups and one full-attention group). The offloading path keys a
 chunk by block hash *and* group (``OffloadKey``), so each group's chunk is its
 own primary row and its own L3 object; which chunks of a windowed or recurrent
 group get stored or loaded is vLLM's scheduler's decision, and a prefix hit
-that needs several groups is composed there, one ``lookup`` per key.
+that needs several groups is composed there, one ``lookup`` per key. The
+per-group counts (``GroupCounts``) are declared with the adapters' other
+counters in ``hicache.integrations.metrics``.
 """
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ from vllm.v1.kv_offload.base import OffloadKey, get_offload_group_idx
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from hicache.errors import ConfigError, IntegrityError
+from hicache.integrations.metrics import GroupCounts
 
-__all__ = ["KVGroup", "GroupCounts", "GroupLedger", "kv_groups"]
+__all__ = ["KVGroup", "GroupLedger", "kv_groups"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -46,15 +49,6 @@ def kv_groups(config: OffloadingConfig) -> tuple[KVGroup, ...]:
         raise ConfigError(f"HiCacheTier: vLLM's OffloadingConfig declares KV cache groups {ids}; "
                           "expected at least one, with distinct ids")
     return groups
-
-
-@dataclasses.dataclass(slots=True)
-class GroupCounts:
-    """Chunks of one group, since the tier was built."""
-
-    stored: int = 0  # written to L3
-    loaded: int = 0  # read, verified and copied into a primary row
-    load_missed: int = 0  # asked for and not found (absent, corrupt, foreign, L3 down)
 
 
 class GroupLedger:

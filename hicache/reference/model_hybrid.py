@@ -260,7 +260,7 @@ class HybridModel(ReferenceModel):
                      dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Split pools: write rows ``[a, b)`` of this tile into the SWA pool (always, replay
         too) and read back keys ``[old, b)`` (older ones are zeros, as on one pool)."""
-        assert self._swa is not None
+        assert self._swa is not None, "split pools: the SWA context needs the SWA pool attached"
         spool, sslots = self._swa
         sslots = sslots.to(self.device)
         tslots = torch.full((T,), -1, dtype=torch.int64, device=self.device)

@@ -2,7 +2,9 @@
 
 Entry point: ``open_storage(url, fingerprint=layout.fingerprint())``.
 """
-from hicache.storage.base import StorageBackend, StorageOptions, StorageStats
+from hicache.stats import StorageStats
+from hicache.storage.base import StorageBackend
+from hicache.storage.options import StorageOptions
 from hicache.storage.registry import StorageRegistry, default_registry, open_storage
 
 __all__ = ["StorageBackend", "StorageOptions", "StorageStats", "StorageRegistry", "default_registry",

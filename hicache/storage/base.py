@@ -20,6 +20,11 @@ thread and answers 0 (a miss) when L3 has not answered within ``budget_s``;
 the late answer is discarded. A scheduler passes its prefetch policy's
 budget, so a slow L3 never holds a scheduler step longer than the policy
 allows.
+
+Pieces beside it: ``options`` (``StorageOptions``), ``health`` (the circuit
+breaker and probe backoff), ``put_batch`` (what ``_raw_put`` receives),
+``reads`` (judging and counting what a read brought back) and ``into``
+(reads into the caller's buffers).
 """
 from __future__ import annotations
 
@@ -28,192 +33,20 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
-import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
-
-from hicache.errors import ConfigError, IntegrityError, StorageError
+from hicache.errors import IntegrityError, StorageError
 from hicache.hashing import HASH_BYTES
-from hicache.ratelimit import LogLimiter
-from hicache.redact import redact_url  # noqa: F401  (re-exported: backends name themselves with it)
+from hicache.stats import StorageStats
 from hicache.storage import codec, into
 from hicache.storage.capacity import StorageUsage
 from hicache.storage.codec import Buffer, ReadStatus
-from hicache.stats import StorageStats
-
-if TYPE_CHECKING:
-    from hicache.layout import KVLayout
+from hicache.storage.health import DOWN, Health
+from hicache.storage.options import StorageOptions
+from hicache.storage.put_batch import PutBatch, PutItem, put_rows
+from hicache.storage.reads import ObjectWarnings, ReadTally, failing_objects
 
 log = logging.getLogger(__name__)
-
-# A shorter MAC key is guessable; 16 bytes (e.g. 22 base64 characters) is the floor.
-MIN_AUTH_KEY_BYTES = 16
-
-# A page put: (page hash, payload in canonical plane order, plane sizes).
-PutItem = tuple[bytes, Buffer, Sequence[int]]
-
-
-@dataclass(frozen=True, slots=True)
-class StorageOptions:
-    """What every backend is opened with (see ``open_storage``)."""
-
-    fingerprint: str  # layout fingerprint; written into and checked on every object
-    timeout_ms: int = 50  # socket / connect timeout of one attempt
-    max_retries: int = 2  # retries of one call (redis-py Retry) before it counts as failed
-    key_prefix: bytes = b""  # b"" = b"hicache:" + fingerprint[:8] + b":"
-    probe_max_ms: int = 1000  # longest wait between probes while L3 is down
-    # The whole layout, for backends that must present it (the node-local
-    # service's handshake); object stores need only the fingerprint.
-    layout: "KVLayout | None" = None
-    # Secret for the objects' MAC (b"": none); see hicache.storage.codec. repr=False: never printed.
-    auth_key: bytes = dataclasses.field(default=b"", repr=False)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.fingerprint, str) or len(self.fingerprint) < 8:
-            raise ConfigError(f"storage fingerprint={self.fingerprint!r}: pass KVLayout.fingerprint() "
-                              "(a string of at least 8 characters)")
-        if self.layout is not None and self.layout.fingerprint() != self.fingerprint:
-            raise ConfigError(f"storage fingerprint={self.fingerprint!r} is not the fingerprint "
-                              f"{self.layout.fingerprint()!r} of layout {self.layout.model_id!r}; pass both "
-                              "from the same KVLayout")
-        for name, low in (("timeout_ms", 1), ("max_retries", 0), ("probe_max_ms", 1)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < low:
-                raise ConfigError(f"storage {name}={v!r}: must be an integer >= {low}")
-        prefix = self.key_prefix
-        if isinstance(prefix, str):
-            prefix = prefix.encode()
-        if not isinstance(prefix, bytes):
-            raise ConfigError(f"storage key_prefix={prefix!r}: must be str or bytes")
-        object.__setattr__(self, "key_prefix", prefix or f"hicache:{self.fingerprint[:8]}:".encode())
-        key = self.auth_key.encode() if isinstance(self.auth_key, str) else self.auth_key
-        if not isinstance(key, bytes) or (key and len(key) < MIN_AUTH_KEY_BYTES):
-            raise ConfigError(f"storage auth_key: must be at least {MIN_AUTH_KEY_BYTES} bytes (or empty for "
-                              f"no MAC), got {len(key) if isinstance(key, bytes) else type(key).__name__}")
-        object.__setattr__(self, "auth_key", codec.mac_key(key) if key else b"")
-
-    @property
-    def timeout_s(self) -> float:
-        return self.timeout_ms / 1000.0
-
-
-def _probe_backoff(options: StorageOptions):
-    """redis-py's ``ExponentialBackoff`` for probe spacing. The memory and file
-    backends must also work where redis-py is not installed (the core imports
-    without service dependencies); they never have network outages, so a
-    fixed spacing at the cap is enough there."""
-    cap = options.probe_max_ms / 1000.0
-    try:
-        from redis.backoff import ExponentialBackoff
-    except ImportError:
-        class _Fixed:
-            def compute(self, failures: int) -> float:
-                return cap
-        return _Fixed()
-    return ExponentialBackoff(cap=cap, base=options.timeout_s)
-
-
-class _Health:
-    """Outage state: one warning per outage, probes spaced by a redis-py backoff."""
-
-    def __init__(self, name: str, options: StorageOptions, clock: Callable[[], float] = time.monotonic):
-        self.name = name
-        self.clock = clock
-        self.backoff = _probe_backoff(options)
-        self.down = False
-        self.failures = 0  # consecutive failed calls in this outage
-        self.probe_at = 0.0
-
-    def allow(self) -> bool:
-        """Calls may go to L3: the circuit is closed (while open, only the pinger probes)."""
-        return not self.down
-
-    def failed(self, op: str, exc: BaseException) -> bool:
-        """Count a failed call; True when it opens the circuit (an outage starts)."""
-        started = not self.down
-        self._failed(op, exc)
-        return started
-
-    def _failed(self, op: str, exc: BaseException) -> None:
-        self.failures += 1
-        wait = self.backoff.compute(self.failures)
-        self.probe_at = self.clock() + wait
-        if not self.down:
-            self.down = True
-            log.warning("L3 %s unreachable (%s failed: %s: %s); answering misses and dropping writes "
-                        "until it answers again", self.name, op, type(exc).__name__, exc)
-
-    def succeeded(self) -> bool:
-        """True when this success ends an outage."""
-        if not self.down:
-            return False
-        log.warning("L3 %s answers again after %d failed call(s)", self.name, self.failures)
-        self.down, self.failures = False, 0
-        return True
-
-
-_DOWN: Any = object()  # a raw call that was skipped or failed
-
-
-class PutBatch(Sequence[tuple[bytes, bytes, memoryview]]):
-    """``(full key, header, payload)`` per page, the header built on first access.
-
-    Building a header reads the whole payload (checksum); a backend that
-    handles pages one by one (file) builds it just before writing the payload,
-    while the payload is still in cache. Headers are kept once built.
-    """
-
-    __slots__ = ("_fingerprint", "_rows", "_headers", "_auth_key", "_templates")
-
-    def __init__(self, fingerprint: str, rows: list[tuple[bytes, bytes, memoryview, codec.PlaneSizes]],
-                 auth_key: bytes = b""):
-        self._fingerprint = fingerprint
-        self._auth_key = auth_key
-        self._rows = rows  # (full key, page hash, payload, plane sizes), lengths already checked
-        self._headers: list[bytes | None] = [None] * len(rows)
-        self._templates: dict[int, codec.HeaderTemplate] = {}  # per plane-sizes object (one per batch, usually)
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def payload_bytes(self, i: int) -> int:
-        """Payload size of page ``i`` (builds no header)."""
-        return self._rows[i][2].nbytes
-
-    def __getitem__(self, i):  # type: ignore[override]
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        row = self._rows[i]
-        return row[0], self.header(i), row[2]
-
-    def key_payload(self, i: int) -> tuple[bytes, memoryview]:
-        """Full key and payload of page ``i`` (builds no header)."""
-        row = self._rows[i]
-        return row[0], row[2]
-
-    def header_ahead(self, i: int, nbytes: int) -> bytes:
-        """Page ``i``'s header; if it is not built yet, the headers of the pages
-        after it are built with it, up to ``nbytes`` of payload in all (a group
-        that the send following it still finds in cache)."""
-        if self._headers[i] is None:
-            acc, j = 0, i
-            while j < len(self._rows) and acc < nbytes:
-                self.header(j)
-                acc += self._rows[j][2].nbytes
-                j += 1
-        return self.header(i)
-
-    def header(self, i: int) -> bytes:
-        """Page ``i``'s header, built (checksum over the payload) on the first call."""
-        hdr = self._headers[i]
-        if hdr is None:
-            _, key, mv, sizes = self._rows[i]
-            t = self._templates.get(id(sizes))
-            if t is None:
-                t = self._templates[id(sizes)] = codec.header_template(self._fingerprint, sizes)
-            hdr = self._headers[i] = codec.encode_header(self._fingerprint, key, sizes, mv, self._auth_key, t)
-        return hdr
 
 
 class StorageBackend(abc.ABC):
@@ -249,10 +82,9 @@ class StorageBackend(abc.ABC):
         # StorageStats.errors split by operation (get, put, exists, delete, scan, ping); the
         # keys are those fixed op names, so the dict stays small. Sums to stats.errors.
         self._op_errors: dict[str, int] = {}
-        self._health = _Health(name, options)
+        self._health = Health(name, options.probe_max_ms, options.timeout_s)
         self._closed = False
-        self._warned: set[str] = set()  # one warning per kind of per-call problem
-        self._object_log = LogLimiter(log)  # per-object problems: a few lines per kind and minute
+        self._warnings = ObjectWarnings(log)  # per-object: rate-limited; per kind of call problem: once
         self._wake = threading.Event()  # set by close(): the pinger stops
         self._lookups: concurrent.futures.ThreadPoolExecutor | None = None  # bounded prefix_hits
         self._lookup_busy = False
@@ -317,18 +149,11 @@ class StorageBackend(abc.ABC):
         """Attribute ``n`` errors to ``op`` (caller holds the lock and counts ``stats.errors`` itself)."""
         self._op_errors[op] = self._op_errors.get(op, 0) + n
 
-    def _warn_once(self, kind: str, msg: str, *args: object) -> None:
-        with self._lock:
-            if kind in self._warned:
-                return
-            self._warned.add(kind)
-        log.warning(msg, *args)
-
     def _call(self, op: str, fn: Callable[..., Any], *args: Any, probe: bool = False) -> Any:
-        """Run one raw primitive; ``_DOWN`` when skipped (outage) or failed."""
+        """Run one raw primitive; ``DOWN`` when skipped (outage) or failed."""
         with self._lock:
             if self._closed or (not probe and not self._health.allow()):
-                return _DOWN
+                return DOWN
             call = self._next_call
             self._next_call += 1
             self._inflight[call] = self._health.clock()
@@ -342,12 +167,12 @@ class StorageBackend(abc.ABC):
             if opened:
                 threading.Thread(target=self._ping_until_up, name=f"hicache-l3-ping-{self.name}",
                                  daemon=True).start()
-            return _DOWN
+            return DOWN
         except self.CALL_ERRORS as e:
             self._count(op, errors=1)
-            self._warn_once(f"{op}:{type(e).__name__}", "L3 %s: %s failed: %s: %s (further such "
-                            "failures are only counted)", self.name, op, type(e).__name__, e)
-            return _DOWN
+            self._warnings.once(f"{op}:{type(e).__name__}", "L3 %s: %s failed: %s: %s (further such "
+                                "failures are only counted)", self.name, op, type(e).__name__, e)
+            return DOWN
         with self._lock:
             if self._health.succeeded():
                 self._stats.reconnects += 1
@@ -412,7 +237,7 @@ class StorageBackend(abc.ABC):
         if not full:
             return []
         raw = self._call("get", self._raw_get, full)
-        if raw is _DOWN:
+        if raw is DOWN:
             self._count(gets=len(full), misses=len(full))
             return [None] * len(full)
         if len(raw) != len(full):
@@ -420,39 +245,30 @@ class StorageBackend(abc.ABC):
         sizes = codec.plane_sizes(plane_sizes)
         template = codec.header_template(self.fingerprint, sizes)
         out: list[memoryview | None] = []
-        c = dict(hits=0, misses=0, corrupt=0, fingerprint_mismatch=0, errors=0, bytes_read=0)
-        bad: list[bytes] = []
+        tally = ReadTally(self.name, self._warnings)
         for key, fk, obj in zip(keys, full, raw):
             if obj is None or isinstance(obj, BaseException):
-                c["errors"] += obj is not None
-                c["misses"] += 1
+                if obj is None:
+                    tally.absent()
+                else:  # e.g. WRONGTYPE: another program's key under our prefix
+                    tally.failed(fk, obj)
                 out.append(None)
-                if obj is not None:  # e.g. WRONGTYPE: another program's key under our prefix
-                    self._object_log.warning(f"get:{type(obj).__name__}", "L3 %s: reading object %r failed "
-                                             "(%s: %s); counted as a miss", self.name, fk, type(obj).__name__,
-                                             str(obj)[:200])
                 continue
             d = codec.decode(obj, key, self.fingerprint, sizes, self.options.auth_key, template)
             if d.status is ReadStatus.OK:
-                c["hits"] += 1
-                c["bytes_read"] += d.payload.nbytes
+                tally.hit(d.payload.nbytes)
                 out.append(d.payload.toreadonly())
-                continue
-            c["misses"] += 1
-            out.append(None)
-            if d.status is ReadStatus.FINGERPRINT:
-                c["fingerprint_mismatch"] += 1
-                self._warn_once("fingerprint", "L3 %s: object %r belongs to another layout (%s); "
-                                "give each layout its own key_prefix", self.name, fk, d.why)
             else:
-                c["corrupt"] += 1
-                bad.append(fk)
-                self._object_log.warning("corrupt", "L3 %s: corrupt object %r (%s); deleted, counted as a miss",
-                                         self.name, fk, d.why)
-        self._count("get", gets=len(full), **c)
-        if bad:
-            self._call("delete", self._raw_delete, bad)
+                tally.rejected(fk, d)
+                out.append(None)
+        self._settle_read(len(full), tally)
         return out
+
+    def _settle_read(self, asked: int, tally: ReadTally) -> None:
+        """Count one read batch and delete the corrupt objects it found."""
+        self._count("get", gets=asked, **tally.counts)
+        if tally.corrupt_keys:
+            self._call("delete", self._raw_delete, tally.corrupt_keys)
 
     def get_into(self, keys: Sequence[bytes], plane_sizes: Sequence[int], dests: Sequence[into.Dest]) -> list[bool]:
         """Read each page's verified payload straight into ``dests[i]``; per key, whether it did.
@@ -476,7 +292,7 @@ class StorageBackend(abc.ABC):
         if not full:
             return []
         raw = self._call("get", self._raw_get_into, full, views)
-        if raw is _DOWN:
+        if raw is DOWN:
             self._count(gets=len(full), misses=len(full))
             return [False] * len(full)
         if len(raw) != len(full):
@@ -503,31 +319,18 @@ class StorageBackend(abc.ABC):
 
     def _tally_into(self, full: list[bytes], judged: list[ReadStatus | codec.Decoded | BaseException | None],
                     nbytes: int) -> list[bool]:
-        c = dict(hits=0, misses=0, corrupt=0, fingerprint_mismatch=0, errors=0, bytes_read=0)
-        out, bad = [], []
+        tally = ReadTally(self.name, self._warnings)
         for fk, d in zip(full, judged):
-            ok = d is ReadStatus.OK
-            out.append(ok)
-            c["hits" if ok else "misses"] += 1
-            if ok:
-                c["bytes_read"] += nbytes
+            if d is ReadStatus.OK:
+                tally.hit(nbytes)
             elif isinstance(d, BaseException):
-                c["errors"] += 1
-                self._object_log.warning(f"get:{type(d).__name__}", "L3 %s: reading object %r failed (%s: %s); "
-                                         "counted as a miss", self.name, fk, type(d).__name__, str(d)[:200])
-            elif isinstance(d, codec.Decoded) and d.status is ReadStatus.FINGERPRINT:
-                c["fingerprint_mismatch"] += 1
-                self._warn_once("fingerprint", "L3 %s: object %r belongs to another layout (%s); "
-                                "give each layout its own key_prefix", self.name, fk, d.why)
+                tally.failed(fk, d)
             elif isinstance(d, codec.Decoded):
-                c["corrupt"] += 1
-                bad.append(fk)
-                self._object_log.warning("corrupt", "L3 %s: corrupt object %r (%s); deleted, counted as a miss",
-                                         self.name, fk, d.why)
-        self._count("get", gets=len(full), **c)
-        if bad:
-            self._call("delete", self._raw_delete, bad)
-        return out
+                tally.rejected(fk, d)
+            else:
+                tally.absent()
+        self._settle_read(len(full), tally)
+        return [d is ReadStatus.OK for d in judged]
 
     def put_new(self, items: Sequence[PutItem]) -> list[bool]:
         """Store the pages L3 does not hold yet, in one call to L3 (one hand-off to
@@ -544,12 +347,12 @@ class StorageBackend(abc.ABC):
             if todo and self.put([items[i] for i in todo]) != len(todo):
                 return self.exists([k for k, _, _ in items])
             return [True] * len(items)
-        rows = self._put_rows(items)
+        rows = put_rows(items, self._full)
         if not rows:
             return []
         prepared = PutBatch(self.fingerprint, rows, self.options.auth_key)
         res = self._call("put", self._raw_put_new, prepared)
-        if res is _DOWN:
+        if res is DOWN:
             self._count(put_dropped=len(prepared))
             return [False] * len(prepared)
         if len(res) != len(prepared):
@@ -557,8 +360,8 @@ class StorageBackend(abc.ABC):
         wrote = [r for r in res if r is not None]
         failed = [r for r in wrote if isinstance(r, BaseException)]
         if failed:
-            self._warn_once(f"put:{type(failed[0]).__name__}", "L3 %s: put of a page failed: %r "
-                            "(further such failures are only counted)", self.name, failed[0])
+            self._warnings.once(f"put:{type(failed[0]).__name__}", "L3 %s: put of a page failed: %r "
+                                "(further such failures are only counted)", self.name, failed[0])
         stored = sum(r is True for r in wrote)
         self._count("put", put_ok=stored, put_dropped=len(wrote) - stored, errors=len(failed),
                     bytes_written=sum(r[2].nbytes for r, x in zip(rows, res) if x is True))
@@ -569,17 +372,6 @@ class StorageBackend(abc.ABC):
         else what ``_raw_put`` answers for it."""
         raise NotImplementedError(f"{type(self).__name__} sets DIRECT_IO but does not implement _raw_put_new")
 
-    def _put_rows(self, items: Sequence[PutItem]) -> list[tuple[bytes, bytes, memoryview, codec.PlaneSizes]]:
-        rows = []
-        last: tuple[object, codec.PlaneSizes | None] = (None, None)
-        for key, payload, sizes in items:
-            if sizes is not last[0]:
-                last = (sizes, codec.plane_sizes(sizes))
-            mv = codec.as_bytes_view(payload)
-            codec.check_length(mv, last[1])
-            rows.append((self._full(key), key, mv, last[1]))
-        return rows
-
     def put(self, items: Sequence[PutItem]) -> int:
         """Store pages ``(page hash, payload, plane sizes)``; returns how many were stored.
 
@@ -587,19 +379,12 @@ class StorageBackend(abc.ABC):
         Drops (and counts) what L3 cannot take; raises ``ValueError`` only for
         a bad key or a payload whose length is not the sum of its plane sizes.
         """
-        rows = []
-        last: tuple[object, codec.PlaneSizes | None] = (None, None)
-        for key, payload, sizes in items:
-            if sizes is not last[0]:  # callers pass one plane-sizes list for a whole batch
-                last = (sizes, codec.plane_sizes(sizes))
-            mv = codec.as_bytes_view(payload)
-            codec.check_length(mv, last[1])
-            rows.append((self._full(key), key, mv, last[1]))
+        rows = put_rows(items, self._full)
         if not rows:
             return 0
         prepared = PutBatch(self.fingerprint, rows, self.options.auth_key)
         res = self._call("put", self._raw_put, prepared)
-        if res is _DOWN:
+        if res is DOWN:
             self._count(put_dropped=len(prepared))
             return 0
         if len(res) != len(prepared):
@@ -607,8 +392,8 @@ class StorageBackend(abc.ABC):
         ok = [r is True for r in res]
         failed = [r for r in res if isinstance(r, BaseException)]
         if failed:
-            self._warn_once(f"put:{type(failed[0]).__name__}", "L3 %s: put of a page failed: %r "
-                            "(further such failures are only counted)", self.name, failed[0])
+            self._warnings.once(f"put:{type(failed[0]).__name__}", "L3 %s: put of a page failed: %r "
+                                "(further such failures are only counted)", self.name, failed[0])
         stored = sum(ok)
         self._count("put", put_ok=stored, put_dropped=len(ok) - stored, errors=len(failed),
                     bytes_written=sum(r[2].nbytes for r, good in zip(rows, ok) if good))
@@ -620,7 +405,7 @@ class StorageBackend(abc.ABC):
         if not full:
             return []
         res = self._call("exists", self._raw_exists, full)
-        return [False] * len(full) if res is _DOWN else [bool(r) for r in res]
+        return [False] * len(full) if res is DOWN else [bool(r) for r in res]
 
     def prefix_hits(self, keys: Sequence[bytes], budget_s: float | None = None) -> int:
         """How many leading keys are stored; stops at the first absent one.
@@ -666,7 +451,7 @@ class StorageBackend(abc.ABC):
         done, chunk = 0, self.PREFIX_CHUNK
         while done < len(full):
             res = self._call("exists", self._raw_exists, full[done:done + chunk])
-            if res is _DOWN:
+            if res is DOWN:
                 return done
             for r in res:
                 if not r:
@@ -681,7 +466,7 @@ class StorageBackend(abc.ABC):
         if not full:
             return 0
         res = self._call("delete", self._raw_delete, full)
-        return 0 if res is _DOWN else int(res)
+        return 0 if res is DOWN else int(res)
 
     def clear(self) -> int | None:
         """Delete every object under this backend's key prefix (this layout's pages only).
@@ -690,14 +475,14 @@ class StorageBackend(abc.ABC):
         backend cannot list its keys. Other layouts' objects are untouched.
         """
         keys = self._call("scan", lambda: None if (it := self._raw_keys()) is None else list(it), probe=True)
-        if keys is _DOWN:
+        if keys is DOWN:
             return 0
         if keys is None:
             return None
         n = 0
         for i in range(0, len(keys), 512):
             res = self._call("delete", self._raw_delete, keys[i:i + 512])
-            n += 0 if res is _DOWN else int(res)
+            n += 0 if res is DOWN else int(res)
         return n
 
     def usage(self) -> StorageUsage | None:
@@ -705,7 +490,7 @@ class StorageBackend(abc.ABC):
         None when the backend cannot tell or L3 is down. Mutates nothing. Cheap
         enough for every ``/v1/stats`` call (a ledger read, one Redis INFO)."""
         out = self._call("usage", self._raw_usage)
-        return None if out is _DOWN else out
+        return None if out is DOWN else out
 
     def ping(self) -> bool:
         """True when L3 answers now. Always tries (ignores the probe schedule)."""
@@ -750,13 +535,7 @@ class StorageBackend(abc.ABC):
         scan = None if self._closed else self._raw_scan()
         if scan is None:
             return
-        bad = []
-        for fk, obj in scan:
-            if not fk.startswith(self.key_prefix):
-                raise IntegrityError(f"L3 backend {self.name} listed key {fk!r} outside its prefix {self.key_prefix!r}")
-            d = codec.decode(obj, fk[len(self.key_prefix):], self.fingerprint, None, self.options.auth_key)
-            if d.status is not ReadStatus.OK:
-                bad.append(f"{fk!r}: {d.status.value}: {d.why}")
+        bad = failing_objects(self.name, scan, self.key_prefix, self.fingerprint, self.options.auth_key)
         if bad:
             raise IntegrityError(f"L3 {self.name}: {len(bad)} stored object(s) fail verification: "
                                  + "; ".join(bad[:5]))

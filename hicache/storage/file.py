@@ -42,7 +42,9 @@ from typing import Any, Callable, Iterator
 
 from hicache.errors import ConfigError, IntegrityError
 from hicache.hashing import HASH_BYTES
-from hicache.storage.base import PutBatch, StorageBackend, StorageOptions
+from hicache.storage.base import StorageBackend
+from hicache.storage.options import StorageOptions
+from hicache.storage.put_batch import PutBatch
 from hicache.storage.capacity import StorageUsage, check_eviction
 from hicache.storage.codec import Buffer
 from hicache.storage.file_cap import FileCap, scan

@@ -12,7 +12,9 @@ from collections import OrderedDict
 from typing import Iterator
 
 from hicache.errors import ConfigError, IntegrityError
-from hicache.storage.base import PutBatch, StorageBackend, StorageOptions
+from hicache.storage.base import StorageBackend
+from hicache.storage.options import StorageOptions
+from hicache.storage.put_batch import PutBatch
 from hicache.storage.capacity import StorageUsage, check_eviction
 from hicache.storage.codec import Buffer
 

@@ -37,7 +37,10 @@ from redis.retry import Retry
 
 from hicache.errors import ConfigError
 from hicache.redact import Redactor, url_secrets
-from hicache.storage.base import PutBatch, StorageBackend, StorageOptions, redact_url
+from hicache.redact import redact_url
+from hicache.storage.base import StorageBackend
+from hicache.storage.options import StorageOptions
+from hicache.storage.put_batch import PutBatch
 from hicache.storage.capacity import StorageUsage
 from hicache.storage.codec import Buffer
 from hicache.storage.redis_wire import FramedConnection, FramedSSLConnection, FramedValue
@@ -147,7 +150,7 @@ class RedisBackend(StorageBackend):
             try:
                 self._raw_usage()  # warns when Redis has no maxmemory
             except (RedisError, RedisClusterException, OSError) as e:  # INFO refused (ACL), or down: the put stands; only the check is lost
-                self._warn_once("info", "L3 %s: INFO memory failed (%s); cannot check maxmemory", self.name, e)
+                self._warnings.once("info", "L3 %s: INFO memory failed (%s); cannot check maxmemory", self.name, e)
         return out
 
     def _put_all(self, items: PutBatch) -> list[bool | BaseException]:
@@ -216,9 +219,9 @@ class RedisBackend(StorageBackend):
         usage = StorageUsage(objects=info["keys"], used_bytes=info["used_memory"],
                              max_bytes=info["maxmemory"] or None, policy=info["maxmemory_policy"], scope="server")
         if not info["maxmemory"]:
-            self._warn_once("maxmemory", "L3 %s: Redis has no maxmemory set, so it grows until the host runs out "
-                            "of memory (used_memory=%d bytes now); set maxmemory and maxmemory-policy "
-                            "allkeys-lru (README: Operating L3)", self.name, info["used_memory"])
+            self._warnings.once("maxmemory", "L3 %s: Redis has no maxmemory set, so it grows until the host runs out "
+                                "of memory (used_memory=%d bytes now); set maxmemory and maxmemory-policy "
+                                "allkeys-lru (README: Operating L3)", self.name, info["used_memory"])
         return usage
 
     def _memory_info(self) -> dict[str, Any]:

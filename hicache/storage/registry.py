@@ -16,7 +16,8 @@ from typing import Any, Callable
 from hicache.errors import ConfigError
 from hicache.layout import KVLayout
 from hicache.redact import redact_url
-from hicache.storage.base import StorageBackend, StorageOptions
+from hicache.storage.base import StorageBackend
+from hicache.storage.options import StorageOptions
 from hicache.storage.file import FileBackend
 from hicache.storage.memory import MemoryBackend
 

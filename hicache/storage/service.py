@@ -36,7 +36,10 @@ from typing import ClassVar, Sequence
 from hicache.service.client import SCHEME, SOCKET_SLACK_S, ServiceClient, socket_path_of
 from hicache.errors import ConfigError, ContractMismatch, IntegrityError, OutOfPages, PoolError, ServiceError
 from hicache.layout import KVLayout
-from hicache.storage.base import _DOWN, PutBatch, PutItem, StorageBackend, StorageOptions
+from hicache.storage.base import StorageBackend
+from hicache.storage.health import DOWN
+from hicache.storage.options import StorageOptions
+from hicache.storage.put_batch import PutBatch, PutItem
 from hicache.storage.codec import Buffer, as_bytes_view
 
 log = logging.getLogger(__name__)
@@ -172,8 +175,8 @@ class ServiceBackend(StorageBackend):
         return self._io_call(lambda c: c.fetch(keys, wait_ms, need_draft=True).num_pages)
 
     def _raw_delete(self, keys: list[bytes]) -> int:
-        self._warn_once("delete", "L3 %s: the service does not delete pages for engines (they age out "
-                        "of its L2 by LRU; flush with POST /v1/flush)", self.name)
+        self._warnings.once("delete", "L3 %s: the service does not delete pages for engines (they age out "
+                            "of its L2 by LRU; flush with POST /v1/flush)", self.name)
         return 0
 
     def _raw_ping(self) -> bool:
@@ -195,7 +198,7 @@ class ServiceBackend(StorageBackend):
         if not keys:
             return []
         raw = self._call("get", self._raw_get, keys)
-        if raw is _DOWN:
+        if raw is DOWN:
             self._count(gets=len(keys), misses=len(keys))
             return [None] * len(keys)
         out = [None if b is None else memoryview(b).toreadonly() for b in raw]
@@ -218,7 +221,7 @@ class ServiceBackend(StorageBackend):
         if not rows:
             return 0
         res = self._call("put", self._put_pages, rows)
-        stored = 0 if res is _DOWN else int(res)
+        stored = 0 if res is DOWN else int(res)
         self._count(put_ok=stored, put_dropped=len(rows) - stored, bytes_written=stored * self.layout.page_bytes)
         return stored
 
@@ -231,7 +234,7 @@ class ServiceBackend(StorageBackend):
             return 0
         wait_ms = self.wait_ms if budget_s is None else min(self.wait_ms, max(0.0, budget_s) * 1000)
         res = self._call("fetch", self._fetch, keys, wait_ms)
-        return 0 if res is _DOWN else int(res)
+        return 0 if res is DOWN else int(res)
 
     def clear(self) -> int | None:
         """The service's pages are shared by every engine: not cleared from here (None)."""

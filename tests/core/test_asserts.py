@@ -28,6 +28,10 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("hicache/reference/workloads.py", "isinstance(docs, DocumentQAWorkload)"): "type narrowing of the SCALES table",
     ("hicache/handoff.py", "ticket.slot is not None"): "type narrowing of a ticket this module issued",
     ("hicache/integrations/sglang.py", "per * n_keys == len(ptrs)"): "pointer list built two lines above",
+    ("hicache/integrations/sglang_pools.py", "per * n_keys == len(ptrs)"):
+        "SGLang's get_page_buffer_meta returns the same pointers per key (host indices checked above)",
+    ("hicache/reference/model_hybrid.py", "self._swa is not None"):
+        "type narrowing: the split-pool path runs only when an SWA pool is attached",
     ("hicache/service/l2_segment.py", "shm.tensor is not None and shm.size >= geo.size"): "segment just created/mapped",
     ("hicache/service/l2_segment.py", "orphan.tensor is not None"): "type narrowing of a segment just mapped",
     ("hicache/service/l2_segment.py", "shm.tensor is not None"): "type narrowing of a segment just mapped",

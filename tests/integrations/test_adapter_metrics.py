@@ -9,8 +9,24 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from hicache.errors import IntegrityError
-from hicache.integrations.metrics import AdapterMetrics, AdapterStats, adapter_stats, start_line, warnings_for
+from hicache.integrations.metrics import (
+    SGLANG_PREFIX,
+    AdapterMetrics,
+    AdapterStats,
+    GroupCounts,
+    Increases,
+    PoolCounts,
+    SglangStats,
+    VllmTierStats,
+    adapter_stats,
+    families,
+    series,
+    sglang_stats,
+    start_line,
+    warnings_for,
+)
 from hicache.layout import KVLayout
+from hicache.stat_schema import metric_of
 from hicache.storage import open_storage
 
 LAYOUT = KVLayout("metrics-test", 2, num_kv_heads=1, head_dim=8, page_size=4, dtype="float16")
@@ -74,7 +90,8 @@ def test_families_follow_the_store_counters():
     families = {ln.split()[2].removesuffix("_total") for ln in text.splitlines()
                 if ln.startswith("# TYPE") and ln.endswith(" counter")}
     assert families == {"hicache_adapter_lookup_pages", "hicache_adapter_load_pages", "hicache_adapter_store_pages",
-                        "hicache_adapter_bytes", "hicache_adapter_rejected_objects", "hicache_adapter_errors"}
+                        "hicache_adapter_bytes", "hicache_adapter_rejected_objects", "hicache_adapter_errors",
+                        "hicache_adapter_pool_pages"}
     m.check_integrity()
     store.check_integrity()
 
@@ -105,16 +122,96 @@ def test_a_counter_never_goes_down():
 
 
 def test_every_field_declares_a_family():
-    for f in dataclasses.fields(AdapterStats):
-        assert f.metadata["metric"], f.name
-        assert f.metadata["help"], f.name
+    for cls in (AdapterStats, SglangStats, PoolCounts, VllmTierStats, GroupCounts):
+        for f in dataclasses.fields(cls):
+            assert metric_of(f) or f.metadata["key_label"], (cls, f.name)  # a family, or a dict of them
+            assert f.metadata["help"], (cls, f.name)
 
 
 def test_check_integrity_catches_an_undeclared_series():
     m = AdapterMetrics("sglang", registry=CollectorRegistry())
-    m._last[("made_up", ())] = 1.0
+    m._increases._last[("made_up", ())] = 1.0
     with pytest.raises(IntegrityError, match="made_up"):
         m.check_integrity()
+    m = AdapterMetrics("sglang", registry=CollectorRegistry())
+    m._increases._last[("load_pages", (("op", "x"),))] = 1.0  # a declared family, undeclared labels
+    with pytest.raises(IntegrityError, match="load_pages"):
+        m.check_integrity()
+
+
+def test_sglang_channel_serves_exactly_the_declared_families():
+    """Every SglangStats family, its help and its labels (plus ``engine``), nothing else."""
+    reg = CollectorRegistry()
+    m = AdapterMetrics("sglang", registry=reg)
+    m.update(AdapterStats(errors={"get": 1}))
+    declared = families(SglangStats)
+    assert families(AdapterStats).items() <= declared.items()
+    assert set(declared) - set(families(AdapterStats)) == {"pool_pages"}
+    served = {f.name: f for f in reg.collect()}
+    assert set(served) == {SGLANG_PREFIX + n for n in declared}
+    for name, fam in declared.items():
+        assert (served[SGLANG_PREFIX + name].type, served[SGLANG_PREFIX + name].documentation) == (fam.kind, fam.help)
+        assert m._counters[name]._labelnames == ("engine", *fam.labels)
+    m.check_integrity()
+
+
+def test_the_vllm_declaration_extends_the_shared_one():
+    """vLLM's tier counts what SGLang's backend counts under the same families (same help,
+    same labels), plus its own; the exact family and label sets are pinned here (the
+    vLLM channel itself is tested in tests/integrations/vllm/test_observability.py)."""
+    shared, vllm = families(AdapterStats), families(VllmTierStats)
+    assert shared.items() <= vllm.items()
+    assert {n: (f.kind, f.labels) for n, f in vllm.items()} == {
+        "lookup_pages": ("counter", ("result",)), "load_pages": ("counter", ("result",)),
+        "store_pages": ("counter", ("result",)), "bytes": ("counter", ("op",)),
+        "rejected_objects": ("counter", ("reason",)), "errors": ("counter", ("op",)),
+        "jobs": ("counter", ("op", "result")), "jobs_reported": ("counter", ()),
+        "known_chunks": ("gauge", ()), "group_pages": ("counter", ("group", "result"))}
+    s = VllmTierStats(hits=3, misses=1, known_chunks=7, errors={"put": 2},
+                      groups={"0": GroupCounts(stored=4, loaded=1), "3": GroupCounts(load_missed=2)})
+    got = {(n, tuple(sorted(lab.items()))): v for n, lab, v in series(s) if v}
+    assert got == {("load_pages", (("result", "hit"),)): 3, ("load_pages", (("result", "miss"),)): 1,
+                   ("known_chunks", ()): 7, ("errors", (("op", "put"),)): 2,
+                   ("group_pages", (("group", "0"), ("result", "stored"))): 4,
+                   ("group_pages", (("group", "0"), ("result", "hit"))): 1,
+                   ("group_pages", (("group", "3"), ("result", "miss"))): 2}
+
+
+def test_sglang_pools_sum_and_count_per_pool():
+    reg = CollectorRegistry()
+    kv = AdapterStats(lookups=4, lookup_hits=2, hits=3, misses=1, stored=5, errors={"get": 1})
+    swa = AdapterStats(hits=7, misses=1, stored=8, corrupt=1, errors={"get": 2, "put": 1})
+    s = sglang_stats({"kv": kv, "swa": swa})
+    assert (s.lookups, s.hits, s.misses, s.stored, s.corrupt, s.errors) == (4, 10, 2, 13, 1, {"get": 3, "put": 1})
+    assert s.pools == {"kv": PoolCounts(hits=3, misses=1, stored=5), "swa": PoolCounts(hits=7, misses=1, stored=8)}
+    m = AdapterMetrics("sglang", registry=reg)
+    m.update(s)
+    assert sample(reg, "hicache_adapter_pool_pages_total", engine="sglang", pool="swa", result="hit") == 7
+    assert sample(reg, "hicache_adapter_pool_pages_total", engine="sglang", pool="kv", result="stored") == 5
+    assert sample(reg, "hicache_adapter_load_pages_total", engine="sglang", result="hit") == 10
+    m.check_integrity()
+
+
+def test_increases_report_gauges_as_values_and_counters_as_gains():
+    inc = Increases(VllmTierStats)
+    first = inc.take(VllmTierStats(stored=2, known_chunks=5))
+    assert {(f.name, v) for f, _, v in first} == {("store_pages", 2.0), ("known_chunks", 5.0)}
+    second = inc.take(VllmTierStats(stored=3, known_chunks=4))
+    assert {(f.name, v) for f, _, v in second} == {("store_pages", 1.0), ("known_chunks", 4.0)}
+    inc.check_integrity()
+    with pytest.raises(IntegrityError, match="outside the declared families"):
+        Increases(AdapterStats).take(VllmTierStats(store_jobs=1))
+
+
+def test_fields_sharing_a_family_must_agree_on_its_labels():
+    @dataclasses.dataclass
+    class Bad:
+        a: int = dataclasses.field(default=0, metadata={"metric": "x", "labels": {"op": "r"}, "kind": "counter",
+                                                        "key_label": None, "help": "a"})
+        b: int = dataclasses.field(default=0, metadata={"metric": "x", "labels": {"result": "w"}, "kind": "counter",
+                                                        "key_label": None, "help": "b"})
+    with pytest.raises(IntegrityError, match="family x"):
+        families(Bad)
 
 
 def test_start_line_redacts_and_warnings_are_rate_limited(caplog):

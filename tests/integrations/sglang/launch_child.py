@@ -22,7 +22,7 @@ from sglang.srt.managers.cache_controller import PrefetchOperation  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 from sglang.srt.utils.common import configure_logger  # noqa: E402
 
-from hicache.integrations.sglang import page_key  # noqa: E402
+from hicache.integrations.sglang_keys import page_key  # noqa: E402
 from hicache.storage import open_storage  # noqa: E402
 
 

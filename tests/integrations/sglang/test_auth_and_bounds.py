@@ -9,7 +9,8 @@ from sglang.srt.managers.cache_controller import PrefetchOperation
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 
 from hicache.errors import ConfigError
-from hicache.integrations.sglang import AUTH_ENV, HiCacheBackend, page_key
+from hicache.integrations.sglang import HiCacheBackend
+from hicache.integrations.sglang_keys import AUTH_ENV, page_key
 
 from .conftest import PAGE, controller, host_pool, storage_config
 from .test_backend import keys_for, pages_of

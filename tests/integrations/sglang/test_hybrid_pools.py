@@ -24,7 +24,9 @@ from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTr
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
 from hicache.errors import ConfigError
-from hicache.integrations.sglang import HiCacheBackend, page_key, sglang_layout
+from hicache.integrations.metrics import PoolCounts
+from hicache.integrations.sglang import HiCacheBackend
+from hicache.integrations.sglang_keys import page_key, sglang_layout
 from hicache.integrations.sglang_pools import PoolVerdict, fold_hits, mamba_layout, pool_key, side_timeout_ms
 from hicache.shapes import model_shape
 
@@ -193,7 +195,14 @@ def test_corrupt_swa_page_is_counted_and_loads_nothing_after_it(scheme, tmp_path
     assert same_pages(swa, swa_src[:3 * PAGE], side.host_indices[:3 * PAGE])
     s = b.pool_stats("swa")
     assert (s.corrupt, s.hits, s.misses) == (1, 7, 1)  # the store reads all 8; the run ends at the corrupt one
-    assert b.adapter_stats().corrupt == 1
+    got = b.adapter_stats()
+    assert got.corrupt == 1
+    # per pool (hicache_adapter_pool_pages_total{pool=...}), and the totals are their sums
+    kv_s = b.pool_stats("kv")
+    assert got.pools["swa"] == PoolCounts(hits=7, misses=1, stored=8, dropped=0)
+    assert got.pools["kv"] == PoolCounts(hits=kv_s.hits, misses=kv_s.misses, stored=kv_s.put_ok,
+                                         dropped=kv_s.put_dropped)
+    assert set(got.pools) == {"kv", "swa"} and got.hits == kv_s.hits + 7 and got.stored == kv_s.put_ok + 8
     b.check_integrity()
 
 

@@ -12,8 +12,10 @@ import sys
 
 import torch
 from sglang.srt.managers.cache_controller import PrefetchOperation
+from prometheus_client.parser import text_string_to_metric_families
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
+from hicache.integrations.metrics import SGLANG_PREFIX, SglangStats, families
 from hicache.integrations.sglang import HiCacheBackend
 
 from .launch import build, page_bytes, readme_argv, server_args
@@ -84,7 +86,13 @@ def test_sglang_process_logs_the_start_line_and_serves_the_metrics(redis_url, tm
     assert "s3cret-pass" not in out.stderr
     # The dropped-write warning (child's last step) is rate-limited: 5 lines of 40 failures.
     assert sum("took 0 of" in ln for ln in out.stderr.splitlines()) == 5
-    got = series(scrape_sglang_metrics(str(mp), monkeypatch))
+    text = scrape_sglang_metrics(str(mp), monkeypatch)
+    got = series(text)
+    # Exactly the declared families reach SGLang's /metrics (each has a series by now), as declared
+    # counters (the multiprocess collector replaces help texts: test_adapter_metrics checks those).
+    declared = families(SglangStats)
+    served = {f.name: f.type for f in text_string_to_metric_families(text) if f.name.startswith("hicache_")}
+    assert served == {SGLANG_PREFIX + n: f.kind for n, f in declared.items()}
     lab = 'engine="sglang"'
     assert got[f'hicache_adapter_load_pages_total{{{lab},result="hit"}}'] == want["hits"] == 4
     assert got[f'hicache_adapter_load_pages_total{{{lab},result="miss"}}'] == want["misses"] == 2
@@ -96,6 +104,9 @@ def test_sglang_process_logs_the_start_line_and_serves_the_metrics(redis_url, tm
     assert got[f'hicache_adapter_bytes_total{{{lab},op="read"}}'] == want["bytes_read"] == 4 * 131072
     assert got[f'hicache_adapter_rejected_objects_total{{{lab},reason="corrupt"}}'] == want["corrupt"] == 1
     assert got[f'hicache_adapter_rejected_objects_total{{{lab},reason="foreign"}}'] == want["foreign"] == 1
+    # One pool (no v2 side pools): its own figures are the totals.
+    assert got[f'hicache_adapter_pool_pages_total{{{lab},pool="kv",result="hit"}}'] == want["pools"]["kv"]["hits"] == 4
+    assert got[f'hicache_adapter_pool_pages_total{{{lab},pool="kv",result="stored"}}'] == want["pools"]["kv"]["stored"]
     # The first call to the dead L3 (the existence check before a put) fails and opens the
     # circuit; later calls are answered at once, without L3, and are not errors (the
     # background pinger's failures count as op="ping", as many as its backoff allowed).

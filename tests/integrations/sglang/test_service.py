@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from sglang.srt.managers.cache_controller import PrefetchOperation
 
-from hicache.integrations.sglang import sglang_layout
+from hicache.integrations.sglang_keys import sglang_layout
 
 from ..service_proc import start_serve, stop_serve
 from .conftest import PAGE, controller, host_pool, storage_config

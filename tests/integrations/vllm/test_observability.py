@@ -12,10 +12,12 @@ import subprocess
 import sys
 
 from prometheus_client import REGISTRY, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from hicache.integrations.vllm import METRIC_PREFIX, HiCacheTier, TierStats, page_hash
+from hicache.integrations.metrics import VLLM_PREFIX, AdapterStats, VllmTierStats, families
+from hicache.integrations.vllm import TIER_METRIC_LABEL, HiCacheTier, page_hash
 from hicache.shapes import model_shape
 
 from .real import ROOT, offloading_config, vllm_config
@@ -70,19 +72,33 @@ def test_start_line_and_rate_limited_warnings_in_a_vllm_process(tmp_path):
     assert "hunter2" not in log
     # hicache's own storage warning (the outage), in vLLM's format too.
     (outage,) = [ln for ln in log.splitlines() if "unreachable (put failed" in ln]
-    assert "WARNING" in outage and "[base.py:" in outage and f"redis://admin:***@127.0.0.1:{port}/0" in outage
+    assert "WARNING" in outage and "[health.py:" in outage and f"redis://admin:***@127.0.0.1:{port}/0" in outage
     warned = [ln for ln in log.splitlines() if "a store job of 1 chunks did not fully succeed" in ln]
     assert 1 <= len(warned) <= 5 and all("WARNING" in ln for ln in warned), warned  # 20 failures, few lines
 
 
-def _scrape() -> dict[str, float]:
-    """``hicache_vllm_*`` samples of vLLM's registry (what ``curl :8000/metrics | grep hicache_`` shows)."""
+def _families_served() -> dict[str, tuple[str, str]]:
+    """``hicache_vllm_*`` families on vLLM's registry: name -> (type, help)."""
+    return {f.name: (f.type, f.documentation) for f in text_string_to_metric_families(generate_latest(REGISTRY).decode())
+            if f.name.startswith(VLLM_PREFIX) and not f.name.endswith("_created")}  # a counter's timestamp
+
+
+def _scrape(**common: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """``hicache_vllm_*`` samples of vLLM's registry (what ``curl :8000/metrics | grep hicache_`` shows),
+    keyed by (sample name, labels other than ``common``); each sample carries ``common``."""
     out = {}
-    for line in generate_latest(REGISTRY).decode().splitlines():
-        if line.startswith(METRIC_PREFIX):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
+    for fam in text_string_to_metric_families(generate_latest(REGISTRY).decode()):
+        for smp in fam.samples:
+            if not smp.name.startswith(VLLM_PREFIX) or smp.name.endswith("_created"):
+                continue
+            assert common.items() <= smp.labels.items(), smp
+            own = tuple(sorted((k, v) for k, v in smp.labels.items() if k not in common))
+            out[(smp.name, own)] = smp.value
     return out
+
+
+def _want(name: str, **labels: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    return name, tuple(sorted(labels.items()))
 
 
 def test_counters_reach_the_registry_vllm_serves(tmp_path):
@@ -93,8 +109,12 @@ def test_counters_reach_the_registry_vllm_serves(tmp_path):
     cfg = dataclasses.replace(cfg, extra_config=extra)
     # What vLLM's API server builds from the same kv-transfer config (PrometheusStatLogger).
     prom = KVConnectorProm(vllm_config(), ["model_name", "engine"], {0: [shape.hf, "0"]})
-    defined = set(TieringOffloadingSpec.build_metric_definitions(extra))
-    assert {METRIC_PREFIX + f.name for f in dataclasses.fields(TierStats)} <= defined
+    defined = TieringOffloadingSpec.build_metric_definitions(extra)
+    declared = families(VllmTierStats)
+    assert {n for n in defined if n.startswith(VLLM_PREFIX)} == {VLLM_PREFIX + n for n in declared}
+    for name, fam in declared.items():
+        assert defined[VLLM_PREFIX + name].labelnames == (TIER_METRIC_LABEL, *fam.labels)
+        assert defined[VLLM_PREFIX + name].documentation == fam.help
     manager = TieringOffloadingSpec(cfg).get_manager()
     try:
         (t,) = manager.secondary_tiers
@@ -117,20 +137,35 @@ def test_counters_reach_the_registry_vllm_serves(tmp_path):
         with manager.lock:
             stats = manager.get_stats()  # vLLM's manager: primary tier + every secondary tier
         prom.observe(stats.data)
-        got = _scrape()
-        label = f'{{engine="0",hicache_tier="HiCacheTier",model_name="{shape.hf}"}}'
-        want = {"stored": 3, "store_skipped": 1, "loaded": 2, "load_missed": 1, "corrupt": 1, "foreign": 0,
-                "bytes_written": 3 * row, "bytes_read": 2 * row, "lookups": 2, "lookup_hits": 1,
-                "lookup_misses": 1, "store_jobs": 2, "load_jobs": 1, "load_failed_jobs": 1, "store_failed": 0}
-        for name, value in want.items():
-            key = f"{METRIC_PREFIX}{name}_total{label}"
-            assert got.get(key, 0.0) == value, (key, got.get(key), sorted(got)[:40])
-        assert got[f"{METRIC_PREFIX}known_chunks{label}"] == 2  # the corrupt one was forgotten
+        common = {"engine": "0", TIER_METRIC_LABEL: "HiCacheTier", "model_name": shape.hf}
+        got = _scrape(**common)
+        p = VLLM_PREFIX
+        want = {_want(p + "store_pages_total", result="stored"): 3, _want(p + "store_pages_total", result="skipped"): 1,
+                _want(p + "load_pages_total", result="hit"): 2, _want(p + "load_pages_total", result="miss"): 1,
+                _want(p + "rejected_objects_total", reason="corrupt"): 1,
+                _want(p + "bytes_total", op="write"): 3 * row, _want(p + "bytes_total", op="read"): 2 * row,
+                _want(p + "lookup_pages_total", result="asked"): 2, _want(p + "lookup_pages_total", result="found"): 1,
+                _want(p + "lookup_pages_total", result="miss"): 1,
+                _want(p + "jobs_total", op="store", result="submitted"): 2,
+                _want(p + "jobs_total", op="load", result="submitted"): 1,
+                _want(p + "jobs_total", op="load", result="failed"): 1, _want(p + "jobs_reported_total"): 3,
+                _want(p + "group_pages_total", group="0", result="stored"): 3,
+                _want(p + "group_pages_total", group="0", result="hit"): 2,
+                _want(p + "group_pages_total", group="0", result="miss"): 1,
+                _want(p + "known_chunks"): 2}  # the corrupt one was forgotten
+        # Counters that never rose have no series (vLLM sends increases only): every other is absent.
+        assert got == want, sorted(set(got.items()) ^ set(want.items()))
+        # Exactly the declared families are served, each with its declared help and type.
+        served = _families_served()
+        assert set(served) == {p + n for n in declared}
+        assert all(served[p + n] == (f.kind, f.help) for n, f in declared.items())
+        # The families both adapters count are AdapterStats's, declared once (same help, same labels).
+        assert families(AdapterStats).items() <= declared.items()
         # A second scrape period adds only what happened since (vLLM sums the increments).
         t.lookup(ks[0], ReqContext("q"))
         with manager.lock:
             prom.observe(manager.get_stats().data)
-        assert _scrape()[f"{METRIC_PREFIX}lookups_total{label}"] == 3
+        assert _scrape(**common)[_want(p + "lookup_pages_total", result="asked")] == 3
         t.check_integrity()
     finally:
         manager.shutdown()

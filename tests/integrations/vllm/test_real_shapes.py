@@ -84,7 +84,7 @@ def test_every_model_starts_and_round_trips_chunks(shape, url):
         assert not arr[2].any()
         assert tier.lookup(ks[0], ReqContext("q")) is LookupResult.HIT
         s = tier.stats()
-        assert (s.stored, s.loaded, s.bytes_read, s.corrupt, s.foreign) == (3, 3, 3 * row, 0, 0)
+        assert (s.stored, s.hits, s.bytes_read, s.corrupt, s.foreign) == (3, 3, 3 * row, 0, 0)
         tier.check_integrity()
     finally:
         manager.shutdown()

@@ -37,7 +37,7 @@ def test_evicted_chunks_come_back_byte_exact(url, request):
         assert got == content(key, len(got)), f"chunk {key!r} came back with other bytes"
     (tier,) = tiering(runner).secondary_tiers
     s = tier.stats()
-    assert (s.stored, s.loaded, s.load_missed) == (12, 4, 0)
+    assert (s.stored, s.hits, s.misses) == (12, 4, 0)
     tier.check_integrity()
     tiering(runner).shutdown()
 

@@ -70,7 +70,7 @@ def test_store_then_load_is_byte_exact(url, request):
     assert res[2].success and res[2].successful_keys is None
     assert np.array_equal(arr[[5, 3, 7]], want) and not arr[[0, 1, 2, 4, 6]].any()
     s = t.stats()
-    assert (s.stored, s.loaded, s.load_missed, s.bytes_read) == (3, 3, 0, 3 * ROW)
+    assert (s.stored, s.hits, s.misses, s.bytes_read) == (3, 3, 0, 3 * ROW)
     t.check_integrity()
     t.shutdown()
 
@@ -84,7 +84,7 @@ def test_known_chunks_are_not_rewritten(url, request):
     t.submit_store(job(2, keys(1, 2), [0, 1], promotion=False))
     assert finish(t)[2].success
     s = t.stats()
-    assert (s.stored, s.store_skipped, t.storage.stats().put_ok) == (2, 1, 2)
+    assert (s.stored, s.skipped, t.storage.stats().put_ok) == (2, 1, 2)
     t.shutdown()
 
 
@@ -136,7 +136,7 @@ def test_tampered_object_is_a_miss_never_wrong_bytes(tmp_path, request):
     # Loads read into the rows and verify there (hicache.storage.into): row 4 may hold
     # the tampered bytes, but vLLM is told chunk 2 did not load, so it never serves them.
     assert np.array_equal(arr[3], want[0]) and not np.delete(arr, [3, 4], axis=0).any()
-    assert t.storage.stats().corrupt == 1 and t.stats().load_missed == 1
+    assert t.storage.stats().corrupt == 1 and t.stats().misses == 1
     assert t.lookup(ks[1], ReqContext("q")) is LookupResult.MISS  # forgotten, recomputed next time
     t.check_integrity()  # the corrupt object was deleted on read
     t.shutdown()
@@ -179,6 +179,6 @@ def test_redis_down_means_misses_and_failed_stores(request):
     ctx = ReqContext("q")
     assert [_resolve(t, k, ctx) for k in ks] == [LookupResult.MISS] * 2
     s = t.stats()
-    assert (s.stored, s.store_failed, s.load_missed) == (0, 2, 2)
+    assert (s.stored, s.dropped, s.misses) == (0, 2, 2)
     t.check_integrity()
     t.shutdown()

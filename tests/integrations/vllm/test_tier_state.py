@@ -55,7 +55,7 @@ def test_known_chunks_stay_at_the_cap_at_ten_times_it(redis_url, request, probe)
         assert [t.lookup(k, ctx) for k in old] == [LookupResult.MISS] * len(old)
     assert t.known_chunks() == CAP
     s = t.stats()
-    assert (s.stored, s.store_failed) == (n, 0)
+    assert (s.stored, s.dropped) == (n, 0)
     assert s.lookups == s.lookup_hits + s.lookup_misses + s.lookup_retries
     t.on_request_finished(ctx)
     t.check_integrity()
@@ -76,7 +76,7 @@ def test_a_load_that_misses_forgets_the_chunk(redis_url, request):
     assert not r.success and tuple(r.successful_keys) == (ks[0],)
     ctx = ReqContext("q")
     assert [t.lookup(k, ctx) for k in ks] == [LookupResult.HIT, LookupResult.MISS]
-    assert t.known_chunks() == 1 and t.stats().load_missed == 1
+    assert t.known_chunks() == 1 and t.stats().misses == 1
     t.check_integrity()
     t.shutdown()
 
@@ -116,7 +116,7 @@ def test_auth_key_signs_and_a_forged_object_is_a_counted_miss(tmp_path, request,
     # vLLM is told chunk 2 did not load, so it never serves them.
     assert (arr[2] == 7).all() and not np.delete(arr, [2, 3], axis=0).any()
     s = t.stats()
-    assert (s.loaded, s.load_missed, s.corrupt) == (1, 1, 1)
+    assert (s.hits, s.misses, s.corrupt) == (1, 1, 1)
     t.check_integrity()
     t.shutdown()
 
