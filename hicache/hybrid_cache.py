@@ -41,9 +41,17 @@ fingerprint, derived from the hybrid layout's, in every L3 object. With a
 TP/CP ``consensus`` every rank admits the same full hit (``HiCache``'s) and
 the same floor (``_agreed_floor``: a boundary every rank resumes from).
 
-Not wired: service mode (``hicache+unix://``: refused with a ``ConfigError``),
-and asynchronous (layer-wise) loads of SWA pages and snapshots (they move
-synchronously at admission; the full groups' pages load as ``HiCache``'s do).
+Loads are asynchronous and waited on per group. ``HiCache.admit`` starts the
+full groups' layer-wise load back; the SWA window and the snapshot at the
+floor that only L2 (or L3, fetched to L2 at admission) holds are copied to
+L1 by one ``hybrid_copy.plan_load`` plan over every group, each group's
+copies on its own lane of a ``hybrid_load.HybridLoader`` (a CUDA stream, or
+a worker thread on the CPU). ``HybridAdmission.wait_layer(i)`` waits for
+layer ``i``'s group only (``hybrid_load.AdmissionWaits``), and ``state``
+for the snapshot only. ``poll`` observes the group loads done (each pins its
+item until then); ``drain`` waits for them.
+
+Not wired: service mode (``hicache+unix://``: refused with a ``ConfigError``).
 """
 from __future__ import annotations
 
@@ -55,12 +63,15 @@ import torch
 from hicache.cache import Tokens
 from hicache.config import HiCacheConfig
 from hicache.consensus import HitConsensus
-from hicache.errors import ConfigError, IntegrityError, LayoutError
+from hicache.errors import ConfigError, IntegrityError, LayoutError, TransferError
 from hicache.group_tiers import GroupTiers, TierCounts
 from hicache.hashing import page_hashes
 from hicache.hicache import Admission, HiCache
 from hicache.hybrid import HybridFloor, LayerGroup, resumable_floor
+from hicache.hybrid_copy import HybridCopyPlan, on_group_pools, plan_load
+from hicache.hybrid_load import AdmissionWaits, HybridLoader
 from hicache.hybrid_record import DEFAULT_MAX_BOUNDARIES, SWEEP_BATCH, BoundaryRecord
+from hicache.kernels.page_copy import PageCopier
 from hicache.layout import KVLayout
 from hicache.redact import redact_url
 from hicache.request import Request, RequestState
@@ -100,13 +111,30 @@ class HybridPools:
 
 
 class HybridAdmission(NamedTuple):
-    """What ``HybridCache.admit`` decided. Valid until the request ends."""
+    """What ``HybridCache.admit`` decided. Valid until the request ends or is admitted again.
+    Its loads are in flight: wait before a layer reads its pages (``wait_layer``)."""
 
     full: Admission  # the full groups' admission (HiCache's)
     hit: int  # the full groups' hit, tokens (exact: the request's own partial page included)
     resume: int  # where every group resumes (<= hit); the engine replays [resume, hit)
     limited_by: int | None  # index of the first group that cut the floor below the hit; None if none
-    state: torch.Tensor | None  # the snapshot at ``resume`` ([layers, state_bytes] uint8, a copy); None: none
+    waits: AdmissionWaits  # per group: what layer ``i`` and the snapshot wait for
+
+    @property
+    def state(self) -> torch.Tensor | None:
+        """The snapshot at ``resume`` (``[layers, state_bytes]`` uint8, a copy), once it is on
+        L1 (waits for the state group's copy only); None: no snapshot (resume at 0, at the
+        request's own partial page with its live state, or no state group). Read it before
+        the request's first ``commit`` / ``advance``, which give its L1 row back (then it
+        raises ``CacheStateError``)."""
+        return self.waits.snapshot()
+
+    def wait_layer(self, i: int) -> None:
+        """KV layer ``i`` of the hybrid layout is on L1: waits for its own group's copies only."""
+        self.waits.wait_layer(i)
+
+    def wait(self) -> None:
+        self.waits.wait()
 
 
 class HybridStats(NamedTuple):
@@ -121,10 +149,12 @@ class HybridCache:
     """See the module docstring. Not thread-safe: one scheduler thread calls everything."""
 
     def __init__(self, config: HiCacheConfig | None = None, *, layout: KVLayout | None = None,
-                 pools: HybridPools = HybridPools(), storage=None, consensus: HitConsensus | None = None):
+                 pools: HybridPools = HybridPools(), storage=None, consensus: HitConsensus | None = None,
+                 copier: PageCopier | None = None):
         """``consensus``: the TP/CP group's ``HitConsensus`` (``HiCache``'s argument); every
-        rank then admits the same full hit and the same floor. Raises ``LayoutError`` for a
-        layout without a full group, ``ConfigError`` for service mode or a bad ``pools``."""
+        rank then admits the same full hit and the same floor. ``copier``: the page copier of
+        the group loads (default: the shared one). Raises ``LayoutError`` for a layout
+        without a full group, ``ConfigError`` for service mode or a bad ``pools``."""
         cfg = self.config = config or HiCacheConfig.load()
         self.layout = lay = layout or cfg.layout()
         if not lay.groups or not any(g.kind == "full" for g in lay.groups):
@@ -144,6 +174,9 @@ class HybridCache:
             if g.kind != "full":
                 self.stores[gi] = self._store(gi, g, pools)
         self.state_gi = next((gi for gi, g in enumerate(self.groups) if g.kind == "state"), None)
+        self.loader = HybridLoader.per_group(lay, {gi: (s.host, s.device) for gi, s in self.stores.items()},
+                                             copier=copier) if self.stores else None
+        self._failed: TransferError | None = None  # a group load that failed (settle_loads)
         self.live: dict[str, HybridRequest] = {}
         self._admissions = self._hit = self._resumed = 0
         self._swept_epoch = -1  # the index's epoch at the last sweep of the record
@@ -173,24 +206,26 @@ class HybridCache:
         return req
 
     def admit(self, req: "HybridRequest", *, live_state_tokens: int = 0) -> HybridAdmission:
-        """Schedule ``req``: the full groups' hit through ``HiCache.admit`` (waited for), then
-        the floor every group resumes from, with the SWA window there pinned on L1 and the
-        snapshot there copied out. ``live_state_tokens``: tokens the engine still holds the
-        request's recurrent state for (0 after a preemption that dropped it). Afterwards
-        ``req.computed_tokens`` is the hit; compute ``[adm.resume, hit)`` again for the SWA
-        and state layers only, then the rest. Raises as ``HiCache.admit`` and ``OutOfPages``."""
+        """Schedule ``req``: the full groups' hit through ``HiCache.admit``, then the floor
+        every group resumes from, with the SWA window and the snapshot there pinned on L1
+        (loads started, not waited for: see ``HybridAdmission``). ``live_state_tokens``:
+        tokens the engine still holds the request's recurrent state for (0 after a
+        preemption that dropped it). Afterwards ``req.computed_tokens`` is the hit; compute
+        ``[adm.resume, hit)`` again for the SWA and state layers only, then the rest.
+        Raises as ``HiCache.admit``, ``OutOfPages``, and ``TransferError`` for a group load
+        that failed earlier."""
+        self.settle_loads()
         self.sweep(SWEEP_BATCH)
         full = self.hc.admit(req.inner)
-        full.wait()
         exact = req.inner.computed_tokens
         hashes = req.hashes(exact // self.ps)
         holds = self._holds(hashes)
         floor = self._settle(req, hashes, holds, exact, live_state_tokens)
         if self.consensus is not None:
             floor = self._agreed_floor(self.consensus, req, hashes, holds, floor)
-        state = None
-        if self.state_gi is not None and floor.pages and floor.tokens == floor.pages * self.ps:
-            state = req._snapshot
+        # (a floor inside a page resumes at the request's own partial page, from the engine's live state)
+        waits = req._waits = self._start_loads(req, hashes, floor.pages, full,
+                                               snapshot=floor.tokens == floor.pages * self.ps)
         if floor.pages:
             self.boundaries.use(hashes[floor.pages - 1], req.inner.node)
         req._prepare(floor.pages, exact)
@@ -199,7 +234,48 @@ class HybridCache:
         self._resumed += floor.tokens
         req.resume = floor.tokens
         req.fork = exact // self.ps if floor.pages < exact // self.ps else 0
-        return HybridAdmission(full, exact, floor.tokens, floor.limited_by, state)
+        return HybridAdmission(full, exact, floor.tokens, floor.limited_by, waits)
+
+    def _start_loads(self, req: "HybridRequest", hashes: list[PageHash], b: int, full: Admission, *,
+                     snapshot: bool) -> AdmissionWaits:
+        """Start the L2 -> L1 copies of what ``req`` reads at boundary ``b`` (one plan for every
+        group; items a lowered floor no longer reads are un-taken first) and collect, per
+        group, the loads it waits for: that one and earlier admissions' that still bring an
+        item it reads. ``snapshot``: the engine resumes from the snapshot at ``b``."""
+        reads = req._reads()
+        for gi, st in self.stores.items():
+            st.cancel_pending(set(reads[gi]))
+        if self.loader is not None and any(st.pending for st in self.stores.values()):
+            own = self.loader.load(self._plan(hashes, b))
+            for gi, st in self.stores.items():
+                st.started(own, gi)
+        loads: dict[int, list] = {}
+        for gi, st in self.stores.items():
+            got = {id(ld): ld for ld, _ in (st.loading[h] for h in reads[gi] if h in st.loading)}
+            loads[gi] = list(got.values())
+        row = None
+        if snapshot and self.state_gi is not None and req._state_item is not None:
+            st, g = self.stores[self.state_gi], self.groups[self.state_gi]
+            row = st.device.buffers[0][req._state_item[1]].view(len(g.layers), g.state_bytes)
+        return AdmissionWaits(self.layout, full, loads, row)
+
+    def _plan(self, hashes: list[PageHash], b: int) -> HybridCopyPlan:
+        """The stores' pending copies as one ``plan_load`` plan for boundary ``b`` (what the
+        groups already hold on L1 is resident), in each store's own planes."""
+        src, dst, resident = [], [], []
+        for gi in range(len(self.groups)):
+            pend = self.stores[gi].pending if gi in self.stores else {}
+            rows = [pend.get(h) for h in hashes[:b]]
+            src.append([r[0] if r else None for r in rows])
+            dst.append([r[1] if r else None for r in rows])
+            resident.append([r is None for r in rows])
+        plan = plan_load(self.layout, b, src, dst, resident)
+        moved = {c.group: len(c.src) for c in plan.copies}
+        if any(moved[gi] != len(st.pending) for gi, st in self.stores.items()):
+            raise IntegrityError(f"pending copies per store {[len(st.pending) for st in self.stores.values()]} "
+                                 f"are not what the plan for boundary {b} moves {moved}: an item taken outside "
+                                 "the window or snapshot the request reads")
+        return on_group_pools(plan, self.layout, {gi: st.layout for gi, st in self.stores.items()})
 
     def _settle(self, req: "HybridRequest", hashes: list[PageHash], holds: list[list[bool]], exact: int,
                 live_state_tokens: int, cap: int | None = None) -> HybridFloor:
@@ -353,11 +429,26 @@ class HybridCache:
                            self.boundaries.forgotten)
 
     def poll(self) -> int:
-        """``HiCache.poll`` (the group stores move synchronously: nothing of theirs is in flight)."""
-        return self.hc.poll()
+        """``HiCache.poll``, then the group loads done (``settle_loads``); never blocks.
+        Returns the completions observed."""
+        return self.hc.poll() + self.settle_loads()
+
+    def settle_loads(self, wait: bool = False) -> int:
+        """Observe the group stores' L2 -> L1 loads done (``wait``: wait for all first); each
+        releases the pin it held. Raises ``TransferError`` for a load that failed, then at
+        every later call: its items' L1 pages hold unknown bytes, so the cache stops serving."""
+        if self._failed is not None:
+            raise TransferError(f"a group load failed earlier ({self._failed}); this HybridCache stops serving: "
+                                "close it and build a new one") from self._failed
+        try:
+            return sum(st.settle_loads(wait) for st in self.stores.values())
+        except TransferError as e:
+            self._failed = e
+            raise
 
     def drain(self) -> None:
         self.hc.drain()
+        self.settle_loads(wait=True)
 
     def check_integrity(self) -> None:
         """``HiCache``'s checks, every store's, the record's own (cap, anchors), and the
@@ -373,11 +464,15 @@ class HybridCache:
                         or {h for h in s.need if s.need[h] != want[gi].get(h)}}
                 raise IntegrityError(f"{s.name}: need counts disagree with the record (store, record): {diff}")
         self.boundaries.check_integrity()
+        if self.loader is not None:
+            self.loader.check_integrity()
         for r in self.live.values():
             r.check_integrity()
 
     def close(self) -> None:
         self.hc.close()
+        if self.loader is not None:
+            self.loader.close()  # after the copies queued
         for s in self.stores.values():
             if s.storage is not None:
                 s.storage.close()
@@ -397,7 +492,8 @@ class HybridRequest:
         # SWA group -> logical page -> (L1 id, the store item's hash; None: a private page)
         self.swa: dict[int, dict[int, tuple[DevicePageId, PageHash | None]]] = {
             gi: {} for gi, g in enumerate(owner.groups) if g.kind == "swa"}
-        self._snapshot: torch.Tensor | None = None
+        self._state_item: tuple[PageHash, DevicePageId] | None = None  # the snapshot it pins (and its L1 row)
+        self._waits: AdmissionWaits | None = None  # the last admission's (its snapshot row is given back here)
         self._hashes: list[PageHash] = []
 
     @property
@@ -424,10 +520,11 @@ class HybridRequest:
 
     # ------------------------------------------------------------ admission
     def _take(self, hashes: list[PageHash], b: int) -> tuple[int, int] | None:
-        """Pin what resuming at boundary ``b`` reads (SWA windows) and copy out the snapshot;
-        on a miss undo that and return ``(group, page)`` of the item that failed."""
+        """Take (pin on L1; a copy from L2 is listed as pending) what resuming at boundary ``b``
+        reads: the SWA windows and the snapshot. On a miss undo that and return ``(group,
+        page)`` of the item that failed."""
         o, ps = self.owner, self.owner.ps
-        self._snapshot = None
+        self._release_state()
         for gi, table in self.swa.items():
             lo = max(0, b * ps - o.groups[gi].window + 1) // ps
             for p in range(lo, b):
@@ -444,10 +541,26 @@ class HybridRequest:
             if dev is None:
                 self._release_swa(pinned_only=True)
                 return o.state_gi, b - 1
-            g = o.groups[o.state_gi]
-            self._snapshot = st.device.buffers[0][dev].view(len(g.layers), g.state_bytes).clone()
-            st.unpin(hashes[b - 1])
+            self._state_item = (hashes[b - 1], dev)
         return None
+
+    def _reads(self) -> dict[int, dict[PageHash, DevicePageId]]:
+        """Per group store: the items this request pins (its SWA window, its snapshot)."""
+        out: dict[int, dict[PageHash, DevicePageId]] = {gi: {} for gi in self.owner.stores}
+        for gi, table in self.swa.items():
+            out[gi].update({h: dev for dev, h in table.values() if h is not None})
+        if self._state_item is not None and self.owner.state_gi is not None:
+            out[self.owner.state_gi][self._state_item[0]] = self._state_item[1]
+        return out
+
+    def _release_state(self) -> None:
+        """Unpin the snapshot it read (kept from admission until its first advance: the engine
+        reads it first; the load's own pin holds it while the copy runs)."""
+        if self._state_item is not None and self.owner.state_gi is not None:
+            self.owner.stores[self.owner.state_gi].unpin(self._state_item[0])
+            if self._waits is not None:
+                self._waits.release_state()
+        self._state_item = None
 
     def _prepare(self, b: int, exact: int) -> None:
         """Private SWA pages for ``[b, ceil(exact / page_size))`` (the replayed span), keeping a
@@ -503,6 +616,7 @@ class HybridRequest:
         (boundary pages -> every state layer's tensor there) up to ``upto``, then free the
         SWA pages no later position reads and no recorded window keeps."""
         o, ps = self.owner, self.owner.ps
+        self._release_state()  # the engine read the snapshot before computing from it
         if upto > self.inner.computed_tokens:
             raise ValueError(f"request {self.rid!r}: advance({upto}) beyond computed_tokens="
                              f"{self.inner.computed_tokens}")
@@ -545,7 +659,9 @@ class HybridRequest:
 
     def _release_swa(self, *, keep_page: int = -1, pinned_only: bool = False) -> None:
         """Drop this request's SWA pages: all of them, but a private ``keep_page`` (a preempted
-        request's partial page), or only the pinned store items (an admission's rollback)."""
+        request's partial page), or only the pinned store items (an admission's rollback);
+        and the snapshot it pins in every case."""
+        self._release_state()
         for gi, table in self.swa.items():
             for p in [p for p, (_, h) in table.items() if h is not None or not (pinned_only or p == keep_page)]:
                 self._drop_page(gi, p)
@@ -592,3 +708,8 @@ class HybridRequest:
                 if not ok:
                     raise IntegrityError(f"request {self.rid!r}: SWA group {gi} page {p} -> L1 {dev} "
                                          f"({'item ' + h.hex() if h else 'private'}) is not held that way")
+        if self._state_item is not None:
+            h, dev = self._state_item
+            st = self.owner.stores[self.owner.state_gi] if self.owner.state_gi is not None else None
+            if st is None or st.l1.get(h) != dev or h not in st.pins:
+                raise IntegrityError(f"request {self.rid!r}: its snapshot {h.hex()[:8]} -> L1 {dev} is not pinned there")
