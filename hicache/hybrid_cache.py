@@ -39,14 +39,17 @@ engine *replays*: it recomputes the SWA and state layers, the full layers'
 KV is reused. Each group's layout (``group_layout``) has its own
 fingerprint, derived from the hybrid layout's, in every L3 object. With a
 TP/CP ``consensus`` every rank admits the same full hit (``HiCache``'s) and
-the same floor (``_agreed_floor``: a boundary every rank resumes from).
+the same floor (``agreed_floor``: a boundary every rank resumes from). The
+floor, its agreement and the copy plan are ``hicache.hybrid_admission``'s; a
+request over every group is a ``hicache.hybrid_request.HybridRequest``, which
+asks this cache only what its ``HybridOwner`` Protocol names.
 
 Loads are asynchronous and waited on per group. ``HiCache.admit`` starts the
 full groups' layer-wise load back; the SWA window and the snapshot at the
 floor that only L2 (or L3, fetched to L2 at admission) holds are copied to
-L1 by one ``hybrid_copy.plan_load`` plan over every group, each group's
-copies on its own lane of a ``hybrid_load.HybridLoader`` (a CUDA stream, or
-a worker thread on the CPU). ``HybridAdmission.wait_layer(i)`` waits for
+L1 by one ``hybrid_copy.plan_load`` plan over every group (``pending_plan``),
+each group's copies on its own lane of a ``hybrid_load.HybridLoader`` (a CUDA
+stream, or a worker thread on the CPU). ``HybridAdmission.wait_layer(i)`` waits for
 layer ``i``'s group only (``hybrid_load.AdmissionWaits``), and ``state``
 for the snapshot only. ``poll`` observes the group loads done (each pins its
 item until then); ``drain`` waits for them.
@@ -66,14 +69,14 @@ from hicache.consensus import HitConsensus
 from hicache.errors import ConfigError, IntegrityError, LayoutError, TransferError
 from hicache.group_tiers import GroupTiers, TierCounts
 from hicache.hicache import Admission, HiCache
-from hicache.hybrid import HybridFloor, LayerGroup, resumable_floor
-from hicache.hybrid_copy import HybridCopyPlan, on_group_pools, plan_load
+from hicache.hybrid import LayerGroup
+from hicache.hybrid_admission import HybridAdmission, agreed_floor, group_holds, pending_plan, settle_floor
 from hicache.hybrid_load import AdmissionWaits, HybridLoader
 from hicache.hybrid_record import DEFAULT_MAX_BOUNDARIES, SWEEP_BATCH, BoundaryRecord
+from hicache.hybrid_request import HybridRequest
 from hicache.kernels.page_copy import PageCopier
 from hicache.layout import KVLayout
 from hicache.redact import redact_url
-from hicache.hybrid_request import HybridRequest
 from hicache.request import RequestState
 from hicache.storage import open_storage
 from hicache.storage.capacity import backend_options
@@ -108,33 +111,6 @@ class HybridPools:
     state_device_slots: int = 0  # 0: device_pages // snapshot_every, at least 4
     state_host_slots: int = 0  # 0: host_pages // snapshot_every, at least 4
     max_boundaries: int = DEFAULT_MAX_BOUNDARIES  # recorded boundaries kept; least recently used forgotten first
-
-
-class HybridAdmission(NamedTuple):
-    """What ``HybridCache.admit`` decided. Valid until the request ends or is admitted again.
-    Its loads are in flight: wait before a layer reads its pages (``wait_layer``)."""
-
-    full: Admission  # the full groups' admission (HiCache's)
-    hit: int  # the full groups' hit, tokens (exact: the request's own partial page included)
-    resume: int  # where every group resumes (<= hit); the engine replays [resume, hit)
-    limited_by: int | None  # index of the first group that cut the floor below the hit; None if none
-    waits: AdmissionWaits  # per group: what layer ``i`` and the snapshot wait for
-
-    @property
-    def state(self) -> torch.Tensor | None:
-        """The snapshot at ``resume`` (``[layers, state_bytes]`` uint8, a copy), once it is on
-        L1 (waits for the state group's copy only); None: no snapshot (resume at 0, at the
-        request's own partial page with its live state, or no state group). Read it before
-        the request's first ``commit`` / ``advance``, which give its L1 row back (then it
-        raises ``CacheStateError``)."""
-        return self.waits.snapshot()
-
-    def wait_layer(self, i: int) -> None:
-        """KV layer ``i`` of the hybrid layout is on L1: waits for its own group's copies only."""
-        self.waits.wait_layer(i)
-
-    def wait(self) -> None:
-        self.waits.wait()
 
 
 class HybridStats(NamedTuple):
@@ -219,10 +195,10 @@ class HybridCache:
         full = self.hc.admit(req.inner)
         exact = req.inner.computed_tokens
         hashes = req.hashes(exact // self.ps)
-        holds = self._holds(hashes)
-        floor = self._settle(req, hashes, holds, exact, live_state_tokens)
+        holds = group_holds(self.layout, self.stores, hashes)
+        floor = settle_floor(self.layout, req, hashes, holds, exact, live_state_tokens)
         if self.consensus is not None:
-            floor = self._agreed_floor(self.consensus, req, hashes, holds, floor)
+            floor = agreed_floor(self.consensus, self.layout, req, hashes, holds, floor)
         # (a floor inside a page resumes at the request's own partial page, from the engine's live state)
         waits = self._start_loads(req, hashes, floor.pages, full, snapshot=floor.tokens == floor.pages * self.ps)
         if floor.pages:
@@ -245,7 +221,7 @@ class HybridCache:
         for gi, st in self.stores.items():
             st.cancel_pending(set(reads[gi]))
         if self.loader is not None and any(st.pending for st in self.stores.values()):
-            own = self.loader.load(self._plan(hashes, b))
+            own = self.loader.load(pending_plan(self.layout, self.stores, hashes, b))
             for gi, st in self.stores.items():
                 st.started(own, gi)
         loads: dict[int, list] = {}
@@ -257,63 +233,6 @@ class HybridCache:
             st, g = self.stores[self.state_gi], self.groups[self.state_gi]
             row = st.device.buffers[0][req.state_item[1]].view(len(g.layers), g.state_bytes)
         return AdmissionWaits(self.layout, full, loads, row)
-
-    def _plan(self, hashes: list[PageHash], b: int) -> HybridCopyPlan:
-        """The stores' pending copies as one ``plan_load`` plan for boundary ``b`` (what the
-        groups already hold on L1 is resident), in each store's own planes."""
-        src, dst, resident = [], [], []
-        for gi in range(len(self.groups)):
-            pend = self.stores[gi].pending if gi in self.stores else {}
-            rows = [pend.get(h) for h in hashes[:b]]
-            src.append([r[0] if r else None for r in rows])
-            dst.append([r[1] if r else None for r in rows])
-            resident.append([r is None for r in rows])
-        plan = plan_load(self.layout, b, src, dst, resident)
-        moved = {c.group: len(c.src) for c in plan.copies}
-        if any(moved[gi] != len(st.pending) for gi, st in self.stores.items()):
-            raise IntegrityError(f"pending copies per store {[len(st.pending) for st in self.stores.values()]} "
-                                 f"are not what the plan for boundary {b} moves {moved}: an item taken outside "
-                                 "the window or snapshot the request reads")
-        return on_group_pools(plan, self.layout, {gi: st.layout for gi, st in self.stores.items()})
-
-    def _settle(self, req: HybridRequest, hashes: list[PageHash], holds: list[list[bool]], exact: int,
-                live_state_tokens: int, cap: int | None = None) -> HybridFloor:
-        """The floor over ``holds`` (its first ``cap`` pages when given: no exact tokens then)
-        with what resuming there reads taken by ``req``; an item listed but not loadable (e.g.
-        a corrupt L3 object) is marked missing and the floor computed again without it."""
-        rows = holds if cap is None else [r[:cap] for r in holds]
-        while True:
-            floor = resumable_floor(self.groups, self.ps, rows, exact_tokens=exact if cap is None else 0,
-                                    live_state_tokens=live_state_tokens)
-            miss = req.take(hashes, floor.pages)
-            if miss is None:
-                return floor
-            gi, page = miss
-            rows[gi][page] = holds[gi][page] = False  # (``holds`` too: a lower cap later skips it)
-
-    def _agreed_floor(self, consensus: HitConsensus, req: HybridRequest, hashes: list[PageHash],
-                      holds: list[list[bool]], floor: HybridFloor) -> HybridFloor:
-        """The floor every rank of ``consensus`` resumes from (collectives: every rank makes
-        the same calls, as their answers are the same). Ranks that found the same floor keep
-        it (a partial page included); otherwise each rank lowers its floor to a boundary it
-        can resume from at or below the page-floored minimum, until all name the same one.
-        Each round lowers the minimum, so this ends (at boundary 0 at worst).
-        ``limited_by`` stays this rank's own."""
-        ps = self.ps
-        lo, neg_hi = consensus.agree([floor.tokens, -floor.tokens])
-        while lo != -neg_hi:
-            t = lo // ps * ps
-            if floor.tokens != t:
-                req.release_swa(pinned_only=True)
-                floor = self._settle(req, hashes, holds, 0, 0, cap=t // ps)._replace(limited_by=floor.limited_by)
-            lo, neg_hi = consensus.agree([floor.tokens, -floor.tokens])
-        return floor
-
-    def _holds(self, hashes: list[PageHash]) -> list[list[bool]]:
-        """``resumable_floor``'s rows: full groups hold the whole hit, the others what their
-        store holds (a state group's row ``i``: the snapshot at boundary ``i + 1``)."""
-        return [[True] * len(hashes) if g.kind == "full" else self.stores[gi].holding(hashes)
-                for gi, g in enumerate(self.groups)]
 
     def full_slot_ids(self, pages: list) -> torch.Tensor:
         """Slot ids of the full groups' L1 ``pages`` (``DevicePool.slot_ids``)."""
