@@ -39,14 +39,17 @@ engine *replays*: it recomputes the SWA and state layers, the full layers'
 KV is reused. Each group's layout (``group_layout``) has its own
 fingerprint, derived from the hybrid layout's, in every L3 object. With a
 TP/CP ``consensus`` every rank admits the same full hit (``HiCache``'s) and
-the same floor (``_agreed_floor``: a boundary every rank resumes from).
+the same floor (``agreed_floor``: a boundary every rank resumes from). The
+floor, its agreement and the copy plan are ``hicache.hybrid_admission``'s; a
+request over every group is a ``hicache.hybrid_request.HybridRequest``, which
+asks this cache only what its ``HybridOwner`` Protocol names.
 
 Loads are asynchronous and waited on per group. ``HiCache.admit`` starts the
 full groups' layer-wise load back; the SWA window and the snapshot at the
 floor that only L2 (or L3, fetched to L2 at admission) holds are copied to
-L1 by one ``hybrid_copy.plan_load`` plan over every group, each group's
-copies on its own lane of a ``hybrid_load.HybridLoader`` (a CUDA stream, or
-a worker thread on the CPU). ``HybridAdmission.wait_layer(i)`` waits for
+L1 by one ``hybrid_copy.plan_load`` plan over every group (``pending_plan``),
+each group's copies on its own lane of a ``hybrid_load.HybridLoader`` (a CUDA
+stream, or a worker thread on the CPU). ``HybridAdmission.wait_layer(i)`` waits for
 layer ``i``'s group only (``hybrid_load.AdmissionWaits``), and ``state``
 for the snapshot only. ``poll`` observes the group loads done (each pins its
 item until then); ``drain`` waits for them.
@@ -65,16 +68,16 @@ from hicache.config import HiCacheConfig
 from hicache.consensus import HitConsensus
 from hicache.errors import ConfigError, IntegrityError, LayoutError, TransferError
 from hicache.group_tiers import GroupTiers, TierCounts
-from hicache.hashing import page_hashes
 from hicache.hicache import Admission, HiCache
-from hicache.hybrid import HybridFloor, LayerGroup, resumable_floor
-from hicache.hybrid_copy import HybridCopyPlan, on_group_pools, plan_load
+from hicache.hybrid import LayerGroup
+from hicache.hybrid_admission import HybridAdmission, agreed_floor, group_holds, pending_plan, settle_floor
 from hicache.hybrid_load import AdmissionWaits, HybridLoader
 from hicache.hybrid_record import DEFAULT_MAX_BOUNDARIES, SWEEP_BATCH, BoundaryRecord
+from hicache.hybrid_request import HybridRequest
 from hicache.kernels.page_copy import PageCopier
 from hicache.layout import KVLayout
 from hicache.redact import redact_url
-from hicache.request import Request, RequestState
+from hicache.request import RequestState
 from hicache.storage import open_storage
 from hicache.storage.capacity import backend_options
 from hicache.types import DevicePageId, PageHash
@@ -108,33 +111,6 @@ class HybridPools:
     state_device_slots: int = 0  # 0: device_pages // snapshot_every, at least 4
     state_host_slots: int = 0  # 0: host_pages // snapshot_every, at least 4
     max_boundaries: int = DEFAULT_MAX_BOUNDARIES  # recorded boundaries kept; least recently used forgotten first
-
-
-class HybridAdmission(NamedTuple):
-    """What ``HybridCache.admit`` decided. Valid until the request ends or is admitted again.
-    Its loads are in flight: wait before a layer reads its pages (``wait_layer``)."""
-
-    full: Admission  # the full groups' admission (HiCache's)
-    hit: int  # the full groups' hit, tokens (exact: the request's own partial page included)
-    resume: int  # where every group resumes (<= hit); the engine replays [resume, hit)
-    limited_by: int | None  # index of the first group that cut the floor below the hit; None if none
-    waits: AdmissionWaits  # per group: what layer ``i`` and the snapshot wait for
-
-    @property
-    def state(self) -> torch.Tensor | None:
-        """The snapshot at ``resume`` (``[layers, state_bytes]`` uint8, a copy), once it is on
-        L1 (waits for the state group's copy only); None: no snapshot (resume at 0, at the
-        request's own partial page with its live state, or no state group). Read it before
-        the request's first ``commit`` / ``advance``, which give its L1 row back (then it
-        raises ``CacheStateError``)."""
-        return self.waits.snapshot()
-
-    def wait_layer(self, i: int) -> None:
-        """KV layer ``i`` of the hybrid layout is on L1: waits for its own group's copies only."""
-        self.waits.wait_layer(i)
-
-    def wait(self) -> None:
-        self.waits.wait()
 
 
 class HybridStats(NamedTuple):
@@ -198,14 +174,14 @@ class HybridCache:
         return GroupTiers(f"{kind}{gi}", lay, dev, host, str(self.hc.device_pool.device), l3)
 
     # ------------------------------------------------------------- requests
-    def new_request(self, rid: str, tokens: Tokens, namespace: str = "") -> "HybridRequest":
+    def new_request(self, rid: str, tokens: Tokens, namespace: str = "") -> HybridRequest:
         """A WAITING request over every group (see ``HybridRequest``)."""
         if rid in self.live:
             raise ValueError(f"request id {rid!r} is live already")
         req = self.live[rid] = HybridRequest(self, self.hc.new_request(rid, tokens, namespace))
         return req
 
-    def admit(self, req: "HybridRequest", *, live_state_tokens: int = 0) -> HybridAdmission:
+    def admit(self, req: HybridRequest, *, live_state_tokens: int = 0) -> HybridAdmission:
         """Schedule ``req``: the full groups' hit through ``HiCache.admit``, then the floor
         every group resumes from, with the SWA window and the snapshot there pinned on L1
         (loads started, not waited for: see ``HybridAdmission``). ``live_state_tokens``:
@@ -219,16 +195,15 @@ class HybridCache:
         full = self.hc.admit(req.inner)
         exact = req.inner.computed_tokens
         hashes = req.hashes(exact // self.ps)
-        holds = self._holds(hashes)
-        floor = self._settle(req, hashes, holds, exact, live_state_tokens)
+        holds = group_holds(self.layout, self.stores, hashes)
+        floor = settle_floor(self.layout, req, hashes, holds, exact, live_state_tokens)
         if self.consensus is not None:
-            floor = self._agreed_floor(self.consensus, req, hashes, holds, floor)
+            floor = agreed_floor(self.consensus, self.layout, req, hashes, holds, floor)
         # (a floor inside a page resumes at the request's own partial page, from the engine's live state)
-        waits = req._waits = self._start_loads(req, hashes, floor.pages, full,
-                                               snapshot=floor.tokens == floor.pages * self.ps)
+        waits = self._start_loads(req, hashes, floor.pages, full, snapshot=floor.tokens == floor.pages * self.ps)
         if floor.pages:
             self.boundaries.use(hashes[floor.pages - 1], req.inner.node)
-        req._prepare(floor.pages, exact)
+        req.prepare(floor.pages, exact, waits)
         self._admissions += 1
         self._hit += exact
         self._resumed += floor.tokens
@@ -236,17 +211,17 @@ class HybridCache:
         req.fork = exact // self.ps if floor.pages < exact // self.ps else 0
         return HybridAdmission(full, exact, floor.tokens, floor.limited_by, waits)
 
-    def _start_loads(self, req: "HybridRequest", hashes: list[PageHash], b: int, full: Admission, *,
+    def _start_loads(self, req: HybridRequest, hashes: list[PageHash], b: int, full: Admission, *,
                      snapshot: bool) -> AdmissionWaits:
         """Start the L2 -> L1 copies of what ``req`` reads at boundary ``b`` (one plan for every
         group; items a lowered floor no longer reads are un-taken first) and collect, per
         group, the loads it waits for: that one and earlier admissions' that still bring an
         item it reads. ``snapshot``: the engine resumes from the snapshot at ``b``."""
-        reads = req._reads()
+        reads = req.reads()
         for gi, st in self.stores.items():
             st.cancel_pending(set(reads[gi]))
         if self.loader is not None and any(st.pending for st in self.stores.values()):
-            own = self.loader.load(self._plan(hashes, b))
+            own = self.loader.load(pending_plan(self.layout, self.stores, hashes, b))
             for gi, st in self.stores.items():
                 st.started(own, gi)
         loads: dict[int, list] = {}
@@ -254,70 +229,25 @@ class HybridCache:
             got = {id(ld): ld for ld, _ in (st.loading[h] for h in reads[gi] if h in st.loading)}
             loads[gi] = list(got.values())
         row = None
-        if snapshot and self.state_gi is not None and req._state_item is not None:
+        if snapshot and self.state_gi is not None and req.state_item is not None:
             st, g = self.stores[self.state_gi], self.groups[self.state_gi]
-            row = st.device.buffers[0][req._state_item[1]].view(len(g.layers), g.state_bytes)
+            row = st.device.buffers[0][req.state_item[1]].view(len(g.layers), g.state_bytes)
         return AdmissionWaits(self.layout, full, loads, row)
 
-    def _plan(self, hashes: list[PageHash], b: int) -> HybridCopyPlan:
-        """The stores' pending copies as one ``plan_load`` plan for boundary ``b`` (what the
-        groups already hold on L1 is resident), in each store's own planes."""
-        src, dst, resident = [], [], []
-        for gi in range(len(self.groups)):
-            pend = self.stores[gi].pending if gi in self.stores else {}
-            rows = [pend.get(h) for h in hashes[:b]]
-            src.append([r[0] if r else None for r in rows])
-            dst.append([r[1] if r else None for r in rows])
-            resident.append([r is None for r in rows])
-        plan = plan_load(self.layout, b, src, dst, resident)
-        moved = {c.group: len(c.src) for c in plan.copies}
-        if any(moved[gi] != len(st.pending) for gi, st in self.stores.items()):
-            raise IntegrityError(f"pending copies per store {[len(st.pending) for st in self.stores.values()]} "
-                                 f"are not what the plan for boundary {b} moves {moved}: an item taken outside "
-                                 "the window or snapshot the request reads")
-        return on_group_pools(plan, self.layout, {gi: st.layout for gi, st in self.stores.items()})
+    def full_slot_ids(self, pages: list) -> torch.Tensor:
+        """Slot ids of the full groups' L1 ``pages`` (``DevicePool.slot_ids``)."""
+        return self.hc.device_pool.slot_ids(pages)
 
-    def _settle(self, req: "HybridRequest", hashes: list[PageHash], holds: list[list[bool]], exact: int,
-                live_state_tokens: int, cap: int | None = None) -> HybridFloor:
-        """The floor over ``holds`` (its first ``cap`` pages when given: no exact tokens then)
-        with what resuming there reads taken by ``req``; an item listed but not loadable (e.g.
-        a corrupt L3 object) is marked missing and the floor computed again without it."""
-        rows = holds if cap is None else [r[:cap] for r in holds]
-        while True:
-            floor = resumable_floor(self.groups, self.ps, rows, exact_tokens=exact if cap is None else 0,
-                                    live_state_tokens=live_state_tokens)
-            miss = req._take(hashes, floor.pages)
-            if miss is None:
-                return floor
-            gi, page = miss
-            rows[gi][page] = holds[gi][page] = False  # (``holds`` too: a lower cap later skips it)
-
-    def _agreed_floor(self, consensus: HitConsensus, req: "HybridRequest", hashes: list[PageHash],
-                      holds: list[list[bool]], floor: HybridFloor) -> HybridFloor:
-        """The floor every rank of ``consensus`` resumes from (collectives: every rank makes
-        the same calls, as their answers are the same). Ranks that found the same floor keep
-        it (a partial page included); otherwise each rank lowers its floor to a boundary it
-        can resume from at or below the page-floored minimum, until all name the same one.
-        Each round lowers the minimum, so this ends (at boundary 0 at worst).
-        ``limited_by`` stays this rank's own."""
-        ps = self.ps
-        lo, neg_hi = consensus.agree([floor.tokens, -floor.tokens])
-        while lo != -neg_hi:
-            t = lo // ps * ps
-            if floor.tokens != t:
-                req._release_swa(pinned_only=True)
-                floor = self._settle(req, hashes, holds, 0, 0, cap=t // ps)._replace(limited_by=floor.limited_by)
-            lo, neg_hi = consensus.agree([floor.tokens, -floor.tokens])
-        return floor
-
-    def _holds(self, hashes: list[PageHash]) -> list[list[bool]]:
-        """``resumable_floor``'s rows: full groups hold the whole hit, the others what their
-        store holds (a state group's row ``i``: the snapshot at boundary ``i + 1``)."""
-        return [[True] * len(hashes) if g.kind == "full" else self.stores[gi].holding(hashes)
-                for gi, g in enumerate(self.groups)]
+    def request_ended(self, req: HybridRequest, state: RequestState) -> None:
+        """``req`` released what it held and is now ``state``: FINISHED and ABORTED leave the
+        live set; FINISHED and PREEMPTED sweep the record (``SWEEP_BATCH``)."""
+        if state is not RequestState.PREEMPTED:
+            del self.live[req.rid]
+        if state is not RequestState.ABORTED:
+            self.sweep(SWEEP_BATCH)
 
     # ------------------------------------------------------------- the record
-    def _record(self, req: "HybridRequest", hashes: list[PageHash], b: int, snapshot: list | None) -> None:
+    def record(self, req: HybridRequest, hashes: list[PageHash], b: int, snapshot: list | None) -> None:
         """Record boundary ``b`` of ``req``'s sequence: each SWA group needs its window there
         (taken from ``req``'s pages), the state group the snapshot given. With a state group a
         boundary without a snapshot cannot resume: nothing is recorded for it."""
@@ -341,7 +271,7 @@ class HybridCache:
                 lo = max(0, b * self.ps - g.window + 1) // self.ps
                 fresh = gi not in rec.swa
                 self.boundaries.set_window(key, gi, tuple(hashes[lo:b]))
-                req._keep_window(gi, hashes, lo, b, count=fresh)
+                req.keep_window(gi, hashes, lo, b, count=fresh)
         if row is not None and self.state_gi is not None:
             st = self.stores[self.state_gi]
             st.keep(key, row, needed=not had)  # (had: the store lost it; kept again, counted once)
@@ -476,240 +406,3 @@ class HybridCache:
         for s in self.stores.values():
             if s.storage is not None:
                 s.storage.close()
-
-
-class HybridRequest:
-    """One request over every group: ``inner`` is the full groups' ``HiCache`` request; each
-    SWA group has a page table of this request's own (logical page -> L1 id, and the item's
-    hash when the id is a store item it pins rather than a private page). Every method may
-    mutate the cache."""
-
-    def __init__(self, owner: HybridCache, inner: Request):
-        self.owner, self.inner = owner, inner
-        self.rid = inner.rid
-        self.resume = 0
-        self.fork = 0  # pages: the full hit this admission's floor fell short of (recorded once reached)
-        # SWA group -> logical page -> (L1 id, the store item's hash; None: a private page)
-        self.swa: dict[int, dict[int, tuple[DevicePageId, PageHash | None]]] = {
-            gi: {} for gi, g in enumerate(owner.groups) if g.kind == "swa"}
-        self._state_item: tuple[PageHash, DevicePageId] | None = None  # the snapshot it pins (and its L1 row)
-        self._waits: AdmissionWaits | None = None  # the last admission's (its snapshot row is given back here)
-        self._hashes: list[PageHash] = []
-
-    @property
-    def computed_tokens(self) -> int:
-        return self.inner.computed_tokens
-
-    @property
-    def num_tokens(self) -> int:
-        return self.inner.num_tokens
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.inner.tokens
-
-    def hashes(self, num_pages: int) -> list[PageHash]:
-        """Chained hashes of the first ``num_pages`` pages of this request's tokens."""
-        if len(self._hashes) < num_pages:
-            ps = self.owner.ps
-            self._hashes = page_hashes(self.inner.tokens[:num_pages * ps], ps, self.inner.namespace)
-        return self._hashes[:num_pages]
-
-    def extend(self, tokens: Tokens) -> None:
-        self.inner.extend(tokens)
-
-    # ------------------------------------------------------------ admission
-    def _take(self, hashes: list[PageHash], b: int) -> tuple[int, int] | None:
-        """Take (pin on L1; a copy from L2 is listed as pending) what resuming at boundary ``b``
-        reads: the SWA windows and the snapshot. On a miss undo that and return ``(group,
-        page)`` of the item that failed."""
-        o, ps = self.owner, self.owner.ps
-        self._release_state()
-        for gi, table in self.swa.items():
-            lo = max(0, b * ps - o.groups[gi].window + 1) // ps
-            for p in range(lo, b):
-                if p in table:
-                    continue  # a kept private tail page never sits below b; a pinned one is kept
-                dev = o.stores[gi].take(hashes[p])
-                if dev is None:
-                    self._release_swa(pinned_only=True)
-                    return gi, p
-                table[p] = (dev, hashes[p])
-        if o.state_gi is not None and b:
-            st = o.stores[o.state_gi]
-            dev = st.take(hashes[b - 1])
-            if dev is None:
-                self._release_swa(pinned_only=True)
-                return o.state_gi, b - 1
-            self._state_item = (hashes[b - 1], dev)
-        return None
-
-    def _reads(self) -> dict[int, dict[PageHash, DevicePageId]]:
-        """Per group store: the items this request pins (its SWA window, its snapshot)."""
-        out: dict[int, dict[PageHash, DevicePageId]] = {gi: {} for gi in self.owner.stores}
-        for gi, table in self.swa.items():
-            out[gi].update({h: dev for dev, h in table.values() if h is not None})
-        if self._state_item is not None and self.owner.state_gi is not None:
-            out[self.owner.state_gi][self._state_item[0]] = self._state_item[1]
-        return out
-
-    def _release_state(self) -> None:
-        """Unpin the snapshot it read (kept from admission until its first advance: the engine
-        reads it first; the load's own pin holds it while the copy runs)."""
-        if self._state_item is not None and self.owner.state_gi is not None:
-            self.owner.stores[self.owner.state_gi].unpin(self._state_item[0])
-            if self._waits is not None:
-                self._waits.release_state()
-        self._state_item = None
-
-    def _prepare(self, b: int, exact: int) -> None:
-        """Private SWA pages for ``[b, ceil(exact / page_size))`` (the replayed span), keeping a
-        private tail page this request kept through a preemption."""
-        ps = self.owner.ps
-        for gi, table in self.swa.items():
-            for p in [p for p in table if p >= -(-exact // ps)]:
-                self._drop_page(gi, p)
-            want = [p for p in range(b, -(-exact // ps)) if p not in table]
-            for p, dev in zip(want, self.owner.stores[gi].alloc(len(want))):
-                table[p] = (dev, None)
-
-    # ------------------------------------------------------------ compute
-    def alloc(self, num_tokens: int) -> None:
-        """Slots for the next ``num_tokens`` tokens in every group (full: ``Request.alloc``).
-        Raises ``OutOfPages`` (allocating nothing in any group) or as ``Request.alloc``."""
-        ps = self.owner.ps
-        first = -(-self.inner.allocated_tokens // ps)
-        end = -(-(self.inner.allocated_tokens + max(0, num_tokens)) // ps)
-        got: dict[int, list[DevicePageId]] = {}
-        try:
-            for gi in self.swa:
-                got[gi] = self.owner.stores[gi].alloc(end - first)
-            self.inner.alloc(num_tokens)
-        except BaseException:
-            for gi, ids in got.items():
-                self.owner.stores[gi].free(ids)
-            raise
-        for gi, ids in got.items():
-            self.swa[gi].update({p: (dev, None) for p, dev in zip(range(first, end), ids)})
-
-    def slot_ids(self, gi: int | None = None) -> torch.Tensor:
-        """Slot ids per position: the full groups' (``gi`` None) or SWA group ``gi``'s, ``-1``
-        for a page this request does not hold (outside every window it reads)."""
-        o = self.owner
-        if gi is None:
-            return o.hc.device_pool.slot_ids(self.inner.pages)
-        table = self.swa[gi]
-        n = -(-self.inner.allocated_tokens // o.ps)
-        ids = torch.tensor([table[p][0] if p in table else -1 for p in range(n)], dtype=torch.int64)
-        slots = ids[:, None] * o.ps + torch.arange(o.ps)
-        return slots.masked_fill(ids[:, None] < 0, -1).reshape(-1)
-
-    def commit(self, num_tokens: int | None = None, snapshots: dict[int, list] | None = None) -> int:
-        """``Request.commit`` for the full groups, then ``advance``. Returns computed tokens."""
-        self.inner.commit(num_tokens)
-        self.advance(self.inner.computed_tokens, snapshots)
-        return self.inner.computed_tokens
-
-    def advance(self, upto: int, snapshots: dict[int, list] | None = None) -> None:
-        """The engine's SWA and state layers have consumed ``upto`` tokens (``<=``
-        ``computed_tokens``; less while replaying): record the boundaries of ``snapshots``
-        (boundary pages -> every state layer's tensor there) up to ``upto``, then free the
-        SWA pages no later position reads and no recorded window keeps."""
-        o, ps = self.owner, self.owner.ps
-        self._release_state()  # the engine read the snapshot before computing from it
-        if upto > self.inner.computed_tokens:
-            raise ValueError(f"request {self.rid!r}: advance({upto}) beyond computed_tokens="
-                             f"{self.inner.computed_tokens}")
-        for b in sorted(snapshots or ()):
-            if not 1 <= b <= upto // ps:
-                raise ValueError(f"request {self.rid!r}: a snapshot at boundary {b} (pages) is not within "
-                                 f"the {upto} tokens consumed")
-            o._record(self, self.hashes(b), b, (snapshots or {})[b])
-        if self.fork and upto >= self.fork * ps:
-            b, self.fork = self.fork, 0
-            if self.swa:
-                o._record(self, self.hashes(b), b, None)
-        for gi in self.swa:
-            lo = max(0, upto - upto % ps - o.groups[gi].window + 1) // ps
-            for p in [p for p in self.swa[gi] if p < lo]:
-                self._drop_page(gi, p)
-
-    def _keep_window(self, gi: int, hashes: list[PageHash], lo: int, b: int, *, count: bool) -> None:
-        """Hand pages ``[lo, b)`` of this request's SWA group ``gi`` to the store for a boundary
-        (``count``: one more boundary needs each; else only re-store ones the store lost)."""
-        st, table = self.owner.stores[gi], self.swa[gi]
-        for p in range(lo, b):
-            dev, h = table.get(p, (None, None))
-            if dev is None:
-                raise IntegrityError(f"request {self.rid!r}: records boundary {b} of group {gi} but does not "
-                                     f"hold its page {p}")
-            if h is not None:
-                if count:
-                    st.ref(h)
-            elif count or not st.holding([hashes[p]])[0]:
-                table[p] = (st.keep(hashes[p], dev, needed=count), hashes[p])
-
-    def _drop_page(self, gi: int, p: int) -> None:
-        dev, h = self.swa[gi].pop(p)
-        st = self.owner.stores[gi]
-        if h is None:
-            st.free([dev])
-        else:
-            st.unpin(h)
-
-    def _release_swa(self, *, keep_page: int = -1, pinned_only: bool = False) -> None:
-        """Drop this request's SWA pages: all of them, but a private ``keep_page`` (a preempted
-        request's partial page), or only the pinned store items (an admission's rollback);
-        and the snapshot it pins in every case."""
-        self._release_state()
-        for gi, table in self.swa.items():
-            for p in [p for p, (_, h) in table.items() if h is not None or not (pinned_only or p == keep_page)]:
-                self._drop_page(gi, p)
-
-    # ------------------------------------------------------------ endings
-    def _record_end(self, snapshots: dict[int, list] | None) -> None:
-        b = self.inner.computed_tokens // self.owner.ps
-        self.advance(self.inner.computed_tokens, snapshots)
-        if b and self.swa:
-            self.owner._record(self, self.hashes(b), b, None)
-
-    def finish(self, snapshots: dict[int, list] | None = None) -> None:
-        """Record the end boundary (page-floored), share and release everything. -> FINISHED."""
-        if self.inner.state is RequestState.RUNNING:
-            self._record_end(snapshots)
-        self.inner.finish()
-        self._release_swa()
-        del self.owner.live[self.rid]
-        self.owner.sweep(SWEEP_BATCH)
-
-    def preempt(self, snapshots: dict[int, list] | None = None) -> None:
-        """Record the end boundary, then ``Request.preempt``; the SWA page of a private partial
-        last page is kept with the full groups' (for an exact refresh). -> PREEMPTED."""
-        self._record_end(snapshots)
-        tail = self.inner.computed_tokens // self.owner.ps if self.inner.computed_tokens % self.owner.ps else -1
-        self.inner.preempt()
-        self._release_swa(keep_page=tail)
-        self.resume = 0
-        self.owner.sweep(SWEEP_BATCH)
-
-    def abort(self) -> None:
-        """Release everything without recording anything. -> ABORTED."""
-        self.inner.abort()
-        self._release_swa()
-        del self.owner.live[self.rid]
-
-    def check_integrity(self) -> None:
-        """Pinned pages are the store's L1 copies of their items; private ones are the store's
-        private ids (and never held twice)."""
-        for gi, table in self.swa.items():
-            st = self.owner.stores[gi]
-            for p, (dev, h) in table.items():
-                ok = st.l1.get(h) == dev and h in st.pins if h is not None else dev in st.private
-                if not ok:
-                    raise IntegrityError(f"request {self.rid!r}: SWA group {gi} page {p} -> L1 {dev} "
-                                         f"({'item ' + h.hex() if h else 'private'}) is not held that way")
-        if self._state_item is not None:
-            h, dev = self._state_item
-            st = self.owner.stores[self.owner.state_gi] if self.owner.state_gi is not None else None
-            if st is None or st.l1.get(h) != dev or h not in st.pins:
-                raise IntegrityError(f"request {self.rid!r}: its snapshot {h.hex()[:8]} -> L1 {dev} is not pinned there")

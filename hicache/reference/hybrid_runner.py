@@ -18,7 +18,9 @@ from typing import NamedTuple
 import torch
 
 from hicache.errors import CacheStateError
-from hicache.hybrid_cache import HybridAdmission, HybridCache, HybridRequest
+from hicache.hybrid_admission import HybridAdmission
+from hicache.hybrid_cache import HybridCache
+from hicache.hybrid_request import HybridRequest
 from hicache.reference.model_hybrid import HybridModel, HybridState
 
 
