@@ -439,3 +439,24 @@ def test_a_snapshot_l3_lost_is_stored_again_by_a_request_that_recomputes_it():
     third.abort()
     hc.check_integrity()
     hc.close()
+
+
+def test_hybrid_cache_satisfies_the_owner_protocol_its_requests_use():
+    """``HybridRequest`` talks to its cache only through ``HybridOwner``: every member of
+    the protocol is on a real cache, with the declared arity (a rename on either side fails)."""
+    import inspect
+
+    from hicache.hybrid_request import HybridOwner
+
+    hc = _cache(hybrid_layout(model_shape("gpt-oss-120b"), 16))
+    try:
+        for name in HybridOwner.__annotations__:
+            assert hasattr(hc, name), f"HybridCache lacks {name!r}"
+        for name, fn in vars(HybridOwner).items():
+            if inspect.isfunction(fn) and not name.startswith("_"):
+                have = getattr(hc, name, None)
+                assert callable(have), f"HybridCache lacks method {name!r}"
+                want = [p for p in inspect.signature(fn).parameters if p != "self"]
+                assert list(inspect.signature(have).parameters) == want, (name, inspect.signature(have))
+    finally:
+        hc.close()
