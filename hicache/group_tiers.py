@@ -19,20 +19,28 @@ evicted with no copy below it, an L3 object gone or failing its checks):
 ``take_gone`` hands those to the caller, whose record then forgets the
 boundaries that needed them.
 
-Moves are synchronous, in the caller's thread (write-through L1 -> L2 -> L3
-when an item is kept; L3 -> L2 -> L1 when a request takes it). Running
-requests hold two kinds of L1 ids: *private* ones they allocated and write,
-and items they *pin* (read-only, never evicted while pinned).
+Write-through (L1 -> L2 -> L3 when an item is kept) and an L3 fetch (L3 ->
+L2 when a request takes an item only L3 holds) run in the caller's thread.
+The load back L2 -> L1 is asynchronous and is not this module's: ``take``
+indexes the item on its new L1 page at once and lists the copy as *pending*;
+the caller plans every group's pending copies together
+(``hybrid_copy.plan_load``), starts them on ``hybrid_load.HybridLoader``'s
+lane of each group and hands the handle back (``started``), and
+``settle_loads`` observes their completion. Until then the load pins the item
+(its L1 page is neither evicted nor freed) and its L2 copy is not evicted;
+whoever reads the item waits on the handle. Running requests hold two kinds
+of L1 ids: *private* ones they allocated and write, and items they *pin*
+(read-only, never evicted while pinned).
 """
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
-from hicache.errors import IntegrityError, OutOfPages
+from hicache.errors import IntegrityError, OutOfPages, TransferError
 from hicache.kernels.page_copy import copy_pages
 from hicache.layout import KVLayout
 from hicache.pools import DevicePool, HostPool
@@ -46,6 +54,16 @@ class TierCounts(NamedTuple):
     l1: int
     l2: int
     l3: int
+
+
+class GroupLoad(Protocol):
+    """A started load back, observed per group (``hybrid_load.HybridLoadHandle``)."""
+
+    def group_ready(self, g: int) -> bool: ...
+
+    def sync_group(self, g: int) -> None: ...
+
+    def failed(self, g: int) -> BaseException | None: ...
 
 
 class GroupStats(NamedTuple):
@@ -71,6 +89,8 @@ class GroupTiers:
         self.need: dict[PageHash, int] = {}  # the record: boundaries that read each item
         self.pins: dict[PageHash, int] = {}  # running requests reading each item's L1 copy
         self.private: set[DevicePageId] = set()  # L1 ids that requests allocated and own
+        self.pending: dict[PageHash, tuple[HostPageId, DevicePageId]] = {}  # taken; L2 -> L1 copy not started
+        self.loading: dict[PageHash, tuple[GroupLoad, int]] = {}  # copy started (handle, group); not yet observed
         self._fetched: set[PageHash] = set()  # on L2 because take() just fetched them from L3
         self._gone: set[PageHash] = set()  # needed items that left every tier (see take_gone)
         self._taken = [0, 0, 0]
@@ -107,6 +127,12 @@ class GroupTiers:
             self.need[h] = self.need.get(h, 0) + 1
         self._gone.discard(h)  # held again: the boundaries that need it can resume again
         have = self.l1.get(h)
+        if h in self.pending:
+            raise IntegrityError(f"{self.name}: keep({h.hex()[:8]}) while its load is planned but not started "
+                                 "(keep runs between admissions, never inside one)")
+        if h in self.loading:  # another admission is loading it: the caller reads its L1 page next
+            ld, g = self.loading[h]
+            ld.sync_group(g)
         if have is not None:
             self.free([dev])
         else:
@@ -149,8 +175,10 @@ class GroupTiers:
         self._drop_if_unused(h)
 
     def take(self, h: PageHash) -> DevicePageId | None:
-        """Item ``h`` on L1, pinned for the caller: from L1, else loaded from L2, else fetched
-        from L3 (checked by the codec: a corrupt or foreign object is a miss). None: a miss."""
+        """Item ``h``'s L1 page, pinned for the caller: on L1 already (perhaps still being
+        loaded: see ``loading``), else a new L1 page for its L2 copy (fetched from L3 first
+        when only L3 holds it; the codec checks it: a corrupt or foreign object is a miss)
+        whose copy is listed in ``pending`` for the caller to start. None: a miss."""
         dev = self.l1.get(h)
         if dev is not None:
             self._taken[0] += 1
@@ -158,13 +186,50 @@ class GroupTiers:
             self._taken[1 if h not in self._fetched else 2] += 1
             self._fetched.discard(h)
             dev = self.alloc(1)[0]
-            copy_pages(self.host, self.device, [self.l2[h]], [dev])
             self.private.discard(dev)
             self.l1[h] = dev
+            self.pending[h] = (self.l2[h], dev)
+            self.pin(h)  # the load's own pin: released once its completion is observed
         else:
             return None
         self.pin(h)
         return dev
+
+    def cancel_pending(self, keep: set[PageHash]) -> None:
+        """Un-take the pending items not in ``keep`` that no request pins (an admission that
+        took them, then lowered its floor): their L1 pages are freed, L2 keeps them."""
+        for h in [h for h in self.pending if h not in keep]:
+            if self.pins[h] != 1:
+                raise IntegrityError(f"{self.name}: item {h.hex()[:8]} is pinned by a request but its load "
+                                     "is not started")
+            del self.pending[h], self.pins[h]
+            self.device.allocator.free([self.l1.pop(h)])
+            self._drop_if_unused(h)
+
+    def started(self, load: GroupLoad, g: int) -> None:
+        """Every pending copy runs in ``load`` as group ``g``'s: observed by ``settle_loads``."""
+        for h in self.pending:
+            self.loading[h] = (load, g)
+        self.pending.clear()
+
+    def settle_loads(self, wait: bool = False) -> int:
+        """Observe the loads done (``wait``: block for all of them first): each releases its
+        pin. Returns how many. Raises ``TransferError`` naming the items of a failed load
+        (their L1 pages hold unknown bytes: stop serving, as ``HiCache`` does)."""
+        if wait:
+            for ld, g in list(self.loading.values()):
+                ld.sync_group(g)
+        done = [h for h, (ld, g) in self.loading.items() if ld.group_ready(g)]
+        bad = []
+        for h in done:
+            ld, g = self.loading.pop(h)
+            if ld.failed(g) is not None:
+                bad.append((h, ld.failed(g)))
+            self.unpin(h)
+        if bad:
+            raise TransferError(f"{self.name}: loading items {[h.hex()[:8] for h, _ in bad]} from L2 to L1 "
+                                f"failed ({bad[0][1]!r}); their L1 pages hold unknown bytes") from bad[0][1]
+        return len(done)
 
     def holding(self, hashes: list[PageHash]) -> list[bool]:
         """Whether each item is on some tier (L3: listed; its bytes are verified by ``take``).
@@ -218,7 +283,7 @@ class GroupTiers:
 
     def evict_l2(self, n: int) -> int:
         """Drop up to ``n`` L2 copies, least recently used first; returns how many."""
-        victims = list(self.l2)[:n]
+        victims = [h for h in self.l2 if h not in self.pending and h not in self.loading][:n]
         for h in victims:
             self.host.allocator.free([self.l2.pop(h)])
             if h not in self.l1 and h not in self.stored:
@@ -300,5 +365,19 @@ class GroupTiers:
         if any(h not in self.l1 for h in self.pins) or any(v < 1 for v in [*self.pins.values(),
                                                                           *self.need.values()]):
             raise IntegrityError(f"{self.name}: a pinned item is not on L1, or a count is below 1")
+        self._check_loads()
         if self.storage is not None:
             self.storage.check_integrity()
+
+    def _check_loads(self) -> None:
+        """Each load in flight (pending or started) reads the item's L2 page into its L1 page,
+        both indexed, and pins it."""
+        both = set(self.pending) & set(self.loading)
+        if both:
+            raise IntegrityError(f"{self.name}: items {[h.hex()[:8] for h in both]} are pending and loading")
+        bad = [h for h, (hid, dev) in self.pending.items() if self.l2.get(h) != hid or self.l1.get(h) != dev]
+        bad += [h for h in self.loading if h not in self.l1 or h not in self.l2]
+        bad += [h for h in [*self.pending, *self.loading] if self.pins.get(h, 0) < 1]
+        if bad:
+            raise IntegrityError(f"{self.name}: loads of items {[h.hex()[:8] for h in bad]} do not hold their L2 "
+                                 "source, their L1 page or a pin")

@@ -39,11 +39,22 @@ engine *replays*: it recomputes the SWA and state layers, the full layers'
 KV is reused. Each group's layout (``group_layout``) has its own
 fingerprint, derived from the hybrid layout's, in every L3 object. With a
 TP/CP ``consensus`` every rank admits the same full hit (``HiCache``'s) and
-the same floor (``_agreed_floor``: a boundary every rank resumes from).
+the same floor (``agreed_floor``: a boundary every rank resumes from). The
+floor, its agreement and the copy plan are ``hicache.hybrid_admission``'s; a
+request over every group is a ``hicache.hybrid_request.HybridRequest``, which
+asks this cache only what its ``HybridOwner`` Protocol names.
 
-Not wired: service mode (``hicache+unix://``: refused with a ``ConfigError``),
-and asynchronous (layer-wise) loads of SWA pages and snapshots (they move
-synchronously at admission; the full groups' pages load as ``HiCache``'s do).
+Loads are asynchronous and waited on per group. ``HiCache.admit`` starts the
+full groups' layer-wise load back; the SWA window and the snapshot at the
+floor that only L2 (or L3, fetched to L2 at admission) holds are copied to
+L1 by one ``hybrid_copy.plan_load`` plan over every group (``pending_plan``),
+each group's copies on its own lane of a ``hybrid_load.HybridLoader`` (a CUDA
+stream, or a worker thread on the CPU). ``HybridAdmission.wait_layer(i)`` waits for
+layer ``i``'s group only (``hybrid_load.AdmissionWaits``), and ``state``
+for the snapshot only. ``poll`` observes the group loads done (each pins its
+item until then); ``drain`` waits for them.
+
+Not wired: service mode (``hicache+unix://``: refused with a ``ConfigError``).
 """
 from __future__ import annotations
 
@@ -55,15 +66,18 @@ import torch
 from hicache.cache import Tokens
 from hicache.config import HiCacheConfig
 from hicache.consensus import HitConsensus
-from hicache.errors import ConfigError, IntegrityError, LayoutError
+from hicache.errors import ConfigError, IntegrityError, LayoutError, TransferError
 from hicache.group_tiers import GroupTiers, TierCounts
-from hicache.hashing import page_hashes
 from hicache.hicache import Admission, HiCache
-from hicache.hybrid import HybridFloor, LayerGroup, resumable_floor
+from hicache.hybrid import LayerGroup
+from hicache.hybrid_admission import HybridAdmission, agreed_floor, group_holds, pending_plan, settle_floor
+from hicache.hybrid_load import AdmissionWaits, HybridLoader
 from hicache.hybrid_record import DEFAULT_MAX_BOUNDARIES, SWEEP_BATCH, BoundaryRecord
+from hicache.hybrid_request import HybridRequest
+from hicache.kernels.page_copy import PageCopier
 from hicache.layout import KVLayout
 from hicache.redact import redact_url
-from hicache.request import Request, RequestState
+from hicache.request import RequestState
 from hicache.storage import open_storage
 from hicache.storage.capacity import backend_options
 from hicache.types import DevicePageId, PageHash
@@ -99,16 +113,6 @@ class HybridPools:
     max_boundaries: int = DEFAULT_MAX_BOUNDARIES  # recorded boundaries kept; least recently used forgotten first
 
 
-class HybridAdmission(NamedTuple):
-    """What ``HybridCache.admit`` decided. Valid until the request ends."""
-
-    full: Admission  # the full groups' admission (HiCache's)
-    hit: int  # the full groups' hit, tokens (exact: the request's own partial page included)
-    resume: int  # where every group resumes (<= hit); the engine replays [resume, hit)
-    limited_by: int | None  # index of the first group that cut the floor below the hit; None if none
-    state: torch.Tensor | None  # the snapshot at ``resume`` ([layers, state_bytes] uint8, a copy); None: none
-
-
 class HybridStats(NamedTuple):
     admissions: int
     hit_tokens: int  # the full groups' hits (exact), summed
@@ -121,10 +125,12 @@ class HybridCache:
     """See the module docstring. Not thread-safe: one scheduler thread calls everything."""
 
     def __init__(self, config: HiCacheConfig | None = None, *, layout: KVLayout | None = None,
-                 pools: HybridPools = HybridPools(), storage=None, consensus: HitConsensus | None = None):
+                 pools: HybridPools = HybridPools(), storage=None, consensus: HitConsensus | None = None,
+                 copier: PageCopier | None = None):
         """``consensus``: the TP/CP group's ``HitConsensus`` (``HiCache``'s argument); every
-        rank then admits the same full hit and the same floor. Raises ``LayoutError`` for a
-        layout without a full group, ``ConfigError`` for service mode or a bad ``pools``."""
+        rank then admits the same full hit and the same floor. ``copier``: the page copier of
+        the group loads (default: the shared one). Raises ``LayoutError`` for a layout
+        without a full group, ``ConfigError`` for service mode or a bad ``pools``."""
         cfg = self.config = config or HiCacheConfig.load()
         self.layout = lay = layout or cfg.layout()
         if not lay.groups or not any(g.kind == "full" for g in lay.groups):
@@ -144,6 +150,9 @@ class HybridCache:
             if g.kind != "full":
                 self.stores[gi] = self._store(gi, g, pools)
         self.state_gi = next((gi for gi, g in enumerate(self.groups) if g.kind == "state"), None)
+        self.loader = HybridLoader.per_group(lay, {gi: (s.host, s.device) for gi, s in self.stores.items()},
+                                             copier=copier) if self.stores else None
+        self._failed: TransferError | None = None  # a group load that failed (settle_loads)
         self.live: dict[str, HybridRequest] = {}
         self._admissions = self._hit = self._resumed = 0
         self._swept_epoch = -1  # the index's epoch at the last sweep of the record
@@ -165,83 +174,80 @@ class HybridCache:
         return GroupTiers(f"{kind}{gi}", lay, dev, host, str(self.hc.device_pool.device), l3)
 
     # ------------------------------------------------------------- requests
-    def new_request(self, rid: str, tokens: Tokens, namespace: str = "") -> "HybridRequest":
+    def new_request(self, rid: str, tokens: Tokens, namespace: str = "") -> HybridRequest:
         """A WAITING request over every group (see ``HybridRequest``)."""
         if rid in self.live:
             raise ValueError(f"request id {rid!r} is live already")
         req = self.live[rid] = HybridRequest(self, self.hc.new_request(rid, tokens, namespace))
         return req
 
-    def admit(self, req: "HybridRequest", *, live_state_tokens: int = 0) -> HybridAdmission:
-        """Schedule ``req``: the full groups' hit through ``HiCache.admit`` (waited for), then
-        the floor every group resumes from, with the SWA window there pinned on L1 and the
-        snapshot there copied out. ``live_state_tokens``: tokens the engine still holds the
-        request's recurrent state for (0 after a preemption that dropped it). Afterwards
-        ``req.computed_tokens`` is the hit; compute ``[adm.resume, hit)`` again for the SWA
-        and state layers only, then the rest. Raises as ``HiCache.admit`` and ``OutOfPages``."""
+    def admit(self, req: HybridRequest, *, live_state_tokens: int = 0) -> HybridAdmission:
+        """Schedule ``req``: the full groups' hit through ``HiCache.admit``, then the floor
+        every group resumes from, with the SWA window and the snapshot there pinned on L1
+        (loads started, not waited for: see ``HybridAdmission``). ``live_state_tokens``:
+        tokens the engine still holds the request's recurrent state for (0 after a
+        preemption that dropped it). Afterwards ``req.computed_tokens`` is the hit; compute
+        ``[adm.resume, hit)`` again for the SWA and state layers only, then the rest.
+        Raises as ``HiCache.admit``, ``OutOfPages``, and ``TransferError`` for a group load
+        that failed earlier."""
+        self.settle_loads()
         self.sweep(SWEEP_BATCH)
         full = self.hc.admit(req.inner)
-        full.wait()
         exact = req.inner.computed_tokens
         hashes = req.hashes(exact // self.ps)
-        holds = self._holds(hashes)
-        floor = self._settle(req, hashes, holds, exact, live_state_tokens)
+        holds = group_holds(self.layout, self.stores, hashes)
+        floor = settle_floor(self.layout, req, hashes, holds, exact, live_state_tokens)
         if self.consensus is not None:
-            floor = self._agreed_floor(self.consensus, req, hashes, holds, floor)
-        state = None
-        if self.state_gi is not None and floor.pages and floor.tokens == floor.pages * self.ps:
-            state = req._snapshot
+            floor = agreed_floor(self.consensus, self.layout, req, hashes, holds, floor)
+        # (a floor inside a page resumes at the request's own partial page, from the engine's live state)
+        waits = self._start_loads(req, hashes, floor.pages, full, snapshot=floor.tokens == floor.pages * self.ps)
         if floor.pages:
             self.boundaries.use(hashes[floor.pages - 1], req.inner.node)
-        req._prepare(floor.pages, exact)
+        req.prepare(floor.pages, exact, waits)
         self._admissions += 1
         self._hit += exact
         self._resumed += floor.tokens
         req.resume = floor.tokens
         req.fork = exact // self.ps if floor.pages < exact // self.ps else 0
-        return HybridAdmission(full, exact, floor.tokens, floor.limited_by, state)
+        return HybridAdmission(full, exact, floor.tokens, floor.limited_by, waits)
 
-    def _settle(self, req: "HybridRequest", hashes: list[PageHash], holds: list[list[bool]], exact: int,
-                live_state_tokens: int, cap: int | None = None) -> HybridFloor:
-        """The floor over ``holds`` (its first ``cap`` pages when given: no exact tokens then)
-        with what resuming there reads taken by ``req``; an item listed but not loadable (e.g.
-        a corrupt L3 object) is marked missing and the floor computed again without it."""
-        rows = holds if cap is None else [r[:cap] for r in holds]
-        while True:
-            floor = resumable_floor(self.groups, self.ps, rows, exact_tokens=exact if cap is None else 0,
-                                    live_state_tokens=live_state_tokens)
-            miss = req._take(hashes, floor.pages)
-            if miss is None:
-                return floor
-            gi, page = miss
-            rows[gi][page] = holds[gi][page] = False  # (``holds`` too: a lower cap later skips it)
+    def _start_loads(self, req: HybridRequest, hashes: list[PageHash], b: int, full: Admission, *,
+                     snapshot: bool) -> AdmissionWaits:
+        """Start the L2 -> L1 copies of what ``req`` reads at boundary ``b`` (one plan for every
+        group; items a lowered floor no longer reads are un-taken first) and collect, per
+        group, the loads it waits for: that one and earlier admissions' that still bring an
+        item it reads. ``snapshot``: the engine resumes from the snapshot at ``b``."""
+        reads = req.reads()
+        for gi, st in self.stores.items():
+            st.cancel_pending(set(reads[gi]))
+        if self.loader is not None and any(st.pending for st in self.stores.values()):
+            own = self.loader.load(pending_plan(self.layout, self.stores, hashes, b))
+            for gi, st in self.stores.items():
+                st.started(own, gi)
+        loads: dict[int, list] = {}
+        for gi, st in self.stores.items():
+            got = {id(ld): ld for ld, _ in (st.loading[h] for h in reads[gi] if h in st.loading)}
+            loads[gi] = list(got.values())
+        row = None
+        if snapshot and self.state_gi is not None and req.state_item is not None:
+            st, g = self.stores[self.state_gi], self.groups[self.state_gi]
+            row = st.device.buffers[0][req.state_item[1]].view(len(g.layers), g.state_bytes)
+        return AdmissionWaits(self.layout, full, loads, row)
 
-    def _agreed_floor(self, consensus: HitConsensus, req: "HybridRequest", hashes: list[PageHash],
-                      holds: list[list[bool]], floor: HybridFloor) -> HybridFloor:
-        """The floor every rank of ``consensus`` resumes from (collectives: every rank makes
-        the same calls, as their answers are the same). Ranks that found the same floor keep
-        it (a partial page included); otherwise each rank lowers its floor to a boundary it
-        can resume from at or below the page-floored minimum, until all name the same one.
-        Each round lowers the minimum, so this ends (at boundary 0 at worst).
-        ``limited_by`` stays this rank's own."""
-        ps = self.ps
-        lo, neg_hi = consensus.agree([floor.tokens, -floor.tokens])
-        while lo != -neg_hi:
-            t = lo // ps * ps
-            if floor.tokens != t:
-                req._release_swa(pinned_only=True)
-                floor = self._settle(req, hashes, holds, 0, 0, cap=t // ps)._replace(limited_by=floor.limited_by)
-            lo, neg_hi = consensus.agree([floor.tokens, -floor.tokens])
-        return floor
+    def full_slot_ids(self, pages: list) -> torch.Tensor:
+        """Slot ids of the full groups' L1 ``pages`` (``DevicePool.slot_ids``)."""
+        return self.hc.device_pool.slot_ids(pages)
 
-    def _holds(self, hashes: list[PageHash]) -> list[list[bool]]:
-        """``resumable_floor``'s rows: full groups hold the whole hit, the others what their
-        store holds (a state group's row ``i``: the snapshot at boundary ``i + 1``)."""
-        return [[True] * len(hashes) if g.kind == "full" else self.stores[gi].holding(hashes)
-                for gi, g in enumerate(self.groups)]
+    def request_ended(self, req: HybridRequest, state: RequestState) -> None:
+        """``req`` released what it held and is now ``state``: FINISHED and ABORTED leave the
+        live set; FINISHED and PREEMPTED sweep the record (``SWEEP_BATCH``)."""
+        if state is not RequestState.PREEMPTED:
+            del self.live[req.rid]
+        if state is not RequestState.ABORTED:
+            self.sweep(SWEEP_BATCH)
 
     # ------------------------------------------------------------- the record
-    def _record(self, req: "HybridRequest", hashes: list[PageHash], b: int, snapshot: list | None) -> None:
+    def record(self, req: HybridRequest, hashes: list[PageHash], b: int, snapshot: list | None) -> None:
         """Record boundary ``b`` of ``req``'s sequence: each SWA group needs its window there
         (taken from ``req``'s pages), the state group the snapshot given. With a state group a
         boundary without a snapshot cannot resume: nothing is recorded for it."""
@@ -265,7 +271,7 @@ class HybridCache:
                 lo = max(0, b * self.ps - g.window + 1) // self.ps
                 fresh = gi not in rec.swa
                 self.boundaries.set_window(key, gi, tuple(hashes[lo:b]))
-                req._keep_window(gi, hashes, lo, b, count=fresh)
+                req.keep_window(gi, hashes, lo, b, count=fresh)
         if row is not None and self.state_gi is not None:
             st = self.stores[self.state_gi]
             st.keep(key, row, needed=not had)  # (had: the store lost it; kept again, counted once)
@@ -353,11 +359,26 @@ class HybridCache:
                            self.boundaries.forgotten)
 
     def poll(self) -> int:
-        """``HiCache.poll`` (the group stores move synchronously: nothing of theirs is in flight)."""
-        return self.hc.poll()
+        """``HiCache.poll``, then the group loads done (``settle_loads``); never blocks.
+        Returns the completions observed."""
+        return self.hc.poll() + self.settle_loads()
+
+    def settle_loads(self, wait: bool = False) -> int:
+        """Observe the group stores' L2 -> L1 loads done (``wait``: wait for all first); each
+        releases the pin it held. Raises ``TransferError`` for a load that failed, then at
+        every later call: its items' L1 pages hold unknown bytes, so the cache stops serving."""
+        if self._failed is not None:
+            raise TransferError(f"a group load failed earlier ({self._failed}); this HybridCache stops serving: "
+                                "close it and build a new one") from self._failed
+        try:
+            return sum(st.settle_loads(wait) for st in self.stores.values())
+        except TransferError as e:
+            self._failed = e
+            raise
 
     def drain(self) -> None:
         self.hc.drain()
+        self.settle_loads(wait=True)
 
     def check_integrity(self) -> None:
         """``HiCache``'s checks, every store's, the record's own (cap, anchors), and the
@@ -373,222 +394,15 @@ class HybridCache:
                         or {h for h in s.need if s.need[h] != want[gi].get(h)}}
                 raise IntegrityError(f"{s.name}: need counts disagree with the record (store, record): {diff}")
         self.boundaries.check_integrity()
+        if self.loader is not None:
+            self.loader.check_integrity()
         for r in self.live.values():
             r.check_integrity()
 
     def close(self) -> None:
         self.hc.close()
+        if self.loader is not None:
+            self.loader.close()  # after the copies queued
         for s in self.stores.values():
             if s.storage is not None:
                 s.storage.close()
-
-
-class HybridRequest:
-    """One request over every group: ``inner`` is the full groups' ``HiCache`` request; each
-    SWA group has a page table of this request's own (logical page -> L1 id, and the item's
-    hash when the id is a store item it pins rather than a private page). Every method may
-    mutate the cache."""
-
-    def __init__(self, owner: HybridCache, inner: Request):
-        self.owner, self.inner = owner, inner
-        self.rid = inner.rid
-        self.resume = 0
-        self.fork = 0  # pages: the full hit this admission's floor fell short of (recorded once reached)
-        # SWA group -> logical page -> (L1 id, the store item's hash; None: a private page)
-        self.swa: dict[int, dict[int, tuple[DevicePageId, PageHash | None]]] = {
-            gi: {} for gi, g in enumerate(owner.groups) if g.kind == "swa"}
-        self._snapshot: torch.Tensor | None = None
-        self._hashes: list[PageHash] = []
-
-    @property
-    def computed_tokens(self) -> int:
-        return self.inner.computed_tokens
-
-    @property
-    def num_tokens(self) -> int:
-        return self.inner.num_tokens
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.inner.tokens
-
-    def hashes(self, num_pages: int) -> list[PageHash]:
-        """Chained hashes of the first ``num_pages`` pages of this request's tokens."""
-        if len(self._hashes) < num_pages:
-            ps = self.owner.ps
-            self._hashes = page_hashes(self.inner.tokens[:num_pages * ps], ps, self.inner.namespace)
-        return self._hashes[:num_pages]
-
-    def extend(self, tokens: Tokens) -> None:
-        self.inner.extend(tokens)
-
-    # ------------------------------------------------------------ admission
-    def _take(self, hashes: list[PageHash], b: int) -> tuple[int, int] | None:
-        """Pin what resuming at boundary ``b`` reads (SWA windows) and copy out the snapshot;
-        on a miss undo that and return ``(group, page)`` of the item that failed."""
-        o, ps = self.owner, self.owner.ps
-        self._snapshot = None
-        for gi, table in self.swa.items():
-            lo = max(0, b * ps - o.groups[gi].window + 1) // ps
-            for p in range(lo, b):
-                if p in table:
-                    continue  # a kept private tail page never sits below b; a pinned one is kept
-                dev = o.stores[gi].take(hashes[p])
-                if dev is None:
-                    self._release_swa(pinned_only=True)
-                    return gi, p
-                table[p] = (dev, hashes[p])
-        if o.state_gi is not None and b:
-            st = o.stores[o.state_gi]
-            dev = st.take(hashes[b - 1])
-            if dev is None:
-                self._release_swa(pinned_only=True)
-                return o.state_gi, b - 1
-            g = o.groups[o.state_gi]
-            self._snapshot = st.device.buffers[0][dev].view(len(g.layers), g.state_bytes).clone()
-            st.unpin(hashes[b - 1])
-        return None
-
-    def _prepare(self, b: int, exact: int) -> None:
-        """Private SWA pages for ``[b, ceil(exact / page_size))`` (the replayed span), keeping a
-        private tail page this request kept through a preemption."""
-        ps = self.owner.ps
-        for gi, table in self.swa.items():
-            for p in [p for p in table if p >= -(-exact // ps)]:
-                self._drop_page(gi, p)
-            want = [p for p in range(b, -(-exact // ps)) if p not in table]
-            for p, dev in zip(want, self.owner.stores[gi].alloc(len(want))):
-                table[p] = (dev, None)
-
-    # ------------------------------------------------------------ compute
-    def alloc(self, num_tokens: int) -> None:
-        """Slots for the next ``num_tokens`` tokens in every group (full: ``Request.alloc``).
-        Raises ``OutOfPages`` (allocating nothing in any group) or as ``Request.alloc``."""
-        ps = self.owner.ps
-        first = -(-self.inner.allocated_tokens // ps)
-        end = -(-(self.inner.allocated_tokens + max(0, num_tokens)) // ps)
-        got: dict[int, list[DevicePageId]] = {}
-        try:
-            for gi in self.swa:
-                got[gi] = self.owner.stores[gi].alloc(end - first)
-            self.inner.alloc(num_tokens)
-        except BaseException:
-            for gi, ids in got.items():
-                self.owner.stores[gi].free(ids)
-            raise
-        for gi, ids in got.items():
-            self.swa[gi].update({p: (dev, None) for p, dev in zip(range(first, end), ids)})
-
-    def slot_ids(self, gi: int | None = None) -> torch.Tensor:
-        """Slot ids per position: the full groups' (``gi`` None) or SWA group ``gi``'s, ``-1``
-        for a page this request does not hold (outside every window it reads)."""
-        o = self.owner
-        if gi is None:
-            return o.hc.device_pool.slot_ids(self.inner.pages)
-        table = self.swa[gi]
-        n = -(-self.inner.allocated_tokens // o.ps)
-        ids = torch.tensor([table[p][0] if p in table else -1 for p in range(n)], dtype=torch.int64)
-        slots = ids[:, None] * o.ps + torch.arange(o.ps)
-        return slots.masked_fill(ids[:, None] < 0, -1).reshape(-1)
-
-    def commit(self, num_tokens: int | None = None, snapshots: dict[int, list] | None = None) -> int:
-        """``Request.commit`` for the full groups, then ``advance``. Returns computed tokens."""
-        self.inner.commit(num_tokens)
-        self.advance(self.inner.computed_tokens, snapshots)
-        return self.inner.computed_tokens
-
-    def advance(self, upto: int, snapshots: dict[int, list] | None = None) -> None:
-        """The engine's SWA and state layers have consumed ``upto`` tokens (``<=``
-        ``computed_tokens``; less while replaying): record the boundaries of ``snapshots``
-        (boundary pages -> every state layer's tensor there) up to ``upto``, then free the
-        SWA pages no later position reads and no recorded window keeps."""
-        o, ps = self.owner, self.owner.ps
-        if upto > self.inner.computed_tokens:
-            raise ValueError(f"request {self.rid!r}: advance({upto}) beyond computed_tokens="
-                             f"{self.inner.computed_tokens}")
-        for b in sorted(snapshots or ()):
-            if not 1 <= b <= upto // ps:
-                raise ValueError(f"request {self.rid!r}: a snapshot at boundary {b} (pages) is not within "
-                                 f"the {upto} tokens consumed")
-            o._record(self, self.hashes(b), b, (snapshots or {})[b])
-        if self.fork and upto >= self.fork * ps:
-            b, self.fork = self.fork, 0
-            if self.swa:
-                o._record(self, self.hashes(b), b, None)
-        for gi in self.swa:
-            lo = max(0, upto - upto % ps - o.groups[gi].window + 1) // ps
-            for p in [p for p in self.swa[gi] if p < lo]:
-                self._drop_page(gi, p)
-
-    def _keep_window(self, gi: int, hashes: list[PageHash], lo: int, b: int, *, count: bool) -> None:
-        """Hand pages ``[lo, b)`` of this request's SWA group ``gi`` to the store for a boundary
-        (``count``: one more boundary needs each; else only re-store ones the store lost)."""
-        st, table = self.owner.stores[gi], self.swa[gi]
-        for p in range(lo, b):
-            dev, h = table.get(p, (None, None))
-            if dev is None:
-                raise IntegrityError(f"request {self.rid!r}: records boundary {b} of group {gi} but does not "
-                                     f"hold its page {p}")
-            if h is not None:
-                if count:
-                    st.ref(h)
-            elif count or not st.holding([hashes[p]])[0]:
-                table[p] = (st.keep(hashes[p], dev, needed=count), hashes[p])
-
-    def _drop_page(self, gi: int, p: int) -> None:
-        dev, h = self.swa[gi].pop(p)
-        st = self.owner.stores[gi]
-        if h is None:
-            st.free([dev])
-        else:
-            st.unpin(h)
-
-    def _release_swa(self, *, keep_page: int = -1, pinned_only: bool = False) -> None:
-        """Drop this request's SWA pages: all of them, but a private ``keep_page`` (a preempted
-        request's partial page), or only the pinned store items (an admission's rollback)."""
-        for gi, table in self.swa.items():
-            for p in [p for p, (_, h) in table.items() if h is not None or not (pinned_only or p == keep_page)]:
-                self._drop_page(gi, p)
-
-    # ------------------------------------------------------------ endings
-    def _record_end(self, snapshots: dict[int, list] | None) -> None:
-        b = self.inner.computed_tokens // self.owner.ps
-        self.advance(self.inner.computed_tokens, snapshots)
-        if b and self.swa:
-            self.owner._record(self, self.hashes(b), b, None)
-
-    def finish(self, snapshots: dict[int, list] | None = None) -> None:
-        """Record the end boundary (page-floored), share and release everything. -> FINISHED."""
-        if self.inner.state is RequestState.RUNNING:
-            self._record_end(snapshots)
-        self.inner.finish()
-        self._release_swa()
-        del self.owner.live[self.rid]
-        self.owner.sweep(SWEEP_BATCH)
-
-    def preempt(self, snapshots: dict[int, list] | None = None) -> None:
-        """Record the end boundary, then ``Request.preempt``; the SWA page of a private partial
-        last page is kept with the full groups' (for an exact refresh). -> PREEMPTED."""
-        self._record_end(snapshots)
-        tail = self.inner.computed_tokens // self.owner.ps if self.inner.computed_tokens % self.owner.ps else -1
-        self.inner.preempt()
-        self._release_swa(keep_page=tail)
-        self.resume = 0
-        self.owner.sweep(SWEEP_BATCH)
-
-    def abort(self) -> None:
-        """Release everything without recording anything. -> ABORTED."""
-        self.inner.abort()
-        self._release_swa()
-        del self.owner.live[self.rid]
-
-    def check_integrity(self) -> None:
-        """Pinned pages are the store's L1 copies of their items; private ones are the store's
-        private ids (and never held twice)."""
-        for gi, table in self.swa.items():
-            st = self.owner.stores[gi]
-            for p, (dev, h) in table.items():
-                ok = st.l1.get(h) == dev and h in st.pins if h is not None else dev in st.private
-                if not ok:
-                    raise IntegrityError(f"request {self.rid!r}: SWA group {gi} page {p} -> L1 {dev} "
-                                         f"({'item ' + h.hex() if h else 'private'}) is not held that way")

@@ -28,7 +28,7 @@ except ``run_plan``.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 from hicache.errors import InvalidArgument, LayoutError
 from hicache.hybrid import GroupKind, LayerGroup, swa_needed_pages
@@ -179,6 +179,30 @@ def plan_load(layout: KVLayout, boundary: int, src: Sequence[Ids], dst: Sequence
                                 d, per * len(want)))
     full = layout.page_bytes * boundary
     return HybridCopyPlan(boundary, tuple(copies), sum(c.nbytes for c in copies), full)
+
+
+def on_group_pools(plan: HybridCopyPlan, layout: KVLayout, pool_layouts: Mapping[int, KVLayout]) -> HybridCopyPlan:
+    """``plan`` (in ``layout``'s planes) for groups kept in pools of their own: group ``g``'s
+    pool has ``pool_layouts[g]``, whose layers are the group's in order, numbered from 0
+    (``hybrid_cache.group_layout``); each step's planes become the same layer's planes
+    there. State copies (``STATE_PLANE`` of a state pool) and groups not in
+    ``pool_layouts`` stay as they are. Raises ``LayoutError`` when a pool layout's layers
+    or plane sizes do not match the group's. Pure."""
+    copies = []
+    for c in plan.copies:
+        pl = pool_layouts.get(c.group)
+        g = layout.groups[c.group]
+        if pl is None or c.kind == "state":
+            copies.append(c)
+            continue
+        steps = tuple(tuple(s.index for s in pl.planes_of_layer(k)) for k in range(pl.num_layers))
+        sizes = [[layout.planes[p].page_bytes for p in s] for s in c.steps]
+        if c.layers != tuple(g.layers) or sizes != [[pl.planes[p].page_bytes for p in s] for s in steps]:
+            raise LayoutError(f"group {c.group} ({c.kind}): its pool's layout {pl.model_id!r} has {pl.num_layers} "
+                              f"layers of planes {[[pl.planes[p].page_bytes for p in s] for s in steps]} bytes; "
+                              f"the group's layers {g.layers} have {sizes}: build it with group_layout")
+        copies.append(c._replace(steps=steps))
+    return plan._replace(copies=tuple(copies))
 
 
 def run_plan(plan: HybridCopyPlan, kv_src: Pool, kv_dst: Pool, state_src: Pool | None = None,

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Callable
+from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
 
-from hicache.errors import IntegrityError, InvalidArgument, TransferError
-from hicache.hybrid_copy import GroupCopy, HybridCopyPlan, Pool, _pools
+from hicache.errors import CacheStateError, IntegrityError, InvalidArgument, TransferError
+from hicache.hybrid_copy import GroupCopy, HybridCopyPlan, Pool
 from hicache.kernels.page_copy import PageCopier, default_copier
 from hicache.layout import KVLayout
 from hicache.pools import DevicePool
@@ -79,6 +79,19 @@ class HybridLoadHandle:
         for g in range(len(self.events)):
             self.wait_group(g)
 
+    def sync_group(self, g: int) -> None:
+        """The host blocks until group ``g``'s copies are done (GPU too: its pages may then be
+        freed or rewritten by the host). Raises nothing: a failure is ``failed(g)``'s."""
+        ev = self.events[g][-1]
+        if self.on_gpu:
+            ev.synchronize()
+        else:
+            ev.wait()
+
+    def failed(self, g: int) -> BaseException | None:
+        """What group ``g``'s copy raised (CPU lanes), once it is done; None: it did not fail."""
+        return self.errors[g]
+
     def layer_ready(self, i: int) -> bool:
         g, k = self._step_of[i]
         return self._ready(g, k)
@@ -105,6 +118,79 @@ class HybridLoadHandle:
                                 f"{self.errors[g]!r}") from self.errors[g]
 
 
+class LayerWaits(Protocol):
+    """A load waited on per layer (``hicache.hicache.Admission``)."""
+
+    def wait_layer(self, i: int) -> None: ...
+
+    def wait(self) -> None: ...
+
+
+class AdmissionWaits:
+    """What one ``HybridCache`` admission waits for, confined per layer group.
+
+    A full-attention layer waits on ``full`` (``HiCache``'s layer-wise load of the full
+    groups, whose layer ``j`` is the ``j``-th full layer of the hybrid layout); a layer of
+    another group only on that group's copies in ``loads[g]`` (this admission's own load
+    and the loads of earlier admissions still bringing an item it reads); the snapshot
+    only on the state group's. So a full layer never waits for an SWA window or a
+    snapshot, nor an SWA layer for the full pages. ``state_row``: the L1 row of the
+    snapshot at the floor (``[layers, state_bytes]`` uint8), read by ``snapshot()``
+    until ``release_state()`` (the request gave the row back). Valid until the request
+    ends or is admitted again; ``wait_*`` raise as ``HybridLoadHandle``'s and ``HiCache``'s."""
+
+    def __init__(self, layout: KVLayout, full: LayerWaits, loads: Mapping[int, Sequence[HybridLoadHandle]],
+                 state_row: torch.Tensor | None = None):
+        self.full, self.loads, self.state_row = full, {g: tuple(hs) for g, hs in loads.items()}, state_row
+        self._state_released = False
+        fulls = sorted(i for g in layout.groups if g.kind == "full" for i in g.layers)
+        self._full_index = {layer: j for j, layer in enumerate(fulls)}
+        self._group_of = {i: gi for gi, g in enumerate(layout.groups) if g.kind != "state" for i in g.layers}
+        self._state_gi = next((gi for gi, g in enumerate(layout.groups) if g.kind == "state"), None)
+
+    def wait_layer(self, i: int) -> None:
+        """KV layer ``i`` of the hybrid layout is on L1 (GPU: the current stream waits)."""
+        j = self._full_index.get(i)
+        if j is not None:
+            self.full.wait_layer(j)
+            return
+        if i not in self._group_of:
+            raise IndexError(f"layer {i} is in no attention group of the layout ({len(self._group_of)} "
+                             f"non-full and {len(self._full_index)} full layers)")
+        for h in self.loads.get(self._group_of[i], ()):
+            h.wait_layer(i)
+
+    def wait_state(self) -> None:
+        """The snapshot at the floor is on L1 (no-op without one)."""
+        for h in self.loads.get(self._state_gi, ()) if self._state_gi is not None else ():
+            h.wait_state()
+
+    def snapshot(self) -> torch.Tensor | None:
+        """A copy of the snapshot at the floor, once it is on L1; None without one. Raises
+        ``CacheStateError`` after ``release_state()``: the row may hold another snapshot."""
+        if self._state_released:
+            raise CacheStateError("the snapshot at the floor was given back when the request first advanced; "
+                                  "read HybridAdmission.state before its first commit or advance")
+        if self.state_row is None:
+            return None
+        self.wait_state()
+        return self.state_row.clone()
+
+    def release_state(self) -> None:
+        """The request gave the snapshot's L1 row back (``snapshot()`` raises from now on)."""
+        self._state_released = self.state_row is not None
+
+    def group_ready(self, g: int) -> bool:
+        """Every copy of non-full group ``g`` this admission waits for is done."""
+        return all(h.group_ready(g) for h in self.loads.get(g, ()))
+
+    def wait(self) -> None:
+        self.full.wait()
+        for g, hs in self.loads.items():
+            for h in hs:
+                h.wait_group(g)
+
+
 class HybridLoader:
     """Runs hybrid load backs from ``kv_src``/``state_src`` into ``kv_dst``/``state_dst``,
     one lane (CUDA stream or worker thread) per layer group of ``kv_dst.layout``.
@@ -114,12 +200,33 @@ class HybridLoader:
 
     def __init__(self, kv_src: Pool, kv_dst: Pool, state_src: Pool | None = None, state_dst: Pool | None = None,
                  *, copier: PageCopier | None = None):
-        self.layout = kv_dst.layout
+        lay = kv_dst.layout
+        pools = {gi: (state_src, state_dst) if g.kind == "state" else (kv_src, kv_dst)
+                 for gi, g in enumerate(lay.groups)}
+        self._start(lay, pools, kv_dst, copier)
+
+    @classmethod
+    def per_group(cls, layout: KVLayout, pools: Mapping[int, tuple[Pool, Pool]], *,
+                  copier: PageCopier | None = None) -> "HybridLoader":
+        """A loader whose groups each copy between pools of their own (``HybridCache``'s
+        group stores: ``pools[g] = (L2 pool, L1 pool)`` of group ``g``, plans in their
+        planes, see ``hybrid_copy.on_group_pools``). A group without pools (the full
+        groups, which ``HiCache`` loads) may only be given empty copies."""
+        if not pools:
+            raise InvalidArgument(f"layout {layout.model_id!r}: no group has pools; nothing to load")
+        self = cls.__new__(cls)
+        self._start(layout, {g: pools.get(g, (None, None)) for g in range(len(layout.groups))},
+                    next(iter(pools.values()))[1], copier)
+        return self
+
+    def _start(self, layout: KVLayout, pools: Mapping[int, tuple[Pool | None, Pool | None]], dst: Pool,
+               copier: PageCopier | None) -> None:
+        self.layout = layout
         if not self.layout.groups:
             raise InvalidArgument(f"layout {self.layout.model_id!r} has no layer groups; use TransferController")
-        self.kv_src, self.kv_dst, self.state_src, self.state_dst = kv_src, kv_dst, state_src, state_dst
+        self.pools = dict(pools)
         self.copier = copier or default_copier()
-        dev = kv_dst.device if isinstance(kv_dst, DevicePool) else kv_dst.buffer.device
+        dev = dst.device if isinstance(dst, DevicePool) else dst.buffer.device
         self.on_gpu = dev.type == "cuda"
         n = len(self.layout.groups)
         self.streams = [torch.cuda.Stream(device=dev) for _ in range(n)] if self.on_gpu else []
@@ -140,12 +247,20 @@ class HybridLoader:
                                   "groups; build it with hybrid_copy.plan_load(layout, ...)")
         h = HybridLoadHandle(self.layout, plan, self.on_gpu)
         for c in plan.copies:
-            src, dst = _pools(c, self.kv_src, self.kv_dst, self.state_src, self.state_dst) if c.src else (None, None)
+            src, dst = self._pools_of(c) if c.src else (None, None)
             if self.on_gpu:
                 self._enqueue_gpu(c, src, dst, h)
             else:
                 self._queues[c.group].put(self._job(c, src, dst, h))
         return h
+
+    def _pools_of(self, c: GroupCopy) -> tuple[Pool, Pool]:
+        src, dst = self.pools[c.group]
+        if src is None or dst is None:
+            what = "state_src and state_dst (pools over hybrid_copy.state_layout(layout))" if c.kind == "state" \
+                else "its pools"
+            raise InvalidArgument(f"the plan moves {len(c.src)} item(s) of group {c.group} ({c.kind}); pass {what}")
+        return src, dst
 
     def _enqueue_gpu(self, c: GroupCopy, src, dst, h: HybridLoadHandle) -> None:
         s = self.streams[c.group]

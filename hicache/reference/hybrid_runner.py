@@ -3,7 +3,9 @@
 The full-attention layers' pages go through the ``HybridCache``'s ``HiCache``,
 the sliding-window layers' pages and the linear layers' state snapshots
 through its group stores (L1, L2, L3 each). At admission the cache returns
-the floor (``HybridAdmission.resume``) and the snapshot there; when the floor
+the floor (``HybridAdmission.resume``) and the snapshot there, their loads
+still in flight: every forward waits per attention layer for that layer's
+group (``HybridAdmission.wait_layer``), the state for the snapshot; when the floor
 is below the full layers' hit, the span between them is *replayed*: computed
 again for the SWA and linear layers (the SWA KV rewritten, the state
 advanced), the full layers' KV reused as cached.
@@ -16,7 +18,9 @@ from typing import NamedTuple
 import torch
 
 from hicache.errors import CacheStateError
-from hicache.hybrid_cache import HybridAdmission, HybridCache, HybridRequest
+from hicache.hybrid_admission import HybridAdmission
+from hicache.hybrid_cache import HybridCache
+from hicache.hybrid_request import HybridRequest
 from hicache.reference.model_hybrid import HybridModel, HybridState
 
 
@@ -60,18 +64,19 @@ class HybridRunner:
         shape = self.model.hspec.state_shape
         return HybridState.at(adm.resume, [row.view(torch.float32).view(shape) for row in adm.state])
 
-    def _forward(self, req: HybridRequest, tokens: list[int], start: int, st: HybridState, *,
-                 replay: bool = False):
+    def _forward(self, req: HybridRequest, adm: HybridAdmission, tokens: list[int], start: int, st: HybridState,
+                 *, replay: bool = False):
+        """One chunk; each attention layer first waits for its own group's load (``adm``)."""
         return self.model.forward_chunk(self.pool, tokens, start, req.slot_ids(), state=st, replay=replay,
-                                        swa=self._swa(req))
+                                        swa=self._swa(req), before_layer=adm.wait_layer)
 
-    def _replay(self, req: HybridRequest, st: HybridState) -> int:
+    def _replay(self, req: HybridRequest, adm: HybridAdmission, st: HybridState) -> int:
         """Recompute ``[st.pos, computed)`` for the SWA and state layers; tokens replayed."""
         done = req.computed_tokens
         if st.pos >= done:
             return 0
         n = done - st.pos
-        self._forward(req, req.tokens[st.pos:done], st.pos, st, replay=True)
+        self._forward(req, adm, req.tokens[st.pos:done], st.pos, st, replay=True)
         req.advance(done, st.snapshots)
         st.snapshots.clear()
         return n
@@ -87,13 +92,13 @@ class HybridRunner:
         st = self._state(adm)
         ends = {len(prompt) // self.ps, (len(prompt) + new_tokens) // self.ps} if self.snapshot_ends else set()
         st.marks = ends | {adm.hit // self.ps}  # a fork the floor fell short of: snapshot it on the way
-        replayed = self._replay(req, st)
+        replayed = self._replay(req, adm, st)
         computed, logits = replayed, None
         while req.computed_tokens < len(prompt):
             start = req.computed_tokens
             n = min(self.chunk_tokens, len(prompt) - start)
             req.alloc(n)
-            logits = self._forward(req, prompt[start:start + n], start, st).logits_last
+            logits = self._forward(req, adm, prompt[start:start + n], start, st).logits_last
             req.commit(n, st.snapshots)
             st.snapshots.clear()
             computed += n
@@ -103,7 +108,7 @@ class HybridRunner:
                 adm = self.cache.admit(req)  # the live state was dropped: live_state_tokens=0
                 st = self._state(adm)
                 st.marks = ends | {adm.hit // self.ps}
-                r = self._replay(req, st)
+                r = self._replay(req, adm, st)
                 replayed, computed = replayed + r, computed + r
         if logits is None:  # the match caps at len - 1, so the last prompt token is always computed
             raise CacheStateError(f"request {rid!r}: no prompt token was computed (prompt of {len(prompt)})")
@@ -114,7 +119,7 @@ class HybridRunner:
             pos = req.num_tokens
             req.extend([tok])
             req.alloc(1)
-            logits = self._forward(req, [tok], pos, st).logits_last
+            logits = self._forward(req, adm, [tok], pos, st).logits_last
             req.commit(1, st.snapshots)
             st.snapshots.clear()
         req.finish()

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from hicache.reference import model_layers as ml
-from hicache.reference.model import ChunkOutput, ReferenceModel, StoreFn, _Stack
+from hicache.reference.model import ChunkOutput, LayerHook, ReferenceModel, StoreFn, _Stack
 from hicache.reference.model_kv import gather_context, write_kv
 from hicache.reference.model_spec import ModelSpec
 from hicache.errors import IntegrityError, InvalidArgument, LayoutError, PoolError
@@ -183,9 +183,12 @@ class HybridModel(ReferenceModel):
 
     def forward_chunk(self, pool: DevicePool, tokens, start_pos: int, slot_ids: torch.Tensor, *,
                       state: HybridState, replay: bool = False, all_logits: bool = False,
-                      swa: tuple[DevicePool, torch.Tensor] | None = None) -> ChunkOutput:
-        """See the class docstring. Raises ``ValueError`` when ``state`` is not at ``start_pos``,
-        ``PoolError`` when ``swa``'s pool is not this model's SWA group."""
+                      swa: tuple[DevicePool, torch.Tensor] | None = None,
+                      before_layer: LayerHook | None = None) -> ChunkOutput:
+        """See the class docstring. ``before_layer(i)`` runs before attention layer ``i`` (the
+        hybrid layout's KV layer ``i``, either pool) reads or writes it: pass
+        ``HybridAdmission.wait_layer``. Raises ``ValueError`` when ``state`` is not at
+        ``start_pos``, ``PoolError`` when ``swa``'s pool is not this model's SWA group."""
         if state.pos != start_pos:
             raise ValueError(f"HybridModel.forward_chunk: state is at token {state.pos}, the chunk starts at "
                              f"{start_pos}; resume the state from a snapshot at {start_pos} first")
@@ -194,7 +197,8 @@ class HybridModel(ReferenceModel):
             self._check_swa_pool(swa[0])
         self._state, self._end, self._replay, self._swa = state, start_pos + n, replay, swa
         try:
-            return super().forward_chunk(pool, tokens, start_pos, slot_ids, draft=False, all_logits=all_logits)
+            return super().forward_chunk(pool, tokens, start_pos, slot_ids, draft=False, all_logits=all_logits,
+                                         before_layer=before_layer)
         finally:
             self._state, self._replay, self._swa = None, False, None
 
@@ -233,6 +237,8 @@ class HybridModel(ReferenceModel):
                 continue
             lw = w.layers[kv_i]
             q, kv = ml.project(s, lw, ml.rms_norm(x, lw.attn_norm, s.norm_eps), cos, sin)
+            if before_layer is not None:
+                before_layer(kv_i)  # its pages (full or SWA pool) are on L1 from here on
             old = max(0, t0 - hs.window + 1) if kind == "swa" else 0  # no query of this tile sees a key before
             if self._swa is not None and kind == "swa":
                 ctx = self._swa_context(at["swa"], kv, t0, T, a, b, old, x.dtype)

@@ -46,6 +46,7 @@ ALLOWED: dict[tuple[str, str], str] = {
         "clients are served only after _open_state",
     ("hicache/service/server.py", "self.dispatcher is not None"): "connections are accepted only after _open_state",
     ("hicache/service/server.py", "d is not None"): "_open_state sets index and dispatcher together",
+    ("hicache/service/server.py", "self._events is not None"): "_open_state builds the index and the event log together",
     ("hicache/service/server.py", "self._loop is not None and self._stop is not None"): "_main sets both before on_ready",
     ("api/stats.py", "state.storage is not None"): "type narrowing: the L3 stats were read from it above",
     ("kernels/plan.py", "anchor % ALIGN == 0"): "torch allocations are 256-byte aligned",

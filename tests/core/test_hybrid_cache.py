@@ -11,6 +11,8 @@ from hicache.group_tiers import GroupTiers, TierCounts
 from hicache.hashing import page_hashes
 from hicache.hybrid import LayerGroup, hybrid_layout, stored_bytes, swa_needed_pages, workload_bytes
 from hicache.hybrid_cache import HybridCache, HybridPools, group_layout
+from hicache.hybrid_copy import on_group_pools, plan_load
+from hicache.hybrid_load import HybridLoader
 from hicache.layout import KVLayout
 from hicache.shapes import model_shape
 from hicache.storage import open_storage
@@ -48,6 +50,20 @@ def _tiers(l3=True):
     return GroupTiers("swa0", lay, 3, 2, "cpu", st)
 
 
+def _load(t):
+    """Start ``t``'s pending copies as ``HybridCache`` does (one ``plan_load`` plan, the group's
+    lane of a ``HybridLoader``), wait, observe."""
+    n = t.layout.num_layers
+    plan_lay = t.layout.replace(groups=(LayerGroup("swa", tuple(range(n)), window=10 ** 6),))
+    pend = list(t.pending.values())
+    plan = plan_load(plan_lay, len(pend), [[s for s, _ in pend]], [[d for _, d in pend]])
+    loader = HybridLoader.per_group(plan_lay, {0: (t.host, t.device)})
+    h = loader.load(on_group_pools(plan, plan_lay, {0: t.layout}))
+    t.started(h, 0)
+    assert t.settle_loads(wait=True) == len(pend)
+    loader.close()
+
+
 def _fill(t, dev, value):
     t.device.buffers[0][dev * 2:(dev + 1) * 2] = value
     t.device.buffers[1][dev * 2:(dev + 1) * 2] = -value
@@ -67,9 +83,14 @@ def test_group_tiers_move_items_and_drop_what_no_boundary_needs():
     with pytest.raises(OutOfPages, match="swa0: asked for 4 L1 pages"):
         t.alloc(4)
     assert t.evict_l1(10) == 3 and t.counts() == TierCounts(0, 2, 3)
-    dev = t.take(h[0])  # from L3, through L2, onto L1
-    assert dev is not None and t.stats().taken_l3 == 1
+    dev = t.take(h[0])  # from L3 onto L2; indexed on L1, its L2 -> L1 copy pending
+    assert dev is not None and t.stats().taken_l3 == 1 and t.pending == {h[0]: (t.l2[h[0]], dev)}
+    t.check_integrity()
+    with pytest.raises(IntegrityError, match="pinned by a request"):
+        t.cancel_pending(set())
+    _load(t)  # the copy goes the way HybridCache starts it; its pin holds the item until observed
     assert torch.equal(t.device.buffers[0][dev * 2:(dev + 1) * 2], torch.full((2, 1, 4), 1.0))
+    assert t.pins == {h[0]: 1} and not t.loading
     t.unpin(h[0])
     assert t.take(h[3]) is None
     t.check_integrity()
@@ -418,3 +439,24 @@ def test_a_snapshot_l3_lost_is_stored_again_by_a_request_that_recomputes_it():
     third.abort()
     hc.check_integrity()
     hc.close()
+
+
+def test_hybrid_cache_satisfies_the_owner_protocol_its_requests_use():
+    """``HybridRequest`` talks to its cache only through ``HybridOwner``: every member of
+    the protocol is on a real cache, with the declared arity (a rename on either side fails)."""
+    import inspect
+
+    from hicache.hybrid_request import HybridOwner
+
+    hc = _cache(hybrid_layout(model_shape("gpt-oss-120b"), 16))
+    try:
+        for name in HybridOwner.__annotations__:
+            assert hasattr(hc, name), f"HybridCache lacks {name!r}"
+        for name, fn in vars(HybridOwner).items():
+            if inspect.isfunction(fn) and not name.startswith("_"):
+                have = getattr(hc, name, None)
+                assert callable(have), f"HybridCache lacks method {name!r}"
+                want = [p for p in inspect.signature(fn).parameters if p != "self"]
+                assert list(inspect.signature(have).parameters) == want, (name, inspect.signature(have))
+    finally:
+        hc.close()

@@ -8,6 +8,8 @@ the pages inside some recorded boundary's window (counted per tier against
 ``swa_needed_pages``; the bytes held equal ``stored_bytes``' hybrid figure).
 Corrupting a held page inside the window, or a snapshot's values, changes the
 logits (the checks can fail)."""
+import threading
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from hicache.group_tiers import TierCounts
 from hicache.hashing import page_hashes
 from hicache.hybrid import LayerGroup, stored_bytes, swa_needed_pages, workload_bytes
 from hicache.hybrid_cache import HybridCache, HybridPools, group_layout
+from hicache.kernels.page_copy import PageCopier
 from hicache.reference.hybrid_runner import HybridRunner
 from hicache.reference.model_hybrid import HybridModel, HybridSpec, HybridState
 from hicache.reference.model_spec import ModelSpec
@@ -44,11 +47,12 @@ def model(models):
     return models[SPEC]
 
 
-def make_cache(url="", host_layout="page_first", spec=SPEC, pools=HybridPools(), device_pages=64, host_pages=128):
+def make_cache(url="", host_layout="page_first", spec=SPEC, pools=HybridPools(), device_pages=64, host_pages=128,
+               copier=None):
     cfg = HiCacheConfig.load(env={}, overrides={
         "storage.url": url, "pool.device_pages": str(device_pages), "pool.host_pages": str(host_pages),
         "policy.prefetch_policy": "wait_complete", "pool.device": "cpu", "policy.write_policy": "write_through"})
-    return HybridCache(cfg, layout=spec.kv_layout(PS, host_layout), pools=pools)
+    return HybridCache(cfg, layout=spec.kv_layout(PS, host_layout), pools=pools, copier=copier)
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +139,47 @@ def test_warm_equals_cold_floored_to_the_snapshot_on_every_tier(model, cold, tmp
     # the window at page 9 (pages 7, 8) and the snapshot there came back from L3
     assert hc.stores[SWA_GI].stats().taken_l3 == 2 and hc.stores[STATE_GI].stats().taken_l3 == 1
     assert hc.stores[STATE_GI].storage.stats().hits == 1
+    hc.check_integrity()
+    hc.close()
+
+
+class _Gate(PageCopier):
+    """Copies into ``held`` (a group store's L1 pool) wait for ``event``."""
+
+    def __init__(self):
+        super().__init__()
+        self.event, self.held = threading.Event(), None
+
+    def copy_pages(self, src, dst, *a, **kw):
+        if dst is self.held:
+            assert self.event.wait(60), "gate never opened"
+        return super().copy_pages(src, dst, *a, **kw)
+
+
+@pytest.mark.parametrize("held", [SWA_GI, STATE_GI])
+def test_the_model_waits_for_each_groups_load_before_reading_it(model, cold, held):
+    """The loads are asynchronous: with the SWA window's (or the snapshot's) copy held and
+    every L1 pool poisoned (0xFF: NaN), the served request waits; once the copy lands it
+    equals the cold run bit for bit (a read before its copy would see the poison)."""
+    gate = _Gate()
+    hc = make_cache(copier=gate)
+    run = HybridRunner(hc, model, chunk_tokens=5)
+    run.serve("a", PROMPT)
+    hc.drain()
+    hc.evict(10_000)
+    for pool in (hc.hc.device_pool, *(s.device for s in hc.stores.values())):
+        for b in pool.buffers:
+            b.view(-1).view(torch.uint8).fill_(0xFF)
+    gate.held = hc.stores[held].device
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=run.serve("b", PROMPT)), daemon=True)
+    t.start()
+    t.join(0.5)
+    assert t.is_alive() and hc.stores[held].loading and not out, "served without waiting for the held copy"
+    gate.event.set()
+    t.join(60)
+    assert (out["r"].hit, out["r"].resume) == (36, 32) and same(out["r"], cold[SPEC, "base"])
+    hc.drain()
     hc.check_integrity()
     hc.close()
 
