@@ -105,3 +105,25 @@ def test_other_write_policies_leave_room_to_the_index(layout):
     adm = serve(hc, "a2", a, rows_a)
     assert adm.host_tokens == PAGES * layout.page_size and l1_rows_equal(hc, a, rows_a) == PAGES * layout.page_size
     hc.close()
+
+
+def test_hicache_satisfies_the_owner_protocol_its_room_uses():
+    """``L1Room`` talks to its cache only through ``RoomOwner``: every method of the
+    protocol is on a real ``HiCache`` with the declared parameters (a rename on either
+    side fails), and the room a cache builds is owned by that cache."""
+    import inspect
+
+    from hicache.room import RoomOwner
+
+    hc = _make(LAYOUT)
+    try:
+        names = [n for n, fn in vars(RoomOwner).items() if inspect.isfunction(fn) and not n.startswith("_")]
+        assert sorted(names) == ["complete_finished", "start_backup", "wait_job"]
+        for name in names:
+            have = getattr(hc, name, None)
+            assert callable(have), f"HiCache lacks method {name!r}"
+            want = [p for p in inspect.signature(getattr(RoomOwner, name)).parameters if p != "self"]
+            assert list(inspect.signature(have).parameters) == want, (name, inspect.signature(have))
+        assert hc.room._owner is hc and hc.room._jobs is hc._jobs and hc.room.l2 is hc.l2
+    finally:
+        hc.close()
