@@ -5,7 +5,8 @@ the transfer controller, and implements the write policies, load back and
 prefetch on top of the index. The index never calls up: requests made here
 are ``TieredRequest`` handles, which act on what each index call returns
 (back up the nodes an insert created, wait for loads and copy draft planes
-before adopting the index's pages, write back eviction victims)::
+before adopting the index's pages). Making L1 room (eviction, the write-back
+queue, cleaning ahead) is one component it owns, ``L1Room`` (``hicache.room``)::
 
     hc = HiCache(HiCacheConfig.load())
     req = hc.new_request("r1", prompt_ids)
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from typing import NamedTuple
 
@@ -45,6 +45,7 @@ from hicache.l2.base import L2Tier
 from hicache.l2.factory import open_l2
 from hicache.l2.segment import ServiceHostTier
 from hicache.request import MatchResult
+from hicache.room import L1Room
 from hicache.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan
 from hicache.tiers import TierManager
 from hicache.transfer import LoadHandle, Plan, TransferController, TransferKind, TransferResult
@@ -55,8 +56,7 @@ log = logging.getLogger(__name__)
 L3_PLANS = (StorePlan, PrefetchPlan)  # transfers that make L3 calls (drain does not wait on a stalled L3)
 
 # Policy members read once: an enum member lookup costs ~0.8 us on Python 3.11.
-_WRITE_THROUGH, _WRITE_THROUGH_SELECTIVE, _WRITE_BACK = (WritePolicy.WRITE_THROUGH,
-                                                         WritePolicy.WRITE_THROUGH_SELECTIVE, WritePolicy.WRITE_BACK)
+_WRITE_THROUGH, _WRITE_THROUGH_SELECTIVE = WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_THROUGH_SELECTIVE
 _BEST_EFFORT, _WAIT_COMPLETE = PrefetchPolicy.BEST_EFFORT, PrefetchPolicy.WAIT_COMPLETE
 
 
@@ -130,8 +130,7 @@ class HiCache:
         self.misses = MissTracker(cfg.policy.miss_window_pages)
         self._l3_outcome: L3Outcome | None = None  # what the last admission's L3 lookup found
         self._no_room_pages = 0  # L2-hit pages the last admission could not load: no L1 room
-        # write_back: L1 pages at the eviction end kept clean ahead of eviction (``_clean_ahead``)
-        self._clean_pages = math.ceil(cfg.policy.write_back_clean_fraction * self.cache.device_allocator.capacity)
+        self.room = L1Room(self, self.cache, self.l2, self._jobs, cfg.policy, self.tier_stats)  # eviction, write-back
         self._prefetched = 0  # pages the last completed prefetch brought into L2
 
     # ------------------------------------------------------------- requests
@@ -194,7 +193,7 @@ class HiCache:
                 self._selective_backup(m.device_node)
         device_tokens = min(device_tokens, m.device_tokens)  # L1 pages evicted meanwhile were not a hit
         host_tokens = m.device_tokens - device_tokens
-        self._clean_ahead()  # write_back: room for the next admission (starts copies, never waits)
+        self.room.clean_ahead()  # write_back: room for the next admission (starts copies, never waits)
         return Admission(m, device_tokens, host_tokens, min(storage_tokens, host_tokens), tuple(loads))
 
     def _agreed(self, req: Request, m: MatchResult) -> MatchResult:
@@ -261,7 +260,7 @@ class HiCache:
             t0 = time.perf_counter()
             self.transfers.wait(job, None if timeout is None else max(0.0, timeout))
             self.tier_stats.prefetch_waited_ms += (time.perf_counter() - t0) * 1e3
-        self._observe(job)
+        self.complete_finished(job)
 
     # ----------------------------------------------------------------- L2 -> L1
     def _load_back(self, req: Request, m: MatchResult) -> tuple[LoadHandle | None, MatchResult, int]:
@@ -282,7 +281,7 @@ class HiCache:
         if lb is None:
             return None, m, 0
         try:
-            self._make_room(lb.num_pages)
+            self.room.make_room(lb.num_pages)
             dev = self.cache.alloc_device(lb.num_pages)
         except OutOfPages:  # a miss, counted: L1 is pinned or still writing its victims back
             self.l2.cancel_load(lb)
@@ -304,63 +303,13 @@ class HiCache:
     # ----------------------------------------------------------------- L1 -> L2
     def _selective_backup(self, deepest: Node) -> None:
         for n in self.cache.path(deepest):
-            if self._unbacked(n) and n.hit_count >= self.policy.write_through_threshold:
-                self._backup(n)
+            if self.l2.unbacked(n) and n.hit_count >= self.policy.write_through_threshold:
+                self.start_backup(n)
 
-    def _queue_write_back(self, victim: Node, evict: bool = True) -> bool:
-        """write_back: queue the backup of an eviction victim whose pages are not yet
-        on L2 (and of its path), without waiting. True: queued; the backup pins the
-        victim on L1 until it completes in ``poll()``, which then evicts it (``evict``;
-        else it stays on L1, clean: ``_clean_ahead``). False: evict it now (it is on
-        L2 already, or L2 has no room for it: dropped)."""
-        if self.policy.write_policy is not _WRITE_BACK or not self._unbacked(victim):
-            return False
-        own = None
-        for n in self.cache.path(victim):  # top-down: L2 stays prefix-closed
-            if not self._unbacked(n):
-                continue
-            job = self._backup(n)
-            if job is None and self._unbacked(n):
-                return False  # no L2 room: the victim goes without a copy (the path queued so far stays)
-            if job is not None:
-                self._jobs.queue_write_back(job, victim=evict and n is victim)
-            own = job if n is victim else own
-        if own is None:  # the shared L2 held it already: it is backed now
-            return False
-        if evict:
-            self.tier_stats.write_back_queued_pages += len(victim.device_pages or ())
-        return True
-
-    def _clean_ahead(self) -> None:
-        """write_back: keep room ready for the next admission, never waiting. Free L1
-        pages and the pages of backups in flight count as room; when they and the
-        clean candidates at the eviction end cover fewer than the watermark
-        (``write_back_clean_fraction`` of L1), start the write-back of the dirty
-        candidates among them, in eviction order (they stay on L1, clean once the
-        copy completes in ``poll()``), so an admission that needs room evicts clean
-        victims and keeps its L2 hit. Nothing is written while L1 has room."""
-        if self.policy.write_policy is not _WRITE_BACK:
-            return
-        want = self._clean_pages - self.cache.device_allocator.num_free - self._jobs.write_back_pages()
-        if want <= 0:
-            return
-        for v in self.cache.device_victims(want):
-            if self._unbacked(v):
-                self._queue_write_back(v, evict=False)
-
-    def _evict_written(self, node: Node) -> None:
-        """A queued write-back of victim ``node`` completed: evict it now if it has its L2
-        copy and is still an unlocked L1 leaf (a failed copy or a new user keeps it on L1)."""
-        if not self._unbacked(node):
-            self.cache.drop_device([node])  # skips it unless it is an unlocked L1 leaf
-
-    def _unbacked(self, n: Node) -> bool:
-        """``n`` has no L2 copy and none is being made (see ``L2Tier.unbacked``)."""
-        return self.l2.unbacked(n)
-
-    def _backup(self, node: Node) -> JobId | None:
+    def start_backup(self, node: Node) -> JobId | None:
         """Start copying ``node`` to L2 (it stays pinned on L1 until the copy completes
-        in ``poll()``); the job id, or None (nothing to copy, or no L2 room)."""
+        in ``poll()``); the job id, or None (nothing to copy, or no L2 room). Part of
+        ``RoomOwner``, the one way ``L1Room`` starts a write-back."""
         plan = self.l2.prepare_backup(node, pin=True)
         return None if plan is None else self._submit(plan)
 
@@ -377,9 +326,9 @@ class HiCache:
         self._jobs.add(job, plan)
         return job
 
-    def _observe(self, job: JobId | None = None) -> int:
-        """Hand every finished transfer (``job``: only that one) to the tier manager;
-        returns how many."""
+    def complete_finished(self, job: JobId | None = None) -> int:
+        """Hand every finished transfer (``job``: only that one) to the tier manager,
+        never waiting; returns how many (``RoomOwner``: how written victims leave L1)."""
         results = self.transfers.finished(job)
         for r in results:
             self._complete(self._jobs.pop(r.job), r)
@@ -394,8 +343,7 @@ class HiCache:
             for n in self.l2.complete_backup(plan, r.ok):
                 self.misses.reached(self.cache.hashes(n), L2)
                 self._store(n)
-            if self._jobs.end_write_back(r.job):
-                self._evict_written(plan.node)
+            self.room.written(r.job, plan.node)
         elif isinstance(plan, LoadPlan):
             self.l2.complete_load(plan, r.ok)
             if not r.ok:
@@ -411,102 +359,23 @@ class HiCache:
             tiers.complete_prefetch(plan, r.pages)
             self._prefetched = r.pages
 
-    def _wait(self, job: JobId, timeout: float | None = None) -> None:
-        """Block until ``job`` is done (or ``timeout`` s), then observe what finished."""
+    def wait_job(self, job: JobId, timeout: float | None = None) -> None:
+        """Block until ``job`` is done (or ``timeout`` s), then complete what finished
+        (``RoomOwner``)."""
         if self.transfers.wait(job, timeout):
-            self._observe()
+            self.complete_finished()
 
     # ------------------------------------------------------------- eviction
     def evict(self, num_pages: int) -> int:
-        """Take at least ``num_pages`` logical pages off L1 (unlocked leaves, by the
-        device eviction policy). Under ``write_back`` a victim whose pages are not
-        yet on L2 is backed up first (its path too) and this call waits for those
-        copies, so the victims stay L2 hits (admission never waits: ``_make_room``).
-        Returns pages evicted (fewer only when nothing else is evictable)."""
-        before = self._device_evicted()
-        for job in self._jobs.write_backs():  # cleaning ahead pins its nodes: let those copies land first
-            if job in self._jobs and not self._jobs.is_victim(job):
-                self._wait(job)
-        self._evict_now(num_pages - self._jobs.victim_pages())  # (queued victims leave once written)
-        while (got := self._device_evicted() - before) < num_pages and (victims := self._jobs.victim_jobs()):
-            self._wait(victims[0])  # observing evicts the written victims
-            now = self._device_evicted() - before
-            short = num_pages - now - self._jobs.victim_pages()
-            if short > 0 and self._evict_now(short) == 0 and now == got:
-                break  # the copy failed (the victim stays on L1): no progress to wait for
-        return self._device_evicted() - before
-
-    def _evict_now(self, num_pages: int) -> int:
-        """Evict ``num_pages`` L1 pages without waiting: victims on L2 already go now;
-        under ``write_back`` the others are skipped and their write-back queued
-        (``_queue_write_back``: they go once written), counting toward ``num_pages``.
-        Returns the pages evicted now."""
-        got = queued = 0
-        while got + queued < num_pages:
-            victims = self.cache.device_victims(num_pages - got - queued)
-            if not victims:
-                break
-            now = []
-            for v in victims:
-                if self._queue_write_back(v):
-                    queued += v.num_pages
-                else:
-                    now.append(v)
-            if now:
-                dropped = self.cache.drop_device(now)
-                if not dropped:
-                    break
-                got += dropped
-        return got
-
-    def _device_evicted(self) -> int:
-        return self.cache.stats().device_evicted_pages
+        """Take at least ``num_pages`` logical pages off L1 (see ``L1Room.evict``: under
+        ``write_back`` this waits for the victims' copies to L2). Returns pages evicted
+        (fewer only when nothing else is evictable)."""
+        return self.room.evict(num_pages)
 
     def evict_host(self, num_pages: int) -> list[int]:
         """Drop at least ``num_pages`` logical pages from L2 (never pages a transfer
         holds); returns the freed L2 ids (already free in the host pool)."""
         return self.tiers.evict_host(num_pages)
-
-    def _make_room(self, num_pages: int) -> None:
-        """Before an admission allocates ``num_pages`` L1 pages: under ``write_back``
-        evict here (the index's own eviction would drop unwritten pages), never
-        waiting: victims not yet on L2 are skipped and their write-back queued;
-        the copies already done (inline CPU copies: all) complete here and their
-        victims go. Raises ``OutOfPages`` when that leaves too few free: the load
-        is a miss."""
-        a = self.cache.device_allocator
-        if self.policy.write_policy is not _WRITE_BACK or a.num_free >= num_pages:
-            return
-        self._reap_write_backs()  # the copies of the pages cleaned ahead that landed: evictable now
-        while a.num_free < num_pages:
-            free = a.num_free
-            short = num_pages - free - self._jobs.victim_pages()  # queued victims leave once written
-            if short > 0:
-                self._evict_now(short)
-            self._reap_write_backs()  # victims written already (inline copies: all) go; their parents next round
-            if a.num_free == free:
-                break
-        if a.num_free < num_pages:
-            raise OutOfPages(f"L1: {num_pages} pages needed to load an L2 hit, {a.num_free} free; the write-back "
-                             f"of {len(self._jobs.victim_jobs())} victim(s) is queued (poll() evicts them once "
-                             "written); admission does not wait for it")
-
-    def _reap_write_backs(self) -> None:
-        """Complete the queued write-backs that are done already, in the order they were
-        queued (a path's upper nodes first), stopping at the first still running; never
-        waits. Their victims leave L1 (``_evict_written``). CPU copies run inline
-        (``inline_transfers``) are all done here."""
-        for job in self._jobs.write_backs():
-            if not self._observe(job):
-                return
-
-    def _room_to_compute(self, num_pages: int) -> None:
-        """Before a running request allocates ``num_pages`` L1 pages for the tokens it
-        computes (it must get them): as ``_make_room``, then, if still short, wait
-        for the queued write-backs (``evict``)."""
-        a = self.cache.device_allocator
-        if self.policy.write_policy is _WRITE_BACK and a.num_free < num_pages:
-            self.evict(num_pages - a.num_free)
 
     # ------------------------------------------------------------- sharing
     def _settle_share(self, req: Request, res: InsertResult | None) -> None:
@@ -521,7 +390,7 @@ class HiCache:
         req._adopt(res)
         if self.policy.write_policy is _WRITE_THROUGH:
             for n in res.created:
-                self._backup(n)
+                self.start_backup(n)
 
     def _copy_draft(self, pairs) -> None:
         """Copy the draft planes of L1 page ``a`` onto page ``b`` for each ``(a, b)``."""
@@ -534,9 +403,9 @@ class HiCache:
     def poll(self) -> int:
         """Observe finished transfers without blocking; returns how many. Raises
         ``TransferError`` once a load back has failed (see ``_check_healthy``)."""
-        n = self._observe()
+        n = self.complete_finished()
         self._check_healthy()
-        self._clean_ahead()
+        self.room.clean_ahead()
         return n
 
     def _check_healthy(self) -> None:
@@ -566,12 +435,12 @@ class HiCache:
         while self._jobs:
             copy = next((j for j, p in self._jobs.items() if not isinstance(p, L3_PLANS)), None)
             if copy is not None or self.storage is None:
-                self._wait(next(iter(self._jobs)) if copy is None else copy)
+                self.wait_job(next(iter(self._jobs)) if copy is None else copy)
             elif self.storage.stalled():
-                self._observe()
+                self.complete_finished()
                 return
             else:  # only L3 jobs left: wait in slices, re-checking that L3 answers
-                self._wait(next(iter(self._jobs)), self.storage.options.timeout_s / 4)
+                self.wait_job(next(iter(self._jobs)), self.storage.options.timeout_s / 4)
 
     @property
     def shared(self) -> ServiceHostTier | None:
@@ -606,6 +475,7 @@ class HiCache:
         self.transfers.check_integrity()
         self.cost.check_integrity()
         self._jobs.check_integrity()
+        self.room.check_integrity()
         self.l2.check_integrity()
         if self.storage is not None:
             self.storage.check_integrity()
@@ -631,7 +501,7 @@ def _l3_outcome(first_page: int, held: int, delivered: int, running: bool, befor
 class TieredRequest(Request):
     """A request of a ``HiCache``: the same handle and states as ``Request``; each
     step that changes the index hands the index's answer to its ``HiCache``,
-    which acts on it (see ``HiCache._settle_share`` and ``HiCache._room_to_compute``)."""
+    which acts on it (see ``HiCache._settle_share`` and ``L1Room.room_to_compute``)."""
 
     def __init__(self, hc: HiCache, rid: str, key: bytes, namespace: str, draft: bool):
         super().__init__(hc.cache, rid, key, namespace, draft)
@@ -640,7 +510,7 @@ class TieredRequest(Request):
     def alloc(self, num_tokens: int) -> list[int]:
         end = self.allocated_tokens + num_tokens
         if self.state is RequestState.RUNNING and 0 <= num_tokens and end <= self.num_tokens:
-            self._hc._room_to_compute(self._pages_for(end))
+            self._hc.room.room_to_compute(self._pages_for(end))
         return super().alloc(num_tokens)
 
     def commit(self, num_tokens: int | None = None, *, draft_tokens: int | None = None) -> int:

@@ -108,7 +108,7 @@ def test_a_failed_backup_gives_its_l2_pages_back_and_indexes_nothing(hc, monkeyp
     assert hc.l2.unbacked(node) and node.device_pages is not None  # still on L1, backable again
     hc.check_integrity()
     monkeypatch.undo()
-    hc._wait(hc._backup(node))  # and the real backup then lands: evict L1, load back, same bytes
+    hc.wait_job(hc.start_backup(node))  # and the real backup then lands: evict L1, load back, same bytes
     assert indexed_in_l2(hc, node) and not hc.l2.unbacked(node)
     hc.evict(100)
     adm = hc.admit(req := hc.new_request("b", tokens_of(hc)))
@@ -121,7 +121,7 @@ def test_a_failed_backup_gives_its_l2_pages_back_and_indexes_nothing(hc, monkeyp
 
 def test_a_failed_load_releases_its_l2_side_and_the_cache_stops_serving(hc, monkeypatch):
     node = serve(hc, "a", tokens_of(hc))
-    hc._wait(hc._backup(node))
+    hc.wait_job(hc.start_backup(node))
     hc.evict(100)
     before = l2_state(hc)
     broken_copies(monkeypatch)
@@ -144,7 +144,7 @@ def test_a_failed_load_releases_its_l2_side_and_the_cache_stops_serving(hc, monk
 
 def test_a_cancelled_load_gives_everything_back_and_indexes_nothing(hc):
     node = serve(hc, "a", tokens_of(hc))
-    hc._wait(hc._backup(node))
+    hc.wait_job(hc.start_backup(node))
     hc.evict(100)
     before, free = l2_state(hc), hc.cache.device_allocator.num_free
     req = hc.new_request("b", tokens_of(hc))
@@ -161,7 +161,7 @@ def test_a_cancelled_load_gives_everything_back_and_indexes_nothing(hc):
 
 def test_a_load_is_pinned_until_it_completes_and_then_unpinned(hc):
     node = serve(hc, "a", tokens_of(hc))
-    hc._wait(hc._backup(node))
+    hc.wait_job(hc.start_backup(node))
     hc.evict(100)
     req = hc.new_request("b", tokens_of(hc))
     lb = hc.l2.plan_load(req, req.match(), None)
@@ -186,7 +186,7 @@ def test_failed_l3_movements_of_the_private_l2_index_nothing(name):
     hc = HiCache(HiCacheConfig.load(env={}, overrides=o), layout=LAYOUTS[name])
     toks = tokens_of(hc)
     node = serve(hc, "a", toks)
-    hc._wait(hc._backup(node))
+    hc.wait_job(hc.start_backup(node))
     plan = hc.tiers.prepare_store(node)
     assert plan is not None and node.host_lock_ref == 1
     hc.tiers.complete_store(plan, 0)

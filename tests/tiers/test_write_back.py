@@ -18,7 +18,7 @@ from tests.tiers.test_real_shapes import l1_rows_equal, rows_for
 from tests.tiers.test_real_shapes import serve as serve_real
 
 WB = {"policy.write_policy": "write_back"}
-# The queue alone, without cleaning ahead (``_clean_ahead``): admission then meets dirty victims.
+# The queue alone, without cleaning ahead (``L1Room.clean_ahead``): admission then meets dirty victims.
 WB_QUEUE_ONLY = {**WB, "policy.write_back_clean_fraction": "0"}
 
 
