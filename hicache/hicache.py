@@ -168,8 +168,9 @@ class HiCache:
         device_tokens = m.device_tokens
         l3_hit = self._storage_hit(req, m)
         # The one cost decision: load the L2 / L3 parts only where that beats recomputing them.
-        plan = self.cost.decide(m.host_tokens, len(l3_hit.hashes) * self.layout.page_size,
-                                self.transfers.queued_bytes())
+        l3_tokens = len(l3_hit.hashes) * self.layout.page_size
+        queued = self.transfers.queued_bytes() if self.cost.enabled and (m.host_tokens or l3_tokens) else None
+        plan = self.cost.decide(m.host_tokens, l3_tokens, queued)
         storage_tokens = self._prefetch(req, m, l3_hit) if plan.load_l3 else 0
         if storage_tokens or m.epoch != self.cache.epoch:
             m = req.match()  # prefetched pages joined L2, or L2 room was made by eviction

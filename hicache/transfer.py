@@ -190,6 +190,9 @@ class TransferController:
         self.storage = storage
         self.on_gpu = device_pool.device.type == "cuda"
         self._pending: list[Transfer] = []  # submitted, not yet reported by finished()
+        # GPU load backs' (start, end) timing events, reused once read (creating two CUDA
+        # events per admission was a measurable part of its host time)
+        self._timing_free: list[tuple] = []
         self._jobs: dict[JobId, Transfer] = {}  # the same, by job id
         self._handles: dict[JobId, LoadHandle] = {}  # load jobs' layer-wise handles
         self._next_job = 0
@@ -291,7 +294,8 @@ class TransferController:
         graph = self._load_graph() if self.on_gpu and host_pages else None
         if self.on_gpu:
             self._stream.wait_stream(torch.cuda.current_stream())
-            t.timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            t.timing = self._timing_free.pop() if self._timing_free else (
+                torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             t.timing[0].record(self._stream)
         if graph is not None:  # one replay: every layer's copy and its completion (flag or event)
             for i, ev in enumerate(graph.launch(host_pages, device_pages, self._stream)):
@@ -460,6 +464,9 @@ class TransferController:
             pages = t.result if t.result is not None else t.pages
             if t.timing is not None and t.timing[1].query():  # (recorded just after the job's own event)
                 t.seconds = t.timing[0].elapsed_time(t.timing[1]) / 1e3
+                if len(self._timing_free) < 64:  # read: both events may be recorded again
+                    self._timing_free.append(t.timing)
+                t.timing = None
             out.append(TransferResult(t.job, t.kind, pages, t.error, t.seconds))
         return out
 
