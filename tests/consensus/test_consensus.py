@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import threading
 from pathlib import Path
@@ -14,28 +13,11 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from hicache.service.server import NodeServer
 from hicache.service.client import ServiceClient
-from hicache.config import HiCacheConfig
 from hicache.consensus import ServiceConsensus, admitted_hit
 from hicache.errors import ConfigError, ServiceError
-from hicache.shm import shm_path
 
 from tests.consensus.ranks import PS, run_rank
-
-
-@pytest.fixture
-def server():
-    d = tempfile.mkdtemp(prefix="hcc", dir="/tmp")
-    name = f"hicache-test-{os.getpid()}-{os.urandom(4).hex()}"
-    cfg = HiCacheConfig.load(overrides={"service.socket_path": d + "/s.sock", "service.shm_name": name,
-                                        "pool.host_pages": 4}, env={})
-    srv = NodeServer(cfg)
-    srv.start()
-    yield srv
-    srv.stop()
-    assert not os.path.exists(shm_path(name))
-    os.rmdir(d)
 
 
 def _run(world: int, transport: str, cp_size: int, rendezvous: str) -> list[dict]:

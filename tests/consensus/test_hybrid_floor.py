@@ -11,8 +11,6 @@ still equals a cold run bit for bit.
 """
 from __future__ import annotations
 
-import os
-import tempfile
 import threading
 
 import pytest
@@ -26,9 +24,7 @@ from hicache.hybrid_cache import HybridCache
 from hicache.reference.hybrid_runner import HybridRunner
 from hicache.reference.model_hybrid import HybridModel, HybridSpec
 from hicache.reference.model_spec import ModelSpec
-from hicache.service.server import NodeServer
 from hicache.shapes import model_shape
-from hicache.shm import shm_path
 
 # an exception in a rank's thread fails the test (not only a warning)
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
@@ -36,20 +32,6 @@ pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExce
 PS = 16
 PROMPT = [(7919 * j) % 50_000 + 1 for j in range(10 * PS)]  # 10 pages
 STATE_BYTES = 64
-
-
-@pytest.fixture
-def server():
-    d = tempfile.mkdtemp(prefix="hch", dir="/tmp")
-    name = f"hicache-test-{os.getpid()}-{os.urandom(4).hex()}"
-    cfg = HiCacheConfig.load(overrides={"service.socket_path": d + "/s.sock", "service.shm_name": name,
-                                        "pool.host_pages": 4}, env={})
-    srv = NodeServer(cfg)
-    srv.start()
-    yield srv
-    srv.stop()
-    assert not os.path.exists(shm_path(name))
-    os.rmdir(d)
 
 
 def _cache(rank: int, consensus) -> HybridCache:

@@ -22,6 +22,7 @@ from hicache.hashing import page_hashes
 from hicache.hybrid import LayerGroup, hybrid_layout
 from hicache.hybrid_cache import HybridCache, HybridPools
 from hicache.kernels.page_copy import PageCopier
+from tests.helpers.gates import GroupGate as _Gate
 from hicache.layout import KVLayout
 from hicache.pools import DevicePool
 from hicache.shapes import model_shape
@@ -116,17 +117,6 @@ def _check_bytes(hc: HybridCache, req, adm, want: dict) -> None:
         assert torch.equal(adm.state.cpu(), want["state"][b]), f"the snapshot at {b} differs"
 
 
-class _Gate(PageCopier):
-    """Copies into ``held`` (a group store's L1 pool) wait for ``event``."""
-
-    def __init__(self):
-        super().__init__()
-        self.event, self.held = threading.Event(), None
-
-    def copy_pages(self, src, dst, *a, **kw):
-        if dst is self.held:
-            assert self.event.wait(60), "gate never opened"
-        return super().copy_pages(src, dst, *a, **kw)
 
 
 def _returns(fn, timeout: float = 30.0) -> bool:

@@ -19,7 +19,7 @@ from hicache.group_tiers import TierCounts
 from hicache.hashing import page_hashes
 from hicache.hybrid import LayerGroup, stored_bytes, swa_needed_pages, workload_bytes
 from hicache.hybrid_cache import HybridCache, HybridPools, group_layout
-from hicache.kernels.page_copy import PageCopier
+from tests.helpers.gates import GroupGate as _Gate
 from hicache.reference.hybrid_runner import HybridRunner
 from hicache.reference.model_hybrid import HybridModel, HybridSpec, HybridState
 from hicache.reference.model_spec import ModelSpec
@@ -143,17 +143,6 @@ def test_warm_equals_cold_floored_to_the_snapshot_on_every_tier(model, cold, tmp
     hc.close()
 
 
-class _Gate(PageCopier):
-    """Copies into ``held`` (a group store's L1 pool) wait for ``event``."""
-
-    def __init__(self):
-        super().__init__()
-        self.event, self.held = threading.Event(), None
-
-    def copy_pages(self, src, dst, *a, **kw):
-        if dst is self.held:
-            assert self.event.wait(60), "gate never opened"
-        return super().copy_pages(src, dst, *a, **kw)
 
 
 @pytest.mark.parametrize("held", [SWA_GI, STATE_GI])
