@@ -27,7 +27,7 @@ import math
 from typing import Protocol
 
 from hicache.cache import PrefixCache
-from hicache.errors import IntegrityError, OutOfPages
+from hicache.errors import IntegrityError, InvalidArgument, OutOfPages
 from hicache.index.node import Node
 from hicache.inflight import InFlight
 from hicache.l2.base import L2Tier
@@ -60,7 +60,8 @@ class L1Room:
 
     def __init__(self, owner: RoomOwner, cache: PrefixCache, l2: L2Tier, jobs: InFlight,
                  policy: PolicyConfig, stats: TierMoveStats):
-        assert cache.device_allocator is not None, "L1Room needs a PrefixCache with an L1 pool"
+        if cache.device_allocator is None:
+            raise InvalidArgument("L1Room needs a PrefixCache with an L1 pool (its device_allocator is None)")
         self._owner = owner
         self.cache = cache
         self._l1 = cache.device_allocator  # the L1 allocator: its free pages are the room
