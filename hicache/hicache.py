@@ -26,13 +26,12 @@ import logging
 import time
 from typing import NamedTuple
 
-import numpy as np
 
 from hicache.cache import PrefixCache, Request, RequestState, Tokens, as_key
 from hicache.config import HiCacheConfig
 from hicache.consensus import HitConsensus, admitted_hit
 from hicache.errors import OutOfPages, TransferError
-from hicache.hashing import page_hashes
+from hicache.hashing import namespace_root, raw_page_hashes
 from hicache.layout import KVLayout
 from hicache.load_cost import CostModel
 from hicache.misses import L2, L3, L3Outcome, MissTracker, admission_misses
@@ -155,7 +154,7 @@ class HiCache:
     def _page_hashes(self, key: bytes, namespace: str, num_pages: int) -> list:
         """Chained hashes (L3 keys) of the first ``num_pages`` pages of a bytes key."""
         ps = self.layout.page_size
-        return page_hashes(np.frombuffer(key[:num_pages * ps * 4], dtype="<u4"), ps, namespace)
+        return raw_page_hashes(key[:num_pages * ps * 4], ps, namespace_root(namespace))
 
     def admit(self, req: Request) -> Admission:
         """Schedule ``req``: match every tier, prefetch from L3 per the policy, load

@@ -37,13 +37,12 @@ from __future__ import annotations
 
 from typing import Iterator, Sequence
 
-import numpy as np
 
 from hicache.cp import PageOwnership, RoundRobin
 from hicache.errors import CacheStateError
 from hicache.index.candidates import DeviceCandidates, HostCandidates
 from hicache.index.eviction import EvictionPolicy
-from hicache.hashing import namespace_root, page_hashes
+from hicache.hashing import namespace_root, raw_page_hashes
 from hicache.index.node import DraftCut, Dropped, Hit, InsertResult, Node, TreeCensus
 from hicache.index.radix_check import TreeFacts, check_tree
 from hicache.types import DevicePageId, HostPageId, PageHash
@@ -451,7 +450,7 @@ class RadixTree:
             n = n.parent
         prev = namespace_root(node.namespace) if n.parent is None else n.hashes[-1]
         for n in reversed(todo):
-            n.hashes = page_hashes(np.frombuffer(n.key, dtype="<u4"), self.page_size, parent=prev)
+            n.hashes = raw_page_hashes(n.key, self.page_size, prev)
             prev = n.hashes[-1]
         return node.hashes if node.parent is not None else []
 

@@ -25,13 +25,12 @@ from __future__ import annotations
 
 from typing import cast
 
-import numpy as np
 
 from hicache.allocator import PageAllocator
 from hicache.cache import PrefixCache, Request
 from hicache.config import PolicyConfig
 from hicache.errors import CacheStateError, IntegrityError
-from hicache.hashing import page_hashes
+from hicache.hashing import namespace_root, raw_page_hashes
 from hicache.index.node import Node
 from hicache.l2.segment import ServiceHostTier
 from hicache.plans import Acquired, BackupPlan, LoadBack, LoadPlan
@@ -146,7 +145,7 @@ class SharedL2:
             return None
         if m.draft_cut_tokens:
             return None  # L1 holds more of it, without draft rows: not a shared load's business
-        hashes = page_hashes(np.frombuffer(req.key[:cap * ps * 4], dtype="<u4"), ps, req.namespace)[have:]
+        hashes = raw_page_hashes(req.key[:cap * ps * 4], ps, namespace_root(req.namespace))[have:]
         wait_s = link.max_wait_s if budget_s is None else min(budget_s, link.max_wait_s)
         wait_ms = 0 if p.prefetch_policy is PrefetchPolicy.BEST_EFFORT else int(1e3 * wait_s)
         acq = self._acquire(m, have, hashes, req.draft and self.cache.has_draft, wait_ms)

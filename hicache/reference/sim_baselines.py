@@ -19,7 +19,7 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
-from hicache.hashing import page_hashes
+from hicache.hashing import namespace_root, raw_page_hashes
 
 
 class PageStream(NamedTuple):
@@ -37,7 +37,7 @@ def page_stream(requests: Iterable, page_size: int) -> PageStream:
     pages, caps, tokens = [], [], []
     for r in requests:
         n = len(r.key) // 4
-        hs = page_hashes(np.frombuffer(r.key, dtype="<u4"), page_size, r.namespace)
+        hs = raw_page_hashes(r.key, page_size, namespace_root(r.namespace))
         pages.append(np.fromiter((ids.setdefault(h, len(ids)) for h in hs), dtype=np.int64, count=len(hs)))
         caps.append(max(0, n - 1) // page_size)
         tokens.append(n)
