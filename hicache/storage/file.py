@@ -252,11 +252,7 @@ class FileBackend(StorageBackend):
             while done < total:
                 n = os.writev(fd, bufs)
                 done += n
-                while bufs and n >= bufs[0].nbytes:
-                    n -= bufs[0].nbytes
-                    bufs.pop(0)
-                if bufs and n:
-                    bufs[0] = bufs[0][n:]
+                _consume(bufs, n)
             if self.fsync:
                 os.fsync(fd)
         except BaseException:
@@ -387,9 +383,15 @@ def _preadv_full(fd: int, bufs: list[memoryview]) -> int:
         if n == 0:  # end of file
             return done
         done += n
-        while bufs and n >= bufs[0].nbytes:
-            n -= bufs[0].nbytes
-            bufs.pop(0)
-        if bufs and n:
-            bufs[0] = bufs[0][n:]
+        _consume(bufs, n)
     return done
+
+
+def _consume(bufs: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of ``bufs`` (an iovec a short ``writev``/``preadv`` moved): whole
+    buffers leave the list, a partly moved one is cut to its rest."""
+    while bufs and n >= bufs[0].nbytes:
+        n -= bufs[0].nbytes
+        bufs.pop(0)
+    if bufs and n:
+        bufs[0] = bufs[0][n:]

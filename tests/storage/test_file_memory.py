@@ -101,3 +101,35 @@ def test_memory_max_bytes_evicts_least_recently_used():
     b.check_integrity()
     with pytest.raises(ConfigError, match="max_bytes"):
         open_storage("memory://", fingerprint=FP, max_bytes=-1)
+
+
+def test_short_writev_and_preadv_still_move_every_byte(tmp_path, monkeypatch):
+    """The kernel may move fewer bytes than asked (signals, pipes, some file systems): a put
+    (``writev``) and a get into rows (``preadv``) of a real page (llama-3.1-8b, page 16, every
+    plane) that only ever move an odd number of bytes per call still round-trip exactly."""
+    from hicache.shapes import model_shape
+    from hicache.storage import file as file_mod
+
+    lay = model_shape("llama-3.1-8b").kv_layout(16)
+    sizes = [p.page_bytes for p in lay.planes]
+    payload = os.urandom(sum(sizes))
+    real_writev, real_preadv, calls = os.writev, os.preadv, {"w": 0, "r": 0}
+
+    def short_writev(fd, bufs):
+        calls["w"] += 1
+        return real_writev(fd, [memoryview(b"".join(bytes(b) for b in bufs)[:100_003])])
+
+    def short_preadv(fd, bufs, offset):
+        calls["r"] += 1
+        first = bufs[0]
+        return real_preadv(fd, [first[:min(first.nbytes, 70_001)]], offset)
+
+    monkeypatch.setattr(file_mod.os, "writev", short_writev)
+    monkeypatch.setattr(file_mod.os, "preadv", short_preadv)
+    b = open_storage(f"file://{tmp_path}", fingerprint=FP)
+    k = keys(1)[0]
+    assert b.put([(k, memoryview(payload), sizes)]) == 1
+    dest = [bytearray(len(payload))]
+    assert b.get_into([k], sizes, dest) == [True]
+    assert dest[0] == payload
+    assert calls["w"] > len(payload) // 100_003 and calls["r"] > len(payload) // 70_001
