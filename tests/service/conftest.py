@@ -1,6 +1,7 @@
 """Service fixtures: a real engine server process per layout, raw frame helpers."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -11,7 +12,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import pytest
 
@@ -68,13 +69,13 @@ def wait_ready(sock: str, layout: KVLayout, proc: subprocess.Popen, log: Path, l
             time.sleep(0.05)
 
 
-@pytest.fixture(scope="module", params=sorted(LAYOUTS))
-def service(request):
-    """A real ``python -m hicache.service.server`` process; checks its cleanup on exit."""
-    layout = LAYOUTS[request.param]
-    d = Path(tempfile.mkdtemp(prefix="hcs", dir="/tmp"))  # short: sun_path holds 107 bytes
+@contextlib.contextmanager
+def served(layout: KVLayout, *, host_pages: int = HOST_PAGES, prefix: str = "hcs") -> Iterator[Service]:
+    """A real ``python -m hicache.service.server`` process for ``layout``; checks on exit that
+    it stops on SIGTERM with status 0 and leaves neither its shm segment nor its socket."""
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))  # short: sun_path holds 107 bytes
     sock, shm = str(d / "engine.sock"), unique_shm_name()
-    write_config(d / "hicache.toml", layout, sock, shm)
+    write_config(d / "hicache.toml", layout, sock, shm, host_pages=host_pages)
     log = d / "server.log"
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "hicache.service.server", "--config",
@@ -93,6 +94,13 @@ def service(request):
         if os.path.exists(shm_path(shm)):
             os.unlink(shm_path(shm))
         shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def service(request):
+    """A real node server per toy layout (see ``served``)."""
+    with served(LAYOUTS[request.param]) as svc:
+        yield svc
 
 
 def run_worker(mode: str, **args: Any) -> dict:

@@ -4,14 +4,7 @@ at page 64 (4.4 MiB), written by one client and read byte-exact by another; a
 client of another model is refused naming the fields."""
 from __future__ import annotations
 
-import os
 import random
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -19,9 +12,8 @@ from hicache.service.client import ServiceClient
 from hicache.errors import ContractMismatch
 from hicache.hashing import page_hashes
 from hicache.shapes import model_shape
-from hicache.shm import shm_path
 
-from .conftest import unique_shm_name, wait_ready, write_config
+from .conftest import served
 
 CASES = [("llama-3.1-8b", 16, "page_first"), ("deepseek-v3", 64, "layer_first")]
 
@@ -29,27 +21,8 @@ CASES = [("llama-3.1-8b", 16, "page_first"), ("deepseek-v3", 64, "layer_first")]
 @pytest.fixture(params=CASES, ids=[c[0] for c in CASES])
 def real_service(request):
     name, ps, host_layout = request.param
-    layout = model_shape(name).kv_layout(ps, host_layout=host_layout)
-    d = Path(tempfile.mkdtemp(prefix="hcr", dir="/tmp"))  # short: sun_path holds 107 bytes
-    sock, shm = str(d / "e.sock"), unique_shm_name()
-    write_config(d / "h.toml", layout, sock, shm, host_pages=6)
-    log = d / "server.log"
-    with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "hicache.service.server", "--config", str(d / "h.toml")],
-                                stdout=err, stderr=err)
-    try:
-        wait_ready(sock, layout, proc, log)
-        yield layout, sock
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0, log.read_text()
-        assert not os.path.exists(shm_path(shm)), "server left its shm segment behind"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if os.path.exists(shm_path(shm)):
-            os.unlink(shm_path(shm))
-        shutil.rmtree(d, ignore_errors=True)
+    with served(model_shape(name).kv_layout(ps, host_layout=host_layout), host_pages=6, prefix="hcr") as svc:
+        yield svc.layout, svc.socket
 
 
 def test_real_pages_through_the_shared_segment(real_service):
