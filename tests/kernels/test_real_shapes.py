@@ -16,9 +16,10 @@ import torch
 
 from hicache.kernels.page_copy import PageCopier
 from hicache.layout import KVLayout
-from hicache.pools import DevicePool, HostPool
+from hicache.pools import DevicePool
 from hicache.provenance import Row
 from hicache.shapes import model_shapes
+from tests.kernels.test_page_copy import make_pools
 
 SENTINEL = 0xA5
 HAS_CUDA = torch.cuda.is_available()
@@ -50,17 +51,6 @@ def region(pool, bufs: list[torch.Tensor], plane: int, page: int) -> torch.Tenso
         return bufs[plane][page * nb:(page + 1) * nb]
     start = pool.plane_offset[plane] + page * pool.page_stride[plane]
     return bufs[0][start:start + nb]
-
-
-def make_pools(direction: str, layout: KVLayout, device: str, n_src: int, n_dst: int):
-    def dev(n):
-        return DevicePool(layout, n, device=device)
-
-    def host(n):
-        return HostPool(layout, n, pin=device == "cuda")
-
-    return {"d2h": (dev(n_src), host(n_dst)), "h2d": (host(n_src), dev(n_dst)),
-            "d2d": (dev(n_src), dev(n_dst))}[direction]
 
 
 def fill(pool, seed: int) -> None:

@@ -14,7 +14,6 @@ every group can resume; the grouping is in the fingerprint.
 from __future__ import annotations
 
 import itertools
-import time
 from unittest.mock import MagicMock
 
 import numpy as np
@@ -32,14 +31,14 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from hicache.integrations.vllm import HiCacheTier, page_hash, vllm_layout
+from hicache.integrations.vllm import page_hash, vllm_layout
 from hicache.errors import ConfigError, IntegrityError
 from hicache.integrations.vllm_groups import GroupLedger, KVGroup, kv_groups
 from tests.v1.kv_connector.unit.utils import EOS_TOKEN_ID
 
 from .hybrid import HYBRIDS, gdn_state_bytes, kv_cache_config, offloading_config
 from .runner import content, cycle, make_runner, prompt, settle, tiering
-from .tiers import finish, job
+from .tiers import finish, job, resolve
 
 _ids = itertools.count(1)
 BF16 = 2
@@ -151,7 +150,7 @@ def test_a_block_with_one_group_missing_is_a_miss_for_that_group(name, tmp_path)
     try:
         ctx = ReqContext("r")
         assert {tier.lookup(k, ctx) for k in ks} == {LookupResult.RETRY}  # vLLM's async L3 probe runs
-        assert [_resolve(tier, k, ctx) for k in ks] == [
+        assert [resolve(tier, k, ctx) for k in ks] == [
             LookupResult.MISS if k == lost else LookupResult.HIT for k in ks]
         rows[:] = 0
         tier.submit_load(job(2, ks, list(range(n)), promotion=True))
@@ -165,16 +164,6 @@ def test_a_block_with_one_group_missing_is_a_miss_for_that_group(name, tmp_path)
     finally:
         manager.shutdown()
 
-
-def _resolve(tier: HiCacheTier, key, ctx) -> LookupResult:
-    """vLLM's lookup protocol (lookup, end of step) until the probe stops answering RETRY."""
-    for _ in range(500):
-        r = tier.lookup(key, ctx)
-        if r is not LookupResult.RETRY:
-            return r
-        tier.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
-        time.sleep(0.01)
-    raise AssertionError(f"lookup of {key!r} still RETRY after 500 steps")
 
 
 def test_vllms_scheduler_floors_the_hit_where_every_group_can_resume(redis_url, request):

@@ -7,7 +7,8 @@ import numpy as np
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
 from ..service_proc import start_serve, stop_serve
-from .test_tier import _fill, _resolve
+from .test_tier import _fill
+from .tiers import resolve
 from .tiers import ROW, finish, job, keys, primary, tier
 
 
@@ -29,7 +30,7 @@ def test_two_instances_share_pages_through_the_service():
         arr2, view2 = primary()
         reader = tier(serve.url, view2)  # another instance: knows nothing, asks the service
         ctx = ReqContext("later")
-        assert [_resolve(reader, k, ctx) for k in keys(1, 2, 3, 9)] == [LookupResult.HIT] * 3 + [LookupResult.MISS]
+        assert [resolve(reader, k, ctx) for k in keys(1, 2, 3, 9)] == [LookupResult.HIT] * 3 + [LookupResult.MISS]
         reader.submit_load(job(2, keys(3, 1, 2), [7, 5, 6], promotion=True))
         assert finish(reader)[2].success
         assert np.array_equal(arr2[[5, 6, 7]], want) and not arr2[[0, 1, 2, 3, 4]].any()

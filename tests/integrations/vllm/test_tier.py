@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import itertools
 import socket
-import time
 
 import numpy as np
 import pytest
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
 from hicache.errors import IntegrityError
 from hicache.integrations.vllm import page_hash
 
-from .tiers import ROW, finish, job, keys, primary, tier
+from .tiers import ROW, finish, job, keys, primary, resolve, tier
 
 _ids = itertools.count(1)
 
@@ -43,16 +42,6 @@ def _fill(arr: np.ndarray, rows: list[int], seed: int) -> np.ndarray:
     arr[rows] = rng.integers(-128, 128, size=(len(rows), ROW), dtype=np.int8)
     return arr[rows].copy()
 
-
-def _resolve(t, key, ctx) -> LookupResult:
-    """Drive vLLM's lookup protocol (lookup, end of step) until it stops answering RETRY."""
-    for _ in range(500):
-        r = t.lookup(key, ctx)
-        if r is not LookupResult.RETRY:
-            return r
-        t.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
-        time.sleep(0.01)
-    raise AssertionError(f"lookup of {key!r} still RETRY after 500 steps")
 
 
 def test_store_then_load_is_byte_exact(url, request):
@@ -104,7 +93,7 @@ def test_unknown_chunks_answer_retry_then_the_probe(shared_url, request):
     reader = tier(url, view2, key_prefix=prefix)
     ctx = ReqContext("later")
     assert reader.lookup(keys(1)[0], ctx) is LookupResult.RETRY
-    assert [_resolve(reader, k, ctx) for k in keys(1, 2, 9)] == [LookupResult.HIT, LookupResult.HIT,
+    assert [resolve(reader, k, ctx) for k in keys(1, 2, 9)] == [LookupResult.HIT, LookupResult.HIT,
                                                                   LookupResult.MISS]
     reader.submit_load(job(2, keys(1, 2), [4, 6], promotion=True))
     assert finish(reader)[2].success
@@ -177,7 +166,7 @@ def test_redis_down_means_misses_and_failed_stores(request):
     assert not res[1].success and res[1].transfer_bytes == 0
     assert not res[2].success and res[2].successful_keys is None and not arr[[2, 3]].any()
     ctx = ReqContext("q")
-    assert [_resolve(t, k, ctx) for k in ks] == [LookupResult.MISS] * 2
+    assert [resolve(t, k, ctx) for k in ks] == [LookupResult.MISS] * 2
     s = t.stats()
     assert (s.stored, s.dropped, s.misses) == (0, 2, 2)
     t.check_integrity()

@@ -4,17 +4,16 @@ key (objects carry a MAC; a forged object is a counted miss, never bytes)."""
 from __future__ import annotations
 
 import itertools
-import time
 
 import numpy as np
 import pytest
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
 from hicache.errors import ConfigError
 from hicache.integrations.vllm import page_hash
 from hicache.storage import codec
 
-from .tiers import ROW, finish, job, keys, primary, tier
+from .tiers import ROW, finish, job, keys, primary, resolve, tier
 
 _ids = itertools.count(1)
 CAP = 8
@@ -24,15 +23,6 @@ KEY = "k" * 32
 def _prefix(request) -> str:
     return f"hicache-vllm-state:{request.node.name}:{next(_ids)}:"
 
-
-def _resolve(t, key, ctx) -> LookupResult:
-    for _ in range(500):
-        r = t.lookup(key, ctx)
-        if r is not LookupResult.RETRY:
-            return r
-        t.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
-        time.sleep(0.01)
-    raise AssertionError("still RETRY")
 
 
 @pytest.mark.parametrize("probe", [False, True])
@@ -50,7 +40,7 @@ def test_known_chunks_stay_at_the_cap_at_ten_times_it(redis_url, request, probe)
     assert [t.lookup(k, ctx) for k in keys(*range(n - CAP, n))] == [LookupResult.HIT] * CAP  # the newest
     old = keys(*range(n - CAP))
     if probe:  # forgotten, not lost: L3 is asked and answers
-        assert [_resolve(t, k, ctx) for k in old] == [LookupResult.HIT] * len(old)
+        assert [resolve(t, k, ctx) for k in old] == [LookupResult.HIT] * len(old)
     else:
         assert [t.lookup(k, ctx) for k in old] == [LookupResult.MISS] * len(old)
     assert t.known_chunks() == CAP

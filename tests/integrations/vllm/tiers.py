@@ -2,10 +2,11 @@
 as vLLM's factory would pass it, and a tier built over a URL."""
 from __future__ import annotations
 
+import time
 import types
 
 import numpy as np
-from vllm.v1.kv_offload.base import OffloadKey, make_offload_key
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ScheduleEndContext, make_offload_key
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
 from hicache.integrations.vllm import HiCacheTier
@@ -46,3 +47,14 @@ def finish(t: HiCacheTier) -> dict[int, object]:
     """Wait for every job and return the JobResults by job id."""
     t.drain_jobs()
     return {r.job_id: r for r in t.get_finished_jobs()}
+
+
+def resolve(t: HiCacheTier, key, ctx) -> LookupResult:
+    """Drive vLLM's lookup protocol (lookup, end of step) until it stops answering RETRY."""
+    for _ in range(500):
+        r = t.lookup(key, ctx)
+        if r is not LookupResult.RETRY:
+            return r
+        t.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+        time.sleep(0.01)
+    raise AssertionError(f"lookup of {key!r} still RETRY after 500 steps")
