@@ -20,6 +20,7 @@ from hicache.kernels.page_copy import PageCopier
 from hicache.layout import KVLayout
 from hicache.pools import DevicePool, HostPool
 from hicache.shapes import model_shape
+from tests.kernels.test_page_copy import page_bytes_of as region, raw
 
 SENTINEL = 0xA5
 HAS_CUDA = torch.cuda.is_available()
@@ -34,21 +35,6 @@ HOST_LAYOUT = {REAL[0]: "page_first"}  # the others layer_first (both host layou
 def toy(page_size: int = 4, **kw) -> KVLayout:
     groups = kw.pop("groups", (LayerGroup("swa", (0, 2), window=6), LayerGroup("full", (1, 3))))
     return KVLayout("toy", num_layers=4, num_kv_heads=2, head_dim=8, page_size=page_size, groups=groups, **kw)
-
-
-def raw(pool) -> list[torch.Tensor]:
-    if isinstance(pool, DevicePool):
-        return [b.view(-1).view(torch.uint8) for b in pool.buffers]
-    return [pool.buffer]
-
-
-def region(pool, plane: int, page: int) -> torch.Tensor:
-    """Bytes of (plane, page), addressed as pools.py documents."""
-    nb = pool.layout.planes[plane].page_bytes
-    if isinstance(pool, DevicePool):
-        return pool.buffers[plane].view(-1).view(torch.uint8)[page * nb:(page + 1) * nb]
-    start = pool.plane_offset[plane] + page * pool.page_stride[plane]
-    return pool.buffer[start:start + nb]
 
 
 def pools(layout: KVLayout, device: str, n_src: int, n_dst: int, gen: torch.Generator):
