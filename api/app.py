@@ -28,7 +28,7 @@ from hicache.api.metrics import build_registry
 from hicache.api.models import LOOKUP_MAX_ITEMS
 from hicache.api.rest_guards import BodyGate, BodyLimit, validation_error
 from hicache.api.stats import collect
-from hicache.errors import ConfigError, ServiceError
+from hicache.core.errors import ConfigError, ServiceError
 
 log = logging.getLogger(__name__)
 

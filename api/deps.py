@@ -16,7 +16,7 @@ from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from hicache.api.state import RestState
-from hicache.errors import ConfigError
+from hicache.core.errors import ConfigError
 
 ADMIN_TOKEN_HELP = ("set service.admin_token (HICACHE_SERVICE__ADMIN_TOKEN, or a file named by "
                     "HICACHE_SERVICE__ADMIN_TOKEN_FILE)")

@@ -17,8 +17,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from hicache.errors import IntegrityError, InvalidArgument
-from hicache.service.events import EventKind, Taken
+from hicache.core.errors import IntegrityError, InvalidArgument
+from hicache.node.events import EventKind, Taken
 
 EventType = Literal["stored", "removed"]
 _TYPE: dict[EventKind, EventType] = {EventKind.STORED: "stored", EventKind.REMOVED: "removed"}

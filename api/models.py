@@ -1,7 +1,7 @@
 """Pydantic models of the REST API: every route's request and response body.
 
 The statistics models (``StatsResponse`` and the models nested in it) are
-generated from the snapshot dataclasses of ``hicache.service.snapshot``,
+generated from the snapshot dataclasses of ``hicache.node.snapshot``,
 which declare each figure once with its help text.
 """
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, create_model
 
-from hicache.stats import L3TierStats
-from hicache.service.snapshot import EngineSnapshot, EventSnapshot, StatsSnapshot, TierSnapshot
-from hicache.stat_schema import help_of
+from hicache.core.stats import L3TierStats
+from hicache.node.snapshot import EngineSnapshot, EventSnapshot, StatsSnapshot, TierSnapshot
+from hicache.core.stat_schema import help_of
 
 Tier = Literal["L2", "L3"]
 
@@ -109,7 +109,7 @@ class LookupByTokens(BaseModel):
 
 
 class LookupByHashes(BaseModel):
-    """Chained page hashes (``hicache.hashing.page_hashes``) as 32 hex characters each."""
+    """Chained page hashes (``hicache.core.hashing.page_hashes``) as 32 hex characters each."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -7,7 +7,7 @@ import time
 from collections import deque
 from typing import Callable
 
-from hicache.errors import IntegrityError
+from hicache.core.errors import IntegrityError
 
 RATE_WINDOW_S = 10.0
 

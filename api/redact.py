@@ -1,12 +1,12 @@
 """Secrets out of what the REST API shows: URL passwords, the admin token and
-the L3 auth key. The redactor itself is ``hicache.redact`` (shared by every
+the L3 auth key. The redactor itself is ``hicache.core.redact`` (shared by every
 output path); this module shapes the configuration for ``/v1/config``."""
 from __future__ import annotations
 
 from typing import Any
 
-from hicache.config import HiCacheConfig
-from hicache.redact import REDACTED, Redactor, redact_url
+from hicache.core.config import HiCacheConfig
+from hicache.core.redact import REDACTED, Redactor, redact_url
 
 __all__ = ["REDACTED", "redact_url", "redacted_config"]
 

@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hicache.api.lookup_fast import MIN_FAST_BYTES, SCOPE_KEY, split_tokens
-from hicache.errors import IntegrityError
+from hicache.core.errors import IntegrityError
 
 MAX_ERRORS = 10  # errors listed in one 422
 

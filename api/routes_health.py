@@ -8,7 +8,7 @@ from fastapi import APIRouter, Response, status
 from hicache.api.deps import StateDep
 from hicache.api.models import Health, L3Readiness, Readiness
 from hicache.api.redact import redact_url
-from hicache.errors import ServiceError
+from hicache.core.errors import ServiceError
 
 router = APIRouter(tags=["health"])
 

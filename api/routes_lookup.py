@@ -11,8 +11,8 @@ from fastapi import APIRouter, HTTPException, Request, status
 from hicache.api.deps import StateDep
 from hicache.api.lookup_fast import parsed_tokens
 from hicache.api.models import LookupByTokens, LookupRequest, LookupResponse, TierHit
-from hicache.hashing import page_hashes
-from hicache.types import PageHash
+from hicache.core.hashing import page_hashes
+from hicache.core.types import PageHash
 
 router = APIRouter(tags=["lookup"])
 

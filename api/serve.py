@@ -17,14 +17,14 @@ import uvicorn
 
 from hicache.api.app import create_app
 from hicache.api.deps import ADMIN_TOKEN_HELP, RestState, check_bind
-from hicache.service.server import NodeServer, open_l3
+from hicache.node.server import NodeServer, open_l3
 from hicache.api.events import EventBus
-from hicache.service.preflight import preflight
-from hicache.service.socket_guard import resolve_group
+from hicache.node.preflight import preflight
+from hicache.node.socket_guard import resolve_group
 from hicache.api.redact import redact_url
-from hicache.config import HiCacheConfig
-from hicache.errors import ConfigError
-from hicache.redact import Redactor, install_log_redaction
+from hicache.core.config import HiCacheConfig
+from hicache.core.errors import ConfigError
+from hicache.core.redact import Redactor, install_log_redaction
 
 
 GRACEFUL_SHUTDOWN_S = 3

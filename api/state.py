@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 from hicache.api.events import EventBus
 from hicache.api.rates import RateTracker
-from hicache.service.view import ServiceView
-from hicache.config import HiCacheConfig
-from hicache.errors import IntegrityError
-from hicache.layout import KVLayout
+from hicache.node.view import ServiceView
+from hicache.core.config import HiCacheConfig
+from hicache.core.errors import IntegrityError
+from hicache.core.layout import KVLayout
 from hicache.storage import StorageBackend
 
 

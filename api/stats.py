@@ -15,8 +15,8 @@ import time
 from hicache.api.models import StatsResponse
 from hicache.api.rates import RATE_WINDOW_S, RateTracker  # noqa: F401  (re-exported)
 from hicache.api.state import RestState
-from hicache.stats import L3TierStats
-from hicache.service.snapshot import EngineSnapshot, EventSnapshot, StatsSnapshot, TierSnapshot, engine_report
+from hicache.core.stats import L3TierStats
+from hicache.node.snapshot import EngineSnapshot, EventSnapshot, StatsSnapshot, TierSnapshot, engine_report
 
 def snapshot(state: RestState) -> StatsSnapshot:
     """One consistent-per-tier snapshot. Blocks briefly on the engine server's loop."""

@@ -26,11 +26,11 @@ import time
 
 import torch
 
-from hicache.config import HiCacheConfig
-from hicache.hicache import HiCache
-from hicache.layout import KVLayout
-from hicache.load_graph import LoadGraph
-from hicache.transfer import layer_plane_groups
+from hicache.core.config import HiCacheConfig
+from hicache.cache.hicache import HiCache
+from hicache.core.layout import KVLayout
+from hicache.transfer.load_graph import LoadGraph
+from hicache.transfer.engine import layer_plane_groups
 
 
 def main() -> None:

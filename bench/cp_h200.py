@@ -6,7 +6,7 @@ One process drives ``cp`` ranks, rank ``r`` on ``cuda:r`` with its own
 page-tail and static padding rows poisoned with a sentinel, backs its pages
 up to its pinned L2 pool (D2H, all ranks at once), and a decode side (cp 1,
 ``cuda:0``) assembles the full logical pages from the ranks' L2 pools in
-global order (H2D, ``hicache.cp_assemble.assemble``). The assembled pages are
+global order (H2D, ``hicache.transfer.cp_assemble.assemble``). The assembled pages are
 compared byte for byte with a cp_size 1 run that stored the same rows.
 
     PYTHONPATH=. python bench/cp_h200.py [--tokens 8199] [--layers 32] [--out file.json]
@@ -23,12 +23,12 @@ import time
 
 import torch
 
-from hicache.cache import PrefixCache
-from hicache.cp import CPRowOrder, RoundRobin
-from hicache.cp_assemble import RankPages, RequestRows, assemble, rank_batch, store_batch
+from hicache.index.prefix_cache import PrefixCache
+from hicache.index.cp import CPRowOrder, RoundRobin
+from hicache.transfer.cp_assemble import RankPages, RequestRows, assemble, rank_batch, store_batch
 from hicache.kernels.page_copy import copy_pages
-from hicache.layout import KVLayout
-from hicache.pools import DevicePool, HostPool
+from hicache.core.layout import KVLayout
+from hicache.memory.pools import DevicePool, HostPool
 
 SENTINEL = 12352.0  # exactly representable in bf16; random rows never reach it
 

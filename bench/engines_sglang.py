@@ -75,7 +75,7 @@ def time_pair(ctrl, page: int, n: int, zero_copy: bool, seed: int, idx) -> tuple
 
 
 def file_vs_hicachefile(rounds: int, only: set[str] | None) -> list[dict]:
-    from hicache.shapes import model_shapes
+    from hicache.core.shapes import model_shapes
     rows = []
     for m in model_shapes():
         if only and m.name not in only:
@@ -126,8 +126,8 @@ def redis_layouts(url: str, rounds: int) -> None:
     from sglang.srt.managers.cache_controller import PrefetchOperation
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-    from hicache.pools import HostPool
-    from hicache.shapes import model_shape
+    from hicache.memory.pools import HostPool
+    from hicache.core.shapes import model_shape
     from hicache.storage import open_storage
     m, page = model_shape("llama-3.1-8b"), 16
     n = batch_pages(m, page)

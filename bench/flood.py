@@ -32,10 +32,10 @@ import uuid
 import httpx
 import msgpack
 
-from hicache.service.client import ServiceClient
-from hicache.config import HiCacheConfig
-from hicache.hashing import page_hashes
-from hicache.protocol import HEADER, hello_request
+from hicache.client.link import ServiceClient
+from hicache.core.config import HiCacheConfig
+from hicache.core.hashing import page_hashes
+from hicache.client.protocol import HEADER, hello_request
 
 
 def free_port() -> int:

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/graph_launch.py [--layers 32] [--reps 200]
 
-An admission's host time is mostly the replay of ``hicache.load_graph.LoadGraph``
+An admission's host time is mostly the replay of ``hicache.transfer.load_graph.LoadGraph``
 (one page-copy kernel and one external event per layer). This captures the same
 copies several ways on the 8B-shaped pools (page 16, ``page_first``, 512 pages)
 and prints the median host time of ``CUDAGraph.replay()`` for each, the GPU idle
@@ -23,10 +23,10 @@ import time
 import torch
 
 from hicache.kernels.page_copy import default_copier
-from hicache.layout import KVLayout
-from hicache.load_graph import LoadGraph
-from hicache.pools import DevicePool, HostPool
-from hicache.transfer import layer_plane_groups
+from hicache.core.layout import KVLayout
+from hicache.transfer.load_graph import LoadGraph
+from hicache.memory.pools import DevicePool, HostPool
+from hicache.transfer.engine import layer_plane_groups
 
 
 def capture(fn) -> torch.cuda.CUDAGraph:
@@ -54,7 +54,7 @@ def host_us(fn, reps: int) -> float:
 
 def launch_steps(g: LoadGraph, ids: list[int], reps: int) -> dict[str, float]:
     """``LoadGraph.launch``'s steps, timed one by one (the same calls, in order)."""
-    from hicache.load_graph import LayerFlag, _HEAD
+    from hicache.transfer.load_graph import LayerFlag, _HEAD
     stream, cap, n = torch.cuda.current_stream(), g.capacity, len(ids)
     out: dict[str, list[float]] = {}
     for r in range(reps):

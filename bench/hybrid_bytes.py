@@ -1,6 +1,6 @@
 """Bytes a hybrid layout stores for one cached prefix, against storing every layer in full.
 
-Pure accounting (``hicache.hybrid.stored_bytes``) at the published shapes: no
+Pure accounting (``hicache.core.groups.stored_bytes``) at the published shapes: no
 timing, so the figures are exact on any machine.
 
 * gpt-oss-120b (SWA 128 / full, alternating): the SWA layers keep only the
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import argparse
 
-from hicache.hybrid import hybrid_layout, stored_bytes, workload_bytes
-from hicache.shapes import model_shape
+from hicache.core.groups import hybrid_layout, stored_bytes, workload_bytes
+from hicache.core.shapes import model_shape
 
 GiB = 1 << 30
 

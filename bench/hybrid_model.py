@@ -26,9 +26,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from hicache.hybrid import QWEN3_NEXT_LINEAR
-from hicache.layout import KVLayout
-from hicache.pools import DevicePool
+from hicache.core.groups import QWEN3_NEXT_LINEAR
+from hicache.core.layout import KVLayout
+from hicache.memory.pools import DevicePool
 
 LINEAR_CHUNK = 512  # tokens per intra-chunk block of the linear attention (cold)
 SWA_BLOCK = 512  # queries per masked attention call: an SWA block reads window + block keys, not the prefix

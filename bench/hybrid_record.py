@@ -1,4 +1,4 @@
-"""What the boundary record's prefix check costs (``hicache.hybrid_record``).
+"""What the boundary record's prefix check costs (``hicache.cache.hybrid_record``).
 
 ``HybridCache.sweep`` checks, after pages left a tier of the index, whether each
 recorded boundary's full-attention prefix is still held: a walk up the index
@@ -17,9 +17,9 @@ import os
 import statistics
 import time
 
-from hicache.hybrid_record import SWEEP_BATCH, BoundaryRecord
+from hicache.cache.hybrid_record import SWEEP_BATCH, BoundaryRecord
 from hicache.index.node import Node
-from hicache.types import PageHash
+from hicache.core.types import PageHash
 
 PAGE_SIZE = 16
 

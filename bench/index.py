@@ -24,9 +24,9 @@ import time
 
 import numpy as np
 
-from hicache.allocator import PageAllocator
-from hicache.cache import PrefixCache
-from hicache.layout import KVLayout
+from hicache.memory.allocator import PageAllocator
+from hicache.index.prefix_cache import PrefixCache
+from hicache.core.layout import KVLayout
 
 PS = 16
 

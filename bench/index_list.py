@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sglang_import  # noqa: E402
 from index import PS, fill_chat, fill_system, make_cache, median_us  # noqa: E402
 
-from hicache.hashing import tokens_to_bytes  # noqa: E402
+from hicache.core.hashing import tokens_to_bytes  # noqa: E402
 
 
 def sglang_tree(api, prompts: list):

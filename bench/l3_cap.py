@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hicache.hashing import page_hashes
+from hicache.core.hashing import page_hashes
 from hicache.storage import open_storage
 from hicache.storage.file_cap import scan
 

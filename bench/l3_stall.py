@@ -40,10 +40,10 @@ import time
 
 import torch
 
-from hicache.config import HiCacheConfig
-from hicache.errors import OutOfPages
-from hicache.hicache import HiCache
-from hicache.layout import KVLayout
+from hicache.core.config import HiCacheConfig
+from hicache.core.errors import OutOfPages
+from hicache.cache.hicache import HiCache
+from hicache.core.layout import KVLayout
 
 PS = 16
 

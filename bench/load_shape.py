@@ -21,9 +21,9 @@ import triton.testing
 
 from hicache.kernels.page_copy import PageCopier
 from hicache.kernels.plan import TileConfig
-from hicache.layout import BytePlane, KVLayout
-from hicache.pools import DevicePool, HostPool
-from hicache.transfer import layer_plane_groups
+from hicache.core.layout import BytePlane, KVLayout
+from hicache.memory.pools import DevicePool, HostPool
+from hicache.transfer.engine import layer_plane_groups
 
 
 def launch_shape(spec: str) -> tuple[int, PageCopier]:

@@ -28,12 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache.config import HiCacheConfig
+from hicache.core.config import HiCacheConfig
 from hicache.reference.model import ReferenceModel
 from hicache.reference.model_spec import ModelSpec
-from hicache.hicache import HiCache
-from hicache.layout import KVLayout
-from hicache.load_cost import Choice, choose
+from hicache.cache.hicache import HiCache
+from hicache.core.layout import KVLayout
+from hicache.tiers.cost import Choice, choose
 from hicache.storage.options import StorageOptions
 from hicache.storage.memory import MemoryBackend
 

@@ -30,8 +30,8 @@ import triton.language as tl
 
 from hicache.kernels.page_copy import PageCopier
 from hicache.kernels.reference import plane_pages
-from hicache.layout import KVLayout
-from hicache.pools import DevicePool, HostPool
+from hicache.core.layout import KVLayout
+from hicache.memory.pools import DevicePool, HostPool
 
 
 @triton.jit

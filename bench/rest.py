@@ -23,9 +23,9 @@ import uuid
 
 import httpx
 
-from hicache.service.client import ServiceClient
-from hicache.config import HiCacheConfig
-from hicache.hashing import page_hashes
+from hicache.client.link import ServiceClient
+from hicache.core.config import HiCacheConfig
+from hicache.core.hashing import page_hashes
 
 
 def free_port() -> int:

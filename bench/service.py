@@ -1,6 +1,6 @@
 """Local engine API round trip: lookup of an 8K-token prompt (512 page hashes, page 16).
 
-Starts ``python -m hicache.service.server`` as its own process (so client and
+Starts ``python -m hicache.node.server`` as its own process (so client and
 server do not share a GIL), fills L2 with the prompt's pages, then times
 synchronous round trips from one ``ServiceClient``. Prints a table.
 
@@ -18,9 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from hicache.service.client import ServiceClient
-from hicache.config import HiCacheConfig
-from hicache.hashing import page_hashes
+from hicache.client.link import ServiceClient
+from hicache.core.config import HiCacheConfig
+from hicache.core.hashing import page_hashes
 
 
 def start_server(d: Path, host_pages: int) -> tuple[subprocess.Popen, HiCacheConfig]:
@@ -29,7 +29,7 @@ def start_server(d: Path, host_pages: int) -> tuple[subprocess.Popen, HiCacheCon
     toml.write_text(f'[pool]\nhost_pages = {host_pages}\n[service]\nsocket_path = "{d}/e.sock"\n'
                     f'shm_name = "{shm}"\n')
     cfg = HiCacheConfig.load(toml, env={})
-    proc = subprocess.Popen([sys.executable, "-m", "hicache.service.server", "--config", str(toml)],
+    proc = subprocess.Popen([sys.executable, "-m", "hicache.node.server", "--config", str(toml)],
                             env={k: v for k, v in os.environ.items() if not k.startswith("HICACHE_")})
     deadline = time.monotonic() + 60
     while not os.path.exists(cfg.service.socket_path):

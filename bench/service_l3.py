@@ -21,10 +21,10 @@ import uuid
 
 import torch
 
-from hicache.service.server import NodeServer
-from hicache.config import HiCacheConfig
-from hicache.hashing import page_hashes
-from hicache.layout import KVLayout
+from hicache.node.server import NodeServer
+from hicache.core.config import HiCacheConfig
+from hicache.core.hashing import page_hashes
+from hicache.core.layout import KVLayout
 from hicache.storage import open_storage
 
 

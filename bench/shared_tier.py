@@ -40,13 +40,13 @@ from pathlib import Path
 
 import torch
 
-from hicache.service.client import ServiceClient
-from hicache.config import HiCacheConfig
+from hicache.client.link import ServiceClient
+from hicache.core.config import HiCacheConfig
 from hicache.reference.model import ReferenceModel
 from hicache.reference.model_spec import ModelSpec
-from hicache.hicache import HiCache
-from hicache.layout import KVLayout
-from hicache.pools import HostPool
+from hicache.cache.hicache import HiCache
+from hicache.core.layout import KVLayout
+from hicache.memory.pools import HostPool
 
 
 def spec_of(a) -> ModelSpec:
@@ -135,7 +135,7 @@ def start_service(a, layout: KVLayout, d: Path) -> tuple[subprocess.Popen, str]:
               "[storage]", 'url = ""']
     (d / "h.toml").write_text("\n".join(lines) + "\n")
     log = open(d / "serve.log", "w")
-    p = subprocess.Popen([sys.executable, "-m", "hicache.service.server", "--config", str(d / "h.toml")],
+    p = subprocess.Popen([sys.executable, "-m", "hicache.node.server", "--config", str(d / "h.toml")],
                          stdout=log, stderr=log)
     deadline = time.monotonic() + 120
     while True:

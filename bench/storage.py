@@ -31,7 +31,7 @@ rounds on a shared machine.
     python bench/storage.py [--sizes 64K,512K,2M] [--batch 32] [--rounds 7] [--redis-benchmark]
     python bench/storage.py --shape llama-3.1-8b --page-sizes 1,16,64
 
-``--shape NAME`` (a published model, ``hicache.shapes``) replaces ``--sizes``:
+``--shape NAME`` (a published model, ``hicache.core.shapes``) replaces ``--sizes``:
 one row per page size with that model's page bytes of all layers and its real
 plane sizes in every header (instead of two halves).
 """
@@ -50,8 +50,8 @@ import time
 import redis
 from redis.connection import Encoder, PythonRespSerializer
 
-from hicache.hashing import page_hashes
-from hicache.shapes import model_shape, shape_names
+from hicache.core.hashing import page_hashes
+from hicache.core.shapes import model_shape, shape_names
 from hicache.storage import open_storage
 from hicache.storage.redis_backend import RedisBackend
 

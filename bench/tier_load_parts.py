@@ -10,7 +10,7 @@ import os, time, statistics, tempfile, shutil, subprocess, socket, sys
 import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hicache.storage import open_storage
-from hicache.layout import KVLayout
+from hicache.core.layout import KVLayout
 from hicache.storage import codec
 def med(f, n=7):
     ts=[]

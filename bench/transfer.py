@@ -7,7 +7,7 @@ layer), page sizes 1, 16 and 64 tokens, pages scattered at random on both sides.
     PYTHONPATH=. python bench/transfer.py --shape deepseek-v3 --page-sizes 64
 
 ``--shape NAME`` replaces that model with a published one from
-``hicache/data/real_models.json`` (``hicache.shapes``): its planes (MLA
+``hicache/data/real_models.json`` (``hicache.core.shapes``): its planes (MLA
 latents, a draft layer), row and page bytes, and by default all its layers
 on a GPU (``--layers`` for fewer).
 
@@ -34,9 +34,9 @@ import torch
 from hicache.kernels.page_copy import D2D_TILES, PCIE_TILES, PageCopier, copy_pages
 from hicache.kernels.plan import TileConfig
 from hicache.kernels.reference import plane_pages
-from hicache.layout import KVLayout
-from hicache.pools import DevicePool, HostPool
-from hicache.shapes import model_shape, shape_names
+from hicache.core.layout import KVLayout
+from hicache.memory.pools import DevicePool, HostPool
+from hicache.core.shapes import model_shape, shape_names
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -225,7 +225,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=0,
                     help="layers (default: 32, or the --shape model's; 2 without a GPU)")
     ap.add_argument("--shape", default="", choices=["", *shape_names()],
-                    help="a published model's KV shape (hicache.shapes) instead of 8 KV heads x 128 bf16")
+                    help="a published model's KV shape (hicache.core.shapes) instead of 8 KV heads x 128 bf16")
     ap.add_argument("--page-sizes", default="1,16,64")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--out", default="", help="also write the markdown table here")

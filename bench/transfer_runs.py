@@ -29,8 +29,8 @@ import time
 import torch
 
 from hicache.kernels.page_copy import copy_pages
-from hicache.layout import KVLayout
-from hicache.pools import DevicePool, HostPool
+from hicache.core.layout import KVLayout
+from hicache.memory.pools import DevicePool, HostPool
 
 H2D, D2H = 1, 2  # cudaMemcpyKind
 

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache.config import HiCacheConfig
+from hicache.core.config import HiCacheConfig
 from hicache.reference.model import ReferenceModel
 from hicache.reference.model_spec import ModelSpec
-from hicache.hicache import HiCache
+from hicache.cache.hicache import HiCache
 from hicache.kernels.page_copy import PageCopier
-from hicache.load_graph import LoadGraph
-from hicache.transfer import layer_plane_groups
+from hicache.transfer.load_graph import LoadGraph
+from hicache.transfer.engine import layer_plane_groups
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from load_shape import launch_shape  # noqa: E402  (bench-local)

@@ -27,12 +27,12 @@ import time
 
 import torch
 
-from hicache.hybrid import hybrid_layout
-from hicache.hybrid_copy import HybridCopyPlan, plan_load, state_group, state_layout
-from hicache.hybrid_load import HybridLoader
+from hicache.core.groups import hybrid_layout
+from hicache.transfer.hybrid_copy import HybridCopyPlan, plan_load, state_group, state_layout
+from hicache.transfer.hybrid_load import HybridLoader
 from hicache.kernels.page_copy import copy_pages
-from hicache.pools import DevicePool, HostPool
-from hicache.shapes import model_shape
+from hicache.memory.pools import DevicePool, HostPool
+from hicache.core.shapes import model_shape
 
 from hybrid_model import SHAPES, HybridForward, LinearState  # bench-local
 

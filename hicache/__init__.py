@@ -2,25 +2,45 @@
 from __future__ import annotations
 
 import os as _os
+import sys as _sys
 
 __version__ = "0.1.0"
 
-# In a source checkout, kernels/ and api/ sit beside hicache/ and are imported
-# as hicache.kernels / hicache.api (an installed wheel has them inside
-# hicache/). Extending __path__ is the standard namespace mechanism for this.
+# In a source checkout, kernels/ and api/ sit beside hicache/ and import as
+# hicache.kernels / hicache.api (an installed wheel has them inside hicache/).
+# A finder maps exactly those two names; nothing else of the checkout
+# (bench/, tests/, scripts/, docker/) becomes importable as hicache.*.
 _here = _os.path.dirname(_os.path.abspath(__file__))
 _top = _os.path.dirname(_here)
-if not _os.path.isdir(_os.path.join(_here, "kernels")) and _os.path.isfile(
-        _os.path.join(_top, "kernels", "__init__.py")):
-    __path__.append(_top)  # type: ignore[name-defined]
+_REMAPPED = ("kernels", "api")
+
+
+class _CheckoutFinder:
+    """Finds ``hicache.kernels`` and ``hicache.api`` in a source checkout."""
+
+    @staticmethod
+    def find_spec(fullname, path=None, target=None):  # noqa: ARG004 (finder protocol)
+        sub = fullname[len("hicache."):] if fullname.startswith("hicache.") else ""
+        if sub not in _REMAPPED:
+            return None
+        init = _os.path.join(_top, sub, "__init__.py")
+        if _os.path.isdir(_os.path.join(_here, sub)) or not _os.path.isfile(init):
+            return None
+        import importlib.util
+        return importlib.util.spec_from_file_location(
+            fullname, init, submodule_search_locations=[_os.path.join(_top, sub)])
+
+
+if not any(isinstance(f, _CheckoutFinder) for f in _sys.meta_path):
+    _sys.meta_path.insert(0, _CheckoutFinder())
 
 # The public names resolve on first use (PEP 562) so that ``import hicache``,
 # the configuration and ``hicache --help`` / ``info`` never import torch.
 _EXPORTS = {
-    "Admission": "hicache.hicache", "HiCache": "hicache.hicache",
-    "HiCacheConfig": "hicache.config",
-    "ContractMismatch": "hicache.errors", "HiCacheError": "hicache.errors",
-    "BytePlane": "hicache.layout", "KVLayout": "hicache.layout",
+    "Admission": "hicache.cache.hicache", "HiCache": "hicache.cache.hicache",
+    "HiCacheConfig": "hicache.core.config",
+    "ContractMismatch": "hicache.core.errors", "HiCacheError": "hicache.core.errors",
+    "BytePlane": "hicache.core.layout", "KVLayout": "hicache.core.layout",
 }
 __all__ = sorted([*_EXPORTS, "__version__"])
 

@@ -13,10 +13,10 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from hicache.config import DEFAULT_SOCKET_PATH, HiCacheConfig, parse_set_flags
-from hicache.errors import HiCacheError
-from hicache.proc import process_age_s
-from hicache.redact import Redactor, install_log_redaction
+from hicache.core.config import DEFAULT_SOCKET_PATH, HiCacheConfig, parse_set_flags
+from hicache.core.errors import HiCacheError
+from hicache.core.proc import process_age_s
+from hicache.core.redact import Redactor, install_log_redaction
 
 DESCRIPTION = """\
 hicache: a page-granular tiered KV cache (GPU L1 / host L2 / shared L3) for LLM engines.
@@ -150,7 +150,7 @@ def describe_device(setting: str) -> str:
 
 def cmd_info(args: argparse.Namespace) -> int:
     from hicache.runtime_check import check_runtime
-    from hicache.redact import redact_url  # torch-free
+    from hicache.core.redact import redact_url  # torch-free
     cfg = _load(args)
     check_runtime(cfg)  # what replay and serve would refuse at start (auth_key, L3 URL)
     layout = cfg.layout()

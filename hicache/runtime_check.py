@@ -11,8 +11,8 @@ errors without connecting anywhere, creating a directory or importing torch.
 """
 from __future__ import annotations
 
-from hicache.config import HiCacheConfig
-from hicache.errors import ConfigError
+from hicache.core.config import HiCacheConfig
+from hicache.core.errors import ConfigError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 

@@ -27,7 +27,7 @@ With ``SIGNAL`` the launch also says when it is complete, without an event: each
 program, after its last tile, adds one to a counter in device memory; the last
 of them resets the counter and writes the launch's epoch (read from device
 memory) to a flag, which may live in pinned host memory. Another stream waits
-for the flag with a stream memory operation (``hicache.load_graph``) and the
+for the flag with a stream memory operation (``hicache.transfer.load_graph``) and the
 host reads it directly. The counter's release/acquire orders every program's
 stores before the flag's write.
 """

@@ -24,10 +24,10 @@ import torch
 
 from hicache.kernels.plan import CopyPlan, PlaneAddr, TileConfig, build_plan
 from hicache.kernels.reference import torch_copy, torch_store
-from hicache.errors import IntegrityError
-from hicache.layout import KVLayout
-from hicache.pools import DevicePool, HostPool
-from hicache.provenance import check_provenance
+from hicache.core.errors import IntegrityError
+from hicache.core.layout import KVLayout
+from hicache.memory.pools import DevicePool, HostPool
+from hicache.core.provenance import check_provenance
 
 Pool = DevicePool | HostPool
 Backend = Literal["auto", "triton", "torch"]

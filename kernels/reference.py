@@ -10,8 +10,8 @@ from typing import Sequence
 
 import torch
 
-from hicache.pools import DevicePool, HostPool
-from hicache.provenance import Row
+from hicache.memory.pools import DevicePool, HostPool
+from hicache.core.provenance import Row
 
 Pool = DevicePool | HostPool
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import msgpack
 
-from hicache.layout import KVLayout
-from hicache.protocol import HEADER, hello_request
+from hicache.core.layout import KVLayout
+from hicache.client.protocol import HEADER, hello_request
 
 
 class RawConn:

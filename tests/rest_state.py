@@ -4,9 +4,9 @@ tear down the state the same way."""
 from __future__ import annotations
 
 from hicache.api.deps import RestState
-from hicache.service.server import NodeServer, open_l3
+from hicache.node.server import NodeServer, open_l3
 from hicache.api.events import EventBus
-from hicache.config import HiCacheConfig
+from hicache.core.config import HiCacheConfig
 
 
 def open_state(cfg: HiCacheConfig, admin_token: str = "") -> RestState:

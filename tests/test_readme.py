@@ -199,7 +199,7 @@ def test_trace_docs_example_replays_as_shown(tmp_path):
 
 
 def test_readme_documents_every_config_key():
-    from hicache.config import HiCacheConfig
+    from hicache.core.config import HiCacheConfig
     text = README.read_text()
 
     def walk(prefix, obj):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from hicache.errors import IntegrityError
+from hicache.core.errors import IntegrityError
 from hicache.index.node import Node
 
 

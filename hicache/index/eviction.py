@@ -17,7 +17,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Protocol, TypeVar
 
-from hicache.errors import ConfigError
+from hicache.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from hicache.index.node import Node

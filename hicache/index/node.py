@@ -9,7 +9,7 @@ from typing import NamedTuple, cast
 
 import numpy as np
 
-from hicache.types import DevicePageId, HostPageId, PageHash
+from hicache.core.types import DevicePageId, HostPageId, PageHash
 
 
 @dataclass(slots=True, eq=False)

@@ -1,7 +1,7 @@
 """Page-granular radix tree: the index of every cached prefix and its tiers.
 
 Edges are whole pages. A node's ``key`` is the uint32-LE bytes of its tokens
-(``hicache.hashing.tokens_to_bytes``); children are keyed by the bytes of
+(``hicache.core.hashing.tokens_to_bytes``); children are keyed by the bytes of
 their first page, so a lookup is one dict probe per node plus one ``memcmp``
 of the edge (``bytes.startswith``). The first differing page inside an edge
 is found by bisection over byte slices. Token ints are never compared one by
@@ -22,14 +22,14 @@ planes without their draft planes (invariant 5).
 Tiers per node: ``device_pages`` (L1 ids, ``None`` = not on L1) and
 ``host_pages`` (L2 ids, ``None`` = not on L2); ``in_storage`` marks L3. Under
 context parallelism those lists hold only the pages this rank owns (see
-``hicache.cp``); ``[]`` means "on the tier, no page owned here". A non-root
+``hicache.index.cp``); ``[]`` means "on the tier, no page owned here". A non-root
 node is always on L1 or L2; L3-only prefixes live in the storage backend.
 
 The tree allocates, frees and copies nothing, and never calls up: it
 records page ids, returns what it created (``InsertResult.created``) and what
 it would evict (``device_victims`` / ``host_victims``), and drops what it is
 told to (``drop_device`` / ``drop_host``), handing freed ids back to its caller
-(``hicache.cache.PrefixCache``). Eviction candidates live in
+(``hicache.index.prefix_cache.PrefixCache``). Eviction candidates live in
 ``hicache.index.candidates``, draft-plane completeness in ``hicache.index.draft``, the
 integrity check in ``hicache.index.radix_check``. Not thread-safe.
 """
@@ -38,14 +38,14 @@ from __future__ import annotations
 from typing import Iterator, Sequence
 
 
-from hicache.cp import PageOwnership, RoundRobin
-from hicache.errors import CacheStateError
+from hicache.index.cp import PageOwnership, RoundRobin
+from hicache.core.errors import CacheStateError
 from hicache.index.candidates import DeviceCandidates, HostCandidates
 from hicache.index.eviction import EvictionPolicy
-from hicache.hashing import namespace_root, raw_page_hashes
+from hicache.core.hashing import namespace_root, raw_page_hashes
 from hicache.index.node import DraftCut, Dropped, Hit, InsertResult, Node, TreeCensus
 from hicache.index.radix_check import TreeFacts, check_tree
-from hicache.types import DevicePageId, HostPageId, PageHash
+from hicache.core.types import DevicePageId, HostPageId, PageHash
 
 __all__ = ["RadixTree", "Node", "Hit", "InsertResult", "Dropped", "TreeCensus"]
 

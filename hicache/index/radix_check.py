@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable, Mapping, NamedTuple, Sequence
 
 from hicache.index.draft import check_node_flags
-from hicache.errors import IntegrityError
+from hicache.core.errors import IntegrityError
 from hicache.index.node import Node, TreeCensus
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 
-from hicache.errors import ConfigError, IntegrityError
+from hicache.core.errors import ConfigError, IntegrityError
 
 __all__ = ["KnownSet"]
 

@@ -6,7 +6,7 @@ API (all of it):
 
 * ``AdapterStats``: the counters both adapters keep (lookups, loads, stores,
   bytes, per-operation errors, rejected objects), each a
-  ``hicache.stat_schema.stat`` field naming its family, help and labels.
+  ``hicache.core.stat_schema.stat`` field naming its family, help and labels.
 * ``SglangStats(AdapterStats)`` and ``PoolCounts``: the SGLang backend's
   extras (pages per host pool: the KV pool and v2 side pools);
   ``VllmTierStats(AdapterStats)`` and ``GroupCounts``: the vLLM tier's
@@ -25,7 +25,7 @@ API (all of it):
   ``SglangStats`` or a plain ``AdapterStats``.
 * ``start_line(log, engine, url, fingerprint, capacity)``: the INFO line at
   start (URL redacted).
-* ``warnings_for(log)``: a ``hicache.ratelimit.LogLimiter`` (a few lines per
+* ``warnings_for(log)``: a ``hicache.core.ratelimit.LogLimiter`` (a few lines per
   kind of warning and minute).
 
 Export channels (each adapter keeps its engine's own; the names, help and
@@ -55,10 +55,10 @@ import typing
 import weakref
 from typing import Any, Iterator
 
-from hicache.errors import IntegrityError
-from hicache.ratelimit import LogLimiter
-from hicache.redact import redact_url
-from hicache.stat_schema import Kind, help_of, metric_of, stat
+from hicache.core.errors import IntegrityError
+from hicache.core.ratelimit import LogLimiter
+from hicache.core.redact import redact_url
+from hicache.core.stat_schema import Kind, help_of, metric_of, stat
 
 SGLANG_PREFIX = "hicache_adapter_"
 VLLM_PREFIX = "hicache_vllm_"

@@ -74,7 +74,7 @@ from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
-from hicache.errors import ConfigError, IntegrityError
+from hicache.core.errors import ConfigError, IntegrityError
 from hicache.integrations.metrics import AdapterMetrics, SglangStats, adapter_stats, sglang_stats, start_line, warnings_for
 from hicache.integrations.sglang_keys import auth_key, page_key, sglang_layout
 from hicache.integrations.sglang_pools import (
@@ -88,7 +88,7 @@ from hicache.integrations.sglang_pools import (
     page_bytes_of,
     side_timeout_ms,
 )
-from hicache.layout import KVLayout
+from hicache.core.layout import KVLayout
 from hicache.storage import StorageBackend, StorageStats, open_storage
 from hicache.storage.service import SCHEME as SERVICE_SCHEME
 

@@ -15,11 +15,11 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
-from hicache.errors import ConfigError
-from hicache.hashing import HASH_BYTES
+from hicache.core.errors import ConfigError
+from hicache.core.hashing import HASH_BYTES
 from hicache.integrations.sglang_pools import pool_tag
-from hicache.layout import KVLayout
-from hicache.types import PageHash
+from hicache.core.layout import KVLayout
+from hicache.core.types import PageHash
 
 __all__ = ["AUTH_ENV", "SUPPORTED_LAYOUTS", "auth_key", "page_key", "sglang_layout"]
 
@@ -81,7 +81,7 @@ def auth_key(extra: Mapping[str, Any], env: Mapping[str, str] = os.environ) -> b
     """The L3 MAC secret: ``auth_key`` / ``auth_key_file`` of the extra config, else the
     environment's ``HICACHE_STORAGE__AUTH_KEY`` / ``..._FILE``; b"" for none.
     Resolved as hicache's own ``storage`` section does. Raises ``ConfigError``."""
-    from hicache.config import StorageConfig
+    from hicache.core.config import StorageConfig
     key, path = extra.get("auth_key"), extra.get("auth_key_file")
     if key is None and path is None:
         key, path = env.get(AUTH_ENV[0]), env.get(AUTH_ENV[1])

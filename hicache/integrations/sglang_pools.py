@@ -35,12 +35,12 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolHitPolicy, PoolName, PoolTransferResult
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
-from hicache.errors import ConfigError, IntegrityError
-from hicache.hashing import HASH_BYTES
-from hicache.layout import KVLayout
+from hicache.core.errors import ConfigError, IntegrityError
+from hicache.core.hashing import HASH_BYTES
+from hicache.core.layout import KVLayout
 from hicache.storage import StorageBackend, StorageStats
 from hicache.storage.options import StorageOptions
-from hicache.types import PageHash
+from hicache.core.types import PageHash
 
 KV_POOL = PoolName.KV  # the anchor pool, stored by the v1 methods
 # A side pool's per-page timeout covers one of its pages moved at this rate: a

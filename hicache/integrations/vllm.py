@@ -74,16 +74,16 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
 
-from hicache.config import StorageConfig
-from hicache.errors import ConfigError, IntegrityError
+from hicache.core.config import StorageConfig
+from hicache.core.errors import ConfigError, IntegrityError
 from hicache.integrations.known import KnownSet
 from hicache.integrations.metrics import VLLM_PREFIX, GroupCounts, Increases, VllmTierStats, families
 from hicache.integrations.vllm_groups import GroupLedger, KVGroup, kv_groups
-from hicache.layout import MAX_MODEL_ID_CHARS, KVLayout
-from hicache.ratelimit import LogLimiter
+from hicache.core.layout import MAX_MODEL_ID_CHARS, KVLayout
+from hicache.core.ratelimit import LogLimiter
 from hicache.storage import StorageBackend, open_storage
-from hicache.redact import redact_url
-from hicache.types import PageHash
+from hicache.core.redact import redact_url
+from hicache.core.types import PageHash
 
 # Under vLLM's "vllm" logger: its handler and level (VLLM_LOGGING_LEVEL, INFO by
 # default) apply, so the start line appears in a vLLM process without any setup.

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from vllm.v1.kv_offload.base import OffloadKey, get_offload_group_idx
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from hicache.errors import ConfigError, IntegrityError
+from hicache.core.errors import ConfigError, IntegrityError
 from hicache.integrations.metrics import GroupCounts
 
 __all__ = ["KVGroup", "GroupLedger", "kv_groups"]

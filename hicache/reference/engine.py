@@ -23,10 +23,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from hicache.cache import Request
+from hicache.index.prefix_cache import Request
 from hicache.reference.model import verify_greedy
-from hicache.errors import OutOfPages
-from hicache.hicache import HiCache
+from hicache.core.errors import OutOfPages
+from hicache.cache.hicache import HiCache
 
 
 @dataclass(slots=True)

@@ -28,7 +28,7 @@ from typing import Iterator, Literal, NamedTuple
 import numpy as np
 
 from hicache.reference.trace_format import open_regular
-from hicache.errors import TraceError
+from hicache.core.errors import TraceError
 
 DEFAULT_BLOCK_TOKENS = 512
 HASH_FIELDS = {"timestamp", "input_length", "output_length", "hash_ids"}

@@ -9,7 +9,7 @@ parent's output (placeholders distinct per request) and its own appended tokens.
 L2 is sized to hold the whole workload (written through), so what it holds at the
 end is what the hybrid layout keeps for it: compared with every layer of every page in
 full (and, for a state group, a snapshot at every page boundary), and with
-``hicache.hybrid.workload_bytes``' accounting of the same sequences.
+``hicache.core.groups.workload_bytes``' accounting of the same sequences.
 """
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from hicache.config import HiCacheConfig
-from hicache.hybrid import hybrid_layout, workload_bytes
-from hicache.hybrid_cache import HybridCache, HybridPools
-from hicache.policies import WritePolicy
-from hicache.shapes import model_shape
+from hicache.core.config import HiCacheConfig
+from hicache.core.groups import hybrid_layout, workload_bytes
+from hicache.cache.hybrid import HybridCache, HybridPools
+from hicache.core.policies import WritePolicy
+from hicache.core.shapes import model_shape
 
 HYBRID_SHAPES = ("gpt-oss-120b", "qwen3-next-80b-a3b")
 PLACEHOLDER_BASE = 1 << 24  # output token ids: above every trace vocab, distinct per request

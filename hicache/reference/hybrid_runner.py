@@ -17,10 +17,10 @@ from typing import NamedTuple
 
 import torch
 
-from hicache.errors import CacheStateError
-from hicache.hybrid_admission import HybridAdmission
-from hicache.hybrid_cache import HybridCache
-from hicache.hybrid_request import HybridRequest
+from hicache.core.errors import CacheStateError
+from hicache.cache.hybrid_admission import HybridAdmission
+from hicache.cache.hybrid import HybridCache
+from hicache.cache.hybrid_request import HybridRequest
 from hicache.reference.model_hybrid import HybridModel, HybridState
 
 

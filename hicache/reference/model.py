@@ -1,6 +1,6 @@
 """The reference decoder-only transformer that hicache's engine loop drives.
 
-It keeps its KV in a ``hicache.pools.DevicePool``: it writes the rows of the
+It keeps its KV in a ``hicache.memory.pools.DevicePool``: it writes the rows of the
 tokens it computes by slot id (``page_id * page_size + offset``, see
 ``model_kv.write_kv``) and reads context K/V by gathering the request's page
 table (one slot id per context token) from the pool buffers.
@@ -60,9 +60,9 @@ from hicache.reference import model_layers as ml
 from hicache.reference.model_kv import (RowBatch, check_rows, check_slot_bounds, gather_context, to_device,
                                      write_kv, write_rows)
 from hicache.reference.model_spec import ModelSpec
-from hicache.errors import PoolError
-from hicache.pools import DevicePool
-from hicache.provenance import Row
+from hicache.core.errors import PoolError
+from hicache.memory.pools import DevicePool
+from hicache.core.provenance import Row
 
 Attention = Literal["exact", "sdpa"]
 LayerHook = Callable[[int], None]

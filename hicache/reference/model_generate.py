@@ -13,8 +13,8 @@ from typing import Sequence
 import torch
 
 from hicache.reference.model import ChunkOutput, Generation, ReferenceModel, verify_greedy
-from hicache.errors import InvalidArgument
-from hicache.pools import DevicePool
+from hicache.core.errors import InvalidArgument
+from hicache.memory.pools import DevicePool
 
 
 def prefill(model: ReferenceModel, pool: DevicePool, prompt: Sequence[int], slot_ids: torch.Tensor, *,

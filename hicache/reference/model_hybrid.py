@@ -5,7 +5,7 @@ last ``window`` tokens, itself included), ``"full"`` (causal attention over
 every token) or ``"linear"`` (a recurrent linear-attention layer: per head a
 ``[head_dim, head_dim]`` state ``S <- g * S + k^T v``, output ``q S``, with a
 fixed per-head decay ``g``). The attention layers keep KV in a
-``hicache.pools.DevicePool`` exactly as ``ReferenceModel`` does (the pool's
+``hicache.memory.pools.DevicePool`` exactly as ``ReferenceModel`` does (the pool's
 layer ``i`` is the ``i``-th attention layer of the pattern); the linear layers
 keep their state in a ``HybridState`` the caller owns, one per request.
 
@@ -33,12 +33,12 @@ from hicache.reference import model_layers as ml
 from hicache.reference.model import ChunkOutput, LayerHook, ReferenceModel, StoreFn, _Stack
 from hicache.reference.model_kv import gather_context, write_kv
 from hicache.reference.model_spec import ModelSpec
-from hicache.errors import IntegrityError, InvalidArgument, LayoutError, PoolError
-from hicache.hybrid import LayerGroup
-from hicache.hybrid_cache import group_layout
-from hicache.provenance import Row
-from hicache.layout import HostLayout, KVLayout
-from hicache.pools import DevicePool
+from hicache.core.errors import IntegrityError, InvalidArgument, LayoutError, PoolError
+from hicache.core.groups import LayerGroup
+from hicache.cache.hybrid import group_layout
+from hicache.core.provenance import Row
+from hicache.core.layout import HostLayout, KVLayout
+from hicache.memory.pools import DevicePool
 
 LayerKind = Literal["swa", "full", "linear"]
 
@@ -143,7 +143,7 @@ class HybridModel(ReferenceModel):
     chunk's end. ``replay=True`` computes the chunk only to advance the state
     (its KV is already in the pool at those slots and is not written).
 
-    Split pools (``swa=(swa_pool, swa_slots)``, how ``hicache.hybrid_cache``
+    Split pools (``swa=(swa_pool, swa_slots)``, how ``hicache.cache.hybrid``
     keeps a hybrid): ``pool`` holds the full layers only (its layer ``j`` is
     the ``j``-th full layer) and ``swa_pool`` the sliding-window layers, at
     their own slot ids (``-1`` for pages outside every window the chunk

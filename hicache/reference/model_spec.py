@@ -16,8 +16,8 @@ from typing import Literal
 
 import torch
 
-from hicache.errors import LayoutError
-from hicache.layout import HostLayout, KVLayout
+from hicache.core.errors import LayoutError
+from hicache.core.layout import HostLayout, KVLayout
 
 _COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from hicache.config import HiCacheConfig
+from hicache.core.config import HiCacheConfig
 from hicache.reference.engine import Engine, EngineRun, iter_progress
 from hicache.reference.model_spec import ModelSpec
-from hicache.errors import ConfigError
-from hicache.hicache import HiCache
-from hicache.redact import redact_url
+from hicache.core.errors import ConfigError
+from hicache.cache.hicache import HiCache
+from hicache.core.redact import redact_url
 
 
 SERVICE_SETTLE_S = 30.0  # how long replay --service waits for the service's L3 write-behind
@@ -187,7 +187,7 @@ def _oracle(run: EngineRun, page_size: int, prompt_total: int) -> tuple[dict[str
     computed it. It starts empty, so a persistent L3 filled by earlier runs can
     beat it; returns ``(row, tokens hicache hit beyond it per request, summed)``,
     which are exactly the hits on pages no earlier request of this run held."""
-    from hicache.hashing import page_hashes
+    from hicache.core.hashing import page_hashes
     seen: set[bytes] = set()
     hit = earlier = 0
     for r in sorted(run.results.values(), key=lambda r: r.admitted):

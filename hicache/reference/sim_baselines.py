@@ -3,7 +3,7 @@
 A request of ``n`` tokens may hit at most its first ``(n - 1) // page_size``
 pages (the last token is always computed) and, once served, holds its
 ``n // page_size`` full pages: the rules ``HiCache`` follows. Pages are named
-by their chained page hash (``hicache.hashing``), numbered densely here.
+by their chained page hash (``hicache.core.hashing``), numbered densely here.
 
 - ``infinite``: every page any earlier request held is still cached.
 - ``belady``: one cache of ``capacity`` pages; when full, the page whose next
@@ -19,7 +19,7 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
-from hicache.hashing import namespace_root, raw_page_hashes
+from hicache.core.hashing import namespace_root, raw_page_hashes
 
 
 class PageStream(NamedTuple):

@@ -7,11 +7,11 @@ import json
 import time
 from typing import Any, Callable, Iterator
 
-from hicache.config import HiCacheConfig
+from hicache.core.config import HiCacheConfig
 from hicache.reference import sim_baselines as bl
 from hicache.reference.simulate import SimPlan, SimRequest, run_hicache, sim_config, trace_requests
 from hicache.index.eviction import POLICIES
-from hicache.misses import REASONS
+from hicache.index.misses import REASONS
 
 Factory = Callable[[], Iterator[SimRequest]]
 SWEEP_FRACTIONS = (1 / 64, 1 / 16, 1 / 4, 1 / 2, 1.0)  # of the working set's bytes, per tier

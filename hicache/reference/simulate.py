@@ -6,7 +6,7 @@ and a real L3 backend (``simulate.l3_url``: ``memory://``, ``file://``,
 ``redis://``). Pages carry small stand-in payloads (one layer, one head of
 dimension 1, uint8: ``2 * page_size`` bytes) and the transfers run inline in
 the scheduler thread, so the run is deterministic. Bytes are *accounted* as if
-each page had the real size of ``simulate.shape`` (``hicache.shapes``), not
+each page had the real size of ``simulate.shape`` (``hicache.core.shapes``), not
 moved: tier capacities are given in those bytes and converted to pages.
 
 Requests are served one at a time in arrival order (admit, compute the miss,
@@ -26,19 +26,19 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 
-from hicache.config import HiCacheConfig, SimulateConfig
+from hicache.core.config import HiCacheConfig, SimulateConfig
 from hicache.reference.hash_trace import detect_format, iter_hash_trace
-from hicache.errors import ConfigError, OutOfPages
-from hicache.hicache import HiCache
-from hicache.layout import KVLayout
-from hicache.shapes import ModelShape, model_shape
+from hicache.core.errors import ConfigError, OutOfPages
+from hicache.cache.hicache import HiCache
+from hicache.core.layout import KVLayout
+from hicache.core.shapes import ModelShape, model_shape
 
 
 class SimRequest(NamedTuple):
     rid: str
     arrival: float  # seconds from the start of the trace
     namespace: str
-    key: bytes  # the prompt's token ids, uint32 LE (hicache.request.as_key)
+    key: bytes  # the prompt's token ids, uint32 LE (hicache.index.request.as_key)
 
 
 @dataclass(frozen=True, slots=True)

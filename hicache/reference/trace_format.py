@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterable, NamedTuple, Sequence
 
-from hicache.errors import IntegrityError, TraceError
+from hicache.core.errors import IntegrityError, TraceError
 
 TRACE_VERSION = 1
 # The reference model allocates a vocab x hidden embedding: bound it far above

@@ -2,7 +2,7 @@
 
 Entry point: ``open_storage(url, fingerprint=layout.fingerprint())``.
 """
-from hicache.stats import StorageStats
+from hicache.core.stats import StorageStats
 from hicache.storage.base import StorageBackend
 from hicache.storage.options import StorageOptions
 from hicache.storage.registry import StorageRegistry, default_registry, open_storage

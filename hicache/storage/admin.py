@@ -23,9 +23,9 @@ from typing import Any, Iterator, NamedTuple
 
 import msgpack
 
-from hicache.errors import ConfigError, StorageError
-from hicache.hashing import HASH_BYTES
-from hicache.redact import redact_url
+from hicache.core.errors import ConfigError, StorageError
+from hicache.core.hashing import HASH_BYTES
+from hicache.core.redact import redact_url
 from hicache.storage.capacity import PrefixUsage
 from hicache.storage.codec import MAGIC, PREFIX_BYTES
 

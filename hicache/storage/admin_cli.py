@@ -8,7 +8,7 @@ import argparse
 import json
 import re
 
-from hicache.errors import ConfigError
+from hicache.core.errors import ConfigError
 
 DESCRIPTION = """\
 Size, list and clear the L3 store (storage.url, or --url), per layout: each KV
@@ -68,7 +68,7 @@ def _size(n: int) -> str:
 
 
 def run(args: argparse.Namespace, cfg) -> int:
-    from hicache.redact import redact_url
+    from hicache.core.redact import redact_url
     from hicache.storage.admin import RedisStore, open_store
     url = args.url if args.url is not None else cfg.storage.url
     store = open_store(url, timeout_s=max(1.0, cfg.storage.timeout_ms / 1000))

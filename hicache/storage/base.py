@@ -35,9 +35,9 @@ import logging
 import threading
 from typing import Any, Callable, ClassVar, Iterator, Sequence
 
-from hicache.errors import IntegrityError, StorageError
-from hicache.hashing import HASH_BYTES
-from hicache.stats import StorageStats
+from hicache.core.errors import IntegrityError, StorageError
+from hicache.core.hashing import HASH_BYTES
+from hicache.core.stats import StorageStats
 from hicache.storage import codec, into
 from hicache.storage.capacity import StorageUsage
 from hicache.storage.codec import Buffer, ReadStatus
@@ -134,7 +134,7 @@ class StorageBackend(abc.ABC):
     # --------------------------------------------------------------- plumbing
     def _full(self, key: bytes) -> bytes:
         if type(key) is not bytes or len(key) != HASH_BYTES:
-            raise ValueError(f"L3 key {key!r}: must be a {HASH_BYTES}-byte page hash from hicache.hashing")
+            raise ValueError(f"L3 key {key!r}: must be a {HASH_BYTES}-byte page hash from hicache.core.hashing")
         return self.key_prefix + key
 
     def _count(self, op: str = "", **deltas: int) -> None:

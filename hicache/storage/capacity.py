@@ -24,8 +24,8 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 from typing import Any, ClassVar, Literal, NamedTuple
 
-from hicache.errors import ConfigError
-from hicache.sizes import parse_size  # noqa: F401  (re-exported)
+from hicache.core.errors import ConfigError
+from hicache.core.sizes import parse_size  # noqa: F401  (re-exported)
 
 
 L3Eviction = Literal["lru", "fifo"]
@@ -75,7 +75,7 @@ def default_cap(url: str) -> int:
 def backend_options(storage: Any, url: str | None = None) -> dict[str, Any]:
     """The ``open_storage`` keywords that ``storage.max_bytes`` / ``storage.eviction``
     mean for ``url`` (default ``storage.url``; ``storage`` is a
-    ``hicache.config.StorageConfig``, not imported: the config sits above this module): ``max_bytes`` and ``eviction`` for
+    ``hicache.core.config.StorageConfig``, not imported: the config sits above this module): ``max_bytes`` and ``eviction`` for
     ``file://`` and ``memory://``, nothing for the others.
 
     Raises ``ConfigError`` when a cap is set explicitly for a store that has

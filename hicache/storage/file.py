@@ -40,8 +40,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from hicache.errors import ConfigError, IntegrityError
-from hicache.hashing import HASH_BYTES
+from hicache.core.errors import ConfigError, IntegrityError
+from hicache.core.hashing import HASH_BYTES
 from hicache.storage.base import StorageBackend
 from hicache.storage.options import StorageOptions
 from hicache.storage.put_batch import PutBatch

@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
-from hicache.errors import IntegrityError
+from hicache.core.errors import IntegrityError
 from hicache.storage.capacity import TRIM_TO
 
 LEDGER = ".hicache-usage"

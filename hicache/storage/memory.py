@@ -11,7 +11,7 @@ import threading
 from collections import OrderedDict
 from typing import Iterator
 
-from hicache.errors import ConfigError, IntegrityError
+from hicache.core.errors import ConfigError, IntegrityError
 from hicache.storage.base import StorageBackend
 from hicache.storage.options import StorageOptions
 from hicache.storage.put_batch import PutBatch

@@ -4,8 +4,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from hicache.errors import ConfigError
-from hicache.layout import KVLayout
+from hicache.core.errors import ConfigError
+from hicache.core.layout import KVLayout
 from hicache.storage import codec
 
 # A shorter MAC key is guessable; 16 bytes (e.g. 22 base64 characters) is the floor.

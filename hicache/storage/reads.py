@@ -12,8 +12,8 @@ import logging
 import threading
 from typing import Iterator
 
-from hicache.errors import IntegrityError
-from hicache.ratelimit import LogLimiter
+from hicache.core.errors import IntegrityError
+from hicache.core.ratelimit import LogLimiter
 from hicache.storage import codec
 from hicache.storage.codec import Buffer, ReadStatus
 

@@ -35,9 +35,9 @@ from redis.connection import ConnectionPool, SSLConnection, parse_url
 from redis.exceptions import ClusterDownError, RedisClusterException, RedisError
 from redis.retry import Retry
 
-from hicache.errors import ConfigError
-from hicache.redact import Redactor, url_secrets
-from hicache.redact import redact_url
+from hicache.core.errors import ConfigError
+from hicache.core.redact import Redactor, url_secrets
+from hicache.core.redact import redact_url
 from hicache.storage.base import StorageBackend
 from hicache.storage.options import StorageOptions
 from hicache.storage.put_batch import PutBatch

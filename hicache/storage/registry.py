@@ -13,9 +13,9 @@ import logging
 from importlib.metadata import entry_points
 from typing import Any, Callable
 
-from hicache.errors import ConfigError
-from hicache.layout import KVLayout
-from hicache.redact import redact_url
+from hicache.core.errors import ConfigError
+from hicache.core.layout import KVLayout
+from hicache.core.redact import redact_url
 from hicache.storage.base import StorageBackend
 from hicache.storage.options import StorageOptions
 from hicache.storage.file import FileBackend

@@ -4,8 +4,8 @@ What ``open_storage`` returns for the service's URL: an engine that keeps its
 own host tier (the vLLM and SGLang connectors) shares pages with every other
 engine of the node through the service's L2 (a shared-memory segment), and
 through whatever L3 the service persists to. (An embedded ``HiCache`` given
-this URL does not open it: the segment becomes its L2, ``hicache.l2.shared``.
-Both go through the one client, ``hicache.service.client``.)
+this URL does not open it: the segment becomes its L2, ``hicache.tiers.l2.shared``.
+Both go through the one client, ``hicache.client.link``.)
 
 * ``put``: ``reserve`` + copy payloads into the segment + ``commit`` under
   the page hashes (the service writes them behind to its own L3);
@@ -33,9 +33,9 @@ import logging
 import threading
 from typing import ClassVar, Sequence
 
-from hicache.service.client import SCHEME, SOCKET_SLACK_S, ServiceClient, socket_path_of
-from hicache.errors import ConfigError, ContractMismatch, IntegrityError, OutOfPages, PoolError, ServiceError
-from hicache.layout import KVLayout
+from hicache.client.link import SCHEME, SOCKET_SLACK_S, ServiceClient, socket_path_of
+from hicache.core.errors import ConfigError, ContractMismatch, IntegrityError, OutOfPages, PoolError, ServiceError
+from hicache.core.layout import KVLayout
 from hicache.storage.base import StorageBackend
 from hicache.storage.health import DOWN
 from hicache.storage.options import StorageOptions

@@ -18,7 +18,7 @@ import pytest
 
 from hicache.api.app import create_app
 from hicache.api.deps import RestState
-from hicache.config import HiCacheConfig
+from hicache.core.config import HiCacheConfig
 from tests.rest_state import close_state, open_state
 
 # A small layout keeps segments and payloads tiny: 4-token pages, 2 layers.

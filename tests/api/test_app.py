@@ -13,10 +13,10 @@ from hicache.api.events import EventBus
 from hicache.api.redact import redact_url
 from hicache.api.serve import resolve_admin_token
 from hicache.api.stats import RateTracker
-from hicache.config import HiCacheConfig
-from hicache.errors import ConfigError
-from hicache.hashing import page_hashes
-from hicache.service.events import EventKind, EventLog
+from hicache.core.config import HiCacheConfig
+from hicache.core.errors import ConfigError
+from hicache.core.hashing import page_hashes
+from hicache.node.events import EventKind, EventLog
 
 TOKEN = "tok-1234567890abcdef"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from hicache.hashing import page_hashes
+from hicache.core.hashing import page_hashes
 from hicache.storage.file_cap import scan
 
 

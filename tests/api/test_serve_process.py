@@ -11,8 +11,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.cli import main
-from hicache.service.client import ServiceClient
-from hicache.hashing import page_hashes
+from hicache.client.link import ServiceClient
+from hicache.core.hashing import page_hashes
 from hicache.storage import open_storage
 
 from .conftest import BASE_SETTINGS, free_port, short_dir, start_serve, stop_serve

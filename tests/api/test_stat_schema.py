@@ -1,4 +1,4 @@
-"""Every statistic is declared once (``hicache.service.snapshot``) and reaches
+"""Every statistic is declared once (``hicache.node.snapshot``) and reaches
 both ``/v1/stats`` and ``/metrics``; engines push their own figures (op ``report``)."""
 from __future__ import annotations
 
@@ -13,16 +13,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from hicache.api.metrics import families
 from hicache.api.models import model_from_dataclass
 from hicache.api.stats import snapshot
-from hicache.cache import CacheStats
-from hicache.service.client import ServiceClient
-from hicache.errors import ServiceError
-from hicache.hashing import page_hashes
-from hicache.hicache import HiCacheStats
-from hicache.load_cost import AdmissionStats
-from hicache.misses import REASONS, MissStats
-from hicache.service.snapshot import REPORT_FIELDS, EngineReport, StatsSnapshot
-from hicache.stat_schema import help_of, metric_of, stat
-from hicache.tiers import TierMoveStats
+from hicache.index.prefix_cache import CacheStats
+from hicache.client.link import ServiceClient
+from hicache.core.errors import ServiceError
+from hicache.core.hashing import page_hashes
+from hicache.cache.hicache import HiCacheStats
+from hicache.tiers.cost import AdmissionStats
+from hicache.index.misses import REASONS, MissStats
+from hicache.node.snapshot import REPORT_FIELDS, EngineReport, StatsSnapshot
+from hicache.core.stat_schema import help_of, metric_of, stat
+from hicache.tiers.manager import TierMoveStats
 
 from .test_serve_process import commit
 

@@ -1,6 +1,6 @@
 """The REST app over an in-memory ``ServiceView``: no engine server, socket or segment.
 
-The routes see the node service only through ``hicache.service.view.ServiceView``;
+The routes see the node service only through ``hicache.node.view.ServiceView``;
 these tests build the app over ``FakeView`` (a dict of pages) and check each
 route reads or changes exactly what the fake holds.
 """
@@ -12,12 +12,12 @@ from fastapi.testclient import TestClient
 
 from hicache.api.app import create_app
 from hicache.api.deps import RestState
-from hicache.service.events import EMPTY, Taken
-from hicache.service.view import ServiceStats, ServiceView
-from hicache.config import HiCacheConfig
-from hicache.errors import IntegrityError, ServiceError
-from hicache.hashing import page_hashes
-from hicache.types import PageHash
+from hicache.node.events import EMPTY, Taken
+from hicache.node.view import ServiceStats, ServiceView
+from hicache.core.config import HiCacheConfig
+from hicache.core.errors import IntegrityError, ServiceError
+from hicache.core.hashing import page_hashes
+from hicache.core.types import PageHash
 
 SETTINGS = {"model.num_layers": "2", "model.num_kv_heads": "1", "model.head_dim": "4",
             "model.page_size": "4", "pool.host_pages": "16", "log_level": "WARNING"}
@@ -133,8 +133,8 @@ def test_check_integrity_reaches_the_view():
 
 
 def test_engine_server_has_exactly_the_view_methods():
-    # mypy checks the signatures (the end of hicache/service/server.py); this pins the names.
-    from hicache.service.server import NodeServer
+    # mypy checks the signatures (the end of hicache/node/server.py); this pins the names.
+    from hicache.node.server import NodeServer
     names = {n for n in vars(ServiceView) if not n.startswith("_")}
     assert names == {"stats", "peek_l2", "flush_l2", "take_events", "check_integrity"}
     assert all(callable(getattr(NodeServer, n)) for n in names)

@@ -6,9 +6,9 @@ import tempfile
 
 import pytest
 
-from hicache.config import HiCacheConfig
-from hicache.service.server import NodeServer
-from hicache.shm import shm_path
+from hicache.core.config import HiCacheConfig
+from hicache.node.server import NodeServer
+from hicache.memory.shm import shm_path
 
 
 @pytest.fixture

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from hicache.config import HiCacheConfig
-from hicache.hicache import HiCache
-from hicache.layout import KVLayout
+from hicache.core.config import HiCacheConfig
+from hicache.cache.hicache import HiCache
+from hicache.core.layout import KVLayout
 
 PS = 4
 PROMPT = list(range(100, 125))  # 6 pages + 1 token
@@ -115,7 +115,7 @@ def run_rank(rank: int, world: int, transport: str, cp_size: int, rendezvous: st
     device = "cpu"
     if transport in ("torch", "nccl"):
         import torch.distributed as dist
-        from hicache.consensus import TorchConsensus
+        from hicache.client.consensus import TorchConsensus
         if transport == "nccl":
             device = f"cuda:{rank}"
             torch.cuda.set_device(rank)
@@ -123,7 +123,7 @@ def run_rank(rank: int, world: int, transport: str, cp_size: int, rendezvous: st
                                 rank=rank, world_size=world)
         consensus = TorchConsensus()
     else:
-        from hicache.consensus import ServiceConsensus
+        from hicache.client.consensus import ServiceConsensus
         consensus = ServiceConsensus(rendezvous, "test-group", rank, world, timeout_s=120)
     tp_size = world // cp_size
     try:

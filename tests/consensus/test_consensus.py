@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from hicache.service.client import ServiceClient
-from hicache.consensus import ServiceConsensus, admitted_hit
-from hicache.errors import ConfigError, ServiceError
+from hicache.client.link import ServiceClient
+from hicache.client.consensus import ServiceConsensus, admitted_hit
+from hicache.core.errors import ConfigError, ServiceError
 
 from tests.consensus.ranks import PS, run_rank
 

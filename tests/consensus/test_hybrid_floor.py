@@ -16,15 +16,15 @@ import threading
 import pytest
 import torch
 
-from hicache.config import HiCacheConfig
-from hicache.consensus import ServiceConsensus
-from hicache.hashing import page_hashes
-from hicache.hybrid import LayerGroup, hybrid_layout
-from hicache.hybrid_cache import HybridCache
+from hicache.core.config import HiCacheConfig
+from hicache.client.consensus import ServiceConsensus
+from hicache.core.hashing import page_hashes
+from hicache.core.groups import LayerGroup, hybrid_layout
+from hicache.cache.hybrid import HybridCache
 from hicache.reference.hybrid_runner import HybridRunner
 from hicache.reference.model_hybrid import HybridModel, HybridSpec
 from hicache.reference.model_spec import ModelSpec
-from hicache.shapes import model_shape
+from hicache.core.shapes import model_shape
 
 # an exception in a rank's thread fails the test (not only a warning)
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from hicache.config import HiCacheConfig
-from hicache.hicache import HiCache
-from hicache.layout import KVLayout
+from hicache.core.config import HiCacheConfig
+from hicache.cache.hicache import HiCache
+from hicache.core.layout import KVLayout
 
 SENTINEL = -999.5  # poison of every padding row; never a valid value
 

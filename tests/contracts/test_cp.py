@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.cp_assemble import RankPages, RequestRows, assemble, page_sources, rank_batch, store_batch
+from hicache.transfer.cp_assemble import RankPages, RequestRows, assemble, page_sources, rank_batch, store_batch
 from hicache.reference.model import ReferenceModel
 from hicache.reference.model_spec import ModelSpec
-from hicache.provenance import Row
+from hicache.core.provenance import Row
 
 from .helpers import SENTINEL, make_hc
 

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hicache.config import HiCacheConfig
+from hicache.core.config import HiCacheConfig
 from hicache.reference.engine import Engine
 from hicache.reference.model import ReferenceModel
 from hicache.reference.model_spec import ModelSpec
-from hicache.errors import IntegrityError
-from hicache.hicache import HiCache
+from hicache.core.errors import IntegrityError
+from hicache.cache.hicache import HiCache
 
 SPECS = {
     "mha": ModelSpec(vocab=97, hidden=32, num_layers=2, num_q_heads=4, mlp=48, kind="mha",
@@ -117,7 +117,7 @@ def test_pages_without_draft_rows_truncate_the_hit(models, caplog):
     serve(spec_eng, "head", prompt[:21], new=1)  # pages 0-4 with draft rows (row 20 pending)
     serve(plain_eng, "plain", prompt)  # pages 5-8 and beyond without
     hc.check_integrity()
-    caplog.set_level(logging.WARNING, logger="hicache.cache")
+    caplog.set_level(logging.WARNING, logger="hicache.index.prefix_cache")
     warm = serve(spec_eng, "warm", prompt)
     assert (warm.device_hit, warm.host_hit) == (20, 0)  # the common draft-complete prefix
     assert (warm.output, warm.accept_lengths) == (cold.output, cold.accept_lengths)

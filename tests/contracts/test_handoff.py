@@ -11,11 +11,11 @@ import torch
 
 from hicache.reference.model import ReferenceModel, verify_greedy
 from hicache.reference.model_spec import ModelSpec
-from hicache.errors import ContractMismatch
-from hicache.handoff import Exporter, Importer, L2Channel, L3Channel, check_peer, hello
-from hicache.pools import HostPool
-from hicache.shm import SharedSegment
-from hicache.slots import MetaSlotPool
+from hicache.core.errors import ContractMismatch
+from hicache.cache.handoff import Exporter, Importer, L2Channel, L3Channel, check_peer, hello
+from hicache.memory.pools import HostPool
+from hicache.memory.shm import SharedSegment
+from hicache.cache.slots import MetaSlotPool
 from hicache.storage import open_storage
 
 from .helpers import make_hc

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.cp_assemble import RequestRows, rank_batch, store_batch
-from hicache.errors import ProvenanceError
+from hicache.transfer.cp_assemble import RequestRows, rank_batch, store_batch
+from hicache.core.errors import ProvenanceError
 from hicache.kernels.page_copy import store_rows
-from hicache.layout import KVLayout
-from hicache.provenance import Row, check_provenance
+from hicache.core.layout import KVLayout
+from hicache.core.provenance import Row, check_provenance
 
 from .helpers import SENTINEL, indexed_pages, make_hc
 

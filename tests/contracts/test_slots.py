@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from hicache.errors import CacheStateError, SlotsExhausted, StaleSlot
-from hicache.slots import MetaSlotPool
+from hicache.core.errors import CacheStateError, SlotsExhausted, StaleSlot
+from hicache.cache.slots import MetaSlotPool
 
 K, H = 3, 4
 

@@ -2,8 +2,8 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from hicache.allocator import PageAllocator
-from hicache.errors import DoubleFree, ForeignPage, OutOfPages
+from hicache.memory.allocator import PageAllocator
+from hicache.core.errors import DoubleFree, ForeignPage, OutOfPages
 
 
 def test_alloc_order_and_free():

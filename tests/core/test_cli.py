@@ -60,8 +60,8 @@ def test_config_options_before_or_after_the_subcommand(capsys, tmp_path):
 
 
 def test_info_matches_the_pools_without_building_them(capsys, tmp_path):
-    from hicache.config import HiCacheConfig
-    from hicache.pools import HostPool
+    from hicache.core.config import HiCacheConfig
+    from hicache.memory.pools import HostPool
     toml = tmp_path / "planes.toml"
     toml.write_text('[model]\nextra_planes = [["ix", 3]]\ndraft_layers = 1\n')  # odd-sized planes: gaps
     for layout in ("page_first", "layer_first"):
@@ -81,7 +81,7 @@ def test_info_redacts_secrets(capsys):
 
 def test_info_describes_a_rows_layout(capsys, tmp_path):
     """The layout a vLLM tier logs (kind="rows") is one hicache serve can be configured with."""
-    from hicache.layout import KVLayout
+    from hicache.core.layout import KVLayout
     lay = KVLayout.rows("vllm:m", 589824, {"engine": "vllm", "block": 16}, host_layout="page_first")
     toml = tmp_path / "rows.toml"
     toml.write_text("[model]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in lay.to_dict().items()))

@@ -1,8 +1,8 @@
 import pytest
 
 from hicache.cli import main
-from hicache.config import HiCacheConfig
-from hicache.errors import ConfigError
+from hicache.core.config import HiCacheConfig
+from hicache.core.errors import ConfigError
 
 
 def test_defaults_are_embedded():

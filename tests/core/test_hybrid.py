@@ -1,15 +1,15 @@
-"""Hybrid layouts (``hicache.hybrid``): layer groups in ``KVLayout`` and its fingerprint,
+"""Hybrid layouts (``hicache.core.groups``): layer groups in ``KVLayout`` and its fingerprint,
 the resumable floor against a brute-force oracle over every holding pattern, SWA
 pages that may be freed, and the bytes a hybrid stores at the real shapes."""
 import itertools
 
 import pytest
 
-from hicache.errors import LayoutError
-from hicache.hybrid import (LayerGroup, gdn_state_bytes, hybrid_layout, resumable_floor, snapshot_boundaries,
+from hicache.core.errors import LayoutError
+from hicache.core.groups import (LayerGroup, gdn_state_bytes, hybrid_layout, resumable_floor, snapshot_boundaries,
                             stored_bytes, swa_freeable, swa_needed_pages, workload_bytes)
-from hicache.layout import KVLayout
-from hicache.shapes import model_shape, model_shapes
+from hicache.core.layout import KVLayout
+from hicache.core.shapes import model_shape, model_shapes
 
 SWA = lambda w, *layers: LayerGroup("swa", layers, window=w)  # noqa: E731
 FULL = lambda *layers: LayerGroup("full", layers)  # noqa: E731

@@ -5,16 +5,16 @@ equal to ``stored_bytes``), with ``check_integrity`` after every step."""
 import pytest
 import torch
 
-from hicache.config import HiCacheConfig
-from hicache.errors import ConfigError, IntegrityError, OutOfPages
-from hicache.group_tiers import GroupTiers, TierCounts
-from hicache.hashing import page_hashes
-from hicache.hybrid import LayerGroup, hybrid_layout, stored_bytes, swa_needed_pages, workload_bytes
-from hicache.hybrid_cache import HybridCache, HybridPools, group_layout
-from hicache.hybrid_copy import on_group_pools, plan_load
-from hicache.hybrid_load import HybridLoader
-from hicache.layout import KVLayout
-from hicache.shapes import model_shape
+from hicache.core.config import HiCacheConfig
+from hicache.core.errors import ConfigError, IntegrityError, OutOfPages
+from hicache.tiers.groups import GroupTiers, TierCounts
+from hicache.core.hashing import page_hashes
+from hicache.core.groups import LayerGroup, hybrid_layout, stored_bytes, swa_needed_pages, workload_bytes
+from hicache.cache.hybrid import HybridCache, HybridPools, group_layout
+from hicache.transfer.hybrid_copy import on_group_pools, plan_load
+from hicache.transfer.hybrid_load import HybridLoader
+from hicache.core.layout import KVLayout
+from hicache.core.shapes import model_shape
 from hicache.storage import open_storage
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -446,7 +446,7 @@ def test_hybrid_cache_satisfies_the_owner_protocol_its_requests_use():
     the protocol is on a real cache, with the declared arity (a rename on either side fails)."""
     import inspect
 
-    from hicache.hybrid_request import HybridOwner
+    from hicache.cache.hybrid_request import HybridOwner
 
     hc = _cache(hybrid_layout(model_shape("gpt-oss-120b"), 16))
     try:

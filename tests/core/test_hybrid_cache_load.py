@@ -15,17 +15,17 @@ import zlib
 import pytest
 import torch
 
-import hicache.transfer as tr
-from hicache.config import HiCacheConfig
-from hicache.errors import CacheStateError, TransferError
-from hicache.hashing import page_hashes
-from hicache.hybrid import LayerGroup, hybrid_layout
-from hicache.hybrid_cache import HybridCache, HybridPools
+import hicache.transfer.engine as tr
+from hicache.core.config import HiCacheConfig
+from hicache.core.errors import CacheStateError, TransferError
+from hicache.core.hashing import page_hashes
+from hicache.core.groups import LayerGroup, hybrid_layout
+from hicache.cache.hybrid import HybridCache, HybridPools
 from hicache.kernels.page_copy import PageCopier
 from tests.helpers.gates import GroupGate as _Gate
-from hicache.layout import KVLayout
-from hicache.pools import DevicePool
-from hicache.shapes import model_shape
+from hicache.core.layout import KVLayout
+from hicache.memory.pools import DevicePool
+from hicache.core.shapes import model_shape
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 HAS_CUDA = torch.cuda.is_available()
@@ -326,7 +326,7 @@ def test_gpu_full_layers_do_not_wait_for_a_held_group(name, pages):
     full layer complete while the held group has not moved a byte; then the flag opens
     and every byte is right. A first, unheld round loads every kernel and captures
     HiCache's load graph (lazy loading would synchronise the context under the hold)."""
-    from hicache.load_graph import _stream_wait_value_works, _wait_value64
+    from hicache.transfer.load_graph import _stream_wait_value_works, _wait_value64
 
     if not _stream_wait_value_works(torch.device("cuda")):
         pytest.fail("cuStreamWaitValue64 is unavailable: the hold cannot be placed")

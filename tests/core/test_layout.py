@@ -5,8 +5,8 @@ import sys
 import pytest
 import torch
 
-from hicache.errors import ContractMismatch, LayoutError
-from hicache.layout import BytePlane, KVLayout
+from hicache.core.errors import ContractMismatch, LayoutError
+from hicache.core.layout import BytePlane, KVLayout
 
 MHA = dict(model_id="m", num_layers=2, kind="mha", num_kv_heads=2, head_dim=8, dtype="bfloat16", page_size=4)
 MLA = dict(model_id="m", num_layers=2, kind="mla", kv_lora_rank=16, rope_dim=4, dtype="bfloat16", page_size=4)
@@ -101,7 +101,7 @@ def test_contract_mismatch_lists_every_field_with_both_values():
 
 def test_fingerprint_stable_across_processes_and_hash_seeds():
     lay = KVLayout(**MHA, extra_planes=(BytePlane("idx", 3),), draft_layers=1)
-    code = ("from hicache.layout import KVLayout, BytePlane;"
+    code = ("from hicache.core.layout import KVLayout, BytePlane;"
             "print(KVLayout(model_id='m', num_layers=2, kind='mha', num_kv_heads=2, head_dim=8,"
             " dtype='bfloat16', page_size=4, extra_planes=(BytePlane('idx', 3),), draft_layers=1).fingerprint())")
     outs = set()
@@ -213,7 +213,7 @@ def test_mha_and_mla_fingerprints_and_dicts_do_not_carry_the_rows_fields():
 
 
 def test_rows_round_trips_through_dict_and_config():
-    from hicache.config import ModelConfig
+    from hicache.core.config import ModelConfig
     lay = KVLayout.rows(**ROWS, host_layout="page_first")
     d = lay.to_dict()
     assert d["row_bytes"] == 589824 and d["engine_layout"] == lay.engine_layout

@@ -27,4 +27,4 @@ def _on_disk() -> set[str]:
 def test_every_subpackage_is_listed():
     assert _on_disk() - _listed() == set(), "add these to [tool.setuptools] packages in pyproject.toml"
     assert _listed() - _on_disk() == set(), "pyproject.toml lists packages that no longer exist"
-    assert {"hicache.index", "hicache.reference", "hicache.service"} <= _listed()
+    assert {"hicache.index", "hicache.reference", "hicache.node"} <= _listed()

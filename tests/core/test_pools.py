@@ -3,9 +3,9 @@ import itertools
 import pytest
 import torch
 
-from hicache.errors import PoolError
-from hicache.layout import BytePlane, KVLayout
-from hicache.pools import HOST_ALIGN, DevicePool, HostPool
+from hicache.core.errors import PoolError
+from hicache.core.layout import BytePlane, KVLayout
+from hicache.memory.pools import HOST_ALIGN, DevicePool, HostPool
 
 KINDS = {
     "mha": dict(kind="mha", num_kv_heads=2, head_dim=4),

@@ -17,9 +17,9 @@ from importlib import resources
 import pytest
 import torch
 
-from hicache.layout import HOST_ALIGN, KVLayout
-from hicache.pools import DevicePool, HostPool
-from hicache.shapes import model_shape, model_shapes
+from hicache.core.layout import HOST_ALIGN, KVLayout
+from hicache.memory.pools import DevicePool, HostPool
+from hicache.core.shapes import model_shape, model_shapes
 
 RAW = {m["name"]: m for m in json.loads(
     resources.files("hicache.data").joinpath("real_models.json").read_text())["models"]}
@@ -138,7 +138,7 @@ def test_golden_fingerprints(key):
 
 def test_fingerprints_stable_across_processes_and_hash_seeds():
     here = {f"{n}/{ps}": lay.fingerprint() for (n, ps), lay in all_layouts().items()}
-    code = ("import json; from hicache.shapes import model_shapes;"
+    code = ("import json; from hicache.core.shapes import model_shapes;"
             "print(json.dumps({f'{m.name}/{ps}': m.kv_layout(ps).fingerprint()"
             " for m in model_shapes() for ps in (1, 16, 64)}))")
     for seed in ("0", "4242"):

@@ -18,8 +18,8 @@ import json
 import sys
 import time
 
-from hicache.config import HiCacheConfig
-from hicache.hashing import page_hashes
+from hicache.core.config import HiCacheConfig
+from hicache.core.hashing import page_hashes
 from hicache.storage import open_storage
 
 PAGES = 8

@@ -34,7 +34,7 @@ import redis
 import yaml
 
 from hicache.cli import build_parser
-from hicache.config import HiCacheConfig
+from hicache.core.config import HiCacheConfig
 
 DOCKER = Path(__file__).resolve().parents[2] / "docker"
 TOKEN = "compose-test-token"

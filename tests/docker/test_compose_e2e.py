@@ -30,8 +30,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hicache.config import HiCacheConfig
-from hicache.hashing import HASH_BYTES
+from hicache.core.config import HiCacheConfig
+from hicache.core.hashing import HASH_BYTES
 from hicache.storage.codec import ReadStatus, decode
 
 from .test_compose import DOCKER, dotenv, free_port

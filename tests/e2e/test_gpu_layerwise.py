@@ -3,9 +3,9 @@ has finished copying. Runs on the device machine (marker ``gpu``)."""
 import pytest
 import torch
 
-from hicache.layout import KVLayout
-from hicache.pools import DevicePool, HostPool
-from hicache.transfer import TransferController
+from hicache.core.layout import KVLayout
+from hicache.memory.pools import DevicePool, HostPool
+from hicache.transfer.engine import TransferController
 
 pytestmark = pytest.mark.gpu
 
@@ -46,8 +46,8 @@ def test_graphed_load_back_equals_per_layer_launches(host_layout, uploads, monke
     """The CUDA-graph load back (one replay, page count read on the device) moves exactly
     the pages the per-layer launches move, for any count, and nothing else; draft planes too.
     ``uploads``: the ids go up in one copy (small pools) or two (pools far larger than the load)."""
-    import hicache.load_graph
-    monkeypatch.setattr(hicache.load_graph, "_GAP_MAX", 32768 if uploads == "one" else 0)
+    import hicache.transfer.load_graph
+    monkeypatch.setattr(hicache.transfer.load_graph, "_GAP_MAX", 32768 if uploads == "one" else 0)
     lay = KVLayout(model_id="m", num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16",
                    page_size=16, host_layout=host_layout, draft_layers=1)
     pages = 64
@@ -115,9 +115,9 @@ def test_a_stream_that_waits_for_layer_i_reads_it_loaded(completion, monkeypatch
     while later layers are still on the way (1024 pages: ~1.2 ms per layer). ``flags``: the
     kernels write per-layer epochs (stream memory operations); ``events``: event nodes.
     Two loads in a row, so the second waits on a later epoch of the same flags."""
-    import hicache.load_graph
+    import hicache.transfer.load_graph
     if completion == "events":
-        monkeypatch.setattr(hicache.load_graph, "_stream_wait_value_works", lambda dev: False)
+        monkeypatch.setattr(hicache.transfer.load_graph, "_stream_wait_value_works", lambda dev: False)
     lay = KVLayout(model_id="m", num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16",
                    page_size=16, host_layout="page_first")
     pages = 1024

@@ -6,11 +6,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hicache.config import HiCacheConfig
+from hicache.core.config import HiCacheConfig
 from hicache.reference.engine import Engine
 from hicache.reference.model import ReferenceModel
 from hicache.reference.model_spec import ModelSpec
-from hicache.hicache import HiCache
+from hicache.cache.hicache import HiCache
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():

@@ -9,8 +9,8 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from hicache.service.server import NodeServer
-from hicache.config import HiCacheConfig
+from hicache.node.server import NodeServer
+from hicache.core.config import HiCacheConfig
 from tests.rest_state import close_state, open_state
 
 LAYOUT = dict(model_id="tiny-hard", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=4,

@@ -12,12 +12,12 @@ import socket
 
 import pytest
 
-from hicache.service.server import NodeServer
-from hicache.service.preflight import check_socket_path
+from hicache.node.server import NodeServer
+from hicache.node.preflight import check_socket_path
 from hicache.api.serve import serve
-from hicache.config import HiCacheConfig
-from hicache.errors import ConfigError
-from hicache.shm import shm_path
+from hicache.core.config import HiCacheConfig
+from hicache.core.errors import ConfigError
+from hicache.memory.shm import shm_path
 
 from .conftest import config
 

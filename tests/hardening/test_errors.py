@@ -15,8 +15,8 @@ import json
 import pytest
 
 from hicache.cli import main
-from hicache.config import HiCacheConfig
-from hicache.errors import ConfigError
+from hicache.core.config import HiCacheConfig
+from hicache.core.errors import ConfigError
 from hicache.storage import open_storage
 
 HEADER = {"hicache_trace": 1, "name": "t", "vocab": 64}

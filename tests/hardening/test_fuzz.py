@@ -36,12 +36,12 @@ import httpx
 import msgpack
 
 from hicache.cli import main as cli_main
-from hicache.service.client import ServiceClient
-from hicache.config import HiCacheConfig
+from hicache.client.link import ServiceClient
+from hicache.core.config import HiCacheConfig
 from hicache.reference.trace_format import read_trace
-from hicache.errors import HiCacheError
-from hicache.layout import KVLayout
-from hicache.protocol import HEADER, OPS, hello_request
+from hicache.core.errors import HiCacheError
+from hicache.core.layout import KVLayout
+from hicache.client.protocol import HEADER, OPS, hello_request
 
 OP_TIMEOUT_S = 5.0
 SECONDS = float(os.environ.get("HC_FUZZ_SECONDS", "60"))

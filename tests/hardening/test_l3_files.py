@@ -16,7 +16,7 @@ import threading
 import pytest
 import redis
 
-from hicache.errors import IntegrityError
+from hicache.core.errors import IntegrityError
 from hicache.storage import codec, open_storage
 from hicache.storage.codec import ReadStatus
 

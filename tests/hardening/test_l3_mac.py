@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.config import HiCacheConfig
-from hicache.errors import ConfigError
+from hicache.core.config import HiCacheConfig
+from hicache.core.errors import ConfigError
 from hicache.storage import codec, open_storage
 
 FP = "0f1e2d3c4b5a69788796a5b4c3d2e1f0"

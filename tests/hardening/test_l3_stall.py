@@ -113,9 +113,9 @@ def test_a_bounded_lookup_answers_miss_and_moves_on(frozen_redis):
 
 
 def _hicache(url: str, **over):
-    from hicache.config import HiCacheConfig
-    from hicache.hicache import HiCache
-    from hicache.layout import KVLayout
+    from hicache.core.config import HiCacheConfig
+    from hicache.cache.hicache import HiCache
+    from hicache.core.layout import KVLayout
     layout = KVLayout(model_id="t", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=4,
                       host_layout="page_first")
     o = {"storage.url": url, "pool.device": "cpu", "pool.device_pages": "16", "pool.host_pages": "32",

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.config import HiCacheConfig
-from hicache.errors import OutOfPages
-from hicache.hicache import HiCache
-from hicache.layout import KVLayout
+from hicache.core.config import HiCacheConfig
+from hicache.core.errors import OutOfPages
+from hicache.cache.hicache import HiCache
+from hicache.core.layout import KVLayout
 
 PS = 4
 

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from hicache.api.app import create_app
 from hicache.api.deps import check_bind
-from hicache.errors import ConfigError
+from hicache.core.errors import ConfigError
 
 LIMIT = 4096
 TOKEN = "0123456789abcdef-token"

@@ -14,8 +14,8 @@ import threading
 import pytest
 
 from hicache.cli import main
-from hicache.config import MAX_RETRIES, HiCacheConfig
-from hicache.errors import ConfigError, TraceError
+from hicache.core.config import MAX_RETRIES, HiCacheConfig
+from hicache.core.errors import ConfigError, TraceError
 from hicache.reference.workloads import read_trace
 
 

@@ -20,8 +20,8 @@ import uuid
 import httpx
 import pytest
 
-from hicache.errors import ConfigError
-from hicache.redact import Redactor, redact_url
+from hicache.core.errors import ConfigError
+from hicache.core.redact import Redactor, redact_url
 from hicache.storage import open_storage
 
 PW, PW2, TOKEN = "Pa55wordQx7", "Qpass9Zr", "AdminTokenZz0123456789"

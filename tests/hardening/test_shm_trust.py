@@ -14,13 +14,13 @@ import stat
 
 import pytest
 
-from hicache.service.server import NodeServer
-from hicache.config import HiCacheConfig
-from hicache.errors import PoolError
-from hicache.hashing import page_hashes
-from hicache.service.l2_segment import L2Segment
-from hicache.layout import KVLayout
-from hicache.shm import SharedSegment, shm_path
+from hicache.node.server import NodeServer
+from hicache.core.config import HiCacheConfig
+from hicache.core.errors import PoolError
+from hicache.core.hashing import page_hashes
+from hicache.node.l2_segment import L2Segment
+from hicache.core.layout import KVLayout
+from hicache.memory.shm import SharedSegment, shm_path
 
 from .conftest import LAYOUT, config
 

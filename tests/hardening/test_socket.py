@@ -15,12 +15,12 @@ import stat
 import pytest
 import torch
 
-from hicache.service.socket_guard import PeerCred, PeerPolicy
-from hicache.service.client import ServiceClient
-from hicache.errors import LayoutError, ServiceError
-from hicache.hashing import page_hashes
-from hicache.layout import LIMITS, KVLayout
-from hicache.protocol import HEADER, hello_request
+from hicache.node.socket_guard import PeerCred, PeerPolicy
+from hicache.client.link import ServiceClient
+from hicache.core.errors import LayoutError, ServiceError
+from hicache.core.hashing import page_hashes
+from hicache.core.layout import LIMITS, KVLayout
+from hicache.client.protocol import HEADER, hello_request
 from tests.raw_socket import RawConn
 
 
@@ -156,7 +156,7 @@ def test_repeated_refusals_are_rate_limited(server, caplog):
     srv = server()
     r = RawConn(srv.socket_path)
     r.hello(srv.layout)
-    with caplog.at_level(logging.INFO, logger="hicache.service.ops"):
+    with caplog.at_level(logging.INFO, logger="hicache.node.ops"):
         for _ in range(200):
             assert r.call({"op": "explode"})["kind"] == "unknown_op"
     lines = [m for m in caplog.messages if "refused (unknown_op)" in m]

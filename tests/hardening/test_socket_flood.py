@@ -13,11 +13,11 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from hicache.service.client import ServiceClient
-from hicache.errors import LayoutError
-from hicache.hashing import page_hashes
-from hicache.layout import MAX_EXTRA_PLANES, KVLayout
-from hicache.protocol import HEADER, MAX_HELLO_BYTES, hello_request
+from hicache.client.link import ServiceClient
+from hicache.core.errors import LayoutError
+from hicache.core.hashing import page_hashes
+from hicache.core.layout import MAX_EXTRA_PLANES, KVLayout
+from hicache.client.protocol import HEADER, MAX_HELLO_BYTES, hello_request
 from tests.raw_socket import RawConn
 
 FLOOD = 7_500_000  # what the 800K-plane hello weighed

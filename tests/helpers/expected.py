@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from hicache.hicache import Admission, HiCache
+from hicache.cache.hicache import Admission, HiCache
 
 
 class Expected(NamedTuple):

@@ -8,11 +8,11 @@ import threading
 
 import torch
 
-import hicache.transfer as transfer_module
+import hicache.transfer.engine as transfer_module
 
-from hicache.config import HiCacheConfig
-from hicache.hicache import Admission, HiCache
-from hicache.layout import KVLayout
+from hicache.core.config import HiCacheConfig
+from hicache.cache.hicache import Admission, HiCache
+from hicache.core.layout import KVLayout
 
 PS = 4
 TOK = list(range(100, 121))  # 5 pages + 1 token

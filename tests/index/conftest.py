@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.allocator import PageAllocator
-from hicache.cache import PrefixCache, Request
-from hicache.layout import KVLayout
+from hicache.memory.allocator import PageAllocator
+from hicache.index.prefix_cache import PrefixCache, Request
+from hicache.core.layout import KVLayout
 
 PS = 4  # tokens per page in every index test
 

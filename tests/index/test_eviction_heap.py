@@ -5,11 +5,11 @@ import random
 
 import pytest
 
-from hicache.allocator import PageAllocator
-from hicache.cache import PrefixCache
-from hicache.errors import ConfigError
+from hicache.memory.allocator import PageAllocator
+from hicache.index.prefix_cache import PrefixCache
+from hicache.core.errors import ConfigError
 from hicache.index.eviction import FIFO, LFU, LRU, MRU, SLRU, make_policy
-from hicache.layout import KVLayout
+from hicache.core.layout import KVLayout
 
 
 def scan(cls):

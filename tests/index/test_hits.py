@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from hicache.errors import CacheStateError, StaleMatch
-from hicache.hashing import page_hashes, tokens_to_bytes
+from hicache.core.errors import CacheStateError, StaleMatch
+from hicache.core.hashing import page_hashes, tokens_to_bytes
 
 A = list(range(100, 116))  # 4 pages of 4 tokens, cached as pages [0, 1, 2, 3]
 

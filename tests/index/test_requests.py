@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.cache import RequestState
-from hicache.errors import CacheStateError
+from hicache.index.prefix_cache import RequestState
+from hicache.core.errors import CacheStateError
 
 P = list(range(200, 222))  # 22 tokens: 5 full pages + 2
 

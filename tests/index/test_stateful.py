@@ -12,10 +12,10 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hicache.allocator import PageAllocator
-from hicache.cache import PrefixCache, RequestState
-from hicache.errors import OutOfPages
-from hicache.layout import KVLayout
+from hicache.memory.allocator import PageAllocator
+from hicache.index.prefix_cache import PrefixCache, RequestState
+from hicache.core.errors import OutOfPages
+from hicache.core.layout import KVLayout
 
 PS = 4
 PB = 4 * PS

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.errors import CacheStateError
+from hicache.core.errors import CacheStateError
 
 X = list(range(300, 316))  # 4 pages
 Y = X[:8] + [1, 2, 3, 4, 5, 6, 7, 8]  # shares 2 pages with X
@@ -127,7 +127,7 @@ def test_hashes_and_storage_flag(mk, run_req):
     c.set_stored(n)
     top = c.tree.split_at(n, 1)
     assert top.in_storage and n.in_storage
-    from hicache.hashing import page_hashes
+    from hicache.core.hashing import page_hashes
     assert c.hashes(top) + c.hashes(n) == page_hashes(X, 4)
     c.check_integrity()
 

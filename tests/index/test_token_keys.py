@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from hicache.cache import as_key
-from hicache.hashing import page_hashes, tokens_to_bytes
+from hicache.index.prefix_cache import as_key
+from hicache.core.hashing import page_hashes, tokens_to_bytes
 
 IDS = [0, 1, 255, 256, 65535, 65536, 151_935, 2**31, 2**32 - 1]
 WANT = b"".join(i.to_bytes(4, "little") for i in IDS)

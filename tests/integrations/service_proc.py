@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import httpx
 
-from hicache.layout import KVLayout
+from hicache.core.layout import KVLayout
 
 # The service runs from hicache's own environment (.venv), as on a real node where
 # `hicache serve` is its own installation; the engine's environment only needs the client.

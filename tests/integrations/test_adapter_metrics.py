@@ -8,7 +8,7 @@ import logging
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from hicache.errors import IntegrityError
+from hicache.core.errors import IntegrityError
 from hicache.integrations.metrics import (
     SGLANG_PREFIX,
     AdapterMetrics,
@@ -25,8 +25,8 @@ from hicache.integrations.metrics import (
     start_line,
     warnings_for,
 )
-from hicache.layout import KVLayout
-from hicache.stat_schema import metric_of
+from hicache.core.layout import KVLayout
+from hicache.core.stat_schema import metric_of
 from hicache.storage import open_storage
 
 LAYOUT = KVLayout("metrics-test", 2, num_kv_heads=1, head_dim=8, page_size=4, dtype="float16")

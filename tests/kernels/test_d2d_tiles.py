@@ -6,8 +6,8 @@ import torch
 
 from hicache.kernels.page_copy import D2D_TILES, D2D_TILES_LARGE, D2D_TILES_WHOLE_32K, PageCopier
 from hicache.kernels.reference import plane_pages
-from hicache.layout import BytePlane, KVLayout
-from hicache.pools import DevicePool
+from hicache.core.layout import BytePlane, KVLayout
+from hicache.memory.pools import DevicePool
 
 
 def mha(page_size: int, **kw) -> KVLayout:

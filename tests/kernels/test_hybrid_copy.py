@@ -1,5 +1,5 @@
-"""Hybrid copy plans (``hicache.hybrid_copy``) and the per-group layer-wise load back
-(``hicache.hybrid_load``): the page-copy kernel (interpreted on CPU, compiled on a GPU)
+"""Hybrid copy plans (``hicache.transfer.hybrid_copy``) and the per-group layer-wise load back
+(``hicache.transfer.hybrid_load``): the page-copy kernel (interpreted on CPU, compiled on a GPU)
 moves exactly the full pages, the SWA window and the snapshot of a boundary, byte for
 byte against a contiguous torch copy computed here, at the real gpt-oss-120b and
 qwen3-next-80b-a3b shapes; a layer's wait never needs another group's copy."""
@@ -12,14 +12,14 @@ import zlib
 import pytest
 import torch
 
-from hicache.errors import InvalidArgument, TransferError
-from hicache.hybrid import LayerGroup, hybrid_layout, resumable_floor, stored_bytes
-from hicache.hybrid_copy import (NotResumable, needed, plan_load, run_plan, state_layer_offset, state_layout)
-from hicache.hybrid_load import HybridLoader
+from hicache.core.errors import InvalidArgument, TransferError
+from hicache.core.groups import LayerGroup, hybrid_layout, resumable_floor, stored_bytes
+from hicache.transfer.hybrid_copy import (NotResumable, needed, plan_load, run_plan, state_layer_offset, state_layout)
+from hicache.transfer.hybrid_load import HybridLoader
 from hicache.kernels.page_copy import PageCopier
-from hicache.layout import KVLayout
-from hicache.pools import DevicePool, HostPool
-from hicache.shapes import model_shape
+from hicache.core.layout import KVLayout
+from hicache.memory.pools import DevicePool, HostPool
+from hicache.core.shapes import model_shape
 from tests.kernels.test_page_copy import page_bytes_of as region, raw
 
 SENTINEL = 0xA5
@@ -99,7 +99,7 @@ def real_case(name: str, ps: int, b: int, device: str, host_layout: str = "layer
 
 def three_kinds(host_layout: str) -> KVLayout:
     """SWA, full and state groups at once, a draft layer and an odd byte plane (narrow copies)."""
-    from hicache.layout import BytePlane
+    from hicache.core.layout import BytePlane
     return toy(page_size=4, host_layout=host_layout, draft_layers=1, extra_planes=(BytePlane("idx", 3),),
                groups=(LayerGroup("swa", (0, 2), window=6), LayerGroup("full", (1, 3)),
                        LayerGroup("state", (0, 1, 2), state_bytes=40, snapshot_every=2)))
@@ -317,7 +317,7 @@ def test_gpu_streams_do_not_wait_for_another_group(name, ps, b):
     While the hold is on, nothing may load a kernel (CUDA's lazy loading synchronises the
     context, which would wait for the held stream): a first, unheld load warms everything
     up, and the held group's bytes are read back by plain copies, compared on the host."""
-    from hicache.load_graph import _stream_wait_value_works, _wait_value64
+    from hicache.transfer.load_graph import _stream_wait_value_works, _wait_value64
 
     if not _stream_wait_value_works(torch.device("cuda")):
         pytest.fail("cuStreamWaitValue64 is unavailable: the hold cannot be placed")

@@ -7,10 +7,10 @@ import zlib
 import pytest
 import torch
 
-from hicache.errors import ContractMismatch
+from hicache.core.errors import ContractMismatch
 from hicache.kernels.page_copy import PageCopier, copy_pages
-from hicache.layout import BytePlane, KVLayout
-from hicache.pools import DevicePool, HostPool
+from hicache.core.layout import BytePlane, KVLayout
+from hicache.memory.pools import DevicePool, HostPool
 
 SENTINEL = 0xA5
 HAS_CUDA = torch.cuda.is_available()

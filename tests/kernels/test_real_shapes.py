@@ -1,5 +1,5 @@
 """The page-copy and row-store kernels at every published model shape
-(``hicache.shapes``), compared byte for byte with a plain torch copy.
+(``hicache.core.shapes``), compared byte for byte with a plain torch copy.
 
 On CPU the Triton kernel runs through Triton's interpreter, which is slow: the
 matrix there uses 2 layers (plus the draft layer where the model has one) and
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from hicache.kernels.page_copy import PageCopier
-from hicache.layout import KVLayout
-from hicache.pools import DevicePool
-from hicache.provenance import Row
-from hicache.shapes import model_shapes
+from hicache.core.layout import KVLayout
+from hicache.memory.pools import DevicePool
+from hicache.core.provenance import Row
+from hicache.core.shapes import model_shapes
 from tests.kernels.test_page_copy import make_pools
 
 SENTINEL = 0xA5

@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.errors import ProvenanceError
+from hicache.core.errors import ProvenanceError
 from hicache.kernels.page_copy import PageCopier, store_rows
-from hicache.layout import BytePlane, KVLayout
-from hicache.pools import DevicePool
-from hicache.provenance import Row
+from hicache.core.layout import BytePlane, KVLayout
+from hicache.memory.pools import DevicePool
+from hicache.core.provenance import Row
 
 SENTINEL = 0xA5
 HAS_CUDA = torch.cuda.is_available()

@@ -8,7 +8,7 @@ import torch
 
 from hicache.reference.model import ReferenceModel
 from hicache.reference.model_spec import ModelSpec
-from hicache.pools import DevicePool
+from hicache.memory.pools import DevicePool
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,9 +6,9 @@ import json
 import pytest
 
 from hicache.cli import main
-from hicache.hybrid import hybrid_layout
-from hicache.hybrid_cache import group_layout
-from hicache.shapes import model_shape
+from hicache.core.groups import hybrid_layout
+from hicache.cache.hybrid import group_layout
+from hicache.core.shapes import model_shape
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

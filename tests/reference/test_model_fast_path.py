@@ -6,14 +6,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hicache.config import HiCacheConfig
+from hicache.core.config import HiCacheConfig
 from hicache.reference.model import ReferenceModel
 from hicache.reference.model_kv import check_rows, write_kv, write_rows
 from hicache.reference.model_spec import ModelSpec
-from hicache.errors import PoolError, ProvenanceError
-from hicache.hicache import HiCache
-from hicache.pools import DevicePool
-from hicache.provenance import Row
+from hicache.core.errors import PoolError, ProvenanceError
+from hicache.cache.hicache import HiCache
+from hicache.memory.pools import DevicePool
+from hicache.core.provenance import Row
 
 V, P, T = int(Row.VALID), int(Row.STATIC_PAD), int(Row.CP_PAGE_TAIL)
 # aten ops that make the host wait for a GPU (read a value back or size a result by data)

@@ -13,12 +13,12 @@ import threading
 import pytest
 import torch
 
-from hicache.config import HiCacheConfig
-from hicache.errors import LayoutError, PoolError
-from hicache.group_tiers import TierCounts
-from hicache.hashing import page_hashes
-from hicache.hybrid import LayerGroup, stored_bytes, swa_needed_pages, workload_bytes
-from hicache.hybrid_cache import HybridCache, HybridPools, group_layout
+from hicache.core.config import HiCacheConfig
+from hicache.core.errors import LayoutError, PoolError
+from hicache.tiers.groups import TierCounts
+from hicache.core.hashing import page_hashes
+from hicache.core.groups import LayerGroup, stored_bytes, swa_needed_pages, workload_bytes
+from hicache.cache.hybrid import HybridCache, HybridPools, group_layout
 from tests.helpers.gates import GroupGate as _Gate
 from hicache.reference.hybrid_runner import HybridRunner
 from hicache.reference.model_hybrid import HybridModel, HybridSpec, HybridState

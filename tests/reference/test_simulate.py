@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 
 from hicache.cli import main as cli_main
-from hicache.config import HiCacheConfig
+from hicache.core.config import HiCacheConfig
 from hicache.reference import sim_baselines as bl
 from hicache.reference.hash_trace import block_tokens_of, detect_format, iter_hash_trace
 from hicache.reference.sim_report import format_sweep, plot_sweep, simulate, sweep
 from hicache.reference.simulate import SimPlan, SimRequest, run_hicache, sim_config, trace_requests
-from hicache.errors import TraceError
+from hicache.core.errors import TraceError
 from hicache.index.eviction import POLICIES
-from hicache.misses import REASONS
-from hicache.shapes import model_shape
+from hicache.index.misses import REASONS
+from hicache.core.shapes import model_shape
 
 PS, BLOCK = 4, 4  # tokens per page, tokens per hash id (one page a block unless said)
 PAGE_BYTES = model_shape("llama-3.1-8b").page_bytes(PS)

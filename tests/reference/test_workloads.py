@@ -8,7 +8,7 @@ import pytest
 
 from hicache.reference.workloads import (SCALES, ChatWorkload, DocumentQAWorkload, PromptResolver, SystemPromptWorkload,
                                       TraceRequest, builtin_trace, mix, oracle_reuse, read_trace, write_trace)
-from hicache.errors import TraceError
+from hicache.core.errors import TraceError
 
 
 @pytest.mark.parametrize("name", ["mixed", "chat", "system", "docs"])

@@ -16,9 +16,9 @@ from typing import Any, Iterator, NamedTuple
 
 import pytest
 
-from hicache.service.client import ServiceClient
-from hicache.layout import BytePlane, KVLayout
-from hicache.shm import shm_path
+from hicache.client.link import ServiceClient
+from hicache.core.layout import BytePlane, KVLayout
+from hicache.memory.shm import shm_path
 from tests.raw_socket import RawConn
 
 WORKER = str(Path(__file__).with_name("engine_worker.py"))
@@ -71,14 +71,14 @@ def wait_ready(sock: str, layout: KVLayout, proc: subprocess.Popen, log: Path, l
 
 @contextlib.contextmanager
 def served(layout: KVLayout, *, host_pages: int = HOST_PAGES, prefix: str = "hcs") -> Iterator[Service]:
-    """A real ``python -m hicache.service.server`` process for ``layout``; checks on exit that
+    """A real ``python -m hicache.node.server`` process for ``layout``; checks on exit that
     it stops on SIGTERM with status 0 and leaves neither its shm segment nor its socket."""
     d = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))  # short: sun_path holds 107 bytes
     sock, shm = str(d / "engine.sock"), unique_shm_name()
     write_config(d / "hicache.toml", layout, sock, shm, host_pages=host_pages)
     log = d / "server.log"
     with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "hicache.service.server", "--config",
+        proc = subprocess.Popen([sys.executable, "-m", "hicache.node.server", "--config",
                                  str(d / "hicache.toml")], stdout=err, stderr=err)
     try:
         wait_ready(sock, layout, proc, log)

@@ -17,9 +17,9 @@ import json
 import sys
 import time
 
-from hicache.service.client import ServiceClient
-from hicache.hashing import page_hashes
-from hicache.layout import KVLayout
+from hicache.client.link import ServiceClient
+from hicache.core.hashing import page_hashes
+from hicache.core.layout import KVLayout
 
 
 def payload(seed: int, i: int, nbytes: int) -> bytes:

@@ -22,13 +22,13 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from hicache.service.client import ServiceClient
+from hicache.client.link import ServiceClient
 from hicache.reference.model import ReferenceModel
 from hicache.reference.model_spec import ModelSpec
-from hicache.hashing import page_hashes
-from hicache.pools import DevicePool, HostPool
+from hicache.core.hashing import page_hashes
+from hicache.memory.pools import DevicePool, HostPool
 from hicache.kernels.page_copy import PageCopier, default_copier
-from hicache.types import PageHash
+from hicache.core.types import PageHash
 
 PS = 4
 NUM_PAGES = 32
@@ -36,7 +36,7 @@ NUM_PAGES = 32
 
 # Whole-page store and load through the client's two-phase calls, the page-copy
 # kernels moving the bytes (the engine's own path is HiCache in service mode,
-# ``hicache.l2.shared``; these serve this worker and the tests).
+# ``hicache.tiers.l2.shared``; these serve this worker and the tests).
 class StoreResult(NamedTuple):
     present: int  # leading pages the service already held complete (not copied)
     copied: int  # pages copied into the segment
@@ -102,8 +102,8 @@ def _slots(pages: list[int]) -> torch.Tensor:
 
 def hicache_mode(mode: str, args: dict, model, layout) -> dict:
     """One engine process using ``HiCache`` with the service's segment as its L2."""
-    from hicache.config import HiCacheConfig
-    from hicache.hicache import HiCache
+    from hicache.core.config import HiCacheConfig
+    from hicache.cache.hicache import HiCache
     cfg = HiCacheConfig.load(env={}, overrides={
         "storage.url": f"hicache+unix://{args['socket']}", "pool.device": "cpu",
         "pool.device_pages": str(NUM_PAGES), "policy.write_policy": "write_through",

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicache.service.client import ServiceClient
-from hicache.hashing import page_hashes
-from hicache.protocol import HEADER, OPS, PROTOCOL_VERSION, hello_request
+from hicache.client.link import ServiceClient
+from hicache.core.hashing import page_hashes
+from hicache.client.protocol import HEADER, OPS, PROTOCOL_VERSION, hello_request
 
 MAX = 16384  # conftest.MAX_REQUEST_BYTES
 H = b"\x01" * 16

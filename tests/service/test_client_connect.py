@@ -5,9 +5,9 @@ import socket
 
 import pytest
 
-from hicache.service.client import ServiceClient
-from hicache.config import DEFAULT_SOCKET_PATH, HiCacheConfig
-from hicache.consensus import ServiceConsensus
+from hicache.client.link import ServiceClient
+from hicache.core.config import DEFAULT_SOCKET_PATH, HiCacheConfig
+from hicache.client.consensus import ServiceConsensus
 
 
 def test_default_socket_path_is_the_one_constant():

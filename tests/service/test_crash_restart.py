@@ -1,6 +1,6 @@
 """A server killed with SIGKILL leaves its segment behind; the next server adopts or recreates it.
 
-Real processes throughout: ``python -m hicache.service.server`` for the
+Real processes throughout: ``python -m hicache.node.server`` for the
 servers, ``engine_worker.py`` for engines that write and read pages.
 """
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import NamedTuple
 
 import pytest
 
-from hicache.service.client import ServiceClient
-from hicache.hashing import page_hashes
-from hicache.layout import KVLayout
-from hicache.shm import shm_path
+from hicache.client.link import ServiceClient
+from hicache.core.hashing import page_hashes
+from hicache.core.layout import KVLayout
+from hicache.memory.shm import shm_path
 
 from .conftest import LAYOUTS, run_worker, unique_shm_name, wait_ready, write_config
 from .engine_worker import payload
@@ -44,7 +44,7 @@ def node():
         write_config(d / f"h{n}.toml", layout, str(d / "e.sock"), shm)
         log = d / f"server{n}.log"
         with open(log, "w") as err:
-            p = subprocess.Popen([sys.executable, "-m", "hicache.service.server", "--config", str(d / f"h{n}.toml"),
+            p = subprocess.Popen([sys.executable, "-m", "hicache.node.server", "--config", str(d / f"h{n}.toml"),
                                   "--set", "log_level=INFO"], stdout=err, stderr=err)
         procs.append(p)
         wait_ready(str(d / "e.sock"), layout, p, log)
@@ -137,7 +137,7 @@ def test_segment_of_a_live_server_is_still_refused(node):
     sock, shm, start, d = node
     first = start(MHA)
     write_config(d / "other.toml", MHA, str(d / "other.sock"), shm)
-    r = subprocess.run([sys.executable, "-m", "hicache.service.server", "--config", str(d / "other.toml")],
+    r = subprocess.run([sys.executable, "-m", "hicache.node.server", "--config", str(d / "other.toml")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert f"shared memory segment {shm_path(shm)} already exists and a live server owns it" in r.stderr

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from hicache.service.client import ServiceClient
-from hicache.errors import ContractMismatch, ForeignPage, OutOfPages, ServiceError
-from hicache.hashing import page_hashes
+from hicache.client.link import ServiceClient
+from hicache.core.errors import ContractMismatch, ForeignPage, OutOfPages, ServiceError
+from hicache.core.hashing import page_hashes
 
 
 def expected_page(seed: int, i: int, nbytes: int) -> bytes:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.allocator import PageAllocator
-from hicache.errors import ConfigError, IntegrityError
-from hicache.hashing import page_hashes
-from hicache.service.events import EventKind, EventLog, KVEvent, Taken, merge
-from hicache.service.l2_index import L2Index
+from hicache.memory.allocator import PageAllocator
+from hicache.core.errors import ConfigError, IntegrityError
+from hicache.core.hashing import page_hashes
+from hicache.node.events import EventKind, EventLog, KVEvent, Taken, merge
+from hicache.node.l2_index import L2Index
 
 STORED, REMOVED = EventKind.STORED, EventKind.REMOVED
 

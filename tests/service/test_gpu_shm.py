@@ -9,11 +9,11 @@ from typing import Iterator
 import pytest
 import torch
 
-from hicache.service.server import NodeServer
-from hicache.service.client import ServiceClient
-from hicache.config import HiCacheConfig
-from hicache.hashing import page_hashes
-from hicache.layout import KVLayout
+from hicache.node.server import NodeServer
+from hicache.client.link import ServiceClient
+from hicache.core.config import HiCacheConfig
+from hicache.core.hashing import page_hashes
+from hicache.core.layout import KVLayout
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -64,7 +64,7 @@ def test_pinned_segment_round_trips_pages_through_the_gpu(host_layout):
 def test_shared_l2_kernels_copy_between_gpu_l1_and_the_segment(host_layout):
     """Zero copy on the GPU: the Triton page-copy kernels read and write the
     registered segment directly (engine A's L1 -> shared pages -> engine B's L1)."""
-    from hicache.pools import DevicePool
+    from hicache.memory.pools import DevicePool
     from .shared_l2_worker import load, store
     with gpu_service(host_layout, "gpuz") as (sock, lay):
         with ServiceClient(sock, lay) as a, ServiceClient(sock, lay) as b:
@@ -84,7 +84,7 @@ def test_hicache_service_mode_on_a_gpu_moves_exact_pages_through_the_segment(hos
     """Two ``HiCache`` engines on the GPU in service mode: A's write-through backup
     (kernel, L1 -> pinned segment) is B's layer-wise load back (CUDA-graph replay,
     segment -> scattered L1 pages), byte for byte."""
-    from hicache.hicache import HiCache
+    from hicache.cache.hicache import HiCache
     with gpu_service(host_layout, "gpuhc") as (sock, lay):
         cfg = HiCacheConfig.load(env={}, overrides={
             "storage.url": f"hicache+unix://{sock}", "pool.device": "cuda:0", "pool.device_pages": 16,

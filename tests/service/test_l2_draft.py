@@ -11,14 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.allocator import PageAllocator
-from hicache.service.events import EventKind
-from hicache.service.l2_index import CommitResult, L2Index
-from hicache.cache import PrefixCache
-from hicache.errors import OutOfPages, ServiceError
-from hicache.hashing import page_hashes
-from hicache.layout import KVLayout
-from hicache.pools import DevicePool, HostPool
+from hicache.memory.allocator import PageAllocator
+from hicache.node.events import EventKind
+from hicache.node.l2_index import CommitResult, L2Index
+from hicache.index.prefix_cache import PrefixCache
+from hicache.core.errors import OutOfPages, ServiceError
+from hicache.core.hashing import page_hashes
+from hicache.core.layout import KVLayout
+from hicache.memory.pools import DevicePool, HostPool
 
 
 def chain(start: int, n: int, page_size: int = 4) -> list[bytes]:

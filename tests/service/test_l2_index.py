@@ -5,10 +5,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.allocator import PageAllocator
-from hicache.service.l2_index import CommitResult, L2Index, Reclaimed
-from hicache.errors import ForeignPage, OutOfPages, ServiceError
-from hicache.hashing import page_hashes
+from hicache.memory.allocator import PageAllocator
+from hicache.node.l2_index import CommitResult, L2Index, Reclaimed
+from hicache.core.errors import ForeignPage, OutOfPages, ServiceError
+from hicache.core.hashing import page_hashes
 
 
 def chain(start: int, n: int, page_size: int = 4) -> list[bytes]:

@@ -1,4 +1,4 @@
-"""The engine service's shared L2 segment with real pages (``hicache.shapes``): a
+"""The engine service's shared L2 segment with real pages (``hicache.core.shapes``): a
 GQA model's 2 MiB page at page 16 and DeepSeek-V3's MLA page with its draft layer
 at page 64 (4.4 MiB), written by one client and read byte-exact by another; a
 client of another model is refused naming the fields."""
@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from hicache.service.client import ServiceClient
-from hicache.errors import ContractMismatch
-from hicache.hashing import page_hashes
-from hicache.shapes import model_shape
+from hicache.client.link import ServiceClient
+from hicache.core.errors import ContractMismatch
+from hicache.core.hashing import page_hashes
+from hicache.core.shapes import model_shape
 
 from .conftest import served
 

@@ -9,13 +9,13 @@ import threading
 
 import pytest
 
-from hicache.service.server import NodeServer
-from hicache.service.client import ServiceClient
-from hicache.config import HiCacheConfig
-from hicache.errors import ConfigError, PoolError, ServiceError
-from hicache.hashing import page_hashes
-from hicache.protocol import HEADER, body_length, pack, unpack
-from hicache.shm import SharedSegment, shm_path
+from hicache.node.server import NodeServer
+from hicache.client.link import ServiceClient
+from hicache.core.config import HiCacheConfig
+from hicache.core.errors import ConfigError, PoolError, ServiceError
+from hicache.core.hashing import page_hashes
+from hicache.client.protocol import HEADER, body_length, pack, unpack
+from hicache.memory.shm import SharedSegment, shm_path
 
 
 @pytest.fixture
@@ -112,7 +112,7 @@ def test_client_hangs_up_when_a_reply_is_lost_or_unreadable(cfg, monkeypatch):
         assert e.value.kind == "closed" and c.pool is None
 
         c = ServiceClient(cfg.service.socket_path, cfg.layout())
-        monkeypatch.setattr("hicache.service.client.MAX_REPLY_BYTES", 8)
+        monkeypatch.setattr("hicache.client.link.MAX_REPLY_BYTES", 8)
         with pytest.raises(ServiceError) as e:
             c.stats()
         assert e.value.kind == "closed" and "too_large" in str(e.value) and c.pool is None

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache.service.server import NodeServer, open_l3
-from hicache.config import HiCacheConfig
-from hicache.errors import ConfigError
-from hicache.hicache import HiCache
-from hicache.layout import KVLayout
+from hicache.node.server import NodeServer, open_l3
+from hicache.core.config import HiCacheConfig
+from hicache.core.errors import ConfigError
+from hicache.cache.hicache import HiCache
+from hicache.core.layout import KVLayout
 
 PS = 4
 LAYOUT = KVLayout("svc-mode", num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", page_size=PS,

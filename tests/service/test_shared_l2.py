@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache.service.client import ServiceClient
-from hicache.errors import ServiceError
-from hicache.hashing import page_hashes
-from hicache.pools import DevicePool
+from hicache.client.link import ServiceClient
+from hicache.core.errors import ServiceError
+from hicache.core.hashing import page_hashes
+from hicache.memory.pools import DevicePool
 from hicache.kernels.page_copy import default_copier
 
 from .conftest import unique_shm_name, wait_ready, write_config
@@ -46,7 +46,7 @@ def start_service():
         write_config(d / "h.toml", layout, sock, unique_shm_name())
         log = d / "server.log"
         with open(log, "w") as err:
-            p = subprocess.Popen([sys.executable, "-m", "hicache.service.server", "--config", str(d / "h.toml")],
+            p = subprocess.Popen([sys.executable, "-m", "hicache.node.server", "--config", str(d / "h.toml")],
                                  stdout=err, stderr=err)
         started.append((p, d))
         wait_ready(sock, layout, p, log)

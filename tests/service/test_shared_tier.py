@@ -1,6 +1,6 @@
 """The service as engines' shared tier (``hicache+unix://``) and its own L3.
 
-Services run as real processes (``python -m hicache.service.server``)
+Services run as real processes (``python -m hicache.node.server``)
 except where a test needs ``flush_l2`` or the L3 counters in-process.
 """
 from __future__ import annotations
@@ -22,13 +22,13 @@ from typing import NamedTuple
 import httpx
 import pytest
 
-from hicache.service.server import NodeServer
-from hicache.service.client import ServiceClient
-from hicache.config import HiCacheConfig
-from hicache.errors import ConfigError, ContractMismatch, ServiceError
-from hicache.hashing import page_hashes
-from hicache.layout import KVLayout
-from hicache.shm import shm_path
+from hicache.node.server import NodeServer
+from hicache.client.link import ServiceClient
+from hicache.core.config import HiCacheConfig
+from hicache.core.errors import ConfigError, ContractMismatch, ServiceError
+from hicache.core.hashing import page_hashes
+from hicache.core.layout import KVLayout
+from hicache.memory.shm import shm_path
 from hicache.storage import open_storage
 
 from .conftest import LAYOUTS, unique_shm_name, wait_ready, write_config
@@ -45,7 +45,7 @@ def start_service(d: Path, layout: KVLayout, *sets: str, host_pages: int = 16) -
     sock, shm = str(d / "engine.sock"), unique_shm_name()
     write_config(d / "hicache.toml", layout, sock, shm, host_pages=host_pages)
     log = d / f"server-{uuid.uuid4().hex[:6]}.log"
-    argv = [sys.executable, "-m", "hicache.service.server", "--config", str(d / "hicache.toml")]
+    argv = [sys.executable, "-m", "hicache.node.server", "--config", str(d / "hicache.toml")]
     for s in sets:
         argv += ["--set", s]
     with open(log, "w") as err:
@@ -325,7 +325,7 @@ def test_draft_incomplete_pages_stay_out_of_l3_and_of_draft_hits_until_a_complet
 
 
 def test_service_refuses_itself_as_its_own_l3():
-    from hicache.service.server import open_l3
+    from hicache.node.server import open_l3
     cfg = HiCacheConfig.load(env={}, overrides={"storage.url": "hicache+unix:///tmp/x.sock"})
     with pytest.raises(ConfigError, match="not another hicache service"):
         open_l3(cfg, cfg.layout())

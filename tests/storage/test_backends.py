@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
-from hicache.errors import IntegrityError
-from hicache.hashing import page_hashes
-from hicache.layout import BytePlane, KVLayout
-from hicache.pools import HostPool
+from hicache.core.errors import IntegrityError
+from hicache.core.hashing import page_hashes
+from hicache.core.layout import BytePlane, KVLayout
+from hicache.memory.pools import HostPool
 from hicache.storage import codec
 
 

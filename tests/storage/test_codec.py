@@ -187,7 +187,7 @@ def test_template_decode_falls_back_for_what_it_does_not_write():
 def test_rows_layout_pages_encode_and_verify(row_bytes):
     """A kind="rows" page (one opaque engine row, here opt-125m's vLLM block and an odd size)
     is one plane: it round-trips zero-copy, and damage or another row description is refused."""
-    from hicache.layout import KVLayout
+    from hicache.core.layout import KVLayout
     lay = KVLayout.rows("vllm:m", row_bytes, {"engine": "vllm", "block": 16})
     sizes = [p.page_bytes for p in lay.planes]
     assert sizes == [row_bytes]

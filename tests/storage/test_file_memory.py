@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from hicache.errors import ConfigError, IntegrityError
-from hicache.hashing import page_hashes
+from hicache.core.errors import ConfigError, IntegrityError
+from hicache.core.hashing import page_hashes
 from hicache.storage import open_storage
 
 from .conftest import FP
@@ -107,7 +107,7 @@ def test_short_writev_and_preadv_still_move_every_byte(tmp_path, monkeypatch):
     """The kernel may move fewer bytes than asked (signals, pipes, some file systems): a put
     (``writev``) and a get into rows (``preadv``) of a real page (llama-3.1-8b, page 16, every
     plane) that only ever move an odd number of bytes per call still round-trip exactly."""
-    from hicache.shapes import model_shape
+    from hicache.core.shapes import model_shape
     from hicache.storage import file as file_mod
 
     lay = model_shape("llama-3.1-8b").kv_layout(16)

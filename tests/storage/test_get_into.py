@@ -12,8 +12,8 @@ import threading
 import msgpack
 import pytest
 
-from hicache.hashing import page_hashes
-from hicache.shapes import model_shapes
+from hicache.core.hashing import page_hashes
+from hicache.core.shapes import model_shapes
 from hicache.storage import codec
 from hicache.storage.into import InPlace, header_of, verify_into
 

@@ -10,9 +10,9 @@ import os
 import pytest
 import redis
 
-from hicache.config import HiCacheConfig
-from hicache.errors import ConfigError
-from hicache.hashing import page_hashes
+from hicache.core.config import HiCacheConfig
+from hicache.core.errors import ConfigError
+from hicache.core.hashing import page_hashes
 from hicache.storage import open_storage
 from hicache.storage.capacity import DEFAULT_CAP_BYTES, backend_options, parse_size
 from hicache.storage.file_cap import LEDGER, scan

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from hicache.hashing import page_hashes
+from hicache.core.hashing import page_hashes
 from hicache.storage import open_storage
 
 from .conftest import FP

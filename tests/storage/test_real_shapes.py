@@ -1,5 +1,5 @@
 """The L3 object format and the memory://, file:// and redis:// backends with real
-pages: every published model shape (``hicache.shapes``) at its real page bytes
+pages: every published model shape (``hicache.core.shapes``) at its real page bytes
 of all layers (0.4-4 MiB at page 16), byte-exact, with the header, the MAC and
 the corrupt / foreign verdicts checked at that size."""
 from __future__ import annotations
@@ -11,10 +11,10 @@ import msgpack
 import pytest
 import torch
 
-from hicache.errors import IntegrityError
-from hicache.hashing import page_hashes
-from hicache.pools import HostPool
-from hicache.shapes import model_shapes
+from hicache.core.errors import IntegrityError
+from hicache.core.hashing import page_hashes
+from hicache.memory.pools import HostPool
+from hicache.core.shapes import model_shapes
 from hicache.storage import codec
 from hicache.storage.codec import FORMAT_VERSION, MAGIC, ReadStatus
 

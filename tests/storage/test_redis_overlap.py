@@ -8,7 +8,7 @@ import uuid
 import pytest
 import redis
 
-from hicache.hashing import page_hashes
+from hicache.core.hashing import page_hashes
 from hicache.storage import codec, open_storage, redis_backend
 from hicache.storage.put_batch import PutBatch
 

@@ -81,7 +81,7 @@ import pytest
 import redis
 from redis.exceptions import ConnectionError as RedisConnectionError, InvalidResponse, ResponseError
 
-from hicache.hashing import page_hashes
+from hicache.core.hashing import page_hashes
 from hicache.storage import open_storage
 from hicache.storage.redis_wire import DirectReplyParser
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import redis
 
-from hicache.errors import ConfigError
-from hicache.hashing import page_hashes
+from hicache.core.errors import ConfigError
+from hicache.core.hashing import page_hashes
 from hicache.storage import StorageRegistry, default_registry, open_storage
 from hicache.storage.memory import MemoryBackend
 from hicache.storage.redis_backend import RedisClusterBackend

@@ -7,7 +7,7 @@ import pytest
 import redis
 
 from hicache.cli import main
-from hicache.hashing import page_hashes
+from hicache.core.hashing import page_hashes
 from hicache.storage import open_storage
 from hicache.storage.file_cap import LEDGER, scan
 

@@ -9,9 +9,9 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
-from hicache.config import HiCacheConfig
-from hicache.layout import KVLayout
-from hicache.service.server import NodeServer
+from hicache.core.config import HiCacheConfig
+from hicache.core.layout import KVLayout
+from hicache.node.server import NodeServer
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.hicache import HiCache
+from hicache.cache.hicache import HiCache
 from hicache.index.radix import RadixTree
 from tests.helpers.expected import Expected, Movement, assert_expected
 from tests.helpers.tiers import LAYOUT, PS, TOK, make
@@ -141,7 +141,7 @@ def test_admission_completes_its_own_prefetch_and_leaves_other_jobs_to_poll(tmp_
 
 
 def test_the_in_flight_registry_is_checked_while_a_load_runs(monkeypatch):
-    from hicache.errors import IntegrityError
+    from hicache.core.errors import IntegrityError
     hc = make()
     admit_counted(hc, "a", TOK, [0])
     hc.drain()
@@ -168,7 +168,7 @@ def test_the_in_flight_registry_is_checked_while_a_load_runs(monkeypatch):
 
 
 def test_an_l2_page_is_held_by_one_plan_at_a_time():
-    from hicache.errors import CacheStateError
+    from hicache.core.errors import CacheStateError
     hc = make()
     admit_counted(hc, "a", TOK, [0])  # write_through: a backup plan held L2 pages until observed
     plan = hc.tiers.prepare_prefetch(b"\0" * 4 * PS * 2, "", 0, [b"x" * 16, b"y" * 16])
@@ -184,7 +184,7 @@ def test_an_l2_page_is_held_by_one_plan_at_a_time():
 
 # ---------------------------------------------------------------- service mode
 # The same single lookup when L2 is the node service's shared segment
-# (``hicache.l2.shared``): the shared hit is acquired at the service, not
+# (``hicache.tiers.l2.shared``): the shared hit is acquired at the service, not
 # looked up in this engine's index, and the load back's hit is known without
 # a second lookup.
 @pytest.fixture

@@ -3,7 +3,7 @@ L3 outages. Pages carry recognisable bytes so every move is checked by value."""
 import pytest
 import torch
 
-from hicache.errors import OutOfPages
+from hicache.core.errors import OutOfPages
 from tests.helpers.expected import Expected, Movement, assert_expected
 from tests.helpers.tiers import TOK, check_l1_values, make, page_value, serve
 from tests.helpers.tiers import CopyGate as _Gate
@@ -189,8 +189,8 @@ def test_commit_onto_pages_still_loading_waits_for_the_load(monkeypatch):
 
 
 def test_failed_load_back_stops_the_cache_from_serving(monkeypatch):
-    import hicache.transfer as tr
-    from hicache.errors import TransferError
+    import hicache.transfer.engine as tr
+    from hicache.core.errors import TransferError
     hc = make()
     _l2_only(hc, TOK)
 

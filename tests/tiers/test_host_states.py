@@ -1,4 +1,4 @@
-"""The debug-mode L2 page state machine (``hicache.host_states``): legal sequences,
+"""The debug-mode L2 page state machine (``hicache.tiers.host_states``): legal sequences,
 an illegal move raises naming page, from and to, each two-phase movement of the
 tier manager moves the states it should, ``check_integrity`` catches a table out
 of step, and a randomized run over ``HiCache`` (this folder runs with the flag
@@ -9,12 +9,12 @@ import random
 
 import pytest
 
-from hicache.allocator import PageAllocator
-from hicache.cache import PrefixCache
-from hicache.errors import IntegrityError, OutOfPages
-from hicache.host_states import ENV, HostPageState, HostPageStates
-from hicache.layout import KVLayout
-from hicache.tiers import TierManager
+from hicache.memory.allocator import PageAllocator
+from hicache.index.prefix_cache import PrefixCache
+from hicache.core.errors import IntegrityError, OutOfPages
+from hicache.tiers.host_states import ENV, HostPageState, HostPageStates
+from hicache.core.layout import KVLayout
+from hicache.tiers.manager import TierManager
 from tests.helpers.tiers import TOK, check_l1_values, make, serve
 
 S = HostPageState

@@ -1,9 +1,9 @@
-"""The L2 strategy's two-phase contract (``hicache.l2.base``), for both strategies:
+"""The L2 strategy's two-phase contract (``hicache.tiers.l2.base``), for both strategies:
 the private pinned pool and the node service's shared segment. Each movement
 fails for real (the transfer engine's page copy raises), and what
 ``complete_*(..., ok=False)`` leaves is checked by value: L2 pages given back,
 nothing indexed, node state as before, ``check_integrity()`` clean. Toy shape and
-a real model's shape (``hicache.shapes``, two layers)."""
+a real model's shape (``hicache.core.shapes``, two layers)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,12 +11,12 @@ import contextlib
 import pytest
 import torch
 
-import hicache.transfer as tr
-from hicache.config import HiCacheConfig
-from hicache.errors import TransferError
-from hicache.hicache import HiCache
-from hicache.layout import KVLayout
-from hicache.shapes import model_shape
+import hicache.transfer.engine as tr
+from hicache.core.config import HiCacheConfig
+from hicache.core.errors import TransferError
+from hicache.cache.hicache import HiCache
+from hicache.core.layout import KVLayout
+from hicache.core.shapes import model_shape
 from tests.tiers.service_node import running_service, socket_url
 
 PAGES = 3
@@ -179,8 +179,8 @@ def test_failed_l3_movements_of_the_private_l2_index_nothing(name):
     leaves the node unstored and unpinned; a prefetch where nothing landed gives its
     L2 pages back and indexes nothing."""
     import numpy as np
-    from hicache.cache import as_key
-    from hicache.hashing import page_hashes
+    from hicache.index.prefix_cache import as_key
+    from hicache.core.hashing import page_hashes
     o = {"storage.url": "", "pool.device": "cpu", "pool.device_pages": "8", "pool.host_pages": "8",
          "policy.write_policy": "write_back"}
     hc = HiCache(HiCacheConfig.load(env={}, overrides=o), layout=LAYOUTS[name])

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from hicache.load_cost import AdmissionStats, BandwidthMeter, Choice, CostInputs, CostModel, choose, estimate
+from hicache.tiers.cost import AdmissionStats, BandwidthMeter, Choice, CostInputs, CostModel, choose, estimate
 from tests.helpers.tiers import TOK, check_l1_values, make, serve
 
 from .test_hicache import _Gate, _l2_only

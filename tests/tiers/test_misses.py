@@ -1,10 +1,10 @@
-"""hicache.misses: one reason per missed page, a bounded window, and the L3 outcomes."""
+"""hicache.index.misses: one reason per missed page, a bounded window, and the L3 outcomes."""
 from __future__ import annotations
 
 import pytest
 
-from hicache.errors import IntegrityError
-from hicache.misses import L1, L2, L3, REASONS, L3Outcome, MissTracker
+from hicache.core.errors import IntegrityError
+from hicache.index.misses import L1, L2, L3, REASONS, L3Outcome, MissTracker
 
 H = [bytes([i]) * 16 for i in range(8)]  # page hashes; a request passes those of its full pages
 
@@ -70,10 +70,10 @@ def test_the_window_is_bounded_and_counts_what_it_forgot():
 
 
 def test_a_hit_beyond_what_the_request_may_hit_is_refused():
-    from hicache.misses import admission_misses
-    from hicache.cache import PrefixCache
-    from hicache.layout import KVLayout
-    from hicache.allocator import PageAllocator
+    from hicache.index.misses import admission_misses
+    from hicache.index.prefix_cache import PrefixCache
+    from hicache.core.layout import KVLayout
+    from hicache.memory.allocator import PageAllocator
     lay = KVLayout(model_id="m", num_layers=1, num_kv_heads=1, head_dim=1, dtype="uint8", page_size=4)
     cache = PrefixCache(lay, PageAllocator(4, "L1"), None)
     with pytest.raises(IntegrityError, match="exceeds the 1 pages"):
@@ -81,8 +81,8 @@ def test_a_hit_beyond_what_the_request_may_hit_is_refused():
 
 
 def test_hicache_stats_carry_the_reasons_with_inline_transfers():
-    from hicache.config import HiCacheConfig
-    from hicache.hicache import HiCache
+    from hicache.core.config import HiCacheConfig
+    from hicache.cache.hicache import HiCache
     cfg = HiCacheConfig.load(None, {"pool.device": "cpu", "pool.device_pages": "8", "pool.host_pages": "16",
                                     "storage.url": "memory://"}, env={})
     hc = HiCache(cfg, inline_transfers=True)

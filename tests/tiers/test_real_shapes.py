@@ -1,4 +1,4 @@
-"""HiCache end to end at every published model shape (``hicache.shapes``): pages of
+"""HiCache end to end at every published model shape (``hicache.core.shapes``): pages of
 the real bytes of all layers go L1 -> L2 -> L3 (file://), come back into a new
 instance's L1 through L2, and every row is compared with what was written."""
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.config import HiCacheConfig
-from hicache.hicache import HiCache
-from hicache.shapes import model_shapes
+from hicache.core.config import HiCacheConfig
+from hicache.cache.hicache import HiCache
+from hicache.core.shapes import model_shapes
 
 SHAPES = {m.name: m for m in model_shapes()}
 CASES = [(n, 16) for n in SHAPES] + [(n, 64) for n, m in SHAPES.items() if m.is_mla]

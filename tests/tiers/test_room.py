@@ -1,4 +1,4 @@
-"""``L1Room`` (``hicache/room.py``): making L1 room is one component that ``HiCache``
+"""``L1Room`` (``hicache/tiers/room.py``): making L1 room is one component that ``HiCache``
 owns. Under ``write_back`` it queues the write-back of victims not yet on L2 in the
 one in-flight registry instead of waiting, raises a miss (``OutOfPages``) when that
 leaves too little room, evicts the victims once written, and its ``check_integrity``
@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.config import HiCacheConfig
-from hicache.errors import IntegrityError, OutOfPages
-from hicache.hicache import HiCache
-from hicache.layout import KVLayout
-from hicache.plans import BackupPlan
-from hicache.room import L1Room
-from hicache.shapes import model_shapes
+from hicache.core.config import HiCacheConfig
+from hicache.core.errors import IntegrityError, OutOfPages
+from hicache.cache.hicache import HiCache
+from hicache.core.layout import KVLayout
+from hicache.transfer.plans import BackupPlan
+from hicache.tiers.room import L1Room
+from hicache.core.shapes import model_shapes
 from tests.helpers.tiers import LAYOUT, CopyGate
 from tests.tiers.test_real_shapes import l1_rows_equal, rows_for, serve
 
@@ -113,7 +113,7 @@ def test_hicache_satisfies_the_owner_protocol_its_room_uses():
     side fails), and the room a cache builds is owned by that cache."""
     import inspect
 
-    from hicache.room import RoomOwner
+    from hicache.tiers.room import RoomOwner
 
     hc = _make(LAYOUT)
     try:

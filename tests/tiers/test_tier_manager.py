@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.allocator import PageAllocator
-from hicache.cache import PrefixCache, as_key
-from hicache.hashing import page_hashes
-from hicache.layout import KVLayout
-from hicache.tiers import DeviceBlocks, TierManager
+from hicache.memory.allocator import PageAllocator
+from hicache.index.prefix_cache import PrefixCache, as_key
+from hicache.core.hashing import page_hashes
+from hicache.core.layout import KVLayout
+from hicache.tiers.manager import DeviceBlocks, TierManager
 
 PS = 4
 X = list(range(100, 116))  # 4 pages

@@ -8,15 +8,15 @@ import subprocess
 import sys
 import textwrap
 
-from hicache.layout import KVLayout
-from hicache.pools import DevicePool, HostPool
-from hicache.transfer import TransferController, _stop_at_exit
+from hicache.core.layout import KVLayout
+from hicache.memory.pools import DevicePool, HostPool
+from hicache.transfer.engine import TransferController, _stop_at_exit
 
 EXIT_WITH_LOADS_IN_FLIGHT = textwrap.dedent("""
     import torch
-    from hicache.layout import KVLayout
-    from hicache.pools import DevicePool, HostPool
-    from hicache.transfer import TransferController
+    from hicache.core.layout import KVLayout
+    from hicache.memory.pools import DevicePool, HostPool
+    from hicache.transfer.engine import TransferController
 
     lay = KVLayout(model_id="m", num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16)
     dev, host = DevicePool(lay, 256, "cpu"), HostPool(lay, 256)

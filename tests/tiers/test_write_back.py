@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from hicache.config import HiCacheConfig
-from hicache.errors import IntegrityError
-from hicache.hicache import HiCache
-from hicache.shapes import model_shapes
-from hicache.transfer import TransferController
+from hicache.core.config import HiCacheConfig
+from hicache.core.errors import IntegrityError
+from hicache.cache.hicache import HiCache
+from hicache.core.shapes import model_shapes
+from hicache.transfer.engine import TransferController
 from tests.helpers.expected import Expected, Movement, assert_expected, expected_diff
 from tests.helpers.tiers import LAYOUT, PS, TOK, CopyGate, check_l1_values, make, serve
 from tests.tiers.test_real_shapes import l1_rows_equal, rows_for

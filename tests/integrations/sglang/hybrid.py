@@ -3,7 +3,7 @@
 ``build_hybrid_mamba_stack`` for Mamba), at the real shapes of the table:
 
 * gpt-oss-120b: 36 layers, sliding (128 tokens) on even layers and full on odd
-  (``hicache.hybrid.hybrid_groups``): a full-attention KV anchor pool of 18
+  (``hicache.core.groups.hybrid_groups``): a full-attention KV anchor pool of 18
   layers and an ``swa`` pool of 18 layers, 8 KV heads of 64 (bf16);
 * qwen3-next-80b-a3b: SGLang's ``Qwen3NextConfig`` (its defaults are the 80B
   model's; ``full_attention_interval`` 4 from its config.json): a KV anchor of
@@ -31,8 +31,8 @@ from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.runtime_context import get_parallel
 
-from hicache.hybrid import hybrid_groups
-from hicache.shapes import model_shape
+from hicache.core.groups import hybrid_groups
+from hicache.core.shapes import model_shape
 
 from .conftest import dynamic_config
 

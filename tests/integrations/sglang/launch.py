@@ -24,7 +24,7 @@ if importlib.util.find_spec("torchvision") is None:  # see conftest.py
 import torch  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
 
-from hicache.shapes import ModelShape, model_shapes  # noqa: E402
+from hicache.core.shapes import ModelShape, model_shapes  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 README = ROOT / "README.md"

@@ -8,7 +8,7 @@ import torch
 from sglang.srt.managers.cache_controller import PrefetchOperation
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 
-from hicache.errors import ConfigError
+from hicache.core.errors import ConfigError
 from hicache.integrations.sglang import HiCacheBackend
 from hicache.integrations.sglang_keys import AUTH_ENV, page_key
 

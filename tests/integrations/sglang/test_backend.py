@@ -13,7 +13,7 @@ from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
-from hicache.errors import ConfigError, IntegrityError
+from hicache.core.errors import ConfigError, IntegrityError
 from hicache.integrations.sglang import HiCacheBackend
 from hicache.integrations.sglang_keys import page_key
 from hicache.storage import open_storage

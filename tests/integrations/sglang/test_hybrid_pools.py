@@ -23,12 +23,12 @@ from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-from hicache.errors import ConfigError
+from hicache.core.errors import ConfigError
 from hicache.integrations.metrics import PoolCounts
 from hicache.integrations.sglang import HiCacheBackend
 from hicache.integrations.sglang_keys import page_key, sglang_layout
 from hicache.integrations.sglang_pools import PoolVerdict, fold_hits, mamba_layout, pool_key, side_timeout_ms
-from hicache.shapes import model_shape
+from hicache.core.shapes import model_shape
 
 from ..service_proc import start_serve, stop_serve
 from .conftest import LAYOUTS, host_pool, storage_config

@@ -1,4 +1,4 @@
-"""Every published model shape (hicache.shapes) through SGLang's own host pools,
+"""Every published model shape (hicache.core.shapes) through SGLang's own host pools,
 storage backend factory and HiCacheController, at SGLang's page sizes, byte-exact
 over file://, memory:// and redis://.
 
@@ -24,7 +24,7 @@ from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
 from hicache.integrations.sglang import HiCacheBackend
-from hicache.shapes import ModelShape, model_shapes
+from hicache.core.shapes import ModelShape, model_shapes
 
 from .conftest import LAYOUTS, storage_config
 from .launch import page_bytes, real_pools

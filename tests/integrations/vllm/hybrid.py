@@ -41,7 +41,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig, OffloadingModelConfig
 
-from hicache.shapes import ModelShape, model_shape
+from hicache.core.shapes import ModelShape, model_shape
 
 from .real import BLOCK, vllm_config
 

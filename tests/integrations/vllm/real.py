@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
 from vllm.v1.kv_offload.config import OffloadingConfig, OffloadingModelConfig
 
-from hicache.shapes import ModelShape
+from hicache.core.shapes import ModelShape
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 BLOCK = 16  # vLLM's default block size (the CUDA attention backends')

@@ -32,7 +32,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from hicache.integrations.vllm import page_hash, vllm_layout
-from hicache.errors import ConfigError, IntegrityError
+from hicache.core.errors import ConfigError, IntegrityError
 from hicache.integrations.vllm_groups import GroupLedger, KVGroup, kv_groups
 from tests.v1.kv_connector.unit.utils import EOS_TOKEN_ID
 

@@ -18,7 +18,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from hicache.integrations.metrics import VLLM_PREFIX, AdapterStats, VllmTierStats, families
 from hicache.integrations.vllm import TIER_METRIC_LABEL, HiCacheTier, page_hash
-from hicache.shapes import model_shape
+from hicache.core.shapes import model_shape
 
 from .real import ROOT, offloading_config, vllm_config
 from .tiers import finish, job, keys

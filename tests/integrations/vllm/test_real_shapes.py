@@ -20,7 +20,7 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from hicache.integrations.vllm import HiCacheTier
-from hicache.shapes import model_shape, model_shapes
+from hicache.core.shapes import model_shape, model_shapes
 
 from .real import BLOCK, kv_spec, offloading_config, serve_args, vllm_config
 from .tiers import finish, job, keys

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
-from hicache.errors import IntegrityError
+from hicache.core.errors import IntegrityError
 from hicache.integrations.vllm import page_hash
 
 from .tiers import ROW, finish, job, keys, primary, resolve, tier

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
-from hicache.errors import ConfigError
+from hicache.core.errors import ConfigError
 from hicache.integrations.vllm import page_hash
 from hicache.storage import codec
 

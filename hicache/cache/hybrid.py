@@ -1,0 +1,408 @@
+"""``HybridCache``: a hybrid model's layer groups on the three tiers, hits floored
+where every group can resume.
+
+Composition, not branching inside ``HiCache``:
+
+* the ``full`` groups' layers are one ``HiCache`` over their planes (every
+  page of every prefix, as for any model; draft planes travel with them);
+* each ``swa`` group and the ``state`` group is a ``GroupTiers`` (L1, L2, L3
+  like pages): SWA pages keyed by the page's chained hash, state snapshots
+  keyed by the hash of the boundary's last page;
+* the *record*: per resumable boundary (a page boundary of a cached prefix,
+  keyed by its last page's hash) which SWA pages its window needs and whether
+  a snapshot is kept there. Boundaries are recorded at every
+  ``snapshot_every``-th page (when a state group exists: the snapshot is
+  taken there), at the page-floored end of every finished or preempted
+  request, and at every *fork*: the full groups' hit of an admission whose
+  floor fell short of it (where the index's node that the request continued
+  ends), once the request has recomputed up to it, with the snapshot there
+  when the engine supplies one. So each end of a node of the index becomes
+  resumable once a request has been through it again. With a state group,
+  only where the engine supplies a snapshot (a boundary without one cannot
+  resume, so its SWA window is not kept). SWA pages outside
+  every recorded window are freed (a running request frees them as its
+  window moves on) or never stored. The record is bounded
+  (``hicache.cache.hybrid_record``): at most ``HybridPools.max_boundaries``
+  boundaries, the least recently used forgotten first, and a boundary whose
+  full-attention prefix or one of whose items left every tier is forgotten
+  (``sweep``: at every admission and request end within a budget, at every
+  eviction in full); forgetting frees on every tier what only that boundary
+  needed.
+
+``admit`` asks ``HiCache`` for the full groups' hit, then
+``hicache.core.groups.resumable_floor`` for the longest prefix every group can
+resume from, takes the SWA window and the snapshot there onto L1, and keeps
+the seed contract's exact accounting: a running or preempted request's own
+partial page counts when the floor reaches its whole match and the engine
+still holds the request's live state. Between the floor and the full hit the
+engine *replays*: it recomputes the SWA and state layers, the full layers'
+KV is reused. Each group's layout (``group_layout``) has its own
+fingerprint, derived from the hybrid layout's, in every L3 object. With a
+TP/CP ``consensus`` every rank admits the same full hit (``HiCache``'s) and
+the same floor (``agreed_floor``: a boundary every rank resumes from). The
+floor, its agreement and the copy plan are ``hicache.cache.hybrid_admission``'s; a
+request over every group is a ``hicache.cache.hybrid_request.HybridRequest``, which
+asks this cache only what its ``HybridOwner`` Protocol names.
+
+Loads are asynchronous and waited on per group. ``HiCache.admit`` starts the
+full groups' layer-wise load back; the SWA window and the snapshot at the
+floor that only L2 (or L3, fetched to L2 at admission) holds are copied to
+L1 by one ``hybrid_copy.plan_load`` plan over every group (``pending_plan``),
+each group's copies on its own lane of a ``hybrid_load.HybridLoader`` (a CUDA
+stream, or a worker thread on the CPU). ``HybridAdmission.wait_layer(i)`` waits for
+layer ``i``'s group only (``hybrid_load.AdmissionWaits``), and ``state``
+for the snapshot only. ``poll`` observes the group loads done (each pins its
+item until then); ``drain`` waits for them.
+
+Not wired: service mode (``hicache+unix://``: refused with a ``ConfigError``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from hicache.index.prefix_cache import Tokens
+from hicache.core.config import HiCacheConfig
+from hicache.client.consensus import HitConsensus
+from hicache.core.errors import ConfigError, IntegrityError, LayoutError, TransferError
+from hicache.tiers.groups import GroupTiers, TierCounts
+from hicache.cache.hicache import Admission, HiCache
+from hicache.core.groups import LayerGroup
+from hicache.cache.hybrid_admission import HybridAdmission, agreed_floor, group_holds, pending_plan, settle_floor
+from hicache.transfer.hybrid_load import AdmissionWaits, HybridLoader
+from hicache.cache.hybrid_record import DEFAULT_MAX_BOUNDARIES, SWEEP_BATCH, BoundaryRecord
+from hicache.cache.hybrid_request import HybridRequest
+from hicache.kernels.page_copy import PageCopier
+from hicache.core.layout import KVLayout
+from hicache.core.redact import redact_url
+from hicache.index.request import RequestState
+from hicache.storage import open_storage
+from hicache.storage.capacity import backend_options
+from hicache.core.types import DevicePageId, PageHash
+
+
+def group_layout(layout: KVLayout, kinds: tuple[str, ...], gi: int = -1) -> KVLayout:
+    """The layout of one part of a hybrid ``layout``: ``("full",)`` the planes of every
+    full group's layers (in layer order; draft planes kept), ``("swa",)`` group ``gi``'s
+    layers (no draft planes), ``("state",)`` the state group's snapshot as one row of
+    ``len(layers) * state_bytes`` bytes. The model id names the hybrid's fingerprint, so
+    each part's fingerprint changes with any group of the whole."""
+    fp = layout.fingerprint()
+    if kinds == ("state",):
+        g = layout.groups[gi]
+        return KVLayout.rows(f"hybrid:{fp}:state{gi}", len(g.layers) * g.state_bytes,
+                             {"hybrid": fp, "group": gi, "state_bytes": g.state_bytes, "layers": len(g.layers)})
+    if kinds == ("full",):
+        n = sum(len(g.layers) for g in layout.groups if g.kind == "full")
+        return layout.replace(model_id=f"hybrid:{fp}:full", num_layers=n, groups=())
+    g = layout.groups[gi]
+    return layout.replace(model_id=f"hybrid:{fp}:swa{gi}", num_layers=len(g.layers), groups=(), draft_layers=0)
+
+
+@dataclass(frozen=True, slots=True)
+class HybridPools:
+    """Sizes of the groups' own pools (0: the same page counts as the full groups' pools)
+    and of the boundary record."""
+
+    swa_device_pages: int = 0
+    swa_host_pages: int = 0
+    state_device_slots: int = 0  # 0: device_pages // snapshot_every, at least 4
+    state_host_slots: int = 0  # 0: host_pages // snapshot_every, at least 4
+    max_boundaries: int = DEFAULT_MAX_BOUNDARIES  # recorded boundaries kept; least recently used forgotten first
+
+
+class HybridStats(NamedTuple):
+    admissions: int
+    hit_tokens: int  # the full groups' hits (exact), summed
+    resumed_tokens: int  # the floors, summed: tokens reused in every group
+    boundaries: int  # recorded boundaries now
+    forgotten: int  # boundaries forgotten since the start (the cap, a prefix or an item gone, ``forget``)
+
+
+class HybridCache:
+    """See the module docstring. Not thread-safe: one scheduler thread calls everything."""
+
+    def __init__(self, config: HiCacheConfig | None = None, *, layout: KVLayout | None = None,
+                 pools: HybridPools = HybridPools(), storage=None, consensus: HitConsensus | None = None,
+                 copier: PageCopier | None = None):
+        """``consensus``: the TP/CP group's ``HitConsensus`` (``HiCache``'s argument); every
+        rank then admits the same full hit and the same floor. ``copier``: the page copier of
+        the group loads (default: the shared one). Raises ``LayoutError`` for a layout
+        without a full group, ``ConfigError`` for service mode or a bad ``pools``."""
+        cfg = self.config = config or HiCacheConfig.load()
+        self.layout = lay = layout or cfg.layout()
+        if not lay.groups or not any(g.kind == "full" for g in lay.groups):
+            raise LayoutError(f"HybridCache needs a layout with layer groups including a full group; "
+                              f"{lay.model_id!r} has {[g.to_list() for g in lay.groups]}; use HiCache")
+        if cfg.storage.url.startswith("hicache+unix:"):
+            raise ConfigError(f"storage.url={redact_url(cfg.storage.url)!r}: HybridCache does not run in service "
+                              "mode (the node service keeps no SWA pages or state snapshots); set storage.url to "
+                              "an embedded L3 (file:///dir, redis://host:port, memory://) or to '' for none")
+        self.boundaries = BoundaryRecord(pools.max_boundaries, lay.page_size)
+        self.groups: tuple[LayerGroup, ...] = lay.groups
+        self.ps = lay.page_size
+        self.consensus = consensus
+        self.hc = HiCache(cfg, layout=group_layout(lay, ("full",)), storage=storage, consensus=consensus)
+        self.stores: dict[int, GroupTiers] = {}
+        for gi, g in enumerate(self.groups):
+            if g.kind != "full":
+                self.stores[gi] = self._store(gi, g, pools)
+        self.state_gi = next((gi for gi, g in enumerate(self.groups) if g.kind == "state"), None)
+        self.loader = HybridLoader.per_group(lay, {gi: (s.host, s.device) for gi, s in self.stores.items()},
+                                             copier=copier) if self.stores else None
+        self._failed: TransferError | None = None  # a group load that failed (settle_loads)
+        self.live: dict[str, HybridRequest] = {}
+        self._admissions = self._hit = self._resumed = 0
+        self._swept_epoch = -1  # the index's epoch at the last sweep of the record
+
+    def _store(self, gi: int, g: LayerGroup, pools: HybridPools) -> GroupTiers:
+        cfg, kind = self.config, g.kind
+        lay = group_layout(self.layout, (kind,), gi)
+        if kind == "swa":
+            dev = pools.swa_device_pages or cfg.pool.device_pages
+            host = pools.swa_host_pages or cfg.pool.host_pages
+        else:
+            dev = pools.state_device_slots or max(4, cfg.pool.device_pages // g.snapshot_every)
+            host = pools.state_host_slots or max(4, cfg.pool.host_pages // g.snapshot_every)
+        l3 = None
+        if cfg.storage.url:
+            st = cfg.storage
+            l3 = open_storage(st.url, fingerprint=lay.fingerprint(), layout=lay, timeout_ms=st.timeout_ms,
+                              max_retries=st.max_retries, auth_key=st.resolved_auth_key(), **backend_options(st))
+        return GroupTiers(f"{kind}{gi}", lay, dev, host, str(self.hc.device_pool.device), l3)
+
+    # ------------------------------------------------------------- requests
+    def new_request(self, rid: str, tokens: Tokens, namespace: str = "") -> HybridRequest:
+        """A WAITING request over every group (see ``HybridRequest``)."""
+        if rid in self.live:
+            raise ValueError(f"request id {rid!r} is live already")
+        req = self.live[rid] = HybridRequest(self, self.hc.new_request(rid, tokens, namespace))
+        return req
+
+    def admit(self, req: HybridRequest, *, live_state_tokens: int = 0) -> HybridAdmission:
+        """Schedule ``req``: the full groups' hit through ``HiCache.admit``, then the floor
+        every group resumes from, with the SWA window and the snapshot there pinned on L1
+        (loads started, not waited for: see ``HybridAdmission``). ``live_state_tokens``:
+        tokens the engine still holds the request's recurrent state for (0 after a
+        preemption that dropped it). Afterwards ``req.computed_tokens`` is the hit; compute
+        ``[adm.resume, hit)`` again for the SWA and state layers only, then the rest.
+        Raises as ``HiCache.admit``, ``OutOfPages``, and ``TransferError`` for a group load
+        that failed earlier."""
+        self.settle_loads()
+        self.sweep(SWEEP_BATCH)
+        full = self.hc.admit(req.inner)
+        exact = req.inner.computed_tokens
+        hashes = req.hashes(exact // self.ps)
+        holds = group_holds(self.layout, self.stores, hashes)
+        floor = settle_floor(self.layout, req, hashes, holds, exact, live_state_tokens)
+        if self.consensus is not None:
+            floor = agreed_floor(self.consensus, self.layout, req, hashes, holds, floor)
+        # (a floor inside a page resumes at the request's own partial page, from the engine's live state)
+        waits = self._start_loads(req, hashes, floor.pages, full, snapshot=floor.tokens == floor.pages * self.ps)
+        if floor.pages:
+            self.boundaries.use(hashes[floor.pages - 1], req.inner.node)
+        req.prepare(floor.pages, exact, waits)
+        self._admissions += 1
+        self._hit += exact
+        self._resumed += floor.tokens
+        req.resume = floor.tokens
+        req.fork = exact // self.ps if floor.pages < exact // self.ps else 0
+        return HybridAdmission(full, exact, floor.tokens, floor.limited_by, waits)
+
+    def _start_loads(self, req: HybridRequest, hashes: list[PageHash], b: int, full: Admission, *,
+                     snapshot: bool) -> AdmissionWaits:
+        """Start the L2 -> L1 copies of what ``req`` reads at boundary ``b`` (one plan for every
+        group; items a lowered floor no longer reads are un-taken first) and collect, per
+        group, the loads it waits for: that one and earlier admissions' that still bring an
+        item it reads. ``snapshot``: the engine resumes from the snapshot at ``b``."""
+        reads = req.reads()
+        for gi, st in self.stores.items():
+            st.cancel_pending(set(reads[gi]))
+        if self.loader is not None and any(st.pending for st in self.stores.values()):
+            own = self.loader.load(pending_plan(self.layout, self.stores, hashes, b))
+            for gi, st in self.stores.items():
+                st.started(own, gi)
+        loads: dict[int, list] = {}
+        for gi, st in self.stores.items():
+            got = {id(ld): ld for ld, _ in (st.loading[h] for h in reads[gi] if h in st.loading)}
+            loads[gi] = list(got.values())
+        row = None
+        if snapshot and self.state_gi is not None and req.state_item is not None:
+            st, g = self.stores[self.state_gi], self.groups[self.state_gi]
+            row = st.device.buffers[0][req.state_item[1]].view(len(g.layers), g.state_bytes)
+        return AdmissionWaits(self.layout, full, loads, row)
+
+    def full_slot_ids(self, pages: list) -> torch.Tensor:
+        """Slot ids of the full groups' L1 ``pages`` (``DevicePool.slot_ids``)."""
+        return self.hc.device_pool.slot_ids(pages)
+
+    def request_ended(self, req: HybridRequest, state: RequestState) -> None:
+        """``req`` released what it held and is now ``state``: FINISHED and ABORTED leave the
+        live set; FINISHED and PREEMPTED sweep the record (``SWEEP_BATCH``)."""
+        if state is not RequestState.PREEMPTED:
+            del self.live[req.rid]
+        if state is not RequestState.ABORTED:
+            self.sweep(SWEEP_BATCH)
+
+    # ------------------------------------------------------------- the record
+    def record(self, req: HybridRequest, hashes: list[PageHash], b: int, snapshot: list | None) -> None:
+        """Record boundary ``b`` of ``req``'s sequence: each SWA group needs its window there
+        (taken from ``req``'s pages), the state group the snapshot given. With a state group a
+        boundary without a snapshot cannot resume: nothing is recorded for it."""
+        key = hashes[b - 1]
+        rec = self.boundaries.get(key)
+        if self.state_gi is not None and snapshot is None and (rec is None or not rec.snapshot):
+            return
+        node = req.inner.node  # the index node a running request holds: its path covers page b - 1
+        if node is None or node.start_page + node.num_pages < b:
+            raise IntegrityError(f"request {req.rid!r}: records boundary {b} but holds no index node through "
+                                 f"its last page ({node!r})")
+        if rec is not None and rec.pages != b:
+            raise IntegrityError(f"boundary {key.hex()} recorded at {rec.pages} pages, again at {b}")
+        row, had = None, rec is not None and rec.snapshot
+        if self.state_gi is not None and snapshot is not None and (not had or self.stores[self.state_gi].lost(key)):
+            row = self._snapshot_row(b, snapshot)  # checked (and its slot taken) before anything is recorded
+        if rec is None:
+            rec = self.boundaries.add(key, b, node)
+        for gi, g in enumerate(self.groups):
+            if g.kind == "swa":
+                lo = max(0, b * self.ps - g.window + 1) // self.ps
+                fresh = gi not in rec.swa
+                self.boundaries.set_window(key, gi, tuple(hashes[lo:b]))
+                req.keep_window(gi, hashes, lo, b, count=fresh)
+        if row is not None and self.state_gi is not None:
+            st = self.stores[self.state_gi]
+            st.keep(key, row, needed=not had)  # (had: the store lost it; kept again, counted once)
+            st.unpin(key)
+            rec.snapshot = True
+        self.boundaries.use(key, node)
+        for old in self.boundaries.over_cap():
+            self.forget(old)
+
+    def _snapshot_row(self, b: int, snapshot: list) -> DevicePageId:
+        """A private state-store L1 row holding ``snapshot`` (every state layer's tensor, as
+        bytes). Raises ``ValueError`` naming the sizes when they differ, ``OutOfPages``."""
+        if self.state_gi is None:
+            raise LayoutError(f"a snapshot needs a state group; the layout's groups are "
+                              f"{[g.kind for g in self.groups]}", "groups", None)
+        st, g = self.stores[self.state_gi], self.groups[self.state_gi]
+        raw = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in snapshot])
+        if raw.numel() != st.layout.row_bytes:
+            raise ValueError(f"snapshot at boundary {b}: {raw.numel()} bytes, the state group holds "
+                             f"{st.layout.row_bytes} ({len(g.layers)} layers x {g.state_bytes} bytes)")
+        dev = st.alloc(1)[0]
+        row = st.device.buffers[0][dev]
+        row.copy_(raw.to(row.device))
+        return dev
+
+    def forget(self, key: PageHash) -> None:
+        """Drop boundary ``key`` from the record: the SWA pages only it needed and its
+        snapshot are freed on every tier (the full groups' pages are ``HiCache``'s).
+        Raises ``KeyError`` for a key not recorded."""
+        rec = self.boundaries.pop(key)
+        for gi, hs in rec.swa.items():
+            for h in hs:
+                self.stores[gi].unref(h)
+        if rec.snapshot and self.state_gi is not None:
+            self.stores[self.state_gi].unref(key)
+
+    def sweep(self, limit: int | None = None) -> int:
+        """Forget every boundary that can no longer resume (see ``hicache.cache.hybrid_record``):
+        an item it needs left every tier of its store, or its full-attention prefix is held
+        by no tier (checked once pages left a tier of the index: ``limit`` boundaries per
+        call, None: all). Admissions and request ends sweep ``SWEEP_BATCH``, ``evict`` and
+        ``evict_host`` all. Returns the boundaries forgotten."""
+        lost = {gi: s.take_gone() for gi, s in self.stores.items()}
+        epoch = self.hc.cache.epoch
+        changed, self._swept_epoch = epoch != self._swept_epoch, epoch
+        stale = self.boundaries.stale(lost, self.state_gi, index_changed=changed, l3=self.hc.storage is not None,
+                                      limit=limit)
+        for key in stale:
+            self.forget(key)
+        return len(stale)
+
+    # ------------------------------------------------------------- tiers
+    def evict(self, num_pages: int) -> int:
+        """Take up to ``num_pages`` unpinned pages off L1 in every group (the full groups
+        through ``HiCache.evict``); they stay on L2/L3 where written there. Then ``sweep``."""
+        got = self.hc.evict(num_pages) + sum(s.evict_l1(num_pages) for s in self.stores.values())
+        self.sweep()
+        return got
+
+    def evict_host(self, num_pages: int) -> int:
+        """Drop up to ``num_pages`` pages from L2 in every group (L3 keeps its copies). Then ``sweep``."""
+        got = len(self.hc.evict_host(num_pages)) + sum(s.evict_l2(num_pages) for s in self.stores.values())
+        self.sweep()
+        return got
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes of cached pages and snapshots held per tier, every group together
+        (L1/L2: indexed by the tree and the stores; running requests' private pages
+        excluded; L3: what the stores wrote plus the full groups' stored pages)."""
+        full = self.hc.layout.page_bytes
+        nodes = list(self.hc.cache.nodes())
+        l1 = sum(len(n.device_pages or ()) for n in nodes) * full
+        l2 = sum(len(n.host_pages or ()) for n in nodes) * full
+        l3 = sum(n.num_pages for n in nodes if n.in_storage) * full
+        for s in self.stores.values():
+            c, b = s.counts(), s.layout.page_bytes
+            l1, l2, l3 = l1 + c.l1 * b, l2 + c.l2 * b, l3 + c.l3 * b
+        return {"L1": l1, "L2": l2, "L3": l3}
+
+    def counts(self) -> dict[int, TierCounts]:
+        return {gi: s.counts() for gi, s in self.stores.items()}
+
+    def stats(self) -> HybridStats:
+        return HybridStats(self._admissions, self._hit, self._resumed, len(self.boundaries),
+                           self.boundaries.forgotten)
+
+    def poll(self) -> int:
+        """``HiCache.poll``, then the group loads done (``settle_loads``); never blocks.
+        Returns the completions observed."""
+        return self.hc.poll() + self.settle_loads()
+
+    def settle_loads(self, wait: bool = False) -> int:
+        """Observe the group stores' L2 -> L1 loads done (``wait``: wait for all first); each
+        releases the pin it held. Raises ``TransferError`` for a load that failed, then at
+        every later call: its items' L1 pages hold unknown bytes, so the cache stops serving."""
+        if self._failed is not None:
+            raise TransferError(f"a group load failed earlier ({self._failed}); this HybridCache stops serving: "
+                                "close it and build a new one") from self._failed
+        try:
+            return sum(st.settle_loads(wait) for st in self.stores.values())
+        except TransferError as e:
+            self._failed = e
+            raise
+
+    def drain(self) -> None:
+        self.hc.drain()
+        self.settle_loads(wait=True)
+
+    def check_integrity(self) -> None:
+        """``HiCache``'s checks, every store's, the record's own (cap, anchors), and the
+        record against the stores: each store's ``need`` counts equal the recorded
+        boundaries that name each item."""
+        self.hc.check_integrity()
+        for s in self.stores.values():
+            s.check_integrity()
+        want = self.boundaries.need_counts(list(self.stores), self.state_gi)
+        for gi, s in self.stores.items():
+            if s.need != want[gi]:
+                diff = {h.hex()[:8]: (s.need.get(h), want[gi].get(h)) for h in set(s.need) ^ set(want[gi])
+                        or {h for h in s.need if s.need[h] != want[gi].get(h)}}
+                raise IntegrityError(f"{s.name}: need counts disagree with the record (store, record): {diff}")
+        self.boundaries.check_integrity()
+        if self.loader is not None:
+            self.loader.check_integrity()
+        for r in self.live.values():
+            r.check_integrity()
+
+    def close(self) -> None:
+        self.hc.close()
+        if self.loader is not None:
+            self.loader.close()  # after the copies queued
+        for s in self.stores.values():
+            if s.storage is not None:
+                s.storage.close()

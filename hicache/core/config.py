@@ -1,0 +1,436 @@
+"""One typed configuration for the whole system.
+
+Precedence (highest first): CLI overrides (``--set section.key=value``),
+environment variables (``HICACHE_<SECTION>__<KEY>``, e.g.
+``HICACHE_STORAGE__URL=redis://127.0.0.1:6379/0``), a TOML file
+(``--config FILE`` or ``HICACHE_CONFIG``), then the defaults below, which run
+everything embedded with no external service.
+"""
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from hicache.core.policies import PrefetchPolicy, WritePolicy
+from hicache.core.errors import ConfigError, LayoutError
+from hicache.core.sizes import parse_size
+from hicache.core.layout import BytePlane, KVLayout
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode turns ``true`` into 1; a boolean is never a count.
+        ann = cls.model_fields[info.field_name].annotation
+        if isinstance(v, bool) and ann in (int, float):
+            raise ValueError("must be a number, not a boolean")
+        return v
+
+
+class ModelConfig(_Section):
+    """The KV layout (see ``KVLayout``). Defaults: a tiny demo model."""
+
+    model_id: str = "hicache-demo-tiny"
+    num_layers: int = 4
+    kind: Literal["mha", "mla", "rows"] = "mha"
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    kv_lora_rank: int = 0
+    rope_dim: int = 0
+    dtype: str = "float32"
+    page_size: int = 16
+    extra_planes: list[tuple[str, int]] = Field(default_factory=list)
+    draft_layers: int = 0
+    tp_rank: int = 0
+    tp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+    row_bytes: int = 0  # kind="rows" (an engine's opaque rows, e.g. vLLM's tier): bytes of one row
+    engine_layout: str = ""  # kind="rows": the engine's description of a row (HiCacheTier logs it)
+    host_layout: Literal["layer_first", "page_first"] = "page_first"
+
+    def to_layout(self) -> KVLayout:
+        d = self.model_dump()
+        d["extra_planes"] = tuple(BytePlane(n, b) for n, b in d["extra_planes"])
+        return KVLayout(**d)
+
+
+# Bounds that keep a typo from becoming a hang: a lookup waits up to
+# timeout_ms * (1 + max_retries); uids are uid_t values below (uid_t)-1.
+MAX_RETRIES = 10
+MAX_UID = 2**32 - 2
+
+# Where `hicache serve` listens for engines unless service.socket_path says otherwise;
+# the README's examples, `hicache serve --help` and ServiceClient's errors name it.
+DEFAULT_SOCKET_PATH = "/tmp/hicache.sock"
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d{1,3})?)$")
+
+
+class PoolConfig(_Section):
+    device: str = "auto"  # "auto" = cuda:0 when available, else cpu
+    # Sized for the built-in demo: L1 smaller than the replay's working set,
+    # L2 larger than it (so L2 and L3 have something to do).
+    device_pages: int = Field(128, ge=1)
+    host_pages: int = Field(2048, ge=1)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if not _DEVICE.match(v):
+            raise ValueError("must be auto, cpu, cuda or cuda:N")
+        return v
+
+
+def default_l3_url() -> str:
+    """``file://`` in the per-user cache directory ($XDG_CACHE_HOME/hicache/l3,
+    else ~/.cache/hicache/l3 on Linux): one store whatever the current directory,
+    shared by ``hicache replay`` and ``hicache serve``."""
+    import platformdirs
+    return f"file://{platformdirs.user_cache_path('hicache') / 'l3'}"
+
+
+class StorageConfig(_Section):
+    # L3 backend URL: "" (no L3), memory://, file:///dir, redis://host:port/db,
+    # rediss://..., redis+cluster://host:port[,host:port...]
+    url: str = Field(default_factory=default_l3_url)
+    timeout_ms: int = Field(50, ge=1)  # a lookup that takes longer answers "miss"
+    max_retries: int = Field(2, ge=0, le=MAX_RETRIES)  # each retry can wait timeout_ms again
+    # A secret shared by every process that may write this L3: objects carry a
+    # keyed MAC and objects without a valid one are misses (see the README's
+    # threat model). auth_key_file: read it from a file (a Compose/K8s secret).
+    auth_key: str = ""
+    auth_key_file: str = ""
+    # Byte cap of file:// and memory:// (bytes, "20GiB", 0 = unbounded); "auto":
+    # min(20 GiB, 10% of the file system / of RAM). See hicache.storage.capacity.
+    max_bytes: int | Literal["auto"] = "auto"
+    eviction: Literal["lru", "fifo"] = "lru"  # which objects go first at the cap
+
+    @field_validator("max_bytes", mode="before")
+    @classmethod
+    def _max_bytes(cls, v: Any) -> Any:
+        return parse_size(v)
+
+    def resolved_auth_key(self) -> bytes:
+        """``auth_key``, else the stripped contents of ``auth_key_file``, else b"". Raises ``ConfigError``."""
+        if self.auth_key:
+            return self.auth_key.encode()
+        if not self.auth_key_file:
+            return b""
+        try:
+            key = Path(self.auth_key_file).read_bytes().strip()
+        except OSError as e:
+            raise ConfigError(f"storage.auth_key_file={self.auth_key_file!r} cannot be read ({e.strerror}); "
+                              "fix the path or the secret mount") from None
+        if not key:
+            raise ConfigError(f"storage.auth_key_file={self.auth_key_file!r} is empty")
+        return key
+
+
+class PolicyConfig(_Section):
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    write_through_threshold: int = Field(2, ge=1)  # hits before a selective backup
+    # write_back: share of L1 pages, at the eviction end, kept clean (on L2 or being copied
+    # there) ahead of eviction, so admission finds clean victims and never waits (0: off).
+    write_back_clean_fraction: float = Field(0.125, ge=0.0, le=1.0)
+    device_eviction: str = "qd_lru"  # beat lru on Mooncake and the built-in traces (bench/RESULTS.md)
+    host_eviction: str = "qd_lru"
+    prefetch_policy: PrefetchPolicy = PrefetchPolicy.TIMEOUT
+    prefetch_timeout_base_ms: float = Field(5.0, ge=0)
+    prefetch_timeout_per_1k_tokens_ms: float = Field(2.0, ge=0)
+    prefetch_timeout_cap_ms: float = Field(200.0, ge=0)
+    storage_hit_min_pages: int = Field(1, ge=1)  # smaller L3 hits are not worth a prefetch
+    # Pages whose last tier the miss tracker remembers (hicache.index.misses; ~120 B each).
+    miss_window_pages: int = Field(1_000_000, ge=1)
+
+    @field_validator("device_eviction", "host_eviction")
+    @classmethod
+    def _eviction(cls, v: str) -> str:
+        from hicache.index.eviction import POLICIES
+        if v not in POLICIES:
+            raise ValueError(f"must be one of {', '.join(sorted(POLICIES))}")
+        return v
+
+
+class AdmissionConfig(_Section):
+    """Cost-based admission (``hicache.tiers.cost``): load an L2/L3 hit only when that
+    is estimated faster than recomputing it."""
+
+    policy: Literal["cost", "always_load"] = "cost"
+    # Prefill tokens/s of the engine; 0: measured (HiCache.observe_prefill), and
+    # until measured every hit is loaded.
+    prefill_tokens_per_s: float = Field(0.0, ge=0)
+    # Bandwidth priors (bytes/s) before the first transfer is measured; 0: unknown.
+    l2_bytes_per_s: float = Field(0.0, ge=0)  # L2 -> L1 load back
+    l3_bytes_per_s: float = Field(0.0, ge=0)  # L3 -> L2 prefetch
+    ewma_alpha: float = Field(0.2, gt=0, le=1)  # weight of each new measurement
+
+
+GiB, TiB = 1 << 30, 1 << 40
+
+
+class SimulateConfig(_Section):
+    """``hicache replay --simulate``: tier capacities in bytes of a real model's KV
+    (``shape``, from ``hicache.core.shapes``); pages carry small stand-in payloads.
+    Defaults: llama-3.1-8b on one H200 (L1 = 100 GiB: 140 GiB x 0.9 utilisation,
+    minus 15 GiB of bf16 weights, minus ~11 GiB activations and graphs), a 1 TiB
+    host L2 and a 16 TiB L3. ``page_size`` 512 tokens: one Mooncake block."""
+
+    shape: str = "llama-3.1-8b"
+    page_size: int = Field(512, ge=3)
+    block_tokens: int = Field(512, ge=3)  # tokens per hash id of a hash-block trace
+    l1_bytes: int = Field(100 * GiB, ge=1)
+    l2_bytes: int = Field(1 * TiB, ge=0)
+    l3_bytes: int = Field(16 * TiB, ge=0)  # enforced on memory:// (its max_bytes); 0 = no L3
+    l3_url: str = "memory://"  # memory://, file:///dir, redis://host:port/db
+
+
+class ServiceConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8177, ge=0, le=65535)
+    socket_path: str = DEFAULT_SOCKET_PATH
+    admin_token: str = ""  # required when host is not loopback
+    admin_token_file: str = ""  # read the token from this file (Compose/K8s secret) when admin_token is ""
+    # Per user by default, so one user's server never meets another's segment
+    # (and a segment planted under the name is refused: see hicache.memory.shm).
+    shm_name: str = Field(default_factory=lambda: f"hicache-l2-{os.geteuid()}")
+    max_request_bytes: int = Field(8 << 20, ge=1024)  # engine socket frames and REST bodies
+    max_body_requests: int = Field(2, ge=1, le=1024)  # REST requests with a body >= 64 KiB read at once; more get 503
+    # Who may use the engine socket: the file's mode (octal) and group, and
+    # the uids (besides the server's own and root) whose connections are accepted.
+    socket_mode: str = "0600"
+    socket_group: str = ""  # a group name or gid; its members are allowed too
+    allowed_uids: list[Annotated[int, Field(ge=0, le=MAX_UID)]] = Field(default_factory=list, max_length=1024)
+    max_connections: int = Field(256, ge=1, le=65536)
+    handshake_timeout_s: float = Field(5.0, gt=0)  # for hello, and for finishing any frame once begun
+    idle_timeout_s: float = Field(600.0, ge=0)  # between frames of a handshaken client; 0 = never
+
+    @field_validator("allowed_uids", mode="before")
+    @classmethod
+    def _uids(cls, v: Any) -> Any:
+        # From the environment or --set: "1001,1002" (or "[1001, 1002]").
+        if isinstance(v, str):
+            return [int(x) for x in v.strip("[] ").replace(",", " ").split()] if v.strip("[] ") else []
+        return v
+
+    @field_validator("socket_mode")
+    @classmethod
+    def _mode(cls, v: str) -> str:
+        try:
+            mode = int(v, 8)
+        except ValueError:
+            raise ValueError("must be an octal file mode such as 0600 or 0660") from None
+        if not 0 <= mode <= 0o777:
+            raise ValueError("must be an octal file mode between 0000 and 0777")
+        return v
+
+    @property
+    def socket_mode_bits(self) -> int:
+        return int(self.socket_mode, 8)
+
+
+class HiCacheConfig(BaseSettings):
+    """The whole configuration; build with ``HiCacheConfig.load``."""
+
+    model_config = SettingsConfigDict(env_prefix="HICACHE_", env_nested_delimiter="__",
+                                      extra="forbid", frozen=True)
+
+    model: ModelConfig = ModelConfig()
+    pool: PoolConfig = PoolConfig()
+    storage: StorageConfig = Field(default_factory=StorageConfig)  # its default URL reads the environment
+    policy: PolicyConfig = PolicyConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    service: ServiceConfig = ServiceConfig()
+    simulate: SimulateConfig = SimulateConfig()
+    log_level: str = "WARNING"
+    debug_states: bool = False  # check every L2 page's state transition (hicache.tiers.host_states); tests, debugging
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, v: str) -> str:
+        v = v.upper()
+        if v not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError("must be DEBUG, INFO, WARNING or ERROR")
+        return v
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings,
+                                   dotenv_settings, file_secret_settings):
+        # ``load`` merges file < env < overrides itself and passes the result in,
+        # so the precedence lives in one place.
+        return (init_settings,)
+
+    @classmethod
+    def load(cls, file: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None,
+             env: Mapping[str, str] | None = None) -> "HiCacheConfig":
+        """Resolve file < env < overrides, validate everything, raise ``ConfigError``.
+
+        ``overrides`` maps dotted keys (``"storage.url"``) to values.
+        ``env`` defaults to ``os.environ``.
+        """
+        env = os.environ if env is None else env
+        file = file or env.get("HICACHE_CONFIG") or None
+        data: dict[str, Any] = {}
+        sources: dict[tuple[str, ...], str] = {}  # key path -> where it was set, for errors
+        if file:
+            data = _read_toml(file)
+            _note_sources(sources, data, (), f"the config file {str(file)!r}")
+        # env beats file: merge env explicitly so the file sits below it.
+        for k, path in _env_keys(env):
+            _set_dotted(data, ".".join(path), env[k])
+            sources[tuple(path)] = f"{k} in the environment"
+        for key, value in (overrides or {}).items():
+            _set_dotted(data, key, value)
+            sources[tuple(key.split("."))] = f"--set {key}=..."
+        from hicache.core.redact import Redactor
+        redact = Redactor.from_config_data(data).text
+        try:
+            cfg = cls(**data)
+            cfg.layout()  # validate the layout too
+        except ValidationError as e:
+            raise ConfigError(redact(_explain(e, sources))) from None
+        except LayoutError as e:
+            raise ConfigError(redact(_explain_layout(e))) from None
+        return cfg
+
+    def check_host_memory(self, layout: KVLayout | None = None) -> None:
+        """``ConfigError`` when the L2 (host) pool would exceed this machine's memory.
+        Called by whoever is about to allocate it (``HiCache``, ``hicache serve``), not at
+        load: a config for a bigger machine can still be described (``hicache info``)."""
+        _check_memory(self, layout or self.layout())
+
+    def layout(self) -> KVLayout:
+        return self.model.to_layout()
+
+    def resolved_device(self) -> str:
+        """``pool.device`` with ``auto`` resolved; ``ConfigError`` for a CUDA device this machine lacks."""
+        import torch
+        dev = self.pool.device
+        if dev == "auto":
+            return "cuda:0" if torch.cuda.is_available() else "cpu"
+        if dev.startswith("cuda"):
+            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            idx = int(dev.partition(":")[2] or 0)
+            if idx >= have:
+                raise ConfigError(f"pool.device={dev!r}: this machine has {have} CUDA device(s); use "
+                                  f"{'cuda:0..cuda:' + str(have - 1) + ', ' if have else ''}cpu or auto "
+                                  f"{_where_to_set('pool.device')}")
+        return dev
+
+
+def _read_toml(file: str | os.PathLike) -> dict[str, Any]:
+    name = str(file)
+    try:
+        raw = Path(file).read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {name!r} does not exist; fix --config or HICACHE_CONFIG") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {name!r} is a directory; name a TOML file with --config or "
+                          "HICACHE_CONFIG") from None
+    except OSError as e:
+        raise ConfigError(f"config file {name!r} cannot be read ({e.strerror}); fix the path or its "
+                          "permissions") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {name!r} is not UTF-8 (byte {e.start}); TOML files are UTF-8, "
+                          "re-save it as UTF-8") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {name!r} is not valid TOML: {e}") from None
+
+
+def _note_sources(sources: dict[tuple[str, ...], str], data: Mapping[str, Any], at: tuple[str, ...],
+                  where: str) -> None:
+    for k, v in data.items():
+        sources[at + (k,)] = where
+        if isinstance(v, Mapping):
+            _note_sources(sources, v, at + (k,), where)
+
+
+def _env_keys(env: Mapping[str, str]) -> list[tuple[str, list[str]]]:
+    """``(variable, key path)`` of every ``HICACHE_*`` setting variable in ``env``."""
+    return [(k, k[len("HICACHE_"):].lower().split("__")) for k in env
+            if k.startswith("HICACHE_") and k != "HICACHE_CONFIG"]
+
+
+def _phys_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_memory(cfg: "HiCacheConfig", layout: KVLayout) -> None:
+    """Refuse an L2 (host) pool larger than this machine's memory before anyone allocates it."""
+    need = layout.page_bytes * cfg.pool.host_pages
+    have = _phys_memory()
+    if have is not None and need > have:
+        raise ConfigError(f"pool.host_pages={cfg.pool.host_pages}: an L2 of {need:,} bytes "
+                          f"({layout.page_bytes:,} per page) exceeds this machine's {have:,} bytes of memory; "
+                          f"lower pool.host_pages to at most {have // layout.page_bytes // 2:,} or so "
+                          f"{_where_to_set('pool.host_pages')}")
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set {key!r}: {p!r} is not a section")
+    node[parts[-1]] = value
+
+
+def _where_to_set(key: str) -> str:
+    env = "HICACHE_" + key.upper().replace(".", "__")
+    return f"(set it in the config file, with {env}=..., or with --set {key}=...)"
+
+
+def _explain(e: ValidationError, sources: Mapping[tuple[str, ...], str] | None = None) -> str:
+    lines = []
+    for err in e.errors():
+        loc = tuple(str(p) for p in err["loc"])
+        key = ".".join(loc)
+        got = err.get("input")
+        if err["type"] == "extra_forbidden":
+            where = (sources or {}).get(loc, "the environment, the config file or --set")
+            lines.append(f"unknown setting {key!r} (from {where}); remove it or fix its name: settings are "
+                         f"<section>.<key> with sections {', '.join(HiCacheConfig.model_fields)}")
+            continue
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{key}={_short(got)}: {msg} {_where_to_set(key)}")
+    return "invalid configuration: " + "; ".join(lines)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    r = repr(value)
+    return r if len(r) <= limit else r[:limit] + f"... ({len(r)} characters)"
+
+
+def _explain_layout(e: LayoutError) -> str:
+    """A layout error in the configuration's terms (``model.<field>``), not ``KVLayout``'s."""
+    if e.field is None:
+        return f"invalid configuration: [model] {e}"
+    key = f"model.{e.field}"
+    return f"invalid configuration: {key}={_short(e.value)}: {e.why} {_where_to_set(key)}"
+
+
+def parse_set_flags(items: list[str]) -> dict[str, str]:
+    """``["a.b=1", ...]`` -> ``{"a.b": "1"}`` with a clear error on a bad item."""
+    out = {}
+    for it in items:
+        if "=" not in it:
+            raise ConfigError(f"--set {it!r}: expected section.key=value, e.g. --set storage.url=memory://")
+        k, v = it.split("=", 1)
+        out[k.strip()] = v
+    return out

@@ -1,0 +1,176 @@
+"""The node service's statistics snapshot: the single declaration of every
+figure ``/v1/stats`` and ``/metrics`` report (see ``hicache.core.stat_schema``).
+
+Sizes are pages and bytes; token counts are ``pages * page_size``. The service
+indexes whole pages only, so a hit's exact token count and its
+scheduler-visible (page-floored) count are equal for L2/L3; engines push their
+own L1/L2 figures (``EngineReport``), where a request's private partial page
+makes them differ.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from hicache.core.stat_schema import stat
+from hicache.core.stats import HiCacheStats, L3TierStats, MissStats
+
+Tier = Literal["L2", "L3"]
+
+
+@dataclass(slots=True)
+class TierSnapshot:
+    """Counters since start for one tier (``None``: the tier cannot know it)."""
+
+    tier: Tier = stat("Tier name.", metric=None)
+    configured: bool = stat("Whether the tier is configured.", metric=None, gate=True)
+    capacity_pages: int | None = stat("Tier capacity in pages.", kind="gauge")
+    capacity_bytes: int | None = stat("Tier capacity in bytes.", kind="gauge")
+    used_pages: int | None = stat("Pages held by the tier.", kind="gauge")
+    used_bytes: int | None = stat("Bytes held by the tier.", kind="gauge")
+    lookups: int = stat("L2: engine lookup calls; L3: pages asked for by get().")
+    hit_pages: int = stat("Pages found.", metric="lookup_pages", labels={"op": "hit"},
+                          family_help="Pages looked up, by outcome.")
+    miss_pages: int = stat("Pages not found.", metric="lookup_pages", labels={"op": "miss"})
+    hit_tokens_exact: int = stat("Tokens served from the tier, exact.", metric="hit_tokens", labels={"op": "exact"},
+                                 family_help="Tokens served from the tier: exact and scheduler-visible (page-floored).")
+    hit_tokens_visible: int = stat("Tokens served from the tier, floored to a page boundary.", metric="hit_tokens",
+                                   labels={"op": "visible"})
+    evictions: int = stat("Pages evicted to make room.")
+    flushed: int = stat("Pages dropped by POST /v1/flush.", metric="flushed_pages")
+    bytes_read: int = stat("L2: pages acquired by engines; L3: verified payload bytes returned.", metric="bytes",
+                           labels={"op": "read"}, family_help="Payload bytes moved, by direction.")
+    bytes_written: int = stat("L2: pages committed by engines; L3: payload bytes stored.", metric="bytes",
+                              labels={"op": "write"})
+    read_bytes_per_s: float = stat("Read bandwidth over the last few seconds.", kind="gauge",
+                                   metric="bandwidth_bytes_per_second", labels={"op": "read"},
+                                   family_help="Payload bandwidth over the last few seconds.")
+    write_bytes_per_s: float = stat("Write bandwidth over the last few seconds.", kind="gauge",
+                                    metric="bandwidth_bytes_per_second", labels={"op": "write"})
+    errors: int = stat("Errors, all kinds.", labels={"op": "total"}, family_help="Errors by tier and kind.")
+    errors_by_kind: dict[str, int] = stat("Errors by kind.", metric="errors", key_label="op")
+    down: bool = stat("L3 only: an outage is in progress.", metric="up", kind="gauge", invert=True,
+                      family_help="1 when the tier answers (L3: no outage in progress).", default=False)
+    service: L3TierStats | None = stat("L3 only: what the service moved between L2 and L3.", scoped=True,
+                                       default=None)
+    usage_scope: str | None = stat('L3 only: what used_pages/used_bytes cover: "store" (this directory or '
+                                   'in-process store) or "server" (the whole Redis server, other data included).',
+                                   metric=None, default=None)
+    usage_exact: bool | None = stat("L3 only: used_bytes is exact (False: the file:// ledger's running "
+                                    "estimate, never below the truth).", metric=None, default=None)
+    eviction_policy: str | None = stat("L3 only: what goes first at the byte cap (Redis: its maxmemory-policy).",
+                                       metric=None, default=None)
+
+
+@dataclass(slots=True)
+class EngineSnapshot:
+    clients: int = stat("Engines connected to the local socket.", metric="engine_clients", kind="gauge")
+    clients_total: int = stat("Engine connections accepted since start.", metric="engine_connections")
+    reserved_pages: int = stat("L2 pages engines are filling now.", metric="engine_pages", kind="gauge",
+                               labels={"state": "reserved"},
+                               family_help="L2 pages engines hold now: reserved (being filled) or locked (being read).")
+    locked_pages: int = stat("L2 pages engines are reading now.", metric="engine_pages", kind="gauge",
+                             labels={"state": "locked"})
+    duplicates: int = stat("Commits of pages L2 already held.", metric="engine_duplicate_pages")
+    reclaimed: int = stat("Reservations and acquisitions taken back from closed connections.",
+                          metric="engine_reclaimed_pages")
+    draft_cut_pages: int = stat("Present pages need_draft lookups did not return (draft rows missing).")
+    draft_upgraded: int = stat("Draft-incomplete shared pages replaced by a complete copy.",
+                               metric="draft_upgraded_pages")
+    segment_origin: str = stat('The L2 segment was "created", "adopted" (after a crash) or "recreated".',
+                               metric=None)
+
+
+@dataclass(slots=True)
+class EventSnapshot:
+    subscribers: int = stat("Open /v1/events streams.", metric="event_subscribers", kind="gauge")
+    published: int = stat("KV events published.", metric="events_published")
+    dropped: int = stat("KV event deliveries dropped (a subscriber's queue was full).", metric="events_dropped")
+
+
+@dataclass(slots=True)
+class EngineReport:
+    """Figures one engine pushed over the socket (op ``report``): its own L1
+    (device) and L2 (host) hits since it started. Exact hit tokens count a
+    request's private partial page; visible ones are floored to a page
+    boundary, as the scheduler sees them. Gone when the engine disconnects."""
+
+    name: str = stat("The engine's self-chosen name (may be empty).", metric=None, default="")
+    requests: int = stat("Requests the engine looked up.", metric="engine_requests", default=0)
+    prompt_tokens: int = stat("Prompt tokens of those requests.", metric="engine_prompt_tokens", default=0)
+    l1_hit_tokens_exact: int = stat("Tokens found in the engine's L1, exact.", metric="engine_hit_tokens",
+                                    labels={"level": "L1", "op": "exact"}, default=0,
+                                    family_help="Hit tokens an engine reported, by level: exact and "
+                                                "scheduler-visible (page-floored).")
+    l1_hit_tokens_visible: int = stat("Tokens found in the engine's L1, page-floored.", metric="engine_hit_tokens",
+                                      labels={"level": "L1", "op": "visible"}, default=0)
+    l2_hit_tokens_exact: int = stat("Tokens found in L2 by the engine, exact.", metric="engine_hit_tokens",
+                                    labels={"level": "L2", "op": "exact"}, default=0)
+    l2_hit_tokens_visible: int = stat("Tokens found in L2 by the engine, page-floored.",
+                                      metric="engine_hit_tokens", labels={"level": "L2", "op": "visible"},
+                                      default=0)
+    l1_used_pages: int = stat("Pages the engine's L1 holds now.", metric="engine_l1_pages", kind="gauge",
+                              labels={"state": "used"}, family_help="The engine's L1 pages: used and capacity.",
+                              default=0)
+    l1_capacity_pages: int = stat("The engine's L1 capacity in pages.", metric="engine_l1_pages", kind="gauge",
+                                  labels={"state": "capacity"}, default=0)
+    l1_evictions: int = stat("Pages the engine evicted from L1.", metric="engine_l1_evictions", default=0)
+    admission_load: int = stat("L2/L3 hits the engine loaded (the cost model chose to).",
+                               metric="engine_admission_decisions", labels={"choice": "load"}, default=0,
+                               family_help="An engine's admissions with an L2/L3 hit, by the cost model's choice "
+                                           "(hicache.tiers.cost).")
+    admission_load_l2: int = stat("Hits whose L2 part was loaded, L3 part recomputed.",
+                                  metric="engine_admission_decisions", labels={"choice": "load_l2"}, default=0)
+    admission_recompute: int = stat("Hits recomputed: loading was estimated slower.",
+                                    metric="engine_admission_decisions", labels={"choice": "recompute"}, default=0)
+    admission_unmeasured: int = stat("Hits loaded before the cost model's inputs were known.",
+                                     metric="engine_admission_decisions", labels={"choice": "unmeasured"}, default=0)
+    admission_recomputed_tokens: int = stat("L2/L3-hit tokens recomputed instead of loaded.",
+                                            metric="engine_admission_recomputed_tokens", default=0)
+    misses: MissStats = stat("The engine's missed pages by reason (hicache.index.misses).", default_factory=MissStats)
+
+
+def report_figures(stats: "HiCacheStats") -> dict[str, Any]:
+    """An embedded cache's ``HiCache.stats()`` as ``report`` figures."""
+    i = stats.index
+    return {"requests": i.requests, "prompt_tokens": i.admitted_tokens,
+            "l1_hit_tokens_exact": i.device_hit_exact_tokens, "l1_hit_tokens_visible": i.device_hit_tokens,
+            "l2_hit_tokens_exact": i.host_hit_exact_tokens, "l2_hit_tokens_visible": i.host_hit_tokens,
+            "l1_used_pages": i.device_pages_cached + i.device_pages_private,
+            "l1_capacity_pages": stats.capacity_pages.get("L1", 0), "l1_evictions": i.device_evicted_pages,
+            **_admission_figures(stats), "misses": stats.misses.as_dict()}
+
+
+def _admission_figures(stats: "HiCacheStats") -> dict[str, int]:
+    a = stats.admission
+    if a is None:
+        return {}
+    return {"admission_load": a.load, "admission_load_l2": a.load_l2, "admission_recompute": a.recompute,
+            "admission_unmeasured": a.unmeasured,
+            "admission_recomputed_tokens": a.recomputed_l2_tokens + a.recomputed_l3_tokens}
+
+
+def engine_report(fields: dict[str, Any]) -> EngineReport:
+    """An ``EngineReport`` from its ``dataclasses.asdict`` form (the nested ``misses`` too)."""
+    d = dict(fields)
+    if isinstance(d.get("misses"), dict):
+        d["misses"] = MissStats(**d["misses"])
+    return EngineReport(**d)
+
+
+REPORT_FIELDS = tuple(f for f in EngineReport.__dataclass_fields__ if f != "name")
+MAX_REPORT_NAME = 64
+MAX_REPORT_VALUE = 2**63 - 1
+
+
+@dataclass(slots=True)
+class StatsSnapshot:
+    fingerprint: str = stat("Layout fingerprint.", metric=None)
+    page_size: int = stat("Tokens per page.", kind="gauge")
+    page_bytes: int = stat("Bytes per page.", kind="gauge")
+    uptime_s: float = stat("Seconds since the service started.", metric="uptime_seconds", kind="gauge")
+    tiers: dict[Tier, TierSnapshot] = stat("Per-tier counters.", key_label="tier")
+    engine: EngineSnapshot = stat("Engine connections and the L2 pages they hold.")
+    events: EventSnapshot = stat("KV event stream.")
+    engines: dict[str, EngineReport] = stat("Figures engines pushed, by client id (op report).",
+                                            key_label="engine", default_factory=dict)

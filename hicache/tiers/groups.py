@@ -1,0 +1,383 @@
+"""One hybrid layer group's pages on L1, L2 and L3, keyed by chained page hash.
+
+A sliding-window group's pages and a recurrent group's state snapshots live
+here (``hicache.cache.hybrid`` builds one ``GroupTiers`` per such group; the
+full-attention layers stay in a ``HiCache``). An item is one page of the
+group's own ``KVLayout``: the SWA layers' planes of one page, or one snapshot
+of every state layer as a single ``kind="rows"`` row. The same pools, page-copy
+kernels and L3 codec as ``HiCache``'s serve them, so an item moves between
+tiers like a page and carries the group layout's fingerprint, its page hash
+and a checksum in L3.
+
+What is kept is decided by the caller's *record*: ``need[h]`` counts the
+resumable boundaries whose resume reads item ``h`` (an SWA page inside that
+boundary's window, or the snapshot at that boundary). An item nobody needs
+is dropped from every tier, L3 included, as soon as no running request reads
+it: pages outside every cached boundary's window are freed or never stored.
+An item some boundary needs can still leave every tier (an L1 or L2 copy
+evicted with no copy below it, an L3 object gone or failing its checks):
+``take_gone`` hands those to the caller, whose record then forgets the
+boundaries that needed them.
+
+Write-through (L1 -> L2 -> L3 when an item is kept) and an L3 fetch (L3 ->
+L2 when a request takes an item only L3 holds) run in the caller's thread.
+The load back L2 -> L1 is asynchronous and is not this module's: ``take``
+indexes the item on its new L1 page at once and lists the copy as *pending*;
+the caller plans every group's pending copies together
+(``hybrid_copy.plan_load``), starts them on ``hybrid_load.HybridLoader``'s
+lane of each group and hands the handle back (``started``), and
+``settle_loads`` observes their completion. Until then the load pins the item
+(its L1 page is neither evicted nor freed) and its L2 copy is not evicted;
+whoever reads the item waits on the handle. Running requests hold two kinds
+of L1 ids: *private* ones they allocated and write, and items they *pin*
+(read-only, never evicted while pinned).
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from typing import NamedTuple, Protocol
+
+import torch
+
+from hicache.core.errors import IntegrityError, OutOfPages, TransferError
+from hicache.kernels.page_copy import copy_pages
+from hicache.core.layout import KVLayout
+from hicache.memory.pools import DevicePool, HostPool
+from hicache.storage import StorageBackend
+from hicache.core.types import DevicePageId, HostPageId, PageHash
+
+
+class TierCounts(NamedTuple):
+    """Items of one group per tier (L3: the ones this process stored and still needs)."""
+
+    l1: int
+    l2: int
+    l3: int
+
+
+class GroupLoad(Protocol):
+    """A started load back, observed per group (``hybrid_load.HybridLoadHandle``)."""
+
+    def group_ready(self, g: int) -> bool: ...
+
+    def sync_group(self, g: int) -> None: ...
+
+    def failed(self, g: int) -> BaseException | None: ...
+
+
+class GroupStats(NamedTuple):
+    taken_l1: int  # items a request took that were on L1
+    taken_l2: int  # ... loaded from L2
+    taken_l3: int  # ... fetched from L3
+    dropped: int  # items no boundary needed any more (freed from every tier)
+    lost: int  # items that left every tier (evicted with no copy below, an L3 object gone): a later miss
+
+
+class GroupTiers:
+    """One group's items on three tiers. Not thread-safe (one scheduler thread)."""
+
+    def __init__(self, name: str, layout: KVLayout, device_pages: int, host_pages: int, device: str,
+                 storage: StorageBackend | None = None):
+        self.name, self.layout, self.storage = name, layout, storage
+        self.device = DevicePool(layout, device_pages, device)
+        self.host = HostPool(layout, host_pages)
+        self.sizes = [p.page_bytes for p in layout.planes]
+        self.l1: OrderedDict[PageHash, DevicePageId] = OrderedDict()  # least recently used first
+        self.l2: OrderedDict[PageHash, HostPageId] = OrderedDict()
+        self.stored: set[PageHash] = set()  # put into L3 by this store and not deleted since
+        self.need: dict[PageHash, int] = {}  # the record: boundaries that read each item
+        self.pins: dict[PageHash, int] = {}  # running requests reading each item's L1 copy
+        self.private: set[DevicePageId] = set()  # L1 ids that requests allocated and own
+        self.pending: dict[PageHash, tuple[HostPageId, DevicePageId]] = {}  # taken; L2 -> L1 copy not started
+        self.loading: dict[PageHash, tuple[GroupLoad, int]] = {}  # copy started (handle, group); not yet observed
+        self._fetched: set[PageHash] = set()  # on L2 because take() just fetched them from L3
+        self._gone: set[PageHash] = set()  # needed items that left every tier (see take_gone)
+        self._taken = [0, 0, 0]
+        self._dropped = self._lost = 0
+
+    # ------------------------------------------------------------ requests
+    def alloc(self, n: int) -> list[DevicePageId]:
+        """``n`` private L1 ids (evicts unpinned items, least recently used first). Raises
+        ``OutOfPages`` naming the group, allocating nothing, when that is not enough."""
+        a = self.device.allocator
+        if a.num_free < n and a.num_free + sum(h not in self.pins for h in self.l1) >= n:
+            self.evict_l1(n - a.num_free)
+        if a.num_free < n:
+            raise OutOfPages(f"{self.name}: asked for {n} L1 pages, {a.num_free} free of {a.capacity} "
+                             f"({len(self.pins)} pinned items, {len(self.private)} private pages); "
+                             "finish requests or enlarge the pool")
+        ids = [DevicePageId(i) for i in a.alloc(n)]
+        self.private.update(ids)
+        return ids
+
+    def free(self, ids: list[DevicePageId]) -> None:
+        """Return private ids (raises ``IntegrityError`` for an id that is not private)."""
+        bad = [i for i in ids if i not in self.private]
+        if bad:
+            raise IntegrityError(f"{self.name}: freeing L1 ids {bad} that no request owns privately")
+        self.private.difference_update(ids)
+        self.device.allocator.free(ids)
+
+    def keep(self, h: PageHash, dev: DevicePageId, *, needed: bool = True) -> DevicePageId:
+        """The private page ``dev`` holds item ``h``: count one more boundary that needs it
+        (``needed``), index it on L1 (or free ``dev`` when ``h`` is there already) and write
+        it through to L2 and L3. Returns the L1 id now holding ``h``, pinned for the caller."""
+        if needed:
+            self.need[h] = self.need.get(h, 0) + 1
+        self._gone.discard(h)  # held again: the boundaries that need it can resume again
+        have = self.l1.get(h)
+        if h in self.pending:
+            raise IntegrityError(f"{self.name}: keep({h.hex()[:8]}) while its load is planned but not started "
+                                 "(keep runs between admissions, never inside one)")
+        if h in self.loading:  # another admission is loading it: the caller reads its L1 page next
+            ld, g = self.loading[h]
+            ld.sync_group(g)
+        if have is not None:
+            self.free([dev])
+        else:
+            self.private.discard(dev)
+            self.l1[h] = have = dev
+        self.pin(h)
+        if h not in self.l2:
+            self._to_l2(h)
+        if self.storage is not None and h not in self.stored and h in self.l2:
+            self._sync()  # the L1 -> L2 copy may still run on the GPU's stream
+            if self.storage.put([(self.l3_key(h), self.host.read_page(self.l2[h]), self.sizes)]):
+                self.stored.add(h)
+        return have
+
+    def ref(self, h: PageHash) -> None:
+        """One more boundary needs item ``h`` (already held)."""
+        self.need[h] = self.need.get(h, 0) + 1
+
+    def unref(self, h: PageHash) -> None:
+        """One boundary less needs ``h``; at none it is dropped from every tier (once unpinned)."""
+        n = self.need.get(h, 0) - 1
+        if n < 0:
+            raise IntegrityError(f"{self.name}: unref of item {h.hex()} that no boundary needs")
+        if n:
+            self.need[h] = n
+            return
+        del self.need[h]
+        self._drop_if_unused(h)
+
+    def pin(self, h: PageHash) -> None:
+        self.pins[h] = self.pins.get(h, 0) + 1
+        self.l1.move_to_end(h)
+
+    def unpin(self, h: PageHash) -> None:
+        n = self.pins[h] - 1
+        if n:
+            self.pins[h] = n
+            return
+        del self.pins[h]
+        self._drop_if_unused(h)
+
+    def take(self, h: PageHash) -> DevicePageId | None:
+        """Item ``h``'s L1 page, pinned for the caller: on L1 already (perhaps still being
+        loaded: see ``loading``), else a new L1 page for its L2 copy (fetched from L3 first
+        when only L3 holds it; the codec checks it: a corrupt or foreign object is a miss)
+        whose copy is listed in ``pending`` for the caller to start. None: a miss."""
+        dev = self.l1.get(h)
+        if dev is not None:
+            self._taken[0] += 1
+        elif h in self.l2 or self._from_l3(h):
+            self._taken[1 if h not in self._fetched else 2] += 1
+            self._fetched.discard(h)
+            dev = self.alloc(1)[0]
+            self.private.discard(dev)
+            self.l1[h] = dev
+            self.pending[h] = (self.l2[h], dev)
+            self.pin(h)  # the load's own pin: released once its completion is observed
+        else:
+            return None
+        self.pin(h)
+        return dev
+
+    def cancel_pending(self, keep: set[PageHash]) -> None:
+        """Un-take the pending items not in ``keep`` that no request pins (an admission that
+        took them, then lowered its floor): their L1 pages are freed, L2 keeps them."""
+        for h in [h for h in self.pending if h not in keep]:
+            if self.pins[h] != 1:
+                raise IntegrityError(f"{self.name}: item {h.hex()[:8]} is pinned by a request but its load "
+                                     "is not started")
+            del self.pending[h], self.pins[h]
+            self.device.allocator.free([self.l1.pop(h)])
+            self._drop_if_unused(h)
+
+    def started(self, load: GroupLoad, g: int) -> None:
+        """Every pending copy runs in ``load`` as group ``g``'s: observed by ``settle_loads``."""
+        for h in self.pending:
+            self.loading[h] = (load, g)
+        self.pending.clear()
+
+    def settle_loads(self, wait: bool = False) -> int:
+        """Observe the loads done (``wait``: block for all of them first): each releases its
+        pin. Returns how many. Raises ``TransferError`` naming the items of a failed load
+        (their L1 pages hold unknown bytes: stop serving, as ``HiCache`` does)."""
+        if wait:
+            for ld, g in list(self.loading.values()):
+                ld.sync_group(g)
+        done = [h for h, (ld, g) in self.loading.items() if ld.group_ready(g)]
+        bad = []
+        for h in done:
+            ld, g = self.loading.pop(h)
+            if ld.failed(g) is not None:
+                bad.append((h, ld.failed(g)))
+            self.unpin(h)
+        if bad:
+            raise TransferError(f"{self.name}: loading items {[h.hex()[:8] for h, _ in bad]} from L2 to L1 "
+                                f"failed ({bad[0][1]!r}); their L1 pages hold unknown bytes") from bad[0][1]
+        return len(done)
+
+    def holding(self, hashes: list[PageHash]) -> list[bool]:
+        """Whether each item is on some tier (L3: listed; its bytes are verified by ``take``).
+        An item this store put in L3 that L3 no longer lists is recorded as gone (``take_gone``)."""
+        out = [h in self.l1 or h in self.l2 for h in hashes]
+        rest = [i for i, ok in enumerate(out) if not ok]
+        if rest and self.storage is not None:
+            for i, ok in zip(rest, self.storage.exists([self.l3_key(hashes[i]) for i in rest])):
+                out[i] = ok
+                if not ok and hashes[i] in self.stored:
+                    self._lose(hashes[i])  # L3 evicted it (its own capacity policy)
+        return out
+
+    # ------------------------------------------------------------- tiers
+    def _to_l2(self, h: PageHash) -> None:
+        a = self.host.allocator
+        if a.num_free < 1:
+            self.evict_l2(1)
+        if a.num_free < 1:
+            return  # L2 full of nothing evictable: the item stays on L1 only (and in L3 if stored before)
+        hid = HostPageId(a.alloc(1)[0])
+        copy_pages(self.device, self.host, [self.l1[h]], [hid])
+        self.l2[h] = hid
+
+    def _from_l3(self, h: PageHash) -> bool:
+        if self.storage is None:
+            return False
+        mv = self.storage.get([self.l3_key(h)], self.sizes)[0]
+        if mv is None:
+            self._lose(h)
+            return False
+        a = self.host.allocator
+        if a.num_free < 1:
+            self.evict_l2(1)
+        if a.num_free < 1:
+            return False
+        hid = HostPageId(a.alloc(1)[0])
+        self.host.write_page(hid, mv)
+        self.l2[h] = hid
+        self._fetched.add(h)
+        return True
+
+    def evict_l1(self, n: int) -> int:
+        """Drop up to ``n`` unpinned L1 copies, least recently used first; returns how many."""
+        victims = [h for h in self.l1 if h not in self.pins][:n]
+        for h in victims:
+            self.device.allocator.free([self.l1.pop(h)])
+            if h not in self.l2 and h not in self.stored:
+                self._lose(h)
+        return len(victims)
+
+    def evict_l2(self, n: int) -> int:
+        """Drop up to ``n`` L2 copies, least recently used first; returns how many."""
+        victims = [h for h in self.l2 if h not in self.pending and h not in self.loading][:n]
+        for h in victims:
+            self.host.allocator.free([self.l2.pop(h)])
+            if h not in self.l1 and h not in self.stored:
+                self._lose(h)
+        return len(victims)
+
+    def _lose(self, h: PageHash) -> None:
+        """Item ``h`` is on no tier any more (not dropped: some boundary may still need it)."""
+        self.stored.discard(h)
+        if h in self.l1 or h in self.l2:
+            return
+        self._lost += 1
+        if h in self.need:
+            self._gone.add(h)
+
+    def lost(self, h: PageHash) -> bool:
+        """Item ``h`` is needed but left every tier (not yet handed out by ``take_gone``)."""
+        return h in self._gone
+
+    def take_gone(self) -> set[PageHash]:
+        """The items some boundary needs that left every tier since the last call (the
+        caller forgets those boundaries, which drops the items' counts). Mutates."""
+        out, self._gone = self._gone, set()
+        return out
+
+    def _drop_if_unused(self, h: PageHash) -> None:
+        if h in self.need or h in self.pins:
+            return
+        self._gone.discard(h)
+        if h in self.l1:
+            self.device.allocator.free([self.l1.pop(h)])
+        if h in self.l2:
+            self.host.allocator.free([self.l2.pop(h)])
+        if h in self.stored and self.storage is not None:
+            self.storage.delete([self.l3_key(h)])
+        self.stored.discard(h)
+        self._dropped += 1
+
+    def _sync(self) -> None:
+        if self.device.device.type == "cuda":
+            torch.cuda.current_stream(self.device.device).synchronize()
+
+    def l3_key(self, h: PageHash) -> bytes:
+        """The L3 key of item ``h``: derived from the group's name, so that it never equals
+        the key of a full-attention page or another group's item with the same hash, even
+        where a backend names objects by key alone (file://)."""
+        return hashlib.blake2b(b"hicache-group\0" + self.name.encode() + b"\0" + h, digest_size=16).digest()
+
+    # ------------------------------------------------------------- reports
+    def counts(self) -> TierCounts:
+        return TierCounts(len(self.l1), len(self.l2), len(self.stored))
+
+    def stats(self) -> GroupStats:
+        return GroupStats(*self._taken, self._dropped, self._lost)
+
+    def check_integrity(self) -> None:
+        """Pools, accounting (free + indexed + private == capacity, no id twice) and the
+        record: every indexed item is needed by a boundary or pinned by a request."""
+        self.device.check_integrity()
+        self.host.check_integrity()
+        ids = list(self.l1.values())
+        if len(set(ids)) != len(ids) or set(ids) & self.private:
+            raise IntegrityError(f"{self.name}: an L1 id is held twice (indexed {sorted(ids)}, "
+                                 f"private {sorted(self.private)})")
+        if len(ids) + len(self.private) != self.device.allocator.num_used:
+            raise IntegrityError(f"{self.name}: L1 holds {len(ids)} items + {len(self.private)} private pages "
+                                 f"but {self.device.allocator.num_used} are allocated")
+        if len(set(self.l2.values())) != len(self.l2) or len(self.l2) != self.host.allocator.num_used:
+            raise IntegrityError(f"{self.name}: L2 holds {len(self.l2)} items but "
+                                 f"{self.host.allocator.num_used} pages are allocated")
+        for h in [*self.l1, *self.l2, *self.stored]:
+            if h not in self.need and h not in self.pins:
+                raise IntegrityError(f"{self.name}: item {h.hex()} is held but no boundary needs it "
+                                     "and no request reads it")
+        held = [h for h in self._gone if h in self.l1 or h in self.l2 or h in self.stored]
+        if held:
+            raise IntegrityError(f"{self.name}: items {[h.hex()[:8] for h in held]} are listed as gone from "
+                                 "every tier but are held")
+        if any(h not in self.l1 for h in self.pins) or any(v < 1 for v in [*self.pins.values(),
+                                                                          *self.need.values()]):
+            raise IntegrityError(f"{self.name}: a pinned item is not on L1, or a count is below 1")
+        self._check_loads()
+        if self.storage is not None:
+            self.storage.check_integrity()
+
+    def _check_loads(self) -> None:
+        """Each load in flight (pending or started) reads the item's L2 page into its L1 page,
+        both indexed, and pins it."""
+        both = set(self.pending) & set(self.loading)
+        if both:
+            raise IntegrityError(f"{self.name}: items {[h.hex()[:8] for h in both]} are pending and loading")
+        bad = [h for h, (hid, dev) in self.pending.items() if self.l2.get(h) != hid or self.l1.get(h) != dev]
+        bad += [h for h in self.loading if h not in self.l1 or h not in self.l2]
+        bad += [h for h in [*self.pending, *self.loading] if self.pins.get(h, 0) < 1]
+        if bad:
+            raise IntegrityError(f"{self.name}: loads of items {[h.hex()[:8] for h in bad]} do not hold their L2 "
+                                 "source, their L1 page or a pin")

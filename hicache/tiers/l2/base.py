@@ -1,0 +1,105 @@
+"""The L2 tier as one strategy: the interface ``HiCache`` calls, whichever L2 it has.
+
+Two implementations: ``PrivateL2`` (``hicache.tiers.l2.private``: this engine's own
+pinned host pool, indexed in its ``PrefixCache``) and ``SharedL2``
+(``hicache.tiers.l2.shared``: the node service's shared-memory segment, indexed by
+the service). ``HiCache`` holds one and never asks which.
+
+Two movements, each two-phase as vLLM's ``prepare_*``/``complete_*``: a
+``prepare_*`` reserves and pins and returns a plan (or ``None``: nothing to
+do, or no room); the caller submits the plan to the transfer engine and,
+once the bytes moved (or failed to), hands the outcome to ``complete_*``
+exactly once. ``complete_*`` always unpins what ``prepare_*`` pinned.
+
+* **backup** (L1 -> L2): ``prepare_backup`` / ``complete_backup``.
+  ``ok=False``: the L2 pages reserved for it are returned (private: freed to
+  the host pool; shared: the service's reservation is cancelled), nothing is
+  indexed (no L2 ids on the node, nothing committed at the service), and the
+  node is as before ``prepare_backup`` (on L1, unpinned, backable again).
+* **load back** (L2 -> L1): ``plan_load`` (pin or acquire the L2 hit) ->
+  the caller finds L1 pages -> ``prepare_load`` (index them as L1 pages,
+  pinned until complete) or ``cancel_load`` (no L1 pages: everything
+  ``plan_load`` took is given back, nothing indexed) -> ``complete_load``.
+  ``ok=False``: the L2 side is released (private: the L2 pin; shared: the
+  acquisition), the L1 pages are unpinned but stay indexed, holding unknown
+  bytes: the caller must stop serving (``HiCache`` raises ``TransferError``
+  from then on). A load cannot un-index what it indexed at ``prepare_load``:
+  requests that locked the hit meanwhile already count those pages.
+
+Not thread-safe: the scheduler thread calls everything.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from hicache.memory.allocator import PageAllocator
+from hicache.index.prefix_cache import PrefixCache, Request
+from hicache.index.node import Node
+from hicache.tiers.l2.segment import ServiceHostTier
+from hicache.transfer.plans import BackupPlan, LoadBack, LoadPlan
+from hicache.memory.pools import HostPool
+from hicache.index.request import MatchResult
+from hicache.tiers.manager import TierManager
+from hicache.core.types import DevicePageId
+
+
+class L2Tier(Protocol):
+    """What ``HiCache`` asks of its L2 (see the module docstring for the two movements)."""
+
+    @property
+    def pool(self) -> HostPool:
+        """The host memory the transfer engine copies to and from (the shared
+        strategy maps a new one after ``reconnect``)."""
+
+    @property
+    def index_allocator(self) -> HostPool | PageAllocator:
+        """The L2 allocator the index (``PrefixCache``) records host pages from; an
+        empty one when L2 is indexed elsewhere (the service)."""
+
+    @property
+    def private_bytes(self) -> int:
+        """Host memory this engine holds for L2 pages of its own (0: the shared segment)."""
+
+    @property
+    def service(self) -> ServiceHostTier | None:
+        """The connection to the node's service when L2 is its segment (None: private L2)."""
+
+    def attach(self, cache: PrefixCache, tiers: TierManager) -> None:
+        """Bind to the index built over ``index_allocator`` (once, by the owner)."""
+
+    def unbacked(self, node: Node) -> bool:
+        """``node`` has no L2 copy and none is being made (pure)."""
+
+    def prepare_backup(self, node: Node, *, pin: bool) -> BackupPlan | None:
+        """Reserve L2 pages for ``node``'s L1 pages not yet in L2. ``pin``: lock the node
+        on L1 until ``complete_backup`` (the shared strategy always pins). None:
+        nothing to copy, L2 full or unreachable (counted as dropped)."""
+
+    def complete_backup(self, plan: BackupPlan, ok: bool) -> list[Node]:
+        """Record (or, ``ok=False``, give back) ``plan``'s copy; the nodes that got
+        L2 copies in the index (what may go on to L3)."""
+
+    def plan_load(self, req: Request, m: MatchResult, budget_s: float | None) -> LoadBack | None:
+        """Hold the L2 hit continuing ``m`` (``req``'s one lookup) and pin the L1 hit it
+        continues; None: nothing to load (no index lookup either way). ``budget_s``:
+        how long the request may wait for an L3 behind L2 (None: as long as it takes)."""
+
+    def cancel_load(self, lb: LoadBack) -> None:
+        """Give back a ``plan_load`` that got no L1 pages; nothing is indexed."""
+
+    def prepare_load(self, req: Request, lb: LoadBack, device_pages: list[DevicePageId]) -> LoadPlan:
+        """Index ``lb``'s pages as L1 pages ``device_pages`` of ``req``'s key, pinned and
+        loading until ``complete_load`` (readers wait for the copy)."""
+
+    def complete_load(self, plan: LoadPlan, ok: bool) -> None:
+        """Unpin a finished load and release its L2 side (see the module docstring for ``ok=False``)."""
+
+    def reconnect(self, idle: bool) -> HostPool | None:
+        """After an outage of a remote L2, map it again when ``idle`` (no transfer
+        uses the old mapping); the new pool, or None (nothing changed)."""
+
+    def check_integrity(self) -> None:
+        """This tier's own invariants (``IntegrityError``)."""
+
+    def close(self) -> None:
+        """Release the tier's resources (after every transfer finished)."""

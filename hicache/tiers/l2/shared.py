@@ -1,0 +1,239 @@
+"""``SharedL2``: the node service's shared segment as this engine's L2 (service mode).
+
+With ``storage.url = hicache+unix:///path.sock`` an embedded ``HiCache``
+keeps no private L2: one host copy of each page serves every engine of the
+node. The service's index is the authority on which shared page holds which
+hash and whether its draft rows are valid; this engine's index records no
+L2 pages (``index_allocator`` is empty) and flags a node ``in_storage`` once
+the service holds it. This strategy moves no bytes (the transfer engine runs
+the page-copy kernels between L1 and the mapped segment) and calls nothing
+of its caller's. Its two movements (contract in ``hicache.tiers.l2.base``):
+
+* load back: ``plan_load`` acquires (locks) the shared pages continuing the
+  request's L1 hit, after letting the service fetch what its L2 lacks from
+  its own L3 within the request's budget; ``prepare_load`` indexes them as
+  new L1 pages (loading); ``complete_load`` releases the acquisition.
+* backup: ``prepare_backup`` skips the leading pages the service already
+  holds complete and reserves shared pages for the rest; ``complete_backup``
+  commits them under their page hashes (or cancels the reservation).
+
+A service outage turns each call into a miss, a dropped backup or a no-op
+release (``ServiceHostTier``); a dead engine's reservations and acquisitions
+are reclaimed by the service.
+"""
+from __future__ import annotations
+
+from typing import cast
+
+
+from hicache.memory.allocator import PageAllocator
+from hicache.index.prefix_cache import PrefixCache, Request
+from hicache.core.config import PolicyConfig
+from hicache.core.errors import CacheStateError, IntegrityError
+from hicache.core.hashing import namespace_root, raw_page_hashes
+from hicache.index.node import Node
+from hicache.tiers.l2.segment import ServiceHostTier
+from hicache.transfer.plans import Acquired, BackupPlan, LoadBack, LoadPlan
+from hicache.core.policies import PrefetchPolicy
+from hicache.memory.pools import HostPool
+from hicache.index.request import MatchResult
+from hicache.tiers.manager import TierManager
+from hicache.core.types import DevicePageId, PageHash
+
+
+class SharedL2:
+    """L2 in the node service's segment (see the module docstring and ``L2Tier``)."""
+
+    def __init__(self, link: ServiceHostTier, policy: PolicyConfig):
+        self.link, self.policy = link, policy
+        self._index_allocator = PageAllocator(0, "L2 (shared)")  # the index keeps no L2 ids of its own
+        self._cache: PrefixCache | None = None
+        self._tiers: TierManager | None = None
+
+    @property
+    def pool(self) -> HostPool:
+        return self.link.pool
+
+    @property
+    def index_allocator(self) -> PageAllocator:
+        return self._index_allocator
+
+    @property
+    def private_bytes(self) -> int:
+        return 0
+
+    @property
+    def service(self) -> ServiceHostTier | None:
+        return self.link
+
+    def attach(self, cache: PrefixCache, tiers: TierManager) -> None:
+        if tiers.cache is not cache or cache.host_allocator is not self._index_allocator:
+            raise CacheStateError("SharedL2.attach: the tier manager and the index must be built over this "
+                                  "L2's (empty) index_allocator")
+        self._cache, self._tiers = cache, tiers
+
+    @property
+    def cache(self) -> PrefixCache:
+        if self._cache is None:
+            raise CacheStateError("SharedL2 used before attach(cache, tiers)")
+        return self._cache
+
+    @property
+    def tiers(self) -> TierManager:
+        if self._tiers is None:
+            raise CacheStateError("SharedL2 used before attach(cache, tiers)")
+        return self._tiers
+
+    def unbacked(self, node: Node) -> bool:
+        """Never committed to the shared L2 by this engine (the service may evict it
+        later; it then comes back as a miss, never as wrong bytes)."""
+        return not node.in_storage and node not in self.tiers.backing_up
+
+    # ---------------------------------------------------------------- backup
+    def prepare_backup(self, node: Node, *, pin: bool) -> BackupPlan | None:
+        """Reserve shared pages for ``node``'s pages the service lacks, always pinning
+        ``node`` on L1 (the copy runs after this returns). None when the service
+        holds them all (the node is flagged stored), it is down or full."""
+        link, cache = self.link, self.cache
+        if link.down:
+            return None
+        hashes = cache.hashes(node)
+        need_draft = cache.has_draft and node.draft_device
+        skip = link.call(lambda: link.client.lookup(hashes, need_draft=need_draft).num_pages, default=None)
+        if skip is None:
+            return None
+        if skip == len(hashes):
+            cache.set_stored(node)
+            return None
+        pages = link.call(link.client.reserve, len(hashes) - skip, default=None)
+        if pages is None:
+            self.tiers.stats.backup_dropped_pages += len(hashes) - skip
+            return None
+        dev = list(node.device_pages or [])[skip:]
+        if not len(dev) == len(pages) == len(hashes) - skip:
+            link.call(link.client.cancel, pages)
+            raise CacheStateError(f"SharedL2.prepare_backup: {len(dev)} L1 pages of {node!r} after {skip}, "
+                                  f"{len(pages)} shared pages reserved, {len(hashes) - skip} hashes")
+        cache.inc_lock(node)
+        self.tiers.backing_up.add(node)
+        return BackupPlan(node, dev, pages, node.draft_device, True, list(hashes[skip:]))
+
+    def complete_backup(self, plan: BackupPlan, ok: bool) -> list[Node]:
+        """Commit the filled pages (the node is flagged stored once the service took
+        them), or cancel the reservation. No node gets index L2 ids: returns []."""
+        tiers, link = self.tiers, self.link
+        tiers.backing_up.discard(plan.node)
+        self.cache.dec_lock(plan.node)
+        if not ok:
+            tiers.stats.transfer_errors += 1
+            link.call(link.client.cancel, plan.host)
+            return []
+        tiers.stats.backup_pages += len(plan.host)
+        dp = len(plan.host) if plan.draft else 0
+        if link.call(link.client.commit, plan.shared, plan.host, draft_pages=dp) is not None:
+            self.cache.set_stored(plan.node)
+        return []
+
+    # ------------------------------------------------------------------ load
+    def plan_load(self, req: Request, m: MatchResult, budget_s: float | None) -> LoadBack | None:
+        """Acquire the shared pages continuing ``m``'s L1 hit (``m`` has no index L2
+        part here), at least ``storage_hit_min_pages`` of them, and pin that L1 hit."""
+        ps, p, link = self.cache.page_size, self.policy, self.link
+        have, cap = m.tokens // ps, max(0, req.num_tokens - 1) // ps
+        min_pages = max(1, p.storage_hit_min_pages)
+        if cap - have < min_pages or link.down:
+            return None
+        if m.draft_cut_tokens:
+            return None  # L1 holds more of it, without draft rows: not a shared load's business
+        hashes = raw_page_hashes(req.key[:cap * ps * 4], ps, namespace_root(req.namespace))[have:]
+        wait_s = link.max_wait_s if budget_s is None else min(budget_s, link.max_wait_s)
+        wait_ms = 0 if p.prefetch_policy is PrefetchPolicy.BEST_EFFORT else int(1e3 * wait_s)
+        acq = self._acquire(m, have, hashes, req.draft and self.cache.has_draft, wait_ms)
+        if len(acq.host) < min_pages:
+            self._release(acq.hashes)
+            return None
+        if acq.anchor is not None:  # as TierManager.plan_load: room for the load never evicts the hit it continues
+            self.cache.inc_lock(acq.anchor)
+        return LoadBack(len(acq.host), (have + len(acq.host)) * ps, acq.fetched, acq)
+
+    def _acquire(self, m: MatchResult, first_page: int, hashes: list[PageHash], need_draft: bool,
+                 wait_ms: int) -> Acquired:
+        """Lock the leading shared pages of ``hashes``; with ``wait_ms``, let the service
+        first load what its L2 lacks from its L3, then lock those too."""
+        link = self.link
+        pages = link.call(link.client.acquire, hashes, need_draft=need_draft, default=[])
+        fetched = 0
+        if len(pages) < len(hashes) and wait_ms > 0 and not link.down and link.client.has_l3:
+            rest = hashes[len(pages):]
+            got = link.call(link.client.fetch, rest, wait_ms, need_draft=need_draft)
+            if got is not None and got.num_pages:
+                fetched = got.fetched
+                pages = pages + link.call(link.client.acquire, rest, need_draft=need_draft, default=[])
+        return Acquired(m.device_node, first_page, pages, hashes[:len(pages)], min(fetched, len(pages)),
+                        need_draft)
+
+    def _release(self, hashes: list[PageHash]) -> None:
+        if hashes:
+            self.link.call(self.link.client.release, hashes)
+
+    def cancel_load(self, lb: LoadBack) -> None:
+        acq = _held(lb)
+        if acq.anchor is not None:
+            self.cache.dec_lock(acq.anchor)
+        self._release(acq.hashes)
+
+    def prepare_load(self, req: Request, lb: LoadBack, device_pages: list[DevicePageId]) -> LoadPlan:
+        """Index the acquired pages as new L1 pages continuing the anchor along ``req``'s
+        key (as stored: the service holds them), pinned and loading until ``complete_load``."""
+        acq, cache = _held(lb), self.cache
+        n, first = len(acq.host), acq.first_page
+        if len(device_pages) != n or n == 0:
+            raise CacheStateError(f"SharedL2.prepare_load: {len(device_pages)} L1 pages for {n} shared pages")
+        end = first + n
+        prefix = cast(list[DevicePageId], cache.pages(acq.anchor, first)) if first else []
+        res = cache.insert_device(req.key[:end * cache.page_size * 4], req.namespace, prefix + list(device_pages),
+                                  end if acq.draft else 0)
+        if res.new_pages != n or res.duplicates or res.draft_copies:
+            raise CacheStateError(f"SharedL2.prepare_load: the index already held part of pages "
+                                  f"[{first}, {end}) ({res.new_pages} new of {n}); match again")
+        path = tuple(res.created)
+        cache.inc_lock(path[-1])
+        if acq.anchor is not None:
+            cache.dec_lock(acq.anchor)
+        for node in path:
+            cache.set_stored(node)  # the shared L2 holds them (a backup would copy nothing)
+        self.tiers.stats.load_back_pages += n
+        return LoadPlan(path[-1], path, list(acq.host), list(device_pages), list(acq.hashes))
+
+    def complete_load(self, plan: LoadPlan, ok: bool) -> None:
+        self.cache.dec_lock(plan.last)
+        if not ok:
+            self.tiers.stats.transfer_errors += 1
+        self._release(plan.shared or [])
+
+    # ------------------------------------------------------------- lifecycle
+    def reconnect(self, idle: bool) -> HostPool | None:
+        """After an outage, map the restarted service's segment once ``idle`` (no copy uses the old one)."""
+        link = self.link
+        return link.pool if link.down and idle and link.reconnect() else None
+
+    def check_integrity(self) -> None:
+        """The index holds no L2 ids of its own; the service runs its own check (when up)."""
+        a = self._index_allocator
+        if a.capacity != 0 or a.num_free != 0:
+            raise IntegrityError(f"shared L2: the index's own L2 allocator must be empty, has "
+                                 f"capacity {a.capacity}, {a.num_free} free")
+        for n in self.tiers.backing_up:
+            if n.lock_ref < 1:
+                raise IntegrityError(f"{n!r} is being backed up to the shared L2 but is not pinned on L1")
+        if not self.link.down:
+            self.link.call(self.link.client.check_integrity)
+
+    def close(self) -> None:
+        self.link.close()
+
+
+def _held(lb: LoadBack) -> Acquired:
+    if not isinstance(lb.held, Acquired):
+        raise CacheStateError(f"SharedL2 was handed another tier's load back ({type(lb.held).__name__})")
+    return lb.held
