@@ -4,6 +4,7 @@ The core library never imports this package, so ``import hicache`` works
 without FastAPI or uvicorn installed.
 """
 
-if __name__ != "hicache.api":  # one module per file: never both api.x and hicache.api.x
-    raise ImportError(f"import hicache.api, not {__name__} (run from a checkout with hicache installed)")
-
+if __name__ != "hicache.api":  # imported as bare `api` (the checkout on sys.path): one module per file
+    import importlib as _importlib
+    import sys as _sys
+    _sys.modules[__name__] = _importlib.import_module("hicache.api")

@@ -16,19 +16,38 @@ _REMAPPED = ("kernels", "api")
 
 
 class _CheckoutFinder:
-    """Finds ``hicache.kernels`` and ``hicache.api`` in a source checkout."""
+    """Finds ``hicache.kernels`` and ``hicache.api`` in a source checkout, and makes a
+    bare ``api.x`` / ``kernels.x`` (the checkout on sys.path) the same module object
+    as ``hicache.api.x`` / ``hicache.kernels.x``, never a second copy."""
 
     @staticmethod
     def find_spec(fullname, path=None, target=None):  # noqa: ARG004 (finder protocol)
-        sub = fullname[len("hicache."):] if fullname.startswith("hicache.") else ""
+        import importlib.util
+        head, _, rest = fullname.partition(".")
+        if head in _REMAPPED and rest:
+            return importlib.util.spec_from_loader(fullname, _Alias("hicache." + fullname))
+        sub = fullname[len("hicache."):] if head == "hicache" else ""
         if sub not in _REMAPPED:
             return None
         init = _os.path.join(_top, sub, "__init__.py")
         if _os.path.isdir(_os.path.join(_here, sub)) or not _os.path.isfile(init):
             return None
-        import importlib.util
         return importlib.util.spec_from_file_location(
             fullname, init, submodule_search_locations=[_os.path.join(_top, sub)])
+
+
+class _Alias:
+    """Loader that hands back an already importable module under a second name."""
+
+    def __init__(self, target: str):
+        self.target = target
+
+    def create_module(self, spec):  # noqa: ARG002
+        import importlib
+        return importlib.import_module(self.target)
+
+    def exec_module(self, module):  # noqa: ARG002 (already executed under its own name)
+        pass
 
 
 if not any(isinstance(f, _CheckoutFinder) for f in _sys.meta_path):

@@ -6,10 +6,12 @@ writes VALID K/V rows into device pages by slot id. Both fall back to plain
 torch without a GPU and write the same bytes either way.
 """
 
-if __name__ != "hicache.kernels":  # one module per file: never both kernels.x and hicache.kernels.x
-    raise ImportError(f"import hicache.kernels, not {__name__} (run from a checkout with hicache installed)")
+if __name__ != "hicache.kernels":  # imported as bare `kernels` (the checkout on sys.path): one module per file
+    import importlib as _importlib
+    import sys as _sys
+    _sys.modules[__name__] = _importlib.import_module("hicache.kernels")
+else:
+    from hicache.kernels.page_copy import PageCopier, copy_pages, default_copier, store_rows
+    from hicache.kernels.plan import CopyPlan, TileConfig
 
-from hicache.kernels.page_copy import PageCopier, copy_pages, default_copier, store_rows
-from hicache.kernels.plan import CopyPlan, TileConfig
-
-__all__ = ["CopyPlan", "PageCopier", "TileConfig", "copy_pages", "default_copier", "store_rows"]
+    __all__ = ["CopyPlan", "PageCopier", "TileConfig", "copy_pages", "default_copier", "store_rows"]
