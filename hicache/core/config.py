@@ -204,6 +204,7 @@ class ServiceConfig(_Section):
     shm_name: str = Field(default_factory=lambda: f"hicache-l2-{os.geteuid()}")
     max_request_bytes: int = Field(8 << 20, ge=1024)  # engine socket frames and REST bodies
     max_body_requests: int = Field(2, ge=1, le=1024)  # REST requests with a body >= 64 KiB read at once; more get 503
+    body_read_timeout_s: float = Field(10.0, gt=0)  # such a body must arrive within this, else 408 (frees the slot)
     # Who may use the engine socket: the file's mode (octal) and group, and
     # the uids (besides the server's own and root) whose connections are accepted.
     socket_mode: str = "0600"
