@@ -25,7 +25,7 @@ import msgpack
 
 from hicache.core.errors import ConfigError, StorageError
 from hicache.core.hashing import HASH_BYTES
-from hicache.core.redact import redact_url
+from hicache.core.redact import error_text, redact_url
 from hicache.storage.capacity import PrefixUsage
 from hicache.storage.codec import MAGIC, PREFIX_BYTES
 
@@ -142,7 +142,7 @@ class RedisStore:
                 self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
             self.client.ping()
         except (redis.RedisError, RedisClusterException, ValueError, OSError) as e:
-            raise StorageError(f"L3 {redact_url(url)}: cannot reach it ({type(e).__name__}: {e}); check --url / "
+            raise StorageError(f"L3 {redact_url(url)}: cannot reach it ({error_text(e, url)}); check --url / "
                                "storage.url and that the server runs") from None
 
     def _keys(self, prefix: str | None) -> Iterator[list[bytes]]:
