@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import stat
 import struct
 import time
 from contextlib import contextmanager
@@ -60,29 +61,68 @@ class TrimResult(NamedTuple):
     remaining_bytes: int  # what the scan left on disk
 
 
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_NOFOLLOW_DIR = _DIR | os.O_NOFOLLOW
+
+
+class Entry(NamedTuple):
+    """One file two levels under a prefix dir, seen through the fan-out dir's descriptor."""
+    prefix: str  # the prefix dir's name
+    dir_fd: int  # the fan-out dir, open only while the walk is at this entry
+    name: str
+    stat: os.stat_result  # not followed
+    path: str  # for messages and identity; never opened by it
+
+
+def walk(root: Path, prefix: str | None = None) -> Iterator[Entry]:
+    """Every file under ``root``'s prefix dirs (``prefix``: that one only), by name order.
+
+    Each directory below ``root`` is opened by descriptor with ``O_NOFOLLOW``
+    relative to its parent, so a fan-out dir swapped for a symlink mid-walk is
+    skipped, never followed: what a caller unlinks with ``dir_fd`` is inside the store.
+    """
+    rfd = _open_dir(str(root), None, _DIR)  # the root itself may be a symlink the operator chose
+    if rfd is None:
+        return
+    try:
+        for pname in _names(rfd):
+            if prefix is not None and pname != prefix:
+                continue
+            pfd = _open_dir(pname, rfd)
+            if pfd is None:  # a file of ours (ledger, lock), a symlink, or gone
+                continue
+            try:
+                for sname in _names(pfd):
+                    sfd = _open_dir(sname, pfd) if len(sname) == 2 else None
+                    if sfd is None:
+                        continue
+                    try:
+                        for name in _names(sfd):
+                            try:
+                                st = os.stat(name, dir_fd=sfd, follow_symlinks=False)
+                            except FileNotFoundError:  # deleted meanwhile
+                                continue
+                            yield Entry(pname, sfd, name, st, f"{root}/{pname}/{sname}/{name}")
+                    finally:
+                        os.close(sfd)
+            finally:
+                os.close(pfd)
+    finally:
+        os.close(rfd)
+
+
 def scan(root: Path, now: float | None = None) -> tuple[list[StoredFile], list[StoredFile]]:
     """``(objects, stale temp files)`` under ``root``, every layout's; skips what is not ours."""
     objs: list[StoredFile] = []
     stale: list[StoredFile] = []
     now = time.time() if now is None else now
-    try:
-        prefixes = [e for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
-    except FileNotFoundError:
-        return objs, stale
-    for pd in prefixes:
-        for sub in _entries(pd.path):
-            if len(sub.name) != 2 or not sub.is_dir(follow_symlinks=False):
-                continue
-            for f in _entries(sub.path):
-                try:
-                    st = f.stat(follow_symlinks=False)
-                except FileNotFoundError:  # deleted meanwhile
-                    continue
-                if _TMP in f.name:
-                    if now - st.st_mtime > STALE_TMP_S:
-                        stale.append(StoredFile(st.st_mtime_ns, f.path, st.st_size))
-                elif len(f.name) == _HEX_LEN and f.is_file(follow_symlinks=False):
-                    objs.append(StoredFile(st.st_mtime_ns, f.path, st.st_size))
+    for e in walk(root):
+        st = e.stat
+        if _TMP in e.name:
+            if now - st.st_mtime > STALE_TMP_S:
+                stale.append(StoredFile(st.st_mtime_ns, e.path, st.st_size))
+        elif len(e.name) == _HEX_LEN and stat.S_ISREG(st.st_mode):
+            objs.append(StoredFile(st.st_mtime_ns, e.path, st.st_size))
     return objs, stale
 
 
@@ -183,7 +223,7 @@ class FileCap:
         size = sum(f.size for f in objs)
         n, freed = 0, 0
         for f in stale:
-            if _unlink(f.path) == "deleted":
+            if _unlink(self.root, f.path) == "deleted":
                 n += 1
                 freed += f.size
         objs.sort()
@@ -191,7 +231,7 @@ class FileCap:
         for f in objs:
             if size <= target:
                 break
-            how = _unlink(f.path)
+            how = _unlink(self.root, f.path)
             if how == "kept":  # not ours to delete (another user's file): it stays counted
                 continue
             if how == "deleted":
@@ -217,23 +257,47 @@ class FileCap:
                                  "(a writer died between rename and accounting?); a trim or rescan fixes it")
 
 
-def _entries(path: str) -> list[os.DirEntry]:
-    """A directory's entries; none when it vanished or cannot be read (another user's)."""
+def _names(fd: int) -> list[str]:
+    """A directory's entry names, sorted; none when it cannot be read (another user's)."""
     try:
-        return list(os.scandir(path))
+        return sorted(os.listdir(fd))
     except OSError:
         return []
 
 
-def _unlink(path: str) -> str:
-    """``"deleted"``, ``"gone"`` (someone else deleted it) or ``"kept"`` (not allowed)."""
+def _open_dir(name: str, dir_fd: int | None, flags: int = _NOFOLLOW_DIR) -> int | None:
+    """A directory's descriptor; None for a symlink, a non-directory, or one gone or not ours."""
     try:
-        os.unlink(path)
+        return os.open(name, flags, dir_fd=dir_fd)
+    except OSError:
+        return None
+
+
+def _unlink(root: Path, path: str) -> str:
+    """Unlink ``path`` (a file two levels under one of ``root``'s prefix dirs) through
+    descriptors opened with ``O_NOFOLLOW``, never through a symlink swapped in for
+    one of its directories. ``"deleted"``, ``"gone"`` (someone else deleted it) or
+    ``"kept"`` (not allowed, or a directory on the way is no longer one of ours)."""
+    parts = os.path.relpath(path, root).split(os.sep)
+    assert len(parts) == 3 and ".." not in parts, f"{path!r} is not an object path under {str(root)!r}"
+    fd = _open_dir(str(root), None, _DIR)
+    try:
+        for part in parts[:-1]:
+            nfd = None if fd is None else _open_dir(part, fd)
+            if fd is not None:
+                os.close(fd)
+            fd = nfd
+        if fd is None:
+            return "kept"
+        os.unlink(parts[-1], dir_fd=fd)
         return "deleted"
     except FileNotFoundError:
         return "gone"
     except OSError:
         return "kept"
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def rescan_ledger(root: Path) -> None:
