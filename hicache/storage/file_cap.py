@@ -23,14 +23,27 @@ most ``total``, and the last put left ``total <= cap`` or trimmed. (A
 process killed between rename and accounting leaves its bytes uncounted
 until the next scan: the one gap, closed by every trim and by opening.)
 
+Trust (as for the shared segment, ``hicache.memory.shm``): the ledger and the
+trim lock are opened with ``O_NOFOLLOW | O_NONBLOCK`` and used only when they
+are regular files with one link, owned by this uid (or, with
+``storage.file_group``, of that group) and writable by no one else. Repair:
+one that is not (planted by another user, a FIFO, a directory, a symlink) is
+renamed aside to ``.hicache-usage.untrusted.*`` with a warning naming it, and
+a fresh ledger is rebuilt from a scan, so a bad ledger never takes L3 down.
+Where it cannot be moved (a directory this user may not write), the error
+names the file and says to remove it: the next open rebuilds it the same way.
+
 Deleting is ``unlink``: a reader that has the file open keeps reading the
 whole old object (POSIX keeps the inode until closed); a reader that has not
 opened it yet gets a miss. Reads verify checksums anyway.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
+import logging
 import os
+import secrets
 import stat
 import struct
 import time
@@ -38,7 +51,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
-from hicache.core.errors import IntegrityError
+from hicache.core.errors import IntegrityError, StorageError
 from hicache.storage.capacity import TRIM_TO
 
 LEDGER = ".hicache-usage"
@@ -47,6 +60,16 @@ _FMT = struct.Struct("<qqq")
 _TMP = ".tmp."
 STALE_TMP_S = 600.0  # a temp file this old is a crashed writer's: the trim removes it
 _HEX_LEN = 32
+_OPEN = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+_NOT_A_FILE = {errno.ELOOP: "a symbolic link", errno.EISDIR: "a directory", errno.ENXIO: "a socket or device",
+               errno.ENODEV: "a device", errno.ENOTDIR: "not a file"}
+log = logging.getLogger(__name__)
+
+
+class LedgerError(StorageError, OSError):
+    """The ledger or trim lock of a capped ``file://`` root cannot be used; the
+    message names the file and the fix. An ``OSError`` too: inside a put it is
+    an L3 outage (counted, retried), not a crash."""
 
 
 class StoredFile(NamedTuple):
@@ -130,28 +153,83 @@ class FileCap:
     """The cap of one ``file://`` root, shared through the ledger. Thread-safe
     (every step holds a ``flock``); one per ``FileBackend``."""
 
-    def __init__(self, root: Path, max_bytes: int):
+    def __init__(self, root: Path, max_bytes: int, gid: int | None = None):
+        """``gid``: the group (``storage.file_group``) whose members share this root; None: this uid only."""
         self.root = Path(root)
         self.max_bytes = max_bytes
+        self.gid = gid
         self.root.mkdir(parents=True, exist_ok=True)
         self._ledger_path = self.root / LEDGER
         self._trim_path = self.root / TRIM_LOCK
-        with self._ledger() as (_, total, _added, _n):
-            fresh = total is None
-        if fresh:  # first opener: count what is there
-            self.rescan()
+        with self._ledger():  # the first opener (or the repair) counts what is there
+            pass
 
     @contextmanager
-    def _ledger(self) -> Iterator[tuple[int, int | None, int, int]]:
-        """Hold the ledger's lock; yields ``(fd, total, added, objects)`` (``total`` None: never written)."""
-        fd = os.open(self._ledger_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    def _ledger(self, check_only: bool = False) -> Iterator[tuple[int, int | None, int, int]]:
+        """Hold the ledger's lock; yields ``(fd, total, added, objects)``. A ledger never written
+        (new, or just rebuilt by the repair) is first set to a scan. ``check_only``: no repair,
+        no scan (``total`` None: never written)."""
+        fill = not check_only
+        fd = self._open(self._ledger_path, repair=fill)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             raw = os.pread(fd, _FMT.size, 0)
             total, added, objects = _FMT.unpack(raw) if len(raw) == _FMT.size else (None, 0, 0)
+            if total is None and fill:  # writers wait for the scan: a rename before it is counted twice, never 0
+                objs, _ = scan(self.root)
+                total, objects = sum(f.size for f in objs), len(objs)
+                self._write(fd, total, added, objects)
             yield fd, total, added, objects
         finally:
             os.close(fd)  # releases the flock
+
+    def _open(self, path: Path, repair: bool = True) -> int:
+        """A descriptor on ``path`` (created if absent) once it passes the trust rules;
+        an untrusted one is set aside and replaced (the module docstring). Raises ``LedgerError``."""
+        for _ in range(2):
+            try:
+                fd = os.open(path, _OPEN, 0o660 if self.gid is not None else 0o600)
+            except OSError as e:
+                if e.errno in (errno.EACCES, errno.EPERM):
+                    raise self._not_ours(path, e) from None
+                if e.errno not in _NOT_A_FILE:
+                    raise self._unusable(path, f"cannot be opened ({e.strerror})") from None
+                why = f"is {_NOT_A_FILE[e.errno]}"
+            else:
+                why = _untrusted(os.fstat(fd), self.gid)
+                if why is None:
+                    return fd
+                os.close(fd)
+            if not repair:
+                raise self._unusable(path, why)
+            self._set_aside(path, why)
+        raise self._unusable(path, "was replaced again while being repaired")
+
+    def _set_aside(self, path: Path, why: str) -> None:
+        aside = path.with_name(f"{path.name}.untrusted.{os.getpid()}.{secrets.token_hex(4)}")
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise self._unusable(path, f"{why}, and this user cannot move it aside ({e.strerror})") from None
+        log.warning("file:// L3 %s: %s %s (not a file this uid may trust); moved it to %s and rebuilt it from a "
+                    "scan of the directory. Remove the moved file once looked at.", self.root, path, why, aside)
+
+    def _not_ours(self, path: Path, e: OSError) -> LedgerError:
+        try:
+            owner = f"uid {os.lstat(path).st_uid}"
+        except OSError:
+            owner = "another user"
+        return LedgerError(f"file:// L3 {self.root} is capped (storage.max_bytes) and its ledger {path} belongs to "
+                           f"{owner}; uid {os.geteuid()} cannot open it ({e.strerror}). Run as that user, give each "
+                           "user its own storage.url, or share the directory through a group (storage.file_group)")
+
+    def _unusable(self, path: Path, why: str) -> LedgerError:
+        return LedgerError(f"file:// L3 {self.root} is capped (storage.max_bytes) and its file {path} {why}. "
+                           f"Remove it as its owner or root (`rm -r {path}`): the next open rebuilds it from a "
+                           "scan. Processes of several users share a capped directory only with "
+                           "storage.file_group set; otherwise give each user its own storage.url")
 
     @staticmethod
     def _write(fd: int, total: int, added: int, objects: int) -> None:
@@ -198,7 +276,7 @@ class FileCap:
         when another process is trimming (it re-checks when done) or nothing was due.
         """
         target = int(self.max_bytes * TRIM_TO) if to_bytes is None else to_bytes
-        fd = os.open(self._trim_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        fd = self._open(self._trim_path)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -247,14 +325,31 @@ class FileCap:
         """The ledger covers the bytes on disk (its promise), and exists. Call it
         while no process is inside a put (a rename not yet accounted is the
         one legitimate, momentary gap)."""
-        with self._ledger() as (_, total, _added, _n):
-            if total is None:
-                raise IntegrityError(f"file:// ledger {self._ledger_path} was never written")
+        try:
+            with self._ledger(check_only=True) as (_, total, _added, _n):
+                if total is None:
+                    raise IntegrityError(f"file:// ledger {self._ledger_path} was never written")
+        except LedgerError as e:
+            raise IntegrityError(str(e)) from None
         objs, _ = scan(self.root)
         on_disk = sum(f.size for f in objs)
         if on_disk > total:
             raise IntegrityError(f"file:// {self.root}: {on_disk} bytes on disk exceed the ledger's {total} "
                                  "(a writer died between rename and accounting?); a trim or rescan fixes it")
+
+
+def _untrusted(st: os.stat_result, gid: int | None) -> str | None:
+    """Why a ledger or lock file with stat ``st`` is not to be trusted; None when it is."""
+    if not stat.S_ISREG(st.st_mode):
+        return f"is not a regular file (mode {stat.filemode(st.st_mode)})"
+    if st.st_nlink != 1:
+        return f"has {st.st_nlink} hard links, expected 1"
+    if st.st_uid != os.geteuid() and (gid is None or st.st_gid != gid):
+        return f"is owned by uid {st.st_uid}, not uid {os.geteuid()}" + (f" nor of gid {gid}" if gid is not None else "")
+    bits = stat.S_IMODE(st.st_mode)
+    if bits & (0o7002 if gid is not None else 0o7022):
+        return f"has mode {bits:04o}: writable by {'others' if bits & 0o002 else 'its group'} or with special bits"
+    return None
 
 
 def _names(fd: int) -> list[str]:
@@ -303,5 +398,5 @@ def _unlink(root: Path, path: str) -> str:
 def rescan_ledger(root: Path) -> None:
     """After deleting from outside a backend (``hicache storage clear``): set the
     ledger of ``root`` to what is on disk, if the directory has one (a capped store)."""
-    if (Path(root) / LEDGER).exists():
+    if os.path.lexists(Path(root) / LEDGER):
         FileCap(Path(root), max_bytes=1).rescan()
