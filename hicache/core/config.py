@@ -113,6 +113,9 @@ class StorageConfig(_Section):
     # min(20 GiB, 10% of the file system / of RAM). See hicache.storage.capacity.
     max_bytes: int | Literal["auto"] = "auto"
     eviction: Literal["lru", "fifo"] = "lru"  # which objects go first at the cap
+    # file://: a group (name or gid) whose members share the store: objects 0640 in
+    # setgid 2770 directories of it; "": this user only (0600 in 0700).
+    file_group: str = ""
 
     @field_validator("max_bytes", mode="before")
     @classmethod

@@ -66,8 +66,9 @@ def _dir_name(prefix: str) -> str:
 
 
 class FileStore:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, group: str = ""):
         self.root = root
+        self.group = group  # storage.file_group: a rebuilt ledger is shared with it
         if not root.is_dir():
             raise ConfigError(f"file:// L3 directory {str(root)!r} does not exist; check --url / storage.url")
 
@@ -106,7 +107,8 @@ class FileStore:
                 continue
             n, size = n + 1, size + e.stat.st_size
         from hicache.storage.file_cap import rescan_ledger
-        rescan_ledger(self.root)
+        from hicache.storage.file_perms import FilePerms
+        rescan_ledger(self.root, FilePerms.of(self.group, str(self.root)).gid)
         return Cleared(n, size)
 
 
@@ -213,7 +215,7 @@ class MemoryStore:
         return Cleared(0, 0)
 
 
-def open_store(url: str, timeout_s: float = 5.0) -> FileStore | RedisStore | MemoryStore:
+def open_store(url: str, timeout_s: float = 5.0, group: str = "") -> FileStore | RedisStore | MemoryStore:
     """The store behind an L3 URL, for the operator commands. Raises ``ConfigError``
     (bad or unsupported URL) or ``StorageError`` (unreachable)."""
     scheme = url.partition("://")[0].lower()
@@ -221,7 +223,7 @@ def open_store(url: str, timeout_s: float = 5.0) -> FileStore | RedisStore | Mem
         raise ConfigError("no L3 configured (storage.url is empty); pass --url or set storage.url")
     if scheme == "file":
         from hicache.storage.file import parse_file_url
-        return FileStore(parse_file_url(url))
+        return FileStore(parse_file_url(url), group)
     if scheme == "memory":
         return MemoryStore()
     if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):

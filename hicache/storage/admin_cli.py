@@ -72,7 +72,7 @@ def run(args: argparse.Namespace, cfg) -> int:
     from hicache.storage.admin import RedisStore, open_store
     url = args.url if args.url is not None else cfg.storage.url
     args.redactor.add_url(url)  # --url is no part of cfg: its secrets too are hidden in every error
-    store = open_store(url, timeout_s=max(1.0, cfg.storage.timeout_ms / 1000))
+    store = open_store(url, timeout_s=max(1.0, cfg.storage.timeout_ms / 1000), group=cfg.storage.file_group)
     prefix = selected_prefix(args)
     shown = redact_url(url)
     if args.storage_cmd == "du":

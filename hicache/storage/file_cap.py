@@ -196,8 +196,13 @@ class FileCap:
                     raise self._unusable(path, f"cannot be opened ({e.strerror})") from None
                 why = f"is {_NOT_A_FILE[e.errno]}"
             else:
-                why = _untrusted(os.fstat(fd), self.gid)
+                st = os.fstat(fd)
+                why = _untrusted(st, self.gid)
                 if why is None:
+                    if self.gid is not None and st.st_uid == os.geteuid() and (
+                            st.st_gid != self.gid or stat.S_IMODE(st.st_mode) != 0o660):
+                        os.fchown(fd, -1, self.gid)  # the group's members account and trim too
+                        os.fchmod(fd, 0o660)
                     return fd
                 os.close(fd)
             if not repair:
@@ -395,8 +400,8 @@ def _unlink(root: Path, path: str) -> str:
             os.close(fd)
 
 
-def rescan_ledger(root: Path) -> None:
+def rescan_ledger(root: Path, gid: int | None = None) -> None:
     """After deleting from outside a backend (``hicache storage clear``): set the
     ledger of ``root`` to what is on disk, if the directory has one (a capped store)."""
     if os.path.lexists(Path(root) / LEDGER):
-        FileCap(Path(root), max_bytes=1).rescan()
+        FileCap(Path(root), max_bytes=1, gid=gid).rescan()
