@@ -128,14 +128,38 @@ class StorageConfig(_Section):
             return self.auth_key.encode()
         if not self.auth_key_file:
             return b""
-        try:
-            key = Path(self.auth_key_file).read_bytes().strip()
-        except OSError as e:
-            raise ConfigError(f"storage.auth_key_file={self.auth_key_file!r} cannot be read ({e.strerror}); "
-                              "fix the path or the secret mount") from None
+        key = read_secret_file(self.auth_key_file, "storage.auth_key_file").strip()
         if not key:
             raise ConfigError(f"storage.auth_key_file={self.auth_key_file!r} is empty")
         return key
+
+
+MAX_SECRET_BYTES = 64 << 10  # a key or token file larger than this is not one
+
+
+def read_secret_file(path: str, key: str) -> bytes:
+    """The contents of the secret file ``path`` (setting ``key``): a regular file of at most
+    ``MAX_SECRET_BYTES``, checked before reading (a FIFO would hang, /dev/zero never end).
+    Raises ``ConfigError`` naming the setting and the fix."""
+    import stat
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ConfigError(f"{key}={path!r} cannot be read ({e.strerror}); fix the path or the secret mount") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{key}={path!r} is not a regular file ({stat.filemode(st.st_mode)}: a FIFO, "
+                              "directory or device); point it at the file holding the secret")
+        data = os.read(fd, MAX_SECRET_BYTES + 1)
+        if st.st_size > MAX_SECRET_BYTES or len(data) > MAX_SECRET_BYTES:
+            raise ConfigError(f"{key}={path!r} holds {max(st.st_size, len(data)):,} bytes, more than a secret "
+                              f"file may ({MAX_SECRET_BYTES:,}); point it at the file holding the secret")
+        return data
+    except OSError as e:
+        raise ConfigError(f"{key}={path!r} cannot be read ({e.strerror}); fix the path or the secret mount") from None
+    finally:
+        os.close(fd)
 
 
 class PolicyConfig(_Section):
