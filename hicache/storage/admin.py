@@ -45,6 +45,7 @@ class ObjectInfo(NamedTuple):
 class Cleared(NamedTuple):
     objects: int
     bytes: int
+    foreign: int = 0  # keys under the prefix that are no hicache object (no header): left alone
 
 
 def header_fingerprint(head: bytes) -> str | None:
@@ -186,16 +187,26 @@ class RedisStore:
                 yield ObjectInfo(k[:-HASH_BYTES].decode("utf-8", "replace"), k[-HASH_BYTES:].hex(), n, None)
 
     def clear(self, prefix: str | None) -> Cleared:
-        n, size = 0, 0
+        """``UNLINK`` the keys under ``prefix`` whose value starts with a hicache object header
+        (another application's ``user:session:...`` under a short ``--prefix`` stays)."""
+        n, size, foreign = 0, 0, 0
         for keys in self._keys(prefix):
-            sizes = self._sizes(keys)
             pipe = self.client.pipeline(transaction=False)
             for k in keys:
+                pipe.getrange(k, 0, HEAD_BYTES - 1)  # a hash or list answers WRONGTYPE: not ours either
+            heads = pipe.execute(raise_on_error=False)
+            ours = [k for k, h in zip(keys, heads) if isinstance(h, bytes) and header_fingerprint(h) is not None]
+            foreign += len(keys) - len(ours)
+            if not ours:
+                continue
+            sizes = self._sizes(ours)
+            pipe = self.client.pipeline(transaction=False)
+            for k in ours:
                 pipe.unlink(k)
             for r, s in zip(pipe.execute(raise_on_error=False), sizes):
                 if r == 1:
                     n, size = n + 1, size + s
-        return Cleared(n, size)
+        return Cleared(n, size, foreign)
 
     def memory(self) -> dict[str, Any]:
         from hicache.storage.redis_backend import _server_memory

@@ -116,7 +116,8 @@ def run(args: argparse.Namespace, cfg) -> int:
         print(f"would delete {objs:,} objects ({_size(nbytes)}) under {what} of {shown}; add --yes to delete them")
         return 2
     done = store.clear(prefix)
-    print(f"deleted {done.objects:,} objects ({_size(done.bytes)}) under {what} of {shown}")
+    print(f"deleted {done.objects:,} objects ({_size(done.bytes)}) under {what} of {shown}"
+          + (f"; left {done.foreign:,} keys that are no hicache object alone" if done.foreign else ""))
     return 0
 
 
