@@ -75,7 +75,7 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     hy.add_argument("--hybrid", metavar="SHAPE", choices=("gpt-oss-120b", "qwen3-next-80b-a3b"),
                     help="no model: replay the trace through a HybridCache at this published hybrid shape and "
                          "print the bytes held against every layer in full, and the hit rate with the floor")
-    hy.add_argument("--snapshot-every", type=int, default=8, metavar="K",
+    hy.add_argument("--snapshot-every", type=_at_least(1), default=8, metavar="K",
                     help="--hybrid: a recurrent-state snapshot every K pages (default 8)")
     hy.add_argument("--end-snapshots", action="store_true",
                     help="--hybrid: also snapshot each request's last full page")
