@@ -24,7 +24,9 @@ from hicache.core.layout import BytePlane, KVLayout
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: "inf" or "nan" for any float setting is an error (an infinite
+    # rate made every hit recompute; an infinite bandwidth turned the meter NaN).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
