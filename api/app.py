@@ -84,7 +84,7 @@ def create_app(state: RestState) -> FastAPI:
     svc = state.config.service
     # Added last, runs first: BodyLimit refuses oversized bodies, then BodyGate admits the rest.
     app.add_middleware(BodyGate, max_bodies=svc.max_body_requests, max_bytes=svc.max_request_bytes,
-                       max_items={"/v1/lookup": LOOKUP_MAX_ITEMS})
+                       max_items={"/v1/lookup": LOOKUP_MAX_ITEMS}, read_timeout_s=svc.body_read_timeout_s)
     app.add_middleware(BodyLimit, max_bytes=svc.max_request_bytes)
     return app
 

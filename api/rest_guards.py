@@ -10,7 +10,9 @@ never reaches the JSON parser (``service.max_request_bytes``).
 ``service.max_body_requests`` requests with a large body (64 KiB or more, or
 chunked) are admitted together
 (the rest are answered 503 with ``Retry-After`` before a byte of their body
-is read), and a ``/v1/lookup`` body holding more JSON items than a lookup
+is read), an admitted body must arrive within ``service.body_read_timeout_s``
+(else 408, and its slot is free again: two idle connections cannot hold the
+gate shut), and a ``/v1/lookup`` body holding more JSON items than a lookup
 may carry is refused from a count of its commas, before the JSON parser and
 validation spend a second of the event loop on it (which is what stalled
 ``/healthz`` for seconds under ten 8 MiB bodies). A big token list that is
@@ -93,15 +95,18 @@ class BodyGate:
     """Admission of requests with a body (see the module docstring). One event loop: no lock.
 
     ``max_items``: per path, the most JSON items (commas + 1) a body may hold.
+    ``read_timeout_s``: the time an admitted request has to deliver its whole body.
     """
 
-    def __init__(self, app: ASGIApp, max_bodies: int, max_bytes: int, max_items: dict[str, int] | None = None):
+    def __init__(self, app: ASGIApp, max_bodies: int, max_bytes: int, max_items: dict[str, int] | None = None,
+                 read_timeout_s: float = 10.0):
         self.app = app
         self.max_bodies = max_bodies
         self.max_bytes = max_bytes
         self.max_items = max_items or {}
+        self.read_timeout_s = read_timeout_s
         self.in_flight = 0  # requests with a body admitted and not yet answered
-        self.admitted = self.refused = 0  # counters, for tests and logs
+        self.admitted = self.refused = self.timed_out = 0  # counters, for tests and logs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not _big_body(scope):
@@ -115,23 +120,37 @@ class BodyGate:
             return
         self.in_flight += 1
         self.admitted += 1
+        started = False
+
+        async def tracked_send(msg: Message) -> None:
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
         try:
-            limit = self.max_items.get(scope.get("path", ""))
-            if limit is not None:
-                body = await _read_all(receive)
-                items = body.count(b",") + 1
-                if items > limit:
-                    await _reject(send, 413, f"request body holds {items}+ JSON items; {scope['path']} takes at "
-                                  f"most {limit} (tokens or page hashes); split the request")
-                    return
-                if len(body) >= MIN_FAST_BYTES:  # take a big token list out, off the loop
-                    split = await asyncio.to_thread(split_tokens, body)
-                    if split is not None:
-                        body, scope = split.body, {**scope, SCOPE_KEY: split.tokens}
-                receive = _replay(body)
-            await self.app(scope, receive, send)
+            await self._admitted(scope, _timed(receive, self.read_timeout_s), tracked_send)
+        except _ReadTimeout:
+            self.timed_out += 1
+            if not started:
+                await _reject(send, 408, f"request body not received within {self.read_timeout_s:g} s "
+                              "(service.body_read_timeout_s); send the body with its headers")
         finally:
             self.in_flight -= 1
+
+    async def _admitted(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limit = self.max_items.get(scope.get("path", ""))
+        if limit is not None:
+            body = await _read_all(receive)
+            items = body.count(b",") + 1
+            if items > limit:
+                await _reject(send, 413, f"request body holds {items}+ JSON items; {scope['path']} takes at "
+                              f"most {limit} (tokens or page hashes); split the request")
+                return
+            if len(body) >= MIN_FAST_BYTES:  # take a big token list out, off the loop
+                split = await asyncio.to_thread(split_tokens, body)
+                if split is not None:
+                    body, scope = split.body, {**scope, SCOPE_KEY: split.tokens}
+            receive = _replay(body)
+        await self.app(scope, receive, send)
 
     def check_integrity(self) -> None:
         if not 0 <= self.in_flight <= self.max_bodies:
@@ -163,6 +182,26 @@ async def _read_all(receive: Receive) -> bytes:
     return b"".join(parts)
 
 
+def _timed(receive: Receive, timeout_s: float) -> Receive:
+    """``receive`` that raises ``_ReadTimeout`` once the body has not all arrived within
+    ``timeout_s`` of admission (a deadline, so a trickle of bytes does not extend it)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    done = False
+
+    async def timed() -> Message:
+        nonlocal done
+        if done:  # the body is in: waiting for a disconnect is not bounded
+            return await receive()
+        left = deadline - asyncio.get_running_loop().time()
+        try:
+            msg = await asyncio.wait_for(receive(), max(left, 0.0))
+        except asyncio.TimeoutError:
+            raise _ReadTimeout() from None
+        done = msg["type"] != "http.request" or not msg.get("more_body", False)
+        return msg
+    return timed
+
+
 def _replay(body: bytes) -> Receive:
     sent = False
 
@@ -187,6 +226,10 @@ class _TooLarge(BaseException):
 
     def __init__(self, seen: int):
         self.seen = seen
+
+
+class _ReadTimeout(BaseException):
+    """Not an ``Exception``, for the reason ``_TooLarge`` is not."""
 
 
 async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from pathlib import Path
 
 import uvicorn
 
@@ -22,7 +21,7 @@ from hicache.api.events import EventBus
 from hicache.node.preflight import preflight
 from hicache.node.socket_guard import resolve_group
 from hicache.api.redact import redact_url
-from hicache.core.config import HiCacheConfig
+from hicache.core.config import HiCacheConfig, read_secret_file
 from hicache.core.errors import ConfigError
 from hicache.core.redact import Redactor, install_log_redaction
 
@@ -38,10 +37,10 @@ def resolve_admin_token(cfg: HiCacheConfig) -> str:
     if not svc.admin_token_file:
         return ""
     try:
-        token = Path(svc.admin_token_file).read_text().strip()
-    except OSError as e:
-        raise ConfigError(f"service.admin_token_file={svc.admin_token_file!r} cannot be read "
-                          f"({e.strerror}); fix the path or the secret mount") from None
+        token = read_secret_file(svc.admin_token_file, "service.admin_token_file").decode().strip()
+    except UnicodeDecodeError:
+        raise ConfigError(f"service.admin_token_file={svc.admin_token_file!r} is not UTF-8 text; "
+                          f"{ADMIN_TOKEN_HELP}") from None
     if not token:
         raise ConfigError(f"service.admin_token_file={svc.admin_token_file!r} is empty; {ADMIN_TOKEN_HELP}")
     return token

@@ -75,7 +75,7 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     hy.add_argument("--hybrid", metavar="SHAPE", choices=("gpt-oss-120b", "qwen3-next-80b-a3b"),
                     help="no model: replay the trace through a HybridCache at this published hybrid shape and "
                          "print the bytes held against every layer in full, and the hit rate with the floor")
-    hy.add_argument("--snapshot-every", type=int, default=8, metavar="K",
+    hy.add_argument("--snapshot-every", type=_at_least(1), default=8, metavar="K",
                     help="--hybrid: a recurrent-state snapshot every K pages (default 8)")
     hy.add_argument("--end-snapshots", action="store_true",
                     help="--hybrid: also snapshot each request's last full page")
@@ -86,14 +86,27 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
                           "l3_bytes (default: one H200, 1 TiB, 16 TiB); reads hash-block traces (hash_ids)")
     sim.add_argument("--shape", help="model shape whose page bytes are accounted (default simulate.shape, "
                                      "llama-3.1-8b)")
-    sim.add_argument("--block-tokens", type=int, default=0,
+    sim.add_argument("--block-tokens", type=_at_least(1), default=None,
                      help="tokens per hash id of a hash-block trace (default simulate.block_tokens, 512)")
     sim.add_argument("--sweep", action="store_true",
                      help="hit rate against L1/L2/L3 capacity: a table and a PNG (--plot, default "
                           "hicache-sweep.png) with the working set marked")
     sim.add_argument("--policies", help="also replay L1+L2 under these eviction policies (comma-separated, "
                                         "or 'all'); default: the configured one")
-    sim.add_argument("--limit", type=int, help="only the first N requests of the trace")
+    sim.add_argument("--limit", type=_at_least(1), help="only the first N requests of the trace")
+
+
+def _at_least(low: int):
+    """An argparse type: an integer >= ``low``, else argparse's usage error naming the value."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {n}")
+        return n
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -24,7 +24,9 @@ from hicache.core.layout import BytePlane, KVLayout
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: "inf" or "nan" for any float setting is an error (an infinite
+    # rate made every hit recompute; an infinite bandwidth turned the meter NaN).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -113,6 +115,9 @@ class StorageConfig(_Section):
     # min(20 GiB, 10% of the file system / of RAM). See hicache.storage.capacity.
     max_bytes: int | Literal["auto"] = "auto"
     eviction: Literal["lru", "fifo"] = "lru"  # which objects go first at the cap
+    # file://: a group (name or gid) whose members share the store: objects 0640 in
+    # setgid 2770 directories of it; "": this user only (0600 in 0700).
+    file_group: str = ""
 
     @field_validator("max_bytes", mode="before")
     @classmethod
@@ -125,14 +130,38 @@ class StorageConfig(_Section):
             return self.auth_key.encode()
         if not self.auth_key_file:
             return b""
-        try:
-            key = Path(self.auth_key_file).read_bytes().strip()
-        except OSError as e:
-            raise ConfigError(f"storage.auth_key_file={self.auth_key_file!r} cannot be read ({e.strerror}); "
-                              "fix the path or the secret mount") from None
+        key = read_secret_file(self.auth_key_file, "storage.auth_key_file").strip()
         if not key:
             raise ConfigError(f"storage.auth_key_file={self.auth_key_file!r} is empty")
         return key
+
+
+MAX_SECRET_BYTES = 64 << 10  # a key or token file larger than this is not one
+
+
+def read_secret_file(path: str, key: str) -> bytes:
+    """The contents of the secret file ``path`` (setting ``key``): a regular file of at most
+    ``MAX_SECRET_BYTES``, checked before reading (a FIFO would hang, /dev/zero never end).
+    Raises ``ConfigError`` naming the setting and the fix."""
+    import stat
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ConfigError(f"{key}={path!r} cannot be read ({e.strerror}); fix the path or the secret mount") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{key}={path!r} is not a regular file ({stat.filemode(st.st_mode)}: a FIFO, "
+                              "directory or device); point it at the file holding the secret")
+        data = os.read(fd, MAX_SECRET_BYTES + 1)
+        if st.st_size > MAX_SECRET_BYTES or len(data) > MAX_SECRET_BYTES:
+            raise ConfigError(f"{key}={path!r} holds {max(st.st_size, len(data)):,} bytes, more than a secret "
+                              f"file may ({MAX_SECRET_BYTES:,}); point it at the file holding the secret")
+        return data
+    except OSError as e:
+        raise ConfigError(f"{key}={path!r} cannot be read ({e.strerror}); fix the path or the secret mount") from None
+    finally:
+        os.close(fd)
 
 
 class PolicyConfig(_Section):
@@ -204,6 +233,7 @@ class ServiceConfig(_Section):
     shm_name: str = Field(default_factory=lambda: f"hicache-l2-{os.geteuid()}")
     max_request_bytes: int = Field(8 << 20, ge=1024)  # engine socket frames and REST bodies
     max_body_requests: int = Field(2, ge=1, le=1024)  # REST requests with a body >= 64 KiB read at once; more get 503
+    body_read_timeout_s: float = Field(10.0, gt=0)  # such a body must arrive within this, else 408 (frees the slot)
     # Who may use the engine socket: the file's mode (octal) and group, and
     # the uids (besides the server's own and root) whose connections are accepted.
     socket_mode: str = "0600"

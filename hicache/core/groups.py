@@ -61,6 +61,13 @@ class LayerGroup:
     state_bytes: int = 0  # state: bytes of one layer's state (one snapshot of one layer)
     snapshot_every: int = 0  # state: a snapshot every this many pages
 
+    def __post_init__(self) -> None:
+        for name in ("window", "state_bytes", "snapshot_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):  # 1.5, true and "4" are no counts
+                why = f"must be an integer, got {type(v).__name__} {v!r}"
+                raise LayoutError(f"LayerGroup({self.kind!r}) {name}: {why}", "groups", v, f"{name} {why}")
+
     def to_list(self) -> list[object]:
         return [self.kind, list(self.layers), self.window, self.state_bytes, self.snapshot_every]
 
@@ -69,8 +76,18 @@ class LayerGroup:
         """A group from itself or from ``to_list``'s form (config files, handshakes)."""
         if isinstance(g, LayerGroup):
             return g
-        kind, layers, *rest = g
-        return cls(kind, tuple(layers), *rest)
+        try:
+            kind, layers, *rest = g
+            if len(rest) > 3 or isinstance(layers, (str, bytes)):
+                raise TypeError
+            return cls(kind, tuple(layers), *rest)
+        except LayoutError:
+            raise
+        except (TypeError, ValueError):
+            shown = repr(g)
+            shown = shown if len(shown) <= 80 else shown[:80] + "..."
+            why = "expected [kind, [layers...], window, state_bytes, snapshot_every] (the last three optional)"
+            raise LayoutError(f"KVLayout.groups: a group {shown}: {why}", "groups", shown, why) from None
 
     def window_pages(self, page_size: int) -> int:
         """Pages an SWA group must hold before a page-aligned boundary (past the first window)."""
@@ -89,7 +106,7 @@ def validate_groups(groups: tuple[LayerGroup, ...], num_layers: int) -> None:
         raise LayoutError(f"KVLayout.groups: at most {MAX_GROUPS} groups, got {len(groups)}", "groups", groups)
     seen: list[int] = []
     for i, g in enumerate(groups):
-        if g.kind not in ("full", "swa", "state"):
+        if not isinstance(g.kind, str) or g.kind not in ("full", "swa", "state"):
             raise bad(i, "kind must be 'full', 'swa' or 'state'")
         if not g.layers or any(not isinstance(x, int) or isinstance(x, bool) for x in g.layers):
             raise bad(i, "needs a non-empty tuple of integer layer indices")
@@ -317,6 +334,10 @@ def hybrid_groups(shape: _Shape, *, snapshot_every: int = 8,
     pass 4 for SGLang's float32 ``mamba_ssm_dtype``). Raises ``LayoutError``
     for a shape that is not hybrid.
     """
+    if not isinstance(snapshot_every, int) or isinstance(snapshot_every, bool) \
+            or not 1 <= snapshot_every <= MAX_SNAPSHOT_EVERY:
+        why = f"must be an integer in [1, {MAX_SNAPSHOT_EVERY}] (pages between recurrent-state snapshots)"
+        raise LayoutError(f"snapshot_every={snapshot_every!r}: {why}", "snapshot_every", snapshot_every, why)
     if shape.kind == "gqa+swa":
         n = shape.layers
         return (LayerGroup("swa", tuple(range(0, n, 2)), window=shape.sliding_window),

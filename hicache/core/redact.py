@@ -75,6 +75,17 @@ def url_secrets(url: str) -> set[str]:
     return {t for t in _TOKENS.split(url) if t and t not in kept}
 
 
+def error_text(e: BaseException, url: str = "") -> str:
+    """``Type: message`` of a library's exception (redis-py's URL parser quotes
+    what it took for a port: a piece of an unencoded password), with ``url``'s
+    secrets redacted, and any quoted piece of them, however short."""
+    text = Redactor(url_secrets(url)).text(f"{type(e).__name__}: {e}")
+    for piece in sorted(url_secrets(url), key=len, reverse=True):
+        for q in ("'", '"'):
+            text = text.replace(f"{q}{piece}{q}", f"{q}{REDACTED}{q}")
+    return text
+
+
 class Redactor:
     """Replaces secrets in text. Cheap to build; ``add`` more secrets as they are resolved."""
 

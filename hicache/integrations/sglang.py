@@ -90,6 +90,7 @@ from hicache.integrations.sglang_pools import (
 )
 from hicache.core.layout import KVLayout
 from hicache.storage import StorageBackend, StorageStats, open_storage
+from hicache.storage.into import wipe_unloaded
 from hicache.storage.service import SCHEME as SERVICE_SCHEME
 
 log = logging.getLogger(__name__)
@@ -219,9 +220,9 @@ class HiCacheBackend(HiCacheStorage):
 
         Stops at the first miss (absent, corrupt, foreign, or L3 down): that page
         and every later one are ``False``. Pages are read into the pool's page
-        segments and verified there, so the host memory of a ``False`` page may
-        hold garbage: SGLang frees the host indices of pages not loaded and never
-        reads them (see ``hicache.storage.into``).
+        segments and verified there; a page that failed is zeroed (a forger's
+        bytes never stay in the pool), and SGLang frees the host indices of
+        pages not loaded (see ``hicache.storage.into``).
         """
         store = self._require_store()
         if not keys:
@@ -230,6 +231,7 @@ class HiCacheBackend(HiCacheStorage):
         mv = memoryview(self._pool_bytes)
         dests = [[mv[s.offset:s.offset + s.size] for s in page] for page in self._segments(len(keys), host_indices)]
         got = store.get_into([page_key(k) for k in keys], self._plane_sizes, dests)
+        wipe_unloaded(store.DIRECT_IO, dests, got)  # a refused page's bytes never stay in the host pool
         out = [False] * len(keys)
         for i, hit in enumerate(got):
             if not hit:

@@ -39,6 +39,7 @@ from hicache.core.errors import ConfigError, IntegrityError
 from hicache.core.hashing import HASH_BYTES
 from hicache.core.layout import KVLayout
 from hicache.storage import StorageBackend, StorageStats
+from hicache.storage.into import wipe_unloaded
 from hicache.storage.options import StorageOptions
 from hicache.core.types import PageHash
 
@@ -234,6 +235,7 @@ class SidePools:
         miss, corrupt or foreign object ends it; see ``HiCacheBackend.batch_get_v1``)."""
         dests = pool.segments.pages(len(keys), host_indices)
         got = pool.store.get_into([pool_key(pool.name, k) for k in keys], pool.plane_sizes, dests)
+        wipe_unloaded(pool.store.DIRECT_IO, dests, got)  # a refused page's bytes never stay in the pool
         run = next((i for i, ok in enumerate(got) if not ok), len(got))
         return [i < run for i in range(len(keys))]
 

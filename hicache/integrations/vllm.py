@@ -82,6 +82,7 @@ from hicache.integrations.vllm_groups import GroupLedger, KVGroup, kv_groups
 from hicache.core.layout import MAX_MODEL_ID_CHARS, KVLayout
 from hicache.core.ratelimit import LogLimiter
 from hicache.storage import StorageBackend, open_storage
+from hicache.storage.into import wipe_unloaded
 from hicache.core.redact import redact_url
 from hicache.core.types import PageHash
 
@@ -448,10 +449,11 @@ class HiCacheTier(SecondaryTierManager):
         return JobResult(job_id=job_id, success=len(landed) == len(todo), transfer_bytes=nbytes)
 
     def _run_load(self, job_id: JobId, keys: list[OffloadKey], chunk_ids: list[int]) -> JobResult:
-        # Straight into the rows, verified there. A missed chunk's row may hold
-        # garbage: it is reported unsuccessful, so vLLM never serves it.
-        loaded = self.storage.get_into([page_hash(k) for k in keys], self._sizes,
-                                       [self._row(c) for c in chunk_ids])
+        # Straight into the rows, verified there. A missed chunk's row is zeroed (a
+        # refused object's bytes never stay) and reported unsuccessful.
+        rows = [self._row(c) for c in chunk_ids]
+        loaded = self.storage.get_into([page_hash(k) for k in keys], self._sizes, rows)
+        wipe_unloaded(self.storage.DIRECT_IO, rows, loaded)
         ok = [k for k, hit in zip(keys, loaded) if hit]
         missed = [k for k, hit in zip(keys, loaded) if not hit]
         with self._lock:

@@ -22,12 +22,13 @@ request's tokens only when asked (``HashBlockRequest.tokens``), so a
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Iterator, Literal, NamedTuple
 
 import numpy as np
 
-from hicache.reference.trace_format import open_regular
+from hicache.reference.trace_format import bounded_lines, loads, open_regular
 from hicache.core.errors import TraceError
 
 DEFAULT_BLOCK_TOKENS = 512
@@ -35,6 +36,9 @@ HASH_FIELDS = {"timestamp", "input_length", "output_length", "hash_ids"}
 TraceKind = Literal["hicache", "hash_blocks"]
 # Pages carry (id low, id high, page index) in their first three tokens.
 MIN_PAGE_TOKENS = 3
+# The most prompt tokens one line may ask for, checked before its tokens are built
+# (``block_tokens_of`` peaks at 12 bytes a token): 16M tokens, ~200 MB.
+MAX_REQUEST_TOKENS = 1 << 24
 
 
 class HashBlockRequest(NamedTuple):
@@ -79,7 +83,7 @@ def detect_format(path: str | Path) -> TraceKind:
     (lines with ``hash_ids``), from the first non-empty line. ``TraceError`` otherwise."""
     try:
         with open_regular(path) as f:  # a FIFO or device is refused before any read
-            for raw in f:
+            for _, raw in bounded_lines(f, path):
                 if raw.strip():
                     break
             else:
@@ -90,8 +94,8 @@ def detect_format(path: str | Path) -> TraceKind:
         raise TraceError(f"trace {str(path)!r} is a directory; give a JSONL trace file") from None
     try:
         obj = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError):  # not UTF-8, not JSON: the hicache reader names the problem
-        return "hicache"
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, NaN: the reader names the problem
+        return "hicache" if b"hash_ids" not in raw else "hash_blocks"
     if isinstance(obj, dict) and "hicache_trace" in obj:
         return "hicache"
     if isinstance(obj, dict) and "hash_ids" in obj:
@@ -101,27 +105,39 @@ def detect_format(path: str | Path) -> TraceKind:
                      f'header {{"hicache_trace": 1, ...}} or hash-block lines with {sorted(HASH_FIELDS)}')
 
 
-def iter_hash_trace(path: str | Path, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> Iterator[HashBlockRequest]:
+def iter_hash_trace(path: str | Path, block_tokens: int = DEFAULT_BLOCK_TOKENS, *, page_size: int = 1,
+                    max_pages: int | None = None, limit: str = "") -> Iterator[HashBlockRequest]:
     """Validated requests, one line at a time (a generator: memory stays one line).
 
     Raises ``TraceError`` naming the line and field: unknown or missing fields,
-    timestamps that go back, an ``input_length`` its blocks cannot hold."""
+    timestamps that go back, an ``input_length`` its blocks cannot hold, a line
+    over ``MAX_LINE_BYTES``, or more than ``max_pages`` pages of ``page_size``
+    tokens (``limit`` says what bounds them) or ``MAX_REQUEST_TOKENS``: checked
+    before the request's tokens are built."""
+    if block_tokens < 1:
+        raise TraceError(f"block_tokens={block_tokens}: a hash id stands for at least one token (Mooncake: 512)")
+    cap = MAX_REQUEST_TOKENS if max_pages is None else min(MAX_REQUEST_TOKENS, max_pages * page_size)
+    why = limit if max_pages is not None and cap < MAX_REQUEST_TOKENS else "hash_trace.MAX_REQUEST_TOKENS"
     last = 0
     index = 0
-    with open(path, "rb") as f:
-        for no, raw in enumerate(f, start=1):
+    try:
+        f = open_regular(path)
+    except FileNotFoundError:
+        raise TraceError(f"trace {str(path)!r} does not exist") from None
+    with f:
+        for no, raw in bounded_lines(f, path):
             if not raw.strip():
                 continue
             where = f"{path}:{no}"
-            try:
-                obj = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise TraceError(f"{where}: not valid JSON ({e})") from None
-            req = _request(obj, index, where, block_tokens)
-            if obj["timestamp"] < last:
-                raise TraceError(f"{where}: timestamp {obj['timestamp']} is before the previous line's {last}; "
-                                 "sort the trace by timestamp")
-            last = obj["timestamp"]
+            req = _request(loads(raw, where), index, where, block_tokens)
+            if req.input_length > cap:
+                pages = -(-req.input_length // page_size)
+                raise TraceError(f"{where}: input_length {req.input_length:,} tokens ({pages:,} pages of "
+                                 f"{page_size}) is over the limit of {cap // page_size:,} pages ({why})")
+            if req.arrival < last:
+                raise TraceError(f"{where}: timestamp {req.arrival * 1e3:g} is before the previous line's "
+                                 f"{last * 1e3:g}; sort the trace by timestamp")
+            last = req.arrival
             index += 1
             yield req
 
@@ -135,8 +151,8 @@ def _request(obj: object, index: int, where: str, block_tokens: int) -> HashBloc
                          f"missing {missing}, unknown {unknown}")
     ts, n, out, ids = obj["timestamp"], obj["input_length"], obj["output_length"], obj["hash_ids"]
     for name, v in (("timestamp", ts), ("input_length", n), ("output_length", out)):
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
-            raise TraceError(f"{where}, field {name!r}: expected a number >= 0, got {v!r}")
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+            raise TraceError(f"{where}, field {name!r}: expected a finite number >= 0, got {v!r}")
     if not isinstance(n, int) or n < 1:
         raise TraceError(f"{where}, field 'input_length': expected an integer >= 1, got {n!r}")
     if not isinstance(ids, list) or not ids or not all(

@@ -82,7 +82,9 @@ def trace_requests(path: str | None, s: SimulateConfig, scale: str = "small") ->
     """A factory of request streams (each call re-reads the trace: nothing is kept)."""
     if path is not None and detect_format(path) == "hash_blocks":
         def hashed() -> Iterator[SimRequest]:
-            for r in iter_hash_trace(path, s.block_tokens):
+            l1 = SimPlan.from_config(s).l1_pages  # a longer request cannot run: refused before its tokens are built
+            for r in iter_hash_trace(path, s.block_tokens, page_size=s.page_size, max_pages=l1,
+                                     limit=f"the L1 of simulate.l1_bytes={s.l1_bytes:,} for {s.shape}"):
                 yield SimRequest(r.rid, r.arrival, "", r.tokens(s.block_tokens, s.page_size).tobytes())
         return hashed
     from hicache.reference.workloads import builtin_trace, read_trace

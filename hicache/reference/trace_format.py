@@ -32,7 +32,7 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterable, NamedTuple, Sequence
+from typing import BinaryIO, Iterable, Iterator, NamedTuple, Sequence
 
 from hicache.core.errors import IntegrityError, TraceError
 
@@ -40,6 +40,8 @@ TRACE_VERSION = 1
 # The reference model allocates a vocab x hidden embedding: bound it far above
 # any real tokenizer (the largest have ~256K entries).
 MAX_VOCAB = 1 << 20
+# One line is read whole before it is parsed: 16 MiB holds ~2M token or hash ids.
+MAX_LINE_BYTES = 1 << 24
 _FIELDS = {"rid", "arrival", "max_new_tokens", "prompt", "parent", "append", "namespace", "conversation"}
 
 
@@ -201,11 +203,42 @@ def open_regular(path: str | Path) -> BinaryIO:
         raise
 
 
+def bounded_lines(f: BinaryIO, path: str | Path) -> Iterator[tuple[int, bytes]]:
+    """Numbered raw lines of ``f``; ``TraceError`` for a line over ``MAX_LINE_BYTES``,
+    raised before more than that is read (a one-line 12 GB file is refused, not loaded)."""
+    no = 0
+    while raw := f.readline(MAX_LINE_BYTES + 1):
+        no += 1
+        if len(raw) > MAX_LINE_BYTES:
+            raise TraceError(f"{path}:{no}: the line is longer than {MAX_LINE_BYTES:,} bytes, the limit of one "
+                             "trace line (trace_format.MAX_LINE_BYTES); split the request or check the file")
+        yield no, raw
+
+
+def _no_constant(name: str) -> None:
+    raise TraceError(f"{name} is not a number a trace may hold (JSON has no {name}); give a finite number")
+
+
+def loads(raw: bytes | str, where: str) -> object:
+    """One JSON value of a trace line; ``TraceError`` naming ``where`` for invalid JSON,
+    ``NaN``/``Infinity`` and nesting too deep for the parser."""
+    try:
+        return json.loads(raw, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except UnicodeDecodeError as e:
+        raise TraceError(f"{where}: not UTF-8 (byte {e.start} of the line); a trace is UTF-8 JSON Lines") from None
+    except RecursionError:
+        raise TraceError(f"{where}: JSON nested too deeply; a trace line is one flat object") from None
+    except TraceError as e:
+        raise TraceError(f"{where}: {e}") from None
+
+
 def _lines(path: str | Path) -> Iterable[tuple[int, str]]:
     """Numbered lines of a UTF-8 file; ``TraceError`` for a missing, unreadable or non-UTF-8 file."""
     try:
         with open_regular(path) as f:
-            for no, raw in enumerate(f, start=1):
+            for no, raw in bounded_lines(f, path):
                 try:
                     yield no, raw.decode("utf-8")
                 except UnicodeDecodeError as e:
@@ -228,13 +261,7 @@ def read_trace(path: str | Path) -> Trace:
         where = f"{path}:{no}"
         if not line.strip():
             continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-        except RecursionError:
-            raise TraceError(f"{where}: JSON nested too deeply; a trace line is one flat request "
-                             "object") from None
+        obj = loads(line, where)
         if header is None:
             header = _header(obj, where)
             continue

@@ -9,14 +9,15 @@ salt) are folded into each page hash and not stored, so a store cannot be
 split by namespace; clearing one namespace means clearing its layout's prefix.
 
 ``redis://`` is walked with ``SCAN`` (never ``KEYS``), sized with ``STRLEN``
-and cleared with ``UNLINK``, in pipelined batches. ``file://`` is walked with
-``scandir``; clearing resets the size ledger of a capped directory.
+and cleared with ``UNLINK``, in pipelined batches. ``file://`` is walked by
+descriptor (never through a symlink); clearing resets the size ledger of a capped directory.
 ``memory://`` lives inside one process: from here it is always empty.
 """
 from __future__ import annotations
 
 import os
 import re
+import stat
 import time
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
@@ -25,9 +26,10 @@ import msgpack
 
 from hicache.core.errors import ConfigError, StorageError
 from hicache.core.hashing import HASH_BYTES
-from hicache.core.redact import redact_url
+from hicache.core.redact import error_text, redact_url
 from hicache.storage.capacity import PrefixUsage
 from hicache.storage.codec import MAGIC, PREFIX_BYTES
+from hicache.storage.file_cap import Entry, walk
 
 BATCH = 1000  # keys per SCAN step / pipeline
 HEAD_BYTES = 4096  # enough for any header (read to name the fingerprint)
@@ -43,6 +45,7 @@ class ObjectInfo(NamedTuple):
 class Cleared(NamedTuple):
     objects: int
     bytes: int
+    foreign: int = 0  # keys under the prefix that are no hicache object (no header): left alone
 
 
 def header_fingerprint(head: bytes) -> str | None:
@@ -64,64 +67,63 @@ def _dir_name(prefix: str) -> str:
 
 
 class FileStore:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, group: str = ""):
         self.root = root
+        self.group = group  # storage.file_group: a rebuilt ledger is shared with it
         if not root.is_dir():
             raise ConfigError(f"file:// L3 directory {str(root)!r} does not exist; check --url / storage.url")
 
-    def _dirs(self, prefix: str | None) -> list[os.DirEntry]:
+    def _prefixes(self, prefix: str | None) -> list[str]:
         want = None if prefix is None else _dir_name(prefix)
-        return sorted((e for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)
-                       and (want is None or e.name == want)), key=lambda e: e.name)
+        return sorted(e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)
+                      and (want is None or e.name == want))
 
-    def _files(self, d: os.DirEntry) -> Iterator[tuple[os.DirEntry, os.stat_result]]:
-        for sub in sorted(os.scandir(d.path), key=lambda e: e.name):
-            if len(sub.name) != 2 or not sub.is_dir(follow_symlinks=False):
-                continue
-            for f in sorted(os.scandir(sub.path), key=lambda e: e.name):
-                if len(f.name) == 2 * HASH_BYTES and f.is_file(follow_symlinks=False):
-                    try:
-                        yield f, f.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
+    def _objects(self, prefix: str | None) -> Iterator[Entry]:
+        """Objects by descriptor (``file_cap.walk``): a symlink swapped in is never followed."""
+        want = None if prefix is None else _dir_name(prefix)
+        for e in walk(self.root, want):
+            if len(e.name) == 2 * HASH_BYTES and stat.S_ISREG(e.stat.st_mode):
+                yield e
 
     def du(self, prefix: str | None) -> list[tuple[PrefixUsage, str | None]]:
-        out = []
-        for d in self._dirs(prefix):
-            n, size, fp = 0, 0, None
-            for f, st in self._files(d):
-                n, size = n + 1, size + st.st_size
-                if fp is None:
-                    fp = _read_head(f.path)
-            out.append((PrefixUsage(d.name, n, size), fp))
-        return out
+        acc: dict[str, list] = {p: [0, 0, None] for p in self._prefixes(prefix)}
+        for e in self._objects(prefix):
+            g = acc.setdefault(e.prefix, [0, 0, None])
+            g[0], g[1] = g[0] + 1, g[1] + e.stat.st_size
+            if g[2] is None:
+                g[2] = _read_head(e.name, e.dir_fd)
+        return [(PrefixUsage(p, n, size), fp) for p, (n, size, fp) in sorted(acc.items())]
 
     def ls(self, prefix: str | None) -> Iterator[ObjectInfo]:
         now = time.time()
-        for d in self._dirs(prefix):
-            for f, st in self._files(d):
-                yield ObjectInfo(d.name, f.name, st.st_size, max(0.0, now - st.st_mtime))
+        for e in self._objects(prefix):
+            yield ObjectInfo(e.prefix, e.name, e.stat.st_size, max(0.0, now - e.stat.st_mtime))
 
     def clear(self, prefix: str | None) -> Cleared:
         n, size = 0, 0
-        for d in self._dirs(prefix):
-            for f, st in list(self._files(d)):
-                try:
-                    os.unlink(f.path)
-                except FileNotFoundError:
-                    continue
-                n, size = n + 1, size + st.st_size
+        for e in self._objects(prefix):
+            try:
+                os.unlink(e.name, dir_fd=e.dir_fd)  # in the directory walked, whatever its path is now
+            except FileNotFoundError:
+                continue
+            n, size = n + 1, size + e.stat.st_size
         from hicache.storage.file_cap import rescan_ledger
-        rescan_ledger(self.root)
+        from hicache.storage.file_perms import FilePerms
+        rescan_ledger(self.root, FilePerms.of(self.group, str(self.root)).gid)
         return Cleared(n, size)
 
 
-def _read_head(path: str) -> str | None:
+def _read_head(name: str, dir_fd: int) -> str | None:
     try:
-        with open(path, "rb") as f:
-            return header_fingerprint(f.read(HEAD_BYTES))
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
     except OSError:
         return None
+    try:
+        return header_fingerprint(os.read(fd, HEAD_BYTES))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 class RedisStore:
@@ -142,7 +144,7 @@ class RedisStore:
                 self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
             self.client.ping()
         except (redis.RedisError, RedisClusterException, ValueError, OSError) as e:
-            raise StorageError(f"L3 {redact_url(url)}: cannot reach it ({type(e).__name__}: {e}); check --url / "
+            raise StorageError(f"L3 {redact_url(url)}: cannot reach it ({error_text(e, url)}); check --url / "
                                "storage.url and that the server runs") from None
 
     def _keys(self, prefix: str | None) -> Iterator[list[bytes]]:
@@ -185,16 +187,26 @@ class RedisStore:
                 yield ObjectInfo(k[:-HASH_BYTES].decode("utf-8", "replace"), k[-HASH_BYTES:].hex(), n, None)
 
     def clear(self, prefix: str | None) -> Cleared:
-        n, size = 0, 0
+        """``UNLINK`` the keys under ``prefix`` whose value starts with a hicache object header
+        (another application's ``user:session:...`` under a short ``--prefix`` stays)."""
+        n, size, foreign = 0, 0, 0
         for keys in self._keys(prefix):
-            sizes = self._sizes(keys)
             pipe = self.client.pipeline(transaction=False)
             for k in keys:
+                pipe.getrange(k, 0, HEAD_BYTES - 1)  # a hash or list answers WRONGTYPE: not ours either
+            heads = pipe.execute(raise_on_error=False)
+            ours = [k for k, h in zip(keys, heads) if isinstance(h, bytes) and header_fingerprint(h) is not None]
+            foreign += len(keys) - len(ours)
+            if not ours:
+                continue
+            sizes = self._sizes(ours)
+            pipe = self.client.pipeline(transaction=False)
+            for k in ours:
                 pipe.unlink(k)
             for r, s in zip(pipe.execute(raise_on_error=False), sizes):
                 if r == 1:
                     n, size = n + 1, size + s
-        return Cleared(n, size)
+        return Cleared(n, size, foreign)
 
     def memory(self) -> dict[str, Any]:
         from hicache.storage.redis_backend import _server_memory
@@ -214,7 +226,7 @@ class MemoryStore:
         return Cleared(0, 0)
 
 
-def open_store(url: str, timeout_s: float = 5.0) -> FileStore | RedisStore | MemoryStore:
+def open_store(url: str, timeout_s: float = 5.0, group: str = "") -> FileStore | RedisStore | MemoryStore:
     """The store behind an L3 URL, for the operator commands. Raises ``ConfigError``
     (bad or unsupported URL) or ``StorageError`` (unreachable)."""
     scheme = url.partition("://")[0].lower()
@@ -222,7 +234,7 @@ def open_store(url: str, timeout_s: float = 5.0) -> FileStore | RedisStore | Mem
         raise ConfigError("no L3 configured (storage.url is empty); pass --url or set storage.url")
     if scheme == "file":
         from hicache.storage.file import parse_file_url
-        return FileStore(parse_file_url(url))
+        return FileStore(parse_file_url(url), group)
     if scheme == "memory":
         return MemoryStore()
     if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):

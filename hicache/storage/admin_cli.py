@@ -71,7 +71,8 @@ def run(args: argparse.Namespace, cfg) -> int:
     from hicache.core.redact import redact_url
     from hicache.storage.admin import RedisStore, open_store
     url = args.url if args.url is not None else cfg.storage.url
-    store = open_store(url, timeout_s=max(1.0, cfg.storage.timeout_ms / 1000))
+    args.redactor.add_url(url)  # --url is no part of cfg: its secrets too are hidden in every error
+    store = open_store(url, timeout_s=max(1.0, cfg.storage.timeout_ms / 1000), group=cfg.storage.file_group)
     prefix = selected_prefix(args)
     shown = redact_url(url)
     if args.storage_cmd == "du":
@@ -115,7 +116,8 @@ def run(args: argparse.Namespace, cfg) -> int:
         print(f"would delete {objs:,} objects ({_size(nbytes)}) under {what} of {shown}; add --yes to delete them")
         return 2
     done = store.clear(prefix)
-    print(f"deleted {done.objects:,} objects ({_size(done.bytes)}) under {what} of {shown}")
+    print(f"deleted {done.objects:,} objects ({_size(done.bytes)}) under {what} of {shown}"
+          + (f"; left {done.foreign:,} keys that are no hicache object alone" if done.foreign else ""))
     return 0
 
 

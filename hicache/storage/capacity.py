@@ -89,7 +89,8 @@ def backend_options(storage: Any, url: str | None = None) -> dict[str, Any]:
                               "and maxmemory-policy allkeys-lru); remove storage.max_bytes")
         return {}
     cap = default_cap(url) if storage.max_bytes == "auto" else int(storage.max_bytes)
-    return {"max_bytes": cap, "eviction": storage.eviction}
+    group = {"group": storage.file_group} if scheme == "file" and storage.file_group else {}
+    return {"max_bytes": cap, "eviction": storage.eviction, **group}
 
 
 def check_eviction(policy: str, where: str) -> str:

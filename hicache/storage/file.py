@@ -48,6 +48,7 @@ from hicache.storage.put_batch import PutBatch
 from hicache.storage.capacity import StorageUsage, check_eviction
 from hicache.storage.codec import Buffer
 from hicache.storage.file_cap import FileCap, scan
+from hicache.storage.file_perms import FilePerms
 from hicache.storage.into import MAX_SPLIT_HEADER, InPlace
 
 _TMP = ".tmp."
@@ -77,14 +78,16 @@ class FileBackend(StorageBackend):
     DIRECT_IO = True  # preadv into the caller's rows; puts skip present files in the same hand-off
 
     def __init__(self, options: StorageOptions, root: str | os.PathLike, *, fsync: bool = False,
-                 name: str = "", max_bytes: int = 0, eviction: str = "lru"):
+                 name: str = "", max_bytes: int = 0, eviction: str = "lru", group: str = ""):
         super().__init__(options, name or f"file://{root}")
         prefix_dir = re.sub(r"[^A-Za-z0-9_.-]", "-", options.key_prefix.decode("utf-8", "replace")).strip("-.")
         self.root = Path(root)
         self.dir = self.root / (prefix_dir or "default")
         self.fsync = bool(fsync)
+        self._perms = FilePerms.of(group, self.name)
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self._perms.make_dir(self.root)
+            self._perms.make_dir(self.dir, tighten=True)
         except OSError as e:
             raise ConfigError(f"storage url {self.name!r}: cannot create directory {str(self.dir)!r}: "
                               f"{e}; pick a writable directory") from None
@@ -103,7 +106,7 @@ class FileBackend(StorageBackend):
                               "(0 = unbounded)")
         self.max_bytes = max_bytes
         self.eviction = check_eviction(eviction, f"storage url {self.name!r}:")
-        self._cap = FileCap(self.root, max_bytes) if max_bytes else None
+        self._cap = FileCap(self.root, max_bytes, self._perms.gid) if max_bytes else None
         self._scanned: tuple[float, StorageUsage] | None = None  # unbounded: the last usage scan
         if self._cap is not None:
             self._trim()  # a cap lowered since the last run holds from the start
@@ -120,7 +123,7 @@ class FileBackend(StorageBackend):
 
     def _ensure_dir(self, d: str, again: bool = False) -> None:
         if again or d not in self._made:
-            os.makedirs(d, exist_ok=True)
+            self._perms.make_dir(Path(d))
             if not stat.S_ISDIR(os.lstat(d).st_mode):  # a symlink planted in place of a fan-out dir
                 raise NotADirectoryError(f"{d} is not a directory (a symlink?); refusing to write through it")
             with self._mu:
@@ -242,10 +245,10 @@ class FileBackend(StorageBackend):
         tmp = f"{path}{_TMP}{os.getpid()}.{secrets.token_hex(8)}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(tmp, flags, 0o644)
+            fd = os.open(tmp, flags, self._perms.file_mode)
         except FileNotFoundError:  # the directory was removed under us
             self._ensure_dir(d, again=True)
-            fd = os.open(tmp, flags, 0o644)
+            fd = os.open(tmp, flags, self._perms.file_mode)
         try:
             bufs, total = [memoryview(hdr), payload], len(hdr) + payload.nbytes
             done = 0
@@ -263,7 +266,7 @@ class FileBackend(StorageBackend):
         os.replace(tmp, path)
 
     def _raw_exists(self, keys: list[bytes]) -> list[bool]:
-        return self._deadline(lambda: [os.path.exists(self._path(k)[1]) for k in keys], len(keys))
+        return self._deadline(lambda: [_is_object(self._path(k)[1]) for k in keys], len(keys))
 
     def _raw_delete(self, keys: list[bytes]) -> int:
         return self._deadline(self._delete_all, len(keys), keys)
@@ -334,6 +337,14 @@ class FileBackend(StorageBackend):
     def path_of(self, key: bytes) -> Path:
         """Where the object of a page hash lives (for tools and corruption tests)."""
         return Path(self._path(self.key_prefix + key)[1])
+
+
+def _is_object(path: str) -> bool:
+    """A regular file (not followed) at ``path``: a directory, FIFO or symlink planted there is no object."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _touch(path: str) -> None:

@@ -23,21 +23,35 @@ most ``total``, and the last put left ``total <= cap`` or trimmed. (A
 process killed between rename and accounting leaves its bytes uncounted
 until the next scan: the one gap, closed by every trim and by opening.)
 
+Trust (as for the shared segment, ``hicache.memory.shm``): the ledger and the
+trim lock are opened with ``O_NOFOLLOW | O_NONBLOCK`` and used only when they
+are regular files with one link, owned by this uid (or, with
+``storage.file_group``, of that group) and writable by no one else. Repair:
+one that is not (planted by another user, a FIFO, a directory, a symlink) is
+renamed aside to ``.hicache-usage.untrusted.*`` with a warning naming it, and
+a fresh ledger is rebuilt from a scan, so a bad ledger never takes L3 down.
+Where it cannot be moved (a directory this user may not write), the error
+names the file and says to remove it: the next open rebuilds it the same way.
+
 Deleting is ``unlink``: a reader that has the file open keeps reading the
 whole old object (POSIX keeps the inode until closed); a reader that has not
 opened it yet gets a miss. Reads verify checksums anyway.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
+import logging
 import os
+import secrets
+import stat
 import struct
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
-from hicache.core.errors import IntegrityError
+from hicache.core.errors import IntegrityError, StorageError
 from hicache.storage.capacity import TRIM_TO
 
 LEDGER = ".hicache-usage"
@@ -46,6 +60,16 @@ _FMT = struct.Struct("<qqq")
 _TMP = ".tmp."
 STALE_TMP_S = 600.0  # a temp file this old is a crashed writer's: the trim removes it
 _HEX_LEN = 32
+_OPEN = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+_NOT_A_FILE = {errno.ELOOP: "a symbolic link", errno.EISDIR: "a directory", errno.ENXIO: "a socket or device",
+               errno.ENODEV: "a device", errno.ENOTDIR: "not a file"}
+log = logging.getLogger(__name__)
+
+
+class LedgerError(StorageError, OSError):
+    """The ledger or trim lock of a capped ``file://`` root cannot be used; the
+    message names the file and the fix. An ``OSError`` too: inside a put it is
+    an L3 outage (counted, retried), not a crash."""
 
 
 class StoredFile(NamedTuple):
@@ -60,29 +84,68 @@ class TrimResult(NamedTuple):
     remaining_bytes: int  # what the scan left on disk
 
 
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_NOFOLLOW_DIR = _DIR | os.O_NOFOLLOW
+
+
+class Entry(NamedTuple):
+    """One file two levels under a prefix dir, seen through the fan-out dir's descriptor."""
+    prefix: str  # the prefix dir's name
+    dir_fd: int  # the fan-out dir, open only while the walk is at this entry
+    name: str
+    stat: os.stat_result  # not followed
+    path: str  # for messages and identity; never opened by it
+
+
+def walk(root: Path, prefix: str | None = None) -> Iterator[Entry]:
+    """Every file under ``root``'s prefix dirs (``prefix``: that one only), by name order.
+
+    Each directory below ``root`` is opened by descriptor with ``O_NOFOLLOW``
+    relative to its parent, so a fan-out dir swapped for a symlink mid-walk is
+    skipped, never followed: what a caller unlinks with ``dir_fd`` is inside the store.
+    """
+    rfd = _open_dir(str(root), None, _DIR)  # the root itself may be a symlink the operator chose
+    if rfd is None:
+        return
+    try:
+        for pname in _names(rfd):
+            if prefix is not None and pname != prefix:
+                continue
+            pfd = _open_dir(pname, rfd)
+            if pfd is None:  # a file of ours (ledger, lock), a symlink, or gone
+                continue
+            try:
+                for sname in _names(pfd):
+                    sfd = _open_dir(sname, pfd) if len(sname) == 2 else None
+                    if sfd is None:
+                        continue
+                    try:
+                        for name in _names(sfd):
+                            try:
+                                st = os.stat(name, dir_fd=sfd, follow_symlinks=False)
+                            except FileNotFoundError:  # deleted meanwhile
+                                continue
+                            yield Entry(pname, sfd, name, st, f"{root}/{pname}/{sname}/{name}")
+                    finally:
+                        os.close(sfd)
+            finally:
+                os.close(pfd)
+    finally:
+        os.close(rfd)
+
+
 def scan(root: Path, now: float | None = None) -> tuple[list[StoredFile], list[StoredFile]]:
     """``(objects, stale temp files)`` under ``root``, every layout's; skips what is not ours."""
     objs: list[StoredFile] = []
     stale: list[StoredFile] = []
     now = time.time() if now is None else now
-    try:
-        prefixes = [e for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
-    except FileNotFoundError:
-        return objs, stale
-    for pd in prefixes:
-        for sub in _entries(pd.path):
-            if len(sub.name) != 2 or not sub.is_dir(follow_symlinks=False):
-                continue
-            for f in _entries(sub.path):
-                try:
-                    st = f.stat(follow_symlinks=False)
-                except FileNotFoundError:  # deleted meanwhile
-                    continue
-                if _TMP in f.name:
-                    if now - st.st_mtime > STALE_TMP_S:
-                        stale.append(StoredFile(st.st_mtime_ns, f.path, st.st_size))
-                elif len(f.name) == _HEX_LEN and f.is_file(follow_symlinks=False):
-                    objs.append(StoredFile(st.st_mtime_ns, f.path, st.st_size))
+    for e in walk(root):
+        st = e.stat
+        if _TMP in e.name:
+            if now - st.st_mtime > STALE_TMP_S:
+                stale.append(StoredFile(st.st_mtime_ns, e.path, st.st_size))
+        elif len(e.name) == _HEX_LEN and stat.S_ISREG(st.st_mode):
+            objs.append(StoredFile(st.st_mtime_ns, e.path, st.st_size))
     return objs, stale
 
 
@@ -90,28 +153,88 @@ class FileCap:
     """The cap of one ``file://`` root, shared through the ledger. Thread-safe
     (every step holds a ``flock``); one per ``FileBackend``."""
 
-    def __init__(self, root: Path, max_bytes: int):
+    def __init__(self, root: Path, max_bytes: int, gid: int | None = None):
+        """``gid``: the group (``storage.file_group``) whose members share this root; None: this uid only."""
         self.root = Path(root)
         self.max_bytes = max_bytes
+        self.gid = gid
         self.root.mkdir(parents=True, exist_ok=True)
         self._ledger_path = self.root / LEDGER
         self._trim_path = self.root / TRIM_LOCK
-        with self._ledger() as (_, total, _added, _n):
-            fresh = total is None
-        if fresh:  # first opener: count what is there
-            self.rescan()
+        with self._ledger():  # the first opener (or the repair) counts what is there
+            pass
 
     @contextmanager
-    def _ledger(self) -> Iterator[tuple[int, int | None, int, int]]:
-        """Hold the ledger's lock; yields ``(fd, total, added, objects)`` (``total`` None: never written)."""
-        fd = os.open(self._ledger_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    def _ledger(self, check_only: bool = False) -> Iterator[tuple[int, int | None, int, int]]:
+        """Hold the ledger's lock; yields ``(fd, total, added, objects)``. A ledger never written
+        (new, or just rebuilt by the repair) is first set to a scan. ``check_only``: no repair,
+        no scan (``total`` None: never written)."""
+        fill = not check_only
+        fd = self._open(self._ledger_path, repair=fill)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             raw = os.pread(fd, _FMT.size, 0)
             total, added, objects = _FMT.unpack(raw) if len(raw) == _FMT.size else (None, 0, 0)
+            if total is None and fill:  # writers wait for the scan: a rename before it is counted twice, never 0
+                objs, _ = scan(self.root)
+                total, objects = sum(f.size for f in objs), len(objs)
+                self._write(fd, total, added, objects)
             yield fd, total, added, objects
         finally:
             os.close(fd)  # releases the flock
+
+    def _open(self, path: Path, repair: bool = True) -> int:
+        """A descriptor on ``path`` (created if absent) once it passes the trust rules;
+        an untrusted one is set aside and replaced (the module docstring). Raises ``LedgerError``."""
+        for _ in range(2):
+            try:
+                fd = os.open(path, _OPEN, 0o660 if self.gid is not None else 0o600)
+            except OSError as e:
+                if e.errno in (errno.EACCES, errno.EPERM):
+                    raise self._not_ours(path, e) from None
+                if e.errno not in _NOT_A_FILE:
+                    raise self._unusable(path, f"cannot be opened ({e.strerror})") from None
+                why = f"is {_NOT_A_FILE[e.errno]}"
+            else:
+                st = os.fstat(fd)
+                why = _untrusted(st, self.gid)
+                if why is None:
+                    if self.gid is not None and st.st_uid == os.geteuid() and (
+                            st.st_gid != self.gid or stat.S_IMODE(st.st_mode) != 0o660):
+                        os.fchown(fd, -1, self.gid)  # the group's members account and trim too
+                        os.fchmod(fd, 0o660)
+                    return fd
+                os.close(fd)
+            if not repair:
+                raise self._unusable(path, why)
+            self._set_aside(path, why)
+        raise self._unusable(path, "was replaced again while being repaired")
+
+    def _set_aside(self, path: Path, why: str) -> None:
+        aside = path.with_name(f"{path.name}.untrusted.{os.getpid()}.{secrets.token_hex(4)}")
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise self._unusable(path, f"{why}, and this user cannot move it aside ({e.strerror})") from None
+        log.warning("file:// L3 %s: %s %s (not a file this uid may trust); moved it to %s and rebuilt it from a "
+                    "scan of the directory. Remove the moved file once looked at.", self.root, path, why, aside)
+
+    def _not_ours(self, path: Path, e: OSError) -> LedgerError:
+        try:
+            owner = f"uid {os.lstat(path).st_uid}"
+        except OSError:
+            owner = "another user"
+        return LedgerError(f"file:// L3 {self.root} is capped (storage.max_bytes) and its ledger {path} belongs to "
+                           f"{owner}; uid {os.geteuid()} cannot open it ({e.strerror}). Run as that user, give each "
+                           "user its own storage.url, or share the directory through a group (storage.file_group)")
+
+    def _unusable(self, path: Path, why: str) -> LedgerError:
+        return LedgerError(f"file:// L3 {self.root} is capped (storage.max_bytes) and its file {path} {why}. "
+                           f"Remove it as its owner or root (`rm -r {path}`): the next open rebuilds it from a "
+                           "scan. Processes of several users share a capped directory only with "
+                           "storage.file_group set; otherwise give each user its own storage.url")
 
     @staticmethod
     def _write(fd: int, total: int, added: int, objects: int) -> None:
@@ -158,7 +281,7 @@ class FileCap:
         when another process is trimming (it re-checks when done) or nothing was due.
         """
         target = int(self.max_bytes * TRIM_TO) if to_bytes is None else to_bytes
-        fd = os.open(self._trim_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        fd = self._open(self._trim_path)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -183,7 +306,7 @@ class FileCap:
         size = sum(f.size for f in objs)
         n, freed = 0, 0
         for f in stale:
-            if _unlink(f.path) == "deleted":
+            if _unlink(self.root, f.path) == "deleted":
                 n += 1
                 freed += f.size
         objs.sort()
@@ -191,7 +314,7 @@ class FileCap:
         for f in objs:
             if size <= target:
                 break
-            how = _unlink(f.path)
+            how = _unlink(self.root, f.path)
             if how == "kept":  # not ours to delete (another user's file): it stays counted
                 continue
             if how == "deleted":
@@ -207,9 +330,12 @@ class FileCap:
         """The ledger covers the bytes on disk (its promise), and exists. Call it
         while no process is inside a put (a rename not yet accounted is the
         one legitimate, momentary gap)."""
-        with self._ledger() as (_, total, _added, _n):
-            if total is None:
-                raise IntegrityError(f"file:// ledger {self._ledger_path} was never written")
+        try:
+            with self._ledger(check_only=True) as (_, total, _added, _n):
+                if total is None:
+                    raise IntegrityError(f"file:// ledger {self._ledger_path} was never written")
+        except LedgerError as e:
+            raise IntegrityError(str(e)) from None
         objs, _ = scan(self.root)
         on_disk = sum(f.size for f in objs)
         if on_disk > total:
@@ -217,27 +343,65 @@ class FileCap:
                                  "(a writer died between rename and accounting?); a trim or rescan fixes it")
 
 
-def _entries(path: str) -> list[os.DirEntry]:
-    """A directory's entries; none when it vanished or cannot be read (another user's)."""
+def _untrusted(st: os.stat_result, gid: int | None) -> str | None:
+    """Why a ledger or lock file with stat ``st`` is not to be trusted; None when it is."""
+    if not stat.S_ISREG(st.st_mode):
+        return f"is not a regular file (mode {stat.filemode(st.st_mode)})"
+    if st.st_nlink != 1:
+        return f"has {st.st_nlink} hard links, expected 1"
+    if st.st_uid != os.geteuid() and (gid is None or st.st_gid != gid):
+        return f"is owned by uid {st.st_uid}, not uid {os.geteuid()}" + (f" nor of gid {gid}" if gid is not None else "")
+    bits = stat.S_IMODE(st.st_mode)
+    if bits & (0o7002 if gid is not None else 0o7022):
+        return f"has mode {bits:04o}: writable by {'others' if bits & 0o002 else 'its group'} or with special bits"
+    return None
+
+
+def _names(fd: int) -> list[str]:
+    """A directory's entry names, sorted; none when it cannot be read (another user's)."""
     try:
-        return list(os.scandir(path))
+        return sorted(os.listdir(fd))
     except OSError:
         return []
 
 
-def _unlink(path: str) -> str:
-    """``"deleted"``, ``"gone"`` (someone else deleted it) or ``"kept"`` (not allowed)."""
+def _open_dir(name: str, dir_fd: int | None, flags: int = _NOFOLLOW_DIR) -> int | None:
+    """A directory's descriptor; None for a symlink, a non-directory, or one gone or not ours."""
     try:
-        os.unlink(path)
+        return os.open(name, flags, dir_fd=dir_fd)
+    except OSError:
+        return None
+
+
+def _unlink(root: Path, path: str) -> str:
+    """Unlink ``path`` (a file two levels under one of ``root``'s prefix dirs) through
+    descriptors opened with ``O_NOFOLLOW``, never through a symlink swapped in for
+    one of its directories. ``"deleted"``, ``"gone"`` (someone else deleted it) or
+    ``"kept"`` (not allowed, or a directory on the way is no longer one of ours)."""
+    parts = os.path.relpath(path, root).split(os.sep)
+    assert len(parts) == 3 and ".." not in parts, f"{path!r} is not an object path under {str(root)!r}"
+    fd = _open_dir(str(root), None, _DIR)
+    try:
+        for part in parts[:-1]:
+            nfd = None if fd is None else _open_dir(part, fd)
+            if fd is not None:
+                os.close(fd)
+            fd = nfd
+        if fd is None:
+            return "kept"
+        os.unlink(parts[-1], dir_fd=fd)
         return "deleted"
     except FileNotFoundError:
         return "gone"
     except OSError:
         return "kept"
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
-def rescan_ledger(root: Path) -> None:
+def rescan_ledger(root: Path, gid: int | None = None) -> None:
     """After deleting from outside a backend (``hicache storage clear``): set the
     ledger of ``root`` to what is on disk, if the directory has one (a capped store)."""
-    if (Path(root) / LEDGER).exists():
-        FileCap(Path(root), max_bytes=1).rescan()
+    if os.path.lexists(Path(root) / LEDGER):
+        FileCap(Path(root), max_bytes=1, gid=gid).rescan()

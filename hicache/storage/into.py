@@ -12,8 +12,9 @@ Verification happens in place, over the destination's bytes (``verify_into``).
 Contract: a destination whose page is reported missing (absent, unreadable,
 corrupt, another layout's, a bad MAC, L3 down) may have been written: it holds
 garbage (a partial object, unverified bytes). Callers must treat it as free
-space and never expose it; the adapters report such a page as not loaded, and
-the engines then recompute it over that memory.
+space and never expose it; the adapters report such a page as not loaded and
+zero it (``wipe_unloaded``: a forger's bytes never stay in an engine's pages),
+and the engines then recompute it over that memory.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import hmac
 from typing import NamedTuple, Sequence
 
 import msgpack
+import numpy as np
 import xxhash
 
 from hicache.storage import codec
@@ -107,3 +109,22 @@ def verify_into(header: Buffer, segs: list[memoryview], page_hash: bytes, finger
     d = codec.decode(hdr + b"".join(segs), page_hash, fingerprint, template.sizes, auth_key, template)
     # OK here means decode found the payload at the split point, so ``segs`` hold it.
     return ReadStatus.OK if d.status is ReadStatus.OK else d
+
+
+def wipe_unloaded(direct_io: bool, dests: Sequence[Buffer | Sequence[Buffer]], got: Sequence[object]) -> int:
+    """Zero the destination of each page ``get_into`` did not load (``got[i]`` falsy), so
+    what a refused read left there (a bad MAC's payload, a partial object) is not kept.
+    Only a ``DIRECT_IO`` store (``direct_io``) reads into destinations before verifying;
+    the others copy verified payloads only, so nothing is wiped for them (an outage
+    leaves the memory as it was). ``dests``: per page, one writable buffer or a list
+    of them. Mutates them; returns the pages wiped."""
+    if not direct_io:
+        return 0
+    n = 0
+    for dest, ok in zip(dests, got):
+        if ok:
+            continue
+        for buf in dest if isinstance(dest, (list, tuple)) else (dest,):
+            np.frombuffer(buf, dtype=np.uint8)[:] = 0
+        n += 1
+    return n

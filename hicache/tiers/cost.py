@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import threading
 from typing import Any, Mapping, NamedTuple
 
-from hicache.core.errors import IntegrityError
+from hicache.core.errors import IntegrityError, InvalidArgument
 from hicache.core.stats import AdmissionStats  # noqa: F401  (re-exported)
 
 
@@ -145,9 +146,11 @@ class BandwidthMeter:
 
     def observe(self, tier: str, nbytes: int, seconds: float) -> None:
         """One finished transfer of ``nbytes`` in ``seconds`` on ``tier``'s link."""
-        if nbytes <= 0 or seconds <= 0:
+        if not nbytes > 0 or not seconds > 0:  # NaN too
             return
         bw = nbytes / seconds
+        if not math.isfinite(bw):  # an infinite rate would turn the EWMA NaN for good
+            return
         with self._lock:
             old = self._rate[tier]
             self._rate[tier] = bw if old is None else old + self.alpha * (bw - old)
@@ -164,6 +167,10 @@ class CostModel:
 
     def __init__(self, *, bytes_per_token: int, enabled: bool, prefill_tokens_per_s: float = 0.0,
                  priors: Mapping[str, float] | None = None, alpha: float = 0.2):
+        for name, v in (("prefill_tokens_per_s", prefill_tokens_per_s), *((f"{t} prior", p) for t, p in
+                                                                        (priors or {}).items())):
+            if not math.isfinite(v) or v < 0:
+                raise InvalidArgument(f"CostModel {name}={v!r}: must be a finite number >= 0 (0: measured)")
         self.bytes_per_token = bytes_per_token
         self.enabled = enabled
         self.configured_rate = prefill_tokens_per_s or None
@@ -180,7 +187,12 @@ class CostModel:
                    priors={"L2": cfg.l2_bytes_per_s, "L3": cfg.l3_bytes_per_s}, alpha=cfg.ewma_alpha)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
-        if tokens > 0 and seconds > 0:
+        """One forward of ``tokens`` in ``seconds``. Zero of either is skipped; a value that is
+        not finite is an ``InvalidArgument`` (it would make the estimate NaN for good)."""
+        if not (math.isfinite(tokens) and math.isfinite(seconds)):
+            raise InvalidArgument(f"observe_prefill(tokens={tokens!r}, seconds={seconds!r}): expected finite "
+                                  "numbers (the tokens of one forward and its wall time)")
+        if tokens > 0 and seconds > 0 and math.isfinite(tokens / seconds):
             r = tokens / seconds
             self._prefill = r if self._prefill is None else self._prefill + self.alpha * (r - self._prefill)
 
@@ -213,5 +225,8 @@ class CostModel:
         if (s.recomputed_l2_tokens and not s.recompute) or (s.recomputed_l3_tokens and not (s.recompute + s.load_l2)):
             raise IntegrityError(f"recomputed tokens without a decision that recomputes: {s}")
         for tier, r in self.bandwidth.rates().items():
-            if r is not None and not r > 0:
-                raise IntegrityError(f"bandwidth of {tier} is {r!r}; must be > 0 once measured")
+            if r is not None and not (r > 0 and math.isfinite(r)):
+                raise IntegrityError(f"bandwidth of {tier} is {r!r}; must be finite and > 0 once measured")
+        for name, r in (("measured", self._prefill), ("configured", self.configured_rate)):
+            if r is not None and not (r > 0 and math.isfinite(r)):
+                raise IntegrityError(f"{name} prefill rate is {r!r}; must be finite and > 0")

@@ -37,25 +37,39 @@ CPU_EXCLUDED = {
 }
 
 
+# Each suite's subprocess limit; pytest's own (the marker) leaves MARGIN_S to report.
+INTEGRATION_S = 1200
+OWN_SUITES_S = 2400
+MARGIN_S = 60
+
+
 def _run(args: list[str], cwd: pathlib.Path, timeout: int, allow_skips: bool = False) -> None:
     if not PY.exists() or not VLLM_TESTS.is_dir():
         pytest.fail(f"vLLM test environment missing ({PY}, {VLLM_TESTS}): run bash scripts/setup-engines.sh")
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
            "HF_HOME": str(ROOT / ".engines" / "hf")}  # a local config.json for facebook/opt-125m
-    out = subprocess.run([str(PY), "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=cwd, env=env,
-                         capture_output=True, text=True, timeout=timeout)
+    try:
+        out = subprocess.run([str(PY), "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=cwd, env=env,
+                             capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        so_far = ((e.stdout or b"") + (e.stderr or b""))[-6000:]
+        pytest.fail(f"{' '.join(args)} did not finish within {timeout} s (a loaded machine? see the load "
+                    f"average); its output so far:\n"
+                    f"{so_far.decode(errors='replace') if isinstance(so_far, bytes) else so_far}")
     tail = (out.stdout + out.stderr)[-6000:]
     assert out.returncode == 0, f"{' '.join(args)} exited {out.returncode}:\n{tail}"
     summary = tail.strip().splitlines()[-1]
     assert " passed" in summary and (allow_skips or "skipped" not in summary), tail
 
 
+@pytest.mark.timeout(INTEGRATION_S + MARGIN_S)
 def test_hicache_vllm_integration_tests():
     """tests/integrations/vllm (HiCacheTier, vLLM's tiering tests over it) with $REDIS_TEST_URL."""
-    _run(["tests/integrations/vllm"], ROOT, timeout=1200)
+    _run(["tests/integrations/vllm"], ROOT, timeout=INTEGRATION_S)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(OWN_SUITES_S + MARGIN_S)
 def test_vllm_own_offload_suites():
     deselect = [a for path in CPU_EXCLUDED for a in ("--deselect", path)]
     # vLLM's own skip markers (CUDA-only parametrisations) stay as vLLM wrote them.
@@ -63,5 +77,5 @@ def test_vllm_own_offload_suites():
     # loaded; it runs gc.collect() and a distributed-state teardown after every
     # test, which makes these ~1,000 unit tests take over an hour on 2 cores
     # instead of ~2 minutes. The suites' own conftests (v1/...) are loaded.
-    _run([*VLLM_SUITES, *deselect, "--confcutdir=tests/v1", "--timeout=120"], VLLM_TESTS, timeout=2400,
+    _run([*VLLM_SUITES, *deselect, "--confcutdir=tests/v1", "--timeout=120"], VLLM_TESTS, timeout=OWN_SUITES_S,
          allow_skips=True)

@@ -52,13 +52,18 @@ def test_keyed_objects_round_trip_and_a_forgery_is_a_counted_miss(source, l3_url
     assert not forger.store.options.auth_key
     assert forger.store.delete([page_key(keys[1])]) == 1  # batch_set_v1 skips pages L3 holds
     other = pool.alloc(PAGE)
+    forged = pages_of(pool, other)[0]
     assert forger.batch_set_v1(keys[1:2], other) == [True]
     dst2 = pool.alloc(3 * PAGE)
     assert keyed.batch_get_v1(keys, dst2) == [True, False, False]
     got = pages_of(pool, dst2)
     assert torch.equal(got[0], want[0])
-    # Pages from the miss on are reported not loaded; their host memory may hold what was
-    # read (loads verify in the pool, hicache.storage.into), which SGLang frees unread.
+    # Pages from the miss on are reported not loaded, and the forger's bytes are not left
+    # in the host pool (issue 36, row 11): file:// reads into the pool and verifies there
+    # (hicache.storage.into), then zeroes the refused page; Redis copies verified pages only.
+    assert forged.any() and not torch.equal(got[1], forged)
+    assert not got[1].any() or not keyed.store.DIRECT_IO
+    assert torch.equal(got[2], want[2])
     s = keyed.hicache_stats()
     assert s.corrupt == 1 and s.misses == 1
     assert keyed.adapter_stats().corrupt == 1

@@ -122,9 +122,9 @@ def test_tampered_object_is_a_miss_never_wrong_bytes(tmp_path, request):
     t.submit_load(job(2, ks, [3, 4], promotion=True))
     r = finish(t)[2]
     assert not r.success and tuple(r.successful_keys) == (ks[0],)
-    # Loads read into the rows and verify there (hicache.storage.into): row 4 may hold
-    # the tampered bytes, but vLLM is told chunk 2 did not load, so it never serves them.
-    assert np.array_equal(arr[3], want[0]) and not np.delete(arr, [3, 4], axis=0).any()
+    # Loads read into the rows and verify there (hicache.storage.into): row 4 held the
+    # tampered bytes and was zeroed; vLLM is told chunk 2 did not load.
+    assert np.array_equal(arr[3], want[0]) and not np.delete(arr, [3], axis=0).any()
     assert t.storage.stats().corrupt == 1 and t.stats().misses == 1
     assert t.lookup(ks[1], ReqContext("q")) is LookupResult.MISS  # forgotten, recomputed next time
     t.check_integrity()  # the corrupt object was deleted on read

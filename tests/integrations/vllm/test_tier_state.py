@@ -102,9 +102,10 @@ def test_auth_key_signs_and_a_forged_object_is_a_counted_miss(tmp_path, request,
     t.submit_load(job(2, ks, [2, 3], promotion=True))
     r = finish(t)[2]
     assert not r.success and tuple(r.successful_keys) == (ks[0],)
-    # Row 3 may hold the forged bytes (loads verify in the row, hicache.storage.into);
-    # vLLM is told chunk 2 did not load, so it never serves them.
-    assert (arr[2] == 7).all() and not np.delete(arr, [2, 3], axis=0).any()
+    # Row 3 was read and verified in place (hicache.storage.into), then zeroed: the
+    # forged bytes are not left in vLLM's rows (issue 36, row 11), and vLLM is told
+    # chunk 2 did not load.
+    assert (arr[2] == 7).all() and not np.delete(arr, [2], axis=0).any()
     s = t.stats()
     assert (s.hits, s.misses, s.corrupt) == (1, 1, 1)
     t.check_integrity()
