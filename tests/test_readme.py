@@ -260,6 +260,7 @@ def test_every_link_between_the_pages_resolves():
 ENGINE_VENVS = {".venv-vllm": "vLLM", ".venv-sglang": "SGLang"}
 
 
+@pytest.mark.slow
 def test_engine_cpu_checks_pass():
     """The README's CPU check commands for vLLM and SGLang users, run as written from
     the checkout (each a few of the engine tests that read the README's own launch
