@@ -72,7 +72,7 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
                         "path) is L2 (its shared segment) and, behind it, L3: storage.url becomes "
                         "hicache+unix://SOCKET and the KV layout takes the configured model.model_id, "
                         "which the service must share")
-    hy = p.add_argument_group("hybrid models (--hybrid; README \"Hybrid models\")")
+    hy = p.add_argument_group("hybrid models (--hybrid; docs/hybrid.md)")
     hy.add_argument("--hybrid", metavar="SHAPE", choices=("gpt-oss-120b", "qwen3-next-80b-a3b"),
                     help="no model: replay the trace through a HybridCache at this published hybrid shape and "
                          "print the bytes held against every layer in full, and the hit rate with the floor")
