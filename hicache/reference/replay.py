@@ -149,16 +149,11 @@ def replay(cfg: HiCacheConfig, trace_path: str | None, *, progress: bool = True,
     hc = HiCache(cfg, layout=layout, inline_transfers=_cpu(cfg.pool.device))
     model = ReferenceModel(spec, device=hc.device_pool.device)
     l3_before = _service_l3(hc)
-    bar = iter_progress(len(items), progress)
     try:
-        with logs_above_bars():  # a warning prints above the bar, never through it
-            run = Engine(hc, model, drain_each_step=True).run(items, _resolver(), on_finish=lambda r: bar.update(1),
-                                                              l2_used=_segment_pages(hc))
+        run = _run(hc, model, items, progress)
     except BaseException:
         hc.close()
         raise
-    finally:
-        bar.close()
     prompt_total = sum(r.prompt_tokens for r in run.results.values())
     rows = [_summarise("hicache (L1+L2+L3)", run, hc, prompt_total)]
     l3 = _service_l3_report(hc, l3_before, settle_s=SERVICE_SETTLE_S)
@@ -189,6 +184,18 @@ def replay(cfg: HiCacheConfig, trace_path: str | None, *, progress: bool = True,
                                             "L3": redact_url(cfg.storage.url) or "(none)",
                                             "page_size": cfg.model.page_size},
             "rows": rows, "series": series, "stats": stats}
+
+
+def _run(hc: HiCache, model, items: list, progress: bool) -> EngineRun:
+    """The reference engine over ``items``, a bar per request finished; a warning
+    prints above the bar, never through it."""
+    bar = iter_progress(len(items), progress)
+    try:
+        with logs_above_bars():
+            return Engine(hc, model, drain_each_step=True).run(items, _resolver(), on_finish=lambda r: bar.update(1),
+                                                               l2_used=_segment_pages(hc))
+    finally:
+        bar.close()
 
 
 def _cpu(device: str) -> bool:
