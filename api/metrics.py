@@ -31,7 +31,7 @@ class _Family:
         self.samples: list[tuple[dict[str, str], float]] = []
 
 
-def _walk(obj: Any, labels: dict[str, str], out: dict[str, _Family]) -> None:
+def _walk(obj: Any, labels: dict[str, str], out: dict[str, _Family], prefix: str = "") -> None:
     if any(f.metadata.get("gate") and not getattr(obj, f.name) for f in dataclasses.fields(obj)):
         return
     for f in dataclasses.fields(obj):
@@ -40,22 +40,32 @@ def _walk(obj: Any, labels: dict[str, str], out: dict[str, _Family]) -> None:
         if value is None:
             continue
         if dataclasses.is_dataclass(value):
-            _walk(value, {} if meta.get("scoped") else labels, out)
+            _walk(value, {} if meta.get("scoped") else labels, out, prefix + meta.get("prefix", ""))
             continue
         if isinstance(value, dict) and meta.get("key_label"):
             for key, v in sorted(value.items()):
                 if dataclasses.is_dataclass(v):
-                    _walk(v, {**labels, meta["key_label"]: str(key)}, out)
+                    _walk(v, {**labels, **_key_labels(meta, str(key), v)}, out, prefix)
                 else:
-                    _add(f, v, {**labels, **meta.get("labels", {}), meta["key_label"]: str(key)}, out)
+                    _add(f, v, {**labels, **meta.get("labels", {}), meta["key_label"]: str(key)}, out, prefix)
             continue
         if metric_of(f) is None or isinstance(value, str):
             continue
-        _add(f, value, {**labels, **meta.get("labels", {})}, out)
+        _add(f, value, {**labels, **meta.get("labels", {})}, out, prefix)
 
 
-def _add(f: dataclasses.Field, value: Any, labels: dict[str, str], out: dict[str, _Family]) -> None:
-    name = metric_of(f) or f.name
+def _key_labels(meta: Any, key: str, value: Any) -> dict[str, str]:
+    """The labels of one value of a ``key_label`` dict: its key, or (``name_label``) the
+    name the value gives itself, with the key under the id label."""
+    if not meta.get("name_label"):
+        return {meta["key_label"]: key}
+    name_field, id_label = meta["name_label"]
+    return {meta["key_label"]: getattr(value, name_field) or key, id_label: key}
+
+
+def _add(f: dataclasses.Field, value: Any, labels: dict[str, str], out: dict[str, _Family],
+         prefix: str = "") -> None:
+    name = prefix + (metric_of(f) or f.name)
     v = float(value)
     if f.metadata.get("invert"):
         v = 1.0 - v

@@ -15,7 +15,7 @@ import time
 from hicache.api.models import StatsResponse
 from hicache.api.rates import RATE_WINDOW_S, RateTracker  # noqa: F401  (re-exported)
 from hicache.api.state import RestState
-from hicache.core.stats import L3TierStats
+from hicache.core.stats import L3TierStats, MissStats
 from hicache.node.snapshot import EngineSnapshot, EventSnapshot, StatsSnapshot, TierSnapshot, engine_report
 
 def snapshot(state: RestState) -> StatsSnapshot:
@@ -63,7 +63,7 @@ def snapshot(state: RestState) -> StatsSnapshot:
                               draft_cut_pages=s.draft_cut_pages, draft_upgraded=s.draft_upgraded,
                               segment_origin=s.segment_origin),
         events=EventSnapshot(subscribers=bus.num_subscribers, published=bus.published, dropped=bus.dropped),
-        engines={k: engine_report(v) for k, v in s.engines.items()})
+        engines={k: engine_report(v) for k, v in s.engines.items()}, misses=MissStats(**s.reported_misses))
 
 
 def collect(state: RestState) -> StatsResponse:

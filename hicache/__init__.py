@@ -1,6 +1,9 @@
 """hicache: page-granular tiered KV cache manager for LLM inference engines."""
 from __future__ import annotations
 
+# Imported before the finder below is installed: its find_spec imports it, and a first
+# import from inside find_spec would ask the finder again (RecursionError in a bare image).
+import importlib.util as _importlib_util  # noqa: F401
 import os as _os
 import sys as _sys
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from importlib import metadata
@@ -71,7 +72,7 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
                         "path) is L2 (its shared segment) and, behind it, L3: storage.url becomes "
                         "hicache+unix://SOCKET and the KV layout takes the configured model.model_id, "
                         "which the service must share")
-    hy = p.add_argument_group("hybrid models (--hybrid; README \"Hybrid models\")")
+    hy = p.add_argument_group("hybrid models (--hybrid; docs/hybrid.md)")
     hy.add_argument("--hybrid", metavar="SHAPE", choices=("gpt-oss-120b", "qwen3-next-80b-a3b"),
                     help="no model: replay the trace through a HybridCache at this published hybrid shape and "
                          "print the bytes held against every layer in full, and the hit rate with the floor")
@@ -178,10 +179,50 @@ def cmd_info(args: argparse.Namespace) -> int:
                          "bytes": dev_bytes},
                   "L2": {"pages": cfg.pool.host_pages, "tokens": cfg.pool.host_pages * layout.page_size,
                          "bytes": host_bytes},
-                  "L3": redact_url(cfg.storage.url) or "(none)"},
+                  "L3": redact_url(cfg.storage.url) or "(none)", **_l3_cap(cfg)},
     }
+    warnings = _ram_warnings(info["pools"])
+    if warnings:
+        info["warnings"] = warnings
     print(json.dumps(args.redactor.value(info), indent=2, default=str))
+    for w in warnings:
+        print(f"hicache: warning: {w}", file=sys.stderr)
     return 0
+
+
+def _l3_cap(cfg: HiCacheConfig) -> dict[str, object]:
+    """``storage.max_bytes`` as it resolves for ``storage.url`` (``auto`` included)."""
+    from hicache.storage.capacity import backend_options  # torch-free
+    if not cfg.storage.url:
+        return {}
+    cap = backend_options(cfg.storage).get("max_bytes")
+    if cap is None:
+        return {"L3_max_bytes": None, "L3_cap": "set by the store itself (Redis: maxmemory)"}
+    how = "auto" if cfg.storage.max_bytes == "auto" else "storage.max_bytes"
+    return {"L3_max_bytes": cap, "L3_cap": f"{cap / 2**30:.1f} GiB ({how})" if cap else f"unbounded ({how})"}
+
+
+def physical_memory() -> int | None:
+    """This machine's RAM in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _ram_warnings(pools: dict) -> list[str]:
+    """A warning when the pools in host memory (L2, and L1 on the CPU) exceed the RAM."""
+    ram = physical_memory()
+    host = {"L2": pools["L2"]["bytes"]}
+    if pools["device"].startswith("cpu"):
+        host["L1 (on the CPU)"] = pools["L1"]["bytes"]
+    need = sum(host.values())
+    if ram is None or need <= ram:
+        return []
+    gib = 2**30
+    parts = ", ".join(f"{k} {v / gib:,.1f} GiB" for k, v in host.items())
+    return [f"the pools in host memory need {need / gib:,.1f} GiB ({parts}), more than this machine's "
+            f"{ram / gib:,.1f} GiB of RAM; lower pool.host_pages (or pool.device_pages on the CPU)"]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -1,10 +1,11 @@
-"""The README (and docs/) run as written.
+"""The README and docs/*.md run as written.
 
 Every ```bash / ```python / ```toml / ```jsonl block carries a marker on the
 line above it: ``<!-- readme: run by NAME -->`` where NAME is a test in this
-file (or ``.ci/run``), or ``<!-- readme: illustration, REASON -->``. The
-tests below run the blocks they name and compare what they print with what
-the README shows.
+file (or ``.ci/run``), or ``<!-- readme: illustration, REASON -->`` for a
+block CI cannot run (a GPU, a Docker engine, a file you supply), with the
+reason. The tests below run the blocks they name and compare what they print
+with what the docs show; ``test_snippet_census`` counts both kinds per file.
 """
 import json
 import os
@@ -21,6 +22,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
+CONFIG_DOC = ROOT / "docs" / "configuration.md"
+SERVICE_DOC = ROOT / "docs" / "service.md"
 MARKER = re.compile(r"<!-- readme: (run by (?P<test>[\w./:]+)|illustration, (?P<why>[^>]+\S)) -->")
 CHECKED_LANGS = ("bash", "sh", "shell", "console", "python", "toml", "jsonl")
 
@@ -116,7 +119,7 @@ def test_readme_python_example_runs(tmp_path):
 
 
 def test_readme_example_toml_asks_for_what_its_comments_say(tmp_path):
-    toml = block(README, "test_readme_example_toml_asks_for_what_its_comments_say", "toml")
+    toml = block(CONFIG_DOC, "test_readme_example_toml_asks_for_what_its_comments_say", "toml")
     path = tmp_path / "hicache.toml"
     path.write_text(toml)
     out = subprocess.run([sys.executable, "-m", "hicache.cli", "info", "--config", str(path)],
@@ -153,7 +156,7 @@ def test_readme_service_examples_run_twice_and_after_a_restart(tmp_path):
     serve`` restarts on the same file:// L3. They take the socket from the
     configuration (``service.socket_path``), as ``hicache serve`` does."""
     name = "test_readme_service_examples_run_twice_and_after_a_restart"
-    service_mode, engine_client = block(README, name, "python", 0), block(README, name, "python", 1)
+    service_mode, engine_client = block(SERVICE_DOC, name, "python", 0), block(SERVICE_DOC, name, "python", 1)
     for example in (service_mode, engine_client):
         assert "service.socket_path" in example and not re.findall(r"[\"'][^\"']*\.sock[\"']", example), example
     d = tempfile.mkdtemp(prefix="hc-")  # Unix socket paths are short
@@ -200,7 +203,7 @@ def test_trace_docs_example_replays_as_shown(tmp_path):
 
 def test_readme_documents_every_config_key():
     from hicache.core.config import HiCacheConfig
-    text = README.read_text()
+    text = CONFIG_DOC.read_text()
 
     def walk(prefix, obj):
         for k, v in obj.items():
@@ -211,5 +214,98 @@ def test_readme_documents_every_config_key():
                 yield key
 
     missing = [k for k in walk("", HiCacheConfig.load(env={}).model_dump()) if f"`{k}`" not in text]
-    assert not missing, f"README configuration reference lacks {missing}"
+    assert not missing, f"docs/configuration.md lacks {missing}"
 
+
+
+def test_snippet_census(capsys):
+    """How many blocks each page runs and how many it only shows, printed; every
+    illustration says why CI cannot run it."""
+    rows = []
+    for path in [README, *DOCS]:
+        marks = [MARKER.search(mk) for lg, mk, _ in blocks(path) if lg in CHECKED_LANGS]
+        run = sum(1 for m in marks if m and m.group("test"))
+        shown = [m.group("why") for m in marks if m and m.group("why")]
+        assert all(len(w) >= 10 for w in shown), f"{path.name}: an illustration without its reason: {shown}"
+        rows.append((path.relative_to(ROOT), run, len(shown)))
+    with capsys.disabled():
+        print(f"\nsnippets: {sum(r[1] for r in rows)} run, {sum(r[2] for r in rows)} illustrations; "
+              + ", ".join(f"{p} {r}/{s}" for p, r, s in rows if r or s))
+    assert sum(r[1] for r in rows) >= 9
+
+
+def test_every_link_between_the_pages_resolves():
+    """README and docs/ link each other by relative path and #anchor (GitHub's slugs)."""
+    def slugs(path):
+        out = set()
+        for line in path.read_text().splitlines():
+            if line.startswith("#"):
+                s = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+                out.add(s)
+        return out
+    missing = []
+    for path in [README, *DOCS]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+            if re.match(r"\w+://", target):
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            if not dest.exists():
+                missing.append(f"{path.name}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in slugs(dest):
+                missing.append(f"{path.name}: {target} (no such heading)")
+    assert not missing, "\n".join(missing)
+
+
+ENGINE_VENVS = {".venv-vllm": "vLLM", ".venv-sglang": "SGLang"}
+
+
+@pytest.mark.slow
+def test_engine_cpu_checks_pass():
+    """The README's CPU check commands for vLLM and SGLang users, run as written from
+    the checkout (each a few of the engine tests that read the README's own launch
+    lines). A missing engine environment fails: CI builds it first. ~1-2 min on
+    the 2-core box, most of it importing the engines."""
+    cmds = [b for lg, mk, b in blocks(README) if lg == "bash" and "run by test_engine_cpu_checks_pass" in mk]
+    assert len(cmds) == 2, cmds
+    for cmd in cmds:
+        venv = next(v for v in ENGINE_VENVS if f"{v}/bin/python" in cmd)
+        if not (ROOT / venv / "bin" / "python").exists():
+            pytest.fail(f"{venv} missing: run bash scripts/setup-engines.sh (the README's test command does)")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("HICACHE_", "VLLM_", "HF_"))}
+        out = subprocess.run(["bash", "-c", cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        tail = (out.stdout + out.stderr)[-4000:]
+        assert out.returncode == 0, f"{ENGINE_VENVS[venv]} check exited {out.returncode}:\n{tail}"
+        assert re.search(r"\d+ passed", tail) and "skipped" not in tail and "error" not in tail.lower(), tail
+
+
+def test_service_rest_reference_curls_answer(tmp_path):
+    """Every curl of docs/service.md's REST reference, against a live ``hicache serve``
+    with an admin token: each answers 2xx, admin routes with the token only."""
+    rows = [r for r in SERVICE_DOC.read_text().splitlines() if r.startswith("| ") and "`curl " in r]
+    curls = [re.findall(r"`(curl [^`]+)`", r)[-1] for r in rows]
+    assert len(curls) == 9, curls
+    d = tempfile.mkdtemp(prefix="hc-")
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = "readme-" + uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_")}
+    env.update(HICACHE_SERVICE__SOCKET_PATH=f"{d}/hicache.sock", HICACHE_SERVICE__PORT=str(port),
+               HICACHE_STORAGE__URL="memory://", HICACHE_SERVICE__ADMIN_TOKEN=token,
+               HICACHE_SERVICE__SHM_NAME=f"hicache-readme-{uuid.uuid4().hex[:8]}", HICACHE_POOL__HOST_PAGES="32")
+    serve = _start_serve(env)
+    try:
+        shell = {**os.environ, "HC": f"http://127.0.0.1:{port}", "TOKEN": token}
+        for cmd in curls:
+            status = subprocess.run(["bash", "-c", cmd.replace("curl ", "curl -o /dev/null -w '%{http_code}' ", 1)],
+                                    env=shell, capture_output=True, text=True, timeout=60)
+            assert status.stdout.startswith("2"), (cmd, status.stdout, status.stderr)
+            if "$TOKEN" in cmd:  # an admin route: refused without the token
+                bare = cmd.replace(' -H "Authorization: Bearer $TOKEN"', "")
+                status = subprocess.run(["bash", "-c", bare.replace("curl ", "curl -o /dev/null -w '%{http_code}' ", 1)],
+                                        env=shell, capture_output=True, text=True, timeout=60)
+                assert status.stdout == "401", (bare, status.stdout)
+    finally:
+        _stop_serve(serve)

@@ -107,8 +107,8 @@ class StorageConfig(_Section):
     timeout_ms: int = Field(50, ge=1)  # a lookup that takes longer answers "miss"
     max_retries: int = Field(2, ge=0, le=MAX_RETRIES)  # each retry can wait timeout_ms again
     # A secret shared by every process that may write this L3: objects carry a
-    # keyed MAC and objects without a valid one are misses (see the README's
-    # threat model). auth_key_file: read it from a file (a Compose/K8s secret).
+    # keyed MAC and objects without a valid one are misses (see the threat model
+    # in docs/storage.md). auth_key_file: read it from a file (a Compose/K8s secret).
     auth_key: str = ""
     auth_key_file: str = ""
     # Byte cap of file:// and memory:// (bytes, "20GiB", 0 = unbounded); "auto":

@@ -19,6 +19,10 @@ Metadata keys:
 - ``key_label``: for ``dict[str, <dataclass>]`` fields, the label naming each key.
 - ``gate``: a bool field that, when false, removes its object from ``/metrics``.
 - ``scoped``: a nested dataclass whose series do not inherit the parent's labels.
+- ``prefix``: a nested dataclass whose families are named ``prefix + name`` (an
+  engine's misses, ``engine_miss_pages``, beside the node's ``miss_pages``).
+- ``name_label``: a ``key_label`` field's value names its series by this field of
+  each value when set (the engine's own name), the key going to label ``id_label``.
 """
 from __future__ import annotations
 
@@ -30,10 +34,12 @@ Kind = Literal["counter", "gauge"]
 
 def stat(help: str, *, metric: str | None = "", kind: Kind = "counter", labels: dict[str, str] | None = None,
          family_help: str | None = None, invert: bool = False, key_label: str | None = None, gate: bool = False,
-         scoped: bool = False, default: Any = dataclasses.MISSING, default_factory: Any = dataclasses.MISSING) -> Any:
+         scoped: bool = False, default: Any = dataclasses.MISSING, default_factory: Any = dataclasses.MISSING,
+         prefix: str = "", name_label: tuple[str, str] | None = None) -> Any:
     """A dataclass field declaring one statistic (see the module docstring)."""
     meta = {"help": help, "metric": metric, "kind": kind, "labels": dict(labels or {}), "family_help": family_help,
-            "invert": invert, "key_label": key_label, "gate": gate, "scoped": scoped}
+            "invert": invert, "key_label": key_label, "gate": gate, "scoped": scoped, "prefix": prefix,
+            "name_label": name_label}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)

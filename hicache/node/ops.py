@@ -69,6 +69,7 @@ class Dispatcher:
             "check": self._check, "report": self._report, "bye": lambda o, r: {},
         }
         self.reports: dict[int, EngineReport] = {}  # per connection: its last ``report``
+        self.misses_total = MissStats()  # every report's misses since start; grows only
 
     def error(self, kind: str, message: str, close: bool = False, **extra: Any) -> Reply:
         self.errors[kind] += 1
@@ -160,7 +161,9 @@ class Dispatcher:
                 figures[k] = _miss_figures(v)
             elif type(v) is not int or not 0 <= v <= MAX_REPORT_VALUE:
                 raise ServiceError("bad_args", f"report: {k} must be an int in [0, 2**63), got {plain(v)!r:.40}")
-        self.reports[owner] = EngineReport(name=name, **figures)
+        new = EngineReport(name=name, **figures)
+        _add_misses(self.misses_total, self.reports.get(owner), new)
+        self.reports[owner] = new
         return {}
 
     def _refusal(self, op: str, e: Exception) -> Reply:
@@ -244,6 +247,14 @@ def _arg(req: dict, name: str) -> Any:
     if name not in req:
         raise ServiceError("bad_args", f"op {req.get('op')!r} needs field {name!r}")
     return req[name]
+
+
+def _add_misses(total: MissStats, old: EngineReport | None, new: EngineReport) -> None:
+    """Add what ``new`` counts beyond the same connection's ``old`` report (a report
+    that counts less, a reset engine, adds nothing: the total only grows)."""
+    for f in dataclasses.fields(MissStats):
+        was = getattr(old.misses, f.name) if old is not None else 0
+        setattr(total, f.name, getattr(total, f.name) + max(0, getattr(new.misses, f.name) - was))
 
 
 def _miss_figures(v: Any) -> MissStats:

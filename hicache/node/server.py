@@ -436,7 +436,8 @@ class NodeServer:
             draft_upgraded=c.draft_upgraded, segment_origin=self.segment_origin,
             clients=idx.num_owners - (self.l3 is not None), clients_total=self._next_client,
             errors=dict(d.errors), l3=self.l3.stats().to_dict() if self.l3 is not None else {},
-            engines={str(o): dataclasses.asdict(r) for o, r in sorted(d.reports.items())})
+            engines={str(o): dataclasses.asdict(r) for o, r in sorted(d.reports.items())},
+            reported_misses=d.misses_total.as_dict())
 
 
 def open_l3(cfg: HiCacheConfig, layout: KVLayout) -> StorageBackend | None:

@@ -127,7 +127,8 @@ class EngineReport:
                                      metric="engine_admission_decisions", labels={"choice": "unmeasured"}, default=0)
     admission_recomputed_tokens: int = stat("L2/L3-hit tokens recomputed instead of loaded.",
                                             metric="engine_admission_recomputed_tokens", default=0)
-    misses: MissStats = stat("The engine's missed pages by reason (hicache.index.misses).", default_factory=MissStats)
+    misses: MissStats = stat("The engine's missed pages by reason (hicache.index.misses).", default_factory=MissStats,
+                             prefix="engine_")
 
 
 def report_figures(stats: "HiCacheStats") -> dict[str, Any]:
@@ -172,5 +173,9 @@ class StatsSnapshot:
     tiers: dict[Tier, TierSnapshot] = stat("Per-tier counters.", key_label="tier")
     engine: EngineSnapshot = stat("Engine connections and the L2 pages they hold.")
     events: EventSnapshot = stat("KV event stream.")
-    engines: dict[str, EngineReport] = stat("Figures engines pushed, by client id (op report).",
-                                            key_label="engine", default_factory=dict)
+    engines: dict[str, EngineReport] = stat("Figures engines pushed, by client id (op report); in /metrics "
+                                            "labelled by the name each engine gave (engine) and its client id.",
+                                            key_label="engine", default_factory=dict, name_label=("name", "client"))
+    misses: MissStats = stat("Missed pages every engine reported since the service started, by reason (an "
+                             "engine that disconnects keeps its share); every reason from the start, at 0.",
+                             default_factory=MissStats)

@@ -46,6 +46,7 @@ class ServiceStats:
     errors: dict[str, int] = field(default_factory=dict)  # refusals by kind
     l3: dict[str, int] = field(default_factory=dict)  # L3TierStats; empty without an L3
     engines: dict[str, dict[str, Any]] = field(default_factory=dict)  # client id -> its EngineReport
+    reported_misses: dict[str, int] = field(default_factory=dict)  # MissStats of every report since start (summed)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -100,9 +100,12 @@ class Engine:
 
     def run(self, items: Sequence, resolve: Callable[[object, dict[str, RequestResult]], list[int] | None],
             *, forced_outputs: dict[str, list[int]] | None = None,
-            on_finish: Callable[[RequestResult], None] | None = None) -> EngineRun:
+            on_finish: Callable[[RequestResult], None] | None = None,
+            l2_used: Callable[[], int] | None = None) -> EngineRun:
         """Serve ``items`` in arrival order. ``resolve(item, results)`` returns the
-        prompt tokens, or None while the item waits on an unfinished parent."""
+        prompt tokens, or None while the item waits on an unfinished parent.
+        ``l2_used``: what each sample reads as L2 occupancy (default: the cache's own
+        host pool; service mode passes the shared segment's)."""
         run = EngineRun()
         self._admitted = 0
         t0 = time.perf_counter()
@@ -128,7 +131,8 @@ class Engine:
             run.samples.append(StepSample(step, time.perf_counter() - t0, len(run.results),
                                           hit / prompt if prompt else 0.0,
                                           s.device_pages_cached + s.device_pages_private,
-                                          s.host_pages_cached, self._admitted, prompt, l3_hit))
+                                          s.host_pages_cached if l2_used is None else l2_used(),
+                                          self._admitted, prompt, l3_hit))
         self.cache.drain()
         run.wall_s = time.perf_counter() - t0
         return run

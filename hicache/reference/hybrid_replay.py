@@ -15,13 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 from typing import Any
 
 import torch
 
 from hicache.core.config import HiCacheConfig
 from hicache.core.groups import hybrid_layout, workload_bytes
-from hicache.cache.hybrid import HybridCache, HybridPools
+from hicache.cache.hybrid import HybridCache, HybridPools, group_layout
+from hicache.core.layout import KVLayout
+from hicache.memory.pools import HostPool
+from hicache.reference.progress import Progress, logs_above_bars
 from hicache.core.policies import WritePolicy
 from hicache.core.shapes import model_shape
 
@@ -73,9 +78,40 @@ def _serve(hy: HybridCache, rid: str, prompt: list[int], output: list[int], ns: 
     return adm.hit - adm.hit % ps, adm.resume
 
 
+def pool_bytes(lay: KVLayout, device_pages: int, host_pages: int, state_device: int, state_host: int) -> int:
+    """Bytes of every pool a ``HybridCache`` allocates at these sizes (the full groups'
+    ``HiCache``, each SWA group's pools at the same page counts, the state slots)."""
+    total = 0
+    for gi, g in enumerate(lay.groups):
+        if g.kind == "full" and gi != next(i for i, x in enumerate(lay.groups) if x.kind == "full"):
+            continue  # the full groups share one HiCache
+        sub = group_layout(lay, ("full",)) if g.kind == "full" else group_layout(lay, (g.kind,), gi)
+        dev, host = (state_device, state_host) if g.kind == "state" else (device_pages, host_pages)
+        total += sub.page_bytes * dev + HostPool.nbytes_for(sub, host)
+    return total
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak resident set so far (Python, torch, the trace)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _expect(progress: Progress, pools: int) -> None:
+    gib = 1 << 30
+    now = _peak_rss_bytes()
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    progress.note(f"expected peak RSS: about {(now + pools) / gib:.1f} GiB (the pools {pools / gib:.2f} GiB, "
+                  f"sized to hold the whole workload, + {now / gib:.2f} GiB of Python, torch and the trace); "
+                  f"this machine has {ram / gib:.1f} GiB" + ("; it will not fit: use a smaller --scale or trace"
+                                                             if now + pools > ram else ""))
+
+
 def replay_hybrid(cfg: HiCacheConfig, shape_name: str, trace_path: str | None, *, scale: str = "tiny",
-                  snapshot_every: int = 8, end_snapshots: bool = False) -> dict[str, Any]:
-    """Run the trace (default: the built-in one at ``scale``); returns the report."""
+                  snapshot_every: int = 8, end_snapshots: bool = False,
+                  progress: Progress | None = None) -> dict[str, Any]:
+    """Run the trace (default: the built-in one at ``scale``); returns the report.
+    ``progress``: the expected peak RSS before allocating, and a bar over the requests."""
+    progress = progress or Progress(False)
     from hicache.reference.workloads import builtin_trace, read_trace
 
     trace = read_trace(trace_path) if trace_path else builtin_trace(scale=scale)
@@ -92,13 +128,15 @@ def replay_hybrid(cfg: HiCacheConfig, shape_name: str, trace_path: str | None, *
         "pool": cfg.pool.model_copy(update={"device_pages": min(cfg.pool.device_pages, pages), "host_pages": pages}),
         "policy": cfg.policy.model_copy(update={"write_policy": WritePolicy.WRITE_THROUGH})})
     # snapshots: 4 on L1 (one is taken or recorded at a time; the rest stay on L2), all on L2
+    pools_b = pool_bytes(layout, cfg.pool.device_pages, pages, 4, slots)
+    _expect(progress, pools_b)
     hy = HybridCache(cfg, layout=layout, pools=HybridPools(state_device_slots=4, state_host_slots=slots))
     try:
         payload = []
         if hy.state_gi is not None:
             payload = [torch.zeros(hy.stores[hy.state_gi].layout.row_bytes, dtype=torch.uint8)]
         prompt_total = hit = resumed = 0
-        for rid, prompt, output, ns in seqs:
+        for rid, prompt, output, ns in progress.wrap(seqs, f"--hybrid {shape_name}", total=len(seqs)):
             h, r = _serve(hy, rid, prompt, output, ns, end_snapshots, payload)
             hy.drain()  # as the reference engine's replay: backups done before the next request
             prompt_total, hit, resumed = prompt_total + len(prompt), hit + h, resumed + r
@@ -107,7 +145,7 @@ def replay_hybrid(cfg: HiCacheConfig, shape_name: str, trace_path: str | None, *
         held = hy.held_bytes()
         stats = hy.stats()
         return {"shape": shape_name, "trace": trace.name, "page_size": ps, "snapshot_every": snapshot_every,
-                "requests": len(seqs), "prompt_tokens": prompt_total, "hit_tokens": hit,
+                "requests": len(seqs), "prompt_tokens": prompt_total, "hit_tokens": hit, "pool_bytes": pools_b,
                 "resumed_tokens": resumed, "hit_rate": hit / prompt_total if prompt_total else 0.0,
                 "floored_hit_rate": resumed / prompt_total if prompt_total else 0.0,
                 "held_bytes": held, "boundaries": stats.boundaries, "forgotten_boundaries": stats.forgotten,
@@ -140,8 +178,9 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace, cfg: HiCacheConfig) -> int:
-    report = replay_hybrid(cfg, args.hybrid, args.trace, scale=args.scale, snapshot_every=args.snapshot_every,
-                           end_snapshots=args.end_snapshots)
+    with logs_above_bars():
+        report = replay_hybrid(cfg, args.hybrid, args.trace, scale=args.scale, snapshot_every=args.snapshot_every,
+                               end_snapshots=args.end_snapshots, progress=Progress(not args.quiet))
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:

@@ -19,6 +19,7 @@ import torch
 from hicache.core.config import HiCacheConfig
 from hicache.reference.engine import Engine, EngineRun, iter_progress
 from hicache.reference.model_spec import ModelSpec
+from hicache.reference.progress import logs_above_bars
 from hicache.core.errors import ConfigError
 from hicache.cache.hicache import HiCache
 from hicache.core.redact import redact_url
@@ -87,6 +88,19 @@ def _service_l3(hc: HiCache) -> dict[str, int] | None:
     return None if st is None else dict(st["l3"])
 
 
+def _segment_pages(hc: HiCache):
+    """Service mode: a sampler of the pages the service's segment holds (every engine's
+    committed pages; this process's private L2 is empty); None when embedded."""
+    sh = hc.shared
+    if sh is None:
+        return None
+
+    def committed() -> int:
+        st = sh.call(sh.client.stats)
+        return 0 if st is None else int(st["committed_pages"])
+    return committed
+
+
 def _settled(w: dict[str, int]) -> bool:
     return w.get("queued", 0) == w.get("written", 0) + w.get("stale", 0) + w.get("failed", 0)
 
@@ -135,14 +149,11 @@ def replay(cfg: HiCacheConfig, trace_path: str | None, *, progress: bool = True,
     hc = HiCache(cfg, layout=layout, inline_transfers=_cpu(cfg.pool.device))
     model = ReferenceModel(spec, device=hc.device_pool.device)
     l3_before = _service_l3(hc)
-    bar = iter_progress(len(items), progress)
     try:
-        run = Engine(hc, model, drain_each_step=True).run(items, _resolver(), on_finish=lambda r: bar.update(1))
+        run = _run(hc, model, items, progress)
     except BaseException:
         hc.close()
         raise
-    finally:
-        bar.close()
     prompt_total = sum(r.prompt_tokens for r in run.results.values())
     rows = [_summarise("hicache (L1+L2+L3)", run, hc, prompt_total)]
     l3 = _service_l3_report(hc, l3_before, settle_s=SERVICE_SETTLE_S)
@@ -163,7 +174,8 @@ def replay(cfg: HiCacheConfig, trace_path: str | None, *, progress: bool = True,
         rows.append(_null_run("L1-only radix cache", l1, layout, items, forced, prompt_total))
         oracle, earlier = _oracle(run, cfg.model.page_size, prompt_total)
         rows.append(oracle)
-        rows[0]["earlier_runs_hit_tokens"] = earlier
+        rows[0]["earlier_runs_hit_tokens"] = sum(earlier.values())
+        rows[0]["earlier_runs_hit_tokens_by_tier"] = earlier
         rows.append({"name": "no cache", "requests": len(items), "prompt_tokens": prompt_total,
                      "hit_tokens": 0, "hit_rate": 0.0, "l1_hit_tokens": 0, "l2_hit_tokens": 0,
                      "l3_hit_tokens": 0, "recomputed_tokens": prompt_total, "time_s": None})
@@ -172,6 +184,18 @@ def replay(cfg: HiCacheConfig, trace_path: str | None, *, progress: bool = True,
                                             "L3": redact_url(cfg.storage.url) or "(none)",
                                             "page_size": cfg.model.page_size},
             "rows": rows, "series": series, "stats": stats}
+
+
+def _run(hc: HiCache, model, items: list, progress: bool) -> EngineRun:
+    """The reference engine over ``items``, a bar per request finished; a warning
+    prints above the bar, never through it."""
+    bar = iter_progress(len(items), progress)
+    try:
+        with logs_above_bars():
+            return Engine(hc, model, drain_each_step=True).run(items, _resolver(), on_finish=lambda r: bar.update(1),
+                                                               l2_used=_segment_pages(hc))
+    finally:
+        bar.close()
 
 
 def _cpu(device: str) -> bool:
@@ -185,11 +209,12 @@ def _oracle(run: EngineRun, page_size: int, prompt_total: int) -> tuple[dict[str
     same rules (whole pages, at most all but the last token). No schedule can
     beat it within this run: a page is only reusable once an earlier request
     computed it. It starts empty, so a persistent L3 filled by earlier runs can
-    beat it; returns ``(row, tokens hicache hit beyond it per request, summed)``,
+    beat it; returns ``(row, tokens hicache hit beyond it, per tier that served them)``,
     which are exactly the hits on pages no earlier request of this run held."""
     from hicache.core.hashing import page_hashes
     seen: set[bytes] = set()
-    hit = earlier = 0
+    hit = 0
+    earlier = {"L1": 0, "L2": 0, "L3": 0}
     for r in sorted(run.results.values(), key=lambda r: r.admitted):
         prompt = r.full[:r.prompt_tokens]
         hashes = page_hashes(prompt[:max(0, len(prompt) - 1)], page_size, r.namespace)
@@ -197,12 +222,22 @@ def _oracle(run: EngineRun, page_size: int, prompt_total: int) -> tuple[dict[str
         while n < len(hashes) and hashes[n] in seen:
             n += 1
         hit += n * page_size
-        earlier += max(0, r.device_hit + r.host_hit - n * page_size)
+        for tier, tokens in _beyond(r, r.device_hit + r.host_hit - n * page_size).items():
+            earlier[tier] += tokens
         seen.update(page_hashes(r.full, page_size, r.namespace))
     return {"name": "infinite cache (oracle)", "requests": len(run.results), "prompt_tokens": prompt_total,
             "hit_tokens": hit, "hit_rate": hit / prompt_total if prompt_total else 0.0,
             "l1_hit_tokens": hit, "l2_hit_tokens": 0, "l3_hit_tokens": 0,
             "recomputed_tokens": prompt_total - hit, "time_s": None}, earlier
+
+
+def _beyond(r, extra: int) -> dict[str, int]:
+    """The last ``extra`` tokens of ``r``'s hit, by the tier that served them. A hit runs
+    L1, then L2 continuing it, then L3 continuing that, so its tail is L3's part first."""
+    extra = max(0, extra)
+    l3 = min(extra, r.storage_hit)
+    l2 = min(extra - l3, r.host_hit - r.storage_hit)
+    return {"L1": extra - l3 - l2, "L2": l2, "L3": l3}
 
 
 def _null_run(name: str, cfg: HiCacheConfig, layout, items, forced, prompt_total: int) -> dict[str, Any]:
@@ -248,12 +283,23 @@ def format_table(report: dict[str, Any]) -> str:
         pct = f"{first['hit_rate'] / oracle['hit_rate']:.1%}"
         earlier = first.get("earlier_runs_hit_tokens", 0)
         if earlier:
+            shared = report["config"].get("L2_shared")
             tail.append(f"hicache reaches {pct} of this run's infinite-cache hit rate; the oracle starts empty, "
-                        f"while L3 served {earlier:,} tokens of pages that earlier runs stored "
-                        "(an empty L3, e.g. --set storage.url=memory://, compares like with like)")
+                        f"while {_served(first, shared)} tokens of pages that earlier runs stored "
+                        + ("(a fresh hicache serve on an empty L3 compares like with like)" if shared else
+                           "(an empty L3, e.g. --set storage.url=memory://, compares like with like)"))
         else:
             tail.append(f"hicache reaches {pct} of the infinite-cache hit rate")
     return "\n".join([head, *lines, *tail])
+
+
+def _served(row: dict[str, Any], shared: bool) -> str:
+    """``L3 served N`` / ``the shared L2 served A and L3 B``: each tier that served earlier runs' pages."""
+    by = row.get("earlier_runs_hit_tokens_by_tier") or {"L3": row["earlier_runs_hit_tokens"]}
+    names = {"L1": "L1", "L2": "the shared L2" if shared else "L2", "L3": "L3"}
+    parts = [(names[t], by[t]) for t in ("L1", "L2", "L3") if by.get(t)]
+    first, *rest = parts
+    return f"{first[0]} served {first[1]:,}" + "".join(f" and {n} {v:,}" for n, v in rest)
 
 
 def plot(report: dict[str, Any], path: str) -> None:
@@ -274,7 +320,9 @@ def plot(report: dict[str, Any], path: str) -> None:
     a.set_ylim(0, 1)
     a.legend(loc="lower right", fontsize=8)
     b.plot(x, [p["l1_used"] for p in s], label="L1 pages used", color="C0")
-    b.plot(x, [p["l2_used"] for p in s], label="L2 pages cached", color="C1")
+    shared = report["config"].get("L2_shared")
+    b.plot(x, [p["l2_used"] for p in s], color="C1",
+           label="L2 pages cached: the service's shared segment (every engine)" if shared else "L2 pages cached")
     b.axhline(report["config"]["L1_pages"], color="C0", linestyle=":", linewidth=1,
               label=f"L1 capacity ({report['config']['L1_pages']:,} pages)")
     b.axhline(report["config"]["L2_pages"], color="C1", linestyle=":", linewidth=1,

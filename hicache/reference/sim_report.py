@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterator
 
 from hicache.core.config import HiCacheConfig
 from hicache.reference import sim_baselines as bl
+from hicache.reference.progress import Progress, logs_above_bars
 from hicache.reference.simulate import SimPlan, SimRequest, run_hicache, sim_config, trace_requests
 from hicache.index.eviction import POLICIES
 from hicache.index.misses import REASONS
@@ -29,24 +30,39 @@ def _offline_row(name: str, hit: int, stream: bl.PageStream, plan: SimPlan) -> d
 
 
 def simulate(cfg: HiCacheConfig, factory: Factory, *, policies: list[str] | None = None,
-             baselines: bool = True, plan: SimPlan | None = None) -> dict[str, Any]:
-    """Every row of the simulation report (see ``hicache.reference.simulate``)."""
+             baselines: bool = True, plan: SimPlan | None = None, progress: Progress | None = None) -> dict[str, Any]:
+    """Every row of the simulation report (see ``hicache.reference.simulate``); ``progress``
+    draws a bar per run (default: none)."""
     plan = plan or SimPlan.from_config(cfg.simulate)
     ps = plan.page_size
     default = cfg.policy.device_eviction
-    rows = [run_hicache(f"hicache L1+L2+L3 ({default})", sim_config(cfg, plan), plan, factory())]
-    stream = bl.page_stream(factory(), ps)
+    feed = _feeder(factory, progress)
+    rows = [run_hicache(f"hicache L1+L2+L3 ({default})", sim_config(cfg, plan), plan,
+                        feed(f"hicache L1+L2+L3 ({default})"))]
+    stream = bl.page_stream(feed("page stream (baselines)"), ps)
     if baselines:
         rows.append(run_hicache("GPU-only prefix cache (L1)", sim_config(cfg, plan, l3=False, backup=False),
-                                _no_l2(plan), factory()))
+                                _no_l2(plan), feed("GPU-only prefix cache (L1)")))
         for p in policies if policies is not None else [default]:
             rows.append(run_hicache(f"hicache L1+L2 ({p})", sim_config(cfg, plan, eviction=p, l3=False),
-                                    plan, factory()))
+                                    plan, feed(f"hicache L1+L2 ({p})")))
         cap = plan.l1_pages + plan.l2_pages
         rows.append(_offline_row(f"Belady MIN ({cap:,} pages = L1+L2)", bl.belady(stream, ps, cap), stream, plan))
         rows.append(_offline_row("infinite cache", bl.infinite(stream, ps), stream, plan))
     return {"config": _plan_dict(plan), "working_set_pages": stream.unique_pages,
             "working_set_bytes": stream.unique_pages * plan.page_bytes, "rows": rows}
+
+
+def _feeder(factory: Factory, progress: Progress | None) -> Callable[[str], Iterator[SimRequest]]:
+    """A fresh request stream per run, drawn as a bar named after the run."""
+    if progress is None:
+        return lambda name: factory()
+    return lambda name: progress.wrap(factory(), name)
+
+
+def runs_ahead(policies: list[str] | None, baselines: bool) -> int:
+    """Passes over the trace ``simulate`` makes: hicache, the page stream, and the baselines' runs."""
+    return 2 + (1 + len(policies if policies is not None else [None]) if baselines else 0)
 
 
 def _no_l2(plan: SimPlan) -> SimPlan:
@@ -109,36 +125,48 @@ def format_report(rep: dict[str, Any], trace: str) -> str:
 
 
 # ----------------------------------------------------------------- the sweep
-def sweep(cfg: HiCacheConfig, factory: Factory, fractions=SWEEP_FRACTIONS) -> dict[str, Any]:
+def sweep(cfg: HiCacheConfig, factory: Factory, fractions=SWEEP_FRACTIONS,
+          progress: Progress | None = None) -> dict[str, Any]:
     """Hit rate against each tier's capacity (the tiers above it at their configured
     size, the tiers below it absent), at ``fractions`` of the working set; L2 and L3
-    points no larger than the tier above are skipped (they hold copies of it)."""
+    points no larger than the tier above are skipped (they hold copies of it).
+    ``progress``: a note of the points ahead, and a bar per point."""
     s = cfg.simulate
     base = SimPlan.from_config(s)
-    stream = bl.page_stream(factory(), base.page_size)
+    feed = _feeder(factory, progress)
+    stream = bl.page_stream(feed("page stream (working set)"), base.page_size)
     ws = stream.unique_pages * base.page_bytes
     prompt = sum(stream.tokens)
     points = []
     above = {"L1": 0, "L2": base.l1_pages * base.page_bytes, "L3": base.l2_pages * base.page_bytes}
-    for tier in ("L1", "L2", "L3"):
-        for f in fractions:
-            b = max(base.page_bytes, int(ws * f))
-            if b <= above[tier]:
-                continue  # no larger than the tier above it: adds nothing (L2 and L3 hold copies)
-            if tier == "L1":
-                plan = SimPlan.from_config(s, l1_bytes=b, l2_bytes=0, l3_bytes=0)
-                c = sim_config(cfg, plan, l3=False, backup=False)
-            elif tier == "L2":
-                plan = SimPlan.from_config(s, l2_bytes=b, l3_bytes=0)
-                c = sim_config(cfg, plan, l3=False)
-            else:
-                plan = SimPlan.from_config(s, l3_bytes=b)
-                c = sim_config(cfg, plan)
-            row = run_hicache(f"{tier} {human_bytes(b)}", c, plan if tier != "L1" else _no_l2(plan), factory())
-            points.append({"tier": tier, "bytes": b, "fraction": f, "hit_rate": row["hit_rate"],
-                           "time_s": row["time_s"]})
+    todo = [(tier, f, max(base.page_bytes, int(ws * f))) for tier in ("L1", "L2", "L3") for f in fractions]
+    # no larger than the tier above it: adds nothing (L2 and L3 hold copies)
+    todo = [(tier, f, b) for tier, f, b in todo if b > above[tier]]
+    if progress is not None:
+        n = f"{progress.total:,}" if progress.total is not None else "all the"
+        progress.note(f"sweep: {len(todo)} capacity points, each a whole replay of {n} requests "
+                      "(on the Mooncake trace ~1 min of CPU each); --limit N replays only the first N")
+    for tier, f, b in todo:
+        plan, c = _point(cfg, tier, b)
+        row = run_hicache(f"{tier} {human_bytes(b)}", c, plan if tier != "L1" else _no_l2(plan),
+                          feed(f"{tier} {human_bytes(b)}"))
+        points.append({"tier": tier, "bytes": b, "fraction": f, "hit_rate": row["hit_rate"],
+                       "time_s": row["time_s"]})
     return {"working_set_bytes": ws, "infinite_hit_rate": bl.infinite(stream, base.page_size) / prompt,
             "config": _plan_dict(base), "points": points}
+
+
+def _point(cfg: HiCacheConfig, tier: str, b: int) -> tuple[SimPlan, HiCacheConfig]:
+    """One sweep point: ``tier`` at ``b`` bytes, the tiers above at their configured size, those below absent."""
+    s = cfg.simulate
+    if tier == "L1":
+        plan = SimPlan.from_config(s, l1_bytes=b, l2_bytes=0, l3_bytes=0)
+        return plan, sim_config(cfg, plan, l3=False, backup=False)
+    if tier == "L2":
+        plan = SimPlan.from_config(s, l2_bytes=b, l3_bytes=0)
+        return plan, sim_config(cfg, plan, l3=False)
+    plan = SimPlan.from_config(s, l3_bytes=b)
+    return plan, sim_config(cfg, plan)
 
 
 def format_sweep(sw: dict[str, Any]) -> str:
@@ -188,20 +216,37 @@ def main(args: argparse.Namespace, cfg: HiCacheConfig) -> int:
             update={"block_tokens": args.block_tokens})})
     factory = _limited(trace_requests(args.trace, cfg.simulate, args.scale), args.limit)
     name = args.trace or f"built-in mixed trace ({args.scale})"
-    if args.sweep:
-        sw = sweep(cfg, factory)
-        print(format_sweep(sw))
-        out: dict[str, Any] = {"sweep": sw}
-        png = args.plot or "hicache-sweep.png"
-        plot_sweep(sw, png, f"hicache --simulate: {name}, {sw['config']['shape']}")
-        print(f"plot: {png}")
-    else:
-        pol = sorted(POLICIES) if args.policies == "all" else (args.policies.split(",") if args.policies else None)
-        out = simulate(cfg, factory, policies=pol, baselines=not args.no_baselines)
-        print(format_report(out, name))
+    progress = Progress(not args.quiet, count_requests(args.trace, factory, args.limit))
+    with logs_above_bars():
+        if args.sweep:
+            sw = sweep(cfg, factory, progress=progress)
+            print(format_sweep(sw))
+            out: dict[str, Any] = {"sweep": sw}
+            png = args.plot or "hicache-sweep.png"
+            plot_sweep(sw, png, f"hicache --simulate: {name}, {sw['config']['shape']}")
+            print(f"plot: {png}")
+        else:
+            pol = sorted(POLICIES) if args.policies == "all" else (args.policies.split(",") if args.policies else None)
+            progress.note(f"simulating {name}: {runs_ahead(pol, not args.no_baselines)} passes over "
+                          f"{progress.total:,} requests" + ("" if args.limit else "; --limit N replays only "
+                                                            "the first N (a first look)"))
+            out = simulate(cfg, factory, policies=pol, baselines=not args.no_baselines, progress=progress)
+            print(format_report(out, name))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2, default=str)
         print(f"report: {args.json}")
     print(f"done in {time.perf_counter() - t0:.1f}s")
     return 0
+
+
+def count_requests(trace: str | None, factory: Factory, limit: int | None) -> int:
+    """Requests one pass reads: a hash-block trace's non-blank lines (counted without
+    parsing them), else the stream's length; at most ``limit``."""
+    from hicache.reference.hash_trace import detect_format
+    if trace is not None and detect_format(trace) == "hash_blocks":
+        with open(trace, "rb") as f:
+            n = sum(1 for line in f if line.strip())
+    else:
+        n = sum(1 for _ in factory())
+    return n if limit is None else min(n, limit)

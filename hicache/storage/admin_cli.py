@@ -76,7 +76,7 @@ def run(args: argparse.Namespace, cfg) -> int:
     prefix = selected_prefix(args)
     shown = redact_url(url)
     if args.storage_cmd == "du":
-        rows = store.du(prefix)
+        rows = [(r, fp) for r, fp in store.du(prefix) if r.objects]  # a prefix emptied by clear holds nothing
         memory = store.memory() if isinstance(store, RedisStore) else None
         cap = _file_cap(url, cfg) if url.startswith("file:") else None
         if args.json:
@@ -91,10 +91,10 @@ def run(args: argparse.Namespace, cfg) -> int:
             print(f"redis used_memory {_size(memory['used_memory'])}, maxmemory "
                   f"{_size(mm) if mm else 'unset (grows until the host runs out; set maxmemory)'}, "
                   f"policy {memory['maxmemory_policy']}, keys {memory['keys']}")
-        print(f"{'prefix':<24} {'fingerprint':<18} {'objects':>9} {'bytes':>12}")
-        for r, fp in rows:
-            print(f"{r.prefix:<24} {(fp or '?')[:16]:<18} {r.objects:>9,} {r.bytes:>12,}")
-        print(f"{'total':<24} {'':<18} {sum(r.objects for r, _ in rows):>9,} {sum(r.bytes for r, _ in rows):>12,}")
+        print(f"{'prefix':<24} {'fingerprint':<32} {'objects':>9} {'bytes':>12}")
+        for r, fp in rows:  # the full fingerprint, read from an object ('?' when none could be read)
+            print(f"{r.prefix:<24} {fp or '?':<32} {r.objects:>9,} {r.bytes:>12,}")
+        print(f"{'total':<24} {'':<32} {sum(r.objects for r, _ in rows):>9,} {sum(r.bytes for r, _ in rows):>12,}")
         return 0
     if args.storage_cmd == "ls":
         if args.limit < 0:
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace, cfg) -> int:
         rows = store.du(prefix)
         objs, nbytes = sum(r.objects for r, _ in rows), sum(r.bytes for r, _ in rows)
         print(f"would delete {objs:,} objects ({_size(nbytes)}) under {what} of {shown}; add --yes to delete them")
-        return 2
+        return 0  # a dry run that worked (2 is for errors)
     done = store.clear(prefix)
     print(f"deleted {done.objects:,} objects ({_size(done.bytes)}) under {what} of {shown}"
           + (f"; left {done.foreign:,} keys that are no hicache object alone" if done.foreign else ""))

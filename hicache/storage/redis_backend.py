@@ -221,7 +221,7 @@ class RedisBackend(StorageBackend):
         if not info["maxmemory"]:
             self._warnings.once("maxmemory", "L3 %s: Redis has no maxmemory set, so it grows until the host runs out "
                                 "of memory (used_memory=%d bytes now); set maxmemory and maxmemory-policy "
-                                "allkeys-lru (README: Operating L3)", self.name, info["used_memory"])
+                                "allkeys-lru (docs/storage.md: Operating L3)", self.name, info["used_memory"])
         return usage
 
     def _memory_info(self) -> dict[str, Any]:

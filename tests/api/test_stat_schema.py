@@ -115,11 +115,12 @@ def test_engine_report_is_per_engine_and_gone_on_disconnect(served):
         assert engines[kb] == {**{k: 0 for k in REPORT_FIELDS}, "name": "", "l2_hit_tokens_exact": 5,
                                "misses": NO_MISSES}
         m = samples(c.get("/metrics").text)
-        hits = {(ls["engine"], ls["level"], ls["op"]): v for ls, v in m["hicache_engine_hit_tokens"]}
-        assert hits[(ka, "L1", "exact")] == 21 and hits[(ka, "L1", "visible")] == 12
-        assert hits[(kb, "L2", "exact")] == 5 and hits[(kb, "L2", "visible")] == 0
+        # labelled by the name each engine gave, with its client id; no name: the client id
+        hits = {(ls["engine"], ls["client"], ls["level"], ls["op"]): v for ls, v in m["hicache_engine_hit_tokens"]}
+        assert hits[("a", ka, "L1", "exact")] == 21 and hits[("a", ka, "L1", "visible")] == 12
+        assert hits[(kb, kb, "L2", "exact")] == 5 and hits[(kb, kb, "L2", "visible")] == 0
         l1 = {(ls["engine"], ls["state"]): v for ls, v in m["hicache_engine_l1_pages"]}
-        assert l1[(ka, "capacity")] == 64 and l1[(ka, "used")] == 5
+        assert l1[("a", "capacity")] == 64 and l1[("a", "used")] == 5
         a.close()
         for _ in range(400):  # the server drops the connection after a's bye
             time.sleep(0.02)
@@ -180,7 +181,45 @@ def test_an_embedded_caches_stats_are_reported(served):
                    "admission_load": 3, "admission_load_l2": 1, "admission_recompute": 2,
                    "admission_unmeasured": 5, "admission_recomputed_tokens": 12, "misses": misses.as_dict()}
     mine = str(eng.client_id)
-    decisions = {ls["choice"]: v for ls, v in m["hicache_engine_admission_decisions"] if ls["engine"] == mine}
+    decisions = {ls["choice"]: v for ls, v in m["hicache_engine_admission_decisions"]
+                 if (ls["engine"], ls["client"]) == ("embedded", mine)}
     assert decisions == {"load": 3, "load_l2": 1, "recompute": 2, "unmeasured": 5}
-    by_reason = {ls["reason"]: v for ls, v in m["hicache_miss_pages"] if ls["engine"] == mine}
+    by_reason = {ls["reason"]: v for ls, v in m["hicache_engine_miss_pages"]
+                 if (ls["engine"], ls["client"]) == ("embedded", mine)}
     assert by_reason == {r: float(getattr(misses, r)) for r in REASONS}
+
+
+def test_node_misses_are_exported_from_the_start(make_state, app_of):
+    """``hicache_miss_pages_total{reason}`` exists before any engine reports, every reason at 0."""
+    with TestClient(app_of(make_state())) as c:
+        m = samples(c.get("/metrics").text)
+        assert {ls["reason"]: v for ls, v in m["hicache_miss_pages"]} == {r: 0.0 for r in REASONS}
+        assert all(set(ls) == {"reason"} for ls, _ in m["hicache_miss_pages"])
+        assert c.get("/v1/stats").json()["misses"] == NO_MISSES
+
+
+def test_node_misses_sum_every_report_and_keep_a_gone_engines_share(served):
+    """The node's misses sum every engine's reports (a re-report adds only its growth) and
+    keep a disconnected engine's share; per engine the family is ``hicache_engine_miss_pages``."""
+    layout = served.config.layout()
+    with served.client() as c:
+        base = {ls["reason"]: v for ls, v in samples(c.get("/metrics").text)["hicache_miss_pages"]}
+        a = ServiceClient(served.socket_path, layout, pin=False)
+        b = ServiceClient(served.socket_path, layout, pin=False)
+        a.report(name="vllm-0", misses={"first_use": 4, "l2_evicted": 1})
+        a.report(name="vllm-0", misses={"first_use": 6, "l2_evicted": 1})  # cumulative: adds 2
+        b.report(name="vllm-0", misses={"first_use": 3})  # a second engine of the same name
+        total = {ls["reason"]: v for ls, v in samples(c.get("/metrics").text)["hicache_miss_pages"]}
+        assert total == {r: base[r] + {"first_use": 9.0, "l2_evicted": 1.0}.get(r, 0.0) for r in REASONS}
+        per = {(ls["engine"], ls["client"], ls["reason"]): v
+               for ls, v in samples(c.get("/metrics").text)["hicache_engine_miss_pages"]}
+        ka, kb = str(a.client_id), str(b.client_id)
+        assert per[("vllm-0", ka, "first_use")] == 6 and per[("vllm-0", kb, "first_use")] == 3
+        a.close()
+        for _ in range(400):
+            time.sleep(0.02)
+            if ka not in c.get("/v1/stats").json()["engines"]:
+                break
+        after = c.get("/v1/stats").json()
+        assert ka not in after["engines"] and after["misses"]["first_use"] == base["first_use"] + 9  # a's share stays
+        b.close()

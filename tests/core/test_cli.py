@@ -89,3 +89,32 @@ def test_info_describes_a_rows_layout(capsys, tmp_path):
     assert got["layout"] == {"fingerprint": lay.fingerprint(), "planes": 1, "page_bytes": 589824,
                              "token_bytes": 589824}
     assert got["pools"]["L2"]["bytes"] == 3 * 589824
+
+
+def test_info_resolves_the_l3_cap(capsys, tmp_path):
+    """``storage.max_bytes = "auto"`` shows as the cap it comes to on this machine."""
+    from hicache.storage.capacity import default_cap
+    url = f"file://{tmp_path}/l3"
+    got = _info(capsys, ["info", "--set", f"storage.url={url}"])["pools"]
+    assert got["L3_max_bytes"] == default_cap(url) > 0 and got["L3_cap"] == f"{default_cap(url) / 2**30:.1f} GiB (auto)"
+    got = _info(capsys, ["info", "--set", "storage.url=memory://", "--set", "storage.max_bytes=3GiB"])["pools"]
+    assert got["L3_max_bytes"] == 3 << 30 and got["L3_cap"] == "3.0 GiB (storage.max_bytes)"
+    got = _info(capsys, ["info", "--set", "storage.url=memory://", "--set", "storage.max_bytes=0"])["pools"]
+    assert got["L3_max_bytes"] == 0 and got["L3_cap"] == "unbounded (storage.max_bytes)"
+    got = _info(capsys, ["info", "--set", "storage.url=redis://127.0.0.1:6379/0"])["pools"]
+    assert got["L3_max_bytes"] is None and "maxmemory" in got["L3_cap"]
+
+
+def test_info_warns_when_the_host_pools_exceed_ram(capsys, monkeypatch):
+    import hicache.cli as cli
+    monkeypatch.setattr(cli, "physical_memory", lambda: 1 << 30)  # a 1 GiB machine
+    flags = ["--set", "pool.device=cpu", "--set", "pool.device_pages=128"]
+    assert cli.main(["info", *flags, "--set", "pool.host_pages=2048"]) == 0  # 64 MiB + 4 MiB: fits
+    out, err = capsys.readouterr()
+    assert "warning" not in err and "warnings" not in json.loads(out)
+    assert cli.main(["info", *flags, "--set", "pool.host_pages=40000"]) == 0  # 1.22 GiB of L2
+    out, err = capsys.readouterr()
+    want = ("hicache: warning: the pools in host memory need 1.2 GiB (L2 1.2 GiB, L1 (on the CPU) 0.0 GiB), "
+            "more than this machine's 1.0 GiB of RAM; lower pool.host_pages")
+    assert err.startswith(want), err
+    assert json.loads(out)["warnings"] == [err.removeprefix("hicache: warning: ").strip()]

@@ -328,6 +328,37 @@ def test_sigkill_of_hicache_then_up_adopts_the_l2_and_does_not_rerun_the_engine(
     assert not engines_running()  # `up -d hicache` neither re-created nor re-ran the example engine
 
 
+def test_a_crash_of_hicache_is_restarted_and_adopts_its_l2_but_docker_kill_is_a_stop(stack):
+    """``restart: unless-stopped`` restarts a crash, not a kill. ``docker compose kill``
+    (any signal) is a manual stop to Docker: hicache stays down until ``up -d hicache``.
+    A crash (the process dies on its own; here SIGKILL sent from the host to the
+    container's process, as the kernel's OOM killer would) is restarted by the policy,
+    and the new service adopts the segment, pages included."""
+    if stack.helper_name:  # only shm-holder may keep the tmpfs mounted while hicache is down
+        subprocess.run(["docker", "rm", "-f", stack.helper_name], capture_output=True, timeout=300, check=True)
+        stack.helper_name = ""
+    stack.wait("hicache healthy", lambda: stack.health("hicache") == "healthy", timeout=240)
+    used = stack.wait("pages in L2", lambda: stack.stats()["tiers"]["L2"]["used_pages"])
+    restarts = stack.inspect("hicache")["RestartCount"]
+    stack.compose("kill", "-s", "SIGKILL", "hicache")
+    stack.wait("hicache down", lambda: stack.inspect("hicache")["State"]["Status"] == "exited", every=0.5)
+    time.sleep(15)  # the policy's first restart comes within a second or two: none comes
+    st = stack.inspect("hicache")
+    assert st["State"]["Status"] == "exited" and st["RestartCount"] == restarts, st["State"]
+    stack.compose("up", "-d", "hicache", timeout=600)
+    stack.wait("hicache healthy after up", lambda: stack.health("hicache") == "healthy", timeout=240)
+    restarts = stack.inspect("hicache")["RestartCount"]
+    pid = stack.inspect("hicache")["State"]["Pid"]
+    assert pid > 0
+    os.kill(pid, 9)  # from the host: to Docker the container's process died by itself
+    stack.wait("the policy restarted hicache", lambda: stack.inspect("hicache")["RestartCount"] == restarts + 1,
+               timeout=120, every=0.5)
+    stack.wait("hicache healthy after the crash", lambda: stack.health("hicache") == "healthy", timeout=240)
+    after = stack.stats()
+    assert after["engine"]["segment_origin"] == "adopted", after["engine"]
+    assert after["tiers"]["L2"]["used_pages"] >= used > 0, (used, after["tiers"]["L2"])
+
+
 def _certs(text: str) -> set[str]:
     return set(re.findall(r"-----BEGIN CERTIFICATE-----.*?-----END CERTIFICATE-----", text, re.S))
 

@@ -98,3 +98,53 @@ def test_done_in_counts_start_up_when_run_as_the_hicache_command(tmp_path):
     assert m, out.stdout
     total, startup = float(m.group(1)), float(m.group(2))
     assert startup >= 1.0 and total >= startup, (total, startup)
+
+
+def test_replay_credits_earlier_pages_to_the_shared_l2_and_plots_the_segment(tmp_path, capsys, monkeypatch):
+    """A service with no L3: a second replay's hits beyond its own oracle come from the
+    pages the first left in the shared segment. The summary credits them to the shared
+    L2 (never to L3), and the plot's L2 line is the segment's occupancy, not this
+    process's private pool (which is empty in service mode)."""
+    from hicache.reference import replay
+    sock = f"{tempfile.mkdtemp(prefix='hcr-')}/s.sock"
+    port = free_port()
+    settings = {"HICACHE_SERVICE__SOCKET_PATH": sock, "HICACHE_SERVICE__PORT": str(port),
+                "HICACHE_STORAGE__URL": "", "HICACHE_POOL__HOST_PAGES": "512",
+                "HICACHE_SERVICE__SHM_NAME": f"hicache-replay-{uuid.uuid4().hex[:8]}"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_")} | settings
+    for k in [k for k in os.environ if k.startswith("HICACHE_")]:
+        monkeypatch.delenv(k)
+    for k, v in settings.items():
+        monkeypatch.setenv(k, v)
+    serve = _serve(env)
+    reports, texts = [], []
+    try:
+        for i in range(2):
+            out = tmp_path / f"r{i}.json"
+            assert main(["replay", "--quiet", "--scale", "tiny", "--service", sock, "--json", str(out)]) == 0
+            texts.append(capsys.readouterr().out)
+            reports.append(json.loads(out.read_text()))
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/stats", timeout=30) as r:
+            committed = json.load(r)["tiers"]["L2"]["used_pages"]
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        err = serve.communicate(timeout=60)[1]
+    assert serve.returncode == 0, err
+    first, second = reports
+    by = second["rows"][0]["earlier_runs_hit_tokens_by_tier"]
+    assert by["L3"] == 0 and by["L2"] > 0 and sum(by.values()) == second["rows"][0]["earlier_runs_hit_tokens"]
+    assert f"while the shared L2 served {sum(by.values()):,} tokens of pages that earlier runs stored" in texts[1]
+    assert "L3 served" not in texts[1]
+    assert first["rows"][0]["earlier_runs_hit_tokens"] == 0
+    # The segment's occupancy, sampled each step: it grows from 0 as the first run commits.
+    l2 = [p["l2_used"] for p in first["series"]]
+    assert l2[-1] > 0 and l2 == sorted(l2) and max(l2) <= committed <= first["config"]["L2_pages"]
+    assert [p["l2_used"] for p in second["series"]][0] >= l2[-1]  # the second run starts on the first's pages
+    saved = {}
+    import matplotlib.figure
+    real = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, *a, **k: (saved.setdefault("fig", fig), real(fig, *a, **k))[1])
+    replay.plot(first, str(tmp_path / "p.png"))
+    labels = [t.get_text() for t in saved["fig"].axes[1].get_legend().get_texts()]
+    assert "L2 pages cached: the service's shared segment (every engine)" in labels

@@ -48,17 +48,28 @@ def test_file_du_ls_clear(tmp_path, capsys):
     assert rc == 0 and len(lines) == 3 and all(ln.startswith("hicache-aaaabbbb") for ln in lines[1:])
     rc, out, _ = cli(capsys, "ls", "--url", url, "--limit", "4")
     assert len(out.splitlines()) == 1 + 4 + 1 and "--limit 0 lists all" in out
-    # clear without --yes: says what would go, deletes nothing, exits 2
+    # clear without --yes: says what would go, deletes nothing, exits 0 (a dry run is no error)
     rc, out, _ = cli(capsys, "clear", "--url", url, "--fingerprint", FP_A[:8])
-    assert rc == 2 and "would delete 10 objects" in out and "--yes" in out
+    assert rc == 0 and "would delete 10 objects" in out and "--yes" in out
     assert du_json(capsys, url)["objects"] == 12
     rc, out, _ = cli(capsys, "clear", "--url", url, "--fingerprint", FP_A, "--yes")
     assert rc == 0 and "deleted 10 objects" in out
     assert b.exists(page_hashes(list(range(8)), 4)) == [True, True]  # the other layout stays
     assert a.usage().used_bytes == 2 * obj_b  # the ledger was reset to what is left
+    fp_c = "0123456789abcdef" * 2  # a real fingerprint's 32 hex digits
+    c = open_storage(url, fingerprint=fp_c, max_bytes=10**6)
+    assert c.put([(page_hashes(list(range(4)), 4)[0], bytes(100), [100])]) == 1
+    rc, out, _ = cli(capsys, "du", "--url", url)  # the table shows each layout's whole fingerprint
+    assert [ln.split()[:2] for ln in out.splitlines()[2:-1]] == [["hicache-01234567", fp_c],
+                                                                 ["hicache-aaaabbbb", FP_B]], out
+    c.close()
     rc, out, _ = cli(capsys, "clear", "--url", url, "--yes")
-    assert rc == 0 and "deleted 2 objects" in out and scan(tmp_path)[0] == []
+    assert rc == 0 and "deleted 3 objects" in out and scan(tmp_path)[0] == []
     assert (tmp_path / LEDGER).exists() and a.usage().used_bytes == 0
+    # no row lingers for the emptied prefixes (no "?  0  0"), in the table and in --json
+    rc, out, _ = cli(capsys, "du", "--url", url)
+    assert out.splitlines()[1].startswith("prefix") and out.splitlines()[2].split() == ["total", "0", "0"], out
+    assert du_json(capsys, url)["prefixes"] == []
     a.check_integrity()
     a.close()
     b.close()

@@ -29,3 +29,14 @@ _pkg.__path__ = [str(ROOT / "tests"), str(VLLM_TESTS / "tests")]
 # vLLM's kv_connector unit conftest: CPU attention declares MultipleOf(32) block
 # sizes, which RequestRunner's block_size=16 workers would fail on (vLLM #54042).
 from tests.v1.kv_connector.unit.conftest import _mock_cpu_backend_block_sizes  # noqa: E402,F401
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_offload_region():
+    """A scheduler-only vLLM harness (no worker) creates ``/dev/shm/vllm_offload_*.mmap``
+    (the CPU tier's shared region, 2 GiB for the README's line) but only a worker
+    unlinks it: remove the ones a test created, so runs do not fill /dev/shm."""
+    before = set(pathlib.Path("/dev/shm").glob("vllm_offload_*.mmap"))
+    yield
+    for path in set(pathlib.Path("/dev/shm").glob("vllm_offload_*.mmap")) - before:
+        path.unlink(missing_ok=True)
