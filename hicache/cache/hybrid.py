@@ -58,6 +58,7 @@ Not wired: service mode (``hicache+unix://``: refused with a ``ConfigError``).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -69,8 +70,10 @@ from hicache.client.consensus import HitConsensus
 from hicache.core.errors import ConfigError, IntegrityError, LayoutError, TransferError
 from hicache.tiers.groups import GroupTiers, TierCounts
 from hicache.cache.hicache import Admission, HiCache
-from hicache.core.groups import LayerGroup
-from hicache.cache.hybrid_admission import HybridAdmission, agreed_floor, group_holds, pending_plan, settle_floor
+from hicache.core.groups import LayerGroup, resumable_floor
+from hicache.core.policies import PrefetchPolicy
+from hicache.cache.hybrid_admission import (HybridAdmission, agreed_floor, floor_items, group_holds, pending_plan,
+                                            settle_floor)
 from hicache.transfer.hybrid_load import AdmissionWaits, HybridLoader
 from hicache.cache.hybrid_record import DEFAULT_MAX_BOUNDARIES, SWEEP_BATCH, BoundaryRecord
 from hicache.cache.hybrid_request import HybridRequest
@@ -80,7 +83,8 @@ from hicache.core.redact import redact_url
 from hicache.index.request import RequestState
 from hicache.storage import open_storage
 from hicache.storage.capacity import backend_options
-from hicache.core.types import DevicePageId, PageHash
+from hicache.core.types import DevicePageId, JobId, PageHash
+from hicache.transfer.plans import BackupPlan
 
 
 def group_layout(layout: KVLayout, kinds: tuple[str, ...], gi: int = -1) -> KVLayout:
@@ -148,12 +152,15 @@ class HybridCache:
         self.stores: dict[int, GroupTiers] = {}
         for gi, g in enumerate(self.groups):
             if g.kind != "full":
-                self.stores[gi] = self._store(gi, g, pools)
+                st = self.stores[gi] = self._store(gi, g, pools)
+                self.hc.tiers.add_group(gi, st)  # the one tier manager and transfer engine move its items
+                self.hc.transfers.add_group(gi, st.device, st.host, st.storage)
         self.state_gi = next((gi for gi, g in enumerate(self.groups) if g.kind == "state"), None)
         self.loader = HybridLoader.per_group(lay, {gi: (s.host, s.device) for gi, s in self.stores.items()},
                                              copier=copier) if self.stores else None
         self._failed: TransferError | None = None  # a group load that failed (settle_loads)
         self.live: dict[str, HybridRequest] = {}
+        self._copies: dict[int, list[JobId]] = {}  # per group, its L1 -> L2 copies submitted (some may be done)
         self._admissions = self._hit = self._resumed = 0
         self._swept_epoch = -1  # the index's epoch at the last sweep of the record
 
@@ -171,7 +178,7 @@ class HybridCache:
             st = cfg.storage
             l3 = open_storage(st.url, fingerprint=lay.fingerprint(), layout=lay, timeout_ms=st.timeout_ms,
                               max_retries=st.max_retries, auth_key=st.resolved_auth_key(), **backend_options(st))
-        return GroupTiers(f"{kind}{gi}", lay, dev, host, str(self.hc.device_pool.device), l3)
+        return GroupTiers(f"{kind}{gi}", lay, dev, host, str(self.hc.device_pool.device), l3, group=gi)
 
     # ------------------------------------------------------------- requests
     def new_request(self, rid: str, tokens: Tokens, namespace: str = "") -> HybridRequest:
@@ -196,6 +203,7 @@ class HybridCache:
         exact = req.inner.computed_tokens
         hashes = req.hashes(exact // self.ps)
         holds = group_holds(self.layout, self.stores, hashes)
+        self._fetch(req, hashes, holds, exact, live_state_tokens)
         floor = settle_floor(self.layout, req, hashes, holds, exact, live_state_tokens)
         if self.consensus is not None:
             floor = agreed_floor(self.consensus, self.layout, req, hashes, holds, floor)
@@ -210,6 +218,57 @@ class HybridCache:
         req.resume = floor.tokens
         req.fork = exact // self.ps if floor.pages < exact // self.ps else 0
         return HybridAdmission(full, exact, floor.tokens, floor.limited_by, waits)
+
+    def _fetch(self, req: HybridRequest, hashes: list[PageHash], holds: list[list[bool]], exact: int,
+               live_state_tokens: int) -> None:
+        """Fetch from L3 to L2 what resuming at the floor over ``holds`` reads and only L3 holds
+        (one plan per group), waiting at most what is left of the prefetch policy's budget, as
+        ``HiCache`` waits for its own prefetch. What has not landed then is marked missing in
+        ``holds`` (it lands on L2 in a later ``poll``) and the lower floor's items are fetched
+        in turn. Each round lowers the floor, so this ends."""
+        if not any(st.storage is not None for st in self.stores.values()):
+            return
+        budget = self.hc.prefetch_budget_s(req.num_tokens)
+        end = None if budget is None else time.perf_counter() + budget
+        wait = self.config.policy.prefetch_policy is not PrefetchPolicy.BEST_EFFORT
+        while True:
+            floor = resumable_floor(self.layout.groups, self.ps, holds, exact_tokens=exact,
+                                    live_state_tokens=live_state_tokens)
+            reads = floor_items(self.layout, hashes, floor.pages)
+            jobs = [self.hc.submit(p) for gi, items in reads.items()
+                    if self.stores[gi].fetch([h for _, h in items]) for p in self.stores[gi].take_plans()]
+            for job in jobs if wait else ():
+                self.hc.transfers.wait(job, None if end is None else max(0.0, end - time.perf_counter()))
+            if jobs:
+                self.hc.complete_finished()
+            missing = [(gi, i) for gi, items in reads.items() for i, h in items
+                       if h not in self.stores[gi].l1 and h not in self.stores[gi].l2]
+            if not missing:
+                return
+            for gi, i in missing:
+                holds[gi][i] = False
+
+    def _submit_plans(self) -> None:
+        """Submit what the group stores prepared (write-through, L3 writes) to the one engine."""
+        for gi, st in self.stores.items():
+            for p in st.take_plans():
+                job = self.hc.submit(p)
+                if isinstance(p, BackupPlan):
+                    self._copies.setdefault(gi, []).append(job)
+
+    def alloc_group(self, gi: int, n: int, *, wait: bool = True) -> list[DevicePageId]:
+        """``n`` private L1 ids of group ``gi``'s store. Items whose L1 -> L2 copy is in flight
+        cannot leave L1: when short, the copies done are completed first and, with ``wait``
+        (a request computing: it must get them, as ``L1Room.room_to_compute``), the rest
+        waited for. Raises ``OutOfPages`` as ``GroupTiers.alloc``."""
+        st = self.stores[gi]
+        if st.device.allocator.num_free < n and st.copies_in_flight():
+            self.hc.complete_finished()
+            while wait and st.copies_in_flight() and self._copies.get(gi):
+                self.hc.wait_job(self._copies[gi].pop(0))
+        if not st.copies_in_flight():
+            self._copies.pop(gi, None)
+        return st.alloc(n)
 
     def _start_loads(self, req: HybridRequest, hashes: list[PageHash], b: int, full: Admission, *,
                      snapshot: bool) -> AdmissionWaits:
@@ -280,6 +339,7 @@ class HybridCache:
         self.boundaries.use(key, node)
         for old in self.boundaries.over_cap():
             self.forget(old)
+        self._submit_plans()
 
     def _snapshot_row(self, b: int, snapshot: list) -> DevicePageId:
         """A private state-store L1 row holding ``snapshot`` (every state layer's tensor, as
@@ -292,7 +352,7 @@ class HybridCache:
         if raw.numel() != st.layout.row_bytes:
             raise ValueError(f"snapshot at boundary {b}: {raw.numel()} bytes, the state group holds "
                              f"{st.layout.row_bytes} ({len(g.layers)} layers x {g.state_bytes} bytes)")
-        dev = st.alloc(1)[0]
+        dev = self.alloc_group(self.state_gi, 1)[0]
         row = st.device.buffers[0][dev]
         row.copy_(raw.to(row.device))
         return dev

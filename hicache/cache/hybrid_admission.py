@@ -59,6 +59,20 @@ def group_holds(layout: KVLayout, stores: dict[int, GroupTiers], hashes: list[Pa
             for gi, g in enumerate(layout.groups)]
 
 
+def floor_items(layout: KVLayout, hashes: list[PageHash], b: int) -> dict[int, list[tuple[int, PageHash]]]:
+    """Per non-full group, the items resuming at boundary ``b`` reads, as ``(row, hash)`` in
+    ``group_holds``' rows: each SWA group's window pages before ``b``, the state group's
+    snapshot at ``b`` (row ``b - 1``). Pure."""
+    out: dict[int, list[tuple[int, PageHash]]] = {}
+    for gi, g in enumerate(layout.groups):
+        if g.kind == "swa":
+            lo = max(0, b * layout.page_size - g.window + 1) // layout.page_size
+            out[gi] = [(p, hashes[p]) for p in range(lo, b)]
+        elif g.kind == "state" and b:
+            out[gi] = [(b - 1, hashes[b - 1])]
+    return out
+
+
 def settle_floor(layout: KVLayout, req: HybridRequest, hashes: list[PageHash], holds: list[list[bool]],
                  exact: int, live_state_tokens: int, cap: int | None = None) -> HybridFloor:
     """The floor over ``holds`` (its first ``cap`` pages when given: no exact tokens then)

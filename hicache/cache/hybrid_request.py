@@ -36,6 +36,8 @@ class HybridOwner(Protocol):
 
     def full_slot_ids(self, pages: list) -> torch.Tensor: ...
 
+    def alloc_group(self, gi: int, n: int, *, wait: bool = True) -> list[DevicePageId]: ...
+
     def record(self, req: "HybridRequest", hashes: list[PageHash], b: int, snapshot: list | None) -> None: ...
 
     def request_ended(self, req: "HybridRequest", state: RequestState) -> None: ...
@@ -140,7 +142,7 @@ class HybridRequest:
             for p in [p for p in table if p >= -(-exact // ps)]:
                 self._drop_page(gi, p)
             want = [p for p in range(b, -(-exact // ps)) if p not in table]
-            for p, dev in zip(want, self.owner.stores[gi].alloc(len(want))):
+            for p, dev in zip(want, self.owner.alloc_group(gi, len(want), wait=False)):
                 table[p] = (dev, None)
 
     # ------------------------------------------------------------ compute
@@ -153,7 +155,7 @@ class HybridRequest:
         got: dict[int, list[DevicePageId]] = {}
         try:
             for gi in self.swa:
-                got[gi] = self.owner.stores[gi].alloc(end - first)
+                got[gi] = self.owner.alloc_group(gi, end - first)
             self.inner.alloc(num_tokens)
         except BaseException:
             for gi, ids in got.items():

@@ -33,7 +33,7 @@ from hicache.core.errors import IntegrityError, TransferError
 from hicache.core.layout import KVLayout
 from hicache.memory.pools import DevicePool, HostPool
 from hicache.kernels.page_copy import copy_pages
-from hicache.transfer.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan
+from hicache.transfer.plans import FULL, BackupPlan, LoadPlan, PrefetchPlan, StorePlan
 from hicache.core.types import JobId
 
 log = logging.getLogger(__name__)
@@ -205,6 +205,8 @@ class TransferController:
         self._closed = False
         self._graphs = graphs and self.on_gpu
         self._graph = None  # LoadGraph of (host_pool, device_pool), captured on the first load back
+        # Layer groups' pools (``add_group``): plans with ``group >= 0`` move their ids there.
+        self._groups: dict[int, tuple[DevicePool, HostPool, object]] = {}
         if inline:
             if self.on_gpu:
                 raise TransferError("inline transfers run CPU pools only; the device pool is on "
@@ -248,6 +250,18 @@ class TransferController:
         for th in self._threads:
             th.join(timeout=timeout)
 
+    def add_group(self, group: int, device_pool: DevicePool, host_pool: HostPool, storage=None) -> None:
+        """Register layer group ``group``'s L1 and L2 pools and L3 backend: plans with that
+        ``group`` move their ids between them, on the same stream, threads and queues."""
+        if group < 0 or group in self._groups:
+            raise TransferError(f"layer group {group} is registered already or not >= 0")
+        self._groups[group] = (device_pool, host_pool, storage)
+
+    def _pools(self, group: int) -> tuple[DevicePool, HostPool, object]:
+        if group == FULL:
+            return self.device_pool, self.host_pool, self.storage
+        return self._groups[group]
+
     # ----------------------------------------------------------------- L1 <-> L2
     def _idx(self, pages: Sequence[int]) -> torch.Tensor:
         return torch.as_tensor(list(pages), dtype=torch.int64, device=self.device_pool.device)
@@ -259,24 +273,25 @@ class TransferController:
         for t in idx:
             t.record_stream(self._stream)
 
-    def backup(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Transfer:
-        """Copy L1 pages to L2 (all planes). The caller holds both sets of pages."""
+    def backup(self, device_pages: Sequence[int], host_pages: Sequence[int], group: int = FULL) -> Transfer:
+        """Copy L1 pages to L2 (all planes) in ``group``'s pools. The caller holds both sets of pages."""
         _same_len(device_pages, host_pages)
+        dev_pool, host_pool, _ = self._pools(group)
         t = self._new(_D2H)
         t.pages = len(device_pages)
-        nbytes = len(device_pages) * self.device_pool.layout.page_bytes
+        nbytes = len(device_pages) * dev_pool.layout.page_bytes
         src, dst = self._idx(device_pages), self._idx(host_pages)
         if self.on_gpu:
             self._stream.wait_stream(torch.cuda.current_stream())  # rows written by the engine
             self._keep_for_copy(src, dst)
             with torch.cuda.stream(self._stream):
-                _copy_pages(self.device_pool, self.host_pool, src, dst)
+                _copy_pages(dev_pool, host_pool, src, dst)
                 t.cuda_event = torch.cuda.Event()
                 t.cuda_event.record(self._stream)
         else:
             def job():
                 try:
-                    _copy_pages(self.device_pool, self.host_pool, src, dst)
+                    _copy_pages(dev_pool, host_pool, src, dst)
                 except BaseException as e:  # surfaced to the caller at poll()
                     t.error = e
                 t.ready_flag.set()
@@ -362,52 +377,54 @@ class TransferController:
         return g
 
     # ----------------------------------------------------------------- L2 <-> L3
-    def _need_storage(self) -> None:
-        if self.storage is None:
+    def _need_storage(self, storage=None) -> None:
+        if storage is None:
             raise TransferError("an L3 job was submitted to a transfer engine without a storage backend")
 
-    def storage_put(self, host_pages: Sequence[int], hashes: Sequence[bytes]) -> Transfer:
-        """Write L2 pages to L3. ``result`` = number stored. Caller host-locks the pages."""
-        self._need_storage()
+    def storage_put(self, host_pages: Sequence[int], hashes: Sequence[bytes], group: int = FULL) -> Transfer:
+        """Write L2 pages to L3 (``group``'s). ``result`` = number stored. Caller host-locks the pages."""
+        _, host_pool, storage = self._pools(group)
+        self._need_storage(storage)
         _same_len(host_pages, hashes)
         t = self._new(_L3_PUT)
-        sizes = [p.page_bytes for p in self.host_pool.layout.planes]
+        sizes = [p.page_bytes for p in host_pool.layout.planes]
 
         def job():
             try:
-                items = [(k, self.host_pool.read_page(p), sizes) for k, p in zip(hashes, host_pages)]
-                t.result = self.storage.put(items)
+                items = [(k, host_pool.read_page(p), sizes) for k, p in zip(hashes, host_pages)]
+                t.result = storage.put(items)
             except BaseException as e:
                 t.error = e
             t.ready_flag.set()
         self._io_q.put(job)
-        self.bytes_moved[_L3_PUT] += len(host_pages) * self.host_pool.layout.page_bytes
+        self.bytes_moved[_L3_PUT] += len(host_pages) * host_pool.layout.page_bytes
         self._pending.append(t)
         return t
 
-    def storage_get(self, hashes: Sequence[bytes], host_pages: Sequence[int]) -> Transfer:
-        """Read pages from L3 into L2. ``result`` = number of leading pages loaded
+    def storage_get(self, hashes: Sequence[bytes], host_pages: Sequence[int], group: int = FULL) -> Transfer:
+        """Read pages from L3 into L2 (``group``'s). ``result`` = number of leading pages loaded
         (a miss or corrupt object stops the prefix there)."""
-        self._need_storage()
+        _, host_pool, storage = self._pools(group)
+        self._need_storage(storage)
         _same_len(host_pages, hashes)
         t = self._new(_L3_GET)
         t.pages = len(hashes)  # asked for (queued_bytes); the result says how many came
-        sizes = [p.page_bytes for p in self.host_pool.layout.planes]
+        sizes = [p.page_bytes for p in host_pool.layout.planes]
 
         def job():
             n = 0
             t0 = time.perf_counter()
             try:
-                for payload, p in zip(self.storage.get(list(hashes), sizes), host_pages):
+                for payload, p in zip(storage.get(list(hashes), sizes), host_pages):
                     if payload is None:
                         break
-                    self.host_pool.write_page(p, payload)
+                    host_pool.write_page(p, payload)
                     n += 1
             except BaseException as e:
                 t.error = e
             t.result = n
             t.seconds = time.perf_counter() - t0
-            self.bytes_moved[_L3_GET] += n * self.host_pool.layout.page_bytes
+            self.bytes_moved[_L3_GET] += n * host_pool.layout.page_bytes
             t.ready_flag.set()
         self._io_q.put(job)
         self._pending.append(t)
@@ -424,15 +441,15 @@ class TransferController:
         """Start the job ``plan`` describes; returns its id (see ``finished``).
         The caller keeps the plan's pages pinned until the result is reported."""
         if isinstance(plan, BackupPlan):
-            t = self.backup(plan.device, plan.host)
+            t = self.backup(plan.device, plan.host, plan.group)
         elif isinstance(plan, LoadPlan):
             h = self.load_back(plan.host, plan.device)
             self._handles[h.transfer.job] = h
             t = h.transfer
         elif isinstance(plan, StorePlan):
-            t = self.storage_put(plan.host, plan.hashes)
+            t = self.storage_put(plan.host, plan.hashes, plan.group)
         elif isinstance(plan, PrefetchPlan):
-            t = self.storage_get(plan.hashes, plan.host)
+            t = self.storage_get(plan.hashes, plan.host, plan.group)
         else:
             raise TypeError(f"cannot submit {plan!r}: not a BackupPlan, LoadPlan, StorePlan or PrefetchPlan")
         return t.job

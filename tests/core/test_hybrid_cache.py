@@ -13,6 +13,7 @@ from hicache.core.groups import LayerGroup, hybrid_layout, stored_bytes, swa_nee
 from hicache.cache.hybrid import HybridCache, HybridPools, group_layout
 from hicache.transfer.hybrid_copy import on_group_pools, plan_load
 from hicache.transfer.hybrid_load import HybridLoader
+from hicache.transfer.engine import TransferController
 from hicache.core.layout import KVLayout
 from hicache.core.shapes import model_shape
 from hicache.storage import open_storage
@@ -50,6 +51,19 @@ def _tiers(l3=True):
     return GroupTiers("swa0", lay, 3, 2, "cpu", st)
 
 
+def _settle(t):
+    """Run ``t``'s plans on the one transfer engine (its pools registered as group 0's) and
+    complete each, with the plans that follow, as ``HiCache.poll`` does."""
+    tc = TransferController(t.device, t.host, t.storage)
+    tc.add_group(t.group, t.device, t.host, t.storage)
+    todo, jobs = t.take_plans(), {}
+    while todo or jobs:
+        jobs.update({tc.submit(p): p for p in todo})
+        tc.wait_all()
+        todo = [n for r in tc.finished() for n in t.complete(jobs.pop(r.job), r.ok, r.pages)]
+    tc.close()
+
+
 def _load(t):
     """Start ``t``'s pending copies as ``HybridCache`` does (one ``plan_load`` plan, the group's
     lane of a ``HybridLoader``), wait, observe."""
@@ -76,6 +90,8 @@ def test_group_tiers_move_items_and_drop_what_no_boundary_needs():
         dev = t.alloc(1)[0]
         _fill(t, dev, float(i + 1))
         assert t.keep(h[i], dev) == dev
+        t.check_integrity()  # its L1 -> L2 copy is planned: the item stays pinned until it completes
+        _settle(t)
         t.unpin(h[i])
         t.check_integrity()
     # L2 holds 2: keeping the third evicted the least recently used L2 copy (h0; L3 has it)
@@ -83,7 +99,10 @@ def test_group_tiers_move_items_and_drop_what_no_boundary_needs():
     with pytest.raises(OutOfPages, match="swa0: asked for 4 L1 pages"):
         t.alloc(4)
     assert t.evict_l1(10) == 3 and t.counts() == TierCounts(0, 2, 3)
-    dev = t.take(h[0])  # from L3 onto L2; indexed on L1, its L2 -> L1 copy pending
+    assert t.take(h[0]) is None and t.fetch([h[0]]) == 1  # only L3 holds it: a miss until fetched
+    t.check_integrity()
+    _settle(t)
+    dev = t.take(h[0])  # fetched from L3 onto L2; indexed on L1, its L2 -> L1 copy pending
     assert dev is not None and t.stats().taken_l3 == 1 and t.pending == {h[0]: (t.l2[h[0]], dev)}
     t.check_integrity()
     with pytest.raises(IntegrityError, match="pinned by a request"):
@@ -110,6 +129,7 @@ def test_group_tiers_move_items_and_drop_what_no_boundary_needs():
 
 def _cache(layout, url=""):
     cfg = HiCacheConfig.load(env={}, overrides={"storage.url": url, "pool.device_pages": "48",
+                                                "policy.prefetch_policy": "wait_complete",
                                                 "pool.host_pages": "64", "pool.device": "cpu",
                                                 "policy.write_policy": "write_through"})
     return HybridCache(cfg, layout=layout)
@@ -125,6 +145,8 @@ def _serve(hc, rid, tokens, upto=None):
     req.commit(n)
     hc.check_integrity()
     req.finish()
+    hc.check_integrity()
+    hc.drain()  # the write-through (L1 -> L2 -> L3) completes as the engine polls
     hc.check_integrity()
     return adm
 
@@ -165,6 +187,8 @@ def test_qwen3_next_snapshots_at_the_real_shape():
     req.commit(199, {4: snap, 8: snap, 12: snap})
     req.finish()
     hc.check_integrity()
+    assert st.copies_in_flight()  # kept on L1 and L2; their L1 -> L2 copies were never waited for
+    hc.drain()
     assert st.counts() == TierCounts(3, 3, 0)
     r2 = hc.new_request("b", list(range(1, 150)) + [5] * 40)
     adm = hc.admit(r2)
@@ -402,6 +426,7 @@ def test_an_item_l3_lost_is_found_at_admission(then):
         req.alloc(5)
         req.commit()
         req.finish()
+        hc.drain()  # the window's write-through to L2 and L3 completes as the engine polls
         assert hc.stats().forgotten == 0 and list(hc.boundaries) == [h[9]]
         assert st.stored == set(h[2:10]) and st.storage.exists([st.l3_key(h[5])]) == [True]
     hc.check_integrity()
@@ -431,6 +456,7 @@ def test_a_snapshot_l3_lost_is_stored_again_by_a_request_that_recomputes_it():
     again.alloc(3)
     again.commit()
     again.finish()
+    hc.drain()
     assert not st.lost(key) and list(hc.boundaries) == [key] and hc.stats().forgotten == 0
     assert st.need == {key: 1} and key in st.stored
     third = hc.new_request("c", a + [4, 5, 6])

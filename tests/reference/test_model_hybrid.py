@@ -101,6 +101,7 @@ def test_group_layouts_fingerprints_and_pool_checks(model):
 
 
 def _tiers(hc, gi):
+    hc.drain()  # the write-through (L1 -> L2 -> L3) completes as the engine polls
     return hc.stores[gi].counts()
 
 
@@ -370,8 +371,8 @@ def test_groups_round_trip_through_other_l3_backends(model, cold, scheme, reques
     clear_l3(hc)  # redis: a session-wide server
     run = HybridRunner(hc, model, chunk_tokens=64)
     run.serve("a", PROMPT)
+    hc.drain()  # the snapshots' L2 -> L3 writes complete as the engine polls
     assert hc.stores[STATE_GI].storage.stats().put_ok == 5
-    hc.drain()
     hc.evict(10_000)
     hc.evict_host(10_000)
     r = run.serve("b", PROMPT)
