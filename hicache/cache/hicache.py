@@ -348,6 +348,10 @@ class HiCache:
         if plan.group >= 0:  # a layer group's items (hicache.tiers.groups): keyed (group, page hash)
             for nxt in tiers.complete_group(plan, r.ok, r.pages):
                 self._submit(nxt)
+            if isinstance(plan, LoadPlan) and not r.ok:
+                self._failed = TransferError(f"load back of layer group {plan.group}'s items {plan.device[:8]} "
+                                             f"failed ({r.error!r}); their L1 pages hold unknown bytes, so this "
+                                             "cache refuses to serve; rebuild it")
             return
         if r.seconds and r.ok and r.kind in (TransferKind.H2D, TransferKind.L3_GET):  # the cost model's bandwidths
             self.cost.bandwidth.observe("L2" if r.kind is TransferKind.H2D else "L3", r.pages * self.layout.page_bytes,

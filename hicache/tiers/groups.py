@@ -1,56 +1,33 @@
-"""One hybrid layer group's pages on L1, L2 and L3, keyed by chained page hash.
+"""One hybrid layer group's items on L1, L2 and L3, keyed (group, page hash).
 
-A sliding-window group's pages and a recurrent group's state snapshots live
-here (``hicache.cache.hybrid`` builds one ``GroupTiers`` per such group; the
-full-attention layers stay in a ``HiCache``). An item is one page of the
-group's own ``KVLayout``: the SWA layers' planes of one page, or one snapshot
-of every state layer as a single ``kind="rows"`` row. The same pools, page-copy
-kernels and L3 codec as ``HiCache``'s serve them, so an item moves between
-tiers like a page and carries the group layout's fingerprint, its page hash
-and a checksum in L3.
-
-What is kept is decided by the caller's *record*: ``need[h]`` counts the
-resumable boundaries whose resume reads item ``h`` (an SWA page inside that
-boundary's window, or the snapshot at that boundary). An item nobody needs
-is dropped from every tier, L3 included, as soon as no running request reads
-it: pages outside every cached boundary's window are freed or never stored.
-An item some boundary needs can still leave every tier (an L1 or L2 copy
-evicted with no copy below it, an L3 object gone or failing its checks):
-``take_gone`` hands those to the caller, whose record then forgets the
-boundaries that needed them.
-
-Its moves are the tier manager's (``hicache.tiers.manager.TierManager.add_group``):
-plans carrying the group's index (``plan.group``) that the one transfer engine
-runs on the group's pools and the caller completes in ``poll``. Write-through
-(L1 -> L2, then L2 -> L3 once the L2 copy completed) and the L3 fetch of an
-item only L3 holds (``fetch``: L3 -> L2) are such plans: this module moves no
-bytes and never blocks on L3 (``take_plans`` hands the caller what to submit;
-``complete`` returns the plans that follow). The load back L2 -> L1 is asynchronous and is not this module's: ``take``
-indexes the item on its new L1 page at once and lists the copy as *pending*;
-the caller plans every group's pending copies together
-(``hybrid_copy.plan_load``), starts them on ``hybrid_load.HybridLoader``'s
-lane of each group and hands the handle back (``started``), and
-``settle_loads`` observes their completion. Until then the load pins the item
-(its L1 page is neither evicted nor freed) and its L2 copy is not evicted;
-whoever reads the item waits on the handle. Running requests hold two kinds
-of L1 ids: *private* ones they allocated and write, and items they *pin*
-(read-only, never evicted while pinned).
+An item is one page of the group's own ``KVLayout``: the SWA layers' planes of one page,
+or one snapshot of every state layer as a single ``kind="rows"`` row. ``GroupTiers``
+indexes which tier holds each item and how many recorded boundaries need it (``need``);
+it moves no bytes. Its moves are plans carrying the group's index (``plan.group``) that
+the one transfer engine runs on the group's pools and ``TierManager.complete_group``
+completes: write-through (``keep``: an L1 -> L2 copy, then L2 -> L3 once it completed),
+an L3 fetch (``fetch``), the L2 -> L1 load of what a request takes (``load_plan``). The
+index changes when a plan is made; ids a job holds outlive a drop until it completes.
+An item nobody needs is dropped from every tier; one some boundary needs that left every
+tier is handed to the caller (``take_gone``). Running requests hold *private* L1 ids
+they write and *pin* items they read.
 """
 from __future__ import annotations
 
 import hashlib
 from collections import Counter, OrderedDict
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
-from hicache.core.errors import IntegrityError, OutOfPages, TransferError
+from hicache.core.errors import IntegrityError, OutOfPages
 from hicache.core.layout import KVLayout
 from hicache.core.stats import TierMoveStats
 from hicache.memory.pools import DevicePool, HostPool
 from hicache.storage import StorageBackend
-from hicache.transfer.plans import BackupPlan, PrefetchPlan, StorePlan
+from hicache.transfer.engine import LoadHandle
+from hicache.transfer.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan
 from hicache.core.types import DevicePageId, HostPageId, PageHash
 
-GroupPlan = BackupPlan | StorePlan | PrefetchPlan
+GroupPlan = BackupPlan | LoadPlan | StorePlan | PrefetchPlan
 
 
 class TierCounts(NamedTuple):
@@ -59,16 +36,6 @@ class TierCounts(NamedTuple):
     l1: int
     l2: int
     l3: int
-
-
-class GroupLoad(Protocol):
-    """A started load back, observed per group (``hybrid_load.HybridLoadHandle``)."""
-
-    def group_ready(self, g: int) -> bool: ...
-
-    def sync_group(self, g: int) -> None: ...
-
-    def failed(self, g: int) -> BaseException | None: ...
 
 
 class GroupStats(NamedTuple):
@@ -97,7 +64,7 @@ class GroupTiers:
         self.pins: dict[PageHash, int] = {}  # running requests reading each item's L1 copy
         self.private: set[DevicePageId] = set()  # L1 ids that requests allocated and own
         self.pending: dict[PageHash, tuple[HostPageId, DevicePageId]] = {}  # taken; L2 -> L1 copy not started
-        self.loading: dict[PageHash, tuple[GroupLoad, int]] = {}  # copy started (handle, group); not yet observed
+        self.loading: dict[PageHash, LoadHandle] = {}  # copy started (its load's handle); not yet completed
         self._fetched: set[PageHash] = set()  # on L2 because take() just fetched them from L3
         self._gone: set[PageHash] = set()  # needed items that left every tier (see take_gone)
         self._taken = [0, 0, 0]
@@ -151,8 +118,7 @@ class GroupTiers:
             raise IntegrityError(f"{self.name}: keep({h.hex()[:8]}) while its load is planned but not started "
                                  "(keep runs between admissions, never inside one)")
         if h in self.loading:  # another admission is loading it: the caller reads its L1 page next
-            ld, g = self.loading[h]
-            ld.sync_group(g)
+            self.loading[h].wait()
         if have is not None:
             self.free([dev])
         else:
@@ -224,30 +190,27 @@ class GroupTiers:
             self.device.allocator.free([self.l1.pop(h)])
             self._drop_if_unused(h)
 
-    def started(self, load: GroupLoad, g: int) -> None:
-        """Every pending copy runs in ``load`` as group ``g``'s: observed by ``settle_loads``."""
+    def load_plan(self) -> LoadPlan | None:
+        """The pending copies as one L2 -> L1 load of this group, for the caller to submit to the
+        one transfer engine and hand its handle to ``started``; None: nothing pending."""
+        if not self.pending:
+            return None
+        rows = list(self.pending.values())
+        return LoadPlan(None, (), [hid for hid, _ in rows], [dev for _, dev in rows], None, group=self.group)
+
+    def started(self, handle: LoadHandle) -> None:
+        """Every pending copy runs in ``handle``'s load: readers wait on it until it completes."""
         for h in self.pending:
-            self.loading[h] = (load, g)
+            self.loading[h] = handle
         self.pending.clear()
 
-    def settle_loads(self, wait: bool = False) -> int:
-        """Observe the loads done (``wait``: block for all of them first): each releases its
-        pin. Returns how many. Raises ``TransferError`` naming the items of a failed load
-        (their L1 pages hold unknown bytes: stop serving, as ``HiCache`` does)."""
-        if wait:
-            for ld, g in list(self.loading.values()):
-                ld.sync_group(g)
-        done = [h for h, (ld, g) in self.loading.items() if ld.group_ready(g)]
-        bad = []
-        for h in done:
-            ld, g = self.loading.pop(h)
-            if ld.failed(g) is not None:
-                bad.append((h, ld.failed(g)))
+    def _loaded(self, plan: LoadPlan) -> None:
+        """A load completed (failed: its L1 pages hold unknown bytes; the cache stops serving):
+        each item's load pin is released."""
+        filled = set(plan.device)
+        for h in [h for h in self.loading if self.l1[h] in filled]:
+            del self.loading[h]
             self.unpin(h)
-        if bad:
-            raise TransferError(f"{self.name}: loading items {[h.hex()[:8] for h, _ in bad]} from L2 to L1 "
-                                f"failed ({bad[0][1]!r}); their L1 pages hold unknown bytes") from bad[0][1]
-        return len(done)
 
     def holding(self, hashes: list[PageHash]) -> list[bool]:
         """Whether each item is on some tier (L3: listed; its bytes are verified by ``take``).
@@ -321,7 +284,9 @@ class GroupTiers:
     def complete(self, plan: GroupPlan, ok: bool, pages: int) -> list[GroupPlan]:
         """Record what a submitted plan of this group did (exactly once per plan, also when it
         failed) and release what it held; returns the plans that follow (an L2 copy on to L3)."""
-        if isinstance(plan, BackupPlan):
+        if isinstance(plan, LoadPlan):
+            self._loaded(plan)
+        elif isinstance(plan, BackupPlan):
             self._backed_up(plan.host[0], ok)
         elif isinstance(plan, StorePlan):
             self._stored(plan.hashes[0], ok and pages == 1)

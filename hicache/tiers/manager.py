@@ -54,7 +54,7 @@ from hicache.index.node import Node
 from hicache.core.stats import TierMoveStats
 from hicache.index.request import MatchResult
 from hicache.transfer.plans import BackupPlan, LoadPlan, LoadRequest, PrefetchPlan, StorePlan
-from hicache.tiers.groups import GroupTiers
+from hicache.tiers.groups import GroupPlan, GroupTiers
 from hicache.core.types import DevicePageId, HostPageId, PageHash
 
 
@@ -93,7 +93,7 @@ class TierManager:
         items.moves = self.stats
         self.groups[group] = items
 
-    def complete_group(self, plan: BackupPlan | StorePlan | PrefetchPlan, ok: bool, pages: int) -> list:
+    def complete_group(self, plan: GroupPlan, ok: bool, pages: int) -> list[GroupPlan]:
         """Complete a plan of a layer group's items (``plan.group >= 0``); the plans to submit
         next (an item's L2 copy on to L3)."""
         return self.groups[plan.group].complete(plan, ok, pages)

@@ -27,7 +27,7 @@ class ItemKey(NamedTuple):
 class BackupPlan(NamedTuple):
     """Copy every plane of ``device[i]`` (L1) to ``host[i]`` (L2)."""
 
-    node: Node | None  # whose L1 pages are copied (None: a group's items, ``group >= 0``)
+    node: Node  # whose L1 pages are copied (a layer group's items, ``group >= 0``: None, no node)
     device: list[DevicePageId]
     host: list[HostPageId]
     draft: bool  # the source's draft rows are valid (what the copy will hold)
@@ -84,7 +84,7 @@ class LoadPlan(NamedTuple):
 class StorePlan(NamedTuple):
     """Write L2 pages ``host`` to L3 under ``hashes``."""
 
-    node: Node | None  # None: a group's items (``group >= 0``)
+    node: Node  # (a layer group's items, ``group >= 0``: None, no node)
     host: list[HostPageId]
     hashes: list[PageHash]  # the L3 keys
     group: int = FULL

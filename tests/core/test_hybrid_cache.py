@@ -11,8 +11,6 @@ from hicache.tiers.groups import GroupTiers, TierCounts
 from hicache.core.hashing import page_hashes
 from hicache.core.groups import LayerGroup, hybrid_layout, stored_bytes, swa_needed_pages, workload_bytes
 from hicache.cache.hybrid import HybridCache, HybridPools, group_layout
-from hicache.transfer.hybrid_copy import on_group_pools, plan_load
-from hicache.transfer.hybrid_load import HybridLoader
 from hicache.transfer.engine import TransferController
 from hicache.core.layout import KVLayout
 from hicache.core.shapes import model_shape
@@ -51,12 +49,16 @@ def _tiers(l3=True):
     return GroupTiers("swa0", lay, 3, 2, "cpu", st)
 
 
-def _settle(t):
+def _settle(t, load=False):
     """Run ``t``'s plans on the one transfer engine (its pools registered as group 0's) and
     complete each, with the plans that follow, as ``HiCache.poll`` does."""
     tc = TransferController(t.device, t.host, t.storage)
     tc.add_group(t.group, t.device, t.host, t.storage)
     todo, jobs = t.take_plans(), {}
+    if load:
+        plan = t.load_plan()
+        jobs[tc.submit(plan)] = plan
+        t.started(tc.load_handle(next(iter(jobs))))
     while todo or jobs:
         jobs.update({tc.submit(p): p for p in todo})
         tc.wait_all()
@@ -65,17 +67,9 @@ def _settle(t):
 
 
 def _load(t):
-    """Start ``t``'s pending copies as ``HybridCache`` does (one ``plan_load`` plan, the group's
-    lane of a ``HybridLoader``), wait, observe."""
-    n = t.layout.num_layers
-    plan_lay = t.layout.replace(groups=(LayerGroup("swa", tuple(range(n)), window=10 ** 6),))
-    pend = list(t.pending.values())
-    plan = plan_load(plan_lay, len(pend), [[s for s, _ in pend]], [[d for _, d in pend]])
-    loader = HybridLoader.per_group(plan_lay, {0: (t.host, t.device)})
-    h = loader.load(on_group_pools(plan, plan_lay, {0: t.layout}))
-    t.started(h, 0)
-    assert t.settle_loads(wait=True) == len(pend)
-    loader.close()
+    """Start ``t``'s pending copies as ``HybridCache`` does (one ``LoadPlan`` of the group on
+    the one transfer engine), wait, complete."""
+    _settle(t, load=True)
 
 
 def _fill(t, dev, value):
@@ -465,24 +459,3 @@ def test_a_snapshot_l3_lost_is_stored_again_by_a_request_that_recomputes_it():
     third.abort()
     hc.check_integrity()
     hc.close()
-
-
-def test_hybrid_cache_satisfies_the_owner_protocol_its_requests_use():
-    """``HybridRequest`` talks to its cache only through ``HybridOwner``: every member of
-    the protocol is on a real cache, with the declared arity (a rename on either side fails)."""
-    import inspect
-
-    from hicache.cache.hybrid_request import HybridOwner
-
-    hc = _cache(hybrid_layout(model_shape("gpt-oss-120b"), 16))
-    try:
-        for name in HybridOwner.__annotations__:
-            assert hasattr(hc, name), f"HybridCache lacks {name!r}"
-        for name, fn in vars(HybridOwner).items():
-            if inspect.isfunction(fn) and not name.startswith("_"):
-                have = getattr(hc, name, None)
-                assert callable(have), f"HybridCache lacks method {name!r}"
-                want = [p for p in inspect.signature(fn).parameters if p != "self"]
-                assert list(inspect.signature(have).parameters) == want, (name, inspect.signature(have))
-    finally:
-        hc.close()
