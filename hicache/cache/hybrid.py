@@ -10,7 +10,9 @@ boundaries (``hicache.cache.hybrid_record``) and the floor every group resumes f
 (``hicache.core.groups.resumable_floor``, agreed across TP/CP ranks), with the SWA window
 and the snapshot there taken onto L1 (fetched from L3 within the prefetch budget, loaded
 layer by layer through one ``LoadPlan`` per group). Between the floor and the full hit the
-engine *replays* the SWA and state layers. Not wired: service mode (refused).
+engine *replays* the SWA and state layers. In service mode (``hicache+unix://``) the full
+groups' pages live in the node's shared segment and its L3; the group items stay on this
+engine's L1 and L2 (the node service keeps no SWA pages or snapshots).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import torch
 from hicache.index.prefix_cache import Tokens
 from hicache.core.config import HiCacheConfig
 from hicache.client.consensus import HitConsensus
-from hicache.core.errors import ConfigError, IntegrityError, LayoutError
+from hicache.core.errors import IntegrityError, LayoutError
 from hicache.tiers.groups import GroupTiers, TierCounts
 from hicache.cache.hicache import HiCache
 from hicache.core.groups import LayerGroup, resumable_floor
@@ -32,7 +34,6 @@ from hicache.cache.hybrid_admission import HybridAdmission, agreed_floor, floor_
 from hicache.cache.hybrid_record import DEFAULT_MAX_BOUNDARIES, SWEEP_BATCH, BoundaryRecord
 from hicache.cache.hybrid_request import HybridRequest
 from hicache.core.layout import KVLayout
-from hicache.core.redact import redact_url
 from hicache.index.request import RequestState
 from hicache.storage import open_storage
 from hicache.storage.capacity import backend_options
@@ -85,16 +86,12 @@ class HybridCache:
                  pools: HybridPools = HybridPools(), storage=None, consensus: HitConsensus | None = None):
         """``consensus``: the TP/CP group's ``HitConsensus`` (``HiCache``'s argument); every
         rank then admits the same full hit and the same floor. Raises ``LayoutError`` for a
-        layout without a full group, ``ConfigError`` for service mode or a bad ``pools``."""
+        layout without a full group, ``ConfigError`` for a bad ``pools``."""
         cfg = self.config = config or HiCacheConfig.load()
         self.layout = lay = layout or cfg.layout()
         if not lay.groups or not any(g.kind == "full" for g in lay.groups):
             raise LayoutError(f"HybridCache needs a layout with layer groups including a full group; "
                               f"{lay.model_id!r} has {[g.to_list() for g in lay.groups]}; use HiCache")
-        if cfg.storage.url.startswith("hicache+unix:"):
-            raise ConfigError(f"storage.url={redact_url(cfg.storage.url)!r}: HybridCache does not run in service "
-                              "mode (the node service keeps no SWA pages or state snapshots); set storage.url to "
-                              "an embedded L3 (file:///dir, redis://host:port, memory://) or to '' for none")
         self.boundaries = BoundaryRecord(pools.max_boundaries, lay.page_size)
         self.groups: tuple[LayerGroup, ...] = lay.groups
         self.ps = lay.page_size
@@ -122,7 +119,7 @@ class HybridCache:
             dev = pools.state_device_slots or max(4, cfg.pool.device_pages // g.snapshot_every)
             host = pools.state_host_slots or max(4, cfg.pool.host_pages // g.snapshot_every)
         l3 = None
-        if cfg.storage.url:
+        if cfg.storage.url and not cfg.storage.url.startswith("hicache+unix:"):  # service mode: no group items there
             st = cfg.storage
             l3 = open_storage(st.url, fingerprint=lay.fingerprint(), layout=lay, timeout_ms=st.timeout_ms,
                               max_retries=st.max_retries, auth_key=st.resolved_auth_key(), **backend_options(st))
@@ -322,8 +319,9 @@ class HybridCache:
         lost = {gi: s.take_gone() for gi, s in self.stores.items()}
         epoch = self.hc.cache.epoch
         changed, self._swept_epoch = epoch != self._swept_epoch, epoch
-        stale = self.boundaries.stale(lost, self.state_gi, index_changed=changed, l3=self.hc.storage is not None,
-                                      limit=limit)
+        # (``in_storage`` flags a node that L3 or, in service mode, the node's segment holds)
+        below = self.hc.storage is not None or self.config.storage.url.startswith("hicache+unix:")
+        stale = self.boundaries.stale(lost, self.state_gi, index_changed=changed, l3=below, limit=limit)
         for key in stale:
             self.forget(key)
         return len(stale)
