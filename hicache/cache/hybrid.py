@@ -152,6 +152,8 @@ class HybridCache:
         if self.consensus is not None:
             floor = agreed_floor(self.consensus, self.layout, req, hashes, holds, floor)
         # (a floor inside a page resumes at the request's own partial page, from the engine's live state)
+        if any(st.copies_in_flight() for st in self.stores.values()):
+            self.hc.complete_finished()  # copies done free their items' L1 pages for the span replayed
         loads, row = self._start_loads(req, snapshot=floor.tokens == floor.pages * self.ps)
         adm = HybridAdmission(self.layout, full, exact, floor.tokens, floor.limited_by, loads, row)
         if floor.pages:
@@ -201,15 +203,15 @@ class HybridCache:
                 if isinstance(p, BackupPlan):
                     self._copies.setdefault(gi, []).append(job)
 
-    def alloc_group(self, gi: int, n: int, *, wait: bool = True) -> list[DevicePageId]:
-        """``n`` private L1 ids of group ``gi``'s store. Items whose L1 -> L2 copy is in flight
-        cannot leave L1: when short, the copies done are completed first and, with ``wait``
-        (a request computing: it must get them, as ``L1Room.room_to_compute``), the rest
-        waited for. Raises ``OutOfPages`` as ``GroupTiers.alloc``."""
+    def alloc_group(self, gi: int, n: int) -> list[DevicePageId]:
+        """``n`` private L1 ids of group ``gi``'s store for a request computing. Items whose
+        L1 -> L2 copy is in flight cannot leave L1: when short, the copies done are completed
+        first and the rest waited for (it must get them, as ``L1Room.room_to_compute``).
+        Raises ``OutOfPages`` as ``GroupTiers.alloc``."""
         st = self.stores[gi]
         if st.device.allocator.num_free < n and st.copies_in_flight():
             self.hc.complete_finished()
-            while wait and st.copies_in_flight() and self._copies.get(gi):
+            while st.copies_in_flight() and self._copies.get(gi):
                 self.hc.wait_job(self._copies[gi].pop(0))
         if not st.copies_in_flight():
             self._copies.pop(gi, None)

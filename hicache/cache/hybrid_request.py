@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from hicache.core.errors import IntegrityError
+from hicache.tiers.groups import GroupTiers
 from hicache.core.hashing import page_hashes
 from hicache.index.request import Request, RequestState, Tokens
 from hicache.core.types import DevicePageId, PageHash
@@ -120,7 +121,7 @@ class HybridRequest:
             for p in [p for p in table if p >= -(-exact // ps)]:
                 self._drop_page(gi, p)
             want = [p for p in range(b, -(-exact // ps)) if p not in table]
-            for p, dev in zip(want, self.owner.alloc_group(gi, len(want), wait=False)):
+            for p, dev in zip(want, self.owner.stores[gi].alloc(len(want))):
                 table[p] = (dev, None)
 
     # ------------------------------------------------------------ compute
@@ -187,7 +188,8 @@ class HybridRequest:
     def keep_window(self, gi: int, hashes: list[PageHash], lo: int, b: int, *, count: bool) -> None:
         """Hand pages ``[lo, b)`` of this request's SWA group ``gi`` to the store for a boundary
         (``count``: one more boundary needs each; else only re-store ones the store lost)."""
-        st, table = self.owner.stores[gi], self.swa[gi]
+        st: GroupTiers = self.owner.stores[gi]
+        table = self.swa[gi]
         for p in range(lo, b):
             dev, h = table.get(p, (None, None))
             if dev is None:
