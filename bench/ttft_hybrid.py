@@ -9,7 +9,7 @@ shapes, dense stand-ins for the MoE). The prompt's resumable boundary is its
 last full page before the last token (``(tokens - 1) // page_size``); the
 state group keeps a snapshot there. Warm paths go through the one transfer
 engine as ``HybridCache``'s loads do (``TransferController.add_group``: one
-``LoadPlan`` per layer group, full pages first, on the one copy stream, each
+``LoadPlan`` per layer group, full pages last, on the one copy stream, each
 load one CUDA-graph replay): ``layerwise`` (attention layer ``j`` waits on the
 device for its own group's load up to layer ``j``; the first linear layer for
 the snapshot), ``serial`` (the whole load lands, then the forward), and both
@@ -76,12 +76,12 @@ class Setup:
                 self.local.update({layer: (gi, k) for k, layer in enumerate(x.layers)})
 
     def plans(self, full: bool = False) -> list[LoadPlan]:
-        """One load per group for boundary B, full groups first (as ``HybridCache`` submits them):
+        """One load per group for boundary B, full groups last (as ``HybridCache`` submits them):
         every page for a full group (and an SWA group with ``full``), the window's for an SWA
         group, the snapshot for the state group."""
         hp, dp = self.host_pages.tolist(), self.dev_pages.tolist()
         out = []
-        for gi, x in sorted(enumerate(self.layout.groups), key=lambda e: e[1].kind != "full"):
+        for gi, x in sorted(enumerate(self.layout.groups), key=lambda e: e[1].kind == "full"):
             if x.kind == "state":
                 out.append(LoadPlan(None, (), [SNAP_L2], [SNAP_L1], None, group=gi))
                 continue

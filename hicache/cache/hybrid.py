@@ -28,7 +28,7 @@ from hicache.client.consensus import HitConsensus
 from hicache.core.errors import IntegrityError, LayoutError
 from hicache.tiers.groups import GroupTiers, TierCounts
 from hicache.cache.hicache import HiCache
-from hicache.core.groups import LayerGroup, resumable_floor
+from hicache.core.groups import HybridFloor, LayerGroup, resumable_floor
 from hicache.core.policies import PrefetchPolicy
 from hicache.cache.hybrid_admission import HybridAdmission, agreed_floor, floor_items, group_holds, settle_floor
 from hicache.cache.hybrid_record import DEFAULT_MAX_BOUNDARIES, SWEEP_BATCH, BoundaryRecord
@@ -143,12 +143,15 @@ class HybridCache:
         Raises as ``HiCache.admit`` (``TransferError`` once a load failed, a group's included)
         and ``OutOfPages``."""
         self.sweep(SWEEP_BATCH)
+        ahead = self._load_ahead(req, live_state_tokens)
         full = self.hc.admit(req.inner)
         exact = req.inner.computed_tokens
         hashes = req.hashes(exact // self.ps)
-        holds = group_holds(self.layout, self.stores, hashes)
-        self._fetch(req, hashes, holds, exact, live_state_tokens)
-        floor = settle_floor(self.layout, req, hashes, holds, exact, live_state_tokens)
+        if ahead is not None and ahead[0] == exact:
+            holds, floor = ahead[1], ahead[2]
+        else:  # the admission changed the full hit (an L3 prefetch, no L1 room, the cost model): again
+            req.release_swa(pinned_only=True)
+            holds, floor = self._floor(req, hashes, exact, live_state_tokens)
         if self.consensus is not None:
             floor = agreed_floor(self.consensus, self.layout, req, hashes, holds, floor)
         # (a floor inside a page resumes at the request's own partial page, from the engine's live state)
@@ -165,6 +168,30 @@ class HybridCache:
         req.resume = floor.tokens
         req.fork = exact // self.ps if floor.pages < exact // self.ps else 0
         return adm
+
+    def _floor(self, req: HybridRequest, hashes: list[PageHash], exact: int,
+               live_state_tokens: int) -> tuple[list[list[bool]], HybridFloor]:
+        """What the stores hold of ``hashes`` (L3 fetched within the budget) and the floor over
+        it, with what resuming there reads taken by ``req``."""
+        holds = group_holds(self.layout, self.stores, hashes)
+        self._fetch(req, hashes, holds, exact, live_state_tokens)
+        return holds, settle_floor(self.layout, req, hashes, holds, exact, live_state_tokens)
+
+    def _load_ahead(self, req: HybridRequest, live_state_tokens: int) -> tuple | None:
+        """Before ``HiCache.admit``: the floor over the full hit it is about to lock (a pure
+        match), its items taken and their loads submitted, so that on the one lane the SWA
+        window and the snapshot (small, read by the first layers) go ahead of the full pages
+        and the full layers' load runs beside the forward. ``(exact, holds, floor)``; None
+        without group stores. ``admit`` starts again when the hit it locks differs."""
+        if not self.stores:
+            return None
+        exact = req.inner.match().exact_tokens
+        holds, floor = self._floor(req, req.hashes(exact // self.ps), exact, live_state_tokens)
+        for st in self.stores.values():
+            plan = st.load_plan()
+            if plan is not None:
+                st.started(self.hc.transfers.load_handle(self.hc.submit(plan)))
+        return exact, holds, floor
 
     def _fetch(self, req: HybridRequest, hashes: list[PageHash], holds: list[list[bool]], exact: int,
                live_state_tokens: int) -> None:

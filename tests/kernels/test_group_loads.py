@@ -40,14 +40,14 @@ def _pools(layout, device: str, n_src: int, n_dst: int, gen: torch.Generator):
 
 def _case(name: str, ps: int, b: int, host_layout: str, device: str):
     """The engine over the layout's KV pools, each KV group registered on its layers, the state
-    group on pools of its own; one plan per group for boundary ``b`` (full groups first)."""
+    group on pools of its own; one plan per group for boundary ``b`` (full groups last)."""
     lay = hybrid_layout(model_shape(name), ps, snapshot_every=8, host_layout=host_layout)
     gen = torch.Generator().manual_seed(zlib.crc32(repr((name, ps, b)).encode()))
     host, dev = _pools(lay, device, b + 5, b + 3, gen)
     tc = TransferController(dev, host)
     hs, ds = torch.randperm(b + 5, generator=gen)[:b].tolist(), torch.randperm(b + 3, generator=gen)[:b].tolist()
     plans, pools = [], {}
-    for gi, g in sorted(enumerate(lay.groups), key=lambda e: e[1].kind != "full"):
+    for gi, g in sorted(enumerate(lay.groups), key=lambda e: e[1].kind == "full"):
         if g.kind == "state":
             pools[gi] = _pools(group_layout(lay, ("state",), gi), device, 3, 2, gen)
             tc.add_group(gi, pools[gi][1], pools[gi][0])
