@@ -15,7 +15,7 @@ proves it on the reference model): warm and cold logits are compared loosely.
 
 Attention layer ``j`` (the ``j``-th attention layer of the pattern) keeps its K
 and V rows in plane ``(k|v, j)`` of a ``DevicePool``; the linear layers' states
-are one snapshot row of a state pool (``hybrid_copy.state_layout``).
+are one snapshot row of a state pool (``hicache.cache.hybrid.group_layout(layout, ("state",), gi)``).
 """
 from __future__ import annotations
 
@@ -190,7 +190,7 @@ def _advance(S, k, v, lg):
 class LinearState:
     """Every linear layer's ``[Hv, dk, dv]`` float32 state at one position, and snapshots taken on the way.
 
-    A snapshot row (``hybrid_copy.state_layout``) holds each layer's state as bf16 followed by
+    A snapshot row (``hicache.cache.hybrid.group_layout``, kind ``rows``) holds each layer's state as bf16 followed by
     the conv tail, ``gdn_state_bytes`` per layer: ``to_row`` / ``from_row`` convert."""
 
     def __init__(self, n: int, device, row_layer_bytes: int):

@@ -242,6 +242,10 @@ class HiCache:
                                        hit.storage_before, self.storage.stats())
         return len(hit.hashes) * self.layout.page_size if not running else 0
 
+    def prefetch_budget_s(self, num_tokens: int) -> float | None:
+        """How long the scheduler may wait on L3 for a request of ``num_tokens`` (``_prefetch_budget_s``)."""
+        return self._prefetch_budget_s(num_tokens)
+
     def _prefetch_budget_s(self, num_tokens: int) -> float | None:
         """How long the scheduler may wait on L3 for one request (probe and fetch together);
         None: as long as it takes (``wait_complete``)."""
@@ -321,6 +325,11 @@ class HiCache:
                 self._submit(plan)
 
     # --------------------------------------------------------- completions
+    def submit(self, plan: Plan) -> JobId:
+        """Start a plan of a layer group's items (``plan.group >= 0``, ``hicache.cache.hybrid``);
+        it completes in ``poll`` / ``drain`` as the index's plans do."""
+        return self._submit(plan)
+
     def _submit(self, plan: Plan) -> JobId:
         job = self.transfers.submit(plan)
         self._jobs.add(job, plan)
@@ -336,6 +345,14 @@ class HiCache:
 
     def _complete(self, plan: Plan, r: TransferResult) -> None:
         tiers = self.tiers
+        if plan.group >= 0:  # a layer group's items (hicache.tiers.groups): keyed (group, page hash)
+            for nxt in tiers.complete_group(plan, r.ok, r.pages):
+                self._submit(nxt)
+            if isinstance(plan, LoadPlan) and not r.ok:
+                self._failed = TransferError(f"load back of layer group {plan.group}'s items {plan.device[:8]} "
+                                             f"failed ({r.error!r}); their L1 pages hold unknown bytes, so this "
+                                             "cache refuses to serve; rebuild it")
+            return
         if r.seconds and r.ok and r.kind in (TransferKind.H2D, TransferKind.L3_GET):  # the cost model's bandwidths
             self.cost.bandwidth.observe("L2" if r.kind is TransferKind.H2D else "L3", r.pages * self.layout.page_bytes,
                                         r.seconds)

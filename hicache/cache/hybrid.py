@@ -1,63 +1,22 @@
-"""``HybridCache``: a hybrid model's layer groups on the three tiers, hits floored
-where every group can resume.
+"""``HybridCache``: a hybrid model's layer groups on the one tier engine, hits floored where
+every group can resume.
 
-Composition, not branching inside ``HiCache``:
-
-* the ``full`` groups' layers are one ``HiCache`` over their planes (every
-  page of every prefix, as for any model; draft planes travel with them);
-* each ``swa`` group and the ``state`` group is a ``GroupTiers`` (L1, L2, L3
-  like pages): SWA pages keyed by the page's chained hash, state snapshots
-  keyed by the hash of the boundary's last page;
-* the *record*: per resumable boundary (a page boundary of a cached prefix,
-  keyed by its last page's hash) which SWA pages its window needs and whether
-  a snapshot is kept there. Boundaries are recorded at every
-  ``snapshot_every``-th page (when a state group exists: the snapshot is
-  taken there), at the page-floored end of every finished or preempted
-  request, and at every *fork*: the full groups' hit of an admission whose
-  floor fell short of it (where the index's node that the request continued
-  ends), once the request has recomputed up to it, with the snapshot there
-  when the engine supplies one. So each end of a node of the index becomes
-  resumable once a request has been through it again. With a state group,
-  only where the engine supplies a snapshot (a boundary without one cannot
-  resume, so its SWA window is not kept). SWA pages outside
-  every recorded window are freed (a running request frees them as its
-  window moves on) or never stored. The record is bounded
-  (``hicache.cache.hybrid_record``): at most ``HybridPools.max_boundaries``
-  boundaries, the least recently used forgotten first, and a boundary whose
-  full-attention prefix or one of whose items left every tier is forgotten
-  (``sweep``: at every admission and request end within a budget, at every
-  eviction in full); forgetting frees on every tier what only that boundary
-  needed.
-
-``admit`` asks ``HiCache`` for the full groups' hit, then
-``hicache.core.groups.resumable_floor`` for the longest prefix every group can
-resume from, takes the SWA window and the snapshot there onto L1, and keeps
-the seed contract's exact accounting: a running or preempted request's own
-partial page counts when the floor reaches its whole match and the engine
-still holds the request's live state. Between the floor and the full hit the
-engine *replays*: it recomputes the SWA and state layers, the full layers'
-KV is reused. Each group's layout (``group_layout``) has its own
-fingerprint, derived from the hybrid layout's, in every L3 object. With a
-TP/CP ``consensus`` every rank admits the same full hit (``HiCache``'s) and
-the same floor (``agreed_floor``: a boundary every rank resumes from). The
-floor, its agreement and the copy plan are ``hicache.cache.hybrid_admission``'s; a
-request over every group is a ``hicache.cache.hybrid_request.HybridRequest``, which
-asks this cache only what its ``HybridOwner`` Protocol names.
-
-Loads are asynchronous and waited on per group. ``HiCache.admit`` starts the
-full groups' layer-wise load back; the SWA window and the snapshot at the
-floor that only L2 (or L3, fetched to L2 at admission) holds are copied to
-L1 by one ``hybrid_copy.plan_load`` plan over every group (``pending_plan``),
-each group's copies on its own lane of a ``hybrid_load.HybridLoader`` (a CUDA
-stream, or a worker thread on the CPU). ``HybridAdmission.wait_layer(i)`` waits for
-layer ``i``'s group only (``hybrid_load.AdmissionWaits``), and ``state``
-for the snapshot only. ``poll`` observes the group loads done (each pins its
-item until then); ``drain`` waits for them.
-
-Not wired: service mode (``hicache+unix://``: refused with a ``ConfigError``).
+The full groups' layers are one ``HiCache`` over their planes; each SWA group and the state
+group is a ``GroupTiers`` (``hicache.tiers.groups``) registered with that ``HiCache``'s tier
+manager and transfer engine, so its items (SWA pages keyed by page hash, snapshots by the
+boundary's last page hash) move by the same two-phase plans, complete in the same ``poll``
+and count in the same stats. What is hybrid lives here: the *record* of resumable
+boundaries (``hicache.cache.hybrid_record``) and the floor every group resumes from
+(``hicache.core.groups.resumable_floor``, agreed across TP/CP ranks), with the SWA window
+and the snapshot there taken onto L1 (fetched from L3 within the prefetch budget, loaded
+layer by layer through one ``LoadPlan`` per group). Between the floor and the full hit the
+engine *replays* the SWA and state layers. In service mode (``hicache+unix://``) the full
+groups' pages live in the node's shared segment and its L3; the group items stay on this
+engine's L1 and L2 (the node service keeps no SWA pages or snapshots).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -66,21 +25,20 @@ import torch
 from hicache.index.prefix_cache import Tokens
 from hicache.core.config import HiCacheConfig
 from hicache.client.consensus import HitConsensus
-from hicache.core.errors import ConfigError, IntegrityError, LayoutError, TransferError
+from hicache.core.errors import IntegrityError, LayoutError
 from hicache.tiers.groups import GroupTiers, TierCounts
-from hicache.cache.hicache import Admission, HiCache
-from hicache.core.groups import LayerGroup
-from hicache.cache.hybrid_admission import HybridAdmission, agreed_floor, group_holds, pending_plan, settle_floor
-from hicache.transfer.hybrid_load import AdmissionWaits, HybridLoader
+from hicache.cache.hicache import HiCache
+from hicache.core.groups import HybridFloor, LayerGroup, resumable_floor
+from hicache.core.policies import PrefetchPolicy
+from hicache.cache.hybrid_admission import HybridAdmission, agreed_floor, floor_items, group_holds, settle_floor
 from hicache.cache.hybrid_record import DEFAULT_MAX_BOUNDARIES, SWEEP_BATCH, BoundaryRecord
 from hicache.cache.hybrid_request import HybridRequest
-from hicache.kernels.page_copy import PageCopier
 from hicache.core.layout import KVLayout
-from hicache.core.redact import redact_url
 from hicache.index.request import RequestState
 from hicache.storage import open_storage
 from hicache.storage.capacity import backend_options
-from hicache.core.types import DevicePageId, PageHash
+from hicache.core.types import DevicePageId, JobId, PageHash
+from hicache.transfer.plans import BackupPlan
 
 
 def group_layout(layout: KVLayout, kinds: tuple[str, ...], gi: int = -1) -> KVLayout:
@@ -125,21 +83,15 @@ class HybridCache:
     """See the module docstring. Not thread-safe: one scheduler thread calls everything."""
 
     def __init__(self, config: HiCacheConfig | None = None, *, layout: KVLayout | None = None,
-                 pools: HybridPools = HybridPools(), storage=None, consensus: HitConsensus | None = None,
-                 copier: PageCopier | None = None):
+                 pools: HybridPools = HybridPools(), storage=None, consensus: HitConsensus | None = None):
         """``consensus``: the TP/CP group's ``HitConsensus`` (``HiCache``'s argument); every
-        rank then admits the same full hit and the same floor. ``copier``: the page copier of
-        the group loads (default: the shared one). Raises ``LayoutError`` for a layout
-        without a full group, ``ConfigError`` for service mode or a bad ``pools``."""
+        rank then admits the same full hit and the same floor. Raises ``LayoutError`` for a
+        layout without a full group, ``ConfigError`` for a bad ``pools``."""
         cfg = self.config = config or HiCacheConfig.load()
         self.layout = lay = layout or cfg.layout()
         if not lay.groups or not any(g.kind == "full" for g in lay.groups):
             raise LayoutError(f"HybridCache needs a layout with layer groups including a full group; "
                               f"{lay.model_id!r} has {[g.to_list() for g in lay.groups]}; use HiCache")
-        if cfg.storage.url.startswith("hicache+unix:"):
-            raise ConfigError(f"storage.url={redact_url(cfg.storage.url)!r}: HybridCache does not run in service "
-                              "mode (the node service keeps no SWA pages or state snapshots); set storage.url to "
-                              "an embedded L3 (file:///dir, redis://host:port, memory://) or to '' for none")
         self.boundaries = BoundaryRecord(pools.max_boundaries, lay.page_size)
         self.groups: tuple[LayerGroup, ...] = lay.groups
         self.ps = lay.page_size
@@ -148,12 +100,12 @@ class HybridCache:
         self.stores: dict[int, GroupTiers] = {}
         for gi, g in enumerate(self.groups):
             if g.kind != "full":
-                self.stores[gi] = self._store(gi, g, pools)
+                st = self.stores[gi] = self._store(gi, g, pools)
+                self.hc.tiers.add_group(gi, st)  # the one tier manager and transfer engine move its items
+                self.hc.transfers.add_group(gi, st.device, st.host, st.storage)
         self.state_gi = next((gi for gi, g in enumerate(self.groups) if g.kind == "state"), None)
-        self.loader = HybridLoader.per_group(lay, {gi: (s.host, s.device) for gi, s in self.stores.items()},
-                                             copier=copier) if self.stores else None
-        self._failed: TransferError | None = None  # a group load that failed (settle_loads)
         self.live: dict[str, HybridRequest] = {}
+        self._copies: dict[int, list[JobId]] = {}  # per group, its L1 -> L2 copies submitted (some may be done)
         self._admissions = self._hit = self._resumed = 0
         self._swept_epoch = -1  # the index's epoch at the last sweep of the record
 
@@ -167,11 +119,11 @@ class HybridCache:
             dev = pools.state_device_slots or max(4, cfg.pool.device_pages // g.snapshot_every)
             host = pools.state_host_slots or max(4, cfg.pool.host_pages // g.snapshot_every)
         l3 = None
-        if cfg.storage.url:
+        if cfg.storage.url and not cfg.storage.url.startswith("hicache+unix:"):  # service mode: no group items there
             st = cfg.storage
             l3 = open_storage(st.url, fingerprint=lay.fingerprint(), layout=lay, timeout_ms=st.timeout_ms,
                               max_retries=st.max_retries, auth_key=st.resolved_auth_key(), **backend_options(st))
-        return GroupTiers(f"{kind}{gi}", lay, dev, host, str(self.hc.device_pool.device), l3)
+        return GroupTiers(f"{kind}{gi}", lay, dev, host, str(self.hc.device_pool.device), l3, group=gi)
 
     # ------------------------------------------------------------- requests
     def new_request(self, rid: str, tokens: Tokens, namespace: str = "") -> HybridRequest:
@@ -188,51 +140,129 @@ class HybridCache:
         tokens the engine still holds the request's recurrent state for (0 after a
         preemption that dropped it). Afterwards ``req.computed_tokens`` is the hit; compute
         ``[adm.resume, hit)`` again for the SWA and state layers only, then the rest.
-        Raises as ``HiCache.admit``, ``OutOfPages``, and ``TransferError`` for a group load
-        that failed earlier."""
-        self.settle_loads()
+        Raises as ``HiCache.admit`` (``TransferError`` once a load failed, a group's included)
+        and ``OutOfPages``."""
         self.sweep(SWEEP_BATCH)
+        ahead = self._load_ahead(req, live_state_tokens)
         full = self.hc.admit(req.inner)
         exact = req.inner.computed_tokens
         hashes = req.hashes(exact // self.ps)
-        holds = group_holds(self.layout, self.stores, hashes)
-        floor = settle_floor(self.layout, req, hashes, holds, exact, live_state_tokens)
+        if ahead is not None and ahead[0] == exact:
+            holds, floor = ahead[1], ahead[2]
+        else:  # the admission changed the full hit (an L3 prefetch, no L1 room, the cost model): again
+            req.release_swa(pinned_only=True)
+            holds, floor = self._floor(req, hashes, exact, live_state_tokens)
         if self.consensus is not None:
             floor = agreed_floor(self.consensus, self.layout, req, hashes, holds, floor)
         # (a floor inside a page resumes at the request's own partial page, from the engine's live state)
-        waits = self._start_loads(req, hashes, floor.pages, full, snapshot=floor.tokens == floor.pages * self.ps)
+        if any(st.copies_in_flight() for st in self.stores.values()):
+            self.hc.complete_finished()  # copies done free their items' L1 pages for the span replayed
+        loads, row = self._start_loads(req, snapshot=floor.tokens == floor.pages * self.ps)
+        adm = HybridAdmission(self.layout, full, exact, floor.tokens, floor.limited_by, loads, row)
         if floor.pages:
             self.boundaries.use(hashes[floor.pages - 1], req.inner.node)
-        req.prepare(floor.pages, exact, waits)
+        req.prepare(floor.pages, exact, adm)
         self._admissions += 1
         self._hit += exact
         self._resumed += floor.tokens
         req.resume = floor.tokens
         req.fork = exact // self.ps if floor.pages < exact // self.ps else 0
-        return HybridAdmission(full, exact, floor.tokens, floor.limited_by, waits)
+        return adm
 
-    def _start_loads(self, req: HybridRequest, hashes: list[PageHash], b: int, full: Admission, *,
-                     snapshot: bool) -> AdmissionWaits:
-        """Start the L2 -> L1 copies of what ``req`` reads at boundary ``b`` (one plan for every
-        group; items a lowered floor no longer reads are un-taken first) and collect, per
-        group, the loads it waits for: that one and earlier admissions' that still bring an
-        item it reads. ``snapshot``: the engine resumes from the snapshot at ``b``."""
+    def _floor(self, req: HybridRequest, hashes: list[PageHash], exact: int,
+               live_state_tokens: int) -> tuple[list[list[bool]], HybridFloor]:
+        """What the stores hold of ``hashes`` (L3 fetched within the budget) and the floor over
+        it, with what resuming there reads taken by ``req``."""
+        holds = group_holds(self.layout, self.stores, hashes)
+        self._fetch(req, hashes, holds, exact, live_state_tokens)
+        return holds, settle_floor(self.layout, req, hashes, holds, exact, live_state_tokens)
+
+    def _load_ahead(self, req: HybridRequest, live_state_tokens: int) -> tuple | None:
+        """Before ``HiCache.admit``: the floor over the full hit it is about to lock (a pure
+        match), its items taken and their loads submitted, so that on the one lane the SWA
+        window and the snapshot (small, read by the first layers) go ahead of the full pages
+        and the full layers' load runs beside the forward. ``(exact, holds, floor)``; None
+        without group stores. ``admit`` starts again when the hit it locks differs."""
+        if not self.stores:
+            return None
+        exact = req.inner.match().exact_tokens
+        holds, floor = self._floor(req, req.hashes(exact // self.ps), exact, live_state_tokens)
+        for st in self.stores.values():
+            plan = st.load_plan()
+            if plan is not None:
+                st.started(self.hc.transfers.load_handle(self.hc.submit(plan)))
+        return exact, holds, floor
+
+    def _fetch(self, req: HybridRequest, hashes: list[PageHash], holds: list[list[bool]], exact: int,
+               live_state_tokens: int) -> None:
+        """Fetch from L3 to L2 what resuming at the floor over ``holds`` reads and only L3 holds
+        (one plan per group), waiting at most what is left of the prefetch policy's budget, as
+        ``HiCache`` waits for its own prefetch. What has not landed then is marked missing in
+        ``holds`` (it lands on L2 in a later ``poll``) and the lower floor's items are fetched
+        in turn. Each round lowers the floor, so this ends."""
+        if not any(st.storage is not None for st in self.stores.values()):
+            return
+        budget = self.hc.prefetch_budget_s(req.num_tokens)
+        end = None if budget is None else time.perf_counter() + budget
+        wait = self.config.policy.prefetch_policy is not PrefetchPolicy.BEST_EFFORT
+        while True:
+            floor = resumable_floor(self.layout.groups, self.ps, holds, exact_tokens=exact,
+                                    live_state_tokens=live_state_tokens)
+            reads = floor_items(self.layout, hashes, floor.pages)
+            jobs = [self.hc.submit(p) for gi, items in reads.items()
+                    if self.stores[gi].fetch([h for _, h in items]) for p in self.stores[gi].take_plans()]
+            for job in jobs if wait else ():
+                self.hc.transfers.wait(job, None if end is None else max(0.0, end - time.perf_counter()))
+            if jobs:
+                self.hc.complete_finished()
+            missing = [(gi, i) for gi, items in reads.items() for i, h in items
+                       if h not in self.stores[gi].l1 and h not in self.stores[gi].l2]
+            if not missing:
+                return
+            for gi, i in missing:
+                holds[gi][i] = False
+
+    def _submit_plans(self) -> None:
+        """Submit what the group stores prepared (write-through, L3 writes) to the one engine."""
+        for gi, st in self.stores.items():
+            for p in st.take_plans():
+                job = self.hc.submit(p)
+                if isinstance(p, BackupPlan):
+                    self._copies.setdefault(gi, []).append(job)
+
+    def alloc_group(self, gi: int, n: int) -> list[DevicePageId]:
+        """``n`` private L1 ids of group ``gi``'s store for a request computing. Items whose
+        L1 -> L2 copy is in flight cannot leave L1: when short, the copies done are completed
+        first and the rest waited for (it must get them, as ``L1Room.room_to_compute``).
+        Raises ``OutOfPages`` as ``GroupTiers.alloc``."""
+        st = self.stores[gi]
+        if st.device.allocator.num_free < n and st.copies_in_flight():
+            self.hc.complete_finished()
+            while st.copies_in_flight() and self._copies.get(gi):
+                self.hc.wait_job(self._copies[gi].pop(0))
+        if not st.copies_in_flight():
+            self._copies.pop(gi, None)
+        return st.alloc(n)
+
+    def _start_loads(self, req: HybridRequest, *, snapshot: bool) -> tuple[dict, torch.Tensor | None]:
+        """Start the L2 -> L1 loads of what ``req`` reads at its floor (items a lowered floor no
+        longer reads are un-taken first), one ``LoadPlan`` per group on the one transfer
+        engine, layer by layer as the full groups' own. Returns, per group, the loads it waits
+        for (that one and earlier admissions' still bringing an item it reads) and the
+        snapshot's L1 row when ``snapshot`` (the engine resumes from it)."""
         reads = req.reads()
+        loads: dict[int, tuple] = {}
         for gi, st in self.stores.items():
             st.cancel_pending(set(reads[gi]))
-        if self.loader is not None and any(st.pending for st in self.stores.values()):
-            own = self.loader.load(pending_plan(self.layout, self.stores, hashes, b))
-            for gi, st in self.stores.items():
-                st.started(own, gi)
-        loads: dict[int, list] = {}
-        for gi, st in self.stores.items():
-            got = {id(ld): ld for ld, _ in (st.loading[h] for h in reads[gi] if h in st.loading)}
-            loads[gi] = list(got.values())
+            plan = st.load_plan()
+            if plan is not None:
+                st.started(self.hc.transfers.load_handle(self.hc.submit(plan)))
+            loads[gi] = tuple({id(h): h for h in (st.loading[x] for x in reads[gi] if x in st.loading)}.values())
         row = None
         if snapshot and self.state_gi is not None and req.state_item is not None:
             st, g = self.stores[self.state_gi], self.groups[self.state_gi]
             row = st.device.buffers[0][req.state_item[1]].view(len(g.layers), g.state_bytes)
-        return AdmissionWaits(self.layout, full, loads, row)
+        return loads, row
 
     def full_slot_ids(self, pages: list) -> torch.Tensor:
         """Slot ids of the full groups' L1 ``pages`` (``DevicePool.slot_ids``)."""
@@ -280,6 +310,7 @@ class HybridCache:
         self.boundaries.use(key, node)
         for old in self.boundaries.over_cap():
             self.forget(old)
+        self._submit_plans()
 
     def _snapshot_row(self, b: int, snapshot: list) -> DevicePageId:
         """A private state-store L1 row holding ``snapshot`` (every state layer's tensor, as
@@ -292,7 +323,7 @@ class HybridCache:
         if raw.numel() != st.layout.row_bytes:
             raise ValueError(f"snapshot at boundary {b}: {raw.numel()} bytes, the state group holds "
                              f"{st.layout.row_bytes} ({len(g.layers)} layers x {g.state_bytes} bytes)")
-        dev = st.alloc(1)[0]
+        dev = self.alloc_group(self.state_gi, 1)[0]
         row = st.device.buffers[0][dev]
         row.copy_(raw.to(row.device))
         return dev
@@ -317,8 +348,9 @@ class HybridCache:
         lost = {gi: s.take_gone() for gi, s in self.stores.items()}
         epoch = self.hc.cache.epoch
         changed, self._swept_epoch = epoch != self._swept_epoch, epoch
-        stale = self.boundaries.stale(lost, self.state_gi, index_changed=changed, l3=self.hc.storage is not None,
-                                      limit=limit)
+        # (``in_storage`` flags a node that L3 or, in service mode, the node's segment holds)
+        below = self.hc.storage is not None or self.config.storage.url.startswith("hicache+unix:")
+        stale = self.boundaries.stale(lost, self.state_gi, index_changed=changed, l3=below, limit=limit)
         for key in stale:
             self.forget(key)
         return len(stale)
@@ -359,26 +391,12 @@ class HybridCache:
                            self.boundaries.forgotten)
 
     def poll(self) -> int:
-        """``HiCache.poll``, then the group loads done (``settle_loads``); never blocks.
-        Returns the completions observed."""
-        return self.hc.poll() + self.settle_loads()
-
-    def settle_loads(self, wait: bool = False) -> int:
-        """Observe the group stores' L2 -> L1 loads done (``wait``: wait for all first); each
-        releases the pin it held. Raises ``TransferError`` for a load that failed, then at
-        every later call: its items' L1 pages hold unknown bytes, so the cache stops serving."""
-        if self._failed is not None:
-            raise TransferError(f"a group load failed earlier ({self._failed}); this HybridCache stops serving: "
-                                "close it and build a new one") from self._failed
-        try:
-            return sum(st.settle_loads(wait) for st in self.stores.values())
-        except TransferError as e:
-            self._failed = e
-            raise
+        """``HiCache.poll``: every transfer done, the groups' included; never blocks. Returns
+        the completions observed."""
+        return self.hc.poll()
 
     def drain(self) -> None:
         self.hc.drain()
-        self.settle_loads(wait=True)
 
     def check_integrity(self) -> None:
         """``HiCache``'s checks, every store's, the record's own (cap, anchors), and the
@@ -394,15 +412,11 @@ class HybridCache:
                         or {h for h in s.need if s.need[h] != want[gi].get(h)}}
                 raise IntegrityError(f"{s.name}: need counts disagree with the record (store, record): {diff}")
         self.boundaries.check_integrity()
-        if self.loader is not None:
-            self.loader.check_integrity()
         for r in self.live.values():
             r.check_integrity()
 
     def close(self) -> None:
         self.hc.close()
-        if self.loader is not None:
-            self.loader.close()  # after the copies queued
         for s in self.stores.values():
             if s.storage is not None:
                 s.storage.close()

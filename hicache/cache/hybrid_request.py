@@ -1,44 +1,24 @@
-"""``HybridRequest``: one request over every layer group of a hybrid layout, and
-the ``HybridOwner`` Protocol it asks of the cache that owns it
-(``hicache.cache.hybrid.HybridCache``), as ``hicache.index.request`` does for
-``Request``: the request never imports the cache.
+"""``HybridRequest``: one request over every layer group of a hybrid layout.
 
 The full groups' pages are the inner ``Request``'s (``HiCache``'s); each SWA
 group has a page table of the request's own, and the state group's snapshot
-it resumes from is pinned from admission to its first ``advance``. The owner
-calls ``take`` / ``reads`` / ``prepare`` / ``release_swa`` at admission and
-``keep_window`` when it records a boundary; the engine calls the rest.
+it resumes from is pinned from admission to its first ``advance``. Its
+``HybridCache`` calls ``take`` / ``reads`` / ``prepare`` / ``release_swa`` at
+admission and ``keep_window`` when it records a boundary; the engine calls the
+rest.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any
 
 import torch
 
 from hicache.core.errors import IntegrityError
 from hicache.tiers.groups import GroupTiers
 from hicache.core.hashing import page_hashes
-from hicache.core.groups import LayerGroup
-from hicache.transfer.hybrid_load import AdmissionWaits
 from hicache.index.request import Request, RequestState, Tokens
 from hicache.core.types import DevicePageId, PageHash
 
-
-class HybridOwner(Protocol):
-    """What a ``HybridRequest`` asks of the ``HybridCache`` that owns it: the groups and
-    their stores (it takes, pins and frees their items itself), the full groups' slot
-    ids, recording a boundary, and its own end."""
-
-    ps: int  # page size, tokens
-    groups: tuple[LayerGroup, ...]
-    stores: dict[int, GroupTiers]  # each SWA and state group's tiers, by group index
-    state_gi: int | None  # the state group's index; None: none
-
-    def full_slot_ids(self, pages: list) -> torch.Tensor: ...
-
-    def record(self, req: "HybridRequest", hashes: list[PageHash], b: int, snapshot: list | None) -> None: ...
-
-    def request_ended(self, req: "HybridRequest", state: RequestState) -> None: ...
 
 
 class HybridRequest:
@@ -47,7 +27,8 @@ class HybridRequest:
     hash when the id is a store item it pins rather than a private page). Every method may
     mutate the cache."""
 
-    def __init__(self, owner: HybridOwner, inner: Request):
+    def __init__(self, owner: Any, inner: Request):
+        """``owner``: the ``HybridCache`` that made it (which imports this module)."""
         self.owner, self.inner = owner, inner
         self.rid = inner.rid
         self.resume = 0
@@ -56,7 +37,7 @@ class HybridRequest:
         self.swa: dict[int, dict[int, tuple[DevicePageId, PageHash | None]]] = {
             gi: {} for gi, g in enumerate(owner.groups) if g.kind == "swa"}
         self._state_item: tuple[PageHash, DevicePageId] | None = None  # the snapshot it pins (and its L1 row)
-        self._waits: AdmissionWaits | None = None  # the last admission's (its snapshot row is given back here)
+        self._waits: Any = None  # the last HybridAdmission (its snapshot row is given back here)
         self._hashes: list[PageHash] = []
 
     @property
@@ -130,7 +111,7 @@ class HybridRequest:
                 self._waits.release_state()
         self._state_item = None
 
-    def prepare(self, b: int, exact: int, waits: AdmissionWaits) -> None:
+    def prepare(self, b: int, exact: int, waits: Any) -> None:
         """Keep ``waits`` (this admission's: its snapshot row is given back at the first
         ``advance``), then private SWA pages for ``[b, ceil(exact / page_size))`` (the
         replayed span), keeping a private tail page this request kept through a preemption."""
@@ -153,7 +134,7 @@ class HybridRequest:
         got: dict[int, list[DevicePageId]] = {}
         try:
             for gi in self.swa:
-                got[gi] = self.owner.stores[gi].alloc(end - first)
+                got[gi] = self.owner.alloc_group(gi, end - first)
             self.inner.alloc(num_tokens)
         except BaseException:
             for gi, ids in got.items():
@@ -207,7 +188,8 @@ class HybridRequest:
     def keep_window(self, gi: int, hashes: list[PageHash], lo: int, b: int, *, count: bool) -> None:
         """Hand pages ``[lo, b)`` of this request's SWA group ``gi`` to the store for a boundary
         (``count``: one more boundary needs each; else only re-store ones the store lost)."""
-        st, table = self.owner.stores[gi], self.swa[gi]
+        st: GroupTiers = self.owner.stores[gi]
+        table = self.swa[gi]
         for p in range(lo, b):
             dev, h = table.get(p, (None, None))
             if dev is None:

@@ -1,51 +1,33 @@
-"""One hybrid layer group's pages on L1, L2 and L3, keyed by chained page hash.
+"""One hybrid layer group's items on L1, L2 and L3, keyed (group, page hash).
 
-A sliding-window group's pages and a recurrent group's state snapshots live
-here (``hicache.cache.hybrid`` builds one ``GroupTiers`` per such group; the
-full-attention layers stay in a ``HiCache``). An item is one page of the
-group's own ``KVLayout``: the SWA layers' planes of one page, or one snapshot
-of every state layer as a single ``kind="rows"`` row. The same pools, page-copy
-kernels and L3 codec as ``HiCache``'s serve them, so an item moves between
-tiers like a page and carries the group layout's fingerprint, its page hash
-and a checksum in L3.
-
-What is kept is decided by the caller's *record*: ``need[h]`` counts the
-resumable boundaries whose resume reads item ``h`` (an SWA page inside that
-boundary's window, or the snapshot at that boundary). An item nobody needs
-is dropped from every tier, L3 included, as soon as no running request reads
-it: pages outside every cached boundary's window are freed or never stored.
-An item some boundary needs can still leave every tier (an L1 or L2 copy
-evicted with no copy below it, an L3 object gone or failing its checks):
-``take_gone`` hands those to the caller, whose record then forgets the
-boundaries that needed them.
-
-Write-through (L1 -> L2 -> L3 when an item is kept) and an L3 fetch (L3 ->
-L2 when a request takes an item only L3 holds) run in the caller's thread.
-The load back L2 -> L1 is asynchronous and is not this module's: ``take``
-indexes the item on its new L1 page at once and lists the copy as *pending*;
-the caller plans every group's pending copies together
-(``hybrid_copy.plan_load``), starts them on ``hybrid_load.HybridLoader``'s
-lane of each group and hands the handle back (``started``), and
-``settle_loads`` observes their completion. Until then the load pins the item
-(its L1 page is neither evicted nor freed) and its L2 copy is not evicted;
-whoever reads the item waits on the handle. Running requests hold two kinds
-of L1 ids: *private* ones they allocated and write, and items they *pin*
-(read-only, never evicted while pinned).
+An item is one page of the group's own ``KVLayout``: the SWA layers' planes of one page,
+or one snapshot of every state layer as a single ``kind="rows"`` row. ``GroupTiers``
+indexes which tier holds each item and how many recorded boundaries need it (``need``);
+it moves no bytes. Its moves are plans carrying the group's index (``plan.group``) that
+the one transfer engine runs on the group's pools and ``TierManager.complete_group``
+completes: write-through (``keep``: an L1 -> L2 copy, then L2 -> L3 once it completed),
+an L3 fetch (``fetch``), the L2 -> L1 load of what a request takes (``load_plan``). The
+index changes when a plan is made; ids a job holds outlive a drop until it completes.
+An item nobody needs is dropped from every tier; one some boundary needs that left every
+tier is handed to the caller (``take_gone``). Running requests hold *private* L1 ids
+they write and *pin* items they read.
 """
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
-from typing import NamedTuple, Protocol
+from collections import Counter, OrderedDict
+from typing import NamedTuple
 
-import torch
-
-from hicache.core.errors import IntegrityError, OutOfPages, TransferError
-from hicache.kernels.page_copy import copy_pages
+from hicache.core.errors import IntegrityError, OutOfPages
 from hicache.core.layout import KVLayout
+from hicache.core.stats import TierMoveStats
 from hicache.memory.pools import DevicePool, HostPool
 from hicache.storage import StorageBackend
+from hicache.transfer.engine import LoadHandle
+from hicache.transfer.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan
 from hicache.core.types import DevicePageId, HostPageId, PageHash
+
+GroupPlan = BackupPlan | LoadPlan | StorePlan | PrefetchPlan
 
 
 class TierCounts(NamedTuple):
@@ -54,16 +36,6 @@ class TierCounts(NamedTuple):
     l1: int
     l2: int
     l3: int
-
-
-class GroupLoad(Protocol):
-    """A started load back, observed per group (``hybrid_load.HybridLoadHandle``)."""
-
-    def group_ready(self, g: int) -> bool: ...
-
-    def sync_group(self, g: int) -> None: ...
-
-    def failed(self, g: int) -> BaseException | None: ...
 
 
 class GroupStats(NamedTuple):
@@ -78,8 +50,10 @@ class GroupTiers:
     """One group's items on three tiers. Not thread-safe (one scheduler thread)."""
 
     def __init__(self, name: str, layout: KVLayout, device_pages: int, host_pages: int, device: str,
-                 storage: StorageBackend | None = None):
-        self.name, self.layout, self.storage = name, layout, storage
+                 storage: StorageBackend | None = None, *, group: int = 0):
+        """``group``: the layer group's index, carried by every plan (``plan.group``)."""
+        self.name, self.layout, self.storage, self.group = name, layout, storage, group
+        self.moves = TierMoveStats()  # the tier manager's once added to it (``TierManager.add_group``)
         self.device = DevicePool(layout, device_pages, device)
         self.host = HostPool(layout, host_pages)
         self.sizes = [p.page_bytes for p in layout.planes]
@@ -90,18 +64,31 @@ class GroupTiers:
         self.pins: dict[PageHash, int] = {}  # running requests reading each item's L1 copy
         self.private: set[DevicePageId] = set()  # L1 ids that requests allocated and own
         self.pending: dict[PageHash, tuple[HostPageId, DevicePageId]] = {}  # taken; L2 -> L1 copy not started
-        self.loading: dict[PageHash, tuple[GroupLoad, int]] = {}  # copy started (handle, group); not yet observed
+        self.loading: dict[PageHash, LoadHandle] = {}  # copy started (its load's handle); not yet completed
         self._fetched: set[PageHash] = set()  # on L2 because take() just fetched them from L3
         self._gone: set[PageHash] = set()  # needed items that left every tier (see take_gone)
         self._taken = [0, 0, 0]
         self._dropped = self._lost = 0
+        # Jobs in flight. The index changes when a plan is made (an item is on L2 from its
+        # backup's plan on); the ids a job reads or writes stay allocated until it completes:
+        # an item dropped meanwhile leaves them as orphans, freed then.
+        self._backing: dict[HostPageId, tuple[PageHash, DevicePageId]] = {}  # L1 -> L2, by destination
+        self._copying: dict[PageHash, HostPageId] = {}  # items whose backup is in flight (kept on L1 and L2)
+        self._storing: dict[bytes, tuple[PageHash, HostPageId]] = {}  # L2 -> L3, by L3 key
+        self._fetching: dict[HostPageId, PageHash] = {}  # L3 -> L2, by destination (not indexed yet)
+        self._held_l1: Counter[DevicePageId] = Counter()  # ids jobs read
+        self._held_l2: Counter[HostPageId] = Counter()
+        self._orphans_l1: set[DevicePageId] = set()  # dropped while a job holds them
+        self._orphans_l2: set[HostPageId] = set()
+        self._plans: list[GroupPlan] = []  # prepared, for the caller to submit (``take_plans``)
 
     # ------------------------------------------------------------ requests
     def alloc(self, n: int) -> list[DevicePageId]:
         """``n`` private L1 ids (evicts unpinned items, least recently used first). Raises
         ``OutOfPages`` naming the group, allocating nothing, when that is not enough."""
         a = self.device.allocator
-        if a.num_free < n and a.num_free + sum(h not in self.pins for h in self.l1) >= n:
+        if a.num_free < n and a.num_free + sum(h not in self.pins and h not in self._copying
+                                               for h in self.l1) >= n:
             self.evict_l1(n - a.num_free)
         if a.num_free < n:
             raise OutOfPages(f"{self.name}: asked for {n} L1 pages, {a.num_free} free of {a.capacity} "
@@ -131,20 +118,17 @@ class GroupTiers:
             raise IntegrityError(f"{self.name}: keep({h.hex()[:8]}) while its load is planned but not started "
                                  "(keep runs between admissions, never inside one)")
         if h in self.loading:  # another admission is loading it: the caller reads its L1 page next
-            ld, g = self.loading[h]
-            ld.sync_group(g)
+            self.loading[h].wait()
         if have is not None:
             self.free([dev])
         else:
             self.private.discard(dev)
             self.l1[h] = have = dev
         self.pin(h)
-        if h not in self.l2:
+        if h in self.l2:
+            self._store(h)
+        else:
             self._to_l2(h)
-        if self.storage is not None and h not in self.stored and h in self.l2:
-            self._sync()  # the L1 -> L2 copy may still run on the GPU's stream
-            if self.storage.put([(self.l3_key(h), self.host.read_page(self.l2[h]), self.sizes)]):
-                self.stored.add(h)
         return have
 
     def ref(self, h: PageHash) -> None:
@@ -182,7 +166,7 @@ class GroupTiers:
         dev = self.l1.get(h)
         if dev is not None:
             self._taken[0] += 1
-        elif h in self.l2 or self._from_l3(h):
+        elif h in self.l2:
             self._taken[1 if h not in self._fetched else 2] += 1
             self._fetched.discard(h)
             dev = self.alloc(1)[0]
@@ -206,30 +190,27 @@ class GroupTiers:
             self.device.allocator.free([self.l1.pop(h)])
             self._drop_if_unused(h)
 
-    def started(self, load: GroupLoad, g: int) -> None:
-        """Every pending copy runs in ``load`` as group ``g``'s: observed by ``settle_loads``."""
+    def load_plan(self) -> LoadPlan | None:
+        """The pending copies as one L2 -> L1 load of this group, for the caller to submit to the
+        one transfer engine and hand its handle to ``started``; None: nothing pending."""
+        if not self.pending:
+            return None
+        rows = list(self.pending.values())
+        return LoadPlan(None, (), [hid for hid, _ in rows], [dev for _, dev in rows], None, group=self.group)
+
+    def started(self, handle: LoadHandle) -> None:
+        """Every pending copy runs in ``handle``'s load: readers wait on it until it completes."""
         for h in self.pending:
-            self.loading[h] = (load, g)
+            self.loading[h] = handle
         self.pending.clear()
 
-    def settle_loads(self, wait: bool = False) -> int:
-        """Observe the loads done (``wait``: block for all of them first): each releases its
-        pin. Returns how many. Raises ``TransferError`` naming the items of a failed load
-        (their L1 pages hold unknown bytes: stop serving, as ``HiCache`` does)."""
-        if wait:
-            for ld, g in list(self.loading.values()):
-                ld.sync_group(g)
-        done = [h for h, (ld, g) in self.loading.items() if ld.group_ready(g)]
-        bad = []
-        for h in done:
-            ld, g = self.loading.pop(h)
-            if ld.failed(g) is not None:
-                bad.append((h, ld.failed(g)))
+    def _loaded(self, plan: LoadPlan) -> None:
+        """A load completed (failed: its L1 pages hold unknown bytes; the cache stops serving):
+        each item's load pin is released."""
+        filled = set(plan.device)
+        for h in [h for h in self.loading if self.l1[h] in filled]:
+            del self.loading[h]
             self.unpin(h)
-        if bad:
-            raise TransferError(f"{self.name}: loading items {[h.hex()[:8] for h, _ in bad]} from L2 to L1 "
-                                f"failed ({bad[0][1]!r}); their L1 pages hold unknown bytes") from bad[0][1]
-        return len(done)
 
     def holding(self, hashes: list[PageHash]) -> list[bool]:
         """Whether each item is on some tier (L3: listed; its bytes are verified by ``take``).
@@ -244,48 +225,164 @@ class GroupTiers:
         return out
 
     # ------------------------------------------------------------- tiers
-    def _to_l2(self, h: PageHash) -> None:
+    def _alloc_l2(self) -> HostPageId | None:
         a = self.host.allocator
         if a.num_free < 1:
             self.evict_l2(1)
-        if a.num_free < 1:
-            return  # L2 full of nothing evictable: the item stays on L1 only (and in L3 if stored before)
-        hid = HostPageId(a.alloc(1)[0])
-        copy_pages(self.device, self.host, [self.l1[h]], [hid])
-        self.l2[h] = hid
+        return HostPageId(a.alloc(1)[0]) if a.num_free else None
 
-    def _from_l3(self, h: PageHash) -> bool:
-        if self.storage is None:
-            return False
-        mv = self.storage.get([self.l3_key(h)], self.sizes)[0]
-        if mv is None:
-            self._lose(h)
-            return False
-        a = self.host.allocator
-        if a.num_free < 1:
-            self.evict_l2(1)
-        if a.num_free < 1:
-            return False
-        hid = HostPageId(a.alloc(1)[0])
-        self.host.write_page(hid, mv)
+    def _to_l2(self, h: PageHash) -> None:
+        """Index item ``h`` on a new L2 page and plan its L1 -> L2 copy (both ids held until it
+        completes; the item stays on L1 meanwhile). L2 full of nothing evictable: L1 only."""
+        hid = self._alloc_l2()
+        if hid is None:
+            self.moves.backup_dropped_pages += 1
+            return
+        dev = self.l1[h]
         self.l2[h] = hid
-        self._fetched.add(h)
-        return True
+        self._copying[h] = hid
+        self._backing[hid] = (h, dev)
+        self._held_l1[dev] += 1
+        self._held_l2[hid] += 1
+        self._plans.append(BackupPlan(None, [dev], [hid], False, True, group=self.group))
+
+    def _store(self, h: PageHash) -> None:
+        """Plan the L2 -> L3 write of item ``h`` once its L2 copy is complete."""
+        key = self.l3_key(h)
+        if self.storage is None or h in self.stored or key in self._storing or h in self._copying:
+            return
+        hid = self.l2[h]
+        self._storing[key] = (h, hid)
+        self._held_l2[hid] += 1
+        self._plans.append(StorePlan(None, [hid], [key], group=self.group))
+
+    def fetch(self, hashes: list[PageHash]) -> int:
+        """Plan one L3 -> L2 fetch of the items of ``hashes`` no tier above L3 holds (the codec
+        checks each: a corrupt or foreign object is a miss); ``take`` finds them on L2 once
+        it completed. Returns how many it asks for (0: no L3, or no L2 room)."""
+        busy = set(self._fetching.values())
+        want = [h for h in dict.fromkeys(hashes) if h not in self.l1 and h not in self.l2 and h not in busy]
+        if self.storage is None or not want:
+            return 0
+        host = []
+        for h in want:
+            hid = self._alloc_l2()
+            if hid is None:
+                break
+            self._fetching[hid] = h
+            host.append(hid)
+        if host:
+            keys = [self.l3_key(h) for h in want[:len(host)]]
+            self._plans.append(PrefetchPlan(b"", "", 0, host, keys, group=self.group))
+        return len(host)
+
+    def take_plans(self) -> list[GroupPlan]:
+        """The plans prepared since the last call, for the caller to submit (mutates)."""
+        out, self._plans = self._plans, []
+        return out
+
+    def complete(self, plan: GroupPlan, ok: bool, pages: int) -> list[GroupPlan]:
+        """Record what a submitted plan of this group did (exactly once per plan, also when it
+        failed) and release what it held; returns the plans that follow (an L2 copy on to L3)."""
+        if isinstance(plan, LoadPlan):
+            self._loaded(plan)
+        elif isinstance(plan, BackupPlan):
+            self._backed_up(plan.host[0], ok)
+        elif isinstance(plan, StorePlan):
+            self._stored(plan.hashes[0], ok and pages == 1)
+        else:
+            self._fetched_from_l3(plan, ok, pages)
+        return self.take_plans()
+
+    def _backed_up(self, hid: HostPageId, ok: bool) -> None:
+        h, dev = self._backing.pop(hid)
+        self._release(dev, hid)
+        if self._copying.get(h) != hid:
+            return  # dropped meanwhile: its ids were orphans, freed by the release
+        del self._copying[h]
+        if ok:
+            self.moves.backup_pages += 1
+            self._store(h)
+            return
+        self.moves.transfer_errors += 1
+        self._free_l2(self.l2.pop(h))  # unknown bytes: not an L2 copy
+        if h not in self.l1 and h not in self.stored:
+            self._lose(h)
+
+    def _stored(self, key: bytes, ok: bool) -> None:
+        h, hid = self._storing.pop(key)
+        self._release(None, hid)
+        self.moves.storage_put_pages += ok
+        self.moves.storage_put_dropped_pages += not ok
+        if ok and self.l2.get(h) == hid:
+            self.stored.add(h)
+        elif ok and self.storage is not None:
+            self.storage.delete([key])  # dropped while it was written
+            if h in self.l2:
+                self._store(h)  # and kept again meanwhile
+
+    def _fetched_from_l3(self, plan: PrefetchPlan, ok: bool, pages: int) -> None:
+        landed = pages if ok else 0
+        for i, hid in enumerate(plan.host):
+            h = self._fetching.pop(hid)
+            wanted = (h in self.need or h in self.pins) and h not in self.l1 and h not in self.l2
+            if i < landed and wanted:
+                self.l2[h] = hid
+                self._fetched.add(h)
+                self.moves.prefetch_pages += 1
+                continue
+            self.host.allocator.free([hid])
+            if ok and i == landed:
+                self._lose(h)  # a miss, corrupt or foreign: L3 no longer holds it
+
+    def _release(self, dev: DevicePageId | None, hid: HostPageId) -> None:
+        """A job completed: its ids are free again for the index (orphans: freed now)."""
+        for held, orphans, i, alloc in ((self._held_l1, self._orphans_l1, dev, self.device.allocator),
+                                        (self._held_l2, self._orphans_l2, hid, self.host.allocator)):
+            if i is None:
+                continue
+            held[i] -= 1
+            if not held[i]:
+                del held[i]
+                if i in orphans:
+                    orphans.discard(i)
+                    alloc.free([i])
+
+    def _free_l1(self, dev: DevicePageId) -> None:
+        if dev in self._held_l1:
+            self._orphans_l1.add(dev)
+        else:
+            self.device.allocator.free([dev])
+
+    def _free_l2(self, hid: HostPageId) -> None:
+        if hid in self._held_l2:
+            self._orphans_l2.add(hid)
+        else:
+            self.host.allocator.free([hid])
+
+    def copies_in_flight(self) -> bool:
+        """Some L1 -> L2 copy of this group is in flight (its items cannot leave L1 until it completes)."""
+        return bool(self._backing)
+
+    def in_flight(self) -> int:
+        """Plans of this group prepared or submitted and not yet completed."""
+        return len(self._plans) + len(self._backing) + len(self._fetching) + len(self._storing)
 
     def evict_l1(self, n: int) -> int:
         """Drop up to ``n`` unpinned L1 copies, least recently used first; returns how many."""
-        victims = [h for h in self.l1 if h not in self.pins][:n]
+        victims = [h for h in self.l1 if h not in self.pins and h not in self._copying][:n]
         for h in victims:
-            self.device.allocator.free([self.l1.pop(h)])
+            self._free_l1(self.l1.pop(h))
             if h not in self.l2 and h not in self.stored:
                 self._lose(h)
         return len(victims)
 
     def evict_l2(self, n: int) -> int:
         """Drop up to ``n`` L2 copies, least recently used first; returns how many."""
-        victims = [h for h in self.l2 if h not in self.pending and h not in self.loading][:n]
+        victims = [h for h, hid in self.l2.items() if h not in self.pending and h not in self.loading
+                   and hid not in self._held_l2][:n]  # (a copy or a write in flight holds its L2 page)
         for h in victims:
-            self.host.allocator.free([self.l2.pop(h)])
+            self._free_l2(self.l2.pop(h))
             if h not in self.l1 and h not in self.stored:
                 self._lose(h)
         return len(victims)
@@ -313,18 +410,15 @@ class GroupTiers:
         if h in self.need or h in self.pins:
             return
         self._gone.discard(h)
+        self._copying.pop(h, None)  # a backup in flight completes into orphans
         if h in self.l1:
-            self.device.allocator.free([self.l1.pop(h)])
+            self._free_l1(self.l1.pop(h))
         if h in self.l2:
-            self.host.allocator.free([self.l2.pop(h)])
+            self._free_l2(self.l2.pop(h))
         if h in self.stored and self.storage is not None:
             self.storage.delete([self.l3_key(h)])
         self.stored.discard(h)
         self._dropped += 1
-
-    def _sync(self) -> None:
-        if self.device.device.type == "cuda":
-            torch.cuda.current_stream(self.device.device).synchronize()
 
     def l3_key(self, h: PageHash) -> bytes:
         """The L3 key of item ``h``: derived from the group's name, so that it never equals
@@ -348,11 +442,13 @@ class GroupTiers:
         if len(set(ids)) != len(ids) or set(ids) & self.private:
             raise IntegrityError(f"{self.name}: an L1 id is held twice (indexed {sorted(ids)}, "
                                  f"private {sorted(self.private)})")
-        if len(ids) + len(self.private) != self.device.allocator.num_used:
+        if len(ids) + len(self.private) + len(self._orphans_l1) != self.device.allocator.num_used:
             raise IntegrityError(f"{self.name}: L1 holds {len(ids)} items + {len(self.private)} private pages "
-                                 f"but {self.device.allocator.num_used} are allocated")
-        if len(set(self.l2.values())) != len(self.l2) or len(self.l2) != self.host.allocator.num_used:
-            raise IntegrityError(f"{self.name}: L2 holds {len(self.l2)} items but "
+                                 f"+ {len(self._orphans_l1)} held by copies but {self.device.allocator.num_used} "
+                                 "are allocated")
+        moving = len(self._fetching) + len(self._orphans_l2)
+        if len(set(self.l2.values())) != len(self.l2) or len(self.l2) + moving != self.host.allocator.num_used:
+            raise IntegrityError(f"{self.name}: L2 holds {len(self.l2)} items and {moving} copies in flight but "
                                  f"{self.host.allocator.num_used} pages are allocated")
         for h in [*self.l1, *self.l2, *self.stored]:
             if h not in self.need and h not in self.pins:

@@ -54,6 +54,7 @@ from hicache.index.node import Node
 from hicache.core.stats import TierMoveStats
 from hicache.index.request import MatchResult
 from hicache.transfer.plans import BackupPlan, LoadPlan, LoadRequest, PrefetchPlan, StorePlan
+from hicache.tiers.groups import GroupPlan, GroupTiers
 from hicache.core.types import DevicePageId, HostPageId, PageHash
 
 
@@ -81,6 +82,21 @@ class TierManager:
         self._host_in_flight: set[HostPageId] = set()  # L2 ids held by prepared, uncompleted plans
         on = enabled_by_env() if debug_states is None else debug_states
         self.states: HostPageStates | None = HostPageStates(self._host.capacity) if on else None
+        # Layer groups' items (hybrid layouts), keyed (group, page hash): their plans carry the
+        # group index (``plan.group >= 0``) and complete here, as the index's pages do.
+        self.groups: dict[int, GroupTiers] = {}
+
+    def add_group(self, group: int, items: GroupTiers) -> None:
+        """Manage layer group ``group``'s items (``hicache.tiers.groups``) with this manager's stats."""
+        if group in self.groups:
+            raise CacheStateError(f"layer group {group} is managed already")
+        items.moves = self.stats
+        self.groups[group] = items
+
+    def complete_group(self, plan: GroupPlan, ok: bool, pages: int) -> list[GroupPlan]:
+        """Complete a plan of a layer group's items (``plan.group >= 0``); the plans to submit
+        next (an item's L2 copy on to L3)."""
+        return self.groups[plan.group].complete(plan, ok, pages)
 
     @property
     def host_in_flight(self) -> list[HostPageId]:

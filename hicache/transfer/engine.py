@@ -33,7 +33,7 @@ from hicache.core.errors import IntegrityError, TransferError
 from hicache.core.layout import KVLayout
 from hicache.memory.pools import DevicePool, HostPool
 from hicache.kernels.page_copy import copy_pages
-from hicache.transfer.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan
+from hicache.transfer.plans import FULL, BackupPlan, LoadPlan, PrefetchPlan, StorePlan
 from hicache.core.types import JobId
 
 log = logging.getLogger(__name__)
@@ -205,6 +205,11 @@ class TransferController:
         self._closed = False
         self._graphs = graphs and self.on_gpu
         self._graph = None  # LoadGraph of (host_pool, device_pool), captured on the first load back
+        # Layer groups' pools (``add_group``): plans with ``group >= 0`` move their ids there.
+        self._groups: dict[int, tuple[DevicePool, HostPool, object]] = {}
+        self._group_planes: dict[int, list[list[int]]] = {}  # their layer-wise plane sets
+        self._group_page_bytes: dict[int, int] = {}  # bytes one page of their loads moves
+        self._group_graphs: dict[int, object] = {}  # their captured load backs (LoadGraph)
         if inline:
             if self.on_gpu:
                 raise TransferError("inline transfers run CPU pools only; the device pool is on "
@@ -248,6 +253,25 @@ class TransferController:
         for th in self._threads:
             th.join(timeout=timeout)
 
+    def add_group(self, group: int, device_pool: DevicePool, host_pool: HostPool, storage=None, *,
+                  layers: Sequence[int] | None = None) -> None:
+        """Register layer group ``group``'s L1 and L2 pools and L3 backend: plans with that
+        ``group`` move their ids between them, on the same stream, threads and queues.
+        ``layers``: the pools' layers the group's loads copy, in load order (default: all,
+        draft planes last); a load's handle numbers them from 0."""
+        if group < 0 or group in self._groups:
+            raise TransferError(f"layer group {group} is registered already or not >= 0")
+        self._groups[group] = (device_pool, host_pool, storage)
+        planes = layer_plane_groups(device_pool.layout)
+        self._group_planes[group] = planes if layers is None else [planes[i] for i in layers] + [[]]
+        self._group_page_bytes[group] = sum(device_pool.layout.planes[p].page_bytes
+                                            for ps in self._group_planes[group] for p in ps)
+
+    def _pools(self, group: int) -> tuple[DevicePool, HostPool, object]:
+        if group == FULL:
+            return self.device_pool, self.host_pool, self.storage
+        return self._groups[group]
+
     # ----------------------------------------------------------------- L1 <-> L2
     def _idx(self, pages: Sequence[int]) -> torch.Tensor:
         return torch.as_tensor(list(pages), dtype=torch.int64, device=self.device_pool.device)
@@ -259,24 +283,25 @@ class TransferController:
         for t in idx:
             t.record_stream(self._stream)
 
-    def backup(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> Transfer:
-        """Copy L1 pages to L2 (all planes). The caller holds both sets of pages."""
+    def backup(self, device_pages: Sequence[int], host_pages: Sequence[int], group: int = FULL) -> Transfer:
+        """Copy L1 pages to L2 (all planes) in ``group``'s pools. The caller holds both sets of pages."""
         _same_len(device_pages, host_pages)
+        dev_pool, host_pool, _ = self._pools(group)
         t = self._new(_D2H)
         t.pages = len(device_pages)
-        nbytes = len(device_pages) * self.device_pool.layout.page_bytes
+        nbytes = len(device_pages) * dev_pool.layout.page_bytes
         src, dst = self._idx(device_pages), self._idx(host_pages)
         if self.on_gpu:
             self._stream.wait_stream(torch.cuda.current_stream())  # rows written by the engine
             self._keep_for_copy(src, dst)
             with torch.cuda.stream(self._stream):
-                _copy_pages(self.device_pool, self.host_pool, src, dst)
+                _copy_pages(dev_pool, host_pool, src, dst)
                 t.cuda_event = torch.cuda.Event()
                 t.cuda_event.record(self._stream)
         else:
             def job():
                 try:
-                    _copy_pages(self.device_pool, self.host_pool, src, dst)
+                    _copy_pages(dev_pool, host_pool, src, dst)
                 except BaseException as e:  # surfaced to the caller at poll()
                     t.error = e
                 t.ready_flag.set()
@@ -285,13 +310,15 @@ class TransferController:
         self._pending.append(t)
         return t
 
-    def load_back(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> LoadHandle:
-        """Copy L2 pages into L1 layer by layer; returns a ``LoadHandle``."""
+    def load_back(self, host_pages: Sequence[int], device_pages: Sequence[int], group: int = FULL) -> LoadHandle:
+        """Copy L2 pages into L1 layer by layer (``group``'s pools and layers); returns a ``LoadHandle``."""
         _same_len(device_pages, host_pages)
+        dev_pool, host_pool, _ = self._pools(group)
+        plane_groups = self._plane_groups if group == FULL else self._group_planes[group]
         t = self._new(_H2D)
         t.pages = len(device_pages)
-        h = LoadHandle(t, self.device_pool.layout.num_layers, self.on_gpu)
-        graph = self._load_graph() if self.on_gpu and host_pages else None
+        h = LoadHandle(t, len(plane_groups) - 1, self.on_gpu)
+        graph = self._load_graph(group) if self.on_gpu and host_pages else None
         if self.on_gpu:
             self._stream.wait_stream(torch.cuda.current_stream())
             t.timing = self._timing_free.pop() if self._timing_free else (
@@ -306,9 +333,9 @@ class TransferController:
             src, dst = self._idx(host_pages), self._idx(device_pages)
             self._keep_for_copy(src, dst)
             with torch.cuda.stream(self._stream):
-                for i, planes in enumerate(self._plane_groups):
+                for i, planes in enumerate(plane_groups):
                     if planes:
-                        _copy_pages(self.host_pool, self.device_pool, src, dst, planes=planes)
+                        _copy_pages(host_pool, dev_pool, src, dst, planes=planes)
                     ev = torch.cuda.Event()
                     ev.record(self._stream)
                     h.layer_launched(i, ev)
@@ -319,9 +346,9 @@ class TransferController:
             def job():
                 t0 = time.perf_counter()
                 try:
-                    for i, planes in enumerate(self._plane_groups):
+                    for i, planes in enumerate(plane_groups):
                         if planes:
-                            _copy_pages(self.host_pool, self.device_pool, src, dst, planes=planes)
+                            _copy_pages(host_pool, dev_pool, src, dst, planes=planes)
                         h.layer_launched(i)
                 except BaseException as e:
                     t.error = e
@@ -331,7 +358,8 @@ class TransferController:
             self._copy_q.put(job)
         if t.timing is not None:
             t.timing[1].record(self._stream)
-        self.bytes_moved[_H2D] += len(host_pages) * self.device_pool.layout.page_bytes
+        per_page = dev_pool.layout.page_bytes if group == FULL else self._group_page_bytes[group]
+        self.bytes_moved[_H2D] += len(host_pages) * per_page
         self._pending.append(t)
         return h
 
@@ -342,72 +370,84 @@ class TransferController:
             dead = [th.name for th in self._threads if not th.is_alive()]
             if dead:
                 raise IntegrityError(f"transfer workers {dead} ended before close(); their queued jobs never run")
-        if self._graph is not None:
-            self._graph.check_integrity()
+        for g in (self._graph, *self._group_graphs.values()):
+            if g is not None:
+                g.check_integrity()
 
-    def _load_graph(self):
-        """The captured load back for the current pools (None: graphs off or capture failed)."""
-        g = self._graph
+    def _load_graph(self, group: int = FULL):
+        """The captured load back for ``group``'s pools (None: graphs off or capture failed)."""
         if not self._graphs:
             return None
-        if g is None or g.host is not self.host_pool:  # first use, or a new host pool (service reconnect)
+        if group == FULL:
+            g, host, dev, planes = self._graph, self.host_pool, self.device_pool, self._plane_groups
+        else:
+            (dev, host, _), planes = self._groups[group], self._group_planes[group]
+            g = self._group_graphs.get(group)
+        if g is None or g.host is not host:  # first use, or a new host pool (service reconnect)
             from hicache.transfer.load_graph import LoadGraph
             try:
-                g = self._graph = LoadGraph(self.host_pool, self.device_pool, self._plane_groups)
+                g = LoadGraph(host, dev, planes)
             except Exception as e:  # an older CUDA/torch without external graph events: launch per layer
                 log.warning("layer-wise load back: CUDA-graph capture failed (%s: %s); launching per layer",
                             type(e).__name__, e)
                 self._graphs, self._graph = False, None
+                self._group_graphs.clear()
                 return None
+            if group == FULL:
+                self._graph = g
+            else:
+                self._group_graphs[group] = g
         return g
 
     # ----------------------------------------------------------------- L2 <-> L3
-    def _need_storage(self) -> None:
-        if self.storage is None:
+    def _need_storage(self, storage=None) -> None:
+        if storage is None:
             raise TransferError("an L3 job was submitted to a transfer engine without a storage backend")
 
-    def storage_put(self, host_pages: Sequence[int], hashes: Sequence[bytes]) -> Transfer:
-        """Write L2 pages to L3. ``result`` = number stored. Caller host-locks the pages."""
-        self._need_storage()
+    def storage_put(self, host_pages: Sequence[int], hashes: Sequence[bytes], group: int = FULL) -> Transfer:
+        """Write L2 pages to L3 (``group``'s). ``result`` = number stored. Caller host-locks the pages."""
+        _, host_pool, storage = self._pools(group)
+        self._need_storage(storage)
         _same_len(host_pages, hashes)
         t = self._new(_L3_PUT)
-        sizes = [p.page_bytes for p in self.host_pool.layout.planes]
+        sizes = [p.page_bytes for p in host_pool.layout.planes]
 
         def job():
             try:
-                items = [(k, self.host_pool.read_page(p), sizes) for k, p in zip(hashes, host_pages)]
-                t.result = self.storage.put(items)
+                items = [(k, host_pool.read_page(p), sizes) for k, p in zip(hashes, host_pages)]
+                t.result = storage.put(items)
             except BaseException as e:
                 t.error = e
             t.ready_flag.set()
         self._io_q.put(job)
-        self.bytes_moved[_L3_PUT] += len(host_pages) * self.host_pool.layout.page_bytes
+        self.bytes_moved[_L3_PUT] += len(host_pages) * host_pool.layout.page_bytes
         self._pending.append(t)
         return t
 
-    def storage_get(self, hashes: Sequence[bytes], host_pages: Sequence[int]) -> Transfer:
-        """Read pages from L3 into L2. ``result`` = number of leading pages loaded
+    def storage_get(self, hashes: Sequence[bytes], host_pages: Sequence[int], group: int = FULL) -> Transfer:
+        """Read pages from L3 into L2 (``group``'s). ``result`` = number of leading pages loaded
         (a miss or corrupt object stops the prefix there)."""
-        self._need_storage()
+        _, host_pool, storage = self._pools(group)
+        self._need_storage(storage)
         _same_len(host_pages, hashes)
         t = self._new(_L3_GET)
         t.pages = len(hashes)  # asked for (queued_bytes); the result says how many came
-        sizes = [p.page_bytes for p in self.host_pool.layout.planes]
+        sizes = [p.page_bytes for p in host_pool.layout.planes]
 
         def job():
             n = 0
             t0 = time.perf_counter()
             try:
-                for payload, p in zip(self.storage.get(list(hashes), sizes), host_pages):
+                for payload, p in zip(storage.get(list(hashes), sizes), host_pages):
                     if payload is None:
                         break
-                    self.host_pool.write_page(p, payload)
+                    host_pool.write_page(p, payload)
                     n += 1
             except BaseException as e:
                 t.error = e
             t.result = n
             t.seconds = time.perf_counter() - t0
-            self.bytes_moved[_L3_GET] += n * self.host_pool.layout.page_bytes
+            self.bytes_moved[_L3_GET] += n * host_pool.layout.page_bytes
             t.ready_flag.set()
         self._io_q.put(job)
         self._pending.append(t)
@@ -424,15 +464,15 @@ class TransferController:
         """Start the job ``plan`` describes; returns its id (see ``finished``).
         The caller keeps the plan's pages pinned until the result is reported."""
         if isinstance(plan, BackupPlan):
-            t = self.backup(plan.device, plan.host)
+            t = self.backup(plan.device, plan.host, plan.group)
         elif isinstance(plan, LoadPlan):
-            h = self.load_back(plan.host, plan.device)
+            h = self.load_back(plan.host, plan.device, plan.group)
             self._handles[h.transfer.job] = h
             t = h.transfer
         elif isinstance(plan, StorePlan):
-            t = self.storage_put(plan.host, plan.hashes)
+            t = self.storage_put(plan.host, plan.hashes, plan.group)
         elif isinstance(plan, PrefetchPlan):
-            t = self.storage_get(plan.hashes, plan.host)
+            t = self.storage_get(plan.hashes, plan.host, plan.group)
         else:
             raise TypeError(f"cannot submit {plan!r}: not a BackupPlan, LoadPlan, StorePlan or PrefetchPlan")
         return t.job

@@ -119,7 +119,7 @@ class InFlight:
                 raise IntegrityError(f"{n!r} is loading but its job {job} is not a load in flight "
                                      f"over it ({plan!r})")
         for job, plan in self._jobs.items():
-            if not isinstance(plan, LoadPlan):
+            if not isinstance(plan, LoadPlan) or plan.last is None:  # (None: a layer group's items)
                 continue
             for n in plan.path:
                 if self._filling.get(n) != job:

@@ -10,11 +10,24 @@ from typing import NamedTuple
 from hicache.index.node import Node
 from hicache.core.types import DevicePageId, HostPageId, PageHash
 
+# The ``group`` of every plan: which layer group's pools its ids are in. FULL: the index's
+# full-attention pages (the tree's nodes); ``g >= 0``: items of layer group ``g`` of a hybrid
+# layout (``hicache.tiers.groups``: SWA pages, state snapshots), keyed by (group, page hash)
+# as vLLM's ``OffloadKey`` carries a group index, with ``node`` None.
+FULL = -1
+
+
+class ItemKey(NamedTuple):
+    """One item of a layer group: the group's index and the item's page hash."""
+
+    group: int
+    hash: PageHash
+
 
 class BackupPlan(NamedTuple):
     """Copy every plane of ``device[i]`` (L1) to ``host[i]`` (L2)."""
 
-    node: Node  # whose L1 pages are copied
+    node: Node  # whose L1 pages are copied (a layer group's items, ``group >= 0``: None, no node)
     device: list[DevicePageId]
     host: list[HostPageId]
     draft: bool  # the source's draft rows are valid (what the copy will hold)
@@ -22,6 +35,7 @@ class BackupPlan(NamedTuple):
     # Service mode: ``host`` are pages reserved in the node's shared L2, to be
     # committed under these hashes once filled (None: pages of the private L2).
     shared: list[PageHash] | None = None
+    group: int = FULL
 
 
 class LoadRequest(NamedTuple):
@@ -64,14 +78,16 @@ class LoadPlan(NamedTuple):
     # Service mode: ``host`` are shared-L2 pages acquired under these hashes,
     # released once the copy completed (None: pages of the private L2).
     shared: list[PageHash] | None = None
+    group: int = FULL
 
 
 class StorePlan(NamedTuple):
     """Write L2 pages ``host`` to L3 under ``hashes``."""
 
-    node: Node
+    node: Node  # (a layer group's items, ``group >= 0``: None, no node)
     host: list[HostPageId]
-    hashes: list[PageHash]
+    hashes: list[PageHash]  # the L3 keys
+    group: int = FULL
 
 
 class PrefetchPlan(NamedTuple):
@@ -82,3 +98,4 @@ class PrefetchPlan(NamedTuple):
     first_page: int  # logical index of the first page asked for
     host: list[HostPageId]
     hashes: list[PageHash]
+    group: int = FULL

@@ -139,6 +139,7 @@ def _rank_tail(sock: str, group: str, rank: int, lose: bool, out: list) -> None:
             req.commit()
             req.preempt()
             if lose:
+                hc.drain()  # the window's copies to L2 complete, then the store loses them
                 hc.stores[0].evict_l1(100)
                 hc.stores[0].evict_l2(100)
             adm = hc.admit(req)

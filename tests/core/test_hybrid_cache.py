@@ -11,8 +11,7 @@ from hicache.tiers.groups import GroupTiers, TierCounts
 from hicache.core.hashing import page_hashes
 from hicache.core.groups import LayerGroup, hybrid_layout, stored_bytes, swa_needed_pages, workload_bytes
 from hicache.cache.hybrid import HybridCache, HybridPools, group_layout
-from hicache.transfer.hybrid_copy import on_group_pools, plan_load
-from hicache.transfer.hybrid_load import HybridLoader
+from hicache.transfer.engine import TransferController
 from hicache.core.layout import KVLayout
 from hicache.core.shapes import model_shape
 from hicache.storage import open_storage
@@ -50,18 +49,27 @@ def _tiers(l3=True):
     return GroupTiers("swa0", lay, 3, 2, "cpu", st)
 
 
+def _settle(t, load=False):
+    """Run ``t``'s plans on the one transfer engine (its pools registered as group 0's) and
+    complete each, with the plans that follow, as ``HiCache.poll`` does."""
+    tc = TransferController(t.device, t.host, t.storage)
+    tc.add_group(t.group, t.device, t.host, t.storage)
+    todo, jobs = t.take_plans(), {}
+    if load:
+        plan = t.load_plan()
+        jobs[tc.submit(plan)] = plan
+        t.started(tc.load_handle(next(iter(jobs))))
+    while todo or jobs:
+        jobs.update({tc.submit(p): p for p in todo})
+        tc.wait_all()
+        todo = [n for r in tc.finished() for n in t.complete(jobs.pop(r.job), r.ok, r.pages)]
+    tc.close()
+
+
 def _load(t):
-    """Start ``t``'s pending copies as ``HybridCache`` does (one ``plan_load`` plan, the group's
-    lane of a ``HybridLoader``), wait, observe."""
-    n = t.layout.num_layers
-    plan_lay = t.layout.replace(groups=(LayerGroup("swa", tuple(range(n)), window=10 ** 6),))
-    pend = list(t.pending.values())
-    plan = plan_load(plan_lay, len(pend), [[s for s, _ in pend]], [[d for _, d in pend]])
-    loader = HybridLoader.per_group(plan_lay, {0: (t.host, t.device)})
-    h = loader.load(on_group_pools(plan, plan_lay, {0: t.layout}))
-    t.started(h, 0)
-    assert t.settle_loads(wait=True) == len(pend)
-    loader.close()
+    """Start ``t``'s pending copies as ``HybridCache`` does (one ``LoadPlan`` of the group on
+    the one transfer engine), wait, complete."""
+    _settle(t, load=True)
 
 
 def _fill(t, dev, value):
@@ -76,6 +84,8 @@ def test_group_tiers_move_items_and_drop_what_no_boundary_needs():
         dev = t.alloc(1)[0]
         _fill(t, dev, float(i + 1))
         assert t.keep(h[i], dev) == dev
+        t.check_integrity()  # its L1 -> L2 copy is planned: the item stays pinned until it completes
+        _settle(t)
         t.unpin(h[i])
         t.check_integrity()
     # L2 holds 2: keeping the third evicted the least recently used L2 copy (h0; L3 has it)
@@ -83,7 +93,10 @@ def test_group_tiers_move_items_and_drop_what_no_boundary_needs():
     with pytest.raises(OutOfPages, match="swa0: asked for 4 L1 pages"):
         t.alloc(4)
     assert t.evict_l1(10) == 3 and t.counts() == TierCounts(0, 2, 3)
-    dev = t.take(h[0])  # from L3 onto L2; indexed on L1, its L2 -> L1 copy pending
+    assert t.take(h[0]) is None and t.fetch([h[0]]) == 1  # only L3 holds it: a miss until fetched
+    t.check_integrity()
+    _settle(t)
+    dev = t.take(h[0])  # fetched from L3 onto L2; indexed on L1, its L2 -> L1 copy pending
     assert dev is not None and t.stats().taken_l3 == 1 and t.pending == {h[0]: (t.l2[h[0]], dev)}
     t.check_integrity()
     with pytest.raises(IntegrityError, match="pinned by a request"):
@@ -110,6 +123,7 @@ def test_group_tiers_move_items_and_drop_what_no_boundary_needs():
 
 def _cache(layout, url=""):
     cfg = HiCacheConfig.load(env={}, overrides={"storage.url": url, "pool.device_pages": "48",
+                                                "policy.prefetch_policy": "wait_complete",
                                                 "pool.host_pages": "64", "pool.device": "cpu",
                                                 "policy.write_policy": "write_through"})
     return HybridCache(cfg, layout=layout)
@@ -125,6 +139,8 @@ def _serve(hc, rid, tokens, upto=None):
     req.commit(n)
     hc.check_integrity()
     req.finish()
+    hc.check_integrity()
+    hc.drain()  # the write-through (L1 -> L2 -> L3) completes as the engine polls
     hc.check_integrity()
     return adm
 
@@ -165,6 +181,8 @@ def test_qwen3_next_snapshots_at_the_real_shape():
     req.commit(199, {4: snap, 8: snap, 12: snap})
     req.finish()
     hc.check_integrity()
+    assert st.copies_in_flight()  # kept on L1 and L2; their L1 -> L2 copies were never waited for
+    hc.drain()
     assert st.counts() == TierCounts(3, 3, 0)
     r2 = hc.new_request("b", list(range(1, 150)) + [5] * 40)
     adm = hc.admit(r2)
@@ -176,16 +194,16 @@ def test_qwen3_next_snapshots_at_the_real_shape():
     hc.close()
 
 
-def test_service_mode_is_refused_naming_the_redacted_url_and_the_fix():
+def test_service_mode_without_a_service_says_to_start_it():
+    """Service mode is served (tests/service/test_hybrid_service.py); with no service at the
+    socket the full groups' HiCache refuses to start, naming the fix."""
     lay = hybrid_layout(model_shape("gpt-oss-120b"), 16)
-    url = "hicache+unix://node:s3cretpw@/tmp/x.sock?token=abc123"
+    url = "hicache+unix:///tmp/no-such-hybrid.sock"
     cfg = HiCacheConfig.load(env={}, overrides={"storage.url": url, "pool.device": "cpu"})
     with pytest.raises(ConfigError) as e:
         HybridCache(cfg, layout=lay)
     msg = str(e.value)
-    assert "storage.url='hicache+unix://node:***@/tmp/x.sock?token=***'" in msg, msg
-    assert "does not run in service mode" in msg and "set storage.url to an embedded L3 (file:///dir" in msg
-    assert "s3cretpw" not in msg and "abc123" not in msg
+    assert "no hicache service answers there" in msg and "start `hicache serve` first" in msg, msg
 
 
 def test_check_integrity_finds_a_record_that_disagrees_with_a_store():
@@ -402,6 +420,7 @@ def test_an_item_l3_lost_is_found_at_admission(then):
         req.alloc(5)
         req.commit()
         req.finish()
+        hc.drain()  # the window's write-through to L2 and L3 completes as the engine polls
         assert hc.stats().forgotten == 0 and list(hc.boundaries) == [h[9]]
         assert st.stored == set(h[2:10]) and st.storage.exists([st.l3_key(h[5])]) == [True]
     hc.check_integrity()
@@ -431,6 +450,7 @@ def test_a_snapshot_l3_lost_is_stored_again_by_a_request_that_recomputes_it():
     again.alloc(3)
     again.commit()
     again.finish()
+    hc.drain()
     assert not st.lost(key) and list(hc.boundaries) == [key] and hc.stats().forgotten == 0
     assert st.need == {key: 1} and key in st.stored
     third = hc.new_request("c", a + [4, 5, 6])
@@ -439,24 +459,3 @@ def test_a_snapshot_l3_lost_is_stored_again_by_a_request_that_recomputes_it():
     third.abort()
     hc.check_integrity()
     hc.close()
-
-
-def test_hybrid_cache_satisfies_the_owner_protocol_its_requests_use():
-    """``HybridRequest`` talks to its cache only through ``HybridOwner``: every member of
-    the protocol is on a real cache, with the declared arity (a rename on either side fails)."""
-    import inspect
-
-    from hicache.cache.hybrid_request import HybridOwner
-
-    hc = _cache(hybrid_layout(model_shape("gpt-oss-120b"), 16))
-    try:
-        for name in HybridOwner.__annotations__:
-            assert hasattr(hc, name), f"HybridCache lacks {name!r}"
-        for name, fn in vars(HybridOwner).items():
-            if inspect.isfunction(fn) and not name.startswith("_"):
-                have = getattr(hc, name, None)
-                assert callable(have), f"HybridCache lacks method {name!r}"
-                want = [p for p in inspect.signature(fn).parameters if p != "self"]
-                assert list(inspect.signature(have).parameters) == want, (name, inspect.signature(have))
-    finally:
-        hc.close()

@@ -1,15 +1,14 @@
-"""``HybridCache``'s load back, waited on per layer group: a request admitted after its
-prefix left L1 gets the full groups' pages through ``HiCache``'s layer-wise load and the
-SWA window and the snapshot through one ``hybrid_copy.plan_load`` plan on the group
-lanes of a ``HybridLoader``. With one group's copy held at a gate, every layer of the
-other groups (and the snapshot, unless it is the one held) is ready while the held
-group's layers still wait; once the gate opens, every page and the snapshot on L1 equal,
-byte for byte, what the cold request wrote. At a toy shape and at the gpt-oss-120b and
+"""``HybridCache``'s load back on the one transfer engine: a request admitted after its
+prefix left L1 gets the full groups' pages through ``HiCache``'s layer-wise load and each
+group's SWA window and snapshot through a ``LoadPlan`` of that group, queued ahead of it
+on the same lane (the copy thread; on a GPU the copy stream, each load one CUDA-graph replay).
+With one load held at a gate, every layer of the loads queued before it is ready while its
+own layers wait; once the gate opens, every page and the snapshot on L1 equal, byte for
+byte, what the cold request wrote. At a toy shape and at the gpt-oss-120b and
 qwen3-next-80b-a3b shapes, on the CPU and (marked ``gpu``) on CUDA pools."""
 from __future__ import annotations
 
 import threading
-import time
 import zlib
 
 import pytest
@@ -21,7 +20,6 @@ from hicache.core.errors import CacheStateError, TransferError
 from hicache.core.hashing import page_hashes
 from hicache.core.groups import LayerGroup, hybrid_layout
 from hicache.cache.hybrid import HybridCache, HybridPools
-from hicache.kernels.page_copy import PageCopier
 from tests.helpers.gates import GroupGate as _Gate
 from hicache.core.layout import KVLayout
 from hicache.memory.pools import DevicePool
@@ -46,12 +44,12 @@ def _layout(name: str) -> KVLayout:
 CASES = [("toy", 5), ("gpt-oss-120b", 10), ("qwen3-next-80b-a3b", 8)]
 
 
-def _cache(lay: KVLayout, device: str, copier: PageCopier | None = None, url: str = "") -> HybridCache:
+def _cache(lay: KVLayout, device: str, url: str = "") -> HybridCache:
     cfg = HiCacheConfig.load(env={}, overrides={"storage.url": url, "pool.device_pages": "24",
                                                 "pool.host_pages": "32", "pool.device": device,
                                                 "policy.write_policy": "write_through",
                                                 "policy.prefetch_policy": "wait_complete"})
-    return HybridCache(cfg, layout=lay, pools=HybridPools(state_device_slots=2, state_host_slots=3), copier=copier)
+    return HybridCache(cfg, layout=lay, pools=HybridPools(state_device_slots=2, state_host_slots=3))
 
 
 def _page(pool: DevicePool, plane: int, page: int) -> torch.Tensor:
@@ -130,40 +128,41 @@ def _groups(lay: KVLayout) -> dict[str, int]:
     return {g.kind: gi for gi, g in enumerate(lay.groups)}
 
 
+def _gate(monkeypatch, pool) -> _Gate:
+    """The one engine's copies into ``pool`` wait at the returned gate."""
+    gate = _Gate()
+    gate.held = pool
+    monkeypatch.setattr(tr, "_copy_pages", gate.copy_pages)
+    return gate
+
+
 @pytest.mark.parametrize("name,pages", CASES)
-def test_a_layer_waits_for_its_own_groups_load_only(name, pages, monkeypatch):
+def test_a_layer_waits_only_for_the_loads_queued_up_to_its_own(name, pages, monkeypatch):
     lay = _layout(name)
     kinds = _groups(lay)
+    order = [k for k, _ in sorted(kinds.items(), key=lambda kv: kv[1]) if k != "full"] + ["full"]  # the lane's
     for held in kinds:
-        gate = _Gate()
-        hc = _cache(lay, "cpu", gate)
+        hc = _cache(lay, "cpu")
         gen = torch.Generator().manual_seed(zlib.crc32(f"{name}-{held}".encode()))
         tokens = torch.randint(1, 50_000, (pages * hc.ps + 1,), generator=gen).tolist()
         want = _cold(hc, tokens, gen)
-        if held == "full":  # HiCache's copy worker: its layer-wise load waits at the gate
-            orig = tr._copy_pages
-            monkeypatch.setattr(tr, "_copy_pages", lambda *a, **k: (gate.event.wait(60), orig(*a, **k)))
-        else:
-            gate.held = hc.stores[kinds[held]].device
+        gate = _gate(monkeypatch, hc.hc.device_pool if held == "full" else hc.stores[kinds[held]].device)
         req = hc.new_request("warm", tokens)
         adm = hc.admit(req)
         assert (adm.hit, adm.resume) == (pages * hc.ps, pages * hc.ps)
         hc.check_integrity()  # the group loads in flight hold their items
-        others = [gi for k, gi in kinds.items() if k != held]
-        for gi in others:
-            for i in lay.groups[gi].layers if lay.groups[gi].kind != "state" else ():
-                assert _returns(lambda: adm.wait_layer(i)), f"{lay.groups[gi].kind} layer {i} waited for {held}"
-        if held != "state" and "state" in kinds:
-            assert _returns(lambda: adm.waits.wait_state()), f"the snapshot waited for {held}"
-        stuck = (lambda: adm.waits.wait_state()) if held == "state" else \
-            (lambda: adm.wait_layer(lay.groups[kinds[held]].layers[0]))
+        ready = order[:order.index(held)]
+        for k in ready:
+            for i in lay.groups[kinds[k]].layers if k != "state" else ():
+                assert _returns(lambda: adm.wait_layer(i)), f"{k} layer {i} waited for the held {held} load"
+        if "state" in ready:
+            assert _returns(adm.wait_state), f"the snapshot waited for the held {held} load"
+        stuck = adm.wait_state if held == "state" else (lambda: adm.wait_layer(lay.groups[kinds[held]].layers[0]))
         assert not _returns(stuck, 0.3), f"a {held} layer did not wait for its own group's load"
-        if held != "full":
-            assert not adm.waits.group_ready(kinds[held]) and all(adm.waits.group_ready(g) for g in others)
         gate.event.set()
         adm.wait()
         _check_bytes(hc, req, adm, want)
-        assert hc.poll() >= 0 and hc.settle_loads(wait=True) >= 0
+        hc.drain()
         assert not any(s.loading or s.pending for s in hc.stores.values())
         hc.check_integrity()
         req.finish()
@@ -173,22 +172,20 @@ def test_a_layer_waits_for_its_own_groups_load_only(name, pages, monkeypatch):
         hc.close()
 
 
-def test_a_second_admission_waits_for_the_load_of_an_item_it_shares():
+def test_a_second_admission_waits_for_the_load_of_an_item_it_shares(monkeypatch):
     """Two requests read the same window: the second takes items the first's load is still
-    bringing, so it waits on that load (per group) rather than reading them early."""
-    gate = _Gate()
-    hc = _cache(TOY, "cpu", gate)
+    bringing, so it waits on that load rather than reading them early."""
+    hc = _cache(TOY, "cpu")
     gen = torch.Generator().manual_seed(5)
     tokens = torch.randint(1, 97, (5 * 4 + 1,), generator=gen).tolist()
     want = _cold(hc, tokens, gen)
-    gate.held = hc.stores[0].device
+    gate = _gate(monkeypatch, hc.stores[0].device)
     a = hc.new_request("a", tokens)
     adm_a = hc.admit(a)
     b = hc.new_request("b", tokens)
     adm_b = hc.admit(b)
-    assert adm_b.waits.loads[0] == adm_a.waits.loads[0]  # the same load: its items, not new copies
+    assert adm_b.loads[0] == adm_a.loads[0]  # the same load: its items, not new copies
     assert not _returns(lambda: adm_b.wait_layer(0), 0.3)
-    assert _returns(lambda: adm_b.wait_layer(1)) and _returns(adm_b.waits.wait_state)
     gate.event.set()
     adm_b.wait()
     _check_bytes(hc, b, adm_b, want)
@@ -243,7 +240,8 @@ def test_the_snapshot_row_is_given_back_at_the_first_advance():
     adm = hc.admit(req)
     st, h = hc.stores[2], page_hashes(tokens[:20], 4)[4]
     assert torch.equal(adm.state, want["state"][5])
-    assert hc.settle_loads(wait=True) == 3 and st.pins == {h: 1}  # 2 SWA pages and the snapshot loaded
+    hc.drain()
+    assert st.pins == {h: 1} and not any(s.loading for s in hc.stores.values())  # the loads' pins released
     req.advance(req.computed_tokens)
     assert h not in st.pins
     with pytest.raises(CacheStateError, match="before its first commit or advance"):
@@ -254,30 +252,26 @@ def test_the_snapshot_row_is_given_back_at_the_first_advance():
     hc.close()
 
 
-def test_a_failed_group_load_raises_for_its_layers_and_stops_the_cache():
-    class Failing(PageCopier):
-        held = None
-
-        def copy_pages(self, src, dst, *a, **kw):
-            if dst is self.held:
-                raise RuntimeError("swa copy broke")
-            return super().copy_pages(src, dst, *a, **kw)
-
-    cp = Failing()
-    hc = _cache(TOY, "cpu", cp)
+def test_a_failed_group_load_raises_for_its_layers_and_stops_the_cache(monkeypatch):
+    hc = _cache(TOY, "cpu")
     gen = torch.Generator().manual_seed(11)
     tokens = torch.randint(1, 97, (5 * 4 + 1,), generator=gen).tolist()
     _cold(hc, tokens, gen)
-    cp.held = hc.stores[0].device
+    real, held = tr._copy_pages, hc.stores[0].device
+
+    def failing(src, dst, *a, **kw):
+        if dst is held:
+            raise RuntimeError("swa copy broke")
+        return real(src, dst, *a, **kw)
+    monkeypatch.setattr(tr, "_copy_pages", failing)
     req = hc.new_request("warm", tokens)
     adm = hc.admit(req)
     adm.wait_layer(1)  # full: unaffected
-    adm.waits.wait_state()
-    with pytest.raises(TransferError, match=r"group 0 \(swa\) failed.*swa copy broke"):
+    with pytest.raises(RuntimeError, match="swa copy broke"):
         adm.wait_layer(0)
-    with pytest.raises(TransferError, match="swa0: loading items .* failed"):
+    with pytest.raises(TransferError, match="layer group 0's items .* failed"):
         hc.poll()
-    with pytest.raises(TransferError, match="stops serving"):
+    with pytest.raises(TransferError, match="refuses to serve"):
         hc.admit(hc.new_request("next", tokens))
     hc.close()
 
@@ -294,8 +288,8 @@ def _poison(hc: HybridCache) -> None:
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("name,pages", CASES)
 def test_gpu_warm_pages_and_snapshot_equal_the_cold_request(name, pages):
-    """On CUDA pools (pinned L2, a CUDA stream per group, full layers through HiCache's
-    stream): every layer waited for on the compute stream, then L1 equals what the cold
+    """On CUDA pools (pinned L2; the full groups' load, then each group's, on the one copy
+    stream, each one CUDA-graph replay): every layer waited for on the compute stream, then L1 equals what the cold
     request wrote, byte for byte. Full layer counts of both shapes (no reduction)."""
     lay = _layout(name)
     hc = _cache(lay, "cuda:0")
@@ -306,7 +300,8 @@ def test_gpu_warm_pages_and_snapshot_equal_the_cold_request(name, pages):
     req = hc.new_request("warm", tokens)
     adm = hc.admit(req)
     assert (adm.hit, adm.resume) == (pages * hc.ps, pages * hc.ps)
-    assert hc.loader is not None and hc.loader.on_gpu
+    graphs = hc.hc.transfers._group_graphs  # every group's load went through its captured graph
+    assert set(graphs) == set(hc.stores) and hc.hc.transfers._graph is not None
     for i in range(lay.num_layers):
         adm.wait_layer(i)  # device-side: the current stream waits, the host does not
     _check_bytes(hc, req, adm, want)  # reads on the current stream, after its waits
@@ -314,57 +309,4 @@ def test_gpu_warm_pages_and_snapshot_equal_the_cold_request(name, pages):
     hc.drain()
     assert not any(s.loading for s in hc.stores.values())
     hc.check_integrity()
-    hc.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("name,pages", CASES[1:])
-def test_gpu_full_layers_do_not_wait_for_a_held_group(name, pages):
-    """The non-full group's stream is held by a device-side wait on a pinned flag (as
-    tests/kernels/test_hybrid_copy.py holds one): the compute stream's waits on every
-    full layer complete while the held group has not moved a byte; then the flag opens
-    and every byte is right. A first, unheld round loads every kernel and captures
-    HiCache's load graph (lazy loading would synchronise the context under the hold)."""
-    from hicache.transfer.load_graph import _stream_wait_value_works, _wait_value64
-
-    if not _stream_wait_value_works(torch.device("cuda")):
-        pytest.fail("cuStreamWaitValue64 is unavailable: the hold cannot be placed")
-    lay = _layout(name)
-    hc = _cache(lay, "cuda:0")
-    gen = torch.Generator().manual_seed(zlib.crc32(f"gpu-held-{name}".encode()))
-    tokens = torch.randint(1, 50_000, (pages * hc.ps + 1,), generator=gen).tolist()
-    want = _cold(hc, tokens, gen)
-    held = next(gi for gi, g in enumerate(lay.groups) if g.kind != "full")
-    fulls = [i for g in lay.groups if g.kind == "full" for i in g.layers]
-    for rnd in ("warm-up", "held"):
-        _poison(hc)
-        torch.cuda.synchronize()
-        flag = torch.zeros(1, dtype=torch.int64).pin_memory()
-        if rnd == "held":
-            _wait_value64(hc.loader.streams[held], flag.data_ptr(), 1)
-        try:
-            req = hc.new_request(rnd, tokens)
-            adm = hc.admit(req)
-            for i in fulls:
-                adm.wait_layer(i)
-            after = torch.cuda.Event()
-            after.record()
-            deadline = time.monotonic() + 20
-            while not after.query() and time.monotonic() < deadline:
-                time.sleep(0.001)
-            assert after.query(), "the compute stream's wait on the full layers needed the held group's copy"
-            if rnd == "held":
-                assert not adm.waits.group_ready(held)
-                st = hc.stores[held]
-                for h in st.loading:
-                    assert bool((_page(st.device, 0, st.l1[h]).cpu() == 0xFF).all()), "the held group moved"
-        finally:
-            flag.fill_(1)
-        adm.wait()
-        _check_bytes(hc, req, adm, want)
-        req.finish()
-        hc.drain()
-        hc.evict(10 ** 6)
-        hc.check_integrity()
     hc.close()

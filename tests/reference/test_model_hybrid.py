@@ -24,6 +24,7 @@ from hicache.reference.hybrid_runner import HybridRunner
 from hicache.reference.model_hybrid import HybridModel, HybridSpec, HybridState
 from hicache.reference.model_spec import ModelSpec
 from hicache.storage import open_storage
+from hicache.transfer import engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -47,12 +48,11 @@ def model(models):
     return models[SPEC]
 
 
-def make_cache(url="", host_layout="page_first", spec=SPEC, pools=HybridPools(), device_pages=64, host_pages=128,
-               copier=None):
+def make_cache(url="", host_layout="page_first", spec=SPEC, pools=HybridPools(), device_pages=64, host_pages=128):
     cfg = HiCacheConfig.load(env={}, overrides={
         "storage.url": url, "pool.device_pages": str(device_pages), "pool.host_pages": str(host_pages),
         "policy.prefetch_policy": "wait_complete", "pool.device": "cpu", "policy.write_policy": "write_through"})
-    return HybridCache(cfg, layout=spec.kv_layout(PS, host_layout), pools=pools, copier=copier)
+    return HybridCache(cfg, layout=spec.kv_layout(PS, host_layout), pools=pools)
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +101,7 @@ def test_group_layouts_fingerprints_and_pool_checks(model):
 
 
 def _tiers(hc, gi):
+    hc.drain()  # the write-through (L1 -> L2 -> L3) completes as the engine polls
     return hc.stores[gi].counts()
 
 
@@ -146,12 +147,13 @@ def test_warm_equals_cold_floored_to_the_snapshot_on_every_tier(model, cold, tmp
 
 
 @pytest.mark.parametrize("held", [SWA_GI, STATE_GI])
-def test_the_model_waits_for_each_groups_load_before_reading_it(model, cold, held):
+def test_the_model_waits_for_each_groups_load_before_reading_it(model, cold, held, monkeypatch):
     """The loads are asynchronous: with the SWA window's (or the snapshot's) copy held and
     every L1 pool poisoned (0xFF: NaN), the served request waits; once the copy lands it
     equals the cold run bit for bit (a read before its copy would see the poison)."""
     gate = _Gate()
-    hc = make_cache(copier=gate)
+    hc = make_cache()
+    monkeypatch.setattr(engine, "_copy_pages", gate.copy_pages)  # the one transfer engine's copies
     run = HybridRunner(hc, model, chunk_tokens=5)
     run.serve("a", PROMPT)
     hc.drain()
@@ -370,8 +372,8 @@ def test_groups_round_trip_through_other_l3_backends(model, cold, scheme, reques
     clear_l3(hc)  # redis: a session-wide server
     run = HybridRunner(hc, model, chunk_tokens=64)
     run.serve("a", PROMPT)
+    hc.drain()  # the snapshots' L2 -> L3 writes complete as the engine polls
     assert hc.stores[STATE_GI].storage.stats().put_ok == 5
-    hc.drain()
     hc.evict(10_000)
     hc.evict_host(10_000)
     r = run.serve("b", PROMPT)
