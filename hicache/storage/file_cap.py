@@ -379,7 +379,8 @@ def _unlink(root: Path, path: str) -> str:
     one of its directories. ``"deleted"``, ``"gone"`` (someone else deleted it) or
     ``"kept"`` (not allowed, or a directory on the way is no longer one of ours)."""
     parts = os.path.relpath(path, root).split(os.sep)
-    assert len(parts) == 3 and ".." not in parts, f"{path!r} is not an object path under {str(root)!r}"
+    if len(parts) != 3 or ".." in parts:
+        raise StorageError(f"{path!r} is not an object path under {str(root)!r}: nothing was unlinked")
     fd = _open_dir(str(root), None, _DIR)
     try:
         for part in parts[:-1]:
