@@ -18,13 +18,10 @@ and the engines then recompute it over that memory.
 """
 from __future__ import annotations
 
-import hashlib
 import hmac
 from typing import NamedTuple, Sequence
 
-import msgpack
 import numpy as np
-import xxhash
 
 from hicache.storage import codec
 from hicache.storage.codec import Buffer, Decoded, ReadStatus
@@ -72,23 +69,7 @@ def scatter(payload: memoryview, segs: list[memoryview]) -> None:
 def header_of(fingerprint: str, page_hash: bytes, t: codec.HeaderTemplate, segs: list[memoryview],
               auth_key: bytes = b"") -> bytes:
     """``codec.encode_header`` of the payload that ``segs`` hold in order (no join)."""
-    if len(segs) == 1:
-        return codec.encode_header(fingerprint, page_hash, t.sizes, segs[0], auth_key, t)
-    h = xxhash.xxh3_64()
-    for mv in segs:
-        h.update(mv)
-    entries = codec._header_fields(t, page_hash, h.intdigest())
-    n = 6
-    if auth_key:
-        m = hashlib.blake2b(bytes((codec._MAP | n,)) + entries, key=auth_key, digest_size=codec.MAC_BYTES,
-                            person=b"hicache-l3-v1")
-        for mv in segs:
-            m.update(mv)
-        entries += codec._MAC_KEY + msgpack.packb(m.digest())
-        n += 1
-    hck = codec.checksum(bytes((codec._MAP | n,)) + entries)
-    hdr = bytes((codec._MAP | (n + 1),)) + entries + codec._HCK_KEY + codec._uint(hck)
-    return codec._PREFIX.pack(codec.MAGIC, len(hdr)) + hdr
+    return codec.header_of_segments(t, page_hash, segs, auth_key)
 
 
 def verify_into(header: Buffer, segs: list[memoryview], page_hash: bytes, fingerprint: str,
