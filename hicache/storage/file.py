@@ -14,9 +14,11 @@ are created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` under a random name (a
 symlink planted at a temp name is never followed), fan-out directories must
 be real directories, and objects are opened with ``O_NOFOLLOW | O_NONBLOCK``
 and must be regular files (a FIFO or device at an object path is a counted
-error, not a hang). Every batch runs on a worker thread and the caller waits
-at most ``timeout_ms`` per page (times ``1 + max_retries``), like the network
-backends: a hung file system turns into an outage, not a stalled caller.
+error, not a hang). Every batch runs on the worker threads (a batch of large
+pages split among them, each page hashed by the worker that read or wrote it)
+and the caller waits at most ``health.call_budget``: ``timeout_ms`` per page
+plus the bytes at a slow disk's rate, times ``1 + max_retries``, scaled by the
+load average: a hung file system turns into an outage, a loaded box does not.
 
 Byte cap (``max_bytes``, 0 = unbounded; ``storage.max_bytes``): the whole
 root directory (every layout in it, every process writing it) stays at most
@@ -25,7 +27,8 @@ processes and trims that delete the oldest objects (``hicache.storage.file_cap``
 ``eviction="lru"`` refreshes an object's mtime when it is read, ``"fifo"``
 does not. The put that crosses the cap pays the trim (a directory scan), on
 the caller's thread (the L3 worker's, never the scheduler's), outside the
-per-page I/O deadline.
+per-call I/O deadline. A put's bytes are accounted by the worker that wrote
+them, so a put whose caller stopped waiting still counts (and trims).
 """
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ from hicache.storage.capacity import StorageUsage, check_eviction
 from hicache.storage.codec import Buffer
 from hicache.storage.file_cap import FileCap, scan
 from hicache.storage.file_perms import FilePerms
+from hicache.storage.health import FLOOR_BYTES_PER_S, LoadFactor, call_budget
 from hicache.storage.into import MAX_SPLIT_HEADER, InPlace
 
 _TMP = ".tmp."
@@ -58,6 +62,9 @@ _TMP = ".tmp."
 IO_WORKERS = 4
 IOV_MAX = 1024  # Linux's limit on buffers per preadv; more segments take several calls
 USAGE_SCAN_S = 30.0  # unbounded directories: how long one usage() scan is reused
+# Calls of at least this many payload bytes per worker are split among the
+# workers, each reading (or writing) and hashing its pages while they are hot.
+SPLIT_MIN_BYTES = 1 << 20
 _HEX_NAME = re.compile(r"^[0-9a-f]{%d}$" % (2 * HASH_BYTES))
 
 
@@ -100,7 +107,7 @@ class FileBackend(StorageBackend):
         # the kernel keep their workers; once all are stuck, later calls fail
         # their deadline (an outage), as with one worker.
         self._pool = concurrent.futures.ThreadPoolExecutor(IO_WORKERS, thread_name_prefix="hicache-file-l3")
-        self._budget_s = options.timeout_s * (1 + options.max_retries)
+        self._load = LoadFactor()
         if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0:
             raise ConfigError(f"storage url {self.name!r}: max_bytes={max_bytes!r} must be an integer >= 0 "
                               "(0 = unbounded)")
@@ -129,39 +136,72 @@ class FileBackend(StorageBackend):
             with self._mu:
                 self._made.add(d)
 
+    def _budget(self, n: int, nbytes: int) -> float:
+        """How long a call of ``n`` pages and ``nbytes`` waits before it counts as an outage."""
+        return call_budget(self.options.timeout_s, self.options.max_retries, n, nbytes, self._load())
+
     def _deadline(self, fn, n: int, *args):
-        """``fn(*args)`` on the worker thread, waiting at most the per-page budget for ``n`` pages.
+        """``fn(*args)`` on the worker thread, waiting at most ``_budget(n, 0)``.
 
         Raises ``TimeoutError`` (an outage for the base class) when it takes longer.
         """
+        budget = self._budget(n, 0)
         fut = self._pool.submit(fn, *args)
         try:
-            return fut.result(self._budget_s * max(1, n))
+            return fut.result(budget)
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"file I/O on {self.dir} took longer than {self._budget_s * max(1, n):.3f}s "
-                               "(storage.timeout_ms per page)") from None
+            raise self._late(budget) from None
+
+    def _late(self, budget: float) -> TimeoutError:
+        return TimeoutError(f"file I/O on {self.dir} took longer than {budget:.3f}s (storage.timeout_ms per "
+                            f"page and {FLOOR_BYTES_PER_S / 1e6:.0f} MB/s per attempt, scaled by the load average)")
+
+    def _in_parts(self, part, n: int, nbytes: int, *args) -> list[Any]:
+        """``part(range, *args)`` over ``range(n)`` split among the workers when the
+        pages are large (each worker reads or writes its pages and hashes them while
+        they are in its cache), results concatenated in order; waits at most
+        ``_budget(n, nbytes)``, else ``TimeoutError`` (the parts still running
+        finish on their own: a late put still accounts its bytes)."""
+        k = max(1, min(IO_WORKERS, n, nbytes // SPLIT_MIN_BYTES))
+        bounds = [n * j // k for j in range(k + 1)]
+        futs = [self._pool.submit(part, range(bounds[j], bounds[j + 1]), *args) for j in range(k)]
+        budget = self._budget(n, nbytes)
+        _, pending = concurrent.futures.wait(futs, timeout=budget)
+        if pending:
+            for f in pending:
+                f.add_done_callback(self._trim_if_over)
+            raise self._late(budget)
+        return [x for f in futs for x in f.result()]
+
+    def _trim_if_over(self, _fut: Any = None) -> None:
+        if self._cap is not None and self._cap.over():
+            self._trim()
 
     # ------------------------------------------------------------- primitives
     def _raw_get(self, keys: list[bytes]) -> list[Buffer | None | BaseException]:
         return self._deadline(self._get_all, len(keys), keys)
 
     def _get_all(self, keys: list[bytes]) -> list[Buffer | None | BaseException]:
-        return self._read_each(keys, lambda path, i: self._read(path))
+        return self._read_each(keys, range(len(keys)), lambda path, i: self._read(path))
 
-    def _raw_get_into(self, keys: list[bytes], dests: list[list[memoryview]]) -> list[Any]:
-        return self._deadline(self._get_into_all, len(keys), keys, dests)
+    def _raw_get_into(self, keys: list[bytes], dests: list[list[memoryview]], verify: Callable[[int, Any], Any]
+                      ) -> list[Any]:
+        nbytes = sum(mv.nbytes for mv in dests[0]) * len(keys) if keys else 0
+        return self._in_parts(self._get_into_part, len(keys), nbytes, keys, dests, verify)
 
-    def _get_into_all(self, keys: list[bytes], dests: list[list[memoryview]]) -> list[Any]:
-        return self._read_each(keys, lambda path, i: _read_into(path, dests[i]))
+    def _get_into_part(self, idx: range, keys: list[bytes], dests: list[list[memoryview]],
+                       verify: Callable[[int, Any], Any]) -> list[Any]:
+        # Verified right after its read, on this worker, while its bytes are in cache.
+        return self._read_each(keys, idx, lambda path, i: verify(i, _read_into(path, dests[i])))
 
-    def _read_each(self, keys: list[bytes], read: Callable[[str, int], Any]) -> list[Any]:
+    def _read_each(self, keys: list[bytes], idx: range, read: Callable[[str, int], Any]) -> list[Any]:
         """``read(path, i)`` for each key's file: None where the file is absent, the
         ``OSError`` where reading failed. Under an ``lru`` cap a file read is made young."""
         out: list[Any] = []
         touch = self._cap is not None and self.eviction == "lru"
-        for i, k in enumerate(keys):
+        for i in idx:
             try:
-                path = self._path(k)[1]
+                path = self._path(keys[i])[1]
                 out.append(read(path, i))
                 if touch:
                     _touch(path)
@@ -172,23 +212,36 @@ class FileBackend(StorageBackend):
         return out
 
     def _raw_put_new(self, items: PutBatch) -> list[bool | BaseException | None]:
-        out = self._deadline(self._put_new_all, len(items), items)
-        self._account([i for i, r in enumerate(out) if r is True], items)
+        return self._put(items, skip_present=True)
+
+    def _raw_put(self, items: PutBatch) -> list[bool | BaseException]:
+        return self._put(items, skip_present=False)  # type: ignore[return-value]
+
+    def _put(self, items: PutBatch, skip_present: bool) -> list[bool | BaseException | None]:
+        n = len(items)
+        out = self._in_parts(self._put_part, n, sum(items.payload_bytes(i) for i in range(n)), items, skip_present)
+        self._trim_if_over()
         return out
 
-    def _put_new_all(self, items: PutBatch) -> list[bool | BaseException | None]:
+    def _put_part(self, idx: range, items: PutBatch, skip_present: bool) -> list[bool | BaseException | None]:
+        """Write pages ``idx`` (None: skipped as present) and account them in the cap's
+        ledger here, on the worker, so a put whose caller stopped waiting still counts."""
         out: list[bool | BaseException | None] = []
-        for i in range(len(items)):
+        for i in idx:
             k, payload = items.key_payload(i)
             d, path = self._path(k)
             try:
-                if os.path.exists(path):
+                if skip_present and os.path.exists(path):
                     out.append(None)
                     continue
                 self._write(d, path, items.header(i), payload)
                 out.append(True)
             except OSError as e:
                 out.append(e)
+        if self._cap is not None:
+            ok = [i for i, r in zip(idx, out) if r is True]
+            # Headers were built by the write: len() reads the cache.
+            self._cap.account(sum(len(items.header(i)) + items.payload_bytes(i) for i in ok), len(ok))
         return out
 
     @staticmethod
@@ -211,33 +264,10 @@ class FileBackend(StorageBackend):
         finally:
             os.close(fd)
 
-    def _raw_put(self, items: PutBatch) -> list[bool | BaseException]:
-        out = self._deadline(self._put_all, len(items), items)
-        self._account([i for i, r in enumerate(out) if r is True], items)
-        return out
-
-    def _account(self, ok: list[int], items: PutBatch) -> None:
-        if self._cap is not None:
-            # Headers were built by the write: len() reads the cache.
-            total = self._cap.account(sum(len(items.header(i)) + items.payload_bytes(i) for i in ok), len(ok))
-            if total > self.max_bytes:
-                self._trim()
-
     def _trim(self) -> None:
         r = self._cap.trim() if self._cap is not None else None
         if r is not None and r.deleted:
             self._count(evicted=r.deleted)
-
-    def _put_all(self, items: PutBatch) -> list[bool | BaseException]:
-        out: list[bool | BaseException] = []
-        for k, hdr, payload in items:
-            d, path = self._path(k)
-            try:
-                self._write(d, path, hdr, payload)
-                out.append(True)
-            except OSError as e:
-                out.append(e)
-        return out
 
     def _write(self, d: str, path: str, hdr: bytes, payload: memoryview) -> None:
         self._ensure_dir(d)

@@ -7,7 +7,9 @@ its reply), or ``InPlace(header)``: the object's payload bytes were read into
 the destination itself and ``header`` holds everything before them (file://
 reads both with one ``preadv``).
 
-Verification happens in place, over the destination's bytes (``verify_into``).
+Verification happens in place, over the destination's bytes (``verify_into``),
+in the backend's thread right after each read (``Verifier``), while the bytes
+are still in that core's cache.
 
 Contract: a destination whose page is reported missing (absent, unreadable,
 corrupt, another layout's, a bad MAC, L3 down) may have been written: it holds
@@ -109,3 +111,30 @@ def wipe_unloaded(direct_io: bool, dests: Sequence[Buffer | Sequence[Buffer]], g
             np.frombuffer(buf, dtype=np.uint8)[:] = 0
         n += 1
     return n
+
+
+class Verifier:
+    """Judges what a backend read for page ``i`` of one ``get_into`` call: ``ReadStatus.OK``
+    (the payload is in ``views[i]``), the failed ``Decoded``, or what was read when it is
+    ``None`` or an exception. Called by the backend's workers, any thread; it writes
+    only into ``views[i]`` (the copy of an object read whole)."""
+
+    __slots__ = ("keys", "views", "fingerprint", "template", "auth_key")
+
+    def __init__(self, keys: list[bytes], views: list[list[memoryview]], fingerprint: str,
+                 template: codec.HeaderTemplate, auth_key: bytes):
+        self.keys, self.views, self.fingerprint = keys, views, fingerprint
+        self.template, self.auth_key = template, auth_key
+
+    def __call__(self, i: int, obj: object) -> ReadStatus | Decoded | BaseException | None:
+        if obj is None or isinstance(obj, BaseException):
+            return obj
+        segs = self.views[i]
+        if isinstance(obj, InPlace):
+            return verify_into(obj.header, segs, self.keys[i], self.fingerprint, self.template, self.auth_key)
+        # The whole object (too short or too odd to split): decoded, then one copy.
+        d = codec.decode(obj, self.keys[i], self.fingerprint, self.template.sizes, self.auth_key, self.template)
+        if d.status is not ReadStatus.OK:
+            return d
+        scatter(d.payload, segs)  # type: ignore[arg-type]
+        return ReadStatus.OK
