@@ -61,7 +61,8 @@ _TMP = ".tmp."
 # bought nothing on the 2-core dev box (bench/RESULTS.md, issue 24 item 6).
 IO_WORKERS = 4
 IOV_MAX = 1024  # Linux's limit on buffers per preadv; more segments take several calls
-USAGE_SCAN_S = 30.0  # unbounded directories: how long one usage() scan is reused
+USAGE_SCAN_S = 30.0
+LATE_WAIT_S = 30.0  # check_integrity waits this long at most for calls still on the workers  # unbounded directories: how long one usage() scan is reused
 # Calls of at least this many payload bytes per worker are split among the
 # workers, each reading (or writing) and hashing its pages while they are hot.
 SPLIT_MIN_BYTES = 1 << 20
@@ -107,6 +108,8 @@ class FileBackend(StorageBackend):
         # the kernel keep their workers; once all are stuck, later calls fail
         # their deadline (an outage), as with one worker.
         self._pool = concurrent.futures.ThreadPoolExecutor(IO_WORKERS, thread_name_prefix="hicache-file-l3")
+        self._pending = 0  # worker tasks not finished, late ones included (under _mu)
+        self._idle = threading.Condition(self._mu)
         self._load = LoadFactor()
         if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0:
             raise ConfigError(f"storage url {self.name!r}: max_bytes={max_bytes!r} must be an integer >= 0 "
@@ -146,11 +149,28 @@ class FileBackend(StorageBackend):
         Raises ``TimeoutError`` (an outage for the base class) when it takes longer.
         """
         budget = self._budget(n, 0)
-        fut = self._pool.submit(fn, *args)
+        fut = self._submit(fn, *args)
         try:
             return fut.result(budget)
         except concurrent.futures.TimeoutError:
             raise self._late(budget) from None
+
+    def _submit(self, fn, *args) -> concurrent.futures.Future:
+        with self._mu:
+            self._pending += 1
+        try:
+            fut = self._pool.submit(fn, *args)
+        except RuntimeError:  # closed
+            self._task_done()
+            raise
+        fut.add_done_callback(self._task_done)
+        return fut
+
+    def _task_done(self, _fut: Any = None) -> None:
+        with self._idle:
+            self._pending -= 1
+            if not self._pending:
+                self._idle.notify_all()
 
     def _late(self, budget: float) -> TimeoutError:
         return TimeoutError(f"file I/O on {self.dir} took longer than {budget:.3f}s (storage.timeout_ms per "
@@ -164,7 +184,7 @@ class FileBackend(StorageBackend):
         finish on their own: a late put still accounts its bytes)."""
         k = max(1, min(IO_WORKERS, n, nbytes // SPLIT_MIN_BYTES))
         bounds = [n * j // k for j in range(k + 1)]
-        futs = [self._pool.submit(part, range(bounds[j], bounds[j + 1]), *args) for j in range(k)]
+        futs = [self._submit(part, range(bounds[j], bounds[j + 1]), *args) for j in range(k)]
         budget = self._budget(n, nbytes)
         _, pending = concurrent.futures.wait(futs, timeout=budget)
         if pending:
@@ -355,14 +375,31 @@ class FileBackend(StorageBackend):
         return u
 
     def check_integrity(self) -> None:
-        """The base checks, and with a cap: the ledger covers the bytes on disk
-        and those are within the cap (call it while no put is in flight)."""
+        """The base checks, and with a cap: the ledger covers the bytes on disk and
+        those are within the cap. Waits (up to ``LATE_WAIT_S``) for this backend's
+        late calls first; a ledger that under-counts (a put that outlived its caller
+        elsewhere, a writer that died between rename and accounting) is rescanned and
+        trimmed, with one warning, rather than reported: it is the cache's own
+        bookkeeping, and ``hicache storage fsck --repair`` does the same offline."""
         super().check_integrity()
-        if self._cap is not None:
-            self._cap.check_integrity()
-            on_disk = sum(f.size for f in scan(self.root)[0])
-            if on_disk > self.max_bytes:
-                raise IntegrityError(f"{self.name}: {on_disk} bytes on disk exceed max_bytes={self.max_bytes}")
+        if self._cap is None:
+            return
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending == 0, timeout=LATE_WAIT_S)
+        total, _ = self._cap.usage()
+        on_disk = sum(f.size for f in scan(self.root)[0])
+        if on_disk > total:
+            self._warnings.once("ledger", "L3 %s: the size ledger counted %d bytes but %d are on disk (a put that "
+                                "outlived its caller, or a writer that died between rename and accounting); "
+                                "rescanned it (`hicache storage fsck --url %s --repair` does this offline)",
+                                self.name, total, on_disk, self.name)
+            self._cap.rescan()
+            self._trim_if_over()
+        self._cap.check_integrity()
+        on_disk = sum(f.size for f in scan(self.root)[0])
+        if on_disk > self.max_bytes:
+            raise IntegrityError(f"{self.name}: {on_disk} bytes on disk exceed max_bytes={self.max_bytes} after a "
+                                 f"trim (objects it may not delete?); run `hicache storage fsck --url {self.name}`")
 
     def path_of(self, key: bytes) -> Path:
         """Where the object of a page hash lives (for tools and corruption tests)."""
