@@ -93,6 +93,7 @@ class FileBackend(StorageBackend):
         self.dir = self.root / (prefix_dir or "default")
         self.fsync = bool(fsync)
         self._perms = FilePerms.of(group, self.name)
+        self._dir_s, self._prefix_len = os.fspath(self.dir), len(options.key_prefix)
         try:
             self._perms.make_dir(self.root)
             self._perms.make_dir(self.dir, tighten=True)
@@ -127,9 +128,9 @@ class FileBackend(StorageBackend):
 
     # ------------------------------------------------------------------ paths
     def _path(self, full_key: bytes) -> tuple[str, str]:
-        h = full_key[len(self.key_prefix):].hex()
-        d = os.path.join(self.dir, h[:2])
-        return d, os.path.join(d, h)
+        h = full_key[self._prefix_len:].hex()
+        d = f"{self._dir_s}/{h[:2]}"  # (os.path.join per page was a third of a 16 KiB read's Python time)
+        return d, f"{d}/{h}"
 
     def _ensure_dir(self, d: str, again: bool = False) -> None:
         if again or d not in self._made:

@@ -86,10 +86,9 @@ def verify_into(header: Buffer, segs: list[memoryview], page_hash: bytes, finger
     ``ReadStatus.OK`` or the failed ``Decoded``. Never raises on bad data;
     mutates nothing.
     """
-    hdr = bytes(header)
-    if hmac.compare_digest(hdr, header_of(fingerprint, page_hash, template, segs, auth_key)):
+    if hmac.compare_digest(header, codec.header_of_segments(template, page_hash, segs, auth_key)):
         return ReadStatus.OK
-    d = codec.decode(hdr + b"".join(segs), page_hash, fingerprint, template.sizes, auth_key, template)
+    d = codec.decode(bytes(header) + b"".join(segs), page_hash, fingerprint, template.sizes, auth_key, template)
     # OK here means decode found the payload at the split point, so ``segs`` hold it.
     return ReadStatus.OK if d.status is ReadStatus.OK else d
 
