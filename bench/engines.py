@@ -75,11 +75,11 @@ def run(url: str | None, args) -> dict:
 TIER_ROWS = (16 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
 
 
-def _tier_manager(row: int, chunks: int, tier_cfg: dict):
+def _tier_manager(row: int, chunks: int, tier_cfg: dict, engine_id: str = "test-engine"):
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
     from tests.v1.kv_offload.conftest import make_offloading_config
-    cfg = make_offloading_config(spec_name="TieringOffloadingSpec", cpu_bytes_to_use=chunks * row,
+    cfg = make_offloading_config(spec_name="TieringOffloadingSpec", cpu_bytes_to_use=chunks * row, engine_id=engine_id,
                                  worker_kv_bytes_per_block=row, extra_config={"secondary_tiers": [tier_cfg]})
     return TieringOffloadingSpec(cfg).get_manager()
 
@@ -124,28 +124,45 @@ def _tier_round(tier, arr, view_rows: int, rep: int, job_chunks: int) -> tuple[f
     return t_store, t_load
 
 
-def tier_bench(row: int, tier_cfg: dict, reps: int, total_bytes: int, job_chunks: int, clean) -> tuple[float, float]:
-    """Median store and load GB/s of one tier at ``row`` bytes per chunk."""
+def row_bench(row: int, setups: list, reps: int, total_bytes: int, job_chunks: int) -> dict[str, tuple]:
+    """Per tier: median store and load GB/s at ``row`` bytes per chunk, and the medians of
+    its per-round ratios to the round's vLLM fs on the same medium. Every tier is built
+    at once (its own engine id, so its own primary region) and the rounds interleave,
+    the order reversed every round: load on a shared box drifts between rounds, not
+    between the tiers of one round."""
     import statistics
 
     import numpy as np
     chunks = max(8, min(4096, total_bytes // row))
-    manager = _tier_manager(row, chunks, tier_cfg)
+    managers = {name: _tier_manager(row, chunks, cfg, engine_id=f"bench-{i}-{os.getpid()}")
+                for i, (name, cfg, _) in enumerate(setups)}
+    cleans = {name: clean for name, _, clean in setups}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in managers}
     try:
-        (tier,) = manager.secondary_tiers
-        view = manager.primary_tier.get_kv_memoryview()
-        arr = np.frombuffer(view, dtype=np.uint8).reshape(view.shape[0], -1)[:, :row]
-        arr[:] = np.random.default_rng(row).integers(0, 256, size=arr.shape, dtype=np.uint8)
-        st, ld = [], []
+        arrs = {}
+        for name, m in managers.items():
+            view = m.primary_tier.get_kv_memoryview()
+            arrs[name] = np.frombuffer(view, dtype=np.uint8).reshape(view.shape[0], -1)[:, :row]
+        order = list(managers)
         for rep in range(reps):
-            a, b = _tier_round(tier, arr, view.shape[0], rep, job_chunks)
-            st.append(view.shape[0] * row / a / 1e9)
-            ld.append(view.shape[0] * row / b / 1e9)
-            clean(tier)
-            arr[:] = np.random.default_rng(row + rep).integers(0, 256, size=arr.shape, dtype=np.uint8)
+            for name in order if rep % 2 == 0 else order[::-1]:
+                (tier,) = managers[name].secondary_tiers
+                arr = arrs[name]
+                arr[:] = np.random.default_rng(row + rep).integers(0, 256, size=arr.shape, dtype=np.uint8)
+                a, b = _tier_round(tier, arr, arr.shape[0], rep, job_chunks)
+                times[name].append((arr.shape[0] * row / a / 1e9, arr.shape[0] * row / b / 1e9))
+                cleans[name](tier)
     finally:
-        manager.shutdown()
-    return statistics.median(st), statistics.median(ld)
+        for m in managers.values():
+            m.shutdown()
+    out = {}
+    for name, v in times.items():
+        ref = times.get(f"vLLM fs ({'disk' if '(disk)' in name else 'tmpfs'})")
+        base = times.get(name.replace(" MAC", "")) if " MAC" in name else None
+        paired = [statistics.median(x[i] / r[i] for x, r in zip(v, against)) if against else float("nan")
+                  for against in (ref, base) for i in (0, 1)]
+        out[name] = (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v), *paired)
+    return out
 
 
 def _private_redis(workdir: str):
@@ -206,9 +223,7 @@ def tiers_main(args) -> None:
             return print_counts(f"vLLM tiers, {args.rows[0] // 1024} KiB rows",
                                 vllm_corrupt(args.rows[0], cfgs, _tier_manager, _wait_jobs))
         for row in args.rows:
-            got = {name: tier_bench(row, cfg, args.reps, args.total_mib << 20, args.job_chunks, clean)
-                   for name, cfg, clean in setups}
-            rows.append((row, got))
+            rows.append((row, row_bench(row, setups, args.reps, args.total_mib << 20, args.job_chunks)))
             _print_tier_rows([rows[-1]], args, header=len(rows) == 1)
     finally:
         if proc is not None:
@@ -219,20 +234,17 @@ def tiers_main(args) -> None:
 
 
 def _print_tier_rows(rows, args, header: bool) -> None:
-    """GB/s, and ratios: x fs = against vLLM fs on the same medium (redis: tmpfs), x def = MAC'd
-    against the same tier without a MAC."""
+    """GB/s, and medians of per-round ratios: x fs = against vLLM fs on the same medium
+    (redis: tmpfs), x def = MAC'd against the same tier without a MAC."""
     if header:
-        print(f"store / load GB/s, medians of {args.reps}; ~{args.total_mib} MiB per round, jobs of "
-              f"{args.job_chunks} chunks", flush=True)
+        print(f"store / load GB/s, medians of {args.reps} interleaved rounds; ~{args.total_mib} MiB per round, "
+              f"jobs of {args.job_chunks} chunks; ratios: medians of per-round ratios", flush=True)
         print(f"{'row':>8} {'tier':<34} {'store':>6} {'load':>6} {'st x fs':>8} {'ld x fs':>8} "
               f"{'st x def':>8} {'ld x def':>8}", flush=True)
     for row, got in rows:
-        for name, (s, ld) in got.items():
-            fs = got.get(f"vLLM fs ({'disk' if '(disk)' in name else 'tmpfs'})", (float("nan"),) * 2)
-            base = got.get(name.replace(" MAC", ""))
-            mac = f"{s / base[0]:>7.2f}x {ld / base[1]:>7.2f}x" if " MAC" in name and base else f"{'':>8} {'':>8}"
-            print(f"{row // 1024:>6} K {name:<34} {s:>6.2f} {ld:>6.2f} {s / fs[0]:>7.2f}x {ld / fs[1]:>7.2f}x {mac}",
-                  flush=True)
+        for name, (s, ld, sf, lf, sd, lm) in got.items():
+            mac = f"{sd:>7.2f}x {lm:>7.2f}x" if " MAC" in name else f"{'':>8} {'':>8}"
+            print(f"{row // 1024:>6} K {name:<34} {s:>6.2f} {ld:>6.2f} {sf:>7.2f}x {lf:>7.2f}x {mac}", flush=True)
 
 
 def tiers_entry() -> None:

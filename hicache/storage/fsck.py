@@ -18,9 +18,12 @@ import stat
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
+from hicache.core.errors import ConfigError
 from hicache.core.hashing import HASH_BYTES
+from hicache.core.redact import redact_url
 from hicache.storage import codec
 from hicache.storage.codec import ReadStatus
+from hicache.storage.file import parse_file_url
 from hicache.storage.file_cap import LEDGER, FileCap, scan
 
 _DEFAULT_DIR = re.compile(r"^hicache-([0-9a-f]{8})$")
@@ -165,9 +168,6 @@ def _redis_batch(client, keys: list[bytes], auth_key: bytes, repair: bool, bad: 
 
 def run(url: str, prefix: str | None, cfg, repair: bool) -> int:
     """``hicache storage fsck``: print the report; 0 when the store is clean (or was repaired), else 1."""
-    from hicache.core.errors import ConfigError
-    from hicache.core.redact import redact_url
-    from hicache.storage.file import parse_file_url
     key = cfg.storage.resolved_auth_key()
     mac = codec.mac_key(key) if key else b""
     shown = redact_url(url)

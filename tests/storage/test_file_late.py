@@ -16,7 +16,7 @@ import redis
 from hicache.cli import main
 from hicache.core.hashing import page_hashes
 from hicache.storage import codec, open_storage
-from hicache.storage.file_cap import LEDGER, FileCap, scan
+from hicache.storage.file_cap import FileCap, scan
 from hicache.storage.health import FLOOR_BYTES_PER_S, MIN_ATTEMPT_S, call_budget
 
 from .conftest import FP
