@@ -66,6 +66,7 @@ LATE_WAIT_S = 30.0  # check_integrity waits this long at most for calls still on
 # Calls of at least this many payload bytes per worker are split among the
 # workers, each reading (or writing) and hashing its pages while they are hot.
 SPLIT_MIN_BYTES = 1 << 20
+HEADER_BUF = 4096  # a header is ~100 bytes plus a few per plane; longer ones get their own buffer
 _HEX_NAME = re.compile(r"^[0-9a-f]{%d}$" % (2 * HASH_BYTES))
 
 
@@ -213,7 +214,9 @@ class FileBackend(StorageBackend):
     def _get_into_part(self, idx: range, keys: list[bytes], dests: list[list[memoryview]],
                        verify: Callable[[int, Any], Any]) -> list[Any]:
         # Verified right after its read, on this worker, while its bytes are in cache.
-        return self._read_each(keys, idx, lambda path, i: verify(i, _read_into(path, dests[i])))
+        # Headers are read into one buffer per part, reused: each is judged before the next read.
+        hdr = memoryview(bytearray(HEADER_BUF))
+        return self._read_each(keys, idx, lambda path, i: verify(i, _read_into(path, dests[i], hdr)))
 
     def _read_each(self, keys: list[bytes], idx: range, read: Callable[[str, int], Any]) -> list[Any]:
         """``read(path, i)`` for each key's file: None where the file is absent, the
@@ -435,18 +438,19 @@ def _open_regular(path: str) -> tuple[int, int]:
     return fd, st.st_size
 
 
-def _read_into(path: str, segs: list[memoryview]) -> InPlace | bytearray:
+def _read_into(path: str, segs: list[memoryview], hdr_buf: memoryview) -> InPlace | bytearray:
     """The object at ``path`` with its payload (its last bytes) read into ``segs`` in
-    order, with one ``preadv`` of header + payload: ``InPlace(header)``. An object too
-    short, or whose head is too long to be a header, is read whole instead (decode rejects it)."""
+    order, with one ``preadv`` of header + payload: ``InPlace(header)``, the header a view
+    of ``hdr_buf`` when it fits (valid until the next read into it). An object too short,
+    or whose head is too long to be a header, is read whole instead (decode rejects it)."""
     fd, size = _open_regular(path)
     try:
         hlen = size - sum(mv.nbytes for mv in segs)
         if not 0 < hlen <= MAX_SPLIT_HEADER:
             buf = bytearray(size)
             return buf[:_preadv_full(fd, [memoryview(buf)])]
-        hdr = bytearray(hlen)
-        got = _preadv_full(fd, [memoryview(hdr), *segs])
+        hdr = hdr_buf[:hlen] if hlen <= hdr_buf.nbytes else memoryview(bytearray(hlen))
+        got = _preadv_full(fd, [hdr, *segs])
         if got < size:  # shrank under us: whatever arrived, as one object decode rejects
             return (bytes(hdr) + b"".join(segs))[:got]
         return InPlace(hdr)

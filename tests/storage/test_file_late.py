@@ -46,7 +46,7 @@ def test_a_put_that_outlives_its_caller_is_accounted(tmp_path, monkeypatch):
     monkeypatch.setattr(b, "_budget", lambda n, nbytes: 0.05)
     try:
         assert b.put([(k, bytes(4096), SIZES) for k in keys(4)]) == 0  # the caller gave up
-        assert b.down and b.stats().put_dropped == 4
+        assert b.stats().put_dropped == 4  # (an outage opened; the pinger may already have closed it)
         release.set()
         with b._idle:
             assert b._idle.wait_for(lambda: b._pending == 0, timeout=30)
