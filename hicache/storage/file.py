@@ -179,17 +179,20 @@ class FileBackend(StorageBackend):
                             f"page and {FLOOR_BYTES_PER_S / 1e6:.0f} MB/s per attempt, scaled by the load average)")
 
     def _in_parts(self, part, n: int, nbytes: int, *args) -> list[Any]:
-        """``part(range, *args)`` over ``range(n)`` split among the workers when the
-        pages are large (each worker reads or writes its pages and hashes them while
+        """``part(range, given_up, *args)`` over ``range(n)`` split among the workers when
+        the pages are large (each worker reads or writes its pages and hashes them while
         they are in its cache), results concatenated in order; waits at most
-        ``_budget(n, nbytes)``, else ``TimeoutError`` (the parts still running
-        finish on their own: a late put still accounts its bytes)."""
+        ``_budget(n, nbytes)``, else sets ``given_up`` (an Event) and raises
+        ``TimeoutError``. Parts still running finish on their own: a late put still
+        accounts its bytes, a late read stops before its next page."""
         k = max(1, min(IO_WORKERS, n, nbytes // SPLIT_MIN_BYTES))
         bounds = [n * j // k for j in range(k + 1)]
-        futs = [self._submit(part, range(bounds[j], bounds[j + 1]), *args) for j in range(k)]
+        given_up = threading.Event()
+        futs = [self._submit(part, range(bounds[j], bounds[j + 1]), given_up, *args) for j in range(k)]
         budget = self._budget(n, nbytes)
         _, pending = concurrent.futures.wait(futs, timeout=budget)
         if pending:
+            given_up.set()
             for f in pending:
                 f.add_done_callback(self._trim_if_over)
             raise self._late(budget)
@@ -211,19 +214,25 @@ class FileBackend(StorageBackend):
         nbytes = sum(mv.nbytes for mv in dests[0]) * len(keys) if keys else 0
         return self._in_parts(self._get_into_part, len(keys), nbytes, keys, dests, verify)
 
-    def _get_into_part(self, idx: range, keys: list[bytes], dests: list[list[memoryview]],
-                       verify: Callable[[int, Any], Any]) -> list[Any]:
+    def _get_into_part(self, idx: range, given_up: threading.Event, keys: list[bytes],
+                       dests: list[list[memoryview]], verify: Callable[[int, Any], Any]) -> list[Any]:
         # Verified right after its read, on this worker, while its bytes are in cache.
         # Headers are read into one buffer per part, reused: each is judged before the next read.
+        # Once the caller has given up, the destinations are the engine's again: no more reads.
         hdr = memoryview(bytearray(HEADER_BUF))
-        return self._read_each(keys, idx, lambda path, i: verify(i, _read_into(path, dests[i], hdr)))
+        return self._read_each(keys, idx, lambda path, i: verify(i, _read_into(path, dests[i], hdr)), given_up)
 
-    def _read_each(self, keys: list[bytes], idx: range, read: Callable[[str, int], Any]) -> list[Any]:
+    def _read_each(self, keys: list[bytes], idx: range, read: Callable[[str, int], Any],
+                   given_up: threading.Event | None = None) -> list[Any]:
         """``read(path, i)`` for each key's file: None where the file is absent, the
-        ``OSError`` where reading failed. Under an ``lru`` cap a file read is made young."""
+        ``OSError`` where reading failed (and after ``given_up`` is set, nothing more is
+        read). Under an ``lru`` cap a file read is made young."""
         out: list[Any] = []
         touch = self._cap is not None and self.eviction == "lru"
         for i in idx:
+            if given_up is not None and given_up.is_set():
+                out.extend([None] * (len(idx) - len(out)))
+                break
             try:
                 path = self._path(keys[i])[1]
                 out.append(read(path, i))
@@ -247,7 +256,8 @@ class FileBackend(StorageBackend):
         self._trim_if_over()
         return out
 
-    def _put_part(self, idx: range, items: PutBatch, skip_present: bool) -> list[bool | BaseException | None]:
+    def _put_part(self, idx: range, _given_up: threading.Event, items: PutBatch,
+                  skip_present: bool) -> list[bool | BaseException | None]:
         """Write pages ``idx`` (None: skipped as present) and account them in the cap's
         ledger here, on the worker, so a put whose caller stopped waiting still counts."""
         out: list[bool | BaseException | None] = []

@@ -13,10 +13,12 @@ are still in that core's cache.
 
 Contract: a destination whose page is reported missing (absent, unreadable,
 corrupt, another layout's, a bad MAC, L3 down) may have been written: it holds
-garbage (a partial object, unverified bytes). Callers must treat it as free
-space and never expose it; the adapters report such a page as not loaded and
-zero it (``wipe_unloaded``: a forger's bytes never stay in an engine's pages),
-and the engines then recompute it over that memory.
+garbage (a partial object, unverified bytes). After a call that timed out
+(an outage), a file:// worker may still finish the one page it was reading;
+it reads no further page into the caller's buffers. Callers must treat it as
+free space and never expose it; the adapters report such a page as not loaded
+and zero it (``wipe_unloaded``: a forger's bytes never stay in an engine's
+pages), and the engines then recompute it over that memory.
 """
 from __future__ import annotations
 

@@ -193,3 +193,31 @@ def test_a_cpu_hog_drops_no_put_and_reports_no_outage(tmp_path, caplog):
         for p in hogs:
             p.join()
         b.close()
+
+
+def test_a_read_that_outlives_its_caller_writes_no_further_page(tmp_path, monkeypatch):
+    """After get_into gave up (an outage), a worker finishes the page it was reading and
+    reads no other into the caller's rows (which the engine reuses at once)."""
+    import hicache.storage.file as file_mod
+    n, size = 8, 2 << 20  # 16 MiB: split among the 4 workers, two pages each
+    b = open_storage(f"file://{tmp_path}", fingerprint=FP)
+    ks = keys(n)
+    assert b.put([(k, bytes([i + 1]) * size, [size]) for i, k in enumerate(ks)]) == n
+    release, real = threading.Event(), file_mod._read_into
+
+    def stuck(path, segs, hdr):
+        release.wait(30)
+        return real(path, segs, hdr)
+    monkeypatch.setattr(file_mod, "_read_into", stuck)
+    monkeypatch.setattr(b, "_budget", lambda n, nbytes: 0.2)
+    dests = [bytearray(size) for _ in ks]
+    try:
+        assert b.get_into(ks, [size], dests) == [False] * n
+        release.set()
+        with b._idle:
+            assert b._idle.wait_for(lambda: b._pending == 0, timeout=30)
+        written = [i for i, d in enumerate(dests) if any(d[:1])]
+        assert written == [0, 2, 4, 6], written  # the first page of each part, none after
+    finally:
+        release.set()
+        b.close()
