@@ -265,7 +265,7 @@ class FileBackend(StorageBackend):
             k, payload = items.key_payload(i)
             d, path = self._path(k)
             try:
-                if skip_present and os.path.exists(path):
+                if skip_present and _is_object(path):
                     out.append(None)
                     continue
                 self._write(d, path, items.header(i), payload)
