@@ -75,11 +75,11 @@ def run(url: str | None, args) -> dict:
 TIER_ROWS = (16 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
 
 
-def _tier_manager(row: int, chunks: int, tier_cfg: dict):
+def _tier_manager(row: int, chunks: int, tier_cfg: dict, engine_id: str = "test-engine"):
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
     from tests.v1.kv_offload.conftest import make_offloading_config
-    cfg = make_offloading_config(spec_name="TieringOffloadingSpec", cpu_bytes_to_use=chunks * row,
+    cfg = make_offloading_config(spec_name="TieringOffloadingSpec", cpu_bytes_to_use=chunks * row, engine_id=engine_id,
                                  worker_kv_bytes_per_block=row, extra_config={"secondary_tiers": [tier_cfg]})
     return TieringOffloadingSpec(cfg).get_manager()
 
@@ -124,28 +124,45 @@ def _tier_round(tier, arr, view_rows: int, rep: int, job_chunks: int) -> tuple[f
     return t_store, t_load
 
 
-def tier_bench(row: int, tier_cfg: dict, reps: int, total_bytes: int, job_chunks: int, clean) -> tuple[float, float]:
-    """Median store and load GB/s of one tier at ``row`` bytes per chunk."""
+def row_bench(row: int, setups: list, reps: int, total_bytes: int, job_chunks: int) -> dict[str, tuple]:
+    """Per tier: median store and load GB/s at ``row`` bytes per chunk, and the medians of
+    its per-round ratios to the round's vLLM fs on the same medium. Every tier is built
+    at once (its own engine id, so its own primary region) and the rounds interleave,
+    the order reversed every round: load on a shared box drifts between rounds, not
+    between the tiers of one round."""
     import statistics
 
     import numpy as np
     chunks = max(8, min(4096, total_bytes // row))
-    manager = _tier_manager(row, chunks, tier_cfg)
+    managers = {name: _tier_manager(row, chunks, cfg, engine_id=f"bench-{i}-{os.getpid()}")
+                for i, (name, cfg, _) in enumerate(setups)}
+    cleans = {name: clean for name, _, clean in setups}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in managers}
     try:
-        (tier,) = manager.secondary_tiers
-        view = manager.primary_tier.get_kv_memoryview()
-        arr = np.frombuffer(view, dtype=np.uint8).reshape(view.shape[0], -1)[:, :row]
-        arr[:] = np.random.default_rng(row).integers(0, 256, size=arr.shape, dtype=np.uint8)
-        st, ld = [], []
+        arrs = {}
+        for name, m in managers.items():
+            view = m.primary_tier.get_kv_memoryview()
+            arrs[name] = np.frombuffer(view, dtype=np.uint8).reshape(view.shape[0], -1)[:, :row]
+        order = list(managers)
         for rep in range(reps):
-            a, b = _tier_round(tier, arr, view.shape[0], rep, job_chunks)
-            st.append(view.shape[0] * row / a / 1e9)
-            ld.append(view.shape[0] * row / b / 1e9)
-            clean(tier)
-            arr[:] = np.random.default_rng(row + rep).integers(0, 256, size=arr.shape, dtype=np.uint8)
+            for name in order if rep % 2 == 0 else order[::-1]:
+                (tier,) = managers[name].secondary_tiers
+                arr = arrs[name]
+                arr[:] = np.random.default_rng(row + rep).integers(0, 256, size=arr.shape, dtype=np.uint8)
+                a, b = _tier_round(tier, arr, arr.shape[0], rep, job_chunks)
+                times[name].append((arr.shape[0] * row / a / 1e9, arr.shape[0] * row / b / 1e9))
+                cleans[name](tier)
     finally:
-        manager.shutdown()
-    return statistics.median(st), statistics.median(ld)
+        for m in managers.values():
+            m.shutdown()
+    out = {}
+    for name, v in times.items():
+        ref = times.get(f"vLLM fs ({'disk' if '(disk)' in name else 'tmpfs'})")
+        base = times.get(name.replace(" MAC", "")) if " MAC" in name else None
+        paired = [statistics.median(x[i] / r[i] for x, r in zip(v, against)) if against else float("nan")
+                  for against in (ref, base) for i in (0, 1)]
+        out[name] = (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v), *paired)
+    return out
 
 
 def _private_redis(workdir: str):
@@ -166,67 +183,88 @@ def _private_redis(workdir: str):
     return proc, f"redis://127.0.0.1:{port}/0"
 
 
-def tiers_main(args) -> None:
+def _tier_setups(media: dict[str, str], redis_url: str) -> list[tuple[str, dict, object]]:
+    """(name, vLLM secondary_tiers entry, clean) per tier: vLLM fs and HiCacheTier file://
+    on each medium, default and MAC'd, then HiCacheTier redis:// default and MAC'd."""
     import shutil
-    d = tempfile.mkdtemp(dir=args.tmpfs, prefix="hicache-bench-tiers-")
-    proc, redis_url = (None, args.redis) if args.redis else _private_redis(d)
 
-    def clean_fs(tier):
-        shutil.rmtree(tier_dirs["fs"], ignore_errors=True)
+    from engines_corrupt import SECRET
+
+    def hc(url: str, **kw) -> dict:
+        return {"type": "HiCacheTier", "module_path": "hicache.integrations.vllm", "url": url, "probe_l3": False, **kw}
 
     def clean_hicache(tier):
         tier.storage.clear()
 
-    tier_dirs = {"fs": f"{d}/fs"}
-    setups = [
-        ("vLLM fs (tmpfs)", {"type": "fs", "root_dir": tier_dirs["fs"]}, clean_fs),
-        ("HiCacheTier file:// (tmpfs)", {"type": "HiCacheTier", "module_path": "hicache.integrations.vllm",
-                                         "url": f"file://{d}/hc", "probe_l3": False}, clean_hicache),
-        ("HiCacheTier redis://", {"type": "HiCacheTier", "module_path": "hicache.integrations.vllm",
-                                  "url": redis_url, "probe_l3": False, "timeout_ms": 5000}, clean_hicache),
-        # fs runs 16 read + 16 write threads by default; the same parallelism for hicache:
-        ("HiCacheTier file:// 16 thr", {"type": "HiCacheTier", "module_path": "hicache.integrations.vllm",
-                                        "url": f"file://{d}/hc16", "probe_l3": False, "io_threads": 16},
-         clean_hicache),
-        ("HiCacheTier redis:// 16 thr", {"type": "HiCacheTier", "module_path": "hicache.integrations.vllm",
-                                         "url": redis_url, "probe_l3": False, "timeout_ms": 5000,
-                                         "io_threads": 16}, clean_hicache),
-    ]
+    out = []
+    for medium, d in media.items():
+        out += [(f"vLLM fs ({medium})", {"type": "fs", "root_dir": f"{d}/fs"},
+                 lambda tier, root=f"{d}/fs": shutil.rmtree(root, ignore_errors=True)),
+                (f"HiCacheTier file:// ({medium})", hc(f"file://{d}/hc"), clean_hicache),
+                (f"HiCacheTier file:// MAC ({medium})", hc(f"file://{d}/hcm", auth_key=SECRET), clean_hicache)]
+    return out + [("HiCacheTier redis://", hc(redis_url, timeout_ms=5000), clean_hicache),
+                  ("HiCacheTier redis:// MAC", hc(redis_url, timeout_ms=5000, auth_key=SECRET), clean_hicache)]
+
+
+def tiers_main(args) -> None:
+    import shutil
+    media = {"tmpfs": tempfile.mkdtemp(dir=args.tmpfs, prefix="hicache-bench-tiers-")}
+    if args.disk:
+        media["disk"] = tempfile.mkdtemp(dir=args.disk, prefix="hicache-bench-tiers-")
+    proc, redis_url = (None, args.redis) if args.redis else _private_redis(media["tmpfs"])
+    setups = _tier_setups(media, redis_url)
+    if args.only:
+        setups = [s for s in setups if any(o in s[0] for o in args.only.split(","))]
     rows = []
     try:
+        if args.corrupt:
+            from engines_corrupt import print_counts, vllm_corrupt
+            cfgs = [(n, c) for n, c, _ in setups if "redis" not in n]
+            return print_counts(f"vLLM tiers, {args.rows[0] // 1024} KiB rows",
+                                vllm_corrupt(args.rows[0], cfgs, _tier_manager, _wait_jobs))
         for row in args.rows:
-            got = {name: tier_bench(row, cfg, args.reps, args.total_mib << 20, args.job_chunks, clean)
-                   for name, cfg, clean in setups}
-            rows.append((row, got))
+            rows.append((row, row_bench(row, setups, args.reps, args.total_mib << 20, args.job_chunks)))
+            _print_tier_rows([rows[-1]], args, header=len(rows) == 1)
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait()
-        shutil.rmtree(d, ignore_errors=True)
-    ref = setups[0][0]
-    print(f"store / load GB/s, medians of {args.reps}; ~{args.total_mib} MiB per round, jobs of "
-          f"{args.job_chunks} chunks; ratio = HiCacheTier / vLLM fs")
-    print(f"{'row':>8} {'tier':<28} {'store':>7} {'load':>7} {'store x':>8} {'load x':>7}")
+        for d in media.values():
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _print_tier_rows(rows, args, header: bool) -> None:
+    """GB/s, and medians of per-round ratios: x fs = against vLLM fs on the same medium
+    (redis: tmpfs), x def = MAC'd against the same tier without a MAC."""
+    if header:
+        print(f"store / load GB/s, medians of {args.reps} interleaved rounds; ~{args.total_mib} MiB per round, "
+              f"jobs of {args.job_chunks} chunks; ratios: medians of per-round ratios", flush=True)
+        print(f"{'row':>8} {'tier':<34} {'store':>6} {'load':>6} {'st x fs':>8} {'ld x fs':>8} "
+              f"{'st x def':>8} {'ld x def':>8}", flush=True)
     for row, got in rows:
-        for name, (s, ld) in got.items():
-            rs, rl = s / got[ref][0], ld / got[ref][1]
-            print(f"{row // 1024:>6} K {name:<28} {s:>7.2f} {ld:>7.2f} {rs:>7.2f}x {rl:>6.2f}x")
+        for name, (s, ld, sf, lf, sd, lm) in got.items():
+            mac = f"{sd:>7.2f}x {lm:>7.2f}x" if " MAC" in name else f"{'':>8} {'':>8}"
+            print(f"{row // 1024:>6} K {name:<34} {s:>6.2f} {ld:>6.2f} {sf:>7.2f}x {lf:>7.2f}x {mac}", flush=True)
 
 
 def tiers_entry() -> None:
     ap = argparse.ArgumentParser(description="HiCacheTier vs vLLM's fs tier: store/load GB/s at real row sizes")
     ap.add_argument("--tiers", action="store_true")
+    ap.add_argument("--corrupt", action="store_true", help="count wrong bytes handed to vLLM per damage kind "
+                    "(rows: the first of --rows)")
     ap.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=list(TIER_ROWS))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--total-mib", type=int, default=64, help="bytes per round (chunks = this / row)")
     ap.add_argument("--job-chunks", type=int, default=16)
     ap.add_argument("--tmpfs", default="/dev/shm")
+    ap.add_argument("--disk", default="/var/tmp", help="a directory on a real disk ('' to skip)")
     ap.add_argument("--redis", default="", help="default: a private redis-server started for the run")
+    ap.add_argument("--only", default="", help="comma-separated substrings of tier names to run")
     tiers_main(ap.parse_args())
 
 
 def main() -> None:
-    if "--tiers" in sys.argv:  # HiCacheTier against vLLM's fs tier (above)
+    if "--tiers" in sys.argv or "--corrupt" in sys.argv:  # HiCacheTier against vLLM's fs tier (above)
         return tiers_entry()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--redis", default="redis://127.0.0.1:6379/0")
@@ -259,8 +297,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT / "bench"))
     if sys.argv[1:2] == ["sglang"]:  # the SGLang section runs in .venv-sglang
-        sys.path.insert(0, str(ROOT / "bench"))
         import engines_sglang
         engines_sglang.main(sys.argv[2:])
     else:

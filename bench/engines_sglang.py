@@ -74,34 +74,39 @@ def time_pair(ctrl, page: int, n: int, zero_copy: bool, seed: int, idx) -> tuple
     return t1 - t0, t2 - t1
 
 
-def file_vs_hicachefile(rounds: int, only: set[str] | None) -> list[dict]:
+def file_vs_hicachefile(rounds: int, only: set[str] | None, mac: bool = False, tmp: str = "/dev/shm") -> list[dict]:
+    from engines_corrupt import SECRET
+
     from hicache.core.shapes import model_shapes
     rows = []
     for m in model_shapes():
         if only and m.name not in only:
             continue
         for page in ((1, 64) if m.is_mla else (1, 16)):
-            d = tempfile.mkdtemp(prefix="hicache-bench-", dir="/dev/shm")
+            d = tempfile.mkdtemp(prefix="hicache-bench-", dir=tmp)
             try:
-                ours = controller(m, page, "dynamic", dynamic(f"file://{d}/hicache"))
-                ref = controller(m, page, "file", {"file_storage_path": f"{d}/sglang"})
+                ctrls = {"ours": controller(m, page, "dynamic", dynamic(f"file://{d}/hicache")),
+                         "ref": controller(m, page, "file", {"file_storage_path": f"{d}/sglang"})}
+                if mac:
+                    ctrls["mac"] = controller(m, page, "dynamic", dynamic(f"file://{d}/hicache-mac", auth_key=SECRET))
                 n = batch_pages(m, page)
-                t = {"ours": [], "ref": []}
-                idx = {k: c.mem_pool_host.alloc(n * page) for k, c in (("ours", ours), ("ref", ref))}
-                for r in range(rounds):
-                    for name, c in (("ours", ours), ("ref", ref)) if r % 2 == 0 else (("ref", ref), ("ours", ours)):
-                        t[name].append(time_pair(c, page, n, name == "ours", seed=r, idx=idx[name]))
-                    # keep tmpfs small (each round writes fresh keys), with each backend's own clear()
-                    ours.storage_backend.clear()
-                    ref.storage_backend.clear()
-                ours.storage_backend.check_integrity()
+                t: dict[str, list] = {k: [] for k in ctrls}
+                idx = {k: c.mem_pool_host.alloc(n * page) for k, c in ctrls.items()}
+                order = list(ctrls.items())
+                for r in range(rounds):  # interleaved, the order flipped every round
+                    for name, c in order if r % 2 == 0 else order[::-1]:
+                        t[name].append(time_pair(c, page, n, name != "ref", seed=r, idx=idx[name]))
+                    for c in ctrls.values():  # keep tmpfs small (fresh keys each round), each backend's own clear()
+                        c.storage_backend.clear()
+                ctrls["ours"].storage_backend.check_integrity()
                 gb = n * m.page_bytes(page) / 1e9
                 med = {k: (gb / statistics.median(x[0] for x in v), gb / statistics.median(x[1] for x in v))
                        for k, v in t.items()}
                 rows.append(dict(model=m.name, page=page, kib=m.page_bytes(page) // 1024, pages=n,
                                  store=med["ours"][0], store_ref=med["ref"][0], load=med["ours"][1],
-                                 load_ref=med["ref"][1]))
-                for c in (ours, ref):
+                                 load_ref=med["ref"][1], **({"store_mac": med["mac"][0], "load_mac": med["mac"][1]}
+                                                            if mac else {})))
+                for c in ctrls.values():
                     c.detach_storage_backend()
             finally:
                 shutil.rmtree(d, ignore_errors=True)
@@ -111,13 +116,16 @@ def file_vs_hicachefile(rounds: int, only: set[str] | None) -> list[dict]:
 
 def print_header() -> None:
     print(f"{'model':<20} {'page':>4} {'KiB/page':>8} {'pages':>5} | {'store GB/s hicache':>18} {'HiCacheFile':>11} "
-          f"{'ratio':>6} | {'load GB/s hicache':>17} {'HiCacheFile':>11} {'ratio':>6}", flush=True)
+          f"{'ratio':>6} | {'load GB/s hicache':>17} {'HiCacheFile':>11} {'ratio':>6} | MAC store, load (x default)",
+          flush=True)
 
 
 def print_row(r: dict) -> None:
+    mac = (f" | {r['store_mac']:.2f} ({r['store_mac'] / r['store']:.2f}x), {r['load_mac']:.2f} "
+           f"({r['load_mac'] / r['load']:.2f}x)" if "store_mac" in r else "")
     print(f"{r['model']:<20} {r['page']:>4} {r['kib']:>8} {r['pages']:>5} | {r['store']:>18.2f} {r['store_ref']:>11.2f} "
           f"{r['store'] / r['store_ref']:>5.2f}x | {r['load']:>17.2f} {r['load_ref']:>11.2f} "
-          f"{r['load'] / r['load_ref']:>5.2f}x", flush=True)
+          f"{r['load'] / r['load_ref']:>5.2f}x{mac}", flush=True)
 
 
 def redis_layouts(url: str, rounds: int) -> None:
@@ -195,14 +203,27 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--models", default="", help="comma-separated shape names (default: all)")
     ap.add_argument("--skip-file", action="store_true")
     ap.add_argument("--skip-redis", action="store_true")
+    ap.add_argument("--corrupt", action="store_true", help="count wrong bytes handed to SGLang per damage kind "
+                    "(the first model of --models, default llama-3.1-8b, at page 16)")
+    ap.add_argument("--mac", action="store_true", help="also time HiCacheBackend with storage.auth_key")
+    ap.add_argument("--disk", default="", help="also run on this directory of a real disk (e.g. /var/tmp)")
     a = ap.parse_args(argv)
     import logging
     logging.getLogger("sglang").setLevel(logging.ERROR)
+    if a.corrupt:
+        from engines_corrupt import print_counts, sglang_corrupt
+        from hicache.core.shapes import model_shape
+        logging.getLogger("hicache").setLevel(logging.ERROR)
+        m = model_shape((a.models.split(",")[0] if a.models else "") or "llama-3.1-8b")
+        return print_counts(f"SGLang, {m.name} page 16 ({m.page_bytes(16) // 1024} KiB pages)",
+                            sglang_corrupt(m, 16, controller, dynamic))
     if not a.skip_file:
-        print(f"hicache file:// (zero-copy v1) vs SGLang HiCacheFile, tmpfs, page_first host pools, "
+        print(f"hicache file:// (zero-copy v1) vs SGLang HiCacheFile, page_first host pools, "
               f"median of {a.rounds} interleaved rounds")
         print_header()
-        file_vs_hicachefile(a.rounds, set(filter(None, a.models.split(","))) or None)
+        for medium, tmp in (("tmpfs", "/dev/shm"), *((("disk", a.disk),) if a.disk else ())):
+            print(f"-- {medium} ({tmp})", flush=True)
+            file_vs_hicachefile(a.rounds, set(filter(None, a.models.split(","))) or None, a.mac, tmp)
     if not a.skip_redis:
         redis_layouts(a.redis, a.rounds)
 

@@ -12,7 +12,7 @@ object) and redis-py with its pure-Python packer, which sends large values
 without copying them: the faster of the two is the bar. hicache's put includes building and checksumming the
 header; its get includes full verification (header, fingerprint, hash,
 length, xxh3 checksum). "with MAC" columns: the same with ``storage.auth_key``
-set (keyed BLAKE2b over header and payload), in parentheses relative to
+set (keyed BLAKE3 over payload and header), in parentheses relative to
 hicache without it.
 
 hicache put has two checksum schedules (``RedisBackend.overlap_checksums``,

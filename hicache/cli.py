@@ -25,7 +25,7 @@ hicache: a page-granular tiered KV cache (GPU L1 / host L2 / shared L3) for LLM 
   hicache info      print the resolved configuration and pool sizes (the default)
   hicache replay    replay a trace through the reference engine and compare caches
   hicache serve     run the node-local service (REST API + engine socket)
-  hicache storage   size, list and clear L3 (du, ls, clear)
+  hicache storage   size, list, clear and check L3 (du, ls, clear, fsck)
 
 --config and --set may stand before or after the subcommand."""
 

@@ -1,4 +1,4 @@
-"""``hicache storage du|ls|clear``: the operator's view of L3 (see ``hicache.storage.admin``).
+"""``hicache storage du|ls|clear|fsck``: the operator's view of L3 (see ``hicache.storage.admin``).
 
 Imports neither torch nor the service stack (``hicache --help`` stays light).
 """
@@ -20,6 +20,8 @@ salts) are folded into the page hashes, so a store cannot be split by namespace.
   hicache storage ls --fingerprint 1a2b3c4d --limit 20
   hicache storage clear --fingerprint 1a2b3c4d --yes
   hicache storage clear --yes              every hicache prefix
+  hicache storage fsck [--repair]          verify every object; --repair deletes those
+                                           that fail and resets a capped directory's ledger
 
 redis:// is walked with SCAN (never KEYS) and cleared with UNLINK; a capped
 file:// directory's size ledger is reset after a clear. memory:// lives inside
@@ -27,12 +29,13 @@ one process, so from here it is empty."""
 
 
 def add_parser(sub: argparse._SubParsersAction, add_config_options) -> argparse.ArgumentParser:
-    p = sub.add_parser("storage", help="size, list and clear L3 (du, ls, clear)", description=DESCRIPTION,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    ops = p.add_subparsers(dest="storage_cmd", metavar="{du,ls,clear}", required=True)
+    p = sub.add_parser("storage", help="size, list, clear and check L3 (du, ls, clear, fsck)",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ops = p.add_subparsers(dest="storage_cmd", metavar="{du,ls,clear,fsck}", required=True)
     for name, help_ in (("du", "objects and bytes per layout prefix, the cap and Redis memory"),
                         ("ls", "list objects: prefix, page hash, bytes, age"),
-                        ("clear", "delete objects (every hicache prefix, or one with --fingerprint/--prefix)")):
+                        ("clear", "delete objects (every hicache prefix, or one with --fingerprint/--prefix)"),
+                        ("fsck", "verify every object (with storage.auth_key: its MAC); --repair fixes")):
         o = ops.add_parser(name, help=help_, description=help_)
         add_config_options(o, top=False)
         o.add_argument("--url", help="the L3 URL (default: storage.url of the configuration)")
@@ -46,6 +49,9 @@ def add_parser(sub: argparse._SubParsersAction, add_config_options) -> argparse.
             o.add_argument("--limit", type=int, default=50, help="print at most N objects (0: all; default 50)")
         if name == "clear":
             o.add_argument("--yes", action="store_true", help="really delete (without it: say what would go)")
+        if name == "fsck":
+            o.add_argument("--repair", action="store_true", help="delete failing objects and stale temp files, "
+                           "set a capped file:// directory's size ledger to the bytes on disk")
     return p
 
 
@@ -72,6 +78,9 @@ def run(args: argparse.Namespace, cfg) -> int:
     from hicache.storage.admin import RedisStore, open_store
     url = args.url if args.url is not None else cfg.storage.url
     args.redactor.add_url(url)  # --url is no part of cfg: its secrets too are hidden in every error
+    if args.storage_cmd == "fsck":
+        from hicache.storage.fsck import run as fsck
+        return fsck(url, selected_prefix(args), cfg, args.repair)
     store = open_store(url, timeout_s=max(1.0, cfg.storage.timeout_ms / 1000), group=cfg.storage.file_group)
     prefix = selected_prefix(args)
     shown = redact_url(url)

@@ -291,30 +291,22 @@ class StorageBackend(abc.ABC):
         full = [self._full(k) for k in keys]
         if not full:
             return []
-        raw = self._call("get", self._raw_get_into, full, views)
-        if raw is DOWN:
+        verify = into.Verifier(list(keys), views, self.fingerprint, codec.header_template(self.fingerprint, sizes),
+                               self.options.auth_key)
+        judged = self._call("get", self._raw_get_into, full, views, verify)
+        if judged is DOWN:
             self._count(gets=len(full), misses=len(full))
             return [False] * len(full)
-        if len(raw) != len(full):
-            raise StorageError(f"L3 backend {self.name}: get_into of {len(full)} keys returned {len(raw)} results")
-        template = codec.header_template(self.fingerprint, sizes)
-        judged: list[ReadStatus | codec.Decoded | BaseException | None] = []
-        for key, obj, segs in zip(keys, raw, views):
-            if obj is None or isinstance(obj, BaseException):
-                judged.append(obj)
-            elif isinstance(obj, into.InPlace):
-                judged.append(into.verify_into(obj.header, segs, key, self.fingerprint, template,
-                                               self.options.auth_key))
-            else:  # the whole object (too short or too odd to split): decoded, then one copy
-                d = codec.decode(obj, key, self.fingerprint, sizes, self.options.auth_key, template)
-                if d.status is ReadStatus.OK:
-                    into.scatter(d.payload, segs)  # type: ignore[arg-type]
-                judged.append(ReadStatus.OK if d.status is ReadStatus.OK else d)
+        if len(judged) != len(full):
+            raise StorageError(f"L3 backend {self.name}: get_into of {len(full)} keys returned {len(judged)} results")
         return self._tally_into(full, judged, sizes.total)
 
-    def _raw_get_into(self, keys: list[bytes], dests: list[list[memoryview]]) -> list[Any]:
-        """``DIRECT_IO`` backends: per key ``None``, an exception, the whole object, or
-        ``into.InPlace`` when the payload was read into ``dests[i]``'s segments."""
+    def _raw_get_into(self, keys: list[bytes], dests: list[list[memoryview]],
+                      verify: "into.Verifier") -> list[Any]:
+        """``DIRECT_IO`` backends: per key ``verify(i, what was read)``, called in the
+        thread that read it right after the read (its bytes still in cache), where what
+        was read is ``None``, an exception, the whole object, or ``into.InPlace`` when
+        the payload was read into ``dests[i]``'s segments."""
         raise NotImplementedError(f"{type(self).__name__} sets DIRECT_IO but does not implement _raw_get_into")
 
     def _tally_into(self, full: list[bytes], judged: list[ReadStatus | codec.Decoded | BaseException | None],

@@ -10,11 +10,14 @@ Layout of an object (all integers little-endian)::
     payload    length   the page's planes in canonical order, raw bytes
 
 With an authentication key (``storage.auth_key``), the header also carries
-``mac``: keyed BLAKE2b-256 over the msgpack map of the fields before it
-followed by the payload. A reader with the key rejects (as corrupt, so a
-counted miss) an object without a valid ``mac``: checksums catch damage, the
-MAC catches forgery by anyone who can write the store but lacks the key. A
-reader without a key ignores ``mac``.
+``mac``: keyed BLAKE3-256 over the payload followed by the msgpack map of the
+fields before it (payload first, so the checksum and the MAC take one pass
+over it, block by block from cache). A reader with the key rejects (as
+corrupt, so a counted miss) an object without a valid ``mac``: checksums
+catch damage, the MAC catches forgery by anyone who can write the store but
+lacks the key. A reader without a key ignores ``mac``. Version 1 objects
+(MAC: keyed BLAKE2b over fields then payload) are re-verified field by field
+without a key and refused with one.
 
 ``hck`` makes a damaged header corrupt rather than "another layout": without
 it, a bit flip inside the fingerprint read as a well-formed object of some
@@ -28,33 +31,65 @@ zero-copy view of the object it came from.
 from __future__ import annotations
 
 import enum
-import hashlib
 import hmac
 import struct
 from typing import NamedTuple, Sequence
 
+import blake3
 import msgpack
 import xxhash
 
 MAGIC = b"HCL3"
 # Bump when the object layout or the header's meaning changes; readers treat
 # any other version as corrupt (never as data).
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Version 1 differs only in its MAC (keyed BLAKE2b, fields first): its objects
+# verify by their checksums for a reader without a key, and are refused by one with a key.
+OLD_VERSIONS = frozenset({1})
 _PREFIX = struct.Struct("<4sI")
 PREFIX_BYTES = _PREFIX.size
 _FIELDS = frozenset({"version", "fingerprint", "hash", "plane_sizes", "length", "checksum", "mac", "hck"})
 MAC_BYTES = 32
 
 
+_MAC_CONTEXT = "hicache L3 object MAC, format version 2"
+# Payload bytes hashed at a time when a checksum and a MAC both read them: a
+# block stays in L2 for the second hash (one pass from memory, not two).
+HASH_BLOCK = 256 << 10
+
+
 def mac_key(secret: bytes) -> bytes:
-    """The BLAKE2b key for a configured secret of any length (BLAKE2b keys are <= 64 bytes)."""
-    return secret if len(secret) <= 64 else hashlib.blake2b(secret, digest_size=64).digest()
+    """The 32-byte BLAKE3 key for a configured secret of any length (BLAKE3's key derivation)."""
+    return blake3.blake3(secret, derive_key_context=_MAC_CONTEXT).digest()
+
+
+def payload_digests(segs: Sequence[memoryview], key: bytes = b"") -> tuple[int, "blake3.blake3 | None"]:
+    """The xxh3_64 checksum of the payload ``segs`` hold in order and, with a MAC
+    ``key``, the BLAKE3 MAC state fed with the payload (the fields follow: ``_finish_mac``).
+    Both hashes read each block in turn; both release the GIL on large buffers."""
+    if not key and len(segs) == 1:
+        return xxhash.xxh3_64_intdigest(segs[0]), None
+    x = xxhash.xxh3_64()
+    m = blake3.blake3(key=key) if key else None
+    for mv in segs:
+        if m is None:
+            x.update(mv)
+            continue
+        for at in range(0, mv.nbytes, HASH_BLOCK):
+            b = mv[at:at + HASH_BLOCK]
+            x.update(b)
+            m.update(b)
+    return x.intdigest(), m
+
+
+def _finish_mac(m: "blake3.blake3", fields_packed: bytes) -> bytes:
+    m.update(fields_packed)
+    return m.digest(MAC_BYTES)
 
 
 def _mac(key: bytes, fields_packed: bytes, payload: memoryview) -> bytes:
-    h = hashlib.blake2b(fields_packed, key=key, digest_size=MAC_BYTES, person=b"hicache-l3-v1")
-    h.update(payload)
-    return h.digest()
+    _, m = payload_digests([payload], key)
+    return _finish_mac(m, fields_packed)
 # A header is ~100 bytes plus 1-5 per plane; anything far beyond is garbage.
 _MAX_HEADER = 1 << 20
 
@@ -165,10 +200,17 @@ def encode_header(fingerprint: str, page_hash: bytes, sizes: Sequence[int] | Pla
     mv = as_bytes_view(payload)
     t = template or header_template(fingerprint, sizes)
     check_length(mv, t.sizes)
-    entries = _header_fields(t, page_hash, checksum(mv))
+    return header_of_segments(t, page_hash, [mv], auth_key)
+
+
+def header_of_segments(t: HeaderTemplate, page_hash: bytes, segs: Sequence[memoryview], auth_key: bytes = b"") -> bytes:
+    """``encode_header`` of the payload that ``segs`` hold in order (no join, one
+    pass over the bytes); the caller has checked that they sum to ``t.sizes.total``."""
+    ck, m = payload_digests(segs, auth_key)
+    entries = _header_fields(t, page_hash, ck)
     n = 6
-    if auth_key:
-        entries += _MAC_KEY + msgpack.packb(_mac(auth_key, bytes((_MAP | n,)) + entries, mv))
+    if m is not None:
+        entries += _MAC_KEY + _bin(_finish_mac(m, bytes((_MAP | n,)) + entries))
         n += 1
     hck = checksum(bytes((_MAP | n,)) + entries)
     hdr = bytes((_MAP | (n + 1),)) + entries + _HCK_KEY + _uint(hck)
@@ -201,10 +243,11 @@ def _bad(why: str) -> Decoded:
     return Decoded(ReadStatus.CORRUPT, None, why)
 
 
-def _decode_exact(mv: memoryview, page_hash: bytes, t: HeaderTemplate) -> Decoded | None:
+def _decode_exact(mv: memoryview, page_hash: bytes, t: HeaderTemplate, auth_key: bytes = b"") -> Decoded | None:
     """OK when the object is byte for byte what ``encode_header`` writes for
-    this page and payload (then every check of ``decode`` holds); None for
-    anything else, which ``decode`` then examines field by field."""
+    this page and payload (then every check of ``decode`` holds; compared in
+    constant time); None for anything else, which ``decode`` then examines
+    field by field."""
     if mv.nbytes < PREFIX_BYTES:
         return None
     magic, hlen = _PREFIX.unpack_from(mv)
@@ -212,9 +255,8 @@ def _decode_exact(mv: memoryview, page_hash: bytes, t: HeaderTemplate) -> Decode
     if magic != MAGIC or mv.nbytes - end != t.sizes.total:
         return None
     payload = mv[end:]
-    entries = _header_fields(t, page_hash, checksum(payload))
-    want = bytes((_MAP | 7,)) + entries + _HCK_KEY + _uint(checksum(bytes((_MAP | 6,)) + entries))
-    if hlen != len(want) or mv[PREFIX_BYTES:end] != want:
+    want = header_of_segments(t, page_hash, [payload], auth_key)
+    if len(want) != end or not hmac.compare_digest(mv[:end], want):
         return None
     return Decoded(ReadStatus.OK, payload, "")
 
@@ -229,17 +271,17 @@ def decode(obj: Buffer, page_hash: bytes, fingerprint: str,
     ``auth_key`` (from ``mac_key``): also require a valid MAC.
     ``template``: ``header_template(fingerprint, expected)``, reused across a
     batch; an object whose header is exactly the one this page's payload
-    gets verifies by one comparison of bytes (without a MAC key only).
+    gets verifies by one comparison of bytes.
     """
     mv = as_bytes_view(obj)
-    if template is not None and not auth_key:
-        d = _decode_exact(mv, page_hash, template)
+    if template is not None:
+        d = _decode_exact(mv, page_hash, template, auth_key)
         if d is not None:
             return d
     hdr = _parse_header(mv)
     if isinstance(hdr, Decoded):
         return hdr
-    bad = _check_identity(hdr, page_hash, fingerprint)
+    bad = _check_identity(hdr, page_hash, fingerprint, auth_key)
     if bad is not None:
         return bad
     payload = mv[PREFIX_BYTES + _PREFIX.unpack_from(mv)[1]:]
@@ -265,11 +307,15 @@ def _parse_header(mv: memoryview) -> dict | Decoded:
     return hdr
 
 
-def _check_identity(hdr: dict, page_hash: bytes, fingerprint: str) -> Decoded | None:
+def _check_identity(hdr: dict, page_hash: bytes, fingerprint: str, auth_key: bytes = b"") -> Decoded | None:
     """``decode``'s second step: version, fields, header checksum, fingerprint and page
     hash; None when they hold."""
-    if hdr.get("version") != FORMAT_VERSION:
-        return _bad(f"format version {hdr.get('version')!r} != {FORMAT_VERSION}")
+    version = hdr.get("version")
+    if version in OLD_VERSIONS and auth_key:
+        return _bad(f"format version {version} object: its MAC (keyed BLAKE2b) is not accepted with "
+                    f"storage.auth_key since version {FORMAT_VERSION}; it is a miss and is stored again")
+    if version != FORMAT_VERSION and version not in OLD_VERSIONS:
+        return _bad(f"format version {version!r} != {FORMAT_VERSION}")
     extra = set(hdr) - _FIELDS
     if extra:
         return _bad(f"unknown header field(s) {sorted(map(repr, extra))[:4]} (damaged header)")

@@ -14,9 +14,11 @@ are created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` under a random name (a
 symlink planted at a temp name is never followed), fan-out directories must
 be real directories, and objects are opened with ``O_NOFOLLOW | O_NONBLOCK``
 and must be regular files (a FIFO or device at an object path is a counted
-error, not a hang). Every batch runs on a worker thread and the caller waits
-at most ``timeout_ms`` per page (times ``1 + max_retries``), like the network
-backends: a hung file system turns into an outage, not a stalled caller.
+error, not a hang). Every batch runs on the worker threads (a batch of large
+pages split among them, each page hashed by the worker that read or wrote it)
+and the caller waits at most ``health.call_budget``: ``timeout_ms`` per page
+plus the bytes at a slow disk's rate, times ``1 + max_retries``, scaled by the
+load average: a hung file system turns into an outage, a loaded box does not.
 
 Byte cap (``max_bytes``, 0 = unbounded; ``storage.max_bytes``): the whole
 root directory (every layout in it, every process writing it) stays at most
@@ -25,7 +27,8 @@ processes and trims that delete the oldest objects (``hicache.storage.file_cap``
 ``eviction="lru"`` refreshes an object's mtime when it is read, ``"fifo"``
 does not. The put that crosses the cap pays the trim (a directory scan), on
 the caller's thread (the L3 worker's, never the scheduler's), outside the
-per-page I/O deadline.
+per-call I/O deadline. A put's bytes are accounted by the worker that wrote
+them, so a put whose caller stopped waiting still counts (and trims).
 """
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ from hicache.storage.capacity import StorageUsage, check_eviction
 from hicache.storage.codec import Buffer
 from hicache.storage.file_cap import FileCap, scan
 from hicache.storage.file_perms import FilePerms
+from hicache.storage.health import FLOOR_BYTES_PER_S, LoadFactor, call_budget
 from hicache.storage.into import MAX_SPLIT_HEADER, InPlace
 
 _TMP = ".tmp."
@@ -57,7 +61,12 @@ _TMP = ".tmp."
 # bought nothing on the 2-core dev box (bench/RESULTS.md, issue 24 item 6).
 IO_WORKERS = 4
 IOV_MAX = 1024  # Linux's limit on buffers per preadv; more segments take several calls
-USAGE_SCAN_S = 30.0  # unbounded directories: how long one usage() scan is reused
+USAGE_SCAN_S = 30.0
+LATE_WAIT_S = 30.0  # check_integrity waits this long at most for calls still on the workers  # unbounded directories: how long one usage() scan is reused
+# Calls of at least this many payload bytes per worker are split among the
+# workers, each reading (or writing) and hashing its pages while they are hot.
+SPLIT_MIN_BYTES = 1 << 20
+HEADER_BUF = 4096  # a header is ~100 bytes plus a few per plane; longer ones get their own buffer
 _HEX_NAME = re.compile(r"^[0-9a-f]{%d}$" % (2 * HASH_BYTES))
 
 
@@ -85,6 +94,7 @@ class FileBackend(StorageBackend):
         self.dir = self.root / (prefix_dir or "default")
         self.fsync = bool(fsync)
         self._perms = FilePerms.of(group, self.name)
+        self._dir_s, self._prefix_len = os.fspath(self.dir), len(options.key_prefix)
         try:
             self._perms.make_dir(self.root)
             self._perms.make_dir(self.dir, tighten=True)
@@ -100,7 +110,9 @@ class FileBackend(StorageBackend):
         # the kernel keep their workers; once all are stuck, later calls fail
         # their deadline (an outage), as with one worker.
         self._pool = concurrent.futures.ThreadPoolExecutor(IO_WORKERS, thread_name_prefix="hicache-file-l3")
-        self._budget_s = options.timeout_s * (1 + options.max_retries)
+        self._pending = 0  # worker tasks not finished, late ones included (under _mu)
+        self._idle = threading.Condition(self._mu)
+        self._load = LoadFactor()
         if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0:
             raise ConfigError(f"storage url {self.name!r}: max_bytes={max_bytes!r} must be an integer >= 0 "
                               "(0 = unbounded)")
@@ -117,9 +129,9 @@ class FileBackend(StorageBackend):
 
     # ------------------------------------------------------------------ paths
     def _path(self, full_key: bytes) -> tuple[str, str]:
-        h = full_key[len(self.key_prefix):].hex()
-        d = os.path.join(self.dir, h[:2])
-        return d, os.path.join(d, h)
+        h = full_key[self._prefix_len:].hex()
+        d = f"{self._dir_s}/{h[:2]}"  # (os.path.join per page was a third of a 16 KiB read's Python time)
+        return d, f"{d}/{h}"
 
     def _ensure_dir(self, d: str, again: bool = False) -> None:
         if again or d not in self._made:
@@ -129,39 +141,100 @@ class FileBackend(StorageBackend):
             with self._mu:
                 self._made.add(d)
 
+    def _budget(self, n: int, nbytes: int) -> float:
+        """How long a call of ``n`` pages and ``nbytes`` waits before it counts as an outage."""
+        return call_budget(self.options.timeout_s, self.options.max_retries, n, nbytes, self._load())
+
     def _deadline(self, fn, n: int, *args):
-        """``fn(*args)`` on the worker thread, waiting at most the per-page budget for ``n`` pages.
+        """``fn(*args)`` on the worker thread, waiting at most ``_budget(n, 0)``.
 
         Raises ``TimeoutError`` (an outage for the base class) when it takes longer.
         """
-        fut = self._pool.submit(fn, *args)
+        budget = self._budget(n, 0)
+        fut = self._submit(fn, *args)
         try:
-            return fut.result(self._budget_s * max(1, n))
+            return fut.result(budget)
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"file I/O on {self.dir} took longer than {self._budget_s * max(1, n):.3f}s "
-                               "(storage.timeout_ms per page)") from None
+            raise self._late(budget) from None
+
+    def _submit(self, fn, *args) -> concurrent.futures.Future:
+        with self._mu:
+            self._pending += 1
+        try:
+            fut = self._pool.submit(fn, *args)
+        except RuntimeError:  # closed
+            self._task_done()
+            raise
+        fut.add_done_callback(self._task_done)
+        return fut
+
+    def _task_done(self, _fut: Any = None) -> None:
+        with self._idle:
+            self._pending -= 1
+            if not self._pending:
+                self._idle.notify_all()
+
+    def _late(self, budget: float) -> TimeoutError:
+        return TimeoutError(f"file I/O on {self.dir} took longer than {budget:.3f}s (storage.timeout_ms per "
+                            f"page and {FLOOR_BYTES_PER_S / 1e6:.0f} MB/s per attempt, scaled by the load average)")
+
+    def _in_parts(self, part, n: int, nbytes: int, *args) -> list[Any]:
+        """``part(range, given_up, *args)`` over ``range(n)`` split among the workers when
+        the pages are large (each worker reads or writes its pages and hashes them while
+        they are in its cache), results concatenated in order; waits at most
+        ``_budget(n, nbytes)``, else sets ``given_up`` (an Event) and raises
+        ``TimeoutError``. Parts still running finish on their own: a late put still
+        accounts its bytes, a late read stops before its next page."""
+        k = max(1, min(IO_WORKERS, n, nbytes // SPLIT_MIN_BYTES))
+        bounds = [n * j // k for j in range(k + 1)]
+        given_up = threading.Event()
+        futs = [self._submit(part, range(bounds[j], bounds[j + 1]), given_up, *args) for j in range(k)]
+        budget = self._budget(n, nbytes)
+        _, pending = concurrent.futures.wait(futs, timeout=budget)
+        if pending:
+            given_up.set()
+            for f in pending:
+                f.add_done_callback(self._trim_if_over)
+            raise self._late(budget)
+        return [x for f in futs for x in f.result()]
+
+    def _trim_if_over(self, _fut: Any = None) -> None:
+        if self._cap is not None and self._cap.over():
+            self._trim()
 
     # ------------------------------------------------------------- primitives
     def _raw_get(self, keys: list[bytes]) -> list[Buffer | None | BaseException]:
         return self._deadline(self._get_all, len(keys), keys)
 
     def _get_all(self, keys: list[bytes]) -> list[Buffer | None | BaseException]:
-        return self._read_each(keys, lambda path, i: self._read(path))
+        return self._read_each(keys, range(len(keys)), lambda path, i: self._read(path))
 
-    def _raw_get_into(self, keys: list[bytes], dests: list[list[memoryview]]) -> list[Any]:
-        return self._deadline(self._get_into_all, len(keys), keys, dests)
+    def _raw_get_into(self, keys: list[bytes], dests: list[list[memoryview]], verify: Callable[[int, Any], Any]
+                      ) -> list[Any]:
+        nbytes = sum(mv.nbytes for mv in dests[0]) * len(keys) if keys else 0
+        return self._in_parts(self._get_into_part, len(keys), nbytes, keys, dests, verify)
 
-    def _get_into_all(self, keys: list[bytes], dests: list[list[memoryview]]) -> list[Any]:
-        return self._read_each(keys, lambda path, i: _read_into(path, dests[i]))
+    def _get_into_part(self, idx: range, given_up: threading.Event, keys: list[bytes],
+                       dests: list[list[memoryview]], verify: Callable[[int, Any], Any]) -> list[Any]:
+        # Verified right after its read, on this worker, while its bytes are in cache.
+        # Headers are read into one buffer per part, reused: each is judged before the next read.
+        # Once the caller has given up, the destinations are the engine's again: no more reads.
+        hdr = memoryview(bytearray(HEADER_BUF))
+        return self._read_each(keys, idx, lambda path, i: verify(i, _read_into(path, dests[i], hdr)), given_up)
 
-    def _read_each(self, keys: list[bytes], read: Callable[[str, int], Any]) -> list[Any]:
+    def _read_each(self, keys: list[bytes], idx: range, read: Callable[[str, int], Any],
+                   given_up: threading.Event | None = None) -> list[Any]:
         """``read(path, i)`` for each key's file: None where the file is absent, the
-        ``OSError`` where reading failed. Under an ``lru`` cap a file read is made young."""
+        ``OSError`` where reading failed (and after ``given_up`` is set, nothing more is
+        read). Under an ``lru`` cap a file read is made young."""
         out: list[Any] = []
         touch = self._cap is not None and self.eviction == "lru"
-        for i, k in enumerate(keys):
+        for i in idx:
+            if given_up is not None and given_up.is_set():
+                out.extend([None] * (len(idx) - len(out)))
+                break
             try:
-                path = self._path(k)[1]
+                path = self._path(keys[i])[1]
                 out.append(read(path, i))
                 if touch:
                     _touch(path)
@@ -172,23 +245,37 @@ class FileBackend(StorageBackend):
         return out
 
     def _raw_put_new(self, items: PutBatch) -> list[bool | BaseException | None]:
-        out = self._deadline(self._put_new_all, len(items), items)
-        self._account([i for i, r in enumerate(out) if r is True], items)
+        return self._put(items, skip_present=True)
+
+    def _raw_put(self, items: PutBatch) -> list[bool | BaseException]:
+        return self._put(items, skip_present=False)  # type: ignore[return-value]
+
+    def _put(self, items: PutBatch, skip_present: bool) -> list[bool | BaseException | None]:
+        n = len(items)
+        out = self._in_parts(self._put_part, n, sum(items.payload_bytes(i) for i in range(n)), items, skip_present)
+        self._trim_if_over()
         return out
 
-    def _put_new_all(self, items: PutBatch) -> list[bool | BaseException | None]:
+    def _put_part(self, idx: range, _given_up: threading.Event, items: PutBatch,
+                  skip_present: bool) -> list[bool | BaseException | None]:
+        """Write pages ``idx`` (None: skipped as present) and account them in the cap's
+        ledger here, on the worker, so a put whose caller stopped waiting still counts."""
         out: list[bool | BaseException | None] = []
-        for i in range(len(items)):
+        for i in idx:
             k, payload = items.key_payload(i)
             d, path = self._path(k)
             try:
-                if os.path.exists(path):
+                if skip_present and _is_object(path):
                     out.append(None)
                     continue
                 self._write(d, path, items.header(i), payload)
                 out.append(True)
             except OSError as e:
                 out.append(e)
+        if self._cap is not None:
+            ok = [i for i, r in zip(idx, out) if r is True]
+            # Headers were built by the write: len() reads the cache.
+            self._cap.account(sum(len(items.header(i)) + items.payload_bytes(i) for i in ok), len(ok))
         return out
 
     @staticmethod
@@ -211,33 +298,10 @@ class FileBackend(StorageBackend):
         finally:
             os.close(fd)
 
-    def _raw_put(self, items: PutBatch) -> list[bool | BaseException]:
-        out = self._deadline(self._put_all, len(items), items)
-        self._account([i for i, r in enumerate(out) if r is True], items)
-        return out
-
-    def _account(self, ok: list[int], items: PutBatch) -> None:
-        if self._cap is not None:
-            # Headers were built by the write: len() reads the cache.
-            total = self._cap.account(sum(len(items.header(i)) + items.payload_bytes(i) for i in ok), len(ok))
-            if total > self.max_bytes:
-                self._trim()
-
     def _trim(self) -> None:
         r = self._cap.trim() if self._cap is not None else None
         if r is not None and r.deleted:
             self._count(evicted=r.deleted)
-
-    def _put_all(self, items: PutBatch) -> list[bool | BaseException]:
-        out: list[bool | BaseException] = []
-        for k, hdr, payload in items:
-            d, path = self._path(k)
-            try:
-                self._write(d, path, hdr, payload)
-                out.append(True)
-            except OSError as e:
-                out.append(e)
-        return out
 
     def _write(self, d: str, path: str, hdr: bytes, payload: memoryview) -> None:
         self._ensure_dir(d)
@@ -325,14 +389,31 @@ class FileBackend(StorageBackend):
         return u
 
     def check_integrity(self) -> None:
-        """The base checks, and with a cap: the ledger covers the bytes on disk
-        and those are within the cap (call it while no put is in flight)."""
+        """The base checks, and with a cap: the ledger covers the bytes on disk and
+        those are within the cap. Waits (up to ``LATE_WAIT_S``) for this backend's
+        late calls first; a ledger that under-counts (a put that outlived its caller
+        elsewhere, a writer that died between rename and accounting) is rescanned and
+        trimmed, with one warning, rather than reported: it is the cache's own
+        bookkeeping, and ``hicache storage fsck --repair`` does the same offline."""
         super().check_integrity()
-        if self._cap is not None:
-            self._cap.check_integrity()
-            on_disk = sum(f.size for f in scan(self.root)[0])
-            if on_disk > self.max_bytes:
-                raise IntegrityError(f"{self.name}: {on_disk} bytes on disk exceed max_bytes={self.max_bytes}")
+        if self._cap is None:
+            return
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending == 0, timeout=LATE_WAIT_S)
+        total, _ = self._cap.usage()
+        on_disk = sum(f.size for f in scan(self.root)[0])
+        if on_disk > total:
+            self._warnings.once("ledger", "L3 %s: the size ledger counted %d bytes but %d are on disk (a put that "
+                                "outlived its caller, or a writer that died between rename and accounting); "
+                                "rescanned it (`hicache storage fsck --url %s --repair` does this offline)",
+                                self.name, total, on_disk, self.name)
+            self._cap.rescan()
+            self._trim_if_over()
+        self._cap.check_integrity()
+        on_disk = sum(f.size for f in scan(self.root)[0])
+        if on_disk > self.max_bytes:
+            raise IntegrityError(f"{self.name}: {on_disk} bytes on disk exceed max_bytes={self.max_bytes} after a "
+                                 f"trim (objects it may not delete?); run `hicache storage fsck --url {self.name}`")
 
     def path_of(self, key: bytes) -> Path:
         """Where the object of a page hash lives (for tools and corruption tests)."""
@@ -367,18 +448,19 @@ def _open_regular(path: str) -> tuple[int, int]:
     return fd, st.st_size
 
 
-def _read_into(path: str, segs: list[memoryview]) -> InPlace | bytearray:
+def _read_into(path: str, segs: list[memoryview], hdr_buf: memoryview) -> InPlace | bytearray:
     """The object at ``path`` with its payload (its last bytes) read into ``segs`` in
-    order, with one ``preadv`` of header + payload: ``InPlace(header)``. An object too
-    short, or whose head is too long to be a header, is read whole instead (decode rejects it)."""
+    order, with one ``preadv`` of header + payload: ``InPlace(header)``, the header a view
+    of ``hdr_buf`` when it fits (valid until the next read into it). An object too short,
+    or whose head is too long to be a header, is read whole instead (decode rejects it)."""
     fd, size = _open_regular(path)
     try:
         hlen = size - sum(mv.nbytes for mv in segs)
         if not 0 < hlen <= MAX_SPLIT_HEADER:
             buf = bytearray(size)
             return buf[:_preadv_full(fd, [memoryview(buf)])]
-        hdr = bytearray(hlen)
-        got = _preadv_full(fd, [memoryview(hdr), *segs])
+        hdr = hdr_buf[:hlen] if hlen <= hdr_buf.nbytes else memoryview(bytearray(hlen))
+        got = _preadv_full(fd, [hdr, *segs])
         if got < size:  # shrank under us: whatever arrived, as one object decode rejects
             return (bytes(hdr) + b"".join(segs))[:got]
         return InPlace(hdr)

@@ -340,7 +340,7 @@ class FileCap:
         on_disk = sum(f.size for f in objs)
         if on_disk > total:
             raise IntegrityError(f"file:// {self.root}: {on_disk} bytes on disk exceed the ledger's {total} "
-                                 "(a writer died between rename and accounting?); a trim or rescan fixes it")
+                                 "(a writer died between rename and accounting?); `hicache storage fsck --repair` rescans it")
 
 
 def _untrusted(st: os.stat_result, gid: int | None) -> str | None:

@@ -1,5 +1,6 @@
 """An L3 backend's outage state: the circuit breaker ``StorageBackend`` consults
-before every raw call, and the backoff that spaces its probes.
+before every raw call, the backoff that spaces its probes, and how long a
+local call may take before it counts as an outage (``call_budget``).
 
 One warning per outage (when the circuit opens) and one when L3 answers
 again. Not thread-safe: the backend calls it under its lock.
@@ -7,12 +8,54 @@ again. Not thread-safe: the backend calls it under its lock.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
 DOWN: Any = object()  # what a raw call answers when it was skipped (circuit open) or failed
+
+# A local store's call budget per attempt: timeout_ms per page (at least
+# MIN_ATTEMPT_S in all) plus its bytes at FLOOR_BYTES_PER_S (a slow disk; tmpfs
+# moves 1-10 GB/s), scaled by how far the run queue exceeds the cores: a loaded
+# box is slow, not down. A flat 50 ms per page reported the embedded L3 down on
+# a 2-core box at load average 5-10 (issue 34).
+FLOOR_BYTES_PER_S = 100e6
+MIN_ATTEMPT_S = 0.25
+_LOAD_REREAD_S = 1.0
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+class LoadFactor:
+    """The 1-minute load average over the usable cores (>= 1), re-read at most once
+    a second. Not thread-safe, and need not be (a stale read is as good)."""
+
+    def __init__(self) -> None:
+        self.at, self.factor = -_LOAD_REREAD_S, 1.0
+
+    def __call__(self) -> float:
+        now = time.monotonic()
+        if now - self.at >= _LOAD_REREAD_S:
+            try:
+                avg = os.getloadavg()[0]
+            except OSError:  # not available: assume an idle box
+                avg = 0.0
+            self.at, self.factor = now, max(1.0, avg / _cpus())
+        return self.factor
+
+
+def call_budget(timeout_s: float, max_retries: int, pages: int, nbytes: int, load: float = 1.0) -> float:
+    """Seconds a local call of ``pages`` pages and ``nbytes`` bytes may take, all
+    ``1 + max_retries`` attempts included, at ``load`` (``LoadFactor()``)."""
+    per_try = max(MIN_ATTEMPT_S, timeout_s * max(1, pages)) + nbytes / FLOOR_BYTES_PER_S
+    return (1 + max_retries) * per_try * load
 
 
 def probe_backoff(probe_max_ms: int, timeout_s: float) -> Any:

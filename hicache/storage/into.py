@@ -7,24 +7,25 @@ its reply), or ``InPlace(header)``: the object's payload bytes were read into
 the destination itself and ``header`` holds everything before them (file://
 reads both with one ``preadv``).
 
-Verification happens in place, over the destination's bytes (``verify_into``).
+Verification happens in place, over the destination's bytes (``verify_into``),
+in the backend's thread right after each read (``Verifier``), while the bytes
+are still in that core's cache.
 
 Contract: a destination whose page is reported missing (absent, unreadable,
 corrupt, another layout's, a bad MAC, L3 down) may have been written: it holds
-garbage (a partial object, unverified bytes). Callers must treat it as free
-space and never expose it; the adapters report such a page as not loaded and
-zero it (``wipe_unloaded``: a forger's bytes never stay in an engine's pages),
-and the engines then recompute it over that memory.
+garbage (a partial object, unverified bytes). After a call that timed out
+(an outage), a file:// worker may still finish the one page it was reading;
+it reads no further page into the caller's buffers. Callers must treat it as
+free space and never expose it; the adapters report such a page as not loaded
+and zero it (``wipe_unloaded``: a forger's bytes never stay in an engine's
+pages), and the engines then recompute it over that memory.
 """
 from __future__ import annotations
 
-import hashlib
 import hmac
 from typing import NamedTuple, Sequence
 
-import msgpack
 import numpy as np
-import xxhash
 
 from hicache.storage import codec
 from hicache.storage.codec import Buffer, Decoded, ReadStatus
@@ -72,23 +73,7 @@ def scatter(payload: memoryview, segs: list[memoryview]) -> None:
 def header_of(fingerprint: str, page_hash: bytes, t: codec.HeaderTemplate, segs: list[memoryview],
               auth_key: bytes = b"") -> bytes:
     """``codec.encode_header`` of the payload that ``segs`` hold in order (no join)."""
-    if len(segs) == 1:
-        return codec.encode_header(fingerprint, page_hash, t.sizes, segs[0], auth_key, t)
-    h = xxhash.xxh3_64()
-    for mv in segs:
-        h.update(mv)
-    entries = codec._header_fields(t, page_hash, h.intdigest())
-    n = 6
-    if auth_key:
-        m = hashlib.blake2b(bytes((codec._MAP | n,)) + entries, key=auth_key, digest_size=codec.MAC_BYTES,
-                            person=b"hicache-l3-v1")
-        for mv in segs:
-            m.update(mv)
-        entries += codec._MAC_KEY + msgpack.packb(m.digest())
-        n += 1
-    hck = codec.checksum(bytes((codec._MAP | n,)) + entries)
-    hdr = bytes((codec._MAP | (n + 1),)) + entries + codec._HCK_KEY + codec._uint(hck)
-    return codec._PREFIX.pack(codec.MAGIC, len(hdr)) + hdr
+    return codec.header_of_segments(t, page_hash, segs, auth_key)
 
 
 def verify_into(header: Buffer, segs: list[memoryview], page_hash: bytes, fingerprint: str,
@@ -103,10 +88,9 @@ def verify_into(header: Buffer, segs: list[memoryview], page_hash: bytes, finger
     ``ReadStatus.OK`` or the failed ``Decoded``. Never raises on bad data;
     mutates nothing.
     """
-    hdr = bytes(header)
-    if hmac.compare_digest(hdr, header_of(fingerprint, page_hash, template, segs, auth_key)):
+    if hmac.compare_digest(header, codec.header_of_segments(template, page_hash, segs, auth_key)):
         return ReadStatus.OK
-    d = codec.decode(hdr + b"".join(segs), page_hash, fingerprint, template.sizes, auth_key, template)
+    d = codec.decode(bytes(header) + b"".join(segs), page_hash, fingerprint, template.sizes, auth_key, template)
     # OK here means decode found the payload at the split point, so ``segs`` hold it.
     return ReadStatus.OK if d.status is ReadStatus.OK else d
 
@@ -128,3 +112,30 @@ def wipe_unloaded(direct_io: bool, dests: Sequence[Buffer | Sequence[Buffer]], g
             np.frombuffer(buf, dtype=np.uint8)[:] = 0
         n += 1
     return n
+
+
+class Verifier:
+    """Judges what a backend read for page ``i`` of one ``get_into`` call: ``ReadStatus.OK``
+    (the payload is in ``views[i]``), the failed ``Decoded``, or what was read when it is
+    ``None`` or an exception. Called by the backend's workers, any thread; it writes
+    only into ``views[i]`` (the copy of an object read whole)."""
+
+    __slots__ = ("keys", "views", "fingerprint", "template", "auth_key")
+
+    def __init__(self, keys: list[bytes], views: list[list[memoryview]], fingerprint: str,
+                 template: codec.HeaderTemplate, auth_key: bytes):
+        self.keys, self.views, self.fingerprint = keys, views, fingerprint
+        self.template, self.auth_key = template, auth_key
+
+    def __call__(self, i: int, obj: object) -> ReadStatus | Decoded | BaseException | None:
+        if obj is None or isinstance(obj, BaseException):
+            return obj
+        segs = self.views[i]
+        if isinstance(obj, InPlace):
+            return verify_into(obj.header, segs, self.keys[i], self.fingerprint, self.template, self.auth_key)
+        # The whole object (too short or too odd to split): decoded, then one copy.
+        d = codec.decode(obj, self.keys[i], self.fingerprint, self.template.sizes, self.auth_key, self.template)
+        if d.status is not ReadStatus.OK:
+            return d
+        scatter(d.payload, segs)  # type: ignore[arg-type]
+        return ReadStatus.OK
