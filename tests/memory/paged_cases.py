@@ -82,10 +82,12 @@ def group_planes(layout: KVLayout, group: int, groups: int) -> list[int]:
 
 
 def round_trip(case: Case, kv_layout: str, device: str, backend: str = "auto", num_blocks: int = 10,
-               host_pages: int = 6) -> "Trip":
-    """Save scattered blocks of every group to L2, wipe L1, load them into other scattered blocks."""
+               host_pages: int = 6, kv: dict[str, torch.Tensor] | None = None) -> "Trip":
+    """Save scattered blocks of every group to L2, wipe L1, load them into other scattered blocks.
+    ``kv``: the engine's tensors (vLLM's own, in the vLLM suite); built like vLLM's otherwise."""
     lay = case.layout
-    kv = vllm_kv_caches(lay, num_blocks, kv_layout, groups=case.groups, device=device)
+    if kv is None:
+        kv = vllm_kv_caches(lay, num_blocks, kv_layout, groups=case.groups, device=device)
     fill(kv, seed=zlib.crc32(f"{case.name}/{kv_layout}".encode()))
     pool = adopt_paged_kv(lay, kv)
     host = HostPool(lay, host_pages, pin=device != "cpu")
