@@ -44,6 +44,8 @@ class DevicePool:
     with any strides whose last one is 1 (an engine's paged KV, K and V
     interleaved, head-major blocks, pages apart by a block stride: see
     ``memory.paged_kv``); such a pool is ``strided`` and takes no row stores.
+    Where pages and tokens merge (vLLM's NHD interiors) the plane is kept as a
+    strided row view ``[num_pages * page_size, *row_shape]``, else as the page view.
     CPU tensors stand in for GPU tensors in tests.
     """
 
@@ -64,8 +66,9 @@ class DevicePool:
                 t = self._check_registered(spec, buffers, rows)
             self.buffers.append(t)
         self._by_name = {(s.name, s.layer): i for i, s in enumerate(layout.planes)}
-        # True when some plane is a page view: not addressable by slot id (no row stores).
-        self.strided = any(self._is_paged(j) for j in range(len(self.buffers)))
+        # True when some plane is strided: no row stores (the engine writes its own KV). A plane
+        # whose pages and tokens do not merge into rows stays a page view: no slot indexing either.
+        self.strided = any(not t.is_contiguous() for t in self.buffers)
         self._bytes = [_byte_pages(t, num_pages, layout.page_size, s) for s, t in zip(layout.planes, self.buffers)]
 
     def _check_registered(self, spec: PlaneSpec, buffers, rows: int) -> torch.Tensor:
@@ -86,6 +89,8 @@ class DevicePool:
                             f"register strided KV as a page view {paged}")
         if t.stride(-1) != 1:
             raise PoolError(f"plane {key}: a page view needs a contiguous last dim, got strides {t.stride()}")
+        if tuple(t.shape) == paged and t.stride(0) == t.stride(1) * t.shape[1]:
+            return t.flatten(0, 1)  # pages then tokens merge into rows (a view): slot-addressable
         return t
 
     def byte_pages(self, plane: int) -> torch.Tensor:
@@ -140,7 +145,7 @@ class DevicePool:
 def _byte_pages(t: torch.Tensor, num_pages: int, page_size: int, spec: PlaneSpec) -> torch.Tensor:
     """``uint8 [num_pages, *dims]`` over buffer ``t`` (rows or page view), dims merged where
     the strides allow; row-major order over dims is the canonical page order."""
-    paged = t.view(num_pages, page_size, *spec.row_shape) if t.is_contiguous() else t
+    paged = t.unflatten(0, (num_pages, page_size)) if t.dim() == 1 + len(spec.row_shape) else t
     u = paged.view(torch.uint8)  # last dim contiguous: checked at registration
     shape, stride = [u.shape[-1]], [1]
     for n, st in zip(reversed(u.shape[1:-1]), reversed(u.stride()[1:-1])):

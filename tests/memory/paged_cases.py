@@ -58,8 +58,10 @@ def _snapshot(kv: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def fill(kv: dict[str, torch.Tensor], seed: int) -> None:
     """Random bytes over the whole allocation every layer views (groups alias it)."""
     raw = _raw(kv)
-    data = np.random.default_rng(seed).integers(0, 256, raw.numel(), dtype=np.uint8)
-    raw.copy_(torch.from_numpy(data).to(raw.device))
+    if raw.device.type != "cpu":  # generated where it lives (a GPU fills GiBs at once)
+        raw.random_(0, 256, generator=torch.Generator(device=raw.device).manual_seed(seed))
+        return
+    raw.copy_(torch.from_numpy(np.random.default_rng(seed).integers(0, 256, raw.numel(), dtype=np.uint8)))
 
 
 def canonical_page(t: torch.Tensor, layout: KVLayout, block: int) -> list[torch.Tensor]:

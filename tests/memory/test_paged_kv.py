@@ -54,8 +54,11 @@ def test_adopted_pool_views_without_copy():
     t = kv["model.layers.1.self_attn.attn"]
     t[3, 2, 7, 0] = 1.5  # block 3, head 2, token 7, K element 0
     t[3, 2, 7, 128] = -2.0  # ... V element 0
-    assert pool.plane("k", 1)[3, 7, 2, 0].item() == 1.5 and pool.plane("v", 1)[3, 7, 2, 0].item() == -2.0
+    row = 3 * BLOCK + 7  # NHD interiors merge blocks and tokens into slot-addressable rows
+    assert pool.plane("k", 1)[row, 2, 0].item() == 1.5 and pool.plane("v", 1)[row, 2, 0].item() == -2.0
     assert pool.num_pages == 5 and pool.strided
+    hnd = adopt_paged_kv(lay, vllm_kv_caches(lay, 5, "LBHNC"))  # head-major: a page view [B, N, H, D]
+    assert tuple(hnd.plane("k", 0).shape) == (5, BLOCK, 8, 128)
 
 
 def test_store_rows_refuses_adopted_pool():
@@ -92,7 +95,7 @@ def test_legacy_shapes_adopt_the_same_bytes():
     lay = model_shape("llama-3.2-1b").kv_layout(BLOCK, layers=1)
     kv5 = torch.randn(2, 3, BLOCK, 8, 64).to(torch.bfloat16)
     pool = adopt_paged_kv(lay, [kv5])
-    assert torch.equal(pool.plane("k", 0), kv5[0]) and torch.equal(pool.plane("v", 0), kv5[1])
+    assert torch.equal(pool.plane("k", 0), kv5[0].flatten(0, 1)) and torch.equal(pool.plane("v", 0), kv5[1].flatten(0, 1))
     mla = model_shape("deepseek-v3").kv_layout(BLOCK, layers=1, draft=False)
     kv3 = torch.randn(3, BLOCK, 576).to(torch.bfloat16)
-    assert torch.equal(adopt_paged_kv(mla, [kv3]).plane("latent", 0), kv3)
+    assert torch.equal(adopt_paged_kv(mla, [kv3]).plane("latent", 0), kv3.flatten(0, 1))
