@@ -145,17 +145,25 @@ class OwnWorker:
 
 
 def trace_requests(limit: int, max_len: int) -> tuple[list[list[int]], int]:
-    """The first ``limit`` requests' prompts (hash blocks of 512 tokens), and how many were longer
-    than ``max_len`` (left out)."""
-    out, skipped = [], 0
-    for r in iter_hash_trace(TRACE):
-        if len(out) + skipped >= limit:
-            break
-        if r.input_length > max_len:
-            skipped += 1
-            continue
-        out.append([int(t) for t in r.tokens(512, BLOCK)])
-    return out, skipped
+    """A multi-turn slice: whole conversations of two or more turns (a turn continues the
+    conversation that already has its second block), earliest first, until ``limit`` requests,
+    replayed in arrival order. Returns the prompts (hash blocks of 512 tokens) and how many
+    of the slice's requests were longer than ``max_len`` (left out)."""
+    reqs = list(iter_hash_trace(TRACE))
+    root_of_block: dict[int, int] = {}
+    turns: dict[int, list[int]] = {}
+    for r in reqs:
+        root = root_of_block.get(r.hash_ids[1], r.index) if len(r.hash_ids) > 1 else r.index
+        turns.setdefault(root, []).append(r.index)
+        for h in r.hash_ids[1:]:
+            root_of_block.setdefault(h, root)
+    picked: list[int] = []
+    for members in turns.values():  # dicts keep insertion order: conversations by first arrival
+        if len(members) > 1 and len(picked) + len(members) <= limit:
+            picked += members
+    keep = [reqs[i] for i in sorted(picked)]
+    out = [[int(t) for t in r.tokens(512, BLOCK)] for r in keep if r.input_length <= max_len]
+    return out, len(keep) - len(out)
 
 
 def make_request(rid: str, tokens: list[int], max_tokens: int) -> Request:
@@ -229,6 +237,7 @@ def replay(name: str, prompts: list[list[int]], a, layout, tmp: str) -> Tally:
         if not so.num_scheduled_tokens:
             time.sleep(0.001)  # a connector's copies run on its own threads
     bar.close()
+    sched.shutdown()  # the connector's threads (fs tier writers) stop before its directory goes
     if isinstance(worker, OwnWorker):
         worker.moved(t)
         worker.close()
@@ -239,9 +248,9 @@ def replay(name: str, prompts: list[list[int]], a, layout, tmp: str) -> Tally:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--connectors", default=",".join(CONNECTORS), help=f"comma-separated: {', '.join(CONNECTORS)}")
-    ap.add_argument("--limit", type=int, default=300, help="first N requests of the trace")
+    ap.add_argument("--limit", type=int, default=150, help="requests of the multi-turn slice")
     ap.add_argument("--shape", default="llama-3.2-1b", help="model shape (hicache/data/real_models.json)")
-    ap.add_argument("--host-mib", type=int, default=2048, help="host bytes every connector gets")
+    ap.add_argument("--host-mib", type=int, default=4096, help="host bytes every connector gets")
     ap.add_argument("--gpu-blocks", type=int, default=3000, help="vLLM's GPU blocks (its own prefix cache)")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--tokens-per-step", type=int, default=8192)
@@ -253,14 +262,14 @@ def main() -> int:
     prompts, skipped = trace_requests(a.limit, a.max_model_len - a.max_tokens)
     names = [c for c in a.connectors.split(",") if c]
     total = sum(map(len, prompts))
-    print(f"# vLLM connectors, vLLM 0.33 scheduler harness, {len(prompts)} Mooncake conversation requests "
+    print(f"# vLLM connectors, vLLM 0.33 scheduler harness, {len(prompts)} Mooncake conversation requests (multi-turn) "
           f"({total} prompt tokens; {skipped} longer than {a.max_model_len} left out), {a.shape} at block "
           f"{BLOCK} ({layout.page_bytes >> 10} KiB/block), {a.host_mib} MiB host each, {a.gpu_blocks} GPU blocks, "
           f"{a.concurrency} in flight, {a.tokens_per_step} tokens/step\n")
     print("| connector | tokens from connector | vLLM prefix hit | tokens recomputed | step host ms "
           "median | p99 | steps | GiB loaded | GiB stored |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
-    with tempfile.TemporaryDirectory(prefix="hicache-bench-conn-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="hicache-bench-conn-", ignore_cleanup_errors=True) as tmp:
         for name in names:
             t = replay(name, prompts, a, layout, tmp)
             s = sorted(t.step_s)

@@ -92,7 +92,7 @@ def _plane_view(parts: list[torch.Tensor], spec: PlaneSpec, at: int, layout: KVL
     if len(parts) == 2:  # [2, B, N, H, D]: k (cell byte 0) is part 0, v (cell byte D) part 1
         part, at = parts[at // width], 0
     v = part[..., at:at + width].view(spec.dtype)
-    return v if h > 1 else v.squeeze(2)
+    return v if len(spec.row_shape) == 2 else v.squeeze(2)  # MHA k/v keep [.., H, D], also H = 1
 
 
 def adopt_paged_kv(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]) -> DevicePool:

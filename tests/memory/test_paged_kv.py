@@ -46,6 +46,14 @@ def test_round_trip_triton_interpreted(case):
     check_round_trip(round_trip(c, kv_layout, "cpu", backend="triton", num_blocks=6, host_pages=4))
 
 
+@pytest.mark.parametrize("kv_layout", ["LBNHC", "LBHNC"])
+def test_one_kv_head_per_rank(kv_layout):
+    """llama-3.1-70b at TP 8: one KV head per rank keeps k/v rows [1, head_dim] (no squeeze)."""
+    from tests.memory.paged_cases import Case
+    lay = model_shape("llama-3.1-70b-tp8").kv_layout(BLOCK, layers=4)
+    check_round_trip(round_trip(Case("llama-3.1-70b-tp8", lay, 1), kv_layout, "cpu", backend="torch"))
+
+
 def test_adopted_pool_views_without_copy():
     lay = model_shape("llama-3.1-8b").kv_layout(BLOCK, layers=2)
     kv = vllm_kv_caches(lay, 5, "LBNHC")
