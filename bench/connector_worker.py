@@ -158,8 +158,8 @@ def ttft(tokens: int, layers: int, reps: int, kv_layout: str) -> list[str]:
                 tc.backup(blocks[:hit // ps], list(range(hit // ps)))
                 tc.wait_all()
                 tc.finished()
-                for t in kv.values():  # the warm runs must read what the load wrote, nothing older
-                    t.view(torch.uint8)[b] = 0
+            for t in kv.values():  # the next warm run must read what its load wrote, nothing older
+                t.view(torch.uint8)[b] = 0
         if rep:
             firsts.append(out["cold"][0] == out["serial"][0] == out["layerwise"][0])
             diffs.append((out["layerwise"][1] - out["cold"][1]).abs().max().item())
@@ -193,7 +193,8 @@ def main() -> int:
     print("| shape | vLLM layout | L2 layout | blocks moved | contiguous H2D | load | load, launch per layer "
           "| contiguous D2H | save |")
     print("|---|---|---|---|---:|---:|---:|---:|---:|")
-    most = max((max(2, (a.mib << 20) // c.layout.page_bytes) + 1) * 2 * c.layout.page_bytes + (1 << 20) for c in picked)
+    most = max(HostPool.nbytes_for(c.layout.replace(host_layout=h), 2 * max(2, (a.mib << 20) // c.layout.page_bytes))
+               for c in picked for h in ("layer_first", "page_first"))
     host_buf = torch.zeros(most, dtype=torch.uint8, pin_memory=CUDA)
     for c in picked:
         for kv_layout, host_layout in (("LBNHC", "page_first"), ("LBNHC", "layer_first"), ("LBHNC", "page_first")):
