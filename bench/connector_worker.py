@@ -108,6 +108,31 @@ def bandwidth(case, kv_layout: str, host_layout: str, mib: int, reps: int, host_
             f"{fmt(ld, h2d)} | {fmt(lw, h2d)} | {fmt(d2h)} | {fmt(sv, d2h)} |"]
 
 
+def serve(model, pool, tc, prompt: list[int], blocks: list[int], mode: str, hit: int) -> tuple[float, int, torch.Tensor]:
+    """One request's TTFT (s), first token and last logits: ``cold`` computes every token;
+    ``serial`` loads the first ``hit`` tokens' pages from L2 (pages 0..), then computes the rest;
+    ``layerwise`` computes the rest while the load runs, layer i waiting for its own pages."""
+    ps = pool.page_size
+    slots = pool.slot_ids(blocks)[:len(prompt)].to(DEV)
+    if CUDA:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    start, hook = 0, None
+    if mode != "cold":
+        h = tc.load_back(list(range(hit // ps)), blocks[:hit // ps])
+        start = hit
+        if mode == "serial":
+            h.wait()
+        else:
+            hook = h.wait_layer
+    o = model.forward_chunk(pool, prompt[start:], start, slots, draft=False, before_layer=hook)
+    first = int(o.logits_last.argmax())  # on the host: the first token
+    dt = time.perf_counter() - t0
+    tc.wait_all()
+    tc.finished()
+    return dt, first, o.logits_last.float()
+
+
 def ttft(tokens: int, layers: int, reps: int, kv_layout: str) -> list[str]:
     """Cold prefill into vLLM-layout blocks; save them to L2; warm = layer-wise load into other
     blocks beside the forward of the last page (and serial: whole load, then the forward)."""
@@ -117,13 +142,11 @@ def ttft(tokens: int, layers: int, reps: int, kv_layout: str) -> list[str]:
                      head_dim=128 if big else 64, dtype="bfloat16", seed=0, max_seq_len=tokens + 64,
                      name="llama-8b-shaped")
     model = ReferenceModel(spec, device=DEV, attention="sdpa", draft=False)
-    ps = 16
+    ps, n = 16, tokens // 16 + 1
     lay = spec.kv_layout(ps, "page_first")
-    n = tokens // ps + 1
     kv = vllm_kv_caches(lay, 2 * n, kv_layout, device=DEV)
     pool = adopt_paged_kv(lay, kv)
-    host = HostPool(lay, n)
-    tc = TransferController(pool, host)
+    tc = TransferController(pool, HostPool(lay, n))
     g = torch.Generator().manual_seed(0)
     hit = (tokens - 1) // ps * ps
     runs: dict[str, list[float]] = {"cold": [], "serial": [], "layerwise": []}
@@ -133,36 +156,18 @@ def ttft(tokens: int, layers: int, reps: int, kv_layout: str) -> list[str]:
         a, b = torch.randperm(2 * n, generator=g)[:n].tolist(), torch.randperm(2 * n, generator=g)[:n].tolist()
         out = {}
         for mode in runs:
-            blocks = a if mode == "cold" else b
-            slots = pool.slot_ids(blocks)[:tokens].to(DEV)
-            if DEV == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            start, hook = 0, None
-            if mode != "cold":
-                h = tc.load_back(list(range(hit // ps)), blocks[:hit // ps])
-                start = hit
-                if mode == "serial":
-                    h.wait()
-                else:
-                    hook = h.wait_layer
-            o = model.forward_chunk(pool, prompt[start:], start, slots, draft=False, before_layer=hook)
-            first = int(o.logits_last.argmax())  # on the host: the first token
-            dt = time.perf_counter() - t0
-            tc.wait_all()
-            tc.finished()
-            out[mode] = (first, o.logits_last.float())
+            dt, first, logits = out[mode] = serve(model, pool, tc, prompt, a if mode == "cold" else b, mode, hit)
             if rep:
                 runs[mode].append(dt)
-            if mode == "cold":
-                tc.backup(blocks[:hit // ps], list(range(hit // ps)))
+            if mode == "cold":  # save: the cold blocks' pages to L2 pages 0..
+                tc.backup(a[:hit // ps], list(range(hit // ps)))
                 tc.wait_all()
                 tc.finished()
             for t in kv.values():  # the next warm run must read what its load wrote, nothing older
                 t.view(torch.uint8)[b] = 0
         if rep:
-            firsts.append(out["cold"][0] == out["serial"][0] == out["layerwise"][0])
-            diffs.append((out["layerwise"][1] - out["cold"][1]).abs().max().item())
+            firsts.append(out["cold"][1] == out["serial"][1] == out["layerwise"][1])
+            diffs.append((out["layerwise"][2] - out["cold"][2]).abs().max().item())
     tc.close()
     c = statistics.median(runs["cold"])
     rows = [f"| {m} | {statistics.median(v) * 1e3:.1f} [{min(v) * 1e3:.1f}-{max(v) * 1e3:.1f}] | "

@@ -14,7 +14,6 @@ jobs at once; HiCacheConnector's worker is its own (CPU copies). Scheduler host 
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import statistics
 import sys
@@ -173,10 +172,9 @@ def make_request(rid: str, tokens: list[int], max_tokens: int) -> Request:
                    mm_features=None, block_hasher=get_request_block_hasher(BLOCK, sha256))
 
 
-def replay(name: str, prompts: list[list[int]], a, layout, tmp: str) -> Tally:
-    """One connector through vLLM's scheduler over the whole slice."""
-    host_bytes = a.host_mib << 20
-    connector, module, extra = extra_config(name, host_bytes, tmp)
+def build(name: str, a, layout, tmp: str):
+    """vLLM's scheduler with connector ``name`` (built by vLLM from the config), and its worker."""
+    connector, module, extra = extra_config(name, a.host_mib << 20, tmp)
     cfg = create_vllm_config(kv_connector=connector, kv_connector_module_path=module, kv_role="kv_both",
                              kv_connector_extra_config=extra, kv_load_failure_policy="recompute",
                              max_num_batched_tokens=a.tokens_per_step, max_model_len=a.max_model_len,
@@ -193,6 +191,43 @@ def replay(name: str, prompts: list[list[int]], a, layout, tmp: str) -> Tally:
     sched = create_scheduler(cfg, num_blocks=a.gpu_blocks, kv_cache_config=kv_config)
     worker = (OwnWorker(cfg, kv_config, layout, a.gpu_blocks) if name == "hicache"
               else StandInWorker(layout.page_bytes))
+    return sched, worker
+
+
+def step(sched, worker, t: Tally, max_tokens: int) -> tuple[list, bool]:
+    """One engine step; returns (finished request ids, whether it scheduled tokens)."""
+    t0 = time.perf_counter()
+    so = sched.schedule()
+    t1 = time.perf_counter()
+    kvo = worker.step(so.kv_connector_metadata, t, so.finished_req_ids)
+    ids, sampled = [], []
+    for rid in so.num_scheduled_tokens:
+        req = sched.requests[rid]
+        ids.append(rid)
+        sampled.append([EOS_TOKEN_ID if req.num_output_tokens + 1 >= max_tokens else 7]
+                       if req.num_computed_tokens >= req.num_tokens else [])
+    mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: k for k, r in enumerate(ids)},
+                            sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+                            pooler_output=None, kv_connector_output=kvo)
+    t2 = time.perf_counter()
+    outs = sched.update_from_output(so, mro)
+    t.steps += 1
+    if so.num_scheduled_tokens and t.steps > WARMUP_STEPS:  # steps that ran a forward
+        t.step_s.append(t1 - t0 + time.perf_counter() - t2)
+    finished = []
+    for eco in outs.values():
+        finished += [o.request_id for o in eco.outputs if o.finish_reason is not None]
+        st = eco.scheduler_stats
+        if st is not None and st.prefix_cache_stats is not None:
+            t.local_hit += st.prefix_cache_stats.hits
+        if st is not None and st.connector_prefix_cache_stats is not None:
+            t.connector_hit += st.connector_prefix_cache_stats.hits
+    return finished, bool(so.num_scheduled_tokens)
+
+
+def replay(name: str, prompts: list[list[int]], a, layout, tmp: str) -> Tally:
+    """One connector through vLLM's scheduler over the whole slice, ``a.concurrency`` in flight."""
+    sched, worker = build(name, a, layout, tmp)
     t = Tally()
     todo, live, done = list(enumerate(prompts)), set(), 0
     bar = tqdm(total=len(prompts), desc=name, unit="req", file=sys.stderr, leave=False)
@@ -202,39 +237,13 @@ def replay(name: str, prompts: list[list[int]], a, layout, tmp: str) -> Tally:
             sched.add_request(make_request(f"r{i}", p, a.max_tokens))
             live.add(f"r{i}")
             t.prompt_tokens += len(p)
-        t0 = time.perf_counter()
-        so = sched.schedule()
-        t1 = time.perf_counter()
-        kvo = worker.step(so.kv_connector_metadata, t, so.finished_req_ids)
-        ids, sampled = [], []
-        for rid, n in so.num_scheduled_tokens.items():
-            req = sched.requests[rid]
-            ids.append(rid)
-            sampled.append([EOS_TOKEN_ID if req.num_output_tokens + 1 >= a.max_tokens else 7]
-                           if req.num_computed_tokens >= req.num_tokens else [])
-        mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: k for k, r in enumerate(ids)},
-                                sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
-                                pooler_output=None, kv_connector_output=kvo)
-        t2 = time.perf_counter()
-        outs = sched.update_from_output(so, mro)
-        t.steps += 1
-        if so.num_scheduled_tokens and t.steps > WARMUP_STEPS:  # steps that ran a forward
-            t.step_s.append(t1 - t0 + time.perf_counter() - t2)
-        for eco in outs.values():
-            for o in eco.outputs:
-                if o.finish_reason is not None and o.request_id in live:
-                    live.discard(o.request_id)
-                    done += 1
-                    bar.update(1)
-            st = eco.scheduler_stats
-            if st is not None and st.prefix_cache_stats is not None:
-                t.local_hit += st.prefix_cache_stats.hits
-            if st is not None and st.connector_prefix_cache_stats is not None:
-                t.connector_hit += st.connector_prefix_cache_stats.hits
-        if os.environ.get("BENCH_DEBUG") and t.steps % 500 == 0:
-            print(t.steps, sorted(live), [(r.request_id, r.status.name, r.num_computed_tokens, r.num_tokens)
-                                          for r in sched.requests.values()], file=sys.stderr)
-        if not so.num_scheduled_tokens:
+        finished, busy = step(sched, worker, t, a.max_tokens)
+        for rid in finished:
+            if rid in live:
+                live.discard(rid)
+                done += 1
+                bar.update(1)
+        if not busy:
             time.sleep(0.001)  # a connector's copies run on its own threads
     bar.close()
     sched.shutdown()  # the connector's threads (fs tier writers) stop before its directory goes

@@ -17,14 +17,23 @@ HAS_SHIM = (ROOT / "hicache" / "integrations" / "vllm_connector.py").exists()
 CONNECTORS = ["offloading", "offloading-fs", "simple-cpu"] + (["hicache"] if HAS_SHIM else [])
 
 
+LIMIT_S, MARGIN_S = 600, 60  # the subprocess's limit; pytest's (the marker) leaves MARGIN_S to report
+
+
+@pytest.mark.timeout(LIMIT_S + MARGIN_S)
 def test_bench_smoke():
     if not PY.exists() or not (ROOT / ".engines" / "vllm-0.33.0").is_dir():
         pytest.fail(f"vLLM environment missing ({PY}): run bash scripts/setup-engines.sh")
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
            "HF_HOME": str(ROOT / ".engines" / "hf")}
-    out = subprocess.run([str(PY), "bench/vllm_connector.py", "--limit", "4", "--host-mib", "256",
-                          "--gpu-blocks", "2500", "--connectors", ",".join(CONNECTORS)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    args = [str(PY), "bench/vllm_connector.py", "--limit", "4", "--host-mib", "256", "--gpu-blocks", "2500",
+            "--connectors", ",".join(CONNECTORS)]
+    try:
+        out = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LIMIT_S)
+    except subprocess.TimeoutExpired as e:
+        so_far = ((e.stdout or b"") + (e.stderr or b""))[-4000:]
+        pytest.fail(f"bench/vllm_connector.py --limit 4 did not finish within {LIMIT_S} s (a loaded machine?); "
+                    f"output so far:\n{so_far.decode(errors='replace') if isinstance(so_far, bytes) else so_far}")
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     total = int(re.search(r"\((\d+) prompt tokens", out.stdout).group(1))
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
