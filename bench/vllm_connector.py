@@ -276,15 +276,16 @@ def main() -> int:
           f"{BLOCK} ({layout.page_bytes >> 10} KiB/block), {a.host_mib} MiB host each, {a.gpu_blocks} GPU blocks, "
           f"{a.concurrency} in flight, {a.tokens_per_step} tokens/step\n")
     print("| connector | tokens from connector | vLLM prefix hit | tokens recomputed | step host ms "
-          "median | p99 | steps | GiB loaded | GiB stored |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+          "median | p99 | host s, all forward steps | forward steps / all steps | GiB loaded | GiB stored |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     with tempfile.TemporaryDirectory(prefix="hicache-bench-conn-", ignore_cleanup_errors=True) as tmp:
         for name in names:
             t = replay(name, prompts, a, layout, tmp)
             s = sorted(t.step_s)
             p99 = s[min(len(s) - 1, int(0.99 * len(s)))]
             print(f"| {name} | {t.connector_hit} | {t.local_hit} | {t.prompt_tokens - t.local_hit - t.connector_hit} "
-                  f"| {statistics.median(s) * 1e3:.3f} | {p99 * 1e3:.3f} | {t.steps} | {t.loaded_bytes / 2**30:.2f} "
+                  f"| {statistics.median(s) * 1e3:.3f} | {p99 * 1e3:.3f} | {sum(s):.2f} | {len(s) + WARMUP_STEPS} / "
+                  f"{t.steps} | {t.loaded_bytes / 2**30:.2f} "
                   f"| {t.stored_bytes / 2**30:.2f} |", flush=True)
     return 0
 

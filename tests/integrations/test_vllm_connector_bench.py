@@ -43,3 +43,5 @@ def test_bench_smoke():
         served, local, recomputed = (int(c) for c in cells[:3])
         assert served + local + recomputed == total, (name, cells, total)
         assert recomputed > 0 and float(cells[3]) > 0, (name, cells)  # a cold slice computes; steps took time
+        forward, steps = (int(x) for x in cells[6].split(" / "))
+        assert 0 < forward <= steps, (name, cells)
