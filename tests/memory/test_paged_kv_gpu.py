@@ -10,7 +10,7 @@ import torch
 from hicache.memory.paged_kv import adopt_paged_kv, vllm_kv_caches
 from hicache.memory.pools import HostPool
 from hicache.transfer.engine import TransferController
-from tests.memory.paged_cases import BLOCK, cases, check_round_trip, fill, round_trip
+from tests.memory.paged_cases import cases, check_round_trip, fill, round_trip
 
 HAS_CUDA = torch.cuda.is_available()
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")])
