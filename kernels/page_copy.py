@@ -91,10 +91,37 @@ def _device(pool: Pool) -> torch.device:
     return pool.device if isinstance(pool, DevicePool) else pool.buffer.device
 
 
-def _plane_addr(pool: Pool, plane: int) -> tuple[int, int]:
+def _plane_addr(pool: Pool, plane: int) -> tuple[int, int, list[tuple[int, int]]]:
+    """``(page 0 address, page stride, runs)``; ``runs`` are ``(offset, nbytes)`` in canonical
+    page order (one run for a contiguous plane; one per row cell of a strided page view)."""
     if isinstance(pool, DevicePool):
-        return pool.buffers[plane].data_ptr(), pool.layout.planes[plane].page_bytes
-    return pool.buffer.data_ptr() + pool.plane_offset[plane], pool.page_stride[plane]
+        b = pool.byte_pages(plane)
+        cells = [[]]
+        for n, st in zip(b.shape[1:-1], b.stride()[1:-1]):
+            cells = [c + [i * st] for c in cells for i in range(n)]
+        return b.data_ptr(), b.stride(0), [(sum(c), b.shape[-1]) for c in cells]
+    return (pool.buffer.data_ptr() + pool.plane_offset[plane], pool.page_stride[plane],
+            [(0, pool.layout.planes[plane].page_bytes)])
+
+
+def _pair_runs(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(src offset, dst offset, nbytes)`` pieces that move canonical bytes run ``a`` -> run ``b``,
+    split where either side's runs end and merged where both continue contiguously."""
+    out: list[list[int]] = []
+    i = j = ai = bj = 0
+    while i < len(a):
+        n = min(a[i][1] - ai, b[j][1] - bj)
+        s, d = a[i][0] + ai, b[j][0] + bj
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+            out[-1][2] += n
+        else:
+            out.append([s, d, n])
+        ai, bj = ai + n, bj + n
+        if ai == a[i][1]:
+            i, ai = i + 1, 0
+        if bj == b[j][1]:
+            j, bj = j + 1, 0
+    return [tuple(x) for x in out]  # type: ignore[misc]
 
 
 @dataclass(slots=True)
@@ -297,8 +324,8 @@ def _launch(plan: CopyPlan, tiles: TileConfig, s_idx: torch.Tensor, d_idx: torch
 def _addrs(src: Pool, dst: Pool, plane_t: tuple[int, ...]) -> list[PlaneAddr]:
     out = []
     for j in plane_t:
-        (sb, ss), (db, ds) = _plane_addr(src, j), _plane_addr(dst, j)
-        out.append(PlaneAddr(sb, ss, db, ds, src.layout.planes[j].page_bytes))
+        (sb, ss, sr), (db, ds, dr) = _plane_addr(src, j), _plane_addr(dst, j)
+        out += [PlaneAddr(sb + so, ss, db + do, ds, n) for so, do, n in _pair_runs(sr, dr)]
     return out
 
 
@@ -398,6 +425,9 @@ def _check_rows(pool: DevicePool, plane_indices: Sequence[int], rows: Sequence[t
                 slot_ids: torch.Tensor) -> int:
     if not isinstance(pool, DevicePool):
         raise TypeError(f"store_rows writes into a DevicePool, got {type(pool).__name__}")
+    if pool.strided:
+        raise ValueError("store_rows needs slot-addressable planes; this pool adopts an engine's paged KV "
+                         "(page views), which the engine writes itself")
     if len(plane_indices) != len(rows):
         raise ValueError(f"{len(plane_indices)} plane indices but {len(rows)} row tensors")
     _as_index(slot_ids, pool.device, "slot_ids")

@@ -17,10 +17,11 @@ Pool = DevicePool | HostPool
 
 
 def plane_pages(pool: Pool, plane: int) -> torch.Tensor:
-    """``uint8 [num_pages, page_bytes]`` view (no copy) of one plane of a pool."""
+    """``uint8 [num_pages, *dims]`` view (no copy) of one plane of a pool, row-major in canonical
+    page order: ``[num_pages, page_bytes]`` except for an adopted engine's strided page views."""
     nbytes = pool.layout.planes[plane].page_bytes
     if isinstance(pool, DevicePool):
-        return pool.buffers[plane].view(-1).view(torch.uint8).view(pool.num_pages, nbytes)
+        return pool.byte_pages(plane)
     return pool.buffer.as_strided((pool.num_pages, nbytes), (pool.page_stride[plane], 1),
                                   pool.buffer.storage_offset() + pool.plane_offset[plane])
 
@@ -34,8 +35,26 @@ def torch_copy(src: Pool, dst: Pool, src_pages: torch.Tensor, dst_pages: torch.T
     s_idx = src_pages.to(_device(src))
     d_idx = dst_pages.to(_device(dst))
     for j in planes:
-        rows = plane_pages(src, j).index_select(0, s_idx)
-        plane_pages(dst, j).index_copy_(0, d_idx, rows.to(_device(dst)))
+        a, b = plane_pages(src, j), plane_pages(dst, j)
+        width = min(_width(a), _width(b))  # move 8-byte words where both sides allow: not byte by byte
+        a, b = _as_words(a, width), _as_words(b, width)
+        rows = a.index_select(0, s_idx)
+        b.index_copy_(0, d_idx, rows.to(_device(dst)).view(-1, *b.shape[1:]))
+
+
+_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _width(t: torch.Tensor) -> int:
+    """Widest word (bytes) that divides ``t``'s last dim, its other strides and its offset."""
+    for w in (8, 4, 2):
+        if t.shape[-1] % w == 0 and t.storage_offset() % w == 0 and all(x % w == 0 for x in t.stride()[:-1]):
+            return w
+    return 1
+
+
+def _as_words(t: torch.Tensor, width: int) -> torch.Tensor:
+    return t if width == 1 else t.view(_WORDS[width])
 
 
 def torch_store(pool: DevicePool, plane_indices: Sequence[int], rows: Sequence[torch.Tensor],

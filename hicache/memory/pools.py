@@ -3,7 +3,9 @@
 Device pool (L1): one buffer per plane (see ``KVLayout.planes``) shaped
 ``[num_pages * page_size, *row_shape]`` so an engine's attention kernels can
 index it by slot id (``page * page_size + offset``). A page of a plane is
-contiguous: ``page_bytes`` bytes at ``page * page_bytes``.
+contiguous: ``page_bytes`` bytes at ``page * page_bytes``. An engine's paged
+tensors may instead be registered as strided page views (``memory.paged_kv``);
+kernels then address every plane through ``DevicePool.byte_pages``.
 
 Host pool (L2): one flat uint8 buffer. The bytes of (plane ``i``, page ``p``)
 start at ``plane_offset[i] + p * page_stride[i]``:
@@ -38,6 +40,12 @@ class DevicePool:
 
     ``buffers`` (optional) maps ``(plane name, layer)`` to engine-owned tensors;
     they are validated (shape, dtype, contiguity, one device) and used in place.
+    A buffer may also be a *page view* ``[num_pages, page_size, *row_shape]``
+    with any strides whose last one is 1 (an engine's paged KV, K and V
+    interleaved, head-major blocks, pages apart by a block stride: see
+    ``memory.paged_kv``); such a pool is ``strided`` and takes no row stores.
+    Where pages and tokens merge (vLLM's NHD interiors) the plane is kept as a
+    strided row view ``[num_pages * page_size, *row_shape]``, else as the page view.
     CPU tensors stand in for GPU tensors in tests.
     """
 
@@ -58,6 +66,10 @@ class DevicePool:
                 t = self._check_registered(spec, buffers, rows)
             self.buffers.append(t)
         self._by_name = {(s.name, s.layer): i for i, s in enumerate(layout.planes)}
+        # True when some plane is strided: no row stores (the engine writes its own KV). A plane
+        # whose pages and tokens do not merge into rows stays a page view: no slot indexing either.
+        self.strided = any(not t.is_contiguous() for t in self.buffers)
+        self._bytes = [_byte_pages(t, num_pages, layout.page_size, s) for s, t in zip(layout.planes, self.buffers)]
 
     def _check_registered(self, spec: PlaneSpec, buffers, rows: int) -> torch.Tensor:
         key = (spec.name, spec.layer)
@@ -66,13 +78,26 @@ class DevicePool:
                             f"the layout: {[(s.name, s.layer) for s in self.layout.planes]}")
         t = buffers[key]
         want = (rows, *spec.row_shape)
-        if tuple(t.shape) != want or t.dtype != spec.dtype:
+        paged = (self.num_pages, self.layout.page_size, *spec.row_shape)
+        if tuple(t.shape) not in (want, paged) or t.dtype != spec.dtype:
             raise PoolError(f"plane {key}: got shape {tuple(t.shape)} dtype {t.dtype}, "
-                            f"layout needs {want} {spec.dtype}")
-        if not t.is_contiguous() or t.device != self.device:
-            raise PoolError(f"plane {key}: buffer must be contiguous on {self.device}, "
-                            f"got contiguous={t.is_contiguous()} device={t.device}")
+                            f"layout needs {want} (or a page view {paged}) {spec.dtype}")
+        if t.device != self.device:
+            raise PoolError(f"plane {key}: buffer is on {t.device}, the pool on {self.device}")
+        if tuple(t.shape) == want and not t.is_contiguous():
+            raise PoolError(f"plane {key}: a row buffer must be contiguous (strides {t.stride()}); "
+                            f"register strided KV as a page view {paged}")
+        if t.stride(-1) != 1:
+            raise PoolError(f"plane {key}: a page view needs a contiguous last dim, got strides {t.stride()}")
+        if tuple(t.shape) == paged and t.stride(0) == t.stride(1) * t.shape[1]:
+            return t.flatten(0, 1)  # pages then tokens merge into rows (a view): slot-addressable
         return t
+
+    def byte_pages(self, plane: int) -> torch.Tensor:
+        """``uint8 [num_pages, *dims]`` view (no copy) of one plane: row-major order over
+        ``dims`` is the plane's canonical page bytes, the last dim is contiguous, and
+        mergeable dims are merged (a contiguous plane is ``[num_pages, page_bytes]``)."""
+        return self._bytes[plane]
 
     @property
     def page_size(self) -> int:
@@ -83,10 +108,14 @@ class DevicePool:
         return self.buffers[self._by_name[(name, layer)]]
 
     def page_view(self, page: int) -> dict[tuple[str, int], torch.Tensor]:
-        """Views (no copy) of one page's rows on every plane."""
+        """Views (no copy) of one page's rows on every plane, ``[page_size, *row_shape]``."""
         ps = self.page_size
-        return {(s.name, s.layer): self.buffers[s.index][page * ps:(page + 1) * ps]
+        return {(s.name, s.layer): (self.buffers[s.index][page] if self._is_paged(s.index) else
+                                    self.buffers[s.index][page * ps:(page + 1) * ps])
                 for s in self.layout.planes}
+
+    def _is_paged(self, plane: int) -> bool:
+        return self.buffers[plane].dim() == 2 + len(self.layout.planes[plane].row_shape)
 
     def layer_view(self, layer: int, draft: bool = False) -> dict[str, torch.Tensor]:
         """Every plane buffer of one layer, keyed by plane name."""
@@ -103,10 +132,31 @@ class DevicePool:
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
-        for s, t in zip(self.layout.planes, self.buffers):
-            if tuple(t.shape) != (self.num_pages * self.page_size, *s.row_shape) or t.dtype != s.dtype:
+        for s, t, b in zip(self.layout.planes, self.buffers, self._bytes):
+            shapes = ((self.num_pages * self.page_size, *s.row_shape), (self.num_pages, self.page_size, *s.row_shape))
+            if tuple(t.shape) not in shapes or t.dtype != s.dtype:
                 raise IntegrityError(f"L1 plane {(s.name, s.layer)} changed shape/dtype to "
                                      f"{tuple(t.shape)} {t.dtype}")
+            if b.numel() != self.num_pages * s.page_bytes or b.data_ptr() != t.data_ptr():
+                raise IntegrityError(f"L1 plane {(s.name, s.layer)}: its byte view covers {b.numel()} bytes at "
+                                     f"{b.data_ptr():#x}, the buffer {self.num_pages * s.page_bytes} at {t.data_ptr():#x}")
+
+
+def _byte_pages(t: torch.Tensor, num_pages: int, page_size: int, spec: PlaneSpec) -> torch.Tensor:
+    """``uint8 [num_pages, *dims]`` over buffer ``t`` (rows or page view), dims merged where
+    the strides allow; row-major order over dims is the canonical page order."""
+    paged = t.unflatten(0, (num_pages, page_size)) if t.dim() == 1 + len(spec.row_shape) else t
+    u = paged.view(torch.uint8)  # last dim contiguous: checked at registration
+    shape, stride = [u.shape[-1]], [1]
+    for n, st in zip(reversed(u.shape[1:-1]), reversed(u.stride()[1:-1])):
+        if n == 1:
+            continue
+        if st == stride[0] * shape[0]:
+            shape[0] *= n
+        else:
+            shape.insert(0, n)
+            stride.insert(0, st)
+    return u.as_strided((num_pages, *shape), (u.stride(0), *stride))
 
 
 class HostPool:
