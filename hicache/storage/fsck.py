@@ -24,7 +24,7 @@ from hicache.core.redact import redact_url
 from hicache.storage import codec
 from hicache.storage.codec import ReadStatus
 from hicache.storage.file import parse_file_url
-from hicache.storage.file_cap import LEDGER, FileCap, scan
+from hicache.storage.file_cap import LEDGER, FileCap, _unlink, scan
 
 _DEFAULT_DIR = re.compile(r"^hicache-([0-9a-f]{8})$")
 _DEFAULT_PREFIX = re.compile(rb"^hicache:([0-9a-f]{8}):$")
@@ -75,12 +75,12 @@ def fsck_file(root: Path, auth_key: bytes = b"", repair: bool = False, prefix_di
             why = f"unreadable: {e}"
         if why:
             bad.append(Bad(path, why))
-            if repair and _unlink(path):
+            if repair and _unlink(root, path) == "deleted":
                 deleted += 1
     _, stale = scan(root)
     if repair:
         for f in stale:
-            _unlink(f.path)
+            _unlink(root, f.path)
     ledger = None
     if (root / LEDGER).exists():
         cap = FileCap(root, max_bytes=1)
@@ -118,14 +118,6 @@ def _read_regular(path: str) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
-
-
-def _unlink(path: str) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except OSError:
-        return False
 
 
 def fsck_redis(client, auth_key: bytes = b"", repair: bool = False, prefix: bytes | None = None) -> FsckReport:

@@ -36,7 +36,7 @@ from redis.exceptions import ClusterDownError, RedisClusterException, RedisError
 from redis.retry import Retry
 
 from hicache.core.errors import ConfigError
-from hicache.core.redact import Redactor, url_secrets
+from hicache.core.redact import error_text
 from hicache.core.redact import redact_url
 from hicache.storage.base import StorageBackend
 from hicache.storage.options import StorageOptions
@@ -103,7 +103,7 @@ class RedisBackend(StorageBackend):
             kw = parse_url(url)
         except ValueError as e:
             # redis-py's message may quote part of the password (``... as 'Pa55'``).
-            why = Redactor([*url_secrets(url)]).text(str(e))
+            why = error_text(e, url)
             raise ConfigError(f"storage url {redact_url(url)!r}: {why}; expected "
                               "a URL like redis://localhost:6379/0 (a user and password go before the host, "
                               "followed by @)") from None
@@ -122,7 +122,7 @@ class RedisBackend(StorageBackend):
         try:
             ConnectionPool(**kw).make_connection()  # builds a connection object; does not connect
         except TypeError as e:
-            why = Redactor([*url_secrets(url)]).text(str(e))
+            why = error_text(e, url)
             raise ConfigError(f"storage url {redact_url(url)!r}: an option is not supported here ({why}); "
                               "remove it (ssl_* options need rediss://)") from None
 
