@@ -1,0 +1,335 @@
+"""Scheduler half of an engine KV connector over hicache's index (no engine imports).
+
+The engine owns L1 (its paged KV blocks and its own prefix cache); this index
+holds L2 (host pages, in every worker's host pool) and knows which pages L3
+holds. Per request, in the engine scheduler's order::
+
+    hit = s.lookup(rid, tokens, engine_hit)      # page-floored hit beyond the engine's own
+    s.allocated(rid, block_ids, hit.tokens)      # pin L2, reserve L2 for the L3 part
+    plan = s.take_plan()                         # -> every worker (plain data)
+    s.completed(reports)                         # workers' JobReports, every step
+    delay = s.finished(rid, tokens, computed, block_ids)   # store the computed full pages
+
+Blocks are pages (engine block size == page size). Loads and saves are jobs
+that finish when every rank reported (``ranks``); until then their L2 pages
+are pinned. Not thread-safe: the engine's scheduler thread calls everything.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+from hicache.cache.connector_plan import JobKind, JobReport, LoadSpec, SaveSpec, StepPlan
+from hicache.core.errors import CacheStateError, ConfigError, IntegrityError
+from hicache.core.hashing import namespace_root, raw_page_hashes
+from hicache.core.layout import KVLayout
+from hicache.core.types import HostPageId, PageHash
+from hicache.index.node import Node
+from hicache.index.prefix_cache import PrefixCache, as_key
+from hicache.memory.allocator import PageAllocator
+from hicache.tiers.cost import CostModel, Decision
+from hicache.tiers.manager import TierManager
+from hicache.transfer.plans import PrefetchPlan
+
+
+class Hit(NamedTuple):
+    """``lookup``'s answer: tokens to load beyond the engine's own hit (whole pages)."""
+
+    tokens: int  # l2_tokens + l3_tokens
+    l2_tokens: int  # from L2
+    l3_tokens: int  # from L3, continuing the L2 part
+    is_async: bool  # the load runs between steps (the request waits for it)
+    decision: Decision | None = None  # the cost model's, None when there was nothing to judge
+
+
+class ConnectorStats(NamedTuple):
+    """Counters since start (a snapshot)."""
+
+    lookups: int
+    hit_tokens: dict[str, int]  # tokens admitted for loading, by source ("L2", "L3")
+    loaded_pages: int  # pages that reached engine blocks (every rank)
+    load_error_pages: int  # pages reported to the engine as failed loads (it recomputes them)
+    saved_pages: int  # pages copied to L2 and indexed
+    save_dropped_pages: int  # pages not saved: no L2 room, or a failed copy
+    stored_pages: int  # pages L3 accepted
+    decisions: dict[str, int]  # the cost model's choices (hicache.core.stats.AdmissionStats)
+
+
+@dataclasses.dataclass(slots=True)
+class _Load:
+    rid: str
+    spec: LoadSpec
+    anchor: Node | None  # L2 path pinned for the L2 part
+    prefetch: PrefetchPlan | None  # L2 pages reserved for the L3 part
+    reports: list[JobReport] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(slots=True)
+class _Save:
+    rid: str
+    spec: SaveSpec
+    key: bytes  # the request's key up to the saved pages' end
+    namespace: str
+    first_page: int
+    anchor: Node | None  # pages before first_page, pinned on L2 until the save is indexed
+    node: Node | None = None  # what the index took (pinned on L2 while L3 reads it)
+    unused: list[HostPageId] = dataclasses.field(default_factory=list)  # freed once L3 read them
+    reports: list[JobReport] = dataclasses.field(default_factory=list)
+    stage: JobKind = JobKind.SAVE
+
+
+class ConnectorScheduler:
+    """The scheduler half (see the module docstring)."""
+
+    def __init__(self, layout: KVLayout, host_pages: int, *, storage=None, cost: CostModel | None = None,
+                 ranks: int = 1, layerwise: bool = False, probe_budget_s: float | None = 0.05,
+                 host_eviction: str = "lru"):
+        """``storage``: an L3 backend used for probes only (the workers read and write
+        it); ``ranks``: workers that report each job; ``layerwise``: L2-only hits
+        load synchronously, waited for per layer in the step's forward."""
+        if host_pages < 1:
+            raise ConfigError(f"the connector's L2 needs host_pages >= 1, got {host_pages}")
+        self.layout = layout
+        self.page_size = ps = layout.page_size
+        self.cache = PrefixCache(layout, PageAllocator(0, "L1"), PageAllocator(host_pages, "L2"),
+                                 eviction="lru", host_eviction=host_eviction)
+        self.tiers = TierManager(self.cache, debug_states=False)
+        self.storage = storage
+        self.cost = cost or CostModel(bytes_per_token=layout.token_bytes, enabled=False)
+        self.ranks = ranks
+        self.layerwise = layerwise
+        self.probe_budget_s = probe_budget_s
+        self._ps4 = 4 * ps
+        self._hits: dict[str, tuple[Hit, int]] = {}  # rid -> (its last lookup, the engine hit it continued)
+        self._loads: dict[int, _Load] = {}  # job -> in-flight load
+        self._saves: dict[int, _Save] = {}
+        self._loading: dict[str, int] = {}  # rid -> its load's job
+        self._sources: dict[str, dict[str, int]] = {}  # rid -> hit tokens by source, for the engine's stats
+        self._next_job = 0
+        self._plan_loads: list[LoadSpec] = []
+        self._plan_saves: list[SaveSpec] = []
+        self._lookups = 0
+        self._hit_tokens = {"L2": 0, "L3": 0}
+        self._c = dict(loaded=0, load_errors=0, saved=0, save_dropped=0, stored=0)
+
+    # ------------------------------------------------------------- admission
+    def lookup(self, rid: str, tokens, engine_hit: int, namespace: str = "") -> Hit:
+        """Page-floored tokens beyond ``engine_hit`` (the engine's own, block-aligned hit)
+        that L2, then L3, hold for ``tokens``; at least one token stays to compute.
+        Mutates only counters (and probes L3 within ``probe_budget_s``)."""
+        self._lookups += 1
+        ps = self.page_size
+        key = as_key(tokens)
+        cap = max(0, len(key) // 4 - 1) // ps
+        first = engine_hit // ps
+        m = self.cache.match(key, namespace, max_tokens=cap * ps)
+        l2 = m.host_tokens // ps
+        l3 = 0
+        if self.storage is not None and l2 < cap:
+            hashes = self._hashes(key, namespace, cap)
+            l3 = self.storage.prefix_hits(hashes[l2:cap], self.probe_budget_s)
+        l2_new, l3_new = max(0, l2 - first), (l3 if l2 >= first else max(0, l2 + l3 - first))
+        if not l2_new and not l3_new:
+            self._hits.pop(rid, None)
+            return Hit(0, 0, 0, False)
+        d = self.cost.decide(l2_new * ps, l3_new * ps)
+        if not d.load_l2:
+            l2_new = l3_new = 0
+        elif not d.load_l3:
+            l3_new = 0
+        hit = Hit((l2_new + l3_new) * ps, l2_new * ps, l3_new * ps, bool(l3_new) or not self.layerwise, d)
+        self._hits[rid] = (hit, engine_hit)
+        return hit if hit.tokens else Hit(0, 0, 0, False, d)
+
+    def _hashes(self, key: bytes, namespace: str, num_pages: int) -> list[PageHash]:
+        return raw_page_hashes(key[:num_pages * self._ps4], self.page_size, namespace_root(namespace))
+
+    def allocated(self, rid: str, tokens, block_ids, num_external: int, namespace: str = "") -> LoadSpec | None:
+        """The engine gave ``rid`` blocks ``block_ids`` (all of its blocks, in order) for
+        ``num_external`` tokens of its last ``lookup``: pin the L2 part, reserve L2 for
+        the L3 part and queue the load for the next plan. Pages that cannot be
+        served any more are queued as missing (the workers report them failed)."""
+        entry = self._hits.pop(rid, None)
+        if not num_external or entry is None:
+            return None
+        hit, engine_hit = entry
+        ps = self.page_size
+        if num_external % ps or num_external > hit.tokens or engine_hit % ps:
+            raise CacheStateError(f"request {rid!r}: the engine allocated for {num_external} external tokens "
+                                  f"after a hit of {hit.tokens} beyond {engine_hit}; it must be whole pages "
+                                  f"of {ps} tokens, at most the hit")
+        key = as_key(tokens)
+        first, end = engine_hit // ps, (engine_hit + num_external) // ps
+        blocks = tuple(int(b) for b in block_ids[first:end])
+        m = self.cache.match(key, namespace, max_tokens=end * ps)
+        l2_end = m.host_tokens // ps
+        anchor, host = None, ()
+        if l2_end > first:
+            node = m.host_node
+            anchor = self.cache.split_at(node, l2_end - node.start_page)
+            self.cache.inc_host_lock(anchor)
+            host = tuple(m.host_pages[first:l2_end])
+        prefetch, l3_host, l3_hashes = None, (), ()
+        l3_from = max(first, l2_end)
+        if l3_from < end and hit.l3_tokens:
+            hashes = self._hashes(key, namespace, end)[l3_from:end]
+            prefetch = self.tiers.prepare_prefetch(key, namespace, l3_from, hashes)
+            if prefetch is not None:
+                l3_host, l3_hashes = tuple(prefetch.host), tuple(hashes)
+        job = self._job()
+        spec = LoadSpec(job, rid, blocks, host, l3_host, l3_hashes, layerwise=not hit.is_async)
+        self._loads[job] = _Load(rid, spec, anchor, prefetch)
+        self._loading[rid] = job
+        self._sources[rid] = {"L2": len(host) * ps, "L3": len(l3_host) * ps}
+        self._hit_tokens["L2"] += len(host) * ps
+        self._hit_tokens["L3"] += len(l3_host) * ps
+        self._plan_loads.append(spec)
+        return spec
+
+    def hit_sources(self, rid: str) -> dict[str, int]:
+        """Tokens of ``rid``'s last allocated load by source (``{"L2": n, "L3": n}``; pages
+        that cannot be served are in neither). Pure."""
+        return dict(self._sources.get(rid, {}))
+
+    def _job(self) -> int:
+        self._next_job += 1
+        return self._next_job
+
+    # ------------------------------------------------------------- storing
+    def finished(self, rid: str, tokens, computed_tokens: int, block_ids, namespace: str = "") -> bool:
+        """``rid`` ended (finished, aborted or stopped) holding ``block_ids``: queue a
+        save of the full pages of its ``computed_tokens`` that L2 lacks. True: the
+        engine must keep the blocks until a worker reports the save finished. A
+        request whose load is still in flight saves nothing (its blocks are not final)."""
+        self._hits.pop(rid, None)
+        self._sources.pop(rid, None)
+        if rid in self._loading:
+            return False
+        ps = self.page_size
+        key = as_key(tokens)
+        n = min(computed_tokens, len(key) // 4, len(block_ids) * ps) // ps
+        if n == 0:
+            return False
+        key = key[:n * self._ps4]
+        m = self.cache.match(key, namespace)
+        have = m.host_tokens // ps
+        if have >= n:
+            return False
+        host = self.tiers.alloc_host(n - have)
+        if host is None:
+            self._c["save_dropped"] += n - have
+            return False
+        anchor = None
+        if have:
+            anchor = self.cache.split_at(m.host_node, have - m.host_node.start_page)
+            self.cache.inc_host_lock(anchor)
+        hashes = tuple(self._hashes(key, namespace, n)[have:]) if self.storage is not None else ()
+        job = self._job()
+        spec = SaveSpec(job, rid, tuple(int(b) for b in block_ids[have:n]), tuple(host), hashes)
+        self._saves[job] = _Save(rid, spec, key, namespace, have, anchor)
+        self._plan_saves.append(spec)
+        return True
+
+    def take_plan(self) -> StepPlan:
+        """The loads and saves queued since the last call (for every worker)."""
+        plan = StepPlan(tuple(self._plan_loads), tuple(self._plan_saves))
+        self._plan_loads, self._plan_saves = [], []
+        return plan
+
+    # ------------------------------------------------------------- completion
+    def completed(self, reports) -> None:
+        """Hand the workers' reports of a step; a job completes once every rank reported."""
+        for r in reports:
+            if r.kind is JobKind.LOAD:
+                ld = self._loads.get(r.job)
+                if ld is None:
+                    raise CacheStateError(f"a worker reported load job {r.job}, which is not in flight")
+                ld.reports.append(r)
+                if len(ld.reports) == self.ranks:
+                    self._complete_load(self._loads.pop(r.job))
+            else:
+                sv = self._saves.get(r.job)
+                if sv is None or sv.stage is not r.kind:
+                    raise CacheStateError(f"a worker reported {r.kind} of job {r.job}, which is not in that stage")
+                sv.reports.append(r)
+                if len(sv.reports) == self.ranks:
+                    self._complete_save(sv) if r.kind is JobKind.SAVE else self._complete_store(sv)
+
+    def _complete_load(self, ld: _Load) -> None:
+        if self._loading.get(ld.rid) == ld.spec.job:
+            del self._loading[ld.rid]
+        if ld.anchor is not None:
+            self.cache.dec_host_lock(ld.anchor)
+        landed = min(r.pages for r in ld.reports) if all(r.ok for r in ld.reports) else 0
+        if ld.prefetch is not None:
+            self.tiers.complete_prefetch(ld.prefetch, landed)
+        ok_pages = (len(ld.spec.host) + landed) if all(r.ok for r in ld.reports) else 0
+        self._c["loaded"] += ok_pages
+        self._c["load_errors"] += len(ld.spec.blocks) - ok_pages
+        for r in ld.reports:
+            if r.ok and r.seconds > 0 and r.nbytes:
+                self.cost.bandwidth.observe("L2", r.nbytes, r.seconds)
+            if r.l3_seconds > 0 and r.pages:
+                self.cost.bandwidth.observe("L3", r.pages * self.layout.page_bytes, r.l3_seconds)
+
+    def _complete_save(self, sv: _Save) -> None:
+        """Every rank copied the blocks (or one failed): index the pages, then wait for L3."""
+        spec, reports = sv.spec, sv.reports
+        sv.reports = []
+        ok = all(r.ok for r in reports)
+        node, unused = (self.cache.insert_host(sv.key, sv.namespace, sv.first_page, list(spec.host))
+                        if ok else (None, list(spec.host)))
+        if sv.anchor is not None:
+            self.cache.dec_host_lock(sv.anchor)
+        taken = len(spec.host) - len(unused)
+        self._c["saved"] += taken
+        self._c["save_dropped"] += len(spec.host) - taken
+        if not spec.hashes:
+            del self._saves[spec.job]
+            self._free_host(unused)
+            return
+        # Every rank reports the L3 stage too (0 pages where its copy failed).
+        sv.node, sv.unused, sv.stage = node, unused, JobKind.STORE
+        if node is not None:
+            self.cache.inc_host_lock(node)  # L3 reads these pages until every rank stored them
+
+    def _complete_store(self, sv: _Save) -> None:
+        del self._saves[sv.spec.job]
+        stored = min(r.pages for r in sv.reports)
+        self._c["stored"] += stored
+        if sv.node is not None:
+            if stored == len(sv.spec.host) and all(r.ok for r in sv.reports):
+                self.cache.set_stored(sv.node)
+            self.cache.dec_host_lock(sv.node)
+        self._free_host(sv.unused)
+
+    def _free_host(self, ids: list[HostPageId]) -> None:
+        if ids:
+            self.cache.host_allocator.free(ids)
+
+    # ------------------------------------------------------------- state
+    def loading(self, rid: str) -> bool:
+        """``rid`` has a load in flight (its blocks are being written)."""
+        return rid in self._loading
+
+    def stats(self) -> ConnectorStats:
+        c = self._c
+        return ConnectorStats(self._lookups, dict(self._hit_tokens), c["loaded"], c["load_errors"], c["saved"],
+                              c["save_dropped"], c["stored"], self.cost.stats.as_dict())
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs not yet reported by every rank."""
+        return len(self._loads) + len(self._saves)
+
+    def check_integrity(self) -> None:
+        """Index invariants, with the L2 pages jobs hold outside it (``IntegrityError``)."""
+        held: list[int] = list(self.tiers.host_in_flight)  # the L3 parts' reserved pages
+        for sv in self._saves.values():
+            held += sv.spec.host if sv.stage is JobKind.SAVE else sv.unused
+        self.cache.check_integrity(host_in_flight=held)
+        self.tiers.check_integrity()
+        self.cost.check_integrity()
+        for rid, job in self._loading.items():
+            if self._loads[job].rid != rid:
+                raise IntegrityError(f"request {rid!r} maps to load job {job} of {self._loads[job].rid!r}")

@@ -1,0 +1,264 @@
+"""vLLM 0.33's real scheduler with HiCacheConnector on both sides, and a stand-in model.
+
+The scheduler is vLLM's (``create_scheduler``), and it builds the scheduler-side
+connector itself from the ``--kv-transfer-config`` fields (``create_vllm_config``);
+the worker-side connector comes from vLLM's ``KVConnectorFactory`` with the same
+config and is driven in the model runner's order (bind, start_load_kv, per-layer
+wait_for_layer_load, wait_for_save, get_finished, load errors, worker metadata).
+
+The model is a stand-in: computing a token writes, into every layer's K and V
+(or MLA latent) row of its slot, bytes that are a function of the token prefix
+and the layer (``rows``). Before writing, every forward checks that every token
+the scheduler counts as computed holds exactly those bytes, whatever put them
+there (vLLM's own prefix cache, a connector load, an earlier chunk), except
+blocks reported failed in this same step (vLLM rolls those back).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.utils.hashing import sha256
+
+from tests.v1.kv_connector.unit.utils import EOS_TOKEN_ID, create_scheduler, create_vllm_config
+
+from hicache.core.shapes import model_shape
+
+BLOCK = 16
+MODULE = "hicache.integrations.vllm_connector"
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    layers: int
+    heads: int  # MHA: KV heads per rank; MLA: 0
+    dim: int  # MHA: head dim; MLA: latent + rope
+    dtype: torch.dtype
+    mla: bool = False
+
+
+TOY = Shape("toy", 2, 2, 8, torch.float16)
+
+
+def real_shape(name: str, dtype: torch.dtype | None = None) -> Shape:
+    """A row of shared/shapes/real_models.json (every layer, heads per TP rank)."""
+    m = model_shape(name)
+    dt = dtype or getattr(torch, m.dtype)
+    if m.is_mla:
+        return Shape(name, m.layers, 0, m.kv_lora_rank + m.qk_rope_head_dim, dt, mla=True)
+    return Shape(name, m.layers, m.kv_heads_per_rank, m.head_dim, dt)
+
+
+def kv_cache_config(shape: Shape, num_blocks: int) -> KVCacheConfig:
+    names = [f"model.layers.{i}.self_attn" for i in range(shape.layers)]
+    if shape.mla:
+        spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=shape.dim, dtype=shape.dtype)
+    else:
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=shape.heads, head_size=shape.dim, dtype=shape.dtype)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+
+
+def connector_config(extra: dict, *, policy: str = "recompute", tokens_per_step: int = 64, **kw):
+    """The VllmConfig of the docs' ``vllm serve`` line (same connector fields)."""
+    return create_vllm_config(kv_connector="HiCacheConnector", kv_connector_module_path=MODULE, kv_role="kv_both",
+                              kv_connector_extra_config=extra, kv_load_failure_policy=policy,
+                              max_num_batched_tokens=tokens_per_step, block_size=BLOCK, **kw)
+
+
+_seeded = False
+
+
+def make_request(rid: str, tokens: list[int], max_tokens: int = 2) -> Request:
+    global _seeded
+    if not _seeded:
+        init_none_hash(sha256)
+        _seeded = True
+    sp = SamplingParams(max_tokens=max_tokens)
+    sp.update_from_generation_config({}, EOS_TOKEN_ID)
+    return Request(request_id=rid, prompt_token_ids=list(tokens), sampling_params=sp, pooling_params=None,
+                   mm_features=None, block_hasher=get_request_block_hasher(BLOCK, sha256))
+
+
+def seeds(tokens: list[int]) -> torch.Tensor:
+    """One int per position, a function of the whole prefix up to it."""
+    out, h = [], 17
+    for t in tokens:
+        h = (h * 1000003 + t + 1) % 2147483629
+        out.append(h)
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def rows(prefix_seeds: torch.Tensor, layer: int, plane: int, row_bytes: int) -> torch.Tensor:
+    """The bytes the stand-in model writes for these positions of one (layer, plane)."""
+    a = torch.arange(row_bytes, dtype=torch.int64)
+    return ((a[None, :] * 131 + prefix_seeds[:, None] * 7 + layer * 17 + plane * 5) % 251).to(torch.uint8)
+
+
+@dataclasses.dataclass
+class StepLog:
+    scheduled: dict[str, int]
+    finished_sending: set[str]
+    finished_recving: set[str]
+    invalid: set[int]
+    checked_tokens: int  # computed tokens whose bytes were compared this step
+
+
+class Engine:
+    """vLLM's scheduler + HiCacheConnector (scheduler and worker roles) + the stand-in model."""
+
+    def __init__(self, extra: dict, shape: Shape = TOY, *, num_blocks: int = 64, tokens_per_step: int = 64,
+                 policy: str = "recompute"):
+        self.shape = shape
+        self.vllm_config = connector_config(extra, policy=policy, tokens_per_step=tokens_per_step)
+        self.kv_config = kv_cache_config(shape, num_blocks)
+        self.scheduler = create_scheduler(self.vllm_config, num_blocks=num_blocks, kv_cache_config=self.kv_config)
+        self.connector = self.scheduler.connector  # built by vLLM's scheduler from the config
+        self.worker = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER, self.kv_config)
+        self.layer_names = list(self.kv_config.kv_cache_groups[0].layer_names)
+        head = (shape.dim,) if shape.mla else (shape.heads, shape.dim)
+        lead = (num_blocks, BLOCK) if shape.mla else (2, num_blocks, BLOCK)
+        self.kv = {n: torch.zeros(*lead, *head, dtype=shape.dtype) for n in self.layer_names}
+        self.worker.register_kv_caches(self.kv)
+        self.row_bytes = shape.dim * shape.dtype.itemsize * (1 if shape.mla else shape.heads)
+        self._seeds: dict[str, torch.Tensor] = {}
+        self.lookups: list[tuple[str, int, int, bool]] = []  # (rid, vLLM's own hit, connector hit, async)
+        self._spy_lookups()
+        self.checked_tokens = 0
+
+    def _spy_lookups(self) -> None:
+        real = self.connector.get_num_new_matched_tokens
+
+        def spy(request, num_computed_tokens):
+            n, is_async = real(request, num_computed_tokens)
+            self.lookups.append((request.request_id, num_computed_tokens, n, is_async))
+            return n, is_async
+        self.connector.get_num_new_matched_tokens = spy
+
+    # ------------------------------------------------------------- requests
+    def add(self, rid: str, tokens: list[int], max_tokens: int = 2) -> Request:
+        req = make_request(rid, tokens, max_tokens)
+        self.scheduler.add_request(req)
+        return req
+
+    def planes(self, layer: int) -> list[torch.Tensor]:
+        """uint8 views [blocks, BLOCK, row_bytes] of one layer's planes (K, V or the latent)."""
+        t = self.kv[self.layer_names[layer]]
+        u = t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+        if self.shape.mla:
+            return [u.reshape(u.shape[0], BLOCK, -1).view(torch.uint8)]
+        return [u[i].reshape(u.shape[1], BLOCK, -1).view(torch.uint8) for i in range(2)]
+
+    def _prefix_seeds(self, req: Request) -> torch.Tensor:
+        s = self._seeds.get(req.request_id)
+        if s is None or len(s) < req.num_tokens:
+            s = self._seeds[req.request_id] = seeds(list(req.all_token_ids))
+        return s
+
+    def _positions(self, blocks: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(start, end)
+        return torch.as_tensor(blocks, dtype=torch.int64)[pos // BLOCK], pos % BLOCK
+
+    def check(self, req: Request, blocks: list[int], end: int, skip: set[int] = frozenset()) -> int:
+        """Assert positions [0, end) hold the stand-in model's bytes (blocks in ``skip`` aside)."""
+        if end <= 0:
+            return 0
+        b, off = self._positions(blocks, 0, end)
+        keep = torch.tensor([int(x) not in skip for x in b], dtype=torch.bool)
+        s = self._prefix_seeds(req)[:end][keep]
+        b, off = b[keep], off[keep]
+        for layer in range(self.shape.layers):
+            for p, plane in enumerate(self.planes(layer)):
+                got = plane[b, off]
+                want = rows(s, layer, p, self.row_bytes)
+                if not torch.equal(got, want):
+                    bad = (got != want).any(dim=1).nonzero().flatten()
+                    raise AssertionError(f"{req.request_id}: layer {layer} plane {p}: {len(bad)} of {len(s)} "
+                                         f"computed tokens hold wrong KV (first at kept position {int(bad[0])}, "
+                                         f"block {int(b[bad[0]])})")
+        return int(keep.sum())
+
+    def _compute(self, req: Request, blocks: list[int], start: int, end: int) -> None:
+        b, off = self._positions(blocks, start, end)
+        s = self._prefix_seeds(req)[start:end]
+        for layer in range(self.shape.layers):
+            for p, plane in enumerate(self.planes(layer)):
+                plane[b, off] = rows(s, layer, p, self.row_bytes)
+
+    # ------------------------------------------------------------- steps
+    def step(self, between=None) -> StepLog:
+        """One engine step. ``between(scheduler_output)``: runs after scheduling, before the worker."""
+        so = self.scheduler.schedule()
+        if between is not None:
+            between(so)
+        w = self.worker
+        w.bind_connector_metadata(so.kv_connector_metadata)
+        w.start_load_kv(None)
+        for name in self.layer_names:
+            w.wait_for_layer_load(name)
+        w.wait_for_save()
+        sending, recving = w.get_finished(so.finished_req_ids)
+        invalid = w.get_block_ids_with_load_errors()
+        wmeta = w.build_connector_worker_meta()
+        w.clear_connector_metadata()
+        checked, ids, sampled = 0, [], []
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[rid]
+            end = req.num_computed_tokens
+            blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+            checked += self.check(req, blocks, end - n, invalid)
+            self._compute(req, blocks, end - n, end)
+            ids.append(rid)
+            sampled.append([1000 + req.num_tokens] if end >= req.num_tokens else [])
+        out = ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
+            logprobs=None, prompt_logprobs_dict={}, pooler_output=None,
+            kv_connector_output=KVConnectorOutput(finished_sending=sending, finished_recving=recving,
+                                                  invalid_block_ids=invalid, kv_connector_worker_meta=wmeta))
+        self.scheduler.update_from_output(so, out)
+        self.checked_tokens += checked
+        return StepLog(dict(so.num_scheduled_tokens), set(sending or ()), set(recving or ()), invalid, checked)
+
+    def run(self, max_steps: int = 200, between=None) -> list[StepLog]:
+        """Step until vLLM has nothing left and the connector no job in flight."""
+        logs = []
+        for _ in range(max_steps):
+            idle = not self.scheduler.has_unfinished_requests() and not self.scheduler.has_finished_requests()
+            if idle and self.core.in_flight == 0 and self.worker.worker.in_flight == 0:
+                return logs
+            logs.append(self.step(between))
+            if not logs[-1].scheduled:
+                time.sleep(0.002)  # copies run on the transfer thread
+        raise AssertionError(f"not idle after {max_steps} steps: {len(self.scheduler.requests)} requests, "
+                             f"{self.core.in_flight} connector jobs")
+
+    @property
+    def core(self):
+        """The vLLM-free scheduler half under the shim."""
+        return self.connector.scheduler
+
+    def check_integrity(self) -> None:
+        self.core.check_integrity()
+        self.worker.worker.check_integrity()
+
+    def reset_vllm_prefix_cache(self) -> None:
+        """Drop vLLM's own prefix cache (as a restart or eviction would), keeping the connector's."""
+        assert self.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        if self.core.storage is not None:
+            self.core.storage.close()
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 30000 + 1 for i in range(n)]
