@@ -262,3 +262,18 @@ class Engine:
 
 def tokens(seed: int, n: int) -> list[int]:
     return [(seed * 7919 + i * 31) % 30000 + 1 for i in range(n)]
+
+
+def l3_object(root, prompt: list[int], page: int):
+    """The file:// L3 object holding page ``page`` of ``prompt`` (its name is the page hash)."""
+    import pathlib
+    from hicache.core.hashing import page_hashes
+    h = page_hashes(prompt[:(page + 1) * BLOCK], BLOCK)[page].hex()
+    found = list(pathlib.Path(root).rglob(h))
+    assert len(found) == 1, f"page {page}: {len(found)} L3 objects named {h}"
+    return found[0]
+
+
+def host_pins(eng: Engine) -> int:
+    """L2 pins the connector's index holds (0 once idle)."""
+    return sum(n.host_lock_ref for n in eng.core.cache.nodes())
