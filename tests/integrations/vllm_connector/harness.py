@@ -16,6 +16,7 @@ blocks reported failed in this same step (vLLM rolls those back).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import torch
@@ -90,18 +91,24 @@ def make_request(rid: str, tokens: list[int], max_tokens: int = 2) -> Request:
 
 
 def seeds(tokens: list[int]) -> torch.Tensor:
-    """One int per position, a function of the whole prefix up to it."""
+    """One int16 per position, a function of the whole prefix up to it."""
     out, h = [], 17
     for t in tokens:
         h = (h * 1000003 + t + 1) % 2147483629
-        out.append(h)
-    return torch.tensor(out, dtype=torch.int64)
+        out.append((h % 65521) - 32768)
+    return torch.tensor(out, dtype=torch.int16)
+
+
+@functools.lru_cache(maxsize=4096)
+def _pattern(layer: int, plane: int, row_bytes: int) -> torch.Tensor:
+    a = torch.arange(row_bytes // 2, dtype=torch.int32)
+    return ((a * 131 + layer * 1009 + plane * 17) % 65521 - 32768).to(torch.int16)
 
 
 def rows(prefix_seeds: torch.Tensor, layer: int, plane: int, row_bytes: int) -> torch.Tensor:
-    """The bytes the stand-in model writes for these positions of one (layer, plane)."""
-    a = torch.arange(row_bytes, dtype=torch.int64)
-    return ((a[None, :] * 131 + prefix_seeds[:, None] * 7 + layer * 17 + plane * 5) % 251).to(torch.uint8)
+    """The bytes the stand-in model writes for these positions of one (layer, plane): a
+    per-(layer, plane) pattern plus a per-position seed, as int16 (wrapping), viewed as bytes."""
+    return (_pattern(layer, plane, row_bytes)[None, :] + prefix_seeds[:, None]).view(torch.uint8)
 
 
 @dataclasses.dataclass
