@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -73,6 +73,37 @@ class HiCacheConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+# Prometheus families (one declaration each) and the stats keys that feed them.
+_FAMILIES = {
+    "hicache:connector_pages": ("event", "Pages the connector moved or could not, by event: loaded into vLLM's "
+                                "blocks, load_error (reported to vLLM, which recomputes them), saved to L2, "
+                                "save_dropped, stored to L3.",
+                                {"loaded_pages": "loaded", "load_error_pages": "load_error", "saved_pages": "saved",
+                                 "save_dropped_pages": "save_dropped", "stored_pages": "stored"}),
+    "hicache:connector_hit_tokens": ("source", "Tokens admitted for loading beyond vLLM's own prefix hit, by tier.",
+                                     {"hit_tokens_L2": "L2", "hit_tokens_L3": "L3"}),
+    "hicache:connector_admission": ("choice", "The cost model's load-or-recompute choices on hits.",
+                                    {f"decision_{c}": c for c in ("load", "load_l2", "recompute", "unmeasured")}),
+}
+
+
+class HiCachePromMetrics(KVConnectorPromMetrics):
+    """hicache's connector counters on vLLM's ``/metrics`` (from ``HiCacheConnectorStats``)."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {}
+        for name, (label, doc, keys) in _FAMILIES.items():
+            fam = self._counter_cls(name=name, documentation=doc, labelnames=[*labelnames, label])
+            for stat_key, value in keys.items():
+                self._counters[stat_key] = {e: fam.labels(*lv, value) for e, lv in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        for k, v in transfer_stats_data.items():
+            if v and k in self._counters:
+                self._counters[k][engine_idx].inc(v)
 
 
 def _tp_rank(role: KVConnectorRole) -> int:
@@ -237,6 +268,10 @@ class HiCacheConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return HiCacheConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return HiCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
 

@@ -123,10 +123,11 @@ class StepLog:
 class Engine:
     """vLLM's scheduler + HiCacheConnector (scheduler and worker roles) + the stand-in model."""
 
-    def __init__(self, extra: dict, shape: Shape = TOY, *, num_blocks: int = 64, tokens_per_step: int = 64,
-                 policy: str = "recompute"):
+    def __init__(self, extra: dict | None, shape: Shape = TOY, *, num_blocks: int = 64, tokens_per_step: int = 64,
+                 policy: str = "recompute", vllm_config=None):
+        """``vllm_config``: a config built elsewhere (vLLM's CLI parser) instead of ``connector_config(extra)``."""
         self.shape = shape
-        self.vllm_config = connector_config(extra, policy=policy, tokens_per_step=tokens_per_step)
+        self.vllm_config = vllm_config or connector_config(extra, policy=policy, tokens_per_step=tokens_per_step)
         self.kv_config = kv_cache_config(shape, num_blocks)
         self.scheduler = create_scheduler(self.vllm_config, num_blocks=num_blocks, kv_cache_config=self.kv_config)
         self.connector = self.scheduler.connector  # built by vLLM's scheduler from the config
@@ -141,6 +142,8 @@ class Engine:
         self.lookups: list[tuple[str, int, int, bool]] = []  # (rid, vLLM's own hit, connector hit, async)
         self._spy_lookups()
         self.checked_tokens = 0
+        self.hits_by_source: dict[str, int] = {}  # vLLM's own per-tier hit counts (its /metrics source label)
+        self.connector_stats: list[dict] = []  # the kv_connector_stats vLLM's scheduler reports
 
     def _spy_lookups(self) -> None:
         real = self.connector.get_num_new_matched_tokens
@@ -231,7 +234,15 @@ class Engine:
             logprobs=None, prompt_logprobs_dict={}, pooler_output=None,
             kv_connector_output=KVConnectorOutput(finished_sending=sending, finished_recving=recving,
                                                   invalid_block_ids=invalid, kv_connector_worker_meta=wmeta))
-        self.scheduler.update_from_output(so, out)
+        for eco in self.scheduler.update_from_output(so, out).values():
+            st = eco.scheduler_stats
+            if st is None:
+                continue
+            if st.connector_prefix_cache_stats is not None:
+                for src, n in st.connector_prefix_cache_stats.hits_by_source.items():
+                    self.hits_by_source[src.value] = self.hits_by_source.get(src.value, 0) + n
+            if st.kv_connector_stats:
+                self.connector_stats.append(st.kv_connector_stats)
         self.checked_tokens += checked
         return StepLog(dict(so.num_scheduled_tokens), set(sending or ()), set(recving or ()), invalid, checked)
 
