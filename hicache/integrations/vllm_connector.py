@@ -7,7 +7,8 @@ This module only translates vLLM objects to and from the vLLM-free core:
 ``hicache.cache.connector`` (scheduler half: the index, floors, the cost model)
 and ``hicache.cache.connector_worker`` (worker half: page copies, L3 I/O);
 what crosses between them is ``hicache.cache.connector_plan`` plain data.
-vLLM's KV tensors are adopted as L1 with page id == block id; a hicache page
+vLLM's KV tensors are adopted as L1 with page id == block id
+(``hicache.memory.paged_kv``, every layout vLLM 0.33 allocates); a hicache page
 is one vLLM block.
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ from hicache.cache.connector_plan import JobReport, StepPlan
 from hicache.cache.connector_worker import ConnectorWorker
 from hicache.core.errors import ConfigError
 from hicache.core.layout import KVLayout
-from hicache.memory.pools import DevicePool
+from hicache.memory.paged_kv import adopt_paged_kv
 
 log = logging.getLogger(__name__)
 
@@ -136,25 +137,6 @@ def layout_of(vllm_config, kv_cache_config, tp_rank: int = 0) -> KVLayout:
                       "it supports full attention and MLA")
 
 
-def _adopt(layout: KVLayout, layer_names: list[str], kv_caches: dict[str, torch.Tensor]) -> DevicePool:
-    """Private stand-in for the paged-KV adoption (FlashAttention [2, blocks, block, heads, dim], MLA)."""
-    buffers = {}
-    for i, name in enumerate(layer_names):
-        t = kv_caches[name]
-        if t.dtype.itemsize == 1:
-            t = t.view(torch.uint8)
-        if layout.kind == "mla":
-            buffers[("latent", i)] = t.reshape(-1, t.shape[-1])
-        else:
-            if t.dim() != 5 or t.shape[0] != 2:
-                raise ConfigError(f"HiCacheConnector: layer {name!r} KV tensor {tuple(t.shape)}; expected "
-                                  "[2, num_blocks, block_size, heads, head_dim]")
-            buffers[("k", i)] = t[0].reshape(-1, *t.shape[-2:])
-            buffers[("v", i)] = t[1].reshape(-1, *t.shape[-2:])
-    num_blocks = next(iter(buffers.values())).shape[0] // layout.page_size
-    return DevicePool(layout, num_blocks, next(iter(buffers.values())).device, buffers=buffers)
-
-
 class HiCacheConnector(KVConnectorBase_V1):
     """See the module docstring; the two halves are ``ConnectorScheduler`` / ``ConnectorWorker``."""
 
@@ -186,7 +168,7 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
-        self.worker.register(_adopt(self.layout, self._layer_names, kv_caches))
+        self.worker.register(adopt_paged_kv(self.layout, [kv_caches[n] for n in self._layer_names]))
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

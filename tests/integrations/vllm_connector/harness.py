@@ -49,6 +49,7 @@ class Shape:
 
 
 TOY = Shape("toy", 2, 2, 8, torch.float16)
+TOY_MLA = Shape("toy-mla", 2, 0, 24, torch.bfloat16, mla=True)
 
 
 def real_shape(name: str, dtype: torch.dtype | None = None) -> Shape:
@@ -67,6 +68,20 @@ def kv_cache_config(shape: Shape, num_blocks: int) -> KVCacheConfig:
     else:
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=shape.heads, head_size=shape.dim, dtype=shape.dtype)
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+
+
+def vllm_tensors(shape: Shape, num_blocks: int, names: list[str], kv_layout: str) -> dict[str, torch.Tensor]:
+    """Per-layer KV tensors as vLLM 0.33 allocates them: [B, H, N, C] views of one int8 buffer,
+    strided by ``kv_layout`` (``hicache.memory.paged_kv.vllm_kv_caches``, checked against vLLM's
+    own ``create_kv_cache_views`` by tests/integrations/vllm/test_paged_kv_vllm.py)."""
+    from hicache.core.layout import KVLayout
+    from hicache.memory.paged_kv import vllm_kv_caches
+    dt = str(shape.dtype).removeprefix("torch.")
+    lay = (KVLayout("harness", shape.layers, kind="mla", kv_lora_rank=shape.dim, dtype=dt, page_size=BLOCK)
+           if shape.mla else
+           KVLayout("harness", shape.layers, num_kv_heads=shape.heads, head_dim=shape.dim, dtype=dt, page_size=BLOCK))
+    made = vllm_kv_caches(lay, num_blocks, kv_layout, dtype=torch.uint8 if shape.dtype.itemsize == 1 else shape.dtype)
+    return dict(zip(names, made.values()))
 
 
 def connector_config(extra: dict, *, policy: str = "recompute", tokens_per_step: int = 64, **kw):
@@ -124,7 +139,7 @@ class Engine:
     """vLLM's scheduler + HiCacheConnector (scheduler and worker roles) + the stand-in model."""
 
     def __init__(self, extra: dict | None, shape: Shape = TOY, *, num_blocks: int = 64, tokens_per_step: int = 64,
-                 policy: str = "recompute", vllm_config=None):
+                 policy: str = "recompute", vllm_config=None, kv_layout: str = "LBNHC"):
         """``vllm_config``: a config built elsewhere (vLLM's CLI parser) instead of ``connector_config(extra)``."""
         self.shape = shape
         self.vllm_config = vllm_config or connector_config(extra, policy=policy, tokens_per_step=tokens_per_step)
@@ -133,9 +148,7 @@ class Engine:
         self.connector = self.scheduler.connector  # built by vLLM's scheduler from the config
         self.worker = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER, self.kv_config)
         self.layer_names = list(self.kv_config.kv_cache_groups[0].layer_names)
-        head = (shape.dim,) if shape.mla else (shape.heads, shape.dim)
-        lead = (num_blocks, BLOCK) if shape.mla else (2, num_blocks, BLOCK)
-        self.kv = {n: torch.zeros(*lead, *head, dtype=shape.dtype) for n in self.layer_names}
+        self.kv = vllm_tensors(shape, num_blocks, self.layer_names, kv_layout)
         self.worker.register_kv_caches(self.kv)
         self.row_bytes = shape.dim * shape.dtype.itemsize * (1 if shape.mla else shape.heads)
         self._seeds: dict[str, torch.Tensor] = {}
@@ -161,12 +174,13 @@ class Engine:
         return req
 
     def planes(self, layer: int) -> list[torch.Tensor]:
-        """uint8 views [blocks, BLOCK, row_bytes] of one layer's planes (K, V or the latent)."""
-        t = self.kv[self.layer_names[layer]]
-        u = t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+        """uint8 views [blocks, BLOCK, heads, bytes] of one layer's planes (K and V, or the MLA
+        latent), read from vLLM's logical [B, H, N, C] cell order (C: K then V), whatever the strides."""
+        u = self.kv[self.layer_names[layer]].view(torch.uint8).permute(0, 2, 1, 3)  # [B, N, H, C]
         if self.shape.mla:
-            return [u.reshape(u.shape[0], BLOCK, -1).view(torch.uint8)]
-        return [u[i].reshape(u.shape[1], BLOCK, -1).view(torch.uint8) for i in range(2)]
+            return [u]
+        half = u.shape[-1] // 2
+        return [u[..., :half], u[..., half:]]
 
     def _prefix_seeds(self, req: Request) -> torch.Tensor:
         s = self._seeds.get(req.request_id)
@@ -188,7 +202,7 @@ class Engine:
         b, off = b[keep], off[keep]
         for layer in range(self.shape.layers):
             for p, plane in enumerate(self.planes(layer)):
-                got = plane[b, off]
+                got = plane[b, off].reshape(len(b), -1)
                 want = rows(s, layer, p, self.row_bytes)
                 if not torch.equal(got, want):
                     bad = (got != want).any(dim=1).nonzero().flatten()
@@ -202,7 +216,7 @@ class Engine:
         s = self._prefix_seeds(req)[start:end]
         for layer in range(self.shape.layers):
             for p, plane in enumerate(self.planes(layer)):
-                plane[b, off] = rows(s, layer, p, self.row_bytes)
+                plane[b, off] = rows(s, layer, p, self.row_bytes).view(len(b), *plane.shape[2:])
 
     # ------------------------------------------------------------- steps
     def step(self, between=None) -> StepLog:

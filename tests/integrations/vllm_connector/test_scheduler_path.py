@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integrations.vllm_connector.harness import BLOCK, Engine, host_pins, tokens
+from hicache.memory.paged_kv import VLLM_LAYOUTS
+from tests.integrations.vllm_connector.harness import BLOCK, TOY, TOY_MLA, Engine, host_pins, tokens
 
 
 def extra(tmp_path=None, load="async", host_pages=64, **sections):
@@ -127,4 +128,19 @@ def test_cost_model_decides_load_or_recompute_and_counts_it(admission, hit, choi
     choices = ("load", "load_l2", "recompute", "unmeasured")
     assert {k: d[k] for k in choices} == {k: int(k == choice) for k in choices}
     assert d["recomputed_l2_tokens"] == (3 * BLOCK if choice == "recompute" else 0)
+    finish_idle(eng)
+
+
+@pytest.mark.parametrize("kv_layout", sorted(VLLM_LAYOUTS))
+@pytest.mark.parametrize("shape", [TOY, TOY_MLA], ids=["mha", "mla"])
+def test_every_vllm_kv_layout_round_trips(kv_layout, shape):
+    """vLLM's KV tensors in each stride order vLLM 0.33 allocates (its attention backends')."""
+    eng = Engine(extra(load="layerwise"), shape, kv_layout=kv_layout, num_blocks=16)
+    p = tokens(13, 3 * BLOCK + 1)
+    eng.add("r1", p)
+    eng.run()
+    eng.reset_vllm_prefix_cache()
+    eng.add("r2", p)
+    eng.run()
+    assert eng.lookups[-1] == ("r2", 0, 3 * BLOCK, False) and eng.core.stats().loaded_pages == 3
     finish_idle(eng)
