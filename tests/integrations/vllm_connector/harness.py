@@ -3,8 +3,9 @@
 The scheduler is vLLM's (``create_scheduler``), and it builds the scheduler-side
 connector itself from the ``--kv-transfer-config`` fields (``create_vllm_config``);
 the worker-side connector comes from vLLM's ``KVConnectorFactory`` with the same
-config and is driven in the model runner's order (bind, start_load_kv, per-layer
-wait_for_layer_load, wait_for_save, get_finished, load errors, worker metadata).
+config and is driven by vLLM's own ``KVConnectorModelRunnerMixin`` (what its GPU
+model runner wraps each forward in), with ``wait_for_layer_load`` per layer as
+attention calls it; vLLM's KV tensors are allocated as vLLM 0.33 does.
 
 The model is a stand-in: computing a token writes, into every layer's K and V
 (or MLA latent) row of its slot, bytes that are a function of the token prefix
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from unittest.mock import patch
 
 import torch
 
@@ -26,7 +28,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.forward_context import set_forward_context
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.worker import kv_connector_model_runner_mixin as _mixin
+from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 from vllm.v1.request import Request
 from vllm.utils.hashing import sha256
 
@@ -225,29 +230,31 @@ class Engine:
         if between is not None:
             between(so)
         w = self.worker
-        w.bind_connector_metadata(so.kv_connector_metadata)
-        w.start_load_kv(None)
-        for name in self.layer_names:
-            w.wait_for_layer_load(name)
-        w.wait_for_save()
-        sending, recving = w.get_finished(so.finished_req_ids)
-        invalid = w.get_block_ids_with_load_errors()
-        wmeta = w.build_connector_worker_meta()
-        w.clear_connector_metadata()
+        computed = []  # (request, blocks, first computed position this step, end)
+        # vLLM's own model-runner lifecycle (bind, start_load_kv before the forward for
+        # sync loads and after it otherwise, wait_for_save, get_transfer_results, load
+        # errors, stats, events, worker metadata, clear), with this engine's worker.
+        with set_forward_context(None, self.vllm_config), \
+                patch.object(_mixin, "get_kv_transfer_group", return_value=w), \
+                KVConnectorModelRunnerMixin._get_kv_connector_output(so) as kv_out:
+            for name in self.layer_names:  # attention's maybe_transfer_kv_layer, layer by layer
+                w.wait_for_layer_load(name)
+            for rid, n in so.num_scheduled_tokens.items():
+                req = self.scheduler.requests[rid]
+                end = req.num_computed_tokens
+                blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+                self._compute(req, blocks, end - n, end)
+                computed.append((req, blocks, end - n, end))
+        invalid = set(kv_out.invalid_block_ids)
         checked, ids, sampled = 0, [], []
-        for rid, n in so.num_scheduled_tokens.items():
-            req = self.scheduler.requests[rid]
-            end = req.num_computed_tokens
-            blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
-            checked += self.check(req, blocks, end - n, invalid)
-            self._compute(req, blocks, end - n, end)
-            ids.append(rid)
+        for req, blocks, start, end in computed:
+            checked += self.check(req, blocks, start, invalid)
+            ids.append(req.request_id)
             sampled.append([1000 + req.num_tokens] if end >= req.num_tokens else [])
         out = ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
-            logprobs=None, prompt_logprobs_dict={}, pooler_output=None,
-            kv_connector_output=KVConnectorOutput(finished_sending=sending, finished_recving=recving,
-                                                  invalid_block_ids=invalid, kv_connector_worker_meta=wmeta))
+            logprobs=None, prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kv_out)
+        sending, recving = kv_out.finished_sending, kv_out.finished_recving
         for eco in self.scheduler.update_from_output(so, out).values():
             st = eco.scheduler_stats
             if st is None:
