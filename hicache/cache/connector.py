@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+from hicache.cache.connector_events import L2, L3, EventLog, PageEvent
 from hicache.cache.connector_plan import JobKind, JobReport, LoadSpec, SaveSpec, StepPlan
 from hicache.core.errors import CacheStateError, ConfigError, IntegrityError
 from hicache.core.hashing import namespace_root, raw_page_hashes
@@ -61,6 +62,9 @@ class _Load:
     spec: LoadSpec
     anchor: Node | None  # L2 path pinned for the L2 part
     prefetch: PrefetchPlan | None  # L2 pages reserved for the L3 part
+    keys: tuple = ()  # the engine's keys of the L3 part's pages (events)
+    parent: object | None = None
+    tokens: tuple[int, ...] = ()
     reports: list[JobReport] = dataclasses.field(default_factory=list)
 
 
@@ -74,6 +78,9 @@ class _Save:
     anchor: Node | None  # pages before first_page, pinned on L2 until the save is indexed
     node: Node | None = None  # what the index took (pinned on L2 while L3 reads it)
     unused: list[HostPageId] = dataclasses.field(default_factory=list)  # freed once L3 read them
+    keys: tuple = ()  # the engine's keys of the saved pages (events)
+    parent: object | None = None
+    tokens: tuple[int, ...] = ()
     reports: list[JobReport] = dataclasses.field(default_factory=list)
     stage: JobKind = JobKind.SAVE
 
@@ -111,6 +118,7 @@ class ConnectorScheduler:
         self._lookups = 0
         self._hit_tokens = {"L2": 0, "L3": 0}
         self._c = dict(loaded=0, load_errors=0, saved=0, save_dropped=0, stored=0)
+        self.events = EventLog()
 
     # ------------------------------------------------------------- admission
     def lookup(self, rid: str, tokens, engine_hit: int, namespace: str = "") -> Hit:
@@ -144,11 +152,13 @@ class ConnectorScheduler:
     def _hashes(self, key: bytes, namespace: str, num_pages: int) -> list[PageHash]:
         return raw_page_hashes(key[:num_pages * self._ps4], self.page_size, namespace_root(namespace))
 
-    def allocated(self, rid: str, tokens, block_ids, num_external: int, namespace: str = "") -> LoadSpec | None:
+    def allocated(self, rid: str, tokens, block_ids, num_external: int, namespace: str = "",
+                  keys=()) -> LoadSpec | None:
         """The engine gave ``rid`` blocks ``block_ids`` (all of its blocks, in order) for
         ``num_external`` tokens of its last ``lookup``: pin the L2 part, reserve L2 for
         the L3 part and queue the load for the next plan. Pages that cannot be
-        served any more are queued as missing (the workers report them failed)."""
+        served any more are queued as missing (the workers report them failed).
+        ``keys``: the engine's key of each page of ``tokens`` (for ``take_events``)."""
         entry = self._hits.pop(rid, None)
         if not num_external or entry is None:
             return None
@@ -173,12 +183,14 @@ class ConnectorScheduler:
         l3_from = max(first, l2_end)
         if l3_from < end and hit.l3_tokens:
             hashes = self._hashes(key, namespace, end)[l3_from:end]
+            self._evict(len(hashes))
             prefetch = self.tiers.prepare_prefetch(key, namespace, l3_from, hashes)
             if prefetch is not None:
                 l3_host, l3_hashes = tuple(prefetch.host), tuple(hashes)
         job = self._job()
         spec = LoadSpec(job, rid, blocks, host, l3_host, l3_hashes, layerwise=not hit.is_async)
-        self._loads[job] = _Load(rid, spec, anchor, prefetch)
+        ev = _event_fields(keys, tokens, l3_from, l3_from + len(l3_host), ps)
+        self._loads[job] = _Load(rid, spec, anchor, prefetch, *ev)
         self._loading[rid] = job
         self._sources[rid] = {"L2": len(host) * ps, "L3": len(l3_host) * ps}
         self._hit_tokens["L2"] += len(host) * ps
@@ -196,11 +208,12 @@ class ConnectorScheduler:
         return self._next_job
 
     # ------------------------------------------------------------- storing
-    def finished(self, rid: str, tokens, computed_tokens: int, block_ids, namespace: str = "") -> bool:
+    def finished(self, rid: str, tokens, computed_tokens: int, block_ids, namespace: str = "", keys=()) -> bool:
         """``rid`` ended (finished, aborted or stopped) holding ``block_ids``: queue a
         save of the full pages of its ``computed_tokens`` that L2 lacks. True: the
         engine must keep the blocks until a worker reports the save finished. A
-        request whose load is still in flight saves nothing (its blocks are not final)."""
+        request whose load is still in flight saves nothing (its blocks are not final).
+        ``keys``: the engine's key of each page (for ``take_events``)."""
         self._hits.pop(rid, None)
         self._sources.pop(rid, None)
         if rid in self._loading:
@@ -215,6 +228,7 @@ class ConnectorScheduler:
         have = m.host_tokens // ps
         if have >= n:
             return False
+        self._evict(n - have)
         host = self.tiers.alloc_host(n - have)
         if host is None:
             self._c["save_dropped"] += n - have
@@ -226,7 +240,9 @@ class ConnectorScheduler:
         hashes = tuple(self._hashes(key, namespace, n)[have:]) if self.storage is not None else ()
         job = self._job()
         spec = SaveSpec(job, rid, tuple(int(b) for b in block_ids[have:n]), tuple(host), hashes)
-        self._saves[job] = _Save(rid, spec, key, namespace, have, anchor)
+        ev_keys, ev_parent, ev_tokens = _event_fields(keys, tokens, have, n, ps)
+        self._saves[job] = _Save(rid, spec, key, namespace, have, anchor, keys=ev_keys, parent=ev_parent,
+                                 tokens=ev_tokens)
         self._plan_saves.append(spec)
         return True
 
@@ -263,6 +279,12 @@ class ConnectorScheduler:
         landed = min(r.pages for r in ld.reports) if all(r.ok for r in ld.reports) else 0
         if ld.prefetch is not None:
             self.tiers.complete_prefetch(ld.prefetch, landed)
+            alloc = self.cache.host_allocator
+            held = [i for i, h in enumerate(ld.prefetch.host[:landed]) if alloc.is_allocated(h)]
+            if held:  # the landed pages the index took (the rest were duplicates, freed)
+                a, b = held[0], held[-1] + 1
+                self.events.stored(L2, ld.keys[a:b], ld.keys[a - 1] if a else ld.parent,
+                                   ld.tokens[a * self.page_size:b * self.page_size], ld.prefetch.host[a:b])
         ok_pages = (len(ld.spec.host) + landed) if all(r.ok for r in ld.reports) else 0
         self._c["loaded"] += ok_pages
         self._c["load_errors"] += len(ld.spec.blocks) - ok_pages
@@ -282,6 +304,10 @@ class ConnectorScheduler:
         if sv.anchor is not None:
             self.cache.dec_host_lock(sv.anchor)
         taken = len(spec.host) - len(unused)
+        if taken and node is not None:  # the index took the pages after the duplicates at the front
+            k = len(unused)
+            self.events.stored(L2, sv.keys[k:], sv.keys[k - 1] if k else sv.parent,
+                               sv.tokens[k * self.page_size:], spec.host[k:])
         self._c["saved"] += taken
         self._c["save_dropped"] += len(spec.host) - taken
         if not spec.hashes:
@@ -300,8 +326,19 @@ class ConnectorScheduler:
         if sv.node is not None:
             if stored == len(sv.spec.host) and all(r.ok for r in sv.reports):
                 self.cache.set_stored(sv.node)
+                self.events.stored(L3, sv.keys, sv.parent, sv.tokens)
             self.cache.dec_host_lock(sv.node)
         self._free_host(sv.unused)
+
+    def _evict(self, n: int) -> None:
+        """Make ``n`` L2 pages free (unpinned pages go, least recently used first)."""
+        short = n - self.cache.host_allocator.num_free
+        if short > 0:
+            self.events.removed_l2(self.tiers.evict_host(short))
+
+    def take_events(self) -> list[PageEvent]:
+        """Pages stored to / removed from L2 and stored to L3 since the last call."""
+        return self.events.take()
 
     def _free_host(self, ids: list[HostPageId]) -> None:
         if ids:
@@ -333,3 +370,10 @@ class ConnectorScheduler:
         for rid, job in self._loading.items():
             if self._loads[job].rid != rid:
                 raise IntegrityError(f"request {rid!r} maps to load job {job} of {self._loads[job].rid!r}")
+
+
+def _event_fields(keys, tokens, first: int, end: int, ps: int) -> tuple[tuple, object | None, tuple]:
+    """(keys, parent key, token ids) of pages ``[first, end)`` for events; () when the engine gave no keys."""
+    if len(keys) < end:
+        return (), None, ()
+    return tuple(keys[first:end]), keys[first - 1] if first else None, tuple(tokens[first * ps:end * ps])

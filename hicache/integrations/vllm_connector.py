@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -26,11 +28,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hicache.cache.connector import ConnectorScheduler
 from hicache.cache.connector_config import ConnectorSettings
+from hicache.cache.connector_events import L2
 from hicache.cache.connector_plan import JobReport, StepPlan
 from hicache.cache.connector_worker import ConnectorWorker
 from hicache.core.errors import ConfigError
@@ -213,7 +217,7 @@ class HiCacheConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         if num_external_tokens:
             self.scheduler.allocated(request.request_id, request.all_token_ids, blocks.get_block_ids()[0],
-                                     num_external_tokens, _namespace(request))
+                                     num_external_tokens, _namespace(request), keys=request.block_hashes)
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         if not num_external_tokens:
@@ -236,8 +240,20 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         delay = self.scheduler.finished(request.request_id, request.all_token_ids, request.num_computed_tokens,
-                                        block_ids, _namespace(request))
+                                        block_ids, _namespace(request), keys=request.block_hashes)
         return delay, None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """hicache's L2 (medium CPU) and L3 (medium STORAGE) pages, under vLLM's own block hashes."""
+        for e in self.scheduler.take_events():
+            hashes = [maybe_convert_block_hash(k) for k in e.keys]
+            medium = MEDIUM_CPU if e.medium == L2 else MEDIUM_STORAGE
+            if e.stored:
+                parent = None if e.parent is None else maybe_convert_block_hash(e.parent)
+                yield BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=list(e.tokens),
+                                  block_size=self.layout.page_size, lora_id=None, medium=medium, lora_name=None)
+            else:
+                yield BlockRemoved(block_hashes=hashes, medium=medium)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.scheduler is None:

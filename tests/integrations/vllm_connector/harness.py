@@ -162,6 +162,7 @@ class Engine:
         self.checked_tokens = 0
         self.hits_by_source: dict[str, int] = {}  # vLLM's own per-tier hit counts (its /metrics source label)
         self.connector_stats: list[dict] = []  # the kv_connector_stats vLLM's scheduler reports
+        self.events: list = []  # the KV events vLLM's scheduler took from the connector
 
     def _spy_lookups(self) -> None:
         real = self.connector.get_num_new_matched_tokens
@@ -171,6 +172,13 @@ class Engine:
             self.lookups.append((request.request_id, num_computed_tokens, n, is_async))
             return n, is_async
         self.connector.get_num_new_matched_tokens = spy
+        take = self.connector.take_events
+
+        def take_spy():
+            out = list(take())
+            self.events.extend(out)
+            return out
+        self.connector.take_events = take_spy
 
     # ------------------------------------------------------------- requests
     def add(self, rid: str, tokens: list[int], max_tokens: int = 2) -> Request:

@@ -144,3 +144,32 @@ def test_every_vllm_kv_layout_round_trips(kv_layout, shape):
     eng.run()
     assert eng.lookups[-1] == ("r2", 0, 3 * BLOCK, False) and eng.core.stats().loaded_pages == 3
     finish_idle(eng)
+
+
+def test_kv_events_name_vllms_block_hashes_and_the_medium(tmp_path):
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    def h(r, a, b):  # vLLM's own block hashes of pages [a, b), as its KV events carry them
+        return [maybe_convert_block_hash(x) for x in r.block_hashes[a:b]]
+    eng = Engine(extra(tmp_path, host_pages=6))
+    p = tokens(14, 5 * BLOCK + 1)
+    r1 = eng.add("r1", p)
+    eng.run()
+    stored = [(e.medium, e.block_hashes, e.token_ids) for e in eng.events if isinstance(e, BlockStored)]
+    assert stored == [("CPU", h(r1, 0, 5), p[:5 * BLOCK]), ("STORAGE", h(r1, 0, 5), p[:5 * BLOCK])]
+    r3 = eng.add("r3", tokens(15, 4 * BLOCK + 1))  # L2 holds 6 pages: r1's node (5 pages) goes
+    eng.run()
+    removed = [e for e in eng.events if isinstance(e, BlockRemoved)]
+    assert [(e.medium, sorted(e.block_hashes)) for e in removed] == [("CPU", sorted(h(r1, 0, 5)))]
+    assert eng.events[-1].block_hashes == h(r3, 0, 4) and eng.events[-1].medium == "STORAGE"
+    eng.reset_vllm_prefix_cache()
+    n = len(eng.events)
+    eng.add("r4", p)  # from L3; the pages land in L2 again (r3's go)
+    eng.run()
+    assert eng.lookups[-1] == ("r4", 0, 5 * BLOCK, True)
+    back = [(e.medium, e.block_hashes, e.parent_block_hash) for e in eng.events[n:] if isinstance(e, BlockStored)]
+    assert back == [("CPU", h(r1, 0, 5), None)]
+    gone = [e for e in eng.events[n:] if isinstance(e, BlockRemoved)]
+    assert [(e.medium, sorted(e.block_hashes)) for e in gone] == [("CPU", sorted(h(r3, 0, 4)))]
+    finish_idle(eng)
