@@ -111,12 +111,16 @@ class HiCachePromMetrics(KVConnectorPromMetrics):
                 self._counters[k][engine_idx].inc(v)
 
 
-def _tp_rank(role: KVConnectorRole) -> int:
-    """This worker's TP rank (the scheduler describes rank 0)."""
+def _tp_rank(role: KVConnectorRole, vllm_config) -> int:
+    """This worker's TP rank (the scheduler describes rank 0): vLLM's TP group once it is up,
+    else the worker's rank in vLLM's parallel config (pipeline parallelism is 1)."""
     if role != KVConnectorRole.WORKER:
         return 0
     from vllm.distributed import parallel_state
-    return parallel_state.get_tensor_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_rank()
+    pc = vllm_config.parallel_config
+    return pc.rank % pc.tensor_parallel_size
 
 
 def layout_of(vllm_config, kv_cache_config, tp_rank: int = 0) -> KVLayout:
@@ -151,7 +155,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         self.settings = s = ConnectorSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         if vllm_config.cache_config.block_size != kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size:
             raise ConfigError("HiCacheConnector: vLLM's hash block size differs from its KV block size")
-        self.layout = layout = layout_of(vllm_config, kv_cache_config, _tp_rank(role))
+        self.layout = layout = layout_of(vllm_config, kv_cache_config, _tp_rank(role, vllm_config))
         self._layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         self._layer_index = {n: i for i, n in enumerate(self._layer_names)}
         url = s.config.storage.url

@@ -24,6 +24,7 @@ from unittest.mock import patch
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -144,17 +145,27 @@ class Engine:
     """vLLM's scheduler + HiCacheConnector (scheduler and worker roles) + the stand-in model."""
 
     def __init__(self, extra: dict | None, shape: Shape = TOY, *, num_blocks: int = 64, tokens_per_step: int = 64,
-                 policy: str = "recompute", vllm_config=None, kv_layout: str = "LBNHC"):
-        """``vllm_config``: a config built elsewhere (vLLM's CLI parser) instead of ``connector_config(extra)``."""
+                 policy: str = "recompute", vllm_config=None, kv_layout: str = "LBNHC", tp: int = 1):
+        """``vllm_config``: a config built elsewhere (vLLM's CLI parser) instead of ``connector_config(extra)``;
+        ``tp``: tensor-parallel ranks, each a worker connector with ``shape``'s heads (per rank)."""
         self.shape = shape
         self.vllm_config = vllm_config or connector_config(extra, policy=policy, tokens_per_step=tokens_per_step)
+        self.vllm_config.parallel_config.tensor_parallel_size = tp
         self.kv_config = kv_cache_config(shape, num_blocks)
         self.scheduler = create_scheduler(self.vllm_config, num_blocks=num_blocks, kv_cache_config=self.kv_config)
         self.connector = self.scheduler.connector  # built by vLLM's scheduler from the config
-        self.worker = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER, self.kv_config)
         self.layer_names = list(self.kv_config.kv_cache_groups[0].layer_names)
-        self.kv = vllm_tensors(shape, num_blocks, self.layer_names, kv_layout)
-        self.worker.register_kv_caches(self.kv)
+        self.workers, self.kvs = [], []  # one worker connector and its KV tensors per TP rank
+        pc = self.vllm_config.parallel_config
+        for rank in range(pc.tensor_parallel_size):
+            pc.rank = rank  # what vLLM sets in each worker process
+            w = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER, self.kv_config)
+            kv = vllm_tensors(shape, num_blocks, self.layer_names, kv_layout)
+            w.register_kv_caches(kv)
+            self.workers.append(w)
+            self.kvs.append(kv)
+        pc.rank = 0
+        self._aggregator = KVOutputAggregator(len(self.workers))  # what vLLM's executor merges ranks with
         self.row_bytes = shape.dim * shape.dtype.itemsize * (1 if shape.mla else shape.heads)
         self._seeds: dict[str, torch.Tensor] = {}
         self.lookups: list[tuple[str, int, int, bool]] = []  # (rid, vLLM's own hit, connector hit, async)
@@ -186,10 +197,15 @@ class Engine:
         self.scheduler.add_request(req)
         return req
 
-    def planes(self, layer: int) -> list[torch.Tensor]:
+    @property
+    def worker(self):
+        """Rank 0's worker connector."""
+        return self.workers[0]
+
+    def planes(self, layer: int, rank: int = 0) -> list[torch.Tensor]:
         """uint8 views [blocks, BLOCK, heads, bytes] of one layer's planes (K and V, or the MLA
         latent), read from vLLM's logical [B, H, N, C] cell order (C: K then V), whatever the strides."""
-        u = self.kv[self.layer_names[layer]].view(torch.uint8).permute(0, 2, 1, 3)  # [B, N, H, C]
+        u = self.kvs[rank][self.layer_names[layer]].view(torch.uint8).permute(0, 2, 1, 3)  # [B, N, H, C]
         if self.shape.mla:
             return [u]
         half = u.shape[-1] // 2
@@ -205,7 +221,7 @@ class Engine:
         pos = torch.arange(start, end)
         return torch.as_tensor(blocks, dtype=torch.int64)[pos // BLOCK], pos % BLOCK
 
-    def check(self, req: Request, blocks: list[int], end: int, skip: set[int] = frozenset()) -> int:
+    def check(self, req: Request, blocks: list[int], end: int, skip: set[int] = frozenset(), rank: int = 0) -> int:
         """Assert positions [0, end) hold the stand-in model's bytes (blocks in ``skip`` aside)."""
         if end <= 0:
             return 0
@@ -214,22 +230,23 @@ class Engine:
         s = self._prefix_seeds(req)[:end][keep]
         b, off = b[keep], off[keep]
         for layer in range(self.shape.layers):
-            for p, plane in enumerate(self.planes(layer)):
+            for p, plane in enumerate(self.planes(layer, rank)):
                 got = plane[b, off].reshape(len(b), -1)
-                want = rows(s, layer, p, self.row_bytes)
+                want = rows(s, layer, p + 2 * rank, self.row_bytes)
                 if not torch.equal(got, want):
                     bad = (got != want).any(dim=1).nonzero().flatten()
-                    raise AssertionError(f"{req.request_id}: layer {layer} plane {p}: {len(bad)} of {len(s)} "
+                    raise AssertionError(f"{req.request_id}: rank {rank} layer {layer} plane {p}: {len(bad)} of {len(s)} "
                                          f"computed tokens hold wrong KV (first at kept position {int(bad[0])}, "
                                          f"block {int(b[bad[0]])})")
         return int(keep.sum())
 
-    def _compute(self, req: Request, blocks: list[int], start: int, end: int) -> None:
+    def _compute(self, req: Request, blocks: list[int], start: int, end: int, rank: int) -> None:
+        """Each rank's heads get their own bytes (a rank loading another's pages shows)."""
         b, off = self._positions(blocks, start, end)
         s = self._prefix_seeds(req)[start:end]
         for layer in range(self.shape.layers):
-            for p, plane in enumerate(self.planes(layer)):
-                plane[b, off] = rows(s, layer, p, self.row_bytes).view(len(b), *plane.shape[2:])
+            for p, plane in enumerate(self.planes(layer, rank)):
+                plane[b, off] = rows(s, layer, p + 2 * rank, self.row_bytes).view(len(b), *plane.shape[2:])
 
     # ------------------------------------------------------------- steps
     def step(self, between=None) -> StepLog:
@@ -237,32 +254,39 @@ class Engine:
         so = self.scheduler.schedule()
         if between is not None:
             between(so)
-        w = self.worker
         computed = []  # (request, blocks, first computed position this step, end)
-        # vLLM's own model-runner lifecycle (bind, start_load_kv before the forward for
-        # sync loads and after it otherwise, wait_for_save, get_transfer_results, load
-        # errors, stats, events, worker metadata, clear), with this engine's worker.
-        with set_forward_context(None, self.vllm_config), \
-                patch.object(_mixin, "get_kv_transfer_group", return_value=w), \
-                KVConnectorModelRunnerMixin._get_kv_connector_output(so) as kv_out:
-            for name in self.layer_names:  # attention's maybe_transfer_kv_layer, layer by layer
-                w.wait_for_layer_load(name)
-            for rid, n in so.num_scheduled_tokens.items():
-                req = self.scheduler.requests[rid]
-                end = req.num_computed_tokens
-                blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
-                self._compute(req, blocks, end - n, end)
-                computed.append((req, blocks, end - n, end))
-        invalid = set(kv_out.invalid_block_ids)
-        checked, ids, sampled = 0, [], []
+        outs = []
+        for rank, w in enumerate(self.workers):
+            # vLLM's own model-runner lifecycle (bind, start_load_kv before the forward for
+            # sync loads and after it otherwise, wait_for_save, get_transfer_results, load
+            # errors, stats, events, worker metadata, clear), with this rank's worker.
+            with set_forward_context(None, self.vllm_config), \
+                    patch.object(_mixin, "get_kv_transfer_group", return_value=w), \
+                    KVConnectorModelRunnerMixin._get_kv_connector_output(so) as kv_out:
+                for name in self.layer_names:  # attention's maybe_transfer_kv_layer, layer by layer
+                    w.wait_for_layer_load(name)
+                for rid, n in so.num_scheduled_tokens.items():
+                    req = self.scheduler.requests[rid]
+                    end = req.num_computed_tokens
+                    blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+                    self._compute(req, blocks, end - n, end, rank)
+                    if rank == 0:
+                        computed.append((req, blocks, end - n, end))
+            outs.append(kv_out)
+        ids = [req.request_id for req, *_ in computed]
+        sampled = [[1000 + req.num_tokens] if end >= req.num_tokens else [] for req, _, _, end in computed]
+        per_rank = [ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                      sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+                                      pooler_output=None, kv_connector_output=kv) for kv in outs]
+        out = self._aggregator.aggregate(per_rank)
+        kv_out = out.kv_connector_output
+        invalid = set(kv_out.invalid_block_ids) if kv_out is not None else set()
+        checked = 0
         for req, blocks, start, end in computed:
-            checked += self.check(req, blocks, start, invalid)
-            ids.append(req.request_id)
-            sampled.append([1000 + req.num_tokens] if end >= req.num_tokens else [])
-        out = ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
-            logprobs=None, prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kv_out)
-        sending, recving = kv_out.finished_sending, kv_out.finished_recving
+            for rank in range(len(self.workers)):
+                checked += self.check(req, blocks, start, invalid, rank)
+        sending = kv_out.finished_sending if kv_out is not None else None
+        recving = kv_out.finished_recving if kv_out is not None else None
         for eco in self.scheduler.update_from_output(so, out).values():
             st = eco.scheduler_stats
             if st is None:
@@ -280,7 +304,7 @@ class Engine:
         logs = []
         for _ in range(max_steps):
             idle = not self.scheduler.has_unfinished_requests() and not self.scheduler.has_finished_requests()
-            if idle and self.core.in_flight == 0 and self.worker.worker.in_flight == 0:
+            if idle and self.core.in_flight == 0 and not any(w.worker.in_flight for w in self.workers):
                 return logs
             logs.append(self.step(between))
             if not logs[-1].scheduled:
@@ -295,14 +319,16 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.core.check_integrity()
-        self.worker.worker.check_integrity()
+        for w in self.workers:
+            w.worker.check_integrity()
 
     def reset_vllm_prefix_cache(self) -> None:
         """Drop vLLM's own prefix cache (as a restart or eviction would), keeping the connector's."""
         assert self.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
 
     def close(self) -> None:
-        self.worker.shutdown()
+        for w in self.workers:
+            w.shutdown()
         if self.core.storage is not None:
             self.core.storage.close()
 
@@ -312,12 +338,13 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def l3_object(root, prompt: list[int], page: int):
-    """The file:// L3 object holding page ``page`` of ``prompt`` (its name is the page hash)."""
+    """The file:// L3 object under ``root`` (a worker's ``storage.dir`` for one TP rank's)
+    holding page ``page`` of ``prompt`` (its name is the page hash)."""
     import pathlib
     from hicache.core.hashing import page_hashes
     h = page_hashes(prompt[:(page + 1) * BLOCK], BLOCK)[page].hex()
     found = list(pathlib.Path(root).rglob(h))
-    assert len(found) == 1, f"page {page}: {len(found)} L3 objects named {h}"
+    assert len(found) == 1, f"page {page}: {len(found)} L3 objects named {h} under {root}"
     return found[0]
 
 
