@@ -85,28 +85,21 @@ class _Save:
     stage: JobKind = JobKind.SAVE
 
 
-class ConnectorScheduler:
-    """The scheduler half (see the module docstring)."""
+class ConnectorJobs:
+    """What both L2 strategies share: the plan queue, job ids, reports per rank, counters,
+    the cost decision and events. Subclasses: ``ConnectorScheduler`` (the connector's own
+    L2, indexed here) and ``hicache.cache.connector_shared.SharedConnectorScheduler``
+    (the node service's segment, indexed by the service)."""
 
-    def __init__(self, layout: KVLayout, host_pages: int, *, storage=None, cost: CostModel | None = None,
-                 ranks: int = 1, layerwise: bool = False, probe_budget_s: float | None = 0.05,
-                 host_eviction: str = "lru"):
-        """``storage``: an L3 backend used for probes only (the workers read and write
-        it); ``ranks``: workers that report each job; ``layerwise``: L2-only hits
-        load synchronously, waited for per layer in the step's forward."""
-        if host_pages < 1:
-            raise ConfigError(f"the connector's L2 needs host_pages >= 1, got {host_pages}")
+    storage = None  # an L3 this half probes (None: none, or the service's, behind its L2)
+
+    def __init__(self, layout: KVLayout, *, cost: CostModel | None, ranks: int, layerwise: bool):
         self.layout = layout
-        self.page_size = ps = layout.page_size
-        self.cache = PrefixCache(layout, PageAllocator(0, "L1"), PageAllocator(host_pages, "L2"),
-                                 eviction="lru", host_eviction=host_eviction)
-        self.tiers = TierManager(self.cache, debug_states=False)
-        self.storage = storage
+        self.page_size = layout.page_size
         self.cost = cost or CostModel(bytes_per_token=layout.token_bytes, enabled=False)
         self.ranks = ranks
         self.layerwise = layerwise
-        self.probe_budget_s = probe_budget_s
-        self._ps4 = 4 * ps
+        self._ps4 = 4 * layout.page_size
         self._hits: dict[str, tuple[Hit, int]] = {}  # rid -> (its last lookup, the engine hit it continued)
         self._loads: dict[int, _Load] = {}  # job -> in-flight load
         self._saves: dict[int, _Save] = {}
@@ -119,6 +112,116 @@ class ConnectorScheduler:
         self._hit_tokens = {"L2": 0, "L3": 0}
         self._c = dict(loaded=0, load_errors=0, saved=0, save_dropped=0, stored=0)
         self.events = EventLog()
+
+    def _decide(self, rid: str, engine_hit: int, l2_new: int, l3_new: int) -> Hit:
+        """The cost model's verdict on a hit of ``l2_new`` + ``l3_new`` pages beyond ``engine_hit``."""
+        ps = self.page_size
+        if not l2_new and not l3_new:
+            self._hits.pop(rid, None)
+            return Hit(0, 0, 0, False)
+        d = self.cost.decide(l2_new * ps, l3_new * ps)
+        if not d.load_l2:
+            l2_new = l3_new = 0
+        elif not d.load_l3:
+            l3_new = 0
+        hit = Hit((l2_new + l3_new) * ps, l2_new * ps, l3_new * ps, bool(l3_new) or not self.layerwise, d)
+        self._hits[rid] = (hit, engine_hit)
+        return hit if hit.tokens else Hit(0, 0, 0, False, d)
+
+    def _hashes(self, key: bytes, namespace: str, num_pages: int) -> list[PageHash]:
+        return raw_page_hashes(key[:num_pages * self._ps4], self.page_size, namespace_root(namespace))
+
+    def _queue_load(self, rid: str, ld: "_Load") -> LoadSpec:
+        spec = ld.spec
+        self._loads[spec.job] = ld
+        self._loading[rid] = spec.job
+        ps = self.page_size
+        l2, l3 = len(spec.host) * ps, len(spec.l3_host) * ps
+        self._sources[rid] = {"L2": l2, "L3": l3}
+        self._hit_tokens["L2"] += l2
+        self._hit_tokens["L3"] += l3
+        self._plan_loads.append(spec)
+        return spec
+
+    def _count_load(self, ld: "_Load", ok_pages: int) -> None:
+        self._c["loaded"] += ok_pages
+        self._c["load_errors"] += len(ld.spec.blocks) - ok_pages
+        for r in ld.reports:
+            if r.ok and r.seconds > 0 and r.nbytes:
+                self.cost.bandwidth.observe("L2", r.nbytes, r.seconds)
+            if r.l3_seconds > 0 and r.pages:
+                self.cost.bandwidth.observe("L3", r.pages * self.layout.page_bytes, r.l3_seconds)
+
+
+    def hit_sources(self, rid: str) -> dict[str, int]:
+        """Tokens of ``rid``'s last allocated load by source (``{"L2": n, "L3": n}``; pages
+        that cannot be served are in neither). Pure."""
+        return dict(self._sources.get(rid, {}))
+
+    def _job(self) -> int:
+        self._next_job += 1
+        return self._next_job
+
+    def take_plan(self) -> StepPlan:
+        """The loads and saves queued since the last call (for every worker)."""
+        plan = StepPlan(tuple(self._plan_loads), tuple(self._plan_saves))
+        self._plan_loads, self._plan_saves = [], []
+        return plan
+
+    def completed(self, reports) -> None:
+        """Hand the workers' reports of a step; a job completes once every rank reported."""
+        for r in reports:
+            if r.kind is JobKind.LOAD:
+                ld = self._loads.get(r.job)
+                if ld is None:
+                    raise CacheStateError(f"a worker reported load job {r.job}, which is not in flight")
+                ld.reports.append(r)
+                if len(ld.reports) == self.ranks:
+                    self._complete_load(self._loads.pop(r.job))
+            else:
+                sv = self._saves.get(r.job)
+                if sv is None or sv.stage is not r.kind:
+                    raise CacheStateError(f"a worker reported {r.kind} of job {r.job}, which is not in that stage")
+                sv.reports.append(r)
+                if len(sv.reports) == self.ranks:
+                    self._complete_save(sv) if r.kind is JobKind.SAVE else self._complete_store(sv)
+
+    def take_events(self) -> list[PageEvent]:
+        """Pages stored to / removed from L2 and stored to L3 since the last call."""
+        return self.events.take()
+
+    def loading(self, rid: str) -> bool:
+        """``rid`` has a load in flight (its blocks are being written)."""
+        return rid in self._loading
+
+    def stats(self) -> ConnectorStats:
+        c = self._c
+        return ConnectorStats(self._lookups, dict(self._hit_tokens), c["loaded"], c["load_errors"], c["saved"],
+                              c["save_dropped"], c["stored"], self.cost.stats.as_dict())
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs not yet reported by every rank."""
+        return len(self._loads) + len(self._saves)
+
+
+class ConnectorScheduler(ConnectorJobs):
+    """The scheduler half over the connector's own L2 (see the module docstring)."""
+
+    def __init__(self, layout: KVLayout, host_pages: int, *, storage=None, cost: CostModel | None = None,
+                 ranks: int = 1, layerwise: bool = False, probe_budget_s: float | None = 0.05,
+                 host_eviction: str = "lru"):
+        """``storage``: an L3 backend used for probes only (the workers read and write
+        it); ``ranks``: workers that report each job; ``layerwise``: L2-only hits
+        load synchronously, waited for per layer in the step's forward."""
+        if host_pages < 1:
+            raise ConfigError(f"the connector's L2 needs host_pages >= 1, got {host_pages}")
+        super().__init__(layout, cost=cost, ranks=ranks, layerwise=layerwise)
+        self.cache = PrefixCache(layout, PageAllocator(0, "L1"), PageAllocator(host_pages, "L2"),
+                                 eviction="lru", host_eviction=host_eviction)
+        self.tiers = TierManager(self.cache, debug_states=False)
+        self.storage = storage
+        self.probe_budget_s = probe_budget_s
 
     # ------------------------------------------------------------- admission
     def lookup(self, rid: str, tokens, engine_hit: int, namespace: str = "") -> Hit:
@@ -137,20 +240,7 @@ class ConnectorScheduler:
             hashes = self._hashes(key, namespace, cap)
             l3 = self.storage.prefix_hits(hashes[l2:cap], self.probe_budget_s)
         l2_new, l3_new = max(0, l2 - first), (l3 if l2 >= first else max(0, l2 + l3 - first))
-        if not l2_new and not l3_new:
-            self._hits.pop(rid, None)
-            return Hit(0, 0, 0, False)
-        d = self.cost.decide(l2_new * ps, l3_new * ps)
-        if not d.load_l2:
-            l2_new = l3_new = 0
-        elif not d.load_l3:
-            l3_new = 0
-        hit = Hit((l2_new + l3_new) * ps, l2_new * ps, l3_new * ps, bool(l3_new) or not self.layerwise, d)
-        self._hits[rid] = (hit, engine_hit)
-        return hit if hit.tokens else Hit(0, 0, 0, False, d)
-
-    def _hashes(self, key: bytes, namespace: str, num_pages: int) -> list[PageHash]:
-        return raw_page_hashes(key[:num_pages * self._ps4], self.page_size, namespace_root(namespace))
+        return self._decide(rid, engine_hit, l2_new, l3_new)
 
     def allocated(self, rid: str, tokens, block_ids, num_external: int, namespace: str = "",
                   keys=()) -> LoadSpec | None:
@@ -187,25 +277,9 @@ class ConnectorScheduler:
             prefetch = self.tiers.prepare_prefetch(key, namespace, l3_from, hashes)
             if prefetch is not None:
                 l3_host, l3_hashes = tuple(prefetch.host), tuple(hashes)
-        job = self._job()
-        spec = LoadSpec(job, rid, blocks, host, l3_host, l3_hashes, layerwise=not hit.is_async)
+        spec = LoadSpec(self._job(), rid, blocks, host, l3_host, l3_hashes, layerwise=not hit.is_async)
         ev = _event_fields(keys, tokens, l3_from, l3_from + len(l3_host), ps)
-        self._loads[job] = _Load(rid, spec, anchor, prefetch, *ev)
-        self._loading[rid] = job
-        self._sources[rid] = {"L2": len(host) * ps, "L3": len(l3_host) * ps}
-        self._hit_tokens["L2"] += len(host) * ps
-        self._hit_tokens["L3"] += len(l3_host) * ps
-        self._plan_loads.append(spec)
-        return spec
-
-    def hit_sources(self, rid: str) -> dict[str, int]:
-        """Tokens of ``rid``'s last allocated load by source (``{"L2": n, "L3": n}``; pages
-        that cannot be served are in neither). Pure."""
-        return dict(self._sources.get(rid, {}))
-
-    def _job(self) -> int:
-        self._next_job += 1
-        return self._next_job
+        return self._queue_load(rid, _Load(rid, spec, anchor, prefetch, *ev))
 
     # ------------------------------------------------------------- storing
     def finished(self, rid: str, tokens, computed_tokens: int, block_ids, namespace: str = "", keys=()) -> bool:
@@ -246,31 +320,7 @@ class ConnectorScheduler:
         self._plan_saves.append(spec)
         return True
 
-    def take_plan(self) -> StepPlan:
-        """The loads and saves queued since the last call (for every worker)."""
-        plan = StepPlan(tuple(self._plan_loads), tuple(self._plan_saves))
-        self._plan_loads, self._plan_saves = [], []
-        return plan
-
     # ------------------------------------------------------------- completion
-    def completed(self, reports) -> None:
-        """Hand the workers' reports of a step; a job completes once every rank reported."""
-        for r in reports:
-            if r.kind is JobKind.LOAD:
-                ld = self._loads.get(r.job)
-                if ld is None:
-                    raise CacheStateError(f"a worker reported load job {r.job}, which is not in flight")
-                ld.reports.append(r)
-                if len(ld.reports) == self.ranks:
-                    self._complete_load(self._loads.pop(r.job))
-            else:
-                sv = self._saves.get(r.job)
-                if sv is None or sv.stage is not r.kind:
-                    raise CacheStateError(f"a worker reported {r.kind} of job {r.job}, which is not in that stage")
-                sv.reports.append(r)
-                if len(sv.reports) == self.ranks:
-                    self._complete_save(sv) if r.kind is JobKind.SAVE else self._complete_store(sv)
-
     def _complete_load(self, ld: _Load) -> None:
         if self._loading.get(ld.rid) == ld.spec.job:
             del self._loading[ld.rid]
@@ -285,14 +335,7 @@ class ConnectorScheduler:
                 a, b = held[0], held[-1] + 1
                 self.events.stored(L2, ld.keys[a:b], ld.keys[a - 1] if a else ld.parent,
                                    ld.tokens[a * self.page_size:b * self.page_size], ld.prefetch.host[a:b])
-        ok_pages = (len(ld.spec.host) + landed) if all(r.ok for r in ld.reports) else 0
-        self._c["loaded"] += ok_pages
-        self._c["load_errors"] += len(ld.spec.blocks) - ok_pages
-        for r in ld.reports:
-            if r.ok and r.seconds > 0 and r.nbytes:
-                self.cost.bandwidth.observe("L2", r.nbytes, r.seconds)
-            if r.l3_seconds > 0 and r.pages:
-                self.cost.bandwidth.observe("L3", r.pages * self.layout.page_bytes, r.l3_seconds)
+        self._count_load(ld, (len(ld.spec.host) + landed) if all(r.ok for r in ld.reports) else 0)
 
     def _complete_save(self, sv: _Save) -> None:
         """Every rank copied the blocks (or one failed): index the pages, then wait for L3."""
@@ -336,29 +379,11 @@ class ConnectorScheduler:
         if short > 0:
             self.events.removed_l2(self.tiers.evict_host(short))
 
-    def take_events(self) -> list[PageEvent]:
-        """Pages stored to / removed from L2 and stored to L3 since the last call."""
-        return self.events.take()
-
     def _free_host(self, ids: list[HostPageId]) -> None:
         if ids:
             self.cache.host_allocator.free(ids)
 
     # ------------------------------------------------------------- state
-    def loading(self, rid: str) -> bool:
-        """``rid`` has a load in flight (its blocks are being written)."""
-        return rid in self._loading
-
-    def stats(self) -> ConnectorStats:
-        c = self._c
-        return ConnectorStats(self._lookups, dict(self._hit_tokens), c["loaded"], c["load_errors"], c["saved"],
-                              c["save_dropped"], c["stored"], self.cost.stats.as_dict())
-
-    @property
-    def in_flight(self) -> int:
-        """Jobs not yet reported by every rank."""
-        return len(self._loads) + len(self._saves)
-
     def check_integrity(self) -> None:
         """Index invariants, with the L2 pages jobs hold outside it (``IntegrityError``)."""
         held: list[int] = list(self.tiers.host_in_flight)  # the L3 parts' reserved pages
