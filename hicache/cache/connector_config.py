@@ -9,6 +9,9 @@ over ``HICACHE_*`` and ``$HICACHE_CONFIG`` as everywhere in hicache) and:
   waits) or ``"layerwise"`` (L2-only hits load inside the step's forward,
   waited for per layer; hits with an L3 part stay asynchronous);
 * ``host_bytes``: size L2 in bytes instead of ``pool.host_pages``.
+
+``storage.url = "hicache+unix:///path.sock"`` makes L2 the node service's shared
+segment (its L3 sits behind it); otherwise L2 is the connector's own pool.
 """
 from __future__ import annotations
 
@@ -61,10 +64,21 @@ class ConnectorSettings:
                               f"{layout.page_bytes} bytes; give at least one page")
         return n
 
+    @property
+    def shared(self) -> bool:
+        """L2 is the node service's segment (``storage.url = hicache+unix:///path.sock``)."""
+        from hicache.client.link import SCHEME
+        return self.config.storage.url.startswith(SCHEME + ":")
+
+    def open_link(self, layout: KVLayout, device: str):
+        """Map the node service's segment (``ServiceHostTier``; ``ConfigError`` when no service answers)."""
+        from hicache.tiers.l2.segment import ServiceHostTier
+        return ServiceHostTier.open(self.config, layout, device)
+
     def open_l3(self, layout: KVLayout):
-        """The L3 backend of ``storage.url`` for ``layout`` (None: no L3)."""
+        """The L3 backend of ``storage.url`` for ``layout`` (None: no L3, or the service's behind its segment)."""
         s = self.config.storage
-        if not s.url:
+        if not s.url or self.shared:
             return None
         from hicache.storage import open_storage
         from hicache.storage.capacity import backend_options

@@ -49,10 +49,13 @@ class ConnectorWorker:
     """One rank's mover (see the module docstring)."""
 
     def __init__(self, layout: KVLayout, host_pages: int, *, rank: int = 0, storage=None,
-                 pin: bool | None = None):
+                 pin: bool | None = None, link=None):
+        """``link``: the node service's segment (``ServiceHostTier``), mapped as this rank's
+        L2 instead of a pool of ``host_pages`` of its own."""
         self.layout = layout
         self.rank = rank
-        self.host_pool = HostPool(layout, host_pages, pin=pin)
+        self.link = link
+        self.host_pool = link.pool if link is not None else HostPool(layout, host_pages, pin=pin)
         self.storage = storage
         self.transfers: TransferController | None = None
         self._jobs: dict[int, _Load | _Save] = {}  # transfer job -> what it serves
@@ -202,3 +205,5 @@ class ConnectorWorker:
             self.transfers.close()
         if self.storage is not None:
             self.storage.close()
+        if self.link is not None:
+            self.link.close()

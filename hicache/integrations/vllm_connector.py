@@ -36,6 +36,7 @@ from hicache.cache.connector import ConnectorScheduler
 from hicache.cache.connector_config import ConnectorSettings
 from hicache.cache.connector_events import L2
 from hicache.cache.connector_plan import JobReport, StepPlan
+from hicache.cache.connector_shared import SharedConnectorScheduler
 from hicache.cache.connector_worker import ConnectorWorker
 from hicache.core.errors import ConfigError
 from hicache.core.layout import KVLayout
@@ -160,17 +161,25 @@ class HiCacheConnector(KVConnectorBase_V1):
         self._layer_index = {n: i for i, n in enumerate(self._layer_names)}
         url = s.config.storage.url
         self._l3_source = CacheHitSource.DISK if url.startswith("file:") else CacheHitSource.EXTERNAL_UNSPECIFIED
-        self.scheduler: ConnectorScheduler | None = None
+        self.scheduler: ConnectorScheduler | SharedConnectorScheduler | None = None
         self.worker: ConnectorWorker | None = None
+        ranks = vllm_config.parallel_config.tensor_parallel_size
+        device = "cuda" if torch.cuda.is_available() else "cpu"
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = ConnectorScheduler(
-                layout, s.host_pages(layout), storage=s.open_l3(layout), cost=s.cost_model(layout),
-                ranks=vllm_config.parallel_config.tensor_parallel_size, layerwise=s.layerwise,
-                probe_budget_s=s.probe_budget_s(), host_eviction=s.config.policy.host_eviction)
+            if s.shared:
+                self.scheduler = SharedConnectorScheduler(
+                    layout, s.open_link(layout, "cpu"), cost=s.cost_model(layout), ranks=ranks,
+                    layerwise=s.layerwise, fetch_wait_ms=int(s.probe_budget_s() * 1e3))
+            else:
+                self.scheduler = ConnectorScheduler(
+                    layout, s.host_pages(layout), storage=s.open_l3(layout), cost=s.cost_model(layout),
+                    ranks=ranks, layerwise=s.layerwise, probe_budget_s=s.probe_budget_s(),
+                    host_eviction=s.config.policy.host_eviction)
             self._reported: dict[str, int] = {}
         else:
-            self.worker = ConnectorWorker(layout, s.host_pages(layout), rank=layout.tp_rank,
-                                          storage=s.open_l3(layout))
+            link = s.open_link(layout, device) if s.shared else None
+            self.worker = ConnectorWorker(layout, 0 if s.shared else s.host_pages(layout), rank=layout.tp_rank,
+                                          storage=s.open_l3(layout), link=link)
         self._load_errors: set[int] = set()
         self._reports: list[JobReport] = []
 
@@ -211,6 +220,10 @@ class HiCacheConnector(KVConnectorBase_V1):
     def shutdown(self):
         if self.worker is not None:
             self.worker.close()
+        elif isinstance(self.scheduler, SharedConnectorScheduler):
+            self.scheduler.close()
+        elif self.scheduler.storage is not None:
+            self.scheduler.storage.close()
 
     # ------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:

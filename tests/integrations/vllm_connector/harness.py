@@ -329,8 +329,7 @@ class Engine:
     def close(self) -> None:
         for w in self.workers:
             w.shutdown()
-        if self.core.storage is not None:
-            self.core.storage.close()
+        self.connector.shutdown()
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -349,5 +348,8 @@ def l3_object(root, prompt: list[int], page: int):
 
 
 def host_pins(eng: Engine) -> int:
-    """L2 pins the connector's index holds (0 once idle)."""
+    """L2 pins the connector holds (0 once idle): its index's, or the service pages its jobs hold."""
+    from hicache.cache.connector_shared import SharedConnectorScheduler
+    if isinstance(eng.core, SharedConnectorScheduler):
+        return len(eng.core._held)
     return sum(n.host_lock_ref for n in eng.core.cache.nodes())
