@@ -3,6 +3,8 @@ own prefix cache, byte-exact loads from L2 and L3 (``harness.Engine`` checks eve
 computed token's bytes in every forward), chunked prefill, the cost model."""
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
 from hicache.memory.paged_kv import VLLM_LAYOUTS
@@ -32,7 +34,12 @@ def test_store_then_floored_hit_loads_exact(load):
     eng.reset_vllm_prefix_cache()
     q = p[:4 * BLOCK + 5] + tokens(2, 20)  # shares 4 whole pages and 5 tokens of the fifth
     eng.add("r2", q)
-    eng.run()
+    plans = []
+    eng.run(between=lambda so: plans.append(so.kv_connector_metadata))
+    # What crosses to the workers is plain data: it survives pickling (vLLM's executors) unchanged.
+    loads = [m for m in plans if m.plan.loads]
+    assert len(loads) == 1 and pickle.loads(pickle.dumps(loads[0])) == loads[0]
+    assert loads[0].plan.loads[0].host == (0, 1, 2, 3) and len(loads[0].plan.loads[0].blocks) == 4
     assert eng.lookups[-1] == ("r2", 0, 4 * BLOCK, load == "async")
     s = eng.core.stats()
     assert s.loaded_pages == 4 and s.load_error_pages == 0 and s.hit_tokens["L2"] == 4 * BLOCK
