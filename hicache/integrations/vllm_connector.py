@@ -183,6 +183,11 @@ class HiCacheConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._reports: list[JobReport] = []
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A cache, not a hand-off: a save dropped by a preemption is a later miss."""
+        return False
+
     # ------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         self.worker.register(adopt_paged_kv(self.layout, [kv_caches[n] for n in self._layer_names]))
