@@ -302,15 +302,17 @@ class ConnectorScheduler(ConnectorJobs):
         have = m.host_tokens // ps
         if have >= n:
             return False
+        anchor = None
+        if have:  # pinned before making room, which must not evict the prefix the save continues
+            anchor = self.cache.split_at(m.host_node, have - m.host_node.start_page)
+            self.cache.inc_host_lock(anchor)
         self._evict(n - have)
         host = self.tiers.alloc_host(n - have)
         if host is None:
+            if anchor is not None:
+                self.cache.dec_host_lock(anchor)
             self._c["save_dropped"] += n - have
             return False
-        anchor = None
-        if have:
-            anchor = self.cache.split_at(m.host_node, have - m.host_node.start_page)
-            self.cache.inc_host_lock(anchor)
         hashes = tuple(self._hashes(key, namespace, n)[have:]) if self.storage is not None else ()
         job = self._job()
         spec = SaveSpec(job, rid, tuple(int(b) for b in block_ids[have:n]), tuple(host), hashes)

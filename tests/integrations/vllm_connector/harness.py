@@ -299,14 +299,17 @@ class Engine:
         self.checked_tokens += checked
         return StepLog(dict(so.num_scheduled_tokens), set(sending or ()), set(recving or ()), invalid, checked)
 
-    def run(self, max_steps: int = 200, between=None) -> list[StepLog]:
-        """Step until vLLM has nothing left and the connector no job in flight."""
+    def run(self, max_steps: int = 200, between=None, integrity: bool = False) -> list[StepLog]:
+        """Step until vLLM has nothing left and the connector no job in flight
+        (``integrity``: check both halves' invariants after every step)."""
         logs = []
         for _ in range(max_steps):
             idle = not self.scheduler.has_unfinished_requests() and not self.scheduler.has_finished_requests()
             if idle and self.core.in_flight == 0 and not any(w.worker.in_flight for w in self.workers):
                 return logs
             logs.append(self.step(between))
+            if integrity:
+                self.check_integrity()
             if not logs[-1].scheduled:
                 time.sleep(0.002)  # copies run on the transfer thread
         raise AssertionError(f"not idle after {max_steps} steps: {len(self.scheduler.requests)} requests, "

@@ -180,3 +180,27 @@ def test_kv_events_name_vllms_block_hashes_and_the_medium(tmp_path):
     gone = [e for e in eng.events[n:] if isinstance(e, BlockRemoved)]
     assert [(e.medium, sorted(e.block_hashes)) for e in gone] == [("CPU", sorted(h(r3, 0, 4)))]
     finish_idle(eng)
+
+
+@pytest.mark.parametrize("seed", [5, 6, 7])
+def test_mixed_workload_under_l2_and_vllm_block_pressure(seed, tmp_path):
+    """Conversations sharing prefixes, arriving while others decode, with L2 and vLLM's blocks
+    both too small for the working set: saves race, L2 evicts under pins, vLLM preempts; every
+    computed token's bytes and both halves' invariants are checked after every step."""
+    import random
+    rnd = random.Random(seed)
+    eng = Engine(extra(tmp_path, host_pages=10), num_blocks=16, tokens_per_step=48)
+    roots = [tokens(80 + i, 3 * BLOCK) for i in range(6)]
+    reqs = []
+    for i in range(20):
+        prompt = rnd.choice(roots)[:rnd.choice([BLOCK, 2 * BLOCK, 3 * BLOCK])] + tokens(90 + i, rnd.randint(3, 40))
+        reqs.append(eng.add(f"m{i}", prompt, max_tokens=rnd.randint(1, 12)))
+        for _ in range(rnd.randint(0, 3)):
+            eng.step()
+            eng.check_integrity()
+    eng.run(max_steps=400, integrity=True)
+    assert all(r.is_finished() for r in reqs)
+    s = eng.core.stats()
+    assert s.loaded_pages > 0 and s.load_error_pages == 0 and s.save_dropped_pages > 0 and eng.checked_tokens > 0
+    assert s.hit_tokens["L3"] > 0  # L2 (10 pages) evicted under the working set; L3 served
+    finish_idle(eng)
