@@ -236,9 +236,10 @@ class ConnectorScheduler(ConnectorJobs):
         m = self.cache.match(key, namespace, max_tokens=cap * ps)
         l2 = m.host_tokens // ps
         l3 = 0
-        if self.storage is not None and l2 < cap:
+        room = self._staging_room()
+        if self.storage is not None and l2 < cap and room:
             hashes = self._hashes(key, namespace, cap)
-            l3 = self.storage.prefix_hits(hashes[l2:cap], self.probe_budget_s)
+            l3 = min(room, self.storage.prefix_hits(hashes[l2:cap], self.probe_budget_s))
         l2_new, l3_new = max(0, l2 - first), (l3 if l2 >= first else max(0, l2 + l3 - first))
         return self._decide(rid, engine_hit, l2_new, l3_new)
 
@@ -374,6 +375,13 @@ class ConnectorScheduler(ConnectorJobs):
                 self.events.stored(L3, sv.keys, sv.parent, sv.tokens)
             self.cache.dec_host_lock(sv.node)
         self._free_host(sv.unused)
+
+    def _staging_room(self) -> int:
+        """L2 pages an L3 part could be staged in now: those no job reserved (pinned
+        indexed pages are counted too, so an allocation may still come up short)."""
+        reserved = len(self.tiers.host_in_flight) + sum(len(sv.spec.host) for sv in self._saves.values()
+                                                        if sv.stage is JobKind.SAVE)
+        return max(0, self.cache.host_allocator.capacity - reserved)
 
     def _evict(self, n: int) -> None:
         """Make ``n`` L2 pages free (unpinned pages go, least recently used first)."""

@@ -312,8 +312,9 @@ class Engine:
                 self.check_integrity()
             if not logs[-1].scheduled:
                 time.sleep(0.002)  # copies run on the transfer thread
-        raise AssertionError(f"not idle after {max_steps} steps: {len(self.scheduler.requests)} requests, "
-                             f"{self.core.in_flight} connector jobs")
+        left = {r: (q.status.name, q.num_computed_tokens, q.num_tokens) for r, q in self.scheduler.requests.items()}
+        raise AssertionError(f"not idle after {max_steps} steps: requests {left}, {self.core.in_flight} connector "
+                             f"jobs, loading {sorted(self.core._loading)}, last step {logs[-1]}")
 
     @property
     def core(self):
