@@ -14,7 +14,6 @@ is one vLLM block.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -30,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hicache.cache.connector import ConnectorScheduler
@@ -39,10 +39,12 @@ from hicache.cache.connector_plan import JobReport, StepPlan
 from hicache.cache.connector_shared import SharedConnectorScheduler
 from hicache.cache.connector_worker import ConnectorWorker
 from hicache.core.errors import ConfigError
+from hicache.core.redact import redact_url
 from hicache.core.layout import KVLayout
 from hicache.memory.paged_kv import adopt_paged_kv
 
-log = logging.getLogger(__name__)
+# Under vLLM's own logger tree, so the start line shows in vLLM's log at its default level.
+log = init_logger("vllm.hicache_connector")
 
 __all__ = ["HiCacheConnector", "HiCacheConnectorMetadata", "HiCacheWorkerMetadata", "HiCacheConnectorStats",
            "layout_of"]
@@ -182,6 +184,10 @@ class HiCacheConnector(KVConnectorBase_V1):
                                           storage=s.open_l3(layout), link=link)
         self._load_errors: set[int] = set()
         self._reports: list[JobReport] = []
+        l2 = (f"the node segment at {url}" if s.shared else f"{s.host_pages(layout)} pages of {layout.page_bytes} B")
+        log.info("HiCacheConnector started (%s, rank %d): L2 %s, L3 %s, load %s, %d layers x %d-token pages",
+                 role.name.lower(), layout.tp_rank, l2, redact_url(url) if url and not s.shared else "none",
+                 "layerwise" if s.layerwise else "async", layout.num_layers, layout.page_size)
 
     @property
     def requires_kv_delivery(self) -> bool:
