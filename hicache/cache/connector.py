@@ -82,6 +82,7 @@ class _Save:
     parent: object | None = None
     tokens: tuple[int, ...] = ()
     reports: list[JobReport] = dataclasses.field(default_factory=list)
+    early: list[JobReport] = dataclasses.field(default_factory=list)  # STORE reports that came before the last SAVE
     stage: JobKind = JobKind.SAVE
 
 
@@ -180,8 +181,11 @@ class ConnectorJobs:
                     self._complete_load(self._loads.pop(r.job))
             else:
                 sv = self._saves.get(r.job)
-                if sv is None or sv.stage is not r.kind:
+                if sv is None or (r.kind is JobKind.SAVE and sv.stage is not JobKind.SAVE):
                     raise CacheStateError(f"a worker reported {r.kind} of job {r.job}, which is not in that stage")
+                if sv.stage is not r.kind:  # a fast rank's L3 report before a slow rank's copy report
+                    sv.early.append(r)
+                    continue
                 sv.reports.append(r)
                 if len(sv.reports) == self.ranks:
                     self._complete_save(sv) if r.kind is JobKind.SAVE else self._complete_store(sv)
@@ -364,6 +368,9 @@ class ConnectorScheduler(ConnectorJobs):
         sv.node, sv.unused, sv.stage = node, unused, JobKind.STORE
         if node is not None:
             self.cache.inc_host_lock(node)  # L3 reads these pages until every rank stored them
+        sv.reports, sv.early = sv.early, []
+        if len(sv.reports) == self.ranks:
+            self._complete_store(sv)
 
     def _complete_store(self, sv: _Save) -> None:
         del self._saves[sv.spec.job]

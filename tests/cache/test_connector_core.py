@@ -122,3 +122,25 @@ def test_a_corrupt_l3_page_and_the_pages_after_it_are_load_errors(device, tmp_pa
 def _hash_hex(tokens, page: int) -> str:
     from hicache.core.hashing import page_hashes
     return page_hashes(tokens[:(page + 1) * PS], PS)[page].hex()
+
+
+def test_a_fast_ranks_l3_report_before_a_slow_ranks_copy_report(tmp_path):
+    """TP: rank 0 copied and stored to L3 before rank 1 finished copying (one step's reports,
+    or across steps): the save completes in order and indexes its pages once."""
+    from hicache.cache.connector_plan import JobKind, JobReport
+    layout = layout_of("llama-3.1-8b", layers=2)
+    sched = ConnectorScheduler(layout, 8, ranks=2, storage=open_storage(
+        f"file://{tmp_path}", fingerprint=layout.fingerprint(), layout=layout))
+    tokens = list(range(3, 3 + 2 * PS + 1))
+    assert sched.finished("a", tokens, len(tokens), [4, 5])
+    (save,) = sched.take_plan().saves
+    j = save.job
+    sched.completed([JobReport(j, 0, JobKind.SAVE, True), JobReport(j, 0, JobKind.STORE, True, 2)])
+    sched.check_integrity()
+    sched.completed([JobReport(j, 1, JobKind.SAVE, True)])
+    assert sched.stats().saved_pages == 2 and sched.in_flight == 1
+    sched.completed([JobReport(j, 1, JobKind.STORE, True, 2)])
+    s = sched.stats()
+    assert (s.saved_pages, s.stored_pages, sched.in_flight) == (2, 2, 0)
+    assert sched.lookup("b", tokens, 0).l2_tokens == 2 * PS
+    sched.check_integrity()
