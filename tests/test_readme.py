@@ -309,3 +309,10 @@ def test_service_rest_reference_curls_answer(tmp_path):
                 assert status.stdout == "401", (bare, status.stdout)
     finally:
         _stop_serve(serve)
+
+
+def test_vllm_connector_serve_line():
+    """docs/vllm-connector.md's ``vllm serve`` line through vLLM's own CLI parser, config and
+    scheduler (tests/integrations/vllm_connector/test_docs_serve_line.py, inside .venv-vllm)."""
+    from tests.integrations.test_vllm_suites import _run
+    _run(["tests/integrations/vllm_connector/test_docs_serve_line.py"], ROOT, timeout=600)

@@ -4,4 +4,5 @@ from the main ``.venv``. Where an engine is not importable, its folder is not
 collected (the folder itself: its conftest imports the engine)."""
 import importlib.util
 
-collect_ignore_glob = [engine for engine in ("vllm", "sglang") if importlib.util.find_spec(engine) is None]
+collect_ignore_glob = [folder for folder, engine in (("vllm", "vllm"), ("vllm_connector", "vllm"), ("sglang", "sglang"))
+                       if importlib.util.find_spec(engine) is None]

@@ -1,0 +1,421 @@
+"""Scheduler half of an engine KV connector over hicache's index (no engine imports).
+
+The engine owns L1 (its paged KV blocks and its own prefix cache); this index
+holds L2 (host pages, in every worker's host pool) and knows which pages L3
+holds. Per request, in the engine scheduler's order::
+
+    hit = s.lookup(rid, tokens, engine_hit)      # page-floored hit beyond the engine's own
+    s.allocated(rid, block_ids, hit.tokens)      # pin L2, reserve L2 for the L3 part
+    plan = s.take_plan()                         # -> every worker (plain data)
+    s.completed(reports)                         # workers' JobReports, every step
+    delay = s.finished(rid, tokens, computed, block_ids)   # store the computed full pages
+
+Blocks are pages (engine block size == page size). Loads and saves are jobs
+that finish when every rank reported (``ranks``); until then their L2 pages
+are pinned. Not thread-safe: the engine's scheduler thread calls everything.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+from hicache.cache.connector_events import L2, L3, EventLog, PageEvent
+from hicache.cache.connector_plan import JobKind, JobReport, LoadSpec, SaveSpec, StepPlan
+from hicache.core.errors import CacheStateError, ConfigError, IntegrityError
+from hicache.core.hashing import namespace_root, raw_page_hashes
+from hicache.core.layout import KVLayout
+from hicache.core.types import HostPageId, PageHash
+from hicache.index.node import Node
+from hicache.index.prefix_cache import PrefixCache, as_key
+from hicache.memory.allocator import PageAllocator
+from hicache.tiers.cost import CostModel, Decision
+from hicache.tiers.manager import TierManager
+from hicache.transfer.plans import PrefetchPlan
+
+
+class Hit(NamedTuple):
+    """``lookup``'s answer: tokens to load beyond the engine's own hit (whole pages)."""
+
+    tokens: int  # l2_tokens + l3_tokens
+    l2_tokens: int  # from L2
+    l3_tokens: int  # from L3, continuing the L2 part
+    is_async: bool  # the load runs between steps (the request waits for it)
+    decision: Decision | None = None  # the cost model's, None when there was nothing to judge
+
+
+class ConnectorStats(NamedTuple):
+    """Counters since start (a snapshot)."""
+
+    lookups: int
+    hit_tokens: dict[str, int]  # tokens admitted for loading, by source ("L2", "L3")
+    loaded_pages: int  # pages that reached engine blocks (every rank)
+    load_error_pages: int  # pages reported to the engine as failed loads (it recomputes them)
+    saved_pages: int  # pages copied to L2 and indexed
+    save_dropped_pages: int  # pages not saved: no L2 room, or a failed copy
+    stored_pages: int  # pages L3 accepted
+    decisions: dict[str, int]  # the cost model's choices (hicache.core.stats.AdmissionStats)
+
+
+@dataclasses.dataclass(slots=True)
+class _Load:
+    rid: str
+    spec: LoadSpec
+    anchor: Node | None  # L2 path pinned for the L2 part
+    prefetch: PrefetchPlan | None  # L2 pages reserved for the L3 part
+    keys: tuple = ()  # the engine's keys of the L3 part's pages (events)
+    parent: object | None = None
+    tokens: tuple[int, ...] = ()
+    reports: list[JobReport] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(slots=True)
+class _Save:
+    rid: str
+    spec: SaveSpec
+    key: bytes  # the request's key up to the saved pages' end
+    namespace: str
+    first_page: int
+    anchor: Node | None  # pages before first_page, pinned on L2 until the save is indexed
+    node: Node | None = None  # what the index took (pinned on L2 while L3 reads it)
+    unused: list[HostPageId] = dataclasses.field(default_factory=list)  # freed once L3 read them
+    keys: tuple = ()  # the engine's keys of the saved pages (events)
+    parent: object | None = None
+    tokens: tuple[int, ...] = ()
+    reports: list[JobReport] = dataclasses.field(default_factory=list)
+    early: list[JobReport] = dataclasses.field(default_factory=list)  # STORE reports that came before the last SAVE
+    stage: JobKind = JobKind.SAVE
+
+
+class ConnectorJobs:
+    """What both L2 strategies share: the plan queue, job ids, reports per rank, counters,
+    the cost decision and events. Subclasses: ``ConnectorScheduler`` (the connector's own
+    L2, indexed here) and ``hicache.cache.connector_shared.SharedConnectorScheduler``
+    (the node service's segment, indexed by the service)."""
+
+    storage = None  # an L3 this half probes (None: none, or the service's, behind its L2)
+
+    def __init__(self, layout: KVLayout, *, cost: CostModel | None, ranks: int, layerwise: bool):
+        self.layout = layout
+        self.page_size = layout.page_size
+        self.cost = cost or CostModel(bytes_per_token=layout.token_bytes, enabled=False)
+        self.ranks = ranks
+        self.layerwise = layerwise
+        self._ps4 = 4 * layout.page_size
+        self._hits: dict[str, tuple[Hit, int]] = {}  # rid -> (its last lookup, the engine hit it continued)
+        self._loads: dict[int, _Load] = {}  # job -> in-flight load
+        self._saves: dict[int, _Save] = {}
+        self._loading: dict[str, int] = {}  # rid -> its load's job
+        self._sources: dict[str, dict[str, int]] = {}  # rid -> hit tokens by source, for the engine's stats
+        self._next_job = 0
+        self._plan_loads: list[LoadSpec] = []
+        self._plan_saves: list[SaveSpec] = []
+        self._lookups = 0
+        self._hit_tokens = {"L2": 0, "L3": 0}
+        self._c = dict(loaded=0, load_errors=0, saved=0, save_dropped=0, stored=0)
+        self.events = EventLog()
+
+    def _decide(self, rid: str, engine_hit: int, l2_new: int, l3_new: int) -> Hit:
+        """The cost model's verdict on a hit of ``l2_new`` + ``l3_new`` pages beyond ``engine_hit``."""
+        ps = self.page_size
+        if not l2_new and not l3_new:
+            self._hits.pop(rid, None)
+            return Hit(0, 0, 0, False)
+        d = self.cost.decide(l2_new * ps, l3_new * ps)
+        if not d.load_l2:
+            l2_new = l3_new = 0
+        elif not d.load_l3:
+            l3_new = 0
+        hit = Hit((l2_new + l3_new) * ps, l2_new * ps, l3_new * ps, bool(l3_new) or not self.layerwise, d)
+        self._hits[rid] = (hit, engine_hit)
+        return hit if hit.tokens else Hit(0, 0, 0, False, d)
+
+    def _hashes(self, key: bytes, namespace: str, num_pages: int) -> list[PageHash]:
+        return raw_page_hashes(key[:num_pages * self._ps4], self.page_size, namespace_root(namespace))
+
+    def _queue_load(self, rid: str, ld: "_Load") -> LoadSpec:
+        spec = ld.spec
+        self._loads[spec.job] = ld
+        self._loading[rid] = spec.job
+        ps = self.page_size
+        l2, l3 = len(spec.host) * ps, len(spec.l3_host) * ps
+        self._sources[rid] = {"L2": l2, "L3": l3}
+        self._hit_tokens["L2"] += l2
+        self._hit_tokens["L3"] += l3
+        self._plan_loads.append(spec)
+        return spec
+
+    def _count_load(self, ld: "_Load", ok_pages: int) -> None:
+        self._c["loaded"] += ok_pages
+        self._c["load_errors"] += len(ld.spec.blocks) - ok_pages
+        for r in ld.reports:
+            if r.ok and r.seconds > 0 and r.nbytes:
+                self.cost.bandwidth.observe("L2", r.nbytes, r.seconds)
+            if r.l3_seconds > 0 and r.pages:
+                self.cost.bandwidth.observe("L3", r.pages * self.layout.page_bytes, r.l3_seconds)
+
+
+    def hit_sources(self, rid: str) -> dict[str, int]:
+        """Tokens of ``rid``'s last allocated load by source (``{"L2": n, "L3": n}``; pages
+        that cannot be served are in neither). Pure."""
+        return dict(self._sources.get(rid, {}))
+
+    def _job(self) -> int:
+        self._next_job += 1
+        return self._next_job
+
+    def take_plan(self) -> StepPlan:
+        """The loads and saves queued since the last call (for every worker)."""
+        plan = StepPlan(tuple(self._plan_loads), tuple(self._plan_saves))
+        self._plan_loads, self._plan_saves = [], []
+        return plan
+
+    def completed(self, reports) -> None:
+        """Hand the workers' reports of a step; a job completes once every rank reported."""
+        for r in reports:
+            if r.kind is JobKind.LOAD:
+                ld = self._loads.get(r.job)
+                if ld is None:
+                    raise CacheStateError(f"a worker reported load job {r.job}, which is not in flight")
+                ld.reports.append(r)
+                if len(ld.reports) == self.ranks:
+                    self._complete_load(self._loads.pop(r.job))
+            else:
+                sv = self._saves.get(r.job)
+                if sv is None or (r.kind is JobKind.SAVE and sv.stage is not JobKind.SAVE):
+                    raise CacheStateError(f"a worker reported {r.kind} of job {r.job}, which is not in that stage")
+                if sv.stage is not r.kind:  # a fast rank's L3 report before a slow rank's copy report
+                    sv.early.append(r)
+                    continue
+                sv.reports.append(r)
+                if len(sv.reports) == self.ranks:
+                    self._complete_save(sv) if r.kind is JobKind.SAVE else self._complete_store(sv)
+
+    def take_events(self) -> list[PageEvent]:
+        """Pages stored to / removed from L2 and stored to L3 since the last call."""
+        return self.events.take()
+
+    def loading(self, rid: str) -> bool:
+        """``rid`` has a load in flight (its blocks are being written)."""
+        return rid in self._loading
+
+    def stats(self) -> ConnectorStats:
+        c = self._c
+        return ConnectorStats(self._lookups, dict(self._hit_tokens), c["loaded"], c["load_errors"], c["saved"],
+                              c["save_dropped"], c["stored"], self.cost.stats.as_dict())
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs not yet reported by every rank."""
+        return len(self._loads) + len(self._saves)
+
+
+class ConnectorScheduler(ConnectorJobs):
+    """The scheduler half over the connector's own L2 (see the module docstring)."""
+
+    def __init__(self, layout: KVLayout, host_pages: int, *, storage=None, cost: CostModel | None = None,
+                 ranks: int = 1, layerwise: bool = False, probe_budget_s: float | None = 0.05,
+                 host_eviction: str = "lru"):
+        """``storage``: an L3 backend used for probes only (the workers read and write
+        it); ``ranks``: workers that report each job; ``layerwise``: L2-only hits
+        load synchronously, waited for per layer in the step's forward."""
+        if host_pages < 1:
+            raise ConfigError(f"the connector's L2 needs host_pages >= 1, got {host_pages}")
+        super().__init__(layout, cost=cost, ranks=ranks, layerwise=layerwise)
+        self.cache = PrefixCache(layout, PageAllocator(0, "L1"), PageAllocator(host_pages, "L2"),
+                                 eviction="lru", host_eviction=host_eviction)
+        self.tiers = TierManager(self.cache, debug_states=False)
+        self.storage = storage
+        self.probe_budget_s = probe_budget_s
+
+    # ------------------------------------------------------------- admission
+    def lookup(self, rid: str, tokens, engine_hit: int, namespace: str = "") -> Hit:
+        """Page-floored tokens beyond ``engine_hit`` (the engine's own, block-aligned hit)
+        that L2, then L3, hold for ``tokens``; at least one token stays to compute.
+        Mutates only counters (and probes L3 within ``probe_budget_s``)."""
+        self._lookups += 1
+        ps = self.page_size
+        key = as_key(tokens)
+        cap = max(0, len(key) // 4 - 1) // ps
+        first = engine_hit // ps
+        m = self.cache.match(key, namespace, max_tokens=cap * ps)
+        l2 = m.host_tokens // ps
+        l3 = 0
+        room = self._staging_room()
+        if self.storage is not None and l2 < cap and room:
+            hashes = self._hashes(key, namespace, cap)
+            l3 = min(room, self.storage.prefix_hits(hashes[l2:cap], self.probe_budget_s))
+        l2_new, l3_new = max(0, l2 - first), (l3 if l2 >= first else max(0, l2 + l3 - first))
+        return self._decide(rid, engine_hit, l2_new, l3_new)
+
+    def allocated(self, rid: str, tokens, block_ids, num_external: int, namespace: str = "",
+                  keys=()) -> LoadSpec | None:
+        """The engine gave ``rid`` blocks ``block_ids`` (all of its blocks, in order) for
+        ``num_external`` tokens of its last ``lookup``: pin the L2 part, reserve L2 for
+        the L3 part and queue the load for the next plan. Pages that cannot be
+        served any more are queued as missing (the workers report them failed).
+        ``keys``: the engine's key of each page of ``tokens`` (for ``take_events``)."""
+        entry = self._hits.pop(rid, None)
+        if not num_external or entry is None:
+            return None
+        hit, engine_hit = entry
+        ps = self.page_size
+        if num_external % ps or num_external > hit.tokens or engine_hit % ps:
+            raise CacheStateError(f"request {rid!r}: the engine allocated for {num_external} external tokens "
+                                  f"after a hit of {hit.tokens} beyond {engine_hit}; it must be whole pages "
+                                  f"of {ps} tokens, at most the hit")
+        key = as_key(tokens)
+        first, end = engine_hit // ps, (engine_hit + num_external) // ps
+        blocks = tuple(int(b) for b in block_ids[first:end])
+        m = self.cache.match(key, namespace, max_tokens=end * ps)
+        l2_end = m.host_tokens // ps
+        anchor, host = None, ()
+        if l2_end > first:
+            node = m.host_node
+            anchor = self.cache.split_at(node, l2_end - node.start_page)
+            self.cache.inc_host_lock(anchor)
+            host = tuple(m.host_pages[first:l2_end])
+        prefetch, l3_host, l3_hashes = None, (), ()
+        l3_from = max(first, l2_end)
+        if l3_from < end and hit.l3_tokens:
+            hashes = self._hashes(key, namespace, end)[l3_from:end]
+            self._evict(len(hashes))
+            prefetch = self.tiers.prepare_prefetch(key, namespace, l3_from, hashes)
+            if prefetch is not None:
+                l3_host, l3_hashes = tuple(prefetch.host), tuple(hashes)
+        spec = LoadSpec(self._job(), rid, blocks, host, l3_host, l3_hashes, layerwise=not hit.is_async)
+        ev = _event_fields(keys, tokens, l3_from, l3_from + len(l3_host), ps)
+        return self._queue_load(rid, _Load(rid, spec, anchor, prefetch, *ev))
+
+    # ------------------------------------------------------------- storing
+    def finished(self, rid: str, tokens, computed_tokens: int, block_ids, namespace: str = "", keys=()) -> bool:
+        """``rid`` ended (finished, aborted or stopped) holding ``block_ids``: queue a
+        save of the full pages of its ``computed_tokens`` that L2 lacks. True: the
+        engine must keep the blocks until a worker reports the save finished. A
+        request whose load is still in flight saves nothing (its blocks are not final).
+        ``keys``: the engine's key of each page (for ``take_events``)."""
+        self._hits.pop(rid, None)
+        self._sources.pop(rid, None)
+        if rid in self._loading:
+            return False
+        ps = self.page_size
+        key = as_key(tokens)
+        n = min(computed_tokens, len(key) // 4, len(block_ids) * ps) // ps
+        if n == 0:
+            return False
+        key = key[:n * self._ps4]
+        m = self.cache.match(key, namespace)
+        have = m.host_tokens // ps
+        if have >= n:
+            return False
+        anchor = None
+        if have:  # pinned before making room, which must not evict the prefix the save continues
+            anchor = self.cache.split_at(m.host_node, have - m.host_node.start_page)
+            self.cache.inc_host_lock(anchor)
+        self._evict(n - have)
+        host = self.tiers.alloc_host(n - have)
+        if host is None:
+            if anchor is not None:
+                self.cache.dec_host_lock(anchor)
+            self._c["save_dropped"] += n - have
+            return False
+        hashes = tuple(self._hashes(key, namespace, n)[have:]) if self.storage is not None else ()
+        job = self._job()
+        spec = SaveSpec(job, rid, tuple(int(b) for b in block_ids[have:n]), tuple(host), hashes)
+        ev_keys, ev_parent, ev_tokens = _event_fields(keys, tokens, have, n, ps)
+        self._saves[job] = _Save(rid, spec, key, namespace, have, anchor, keys=ev_keys, parent=ev_parent,
+                                 tokens=ev_tokens)
+        self._plan_saves.append(spec)
+        return True
+
+    # ------------------------------------------------------------- completion
+    def _complete_load(self, ld: _Load) -> None:
+        if self._loading.get(ld.rid) == ld.spec.job:
+            del self._loading[ld.rid]
+        if ld.anchor is not None:
+            self.cache.dec_host_lock(ld.anchor)
+        landed = min(r.pages for r in ld.reports) if all(r.ok for r in ld.reports) else 0
+        if ld.prefetch is not None:
+            self.tiers.complete_prefetch(ld.prefetch, landed)
+            alloc = self.cache.host_allocator
+            held = [i for i, h in enumerate(ld.prefetch.host[:landed]) if alloc.is_allocated(h)]
+            if held:  # the landed pages the index took (the rest were duplicates, freed)
+                a, b = held[0], held[-1] + 1
+                self.events.stored(L2, ld.keys[a:b], ld.keys[a - 1] if a else ld.parent,
+                                   ld.tokens[a * self.page_size:b * self.page_size], ld.prefetch.host[a:b])
+        self._count_load(ld, (len(ld.spec.host) + landed) if all(r.ok for r in ld.reports) else 0)
+
+    def _complete_save(self, sv: _Save) -> None:
+        """Every rank copied the blocks (or one failed): index the pages, then wait for L3."""
+        spec, reports = sv.spec, sv.reports
+        sv.reports = []
+        ok = all(r.ok for r in reports)
+        node, unused = (self.cache.insert_host(sv.key, sv.namespace, sv.first_page, list(spec.host))
+                        if ok else (None, list(spec.host)))
+        if sv.anchor is not None:
+            self.cache.dec_host_lock(sv.anchor)
+        taken = len(spec.host) - len(unused)
+        if taken and node is not None:  # the index took the pages after the duplicates at the front
+            k = len(unused)
+            self.events.stored(L2, sv.keys[k:], sv.keys[k - 1] if k else sv.parent,
+                               sv.tokens[k * self.page_size:], spec.host[k:])
+        self._c["saved"] += taken
+        self._c["save_dropped"] += len(spec.host) - taken
+        if not spec.hashes:
+            del self._saves[spec.job]
+            self._free_host(unused)
+            return
+        # Every rank reports the L3 stage too (0 pages where its copy failed).
+        sv.node, sv.unused, sv.stage = node, unused, JobKind.STORE
+        if node is not None:
+            self.cache.inc_host_lock(node)  # L3 reads these pages until every rank stored them
+        sv.reports, sv.early = sv.early, []
+        if len(sv.reports) == self.ranks:
+            self._complete_store(sv)
+
+    def _complete_store(self, sv: _Save) -> None:
+        del self._saves[sv.spec.job]
+        stored = min(r.pages for r in sv.reports)
+        self._c["stored"] += stored
+        if sv.node is not None:
+            if stored == len(sv.spec.host) and all(r.ok for r in sv.reports):
+                self.cache.set_stored(sv.node)
+                self.events.stored(L3, sv.keys, sv.parent, sv.tokens)
+            self.cache.dec_host_lock(sv.node)
+        self._free_host(sv.unused)
+
+    def _staging_room(self) -> int:
+        """L2 pages an L3 part could be staged in now: those no job reserved (pinned
+        indexed pages are counted too, so an allocation may still come up short)."""
+        reserved = len(self.tiers.host_in_flight) + sum(len(sv.spec.host) for sv in self._saves.values()
+                                                        if sv.stage is JobKind.SAVE)
+        return max(0, self.cache.host_allocator.capacity - reserved)
+
+    def _evict(self, n: int) -> None:
+        """Make ``n`` L2 pages free (unpinned pages go, least recently used first)."""
+        short = n - self.cache.host_allocator.num_free
+        if short > 0:
+            self.events.removed_l2(self.tiers.evict_host(short))
+
+    def _free_host(self, ids: list[HostPageId]) -> None:
+        if ids:
+            self.cache.host_allocator.free(ids)
+
+    # ------------------------------------------------------------- state
+    def check_integrity(self) -> None:
+        """Index invariants, with the L2 pages jobs hold outside it (``IntegrityError``)."""
+        held: list[int] = list(self.tiers.host_in_flight)  # the L3 parts' reserved pages
+        for sv in self._saves.values():
+            held += sv.spec.host if sv.stage is JobKind.SAVE else sv.unused
+        self.cache.check_integrity(host_in_flight=held)
+        self.tiers.check_integrity()
+        self.cost.check_integrity()
+        for rid, job in self._loading.items():
+            if self._loads[job].rid != rid:
+                raise IntegrityError(f"request {rid!r} maps to load job {job} of {self._loads[job].rid!r}")
+
+
+def _event_fields(keys, tokens, first: int, end: int, ps: int) -> tuple[tuple, object | None, tuple]:
+    """(keys, parent key, token ids) of pages ``[first, end)`` for events; () when the engine gave no keys."""
+    if len(keys) < end:
+        return (), None, ()
+    return tuple(keys[first:end]), keys[first - 1] if first else None, tuple(tokens[first * ps:end * ps])

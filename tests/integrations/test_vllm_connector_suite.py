@@ -1,0 +1,11 @@
+"""Run tests/integrations/vllm_connector (HiCacheConnector through vLLM's own scheduler)
+inside ``.venv-vllm``, from the main test run; a missing engine environment fails.
+Its docs test runs from tests/test_readme.py (test_vllm_connector_serve_line), not twice."""
+from __future__ import annotations
+
+from tests.integrations.test_vllm_suites import _run, ROOT
+
+
+def test_hicache_vllm_connector():
+    _run(["tests/integrations/vllm_connector",
+          "--ignore=tests/integrations/vllm_connector/test_docs_serve_line.py"], ROOT, timeout=900)
