@@ -29,6 +29,27 @@ def _offline_row(name: str, hit: int, stream: bl.PageStream, plan: SimPlan) -> d
             "l3_hit_tokens": None, "recomputed_tokens": prompt - hit, "time_s": None}
 
 
+def tiers_label(plan: SimPlan, *, l2: bool = True, l3: bool = True) -> str:
+    """The tiers a run really has: "L1", "L1+L2", "L1+L2+L3"; a run with L3 but no L2
+    stages through a 1-page L2 and says so."""
+    has_l2, has_l3 = l2 and plan.l2_pages > 0, l3 and plan.l3_pages > 0 and bool(plan.l3_url)
+    if has_l3 and not has_l2:
+        return "L1+L3 (through a 1-page L2)"
+    return "+".join(t for t, on in (("L1", True), ("L2", has_l2), ("L3", has_l3)) if on)
+
+
+def distinct_capacity(l1_pages: int, l2_pages: int, write_policy: str) -> tuple[int, str]:
+    """Distinct pages L1 and L2 can hold together, and the rule that gave it. Under
+    ``write_through`` every page inserted on L1 is backed up to L2 at once, so L2 holds a
+    copy of what L1 holds (inclusive): ``max(L1, L2)``. Under ``write_back`` and
+    ``write_through_selective`` a page may live on one tier only (exclusive): ``L1 + L2``."""
+    if l2_pages <= 0:
+        return l1_pages, "L1"
+    if write_policy == "write_through":
+        return max(l1_pages, l2_pages), "max(L1, L2): inclusive (write_through)"
+    return l1_pages + l2_pages, f"L1 + L2: exclusive ({write_policy})"
+
+
 def simulate(cfg: HiCacheConfig, factory: Factory, *, policies: list[str] | None = None,
              baselines: bool = True, plan: SimPlan | None = None, progress: Progress | None = None) -> dict[str, Any]:
     """Every row of the simulation report (see ``hicache.reference.simulate``); ``progress``
@@ -37,17 +58,21 @@ def simulate(cfg: HiCacheConfig, factory: Factory, *, policies: list[str] | None
     ps = plan.page_size
     default = cfg.policy.device_eviction
     feed = _feeder(factory, progress)
-    rows = [run_hicache(f"hicache L1+L2+L3 ({default})", sim_config(cfg, plan), plan,
-                        feed(f"hicache L1+L2+L3 ({default})"))]
+    label = tiers_label(plan)
+    first = f"hicache {label} ({default})"
+    rows = [run_hicache(first, sim_config(cfg, plan, backup=label != "L1"), plan if label != "L1" else _no_l2(plan),
+                        feed(first))]
     stream = bl.page_stream(feed("page stream (baselines)"), ps)
     if baselines:
-        rows.append(run_hicache("GPU-only prefix cache (L1)", sim_config(cfg, plan, l3=False, backup=False),
-                                _no_l2(plan), feed("GPU-only prefix cache (L1)")))
-        for p in policies if policies is not None else [default]:
-            rows.append(run_hicache(f"hicache L1+L2 ({p})", sim_config(cfg, plan, eviction=p, l3=False),
-                                    plan, feed(f"hicache L1+L2 ({p})")))
-        cap = plan.l1_pages + plan.l2_pages
-        rows.append(_offline_row(f"Belady MIN ({cap:,} pages = L1+L2)", bl.belady(stream, ps, cap), stream, plan))
+        gpu = "GPU-only prefix cache (L1, lru)"
+        rows.append(run_hicache(gpu, sim_config(cfg, plan, eviction="lru", l3=False, backup=False), _no_l2(plan),
+                                feed(gpu)))
+        if plan.l2_pages:
+            for p in policies if policies is not None else [default]:
+                rows.append(run_hicache(f"hicache L1+L2 ({p})", sim_config(cfg, plan, eviction=p, l3=False),
+                                        plan, feed(f"hicache L1+L2 ({p})")))
+        cap, rule = distinct_capacity(plan.l1_pages, plan.l2_pages, cfg.policy.write_policy.value)
+        rows.append(_offline_row(f"Belady MIN ({cap:,} pages = {rule})", bl.belady(stream, ps, cap), stream, plan))
         rows.append(_offline_row("infinite cache", bl.infinite(stream, ps), stream, plan))
     return {"config": _plan_dict(plan), "working_set_pages": stream.unique_pages,
             "working_set_bytes": stream.unique_pages * plan.page_bytes, "rows": rows}

@@ -185,7 +185,7 @@ def test_simulate_rows_and_hicache_never_beats_belady(tmp_path):
     for name, r in rows.items():
         if name.startswith("hicache L1+L2 ("):
             assert r["hit_tokens"] <= best, name
-    assert rows["GPU-only prefix cache (L1)"]["hit_tokens"] <= best
+    assert rows["GPU-only prefix cache (L1, lru)"]["hit_tokens"] <= best
 
 
 # --------------------------------------------------------------- sweep and CLI
