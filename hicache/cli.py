@@ -92,8 +92,11 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     sim.add_argument("--sweep", action="store_true",
                      help="hit rate against L1/L2/L3 capacity: a table and a PNG (--plot, default "
                           "hicache-sweep.png) with the working set marked")
-    sim.add_argument("--policies", help="also replay L1+L2 under these eviction policies (comma-separated, "
-                                        "or 'all'); default: the configured one")
+    sim.add_argument("--policies", help="compare eviction policies (comma-separated, or 'all'; lru is always "
+                                        "included): each at each --capacities, GPU-only and L1+L2, with its "
+                                        "rank, Belady and the share of the LRU->Belady gap it closes")
+    sim.add_argument("--capacities", metavar="LIST",
+                     help="--policies: cache capacities in tokens (default 0.25M,0.5M,1M,2M,5M,10M,20M)")
     sim.add_argument("--limit", type=_at_least(1), help="only the first N requests of the trace")
 
 

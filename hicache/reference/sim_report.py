@@ -4,10 +4,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import time
 from typing import Any, Callable, Iterator
 
 from hicache.core.config import HiCacheConfig
+from hicache.core.errors import ConfigError
 from hicache.reference import sim_baselines as bl
 from hicache.reference.progress import Progress, logs_above_bars
 from hicache.reference.simulate import SimPlan, SimRequest, run_hicache, sim_config, trace_requests
@@ -232,6 +234,27 @@ def plot_sweep(sw: dict[str, Any], path: str, title: str) -> None:
 
 
 # ------------------------------------------------------------------ command
+def _policies(args: argparse.Namespace, cfg: HiCacheConfig, factory: Factory, name: str) -> dict[str, Any]:
+    """``--policies``: the policy sweep (``hicache.reference.sim_policies``), printed and plotted."""
+    from hicache.reference import sim_policies as sp
+    pol = sorted(POLICIES) if args.policies == "all" else args.policies.split(",")
+    unknown = [p for p in pol if p not in POLICIES]
+    if unknown:
+        raise ConfigError(f"--policies {','.join(unknown)}: unknown; known: {', '.join(sorted(POLICIES))}")
+    pol = pol if "lru" in pol else ["lru", *pol]  # the reference every gap is measured from
+    out = sp.policy_sweep(cfg, factory, pol, sp.parse_capacities(args.capacities or sp.DEFAULT_CAPACITIES))
+    print(sp.format_policy_sweep(out, name))
+    if args.plot:
+        sp.plot_policy_sweep(out, args.plot, f"eviction policies: {short_name(name)}")
+        print(f"plot: {args.plot}")
+    return out
+
+
+def short_name(trace: str) -> str:
+    """A plot title's name for a trace path: the file name without its extension."""
+    return os.path.splitext(os.path.basename(trace))[0] or trace
+
+
 def main(args: argparse.Namespace, cfg: HiCacheConfig) -> int:
     t0 = time.perf_counter()
     if args.shape:
@@ -248,14 +271,15 @@ def main(args: argparse.Namespace, cfg: HiCacheConfig) -> int:
             print(format_sweep(sw))
             out: dict[str, Any] = {"sweep": sw}
             png = args.plot or "hicache-sweep.png"
-            plot_sweep(sw, png, f"hicache --simulate: {name}, {sw['config']['shape']}")
+            plot_sweep(sw, png, f"{short_name(name)}, {sw['config']['shape']}")
             print(f"plot: {png}")
+        elif args.policies:
+            out = _policies(args, cfg, factory, name)
         else:
-            pol = sorted(POLICIES) if args.policies == "all" else (args.policies.split(",") if args.policies else None)
-            progress.note(f"simulating {name}: {runs_ahead(pol, not args.no_baselines)} passes over "
+            progress.note(f"simulating {name}: {runs_ahead(None, not args.no_baselines)} passes over "
                           f"{progress.total:,} requests" + ("" if args.limit else "; --limit N replays only "
                                                             "the first N (a first look)"))
-            out = simulate(cfg, factory, policies=pol, baselines=not args.no_baselines, progress=progress)
+            out = simulate(cfg, factory, policies=None, baselines=not args.no_baselines, progress=progress)
             print(format_report(out, name))
     if args.json:
         with open(args.json, "w") as f:
