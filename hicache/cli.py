@@ -168,6 +168,7 @@ def describe_device(setting: str) -> str:
 def cmd_info(args: argparse.Namespace) -> int:
     from hicache.runtime_check import check_runtime
     from hicache.core.redact import redact_url  # torch-free
+    from hicache.index.eviction import describe_policies
     cfg = _load(args)
     check_runtime(cfg)  # what replay and serve would refuse at start (auth_key, L3 URL)
     layout = cfg.layout()
@@ -183,6 +184,7 @@ def cmd_info(args: argparse.Namespace) -> int:
                   "L2": {"pages": cfg.pool.host_pages, "tokens": cfg.pool.host_pages * layout.page_size,
                          "bytes": host_bytes},
                   "L3": redact_url(cfg.storage.url) or "(none)", **_l3_cap(cfg)},
+        "eviction": describe_policies(cfg.policy.device_eviction, cfg.policy.host_eviction),
     }
     warnings = _ram_warnings(info["pools"])
     if warnings:

@@ -1,7 +1,7 @@
 """``hicache replay --simulate --policies P``: every eviction policy at every capacity.
 
-Two modes per capacity ``C`` tokens: GPU-only (L1 = ``C``, no L2: the engine's own
-prefix cache) and L1+L2 (L2 = ``C``, L1 = ``C / 8``, write_through); L1 is never
+Two modes per capacity ``C`` tokens: GPU-only (L1 = ``C``, no L2: the index alone,
+as an engine's own prefix cache, ``run_index``) and L1+L2 (L2 = ``C``, L1 = ``C / 8``, write_through); L1 is never
 smaller than the largest request. Under write_through L2 holds a copy of every L1
 page, so both modes hold ``C`` distinct tokens and Belady's MIN there bounds both
 (``sim_report.distinct_capacity``; at the larger of the two where the floor on L1
@@ -47,6 +47,29 @@ def _plan(base: SimPlan, mode: str, tokens: int, largest: int) -> SimPlan:
     return SimPlan(base.shape, base.page_size, max(pages // L1_SHARE, largest), pages, 0, "")
 
 
+def run_index(policy: str, plan: SimPlan, requests) -> dict[str, Any]:
+    """GPU-only: the index alone (a ``PrefixCache`` over an L1 allocator, what an engine's
+    own prefix cache is), no payloads and no miss tracking. Hits as ``run_hicache`` counts them."""
+    from hicache.core.layout import KVLayout
+    from hicache.index.prefix_cache import PrefixCache
+    from hicache.memory.allocator import PageAllocator
+    ps = plan.page_size
+    cache = PrefixCache(KVLayout("simulate/index", 1, num_kv_heads=1, head_dim=1, page_size=ps),
+                        PageAllocator(plan.l1_pages), eviction=policy)
+    hit = prompt = 0
+    t0 = time.perf_counter()
+    for r in requests:
+        req = cache.new_request(r.rid, r.key, r.namespace)
+        req.lock(req.match())
+        hit += req.computed_tokens
+        prompt += req.num_tokens
+        req.alloc(req.num_tokens - req.computed_tokens)
+        req.commit()
+        req.finish()
+    cache.check_integrity()
+    return {"hit_tokens": hit, "hit_rate": hit / prompt if prompt else 0.0, "time_s": time.perf_counter() - t0}
+
+
 def _ranks(hits: dict[str, int]) -> dict[str, int]:
     order = sorted(hits.values(), reverse=True)
     return {p: 1 + order.index(h) for p, h in hits.items()}
@@ -77,8 +100,10 @@ def policy_sweep(cfg: HiCacheConfig, factory: Factory, policies: list[str], capa
         for mode in modes:
             plan = _plan(base, mode, c, largest)
             for p in policies:
-                c_cfg = sim_config(cfg, plan, eviction=p, l3=False, backup=mode != "GPU-only")
-                row = run_hicache(f"{mode} {p}", c_cfg, plan, factory())
+                if mode == "GPU-only":
+                    row = run_index(p, plan, factory())
+                else:
+                    row = run_hicache(f"{mode} {p}", sim_config(cfg, plan, eviction=p, l3=False), plan, factory())
                 runs.append({"mode": mode, "capacity_tokens": c, "policy": p, "l1_pages": plan.l1_pages,
                              "l2_pages": plan.l2_pages, "hit_tokens": row["hit_tokens"],
                              "hit_rate": row["hit_rate"], "time_s": row["time_s"]})
