@@ -140,7 +140,9 @@ def format_policy_sweep(sw: dict[str, Any], trace: str) -> str:
         for c in sw["capacities"]:
             rows = {r["policy"]: r for r in sw["runs"] if r["mode"] == mode and r["capacity_tokens"] == c}
             g = rows[d]["gap_closed"] if d in rows else None
-            table.append([_tok(c), *(f"{rows[p]['hit_rate']:.1%} ({rows[p]['rank']})" for p in pols),
+            held = max(max(r["l1_pages"], r["l2_pages"]) for r in rows.values()) * sw["page_size"]
+            label = _tok(c) if held <= c else f"{_tok(c)}->{_tok(held)}"  # lifted to hold the largest request
+            table.append([label, *(f"{rows[p]['hit_rate']:.1%} ({rows[p]['rank']})" for p in pols),
                           f"{sw['belady'][c]:.1%}", "-" if g is None else f"{g:+.0%}"])
         widths = [max(len(r[i]) for r in table) for i in range(len(head))]
         lines += ["", f"{mode}" + (" (L1 = L2 / 8, at least the largest request; write_through)"

@@ -17,7 +17,7 @@ from hicache.index.eviction import POLICIES
 from hicache.index.misses import REASONS
 
 Factory = Callable[[], Iterator[SimRequest]]
-SWEEP_FRACTIONS = (1 / 64, 1 / 16, 1 / 4, 1 / 2, 1.0)  # of the working set's bytes, per tier
+SWEEP_FRACTIONS = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)  # of the working set's bytes, per tier
 
 
 def _limited(factory: Factory, limit: int | None) -> Factory:
@@ -207,30 +207,58 @@ def format_sweep(sw: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+SWEEP_STYLE = {  # tier -> (label, colour, marker, size, line): hollow big L1 under filled small L2
+    "L1": ("L1 alone (GPU-only prefix cache)", "C0", "o", 11, "-"),
+    "L2": ("L2, with the configured L1", "C1", "s", 6, "--"),
+    "L3": ("L3, with the configured L1 and L2", "C3", "^", 7, ":"),
+}
+
+
 def plot_sweep(sw: dict[str, Any], path: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for i, tier in enumerate(("L1", "L2", "L3")):
+    fig, ax = plt.subplots(figsize=(8, 5.4))
+    ticks: set[int] = set()
+    for tier, (label, colour, marker, size, line) in SWEEP_STYLE.items():
         pts = [p for p in sw["points"] if p["tier"] == tier]
-        ax.plot([p["bytes"] / (1 << 40) for p in pts], [p["hit_rate"] for p in pts], marker="os^"[i],
-                color=f"C{i}", linestyle=("-", "--", ":")[i], linewidth=2.5 - 0.5 * i,
-                label={"L1": "L1 alone (GPU-only prefix cache)", "L2": "L2, with the configured L1",
-                       "L3": "L3, with the configured L1 and L2"}[tier])
-    ax.axvline(sw["working_set_bytes"] / (1 << 40), color="gray", linestyle="--",
+        if not pts:
+            continue
+        ticks.update(p["bytes"] for p in pts)
+        hollow = tier == "L1"
+        ax.plot([p["bytes"] for p in pts], [p["hit_rate"] for p in pts], marker=marker, markersize=size,
+                color=colour, linestyle=line, linewidth=4 if hollow else 1.6, alpha=0.55 if hollow else 1.0,
+                label=f"{label} ({len(pts)} points)", markerfacecolor="none" if hollow else colour,
+                markeredgewidth=2 if hollow else 1, zorder=2 if hollow else 3)  # L2 drawn over a wide L1
+    ax.axvline(sw["working_set_bytes"], color="gray", linestyle="--",
                label=f"working set ({human_bytes(sw['working_set_bytes'])})")
-    ax.axhline(sw["infinite_hit_rate"], color="green", linestyle=":",
+    ax.axhline(sw["infinite_hit_rate"], color="black", linestyle="-.", linewidth=1,
                label=f"infinite cache ({sw['infinite_hit_rate']:.1%})")
     ax.set_xscale("log")
-    ax.set_xlabel("tier capacity (TiB of KV of the model shape)")
+    ticks.add(sw["working_set_bytes"])
+    ax.set_xticks(sorted(ticks), [human_bytes(t) for t in sorted(ticks)], rotation=30, fontsize=8)
+    ax.minorticks_off()
+    ax.set_xlabel("tier capacity (bytes of KV of the model shape)")
     ax.set_ylabel("hit rate (of prompt tokens)")
     ax.set_ylim(0, 1)
+    ax.set_yticks([i / 10 for i in range(11)])
+    ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
-    ax.set_title(title, fontsize=10)
-    fig.tight_layout()
+    ax.set_title(title, fontsize=11)
+    fig.text(0.5, 0.01, sweep_caption(sw), ha="center", fontsize=8)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def sweep_caption(sw: dict[str, Any]) -> str:
+    """One line on what the curve's shape means for sizing."""
+    ws, inf = sw["working_set_bytes"], sw["infinite_hit_rate"]
+    near = sorted(p["bytes"] for p in sw["points"] if p["hit_rate"] >= 0.95 * inf)
+    if near:
+        return (f"Hit rate grows with capacity until about {human_bytes(near[0])} (95% of the infinite cache); "
+                f"past that, more capacity buys little (working set {human_bytes(ws)}).")
+    return f"No point reaches 95% of the infinite cache: every tier below the working set ({human_bytes(ws)}) misses."
 
 
 # ------------------------------------------------------------------ command
