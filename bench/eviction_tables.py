@@ -46,7 +46,9 @@ def table(name: str, rep: dict, mode: str) -> list[str]:
         best = max(pols, key=lambda p: rows[p]["hit_tokens"])
         cells = [f"**{rows[p]['hit_rate']:.2%}**" if p == best else f"{rows[p]['hit_rate']:.2%}" for p in pols]
         gap = rep["belady"][str(c)] if str(c) in rep["belady"] else rep["belady"][c]
-        lines.append(f"| {tok(c)} | " + " | ".join(cells) + f" | {gap:.2%} | {100 * (gap - lru):.2f} pt | "
+        held = max(max(r["l1_pages"], r["l2_pages"]) for r in rows.values()) * rep["page_size"]
+        label = tok(c) if held <= c else f"{tok(c)} (lifted to {tok(held)})"
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {gap:.2%} | {100 * (gap - lru):.2f} pt | "
                      f"{best} {100 * (rows[best]['hit_rate'] - lru):+.2f} pt |")
     return lines
 
