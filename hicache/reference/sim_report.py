@@ -218,6 +218,7 @@ def plot_sweep(sw: dict[str, Any], path: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     fig, ax = plt.subplots(figsize=(8, 5.4))
     ticks: set[int] = set()
     for tier, (label, colour, marker, size, line) in SWEEP_STYLE.items():
@@ -240,8 +241,10 @@ def plot_sweep(sw: dict[str, Any], path: str, title: str) -> None:
     ax.minorticks_off()
     ax.set_xlabel("tier capacity (bytes of KV of the model shape)")
     ax.set_ylabel("hit rate (of prompt tokens)")
-    ax.set_ylim(0, 1)
-    ax.set_yticks([i / 10 for i in range(11)])
+    top = min(1.0, max(0.1, 1.15 * max([sw["infinite_hit_rate"], *(p["hit_rate"] for p in sw["points"])])))
+    ax.set_ylim(0, top)
+    ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(10))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
     ax.set_title(title, fontsize=11)
