@@ -92,8 +92,11 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     sim.add_argument("--sweep", action="store_true",
                      help="hit rate against L1/L2/L3 capacity: a table and a PNG (--plot, default "
                           "hicache-sweep.png) with the working set marked")
-    sim.add_argument("--policies", help="also replay L1+L2 under these eviction policies (comma-separated, "
-                                        "or 'all'); default: the configured one")
+    sim.add_argument("--policies", help="compare eviction policies (comma-separated, or 'all'; lru is always "
+                                        "included): each at each --capacities, GPU-only and L1+L2, with its "
+                                        "rank, Belady and the share of the LRU->Belady gap it closes")
+    sim.add_argument("--capacities", metavar="LIST",
+                     help="--policies: cache capacities in tokens (default 0.25M,0.5M,1M,2M,5M,10M,20M)")
     sim.add_argument("--limit", type=_at_least(1), help="only the first N requests of the trace")
 
 
@@ -165,6 +168,7 @@ def describe_device(setting: str) -> str:
 def cmd_info(args: argparse.Namespace) -> int:
     from hicache.runtime_check import check_runtime
     from hicache.core.redact import redact_url  # torch-free
+    from hicache.index.eviction import describe_policies
     cfg = _load(args)
     check_runtime(cfg)  # what replay and serve would refuse at start (auth_key, L3 URL)
     layout = cfg.layout()
@@ -180,6 +184,7 @@ def cmd_info(args: argparse.Namespace) -> int:
                   "L2": {"pages": cfg.pool.host_pages, "tokens": cfg.pool.host_pages * layout.page_size,
                          "bytes": host_bytes},
                   "L3": redact_url(cfg.storage.url) or "(none)", **_l3_cap(cfg)},
+        "eviction": describe_policies(cfg.policy.device_eviction, cfg.policy.host_eviction),
     }
     warnings = _ram_warnings(info["pools"])
     if warnings:

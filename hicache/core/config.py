@@ -170,8 +170,9 @@ class PolicyConfig(_Section):
     # write_back: share of L1 pages, at the eviction end, kept clean (on L2 or being copied
     # there) ahead of eviction, so admission finds clean victims and never waits (0: off).
     write_back_clean_fraction: float = Field(0.125, ge=0.0, le=1.0)
-    device_eviction: str = "qd_lru"  # beat lru on Mooncake and the built-in traces (bench/RESULTS.md)
-    host_eviction: str = "qd_lru"
+    # lru: the only policy >= lru at every capacity on every trace measured (bench/RESULTS.md, issue 35)
+    device_eviction: str = "lru"
+    host_eviction: str = "lru"
     prefetch_policy: PrefetchPolicy = PrefetchPolicy.TIMEOUT
     prefetch_timeout_base_ms: float = Field(5.0, ge=0)
     prefetch_timeout_per_1k_tokens_ms: float = Field(2.0, ge=0)

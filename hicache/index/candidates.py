@@ -5,7 +5,9 @@
 on pop. For a policy whose key only grows (``EvictionPolicy.monotone``) each
 keeps a persistent lazy heap — an entry whose key went stale is re-pushed on
 pop — so a choice costs O(victims log n) instead of a heap build over every
-candidate; any other policy is ordered by a fresh scan per call.
+candidate; any other policy is ordered by a fresh scan per call. A
+``SegmentedPolicy`` gets one lazy heap per segment and picks across the segments'
+tops by its current offsets; the candidates tell it what was added and evicted.
 
 ``choose`` is the first of eviction's three steps (choose, the caller's
 write-back, ``RadixTree.drop_*``): it returns victims in eviction order,
@@ -15,9 +17,9 @@ changes no node (it only tidies its own heap). Not thread-safe.
 from __future__ import annotations
 
 import heapq
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
-from hicache.index.eviction import EvictionPolicy, Key
+from hicache.index.eviction import EvictionPolicy, Key, SegmentedPolicy
 from hicache.index.node import Node
 
 Entry = tuple[Key, int, Node]  # (policy key, nid, node): nid is unique, nodes are never compared
@@ -28,6 +30,7 @@ class _Candidates:
 
     def __init__(self) -> None:
         self._heaps: dict[str, tuple[EvictionPolicy, list[Entry]]] = {}
+        self._segs: dict[str, tuple[Any, list[list[Entry]]]] = {}  # segmented policies: a heap per segment
 
     # Subclasses define what a candidate is, in the real tree and as seen
     # after the nodes in ``gone`` were evicted.
@@ -51,12 +54,29 @@ class _Candidates:
         """``n`` may have become a candidate: remember it in every live heap."""
         for pol, heap in self._heaps.values():
             heapq.heappush(heap, (pol.key(n), n.nid, n))
+        for pol, heaps in self._segs.values():
+            heapq.heappush(heaps[pol.segment(n)], (pol.key(n), n.nid, n))
+
+    def _tell_added(self, n: Node) -> None:
+        for pol, _ in self._segs.values():
+            pol.added(n)
+
+    def touched(self, n: Node) -> None:
+        """A request is about to use ``n``'s path (it still carries its old access time)."""
+        for pol, _ in self._segs.values():
+            pol.touched(n)
+
+    def _tell_evicted(self, n: Node) -> None:
+        for pol, _ in self._segs.values():
+            pol.evicted(n)
 
     def choose(self, num_pages: int, policy: EvictionPolicy) -> list[Node]:
         """Victims covering at least ``num_pages`` logical pages (fewer only when
         candidates run out), in eviction order. Mutates no node."""
         if num_pages <= 0:
             return []
+        if isinstance(policy, SegmentedPolicy):
+            return self._choose_segmented(num_pages, policy)
         if policy.monotone:
             return self._choose_heap(num_pages, policy)
         key = policy.key
@@ -78,6 +98,80 @@ class _Candidates:
         for e in restore:  # chosen and pinned entries stay: drop_* invalidates the chosen
             heapq.heappush(heap, e)
         return victims
+
+    def _choose_segmented(self, num_pages: int, policy: SegmentedPolicy) -> list[Node]:
+        """One lazy heap per segment (keys grow inside a segment, a node's segment only
+        grows, offsets grow with the segment): the smallest ``key + offset`` over the
+        segments' valid tops is the smallest over every candidate."""
+        got = self._segs.get(policy.name)
+        if got is None or got[0] is not policy or sum(map(len, got[1])) > 2 * self._bound() + 1024:
+            heaps: list[list[Entry]] = [[] for _ in range(policy.segments)]
+            for n in self._all():
+                heaps[policy.segment(n)].append((policy.key(n), n.nid, n))
+            for h in heaps:
+                heapq.heapify(h)
+            self._segs[policy.name] = (policy, heaps)
+        else:
+            heaps = got[1]
+        restore: list[tuple[int, Entry]] = []
+        gone: set[Node] = set()
+        extra: list[tuple[Key, int, Node]] = []  # parents that become candidates, by effective key
+        victims, pages = [], 0
+        while pages < num_pages:
+            best = oldest = full = None
+            for s, heap in enumerate(heaps):
+                top = self._valid_top(heap, s, heaps, policy, restore, gone)
+                if top is not None:
+                    eff = (top[0][0] + policy.offset(s), top[1])
+                    if best is None or eff < best[0]:
+                        best = (eff, s)
+                    if oldest is None or top[:2] < oldest[:2]:
+                        oldest = top
+                    eff = (top[0][0] + policy.offset(s, applied=False), top[1])
+                    if full is None or eff < full[0]:
+                        full = (eff, top[2])
+            if oldest is not None and full[1] is not oldest[2]:
+                policy.compared(full[1], oldest[2])  # learnt offsets and LRU disagree
+            if best is None and not extra:
+                break
+            if best is None or (extra and extra[0][0] < best[0]):
+                n = heapq.heappop(extra)[2]
+            else:
+                e = heapq.heappop(heaps[best[1]])
+                restore.append((best[1], e))
+                n = e[2]
+            victims.append(n)
+            gone.add(n)
+            pages += n.num_pages
+            p = self._next(n, gone)
+            if p is not None:
+                k = policy.key(p)
+                heapq.heappush(extra, ((k[0] + policy.offset(policy.segment(p)), p.nid), p.nid, p))
+        for s, e in restore:  # chosen and pinned entries stay: drop_* invalidates the chosen
+            heapq.heappush(heaps[s], e)
+        return victims
+
+    def _valid_top(self, heap: list[Entry], s: int, heaps: list[list[Entry]], policy: SegmentedPolicy,
+                   restore: list[tuple[int, Entry]], gone: set[Node]) -> Entry | None:
+        while heap:
+            k, nid, n = heap[0]
+            if n in gone or not self._valid(n, gone):
+                heapq.heappop(heap)
+                continue
+            seg = policy.segment(n)
+            if seg != s:  # its segment grew: it moves (its effective key grew with it)
+                heapq.heappop(heap)
+                heapq.heappush(heaps[seg], (policy.key(n), nid, n))
+                continue
+            cur = policy.key(n)
+            if cur != k:
+                heapq.heapreplace(heap, (cur, nid, n))
+                continue
+            if self._pinned(n):
+                restore.append((s, heapq.heappop(heap)))
+                continue
+            return heap[0]
+        return None
 
     def _drain(self, heap: list[Entry], restore: list[Entry], num_pages: int,
                policy: EvictionPolicy, gone: set[Node]) -> list[Node]:
@@ -127,9 +221,13 @@ class DeviceCandidates(_Candidates):
     def add(self, n: Node) -> None:
         self.leaves.add(n)
         self.push(n)
+        if self._segs:
+            self._tell_added(n)
 
     def discard(self, n: Node | None) -> None:
         self.leaves.discard(n)
+        if self._segs and n is not None and n.device_pages is None:  # evicted, not covered by a child
+            self._tell_evicted(n)
 
     def _all(self) -> Iterable[Node]:
         return self.leaves
@@ -160,6 +258,17 @@ class HostCandidates(_Candidates):
         super().__init__()
         self._nodes = nodes  # () -> every non-root node (the tree's iter_nodes)
         self.held = 0  # L2 ids held by the tree: bounds the heap's staleness
+
+    def added(self, n: Node) -> None:
+        """``n`` got L2 copies (a backup, a prefetch): a candidate hint, and news for learning policies."""
+        self.push(n)
+        if self._segs:
+            self._tell_added(n)
+
+    def dropped(self, n: Node) -> None:
+        """``n``'s L2 copies were dropped (evicted)."""
+        if self._segs:
+            self._tell_evicted(n)
 
     def _all(self) -> Iterable[Node]:
         return (n for n in self._nodes() if n.host_pages is not None)

@@ -51,6 +51,29 @@ class L3Outcome(NamedTuple):
     fingerprint_mismatches: int  # objects written by another layout, met during this admission
 
 
+def _reason(j: int, t: int | None, room_end: int, other_ns_pages: int, l3: L3Outcome | None) -> str:
+    """The reason page ``j`` missed, given the furthest tier ``t`` its copy reached."""
+    if j < room_end:
+        return "no_l1_room"
+    if t is None:
+        if j < other_ns_pages:
+            return "other_namespace"
+        if l3 is not None and l3.fingerprint_mismatches and l3.delivered <= j - l3.first_page < l3.held:
+            return "fingerprint_mismatch"
+        return "first_use"
+    if t == L1:
+        return "l1_evicted"
+    if t == L2:
+        return "l2_evicted"
+    if l3 is not None and l3.delivered <= j - l3.first_page < l3.held:
+        if l3.expired:
+            return "prefetch_expired"
+        return "l3_error" if l3.read_errors else "l3_evicted"  # l3_evicted: held at the probe, gone at the read
+    if l3 is not None and l3.read_errors and j - l3.first_page >= l3.held:
+        return "l3_error"
+    return "l3_evicted"
+
+
 class MissTracker:
     """Remembers the furthest tier of recently seen pages; classifies misses."""
 
@@ -62,50 +85,28 @@ class MissTracker:
         self.stats = MissStats()
 
     def account(self, hashes: Sequence[bytes], num_pages: int, hit_pages: int, cap_pages: int,
-                l3: L3Outcome | None = None, other_ns_pages: int = 0, no_room_pages: int = 0) -> MissStats:
+                l3: L3Outcome | None = None, other_ns_pages: int = 0, no_room_pages: int = 0,
+                per_page: list[str] | None = None) -> MissStats:
         """Give each missed page of one admission its reason and count it. ``hashes``:
         the page hashes of the request's full pages (at least ``cap_pages`` of them);
         ``num_pages``: its pages, the partial one included; ``hit_pages``: its
         admitted hit; ``cap_pages``: pages it could hit at most (all but the last
         token); ``other_ns_pages``: leading pages another namespace's tree holds;
         ``no_room_pages``: pages after the hit that L2 held but L1 had no room for.
-        Afterwards the missed full pages count as computed (L1). Returns this
-        admission's reasons (a new object)."""
-        if cap_pages <= hit_pages:  # the common hit: nothing missed but the partial page
-            got = MissStats(partial_page=num_pages - hit_pages)
-            self.stats.partial_page += got.partial_page
-            for j in range(hit_pages, min(len(hashes), num_pages)):
-                self._set(hashes[j], L1, reset=True)
-            return got
+        ``per_page``: when given, the reason of every missed page is appended to it in
+        page order (for checks). Afterwards the missed full pages count as computed
+        (L1). Returns this admission's reasons (a new object)."""
         got = MissStats()
-        tier = self._tier
-        for j in range(hit_pages, cap_pages):
-            t = tier.get(hashes[j])
-            if j < hit_pages + no_room_pages:
-                got.no_l1_room += 1
-            elif t is None:
-                if j < other_ns_pages:
-                    got.other_namespace += 1
-                elif l3 is not None and l3.fingerprint_mismatches and l3.delivered <= j - l3.first_page < l3.held:
-                    got.fingerprint_mismatch += 1
-                else:
-                    got.first_use += 1
-            elif t == L1:
-                got.l1_evicted += 1
-            elif t == L2:
-                got.l2_evicted += 1
-            elif l3 is not None and l3.delivered <= j - l3.first_page < l3.held:
-                if l3.expired:
-                    got.prefetch_expired += 1
-                elif l3.read_errors:
-                    got.l3_error += 1
-                else:
-                    got.l3_evicted += 1  # held at the probe, gone at the read
-            elif l3 is not None and l3.read_errors and j - l3.first_page >= l3.held:
-                got.l3_error += 1
-            else:
-                got.l3_evicted += 1
+        if cap_pages > hit_pages:
+            tier = self._tier
+            for j in range(hit_pages, cap_pages):
+                r = _reason(j, tier.get(hashes[j]), hit_pages + no_room_pages, other_ns_pages, l3)
+                setattr(got, r, getattr(got, r) + 1)
+                if per_page is not None:
+                    per_page.append(r)
         got.partial_page = num_pages - max(hit_pages, cap_pages)
+        if per_page is not None:
+            per_page += ["partial_page"] * got.partial_page
         for j in range(hit_pages, min(len(hashes), num_pages)):
             self._set(hashes[j], L1, reset=True)
         for f in REASONS:
@@ -144,11 +145,13 @@ class MissTracker:
 
 
 def admission_misses(tracker: MissTracker, cache, key: bytes, namespace: str, hit_tokens: int,
-                     hit_node, l3: L3Outcome | None, no_room_pages: int = 0) -> MissStats:
+                     hit_node, l3: L3Outcome | None, no_room_pages: int = 0,
+                     per_page: list[str] | None = None) -> MissStats:
     """Account one admission of ``key`` whose admitted hit is ``hit_tokens`` (whole
     pages) ending at ``hit_node`` (the locked match's last node; None for no hit) in
     ``cache`` (a ``PrefixCache``, read only). Hashes only the missed full pages,
-    chained from the hit's last page (cached on its node); looks nothing up again
+    chained from the hit's last page (cached on its node, which may hold pages past
+    the hit: the hit can end inside it); looks nothing up again
     (only other namespaces, when there are any, are matched)."""
     tree = cache.tree
     ps = tree.page_size
@@ -158,14 +161,23 @@ def admission_misses(tracker: MissTracker, cache, key: bytes, namespace: str, hi
         raise IntegrityError(f"admitted hit of {hit} pages exceeds the {cap} pages a request of {n} tokens may hit")
     hashes: list = [None] * hit
     if full > hit:
-        node = hit_node if hit else None
-        prev = tree.hashes(node)[-1] if node is not None and node.parent is not None else None
-        hashes += raw_page_hashes(key[4 * hit * ps:4 * full * ps], ps,
-                                  prev if prev is not None else namespace_root(namespace))
+        prev = _hash_of_page(tree, hit_node, hit - 1) if hit else namespace_root(namespace)
+        hashes += raw_page_hashes(key[4 * hit * ps:4 * full * ps], ps, prev)
     other = 0
     if cap > hit:
         for ns in tree.namespaces():
             if ns != namespace:
                 o = tree.match(key, ns, max_pages=cap)
                 other = max(other, o.device_num_pages + o.host_num_pages)
-    return tracker.account(hashes, -(-n // ps), hit, cap, l3, other, no_room_pages)
+    return tracker.account(hashes, -(-n // ps), hit, cap, l3, other, no_room_pages, per_page)
+
+
+def _hash_of_page(tree, node, page: int) -> bytes:
+    """The chained hash of logical page ``page`` on ``node``'s path. The hit may end
+    inside ``node`` (a partial edge match) or ``node`` may have been split since the
+    match (the lock splits at the hit's end): walk up to the node that holds ``page``."""
+    while node.start_page > page:
+        node = node.parent
+    if node.parent is None or page >= node.start_page + node.num_pages:
+        raise IntegrityError(f"page {page} of the hit is not on the path of {node!r}")
+    return tree.hashes(node)[page - node.start_page]

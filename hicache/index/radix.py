@@ -343,6 +343,8 @@ class RadixTree:
 
     def touch(self, node: Node) -> None:
         """Record a use of ``node``'s path: access time and hit count."""
+        self.device_candidates.touched(node)  # before the clock moves: learning policies read the idle time
+        self.host_candidates.touched(node)
         self.clock += 1
         t = self.clock
         while node.parent is not None:
@@ -365,7 +367,7 @@ class RadixTree:
         node.host_pages = list(host_pages)
         node.draft_host = node.draft_device if draft is None else draft
         self.host_ids_held += want
-        self.host_candidates.push(node)
+        self.host_candidates.added(node)
 
     def set_device(self, node: Node, device_pages: Sequence[DevicePageId]) -> None:
         """Attach L1 pages to an L2-only node (after a load back completed)."""
@@ -420,7 +422,7 @@ class RadixTree:
         node.children[key[pos:pos + pb]] = new
         self.host_ids_held += len(used)
         self.num_nodes += 1
-        self.host_candidates.push(new)
+        self.host_candidates.added(new)
         return new, list(host_pages[:start - first_page])
 
     def set_stored(self, node: Node, stored: bool = True) -> None:
@@ -526,6 +528,7 @@ class RadixTree:
             self.host_ids_held -= len(n.host_pages)
             n.host_pages = None
             n.draft_host = False
+            self.host_candidates.dropped(n)
             parent = n.parent
             if n.device_pages is None:
                 self._remove(n)

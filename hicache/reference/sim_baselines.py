@@ -9,8 +9,9 @@ by their chained page hash (``hicache.core.hashing``), numbered densely here.
 - ``belady``: one cache of ``capacity`` pages; when full, the page whose next
   use is furthest in the future goes first (Belady's MIN: no eviction policy
   hits more at this capacity). Ties go to the deeper page, so a page never
-  outlives its prefix. It sees one pool of L1+L2 pages: a two-tier cache
-  whose L1 and L2 hold copies of the same pages cannot do better.
+  outlives its prefix. It sees one pool of the distinct pages the tiers can
+  hold together (``sim_report.distinct_capacity``: ``max(L1, L2)`` when L2
+  holds a copy of every L1 page, ``L1 + L2`` when a page may live on one tier).
 """
 from __future__ import annotations
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import time
 from typing import Any, Callable, Iterator
 
 from hicache.core.config import HiCacheConfig
+from hicache.core.errors import ConfigError
 from hicache.reference import sim_baselines as bl
 from hicache.reference.progress import Progress, logs_above_bars
 from hicache.reference.simulate import SimPlan, SimRequest, run_hicache, sim_config, trace_requests
@@ -15,7 +17,7 @@ from hicache.index.eviction import POLICIES
 from hicache.index.misses import REASONS
 
 Factory = Callable[[], Iterator[SimRequest]]
-SWEEP_FRACTIONS = (1 / 64, 1 / 16, 1 / 4, 1 / 2, 1.0)  # of the working set's bytes, per tier
+SWEEP_FRACTIONS = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)  # of the working set's bytes, per tier
 
 
 def _limited(factory: Factory, limit: int | None) -> Factory:
@@ -29,6 +31,27 @@ def _offline_row(name: str, hit: int, stream: bl.PageStream, plan: SimPlan) -> d
             "l3_hit_tokens": None, "recomputed_tokens": prompt - hit, "time_s": None}
 
 
+def tiers_label(plan: SimPlan, *, l2: bool = True, l3: bool = True) -> str:
+    """The tiers a run really has: "L1", "L1+L2", "L1+L2+L3"; a run with L3 but no L2
+    stages through a 1-page L2 and says so."""
+    has_l2, has_l3 = l2 and plan.l2_pages > 0, l3 and plan.l3_pages > 0 and bool(plan.l3_url)
+    if has_l3 and not has_l2:
+        return "L1+L3 (through a 1-page L2)"
+    return "+".join(t for t, on in (("L1", True), ("L2", has_l2), ("L3", has_l3)) if on)
+
+
+def distinct_capacity(l1_pages: int, l2_pages: int, write_policy: str) -> tuple[int, str]:
+    """Distinct pages L1 and L2 can hold together, and the rule that gave it. Under
+    ``write_through`` every page inserted on L1 is backed up to L2 at once, so L2 holds a
+    copy of what L1 holds (inclusive): ``max(L1, L2)``. Under ``write_back`` and
+    ``write_through_selective`` a page may live on one tier only (exclusive): ``L1 + L2``."""
+    if l2_pages <= 0:
+        return l1_pages, "L1"
+    if write_policy == "write_through":
+        return max(l1_pages, l2_pages), "max(L1, L2): inclusive (write_through)"
+    return l1_pages + l2_pages, f"L1 + L2: exclusive ({write_policy})"
+
+
 def simulate(cfg: HiCacheConfig, factory: Factory, *, policies: list[str] | None = None,
              baselines: bool = True, plan: SimPlan | None = None, progress: Progress | None = None) -> dict[str, Any]:
     """Every row of the simulation report (see ``hicache.reference.simulate``); ``progress``
@@ -37,17 +60,21 @@ def simulate(cfg: HiCacheConfig, factory: Factory, *, policies: list[str] | None
     ps = plan.page_size
     default = cfg.policy.device_eviction
     feed = _feeder(factory, progress)
-    rows = [run_hicache(f"hicache L1+L2+L3 ({default})", sim_config(cfg, plan), plan,
-                        feed(f"hicache L1+L2+L3 ({default})"))]
+    label = tiers_label(plan)
+    first = f"hicache {label} ({default})"
+    rows = [run_hicache(first, sim_config(cfg, plan, backup=label != "L1"), plan if label != "L1" else _no_l2(plan),
+                        feed(first))]
     stream = bl.page_stream(feed("page stream (baselines)"), ps)
     if baselines:
-        rows.append(run_hicache("GPU-only prefix cache (L1)", sim_config(cfg, plan, l3=False, backup=False),
-                                _no_l2(plan), feed("GPU-only prefix cache (L1)")))
-        for p in policies if policies is not None else [default]:
-            rows.append(run_hicache(f"hicache L1+L2 ({p})", sim_config(cfg, plan, eviction=p, l3=False),
-                                    plan, feed(f"hicache L1+L2 ({p})")))
-        cap = plan.l1_pages + plan.l2_pages
-        rows.append(_offline_row(f"Belady MIN ({cap:,} pages = L1+L2)", bl.belady(stream, ps, cap), stream, plan))
+        gpu = "GPU-only prefix cache (L1, lru)"
+        rows.append(run_hicache(gpu, sim_config(cfg, plan, eviction="lru", l3=False, backup=False), _no_l2(plan),
+                                feed(gpu)))
+        if plan.l2_pages:
+            for p in policies if policies is not None else [default]:
+                rows.append(run_hicache(f"hicache L1+L2 ({p})", sim_config(cfg, plan, eviction=p, l3=False),
+                                        plan, feed(f"hicache L1+L2 ({p})")))
+        cap, rule = distinct_capacity(plan.l1_pages, plan.l2_pages, cfg.policy.write_policy.value)
+        rows.append(_offline_row(f"Belady MIN ({cap:,} pages = {rule})", bl.belady(stream, ps, cap), stream, plan))
         rows.append(_offline_row("infinite cache", bl.infinite(stream, ps), stream, plan))
     return {"config": _plan_dict(plan), "working_set_pages": stream.unique_pages,
             "working_set_bytes": stream.unique_pages * plan.page_bytes, "rows": rows}
@@ -180,33 +207,85 @@ def format_sweep(sw: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+SWEEP_STYLE = {  # tier -> (label, colour, marker, size, line): hollow big L1 under filled small L2
+    "L1": ("L1 alone (GPU-only prefix cache)", "C0", "o", 11, "-"),
+    "L2": ("L2, with the configured L1", "C1", "s", 6, "--"),
+    "L3": ("L3, with the configured L1 and L2", "C3", "^", 7, ":"),
+}
+
+
 def plot_sweep(sw: dict[str, Any], path: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for i, tier in enumerate(("L1", "L2", "L3")):
+    import matplotlib.ticker
+    fig, ax = plt.subplots(figsize=(8, 5.4))
+    ticks: set[int] = set()
+    for tier, (label, colour, marker, size, line) in SWEEP_STYLE.items():
         pts = [p for p in sw["points"] if p["tier"] == tier]
-        ax.plot([p["bytes"] / (1 << 40) for p in pts], [p["hit_rate"] for p in pts], marker="os^"[i],
-                color=f"C{i}", linestyle=("-", "--", ":")[i], linewidth=2.5 - 0.5 * i,
-                label={"L1": "L1 alone (GPU-only prefix cache)", "L2": "L2, with the configured L1",
-                       "L3": "L3, with the configured L1 and L2"}[tier])
-    ax.axvline(sw["working_set_bytes"] / (1 << 40), color="gray", linestyle="--",
+        if not pts:
+            continue
+        ticks.update(p["bytes"] for p in pts)
+        hollow = tier == "L1"
+        ax.plot([p["bytes"] for p in pts], [p["hit_rate"] for p in pts], marker=marker, markersize=size,
+                color=colour, linestyle=line, linewidth=4 if hollow else 1.6, alpha=0.55 if hollow else 1.0,
+                label=f"{label} ({len(pts)} points)", markerfacecolor="none" if hollow else colour,
+                markeredgewidth=2 if hollow else 1, zorder=2 if hollow else 3)  # L2 drawn over a wide L1
+    ax.axvline(sw["working_set_bytes"], color="gray", linestyle="--",
                label=f"working set ({human_bytes(sw['working_set_bytes'])})")
-    ax.axhline(sw["infinite_hit_rate"], color="green", linestyle=":",
+    ax.axhline(sw["infinite_hit_rate"], color="black", linestyle="-.", linewidth=1,
                label=f"infinite cache ({sw['infinite_hit_rate']:.1%})")
     ax.set_xscale("log")
-    ax.set_xlabel("tier capacity (TiB of KV of the model shape)")
+    ticks.add(sw["working_set_bytes"])
+    ax.set_xticks(sorted(ticks), [human_bytes(t) for t in sorted(ticks)], rotation=30, fontsize=8)
+    ax.minorticks_off()
+    ax.set_xlabel("tier capacity (bytes of KV of the model shape)")
     ax.set_ylabel("hit rate (of prompt tokens)")
-    ax.set_ylim(0, 1)
+    top = min(1.0, max(0.1, 1.15 * max([sw["infinite_hit_rate"], *(p["hit_rate"] for p in sw["points"])])))
+    ax.set_ylim(0, top)
+    ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(10))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
-    ax.set_title(title, fontsize=10)
-    fig.tight_layout()
+    ax.set_title(title, fontsize=11)
+    fig.text(0.5, 0.01, sweep_caption(sw), ha="center", fontsize=8)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+def sweep_caption(sw: dict[str, Any]) -> str:
+    """One line on what the curve's shape means for sizing."""
+    ws, inf = sw["working_set_bytes"], sw["infinite_hit_rate"]
+    near = sorted(p["bytes"] for p in sw["points"] if p["hit_rate"] >= 0.95 * inf)
+    if near:
+        return (f"Hit rate grows with capacity until about {human_bytes(near[0])} (95% of the infinite cache); "
+                f"past that, more capacity buys little (working set {human_bytes(ws)}).")
+    return f"No point reaches 95% of the infinite cache: every tier below the working set ({human_bytes(ws)}) misses."
+
+
 # ------------------------------------------------------------------ command
+def _policies(args: argparse.Namespace, cfg: HiCacheConfig, factory: Factory, name: str) -> dict[str, Any]:
+    """``--policies``: the policy sweep (``hicache.reference.sim_policies``), printed and plotted."""
+    from hicache.reference import sim_policies as sp
+    pol = sorted(POLICIES) if args.policies == "all" else args.policies.split(",")
+    unknown = [p for p in pol if p not in POLICIES]
+    if unknown:
+        raise ConfigError(f"--policies {','.join(unknown)}: unknown; known: {', '.join(sorted(POLICIES))}")
+    pol = pol if "lru" in pol else ["lru", *pol]  # the reference every gap is measured from
+    out = sp.policy_sweep(cfg, factory, pol, sp.parse_capacities(args.capacities or sp.DEFAULT_CAPACITIES))
+    print(sp.format_policy_sweep(out, name))
+    if args.plot:
+        sp.plot_policy_sweep(out, args.plot, f"eviction policies: {short_name(name)}")
+        print(f"plot: {args.plot}")
+    return out
+
+
+def short_name(trace: str) -> str:
+    """A plot title's name for a trace path: the file name without its extension."""
+    return os.path.splitext(os.path.basename(trace))[0] or trace
+
+
 def main(args: argparse.Namespace, cfg: HiCacheConfig) -> int:
     t0 = time.perf_counter()
     if args.shape:
@@ -223,14 +302,15 @@ def main(args: argparse.Namespace, cfg: HiCacheConfig) -> int:
             print(format_sweep(sw))
             out: dict[str, Any] = {"sweep": sw}
             png = args.plot or "hicache-sweep.png"
-            plot_sweep(sw, png, f"hicache --simulate: {name}, {sw['config']['shape']}")
+            plot_sweep(sw, png, f"{short_name(name)}, {sw['config']['shape']}")
             print(f"plot: {png}")
+        elif args.policies:
+            out = _policies(args, cfg, factory, name)
         else:
-            pol = sorted(POLICIES) if args.policies == "all" else (args.policies.split(",") if args.policies else None)
-            progress.note(f"simulating {name}: {runs_ahead(pol, not args.no_baselines)} passes over "
+            progress.note(f"simulating {name}: {runs_ahead(None, not args.no_baselines)} passes over "
                           f"{progress.total:,} requests" + ("" if args.limit else "; --limit N replays only "
                                                             "the first N (a first look)"))
-            out = simulate(cfg, factory, policies=pol, baselines=not args.no_baselines, progress=progress)
+            out = simulate(cfg, factory, policies=None, baselines=not args.no_baselines, progress=progress)
             print(format_report(out, name))
     if args.json:
         with open(args.json, "w") as f:

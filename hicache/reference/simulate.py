@@ -12,10 +12,11 @@ moved: tier capacities are given in those bytes and converted to pages.
 Requests are served one at a time in arrival order (admit, compute the miss,
 commit, finish); the trace's arrival times give its duration and request rate.
 
-Baselines over the same page stream (``baseline_rows``): the infinite cache
-and Belady's offline optimum at the L1+L2 capacity (both in ``hicache.reference.
-sim_baselines``), and the real ``HiCache`` as a GPU-only prefix cache (L1
-alone) and with each eviction policy over L1+L2.
+Baselines over the same page stream (``hicache.reference.sim_report``): the
+infinite cache and Belady's offline optimum at the distinct pages the tiers hold
+(both in ``hicache.reference.sim_baselines``), and the real ``HiCache`` as a
+GPU-only prefix cache (L1 alone, plain LRU: what vLLM and SGLang do) and with
+each eviction policy over L1+L2.
 """
 from __future__ import annotations
 

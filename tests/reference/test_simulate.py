@@ -115,6 +115,16 @@ def test_gpu_only_evicted_page_is_an_l1_miss():
     assert row["evicted_pages"]["L1"] == 4
 
 
+def test_pages_after_a_hit_inside_a_node_keep_their_reason():
+    # issue 35's reproducer: r1's hit [1 2] ends inside r0's node, two fillers evict everything,
+    # r4 asks 1 2 10 11 again: all four were computed before (l1_evicted), not first_use.
+    cfg, plan = cfg_for(l1_pages=6)
+    five, six = 5 * PS, 6 * PS
+    row = run(cfg, plan, reqs(([1, 2, 3, 4, 5], five), ([1, 2, 10, 11, 12], five), (list(range(20, 26)), six),
+                              (list(range(30, 36)), six), ([1, 2, 10, 11, 13], five)), l3=False, backup=False)
+    assert nonzero(row["misses"]) == {"first_use": 16, "l1_evicted": 4, "partial_page": 5}
+
+
 def test_l2_serves_what_l1_evicted_then_l2_eviction_is_explained():
     # L1 = 3 pages, L2 = 4, write_through. r1 evicts the leaf [P1 P2] from L1 (both backed up);
     # r2 hits P1 from L2; backing up P5 evicts P2 (the LRU L2 leaf) from L2; r3 hits P1 on L1.
@@ -175,7 +185,7 @@ def test_simulate_rows_and_hicache_never_beats_belady(tmp_path):
     for name, r in rows.items():
         if name.startswith("hicache L1+L2 ("):
             assert r["hit_tokens"] <= best, name
-    assert rows["GPU-only prefix cache (L1)"]["hit_tokens"] <= best
+    assert rows["GPU-only prefix cache (L1, lru)"]["hit_tokens"] <= best
 
 
 # --------------------------------------------------------------- sweep and CLI

@@ -1,0 +1,181 @@
+"""``hicache replay --simulate --policies P``: every eviction policy at every capacity.
+
+Two modes per capacity ``C`` tokens: GPU-only (L1 = ``C``, no L2: the index alone,
+as an engine's own prefix cache, ``run_index``) and L1+L2 (L2 = ``C``, L1 = ``C / 8``, write_through); L1 is never
+smaller than the largest request. Under write_through L2 holds a copy of every L1
+page, so both modes hold ``C`` distinct tokens and Belady's MIN there bounds both
+(``sim_report.distinct_capacity``; at the larger of the two where the floor on L1
+lifts a mode above ``C``). Each row is a real ``HiCache`` run over the same
+requests; a policy's rank is its place among the policies in that mode and capacity
+(1 = most hit tokens, ties share a rank); the gap closed is ``(policy - lru) /
+(Belady - lru)``.
+"""
+from __future__ import annotations
+
+import re
+import sys
+import time
+from typing import Any, Callable, Iterator
+
+from hicache.core.config import HiCacheConfig
+from hicache.core.errors import ConfigError
+from hicache.reference import sim_baselines as bl
+from hicache.reference.simulate import SimPlan, SimRequest, run_hicache, sim_config
+
+Factory = Callable[[], Iterator[SimRequest]]
+DEFAULT_CAPACITIES = "0.25M,0.5M,1M,2M,5M,10M,20M"
+GAP_CAPACITIES = (500_000, 2_000_000, 10_000_000)  # where the default must close 1/3 of the LRU->Belady gap
+MODES = ("GPU-only", "L1+L2")
+L1_SHARE = 8  # L1+L2 mode: L1 is an eighth of L2 (one H200's 100 GiB next to ~1 TiB of host memory)
+
+
+def parse_capacities(text: str) -> list[int]:
+    """``"0.25M,2M,500K,4096"`` -> token counts. ``ConfigError`` names a bad item."""
+    out = []
+    for item in text.split(","):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgG]?)\s*", item)
+        if not m:
+            raise ConfigError(f"--capacities item {item!r}: want a token count like 0.5M, 500K or 4096")
+        out.append(int(float(m[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m[2].lower()]))
+    return out
+
+
+def _plan(base: SimPlan, mode: str, tokens: int, largest: int) -> SimPlan:
+    pages = max(1, tokens // base.page_size)
+    if mode == "GPU-only":
+        return SimPlan(base.shape, base.page_size, max(pages, largest), 0, 0, "")
+    return SimPlan(base.shape, base.page_size, max(pages // L1_SHARE, largest), pages, 0, "")
+
+
+def run_index(policy: str, plan: SimPlan, requests) -> dict[str, Any]:
+    """GPU-only: the index alone (a ``PrefixCache`` over an L1 allocator, what an engine's
+    own prefix cache is), no payloads and no miss tracking. Hits as ``run_hicache`` counts them."""
+    from hicache.core.layout import KVLayout
+    from hicache.index.prefix_cache import PrefixCache
+    from hicache.memory.allocator import PageAllocator
+    ps = plan.page_size
+    cache = PrefixCache(KVLayout("simulate/index", 1, num_kv_heads=1, head_dim=1, page_size=ps),
+                        PageAllocator(plan.l1_pages), eviction=policy)
+    hit = prompt = 0
+    t0 = time.perf_counter()
+    for r in requests:
+        req = cache.new_request(r.rid, r.key, r.namespace)
+        req.lock(req.match())
+        hit += req.computed_tokens
+        prompt += req.num_tokens
+        req.alloc(req.num_tokens - req.computed_tokens)
+        req.commit()
+        req.finish()
+    cache.check_integrity()
+    return {"hit_tokens": hit, "hit_rate": hit / prompt if prompt else 0.0, "time_s": time.perf_counter() - t0}
+
+
+def _ranks(hits: dict[str, int]) -> dict[str, int]:
+    order = sorted(hits.values(), reverse=True)
+    return {p: 1 + order.index(h) for p, h in hits.items()}
+
+
+def policy_sweep(cfg: HiCacheConfig, factory: Factory, policies: list[str], capacities: list[int],
+                 modes=MODES, log=None) -> dict[str, Any]:
+    """Hit rate of every policy in every mode at every capacity, Belady and the
+    infinite cache beside them; one progress line per run on ``log`` (default stderr)."""
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    if cfg.policy.write_policy.value != "write_through":
+        raise ConfigError(f"--policies compares L1+L2 under write_through (L2 inclusive of L1); "
+                          f"policy.write_policy is {cfg.policy.write_policy.value}")
+    base = SimPlan.from_config(cfg.simulate)
+    ps = base.page_size
+    stream = bl.page_stream(factory(), ps)
+    prompt = sum(stream.tokens)
+    largest = max((len(p) + 1 for p in stream.pages), default=1)
+    runs: list[dict[str, Any]] = []
+    belady: dict[int, float] = {}
+    total, done, t0 = len(capacities) * (len(modes) * len(policies) + 1), 0, time.perf_counter()
+    for c in capacities:
+        distinct = max(max(p.l1_pages, p.l2_pages) for p in (_plan(base, m, c, largest) for m in modes))
+        belady[c] = bl.belady(stream, ps, distinct) / prompt if prompt else 0.0
+        done += 1
+        log(f"[{done}/{total}] {c:,} tokens: Belady at {distinct:,} pages {belady[c]:.1%} "
+            f"({time.perf_counter() - t0:.0f} s)")
+        for mode in modes:
+            plan = _plan(base, mode, c, largest)
+            for p in policies:
+                if mode == "GPU-only":
+                    row = run_index(p, plan, factory())
+                else:
+                    row = run_hicache(f"{mode} {p}", sim_config(cfg, plan, eviction=p, l3=False), plan, factory())
+                runs.append({"mode": mode, "capacity_tokens": c, "policy": p, "l1_pages": plan.l1_pages,
+                             "l2_pages": plan.l2_pages, "hit_tokens": row["hit_tokens"],
+                             "hit_rate": row["hit_rate"], "time_s": row["time_s"]})
+                done += 1
+                log(f"[{done}/{total}] {c:,} tokens {mode} {p}: {row['hit_rate']:.1%} "
+                    f"({row['time_s']:.1f} s; {time.perf_counter() - t0:.0f} s in all)")
+    for mode in modes:
+        for c in capacities:
+            rows = [r for r in runs if r["mode"] == mode and r["capacity_tokens"] == c]
+            ranks = _ranks({r["policy"]: r["hit_tokens"] for r in rows})
+            lru = next((r["hit_rate"] for r in rows if r["policy"] == "lru"), None)
+            for r in rows:
+                r["rank"] = ranks[r["policy"]]
+                gap = belady[c] - lru if lru is not None else 0.0
+                r["gap_closed"] = (r["hit_rate"] - lru) / gap if lru is not None and gap > 1e-12 else None
+    return {"page_size": ps, "prompt_tokens": prompt, "working_set_pages": stream.unique_pages,
+            "infinite_hit_rate": bl.infinite(stream, ps) / prompt if prompt else 0.0, "policies": policies,
+            "capacities": capacities, "modes": list(modes), "belady": belady, "runs": runs,
+            "default": cfg.policy.device_eviction}
+
+
+def _tok(n: int) -> str:
+    return f"{n / 1e6:g}M" if n >= 1e6 else f"{n / 1e3:g}K" if n >= 1e3 else str(n)
+
+
+def format_policy_sweep(sw: dict[str, Any], trace: str) -> str:
+    pols, d = sw["policies"], sw["default"]
+    lines = [f"eviction policies on {trace}: hit rate (rank among {len(pols)}) per capacity; working set "
+             f"{sw['working_set_pages']:,} pages of {sw['page_size']} tokens, infinite cache "
+             f"{sw['infinite_hit_rate']:.1%}; default {d}"]
+    for mode in sw["modes"]:
+        head = ["capacity", *pols, "Belady", f"{d} gap closed" if d in pols else ""]
+        table = [head]
+        for c in sw["capacities"]:
+            rows = {r["policy"]: r for r in sw["runs"] if r["mode"] == mode and r["capacity_tokens"] == c}
+            g = rows[d]["gap_closed"] if d in rows else None
+            held = max(max(r["l1_pages"], r["l2_pages"]) for r in rows.values()) * sw["page_size"]
+            label = _tok(c) if held <= c else f"{_tok(c)}->{_tok(held)}"  # lifted to hold the largest request
+            table.append([label, *(f"{rows[p]['hit_rate']:.1%} ({rows[p]['rank']})" for p in pols),
+                          f"{sw['belady'][c]:.1%}", "-" if g is None else f"{g:+.0%}"])
+        widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+        lines += ["", f"{mode}" + (" (L1 = L2 / 8, at least the largest request; write_through)"
+                                   if mode == "L1+L2" else " (L1 alone)")]
+        lines += ["  ".join(x.rjust(w) for x, w in zip(r, widths)) for r in table]
+    return "\n".join(lines)
+
+
+def plot_policy_sweep(sw: dict[str, Any], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(sw["modes"]), figsize=(6 * len(sw["modes"]), 4.8), sharey=True)
+    caps = sw["capacities"]
+    for ax, mode in zip(axes if len(sw["modes"]) > 1 else [axes], sw["modes"]):
+        for i, p in enumerate(sw["policies"]):
+            ys = [next(r["hit_rate"] for r in sw["runs"] if r["mode"] == mode and r["capacity_tokens"] == c
+                       and r["policy"] == p) for c in caps]
+            ax.plot(caps, ys, marker="osD^v<>ph*"[i % 10], color=f"C{i % 10}", markersize=5,
+                    linewidth=2.4 if p == sw["default"] else 1.2, label=p + (" (default)" if p == sw["default"] else ""))
+        ax.plot(caps, [sw["belady"][c] for c in caps], "k--", marker="x", label="Belady MIN (offline)")
+        ax.axhline(sw["infinite_hit_rate"], color="gray", linestyle=":", label="infinite cache")
+        ax.set_xscale("log")
+        ax.set_xticks(caps, [_tok(c) for c in caps])
+        ax.minorticks_off()
+        ax.set_xlabel("capacity (tokens)")
+        ax.set_title(mode, fontsize=10)
+        ax.grid(alpha=0.3)
+    (axes[0] if len(sw["modes"]) > 1 else axes).set_ylabel("hit rate (of prompt tokens)")
+    (axes[-1] if len(sw["modes"]) > 1 else axes).legend(fontsize=7, loc="lower right")
+    fig.suptitle(title, fontsize=11)
+    fig.text(0.5, 0.01, "The space between a policy and Belady is what knowing the future would save; "
+             "the curves meet once the cache holds the working set.", ha="center", fontsize=8)
+    fig.tight_layout(rect=(0, 0.04, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
