@@ -315,4 +315,6 @@ def test_vllm_connector_serve_line():
     """docs/vllm-connector.md's ``vllm serve`` line through vLLM's own CLI parser, config and
     scheduler (tests/integrations/vllm_connector/test_docs_serve_line.py, inside .venv-vllm)."""
     from tests.integrations.test_vllm_suites import _run
+    docs = block(ROOT / "docs" / "vllm-connector.md", "test_vllm_connector_serve_line", "bash")
+    assert block(README, "test_vllm_connector_serve_line", "bash") == docs, "README and docs/vllm-connector.md show two serve lines"
     _run(["tests/integrations/vllm_connector/test_docs_serve_line.py"], ROOT, timeout=600)
