@@ -114,6 +114,16 @@ class ConnectorJobs:
         self._c = dict(loaded=0, load_errors=0, saved=0, save_dropped=0, stored=0)
         self.events = EventLog()
 
+    def _saveable(self, rid: str, tokens, computed_tokens: int, block_ids) -> tuple:
+        """Forget ``rid``'s lookup; ``(key, n)``: its key and how many full pages of its
+        ``computed_tokens`` may be saved (0 while its load is in flight: blocks not final)."""
+        self._hits.pop(rid, None)
+        self._sources.pop(rid, None)
+        key = as_key(tokens)
+        if rid in self._loading:
+            return key, 0
+        return key, min(computed_tokens, len(key) // 4, len(block_ids) * self.page_size) // self.page_size
+
     def _decide(self, rid: str, engine_hit: int, l2_new: int, l3_new: int) -> Hit:
         """The cost model's verdict on a hit of ``l2_new`` + ``l3_new`` pages beyond ``engine_hit``."""
         ps = self.page_size
@@ -293,15 +303,10 @@ class ConnectorScheduler(ConnectorJobs):
         engine must keep the blocks until a worker reports the save finished. A
         request whose load is still in flight saves nothing (its blocks are not final).
         ``keys``: the engine's key of each page (for ``take_events``)."""
-        self._hits.pop(rid, None)
-        self._sources.pop(rid, None)
-        if rid in self._loading:
-            return False
-        ps = self.page_size
-        key = as_key(tokens)
-        n = min(computed_tokens, len(key) // 4, len(block_ids) * ps) // ps
+        key, n = self._saveable(rid, tokens, computed_tokens, block_ids)
         if n == 0:
             return False
+        ps = self.page_size
         key = key[:n * self._ps4]
         m = self.cache.match(key, namespace)
         have = m.host_tokens // ps

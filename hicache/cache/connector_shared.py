@@ -85,13 +85,7 @@ class SharedConnectorScheduler(ConnectorJobs):
     def finished(self, rid: str, tokens, computed_tokens: int, block_ids, namespace: str = "", keys=()) -> bool:
         """Reserve segment pages for the computed full pages the segment lacks; True: the
         engine keeps the blocks until the workers copied them."""
-        self._hits.pop(rid, None)
-        self._sources.pop(rid, None)
-        if rid in self._loading:
-            return False
-        ps = self.page_size
-        key = as_key(tokens)
-        n = min(computed_tokens, len(key) // 4, len(block_ids) * ps) // ps
+        key, n = self._saveable(rid, tokens, computed_tokens, block_ids)
         if n == 0:
             return False
         link = self.link
@@ -108,7 +102,7 @@ class SharedConnectorScheduler(ConnectorJobs):
             self._c["save_dropped"] += n - have
             return False
         spec = SaveSpec(self._job(), rid, tuple(int(b) for b in block_ids[have:n]), tuple(pages))
-        ev_keys, ev_parent, ev_tokens = _event_fields(keys, tokens, have, n, ps)
+        ev_keys, ev_parent, ev_tokens = _event_fields(keys, tokens, have, n, self.page_size)
         self._saves[spec.job] = _Save(rid, spec, b"", namespace, have, None, keys=ev_keys, parent=ev_parent,
                                       tokens=ev_tokens)
         self._held[spec.job] = _Shared(hashes[have:n])

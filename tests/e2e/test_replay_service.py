@@ -27,6 +27,20 @@ def _serve(env: dict) -> subprocess.Popen:
     return p
 
 
+def _serve_with(monkeypatch, sock: str, port: int, l3_url: str, host_pages: int) -> subprocess.Popen:
+    """A node service on ``sock`` / ``port`` with only these settings, which this test's
+    own replays read too (every other ``HICACHE_*`` variable is dropped for both)."""
+    settings = {"HICACHE_SERVICE__SOCKET_PATH": sock, "HICACHE_SERVICE__PORT": str(port),
+                "HICACHE_STORAGE__URL": l3_url, "HICACHE_POOL__HOST_PAGES": str(host_pages),
+                "HICACHE_SERVICE__SHM_NAME": f"hicache-replay-{uuid.uuid4().hex[:8]}"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_")} | settings
+    for k in [k for k in os.environ if k.startswith("HICACHE_")]:
+        monkeypatch.delenv(k)
+    for k, v in settings.items():
+        monkeypatch.setenv(k, v)
+    return _serve(env)
+
+
 def _service_l3_bytes(port: int) -> tuple[int, int, int]:
     """The service's own L3 figures from its REST stats: bytes written, bytes read, page bytes."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/stats", timeout=30) as r:
@@ -37,15 +51,7 @@ def _service_l3_bytes(port: int) -> tuple[int, int, int]:
 def test_replay_through_the_service_reports_its_l3_traffic_and_no_negative_hits(tmp_path, capsys, monkeypatch):
     sock = f"{tempfile.mkdtemp(prefix='hcr-')}/s.sock"
     port = free_port()
-    settings = {"HICACHE_SERVICE__SOCKET_PATH": sock, "HICACHE_SERVICE__PORT": str(port),
-                "HICACHE_STORAGE__URL": f"file://{tmp_path}/l3", "HICACHE_POOL__HOST_PAGES": "64",
-                "HICACHE_SERVICE__SHM_NAME": f"hicache-replay-{uuid.uuid4().hex[:8]}"}
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_")} | settings
-    for k in [k for k in os.environ if k.startswith("HICACHE_")]:
-        monkeypatch.delenv(k)
-    for k, v in settings.items():
-        monkeypatch.setenv(k, v)
-    serve = _serve(env)
+    serve = _serve_with(monkeypatch, sock, port, f"file://{tmp_path}/l3", 64)
     rows, puts = [], []
     try:
         for i in range(2):
@@ -108,15 +114,7 @@ def test_replay_credits_earlier_pages_to_the_shared_l2_and_plots_the_segment(tmp
     from hicache.reference import replay
     sock = f"{tempfile.mkdtemp(prefix='hcr-')}/s.sock"
     port = free_port()
-    settings = {"HICACHE_SERVICE__SOCKET_PATH": sock, "HICACHE_SERVICE__PORT": str(port),
-                "HICACHE_STORAGE__URL": "", "HICACHE_POOL__HOST_PAGES": "512",
-                "HICACHE_SERVICE__SHM_NAME": f"hicache-replay-{uuid.uuid4().hex[:8]}"}
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_")} | settings
-    for k in [k for k in os.environ if k.startswith("HICACHE_")]:
-        monkeypatch.delenv(k)
-    for k, v in settings.items():
-        monkeypatch.setenv(k, v)
-    serve = _serve(env)
+    serve = _serve_with(monkeypatch, sock, port, "", 512)
     reports, texts = [], []
     try:
         for i in range(2):
