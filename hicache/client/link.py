@@ -47,7 +47,6 @@ from hicache.memory.pools import HostPool
 from hicache.client.protocol import HEADER_BYTES, CommitResult, body_length, hello_request, pack, unpack
 from hicache.memory.shm import SharedSegment
 from hicache.core.stats import HiCacheStats
-from hicache.node.snapshot import report_figures
 from hicache.core.types import HostPageId, PageHash
 
 # Page ids arrive as plain ints: ``HostPageId`` is a NewType (static typing
@@ -315,3 +314,23 @@ class ServiceClient(Link):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def report_figures(stats: HiCacheStats) -> dict[str, Any]:
+    """An embedded cache's ``HiCache.stats()`` as ``report`` figures."""
+    i = stats.index
+    return {"requests": i.requests, "prompt_tokens": i.admitted_tokens,
+            "l1_hit_tokens_exact": i.device_hit_exact_tokens, "l1_hit_tokens_visible": i.device_hit_tokens,
+            "l2_hit_tokens_exact": i.host_hit_exact_tokens, "l2_hit_tokens_visible": i.host_hit_tokens,
+            "l1_used_pages": i.device_pages_cached + i.device_pages_private,
+            "l1_capacity_pages": stats.capacity_pages.get("L1", 0), "l1_evictions": i.device_evicted_pages,
+            **_admission_figures(stats), "misses": stats.misses.as_dict()}
+
+
+def _admission_figures(stats: HiCacheStats) -> dict[str, int]:
+    a = stats.admission
+    if a is None:
+        return {}
+    return {"admission_load": a.load, "admission_load_l2": a.load_l2, "admission_recompute": a.recompute,
+            "admission_unmeasured": a.unmeasured,
+            "admission_recomputed_tokens": a.recomputed_l2_tokens + a.recomputed_l3_tokens}

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from hicache.core.policies import PrefetchPolicy, WritePolicy
+from hicache.core.policies import EVICTION_POLICIES, PrefetchPolicy, WritePolicy
 from hicache.core.errors import ConfigError, LayoutError
 from hicache.core.sizes import parse_size
 from hicache.core.layout import BytePlane, KVLayout
@@ -183,9 +183,8 @@ class PolicyConfig(_Section):
     @field_validator("device_eviction", "host_eviction")
     @classmethod
     def _eviction(cls, v: str) -> str:
-        from hicache.index.eviction import POLICIES
-        if v not in POLICIES:
-            raise ValueError(f"must be one of {', '.join(sorted(POLICIES))}")
+        if v not in EVICTION_POLICIES:
+            raise ValueError(f"must be one of {', '.join(EVICTION_POLICIES)}")
         return v
 
 

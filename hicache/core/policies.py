@@ -1,7 +1,8 @@
 """The closed sets of tiering policies (``policy.write_policy``,
 ``policy.prefetch_policy``), as enums: the configuration parses names into
 them and the cache compares members, never strings. Eviction policies are
-classes registered by name (``hicache.index.eviction.POLICIES``)."""
+classes registered by name (``hicache.index.eviction.POLICIES``); the names the
+configuration accepts are ``EVICTION_POLICIES``, which that registry must equal."""
 from __future__ import annotations
 
 import enum
@@ -21,3 +22,8 @@ class PrefetchPolicy(enum.StrEnum):
     BEST_EFFORT = "best_effort"  # the probe only; the fetch lands for later requests
     WAIT_COMPLETE = "wait_complete"  # until the fetch finishes
     TIMEOUT = "timeout"  # up to base + per-1k-tokens ms, capped
+
+
+# The eviction policies by name (``policy.device_eviction`` / ``host_eviction``): one class each
+# in hicache.index.eviction, which checks at import that its registry holds exactly these.
+EVICTION_POLICIES = ("fifo", "lfu", "lru", "mru", "qd_lru", "s3fifo", "slru")

@@ -18,6 +18,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Protocol, TypeVar
 
 from hicache.core.errors import ConfigError
+from hicache.core.policies import EVICTION_POLICIES
 
 if TYPE_CHECKING:
     from hicache.index.node import Node
@@ -146,6 +147,10 @@ class QuickDemotionLRU:
 
     def key(self, node: Node) -> Key:
         return (node.last_access + (self.bonus if node.hit_count >= 1 else 0), node.nid)
+
+
+# The configuration validates names against core's list (core imports nothing of the index).
+assert sorted(_REGISTRY) == list(EVICTION_POLICIES), (sorted(_REGISTRY), EVICTION_POLICIES)
 
 
 def make_policy(spec: str | EvictionPolicy) -> EvictionPolicy:

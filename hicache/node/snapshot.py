@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from hicache.core.stat_schema import stat
-from hicache.core.stats import HiCacheStats, L3TierStats, MissStats
+from hicache.core.stats import L3TierStats, MissStats
 
 Tier = Literal["L2", "L3"]
 
@@ -129,26 +129,6 @@ class EngineReport:
                                             metric="engine_admission_recomputed_tokens", default=0)
     misses: MissStats = stat("The engine's missed pages by reason (hicache.index.misses).", default_factory=MissStats,
                              prefix="engine_")
-
-
-def report_figures(stats: "HiCacheStats") -> dict[str, Any]:
-    """An embedded cache's ``HiCache.stats()`` as ``report`` figures."""
-    i = stats.index
-    return {"requests": i.requests, "prompt_tokens": i.admitted_tokens,
-            "l1_hit_tokens_exact": i.device_hit_exact_tokens, "l1_hit_tokens_visible": i.device_hit_tokens,
-            "l2_hit_tokens_exact": i.host_hit_exact_tokens, "l2_hit_tokens_visible": i.host_hit_tokens,
-            "l1_used_pages": i.device_pages_cached + i.device_pages_private,
-            "l1_capacity_pages": stats.capacity_pages.get("L1", 0), "l1_evictions": i.device_evicted_pages,
-            **_admission_figures(stats), "misses": stats.misses.as_dict()}
-
-
-def _admission_figures(stats: "HiCacheStats") -> dict[str, int]:
-    a = stats.admission
-    if a is None:
-        return {}
-    return {"admission_load": a.load, "admission_load_l2": a.load_l2, "admission_recompute": a.recompute,
-            "admission_unmeasured": a.unmeasured,
-            "admission_recomputed_tokens": a.recomputed_l2_tokens + a.recomputed_l3_tokens}
 
 
 def engine_report(fields: dict[str, Any]) -> EngineReport:

@@ -42,6 +42,26 @@ def test_no_import_cycles_and_no_upward_imports():
     assert m["upward_imports"] == [], m["upward_imports"]
 
 
+def test_layout_by_plane():
+    """Issue 33: few modules directly in hicache/, and no folder imports a plane above it."""
+    m = _metrics()
+    assert len(m["top_modules"]) <= 10, m["top_modules"]
+    assert m["folder_upward"] == [], m["folder_upward"]
+
+
+def test_folder_scan_can_fail():
+    """The folder graph sees an upward import of any kind, and a folder missing from PLANES."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import code_metrics
+    finally:
+        sys.path.pop(0)
+    every = {"hicache.core.config": {"hicache.index.eviction", "hicache.core.errors"},
+             "hicache.index.eviction": {"hicache.core.errors"}, "hicache.cli": {"hicache.nowhere.x"}}
+    assert code_metrics.folder_upward(every, ["hicache.cli"]) == [
+        "hicache -> hicache.nowhere (hicache.cli)", "hicache.core -> hicache.index (hicache.core.config)"]
+
+
 def test_folder_boundaries_hold():
     """The library never imports the reference engine, nor the core the REST package."""
     m = _metrics()
