@@ -1,5 +1,5 @@
 """The node service's statistics snapshot: the single declaration of every
-figure ``/v1/stats`` and ``/metrics`` report (see ``hicache.core.stat_schema``).
+figure ``/v1/stats`` and ``/metrics`` report (see ``hicache.core.stats``).
 
 Sizes are pages and bytes; token counts are ``pages * page_size``. The service
 indexes whole pages only, so a hit's exact token count and its
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from hicache.core.stat_schema import stat
+from hicache.core.stats import stat
 from hicache.core.stats import L3TierStats, MissStats
 
 Tier = Literal["L2", "L3"]

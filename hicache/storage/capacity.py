@@ -25,7 +25,7 @@ from urllib.parse import unquote, urlsplit
 from typing import Any, ClassVar, Literal, NamedTuple
 
 from hicache.core.errors import ConfigError
-from hicache.core.sizes import parse_size  # noqa: F401  (re-exported)
+from hicache.core.config import parse_size  # noqa: F401  (re-exported)
 
 
 L3Eviction = Literal["lru", "fifo"]
