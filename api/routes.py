@@ -22,7 +22,7 @@ from starlette.background import BackgroundTask
 
 from hicache.api.deps import AdminDep, StateDep
 from hicache.api.events import Event, EventBus, Subscription
-from hicache.api.lookup_fast import parsed_tokens
+from hicache.api.rest_guards import parsed_tokens
 from hicache.api.metrics import render
 from hicache.api.models import (ConfigResponse, ErrorBody, FlushRequest, FlushResponse, Health, L3Readiness,
                                 LookupByTokens, LookupRequest, LookupResponse, PageEvent, Readiness, StatsResponse,

@@ -35,14 +35,14 @@ from hicache.core.hashing import namespace_root, raw_page_hashes
 from hicache.core.layout import KVLayout
 from hicache.tiers.cost import CostModel
 from hicache.index.misses import L2, L3, L3Outcome, MissTracker, admission_misses
-from hicache.core.policies import PrefetchPolicy, WritePolicy
+from hicache.core.types import PrefetchPolicy, WritePolicy
 from hicache.memory.pools import DevicePool
 from hicache.core.stats import HiCacheStats, StorageStats
 from hicache.index.node import InsertResult, Node
 from hicache.transfer.inflight import InFlight
 from hicache.tiers.l2.base import L2Tier
-from hicache.tiers.l2.factory import open_l2
-from hicache.tiers.l2.segment import ServiceHostTier
+from hicache.tiers.l2.base import open_l2
+from hicache.tiers.l2.shared import ServiceHostTier
 from hicache.index.request import MatchResult
 from hicache.tiers.room import L1Room
 from hicache.transfer.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan

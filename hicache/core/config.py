@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from hicache.core.policies import EVICTION_POLICIES, PrefetchPolicy, WritePolicy
+from hicache.core.types import EVICTION_POLICIES, PrefetchPolicy, WritePolicy
 from hicache.core.errors import ConfigError, LayoutError
 from hicache.core.layout import BytePlane, KVLayout
 

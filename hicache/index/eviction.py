@@ -17,8 +17,8 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Protocol, TypeVar
 
-from hicache.core.errors import ConfigError
-from hicache.core.policies import EVICTION_POLICIES
+from hicache.core.errors import ConfigError, IntegrityError
+from hicache.core.types import EVICTION_POLICIES
 
 if TYPE_CHECKING:
     from hicache.index.node import Node
@@ -150,7 +150,9 @@ class QuickDemotionLRU:
 
 
 # The configuration validates names against core's list (core imports nothing of the index).
-assert sorted(_REGISTRY) == list(EVICTION_POLICIES), (sorted(_REGISTRY), EVICTION_POLICIES)
+if sorted(_REGISTRY) != list(EVICTION_POLICIES):
+    raise IntegrityError(f"eviction policies registered {sorted(_REGISTRY)} but hicache.core.types."
+                         f"EVICTION_POLICIES lists {list(EVICTION_POLICIES)}: keep the two equal")
 
 
 def make_policy(spec: str | EvictionPolicy) -> EvictionPolicy:

@@ -32,19 +32,18 @@ import dataclasses
 import logging
 from typing import Iterator, Sequence
 
-from hicache.memory.allocator import PageAllocator
-from hicache.index.prefix_check import check_pool, check_request
-from hicache.index.cp import CPRowOrder, PageOwnership, make_ownership
-from hicache.index.draft import draft_prefix_pages
 from hicache.core.errors import CacheStateError, IntegrityError, OutOfPages
-from hicache.index.eviction import EvictionPolicy, make_policy
 from hicache.core.layout import KVLayout
-from hicache.index.node import Dropped, InsertResult, Node
-from hicache.memory.pools import DevicePool, HostPool
-from hicache.index.radix import RadixTree
-from hicache.index.request import MatchResult, Request, RequestState, Tokens, as_key
 from hicache.core.stats import CacheStats
 from hicache.core.types import DevicePageId, HostPageId, PageHash
+from hicache.index.cp import CPRowOrder, make_ownership, PageOwnership
+from hicache.index.eviction import EvictionPolicy, make_policy
+from hicache.index.node import check_request_pages, draft_prefix_pages, Dropped, InsertResult, Node
+from hicache.index.radix import RadixTree
+from hicache.index.request import as_key, MatchResult, Request, RequestState, Tokens
+from hicache.memory.allocator import PageAllocator
+from hicache.memory.pools import DevicePool, HostPool
+
 
 __all__ = ["PrefixCache", "CacheStats", "Request", "RequestState", "Tokens", "as_key"]  # MatchResult: hicache.index.request
 
@@ -401,3 +400,49 @@ class PrefixCache:
                 if getattr(n, attr) != want.get(n, 0):
                     raise IntegrityError(f"{n!r}: {attr}={getattr(n, attr)} but its holders "
                                          f"account for {want.get(n, 0)}")
+
+
+def check_pool(alloc: PageAllocator, tier: str, tree_ids: set[int], others: list[list[int]]) -> None:
+    alloc.check_integrity()
+    seen = set(tree_ids)
+    for ids in others:
+        for i in ids:
+            if i in seen:
+                raise IntegrityError(f"{tier} page {i} is held twice (index/requests/in flight)")
+            seen.add(i)
+    for i in seen:
+        if not alloc.is_allocated(i):
+            raise IntegrityError(f"{tier} page {i} is held but free in the allocator")
+    if len(seen) != alloc.num_used:  # invariant 4: free + held == capacity
+        raise IntegrityError(f"{tier}: {alloc.num_used} pages allocated but {len(seen)} held "
+                             f"(index {len(tree_ids)}); {alloc.num_used - len(seen)} leaked")
+
+
+def check_request(tree: RadixTree, r: Request) -> None:
+    """``r``'s bookkeeping against the index it holds pages of."""
+    ps = tree.page_size
+    if r.state is RequestState.PREEMPTED:
+        want = tree.owned(r._tail_page, 1) if r._tail_tokens else 0
+        if len(r._tail) != want or not 0 <= r._tail_tokens < ps or r.pages:
+            raise IntegrityError(f"{r!r}: preempted with tail {r._tail} of {r._tail_tokens} tokens")
+        return
+    if r.state is RequestState.WAITING:
+        if r.pages or r._tail or r.node is not None:
+            raise IntegrityError(f"{r!r}: waiting but holds pages or a lock")
+        return
+    if r.state is not RequestState.RUNNING:
+        raise IntegrityError(f"{r!r}: a live request in state {r.state.value}")
+    if not (r.computed_tokens <= r.allocated_tokens <= r.num_tokens
+            and r.shared_pages == r.computed_tokens // ps and 0 <= r.draft_tokens <= r.computed_tokens):
+        raise IntegrityError(f"{r!r}: token accounting broken")
+    if len(r.pages) != tree.owned(0, -(-r.allocated_tokens // ps)):
+        raise IntegrityError(f"{r!r}: {len(r.pages)} pages for {r.allocated_tokens} allocated tokens")
+    h = tree.match(r.key[:r.shared_pages * 4 * ps], r.namespace)
+    k = tree.owned(0, r.shared_pages)
+    ids = tree.pages(h.device_node, h.device_num_pages)
+    if h.device_num_pages != r.shared_pages or ids != r.pages[:k]:
+        raise IntegrityError(f"{r!r}: shared pages {r.pages[:k]} are not the index's "
+                             f"{ids} ({h.device_num_pages} pages)")
+    if r.draft and tree.draft:  # invariant 5: a draft request holds no draft-incomplete page it vouched for
+        path = tree.path(h.device_node) if h.device_node is not None else []
+        check_request_pages(path, min(r.shared_pages, r.draft_tokens // ps), r)

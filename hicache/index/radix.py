@@ -30,7 +30,7 @@ records page ids, returns what it created (``InsertResult.created``) and what
 it would evict (``device_victims`` / ``host_victims``), and drops what it is
 told to (``drop_device`` / ``drop_host``), handing freed ids back to its caller
 (``hicache.index.prefix_cache.PrefixCache``). Eviction candidates live in
-``hicache.index.candidates``, draft-plane completeness in ``hicache.index.draft``, the
+``hicache.index.candidates``, draft-plane completeness in ``hicache.index.node``, the
 integrity check in ``hicache.index.radix_check``. Not thread-safe.
 """
 from __future__ import annotations

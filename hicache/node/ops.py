@@ -14,7 +14,7 @@ import logging
 from collections import Counter
 from typing import Any, Callable, NamedTuple
 
-from hicache.node.write_marks import WriteMarks
+from hicache.node.l2_segment import WriteMarks
 from hicache.client.consensus import AgreeRounds
 from hicache.node.l2_index import L2Index, Reclaimed
 from hicache.node.l3_tier import L3Tier

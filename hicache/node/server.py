@@ -36,10 +36,10 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from hicache.node.ops import Dispatcher
-from hicache.node.preflight import check_socket_path
+from hicache.node.socket_guard import check_socket_path
 from hicache.node.socket_guard import PeerPolicy, bind_unix_socket, peer_cred, resolve_group
-from hicache.node.view import ServiceStats, ServiceView
-from hicache.node.write_marks import WriteMarks
+from hicache.node.snapshot import ServiceStats, ServiceView
+from hicache.node.l2_segment import WriteMarks
 from hicache.core.config import HiCacheConfig, parse_set_flags
 from hicache.core.errors import ConfigError, HiCacheError, IntegrityError, ServiceError
 from hicache.node.l2_segment import L2Segment

@@ -1,18 +1,103 @@
-"""``hicache replay --simulate``: the runs, the table, the sweep and its plot."""
+"""``hicache replay --simulate``: the runs, the table, the sweep and its plot, and
+the offline baselines over the same page stream (``infinite``, ``belady``; see
+``page_stream``)."""
 from __future__ import annotations
 
 import argparse
+import heapq
 import itertools
 import json
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
+
+import numpy as np
 
 from hicache.core.config import HiCacheConfig
-from hicache.reference import sim_baselines as bl
-from hicache.reference.progress import Progress, logs_above_bars
-from hicache.reference.simulate import SimPlan, SimRequest, run_hicache, sim_config, trace_requests
+from hicache.core.hashing import namespace_root, raw_page_hashes
 from hicache.index.eviction import POLICIES
 from hicache.index.misses import REASONS
+from hicache.reference.progress import logs_above_bars, Progress
+from hicache.reference.simulate import run_hicache, sim_config, SimPlan, SimRequest, trace_requests
+
+
+class PageStream(NamedTuple):
+    """Per request: its full pages' ids, how many it may hit, its prompt tokens."""
+
+    pages: list[np.ndarray]  # int64 page ids of each request's full pages
+    caps: list[int]  # pages each request may hit at most
+    tokens: list[int]  # prompt tokens of each request
+    unique_pages: int  # distinct pages in the whole stream: the working set
+
+
+# ---- Offline baselines of ``--simulate`` over the same page stream as the real runs.
+#
+# A request of ``n`` tokens may hit at most its first ``(n - 1) // page_size``
+# pages (the last token is always computed) and, once served, holds its
+# ``n // page_size`` full pages: the rules ``HiCache`` follows. Pages are named
+# by their chained page hash (``hicache.core.hashing``), numbered densely here.
+#
+# - ``infinite``: every page any earlier request held is still cached.
+# - ``belady``: one cache of ``capacity`` pages; when full, the page whose next
+#   use is furthest in the future goes first (Belady's MIN: no eviction policy
+#   hits more at this capacity). Ties go to the deeper page, so a page never
+#   outlives its prefix. It sees one pool of L1+L2 pages: a two-tier cache
+#   whose L1 and L2 hold copies of the same pages cannot do better.
+def page_stream(requests: Iterable, page_size: int) -> PageStream:
+    """Number the pages of ``requests`` (``SimRequest``s) by their chained hash."""
+    ids: dict[bytes, int] = {}
+    pages, caps, tokens = [], [], []
+    for r in requests:
+        n = len(r.key) // 4
+        hs = raw_page_hashes(r.key, page_size, namespace_root(r.namespace))
+        pages.append(np.fromiter((ids.setdefault(h, len(ids)) for h in hs), dtype=np.int64, count=len(hs)))
+        caps.append(max(0, n - 1) // page_size)
+        tokens.append(n)
+    return PageStream(pages, caps, tokens, len(ids))
+
+
+def _prefix_in(ids: np.ndarray, cap: int, cached) -> int:
+    k = 0
+    while k < cap and int(ids[k]) in cached:
+        k += 1
+    return k
+
+
+def infinite(stream: PageStream, page_size: int) -> int:
+    """Hit tokens of an infinite cache."""
+    seen: set[int] = set()
+    hit = 0
+    for ids, cap in zip(stream.pages, stream.caps):
+        hit += _prefix_in(ids, cap, seen) * page_size
+        seen.update(ids.tolist())
+    return hit
+
+
+def belady(stream: PageStream, page_size: int, capacity: int) -> int:
+    """Hit tokens of Belady's MIN over one pool of ``capacity`` pages."""
+    if capacity <= 0:
+        return 0
+    never = len(stream.pages)
+    nxt: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * len(stream.pages)
+    last: dict[int, int] = {}
+    for i in range(len(stream.pages) - 1, -1, -1):  # next use of each page after request i
+        ids = stream.pages[i].tolist()
+        nxt[i] = np.fromiter((last.get(p, never) for p in ids), dtype=np.int64, count=len(ids))
+        for p in ids:
+            last[p] = i
+    cached: dict[int, int] = {}  # page -> its next use
+    heap: list[tuple[int, int, int]] = []  # (-next use, -depth, page); stale entries skipped
+    hit = 0
+    for i, (ids, cap) in enumerate(zip(stream.pages, stream.caps)):
+        hit += _prefix_in(ids, cap, cached) * page_size
+        for depth, (p, u) in enumerate(zip(ids.tolist(), nxt[i].tolist())):
+            cached[p] = u
+            heapq.heappush(heap, (-u, -depth, p))
+        while len(cached) > capacity:
+            u, _, p = heapq.heappop(heap)
+            if cached.get(p) == -u:
+                del cached[p]
+    return hit
+
 
 Factory = Callable[[], Iterator[SimRequest]]
 SWEEP_FRACTIONS = (1 / 64, 1 / 16, 1 / 4, 1 / 2, 1.0)  # of the working set's bytes, per tier
@@ -22,7 +107,7 @@ def _limited(factory: Factory, limit: int | None) -> Factory:
     return factory if limit is None else (lambda: itertools.islice(factory(), limit))
 
 
-def _offline_row(name: str, hit: int, stream: bl.PageStream, plan: SimPlan) -> dict[str, Any]:
+def _offline_row(name: str, hit: int, stream: PageStream, plan: SimPlan) -> dict[str, Any]:
     prompt = sum(stream.tokens)
     return {"name": name, "requests": len(stream.tokens), "prompt_tokens": prompt, "hit_tokens": hit,
             "hit_rate": hit / prompt if prompt else 0.0, "l1_hit_tokens": None, "l2_hit_tokens": None,
@@ -39,7 +124,7 @@ def simulate(cfg: HiCacheConfig, factory: Factory, *, policies: list[str] | None
     feed = _feeder(factory, progress)
     rows = [run_hicache(f"hicache L1+L2+L3 ({default})", sim_config(cfg, plan), plan,
                         feed(f"hicache L1+L2+L3 ({default})"))]
-    stream = bl.page_stream(feed("page stream (baselines)"), ps)
+    stream = page_stream(feed("page stream (baselines)"), ps)
     if baselines:
         rows.append(run_hicache("GPU-only prefix cache (L1)", sim_config(cfg, plan, l3=False, backup=False),
                                 _no_l2(plan), feed("GPU-only prefix cache (L1)")))
@@ -47,8 +132,8 @@ def simulate(cfg: HiCacheConfig, factory: Factory, *, policies: list[str] | None
             rows.append(run_hicache(f"hicache L1+L2 ({p})", sim_config(cfg, plan, eviction=p, l3=False),
                                     plan, feed(f"hicache L1+L2 ({p})")))
         cap = plan.l1_pages + plan.l2_pages
-        rows.append(_offline_row(f"Belady MIN ({cap:,} pages = L1+L2)", bl.belady(stream, ps, cap), stream, plan))
-        rows.append(_offline_row("infinite cache", bl.infinite(stream, ps), stream, plan))
+        rows.append(_offline_row(f"Belady MIN ({cap:,} pages = L1+L2)", belady(stream, ps, cap), stream, plan))
+        rows.append(_offline_row("infinite cache", infinite(stream, ps), stream, plan))
     return {"config": _plan_dict(plan), "working_set_pages": stream.unique_pages,
             "working_set_bytes": stream.unique_pages * plan.page_bytes, "rows": rows}
 
@@ -134,7 +219,7 @@ def sweep(cfg: HiCacheConfig, factory: Factory, fractions=SWEEP_FRACTIONS,
     s = cfg.simulate
     base = SimPlan.from_config(s)
     feed = _feeder(factory, progress)
-    stream = bl.page_stream(feed("page stream (working set)"), base.page_size)
+    stream = page_stream(feed("page stream (working set)"), base.page_size)
     ws = stream.unique_pages * base.page_bytes
     prompt = sum(stream.tokens)
     points = []
@@ -152,7 +237,7 @@ def sweep(cfg: HiCacheConfig, factory: Factory, fractions=SWEEP_FRACTIONS,
                           feed(f"{tier} {human_bytes(b)}"))
         points.append({"tier": tier, "bytes": b, "fraction": f, "hit_rate": row["hit_rate"],
                        "time_s": row["time_s"]})
-    return {"working_set_bytes": ws, "infinite_hit_rate": bl.infinite(stream, base.page_size) / prompt,
+    return {"working_set_bytes": ws, "infinite_hit_rate": infinite(stream, base.page_size) / prompt,
             "config": _plan_dict(base), "points": points}
 
 

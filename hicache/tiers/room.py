@@ -33,7 +33,7 @@ from hicache.transfer.inflight import InFlight
 from hicache.tiers.l2.base import L2Tier
 from hicache.core.config import PolicyConfig
 from hicache.transfer.plans import BackupPlan
-from hicache.core.policies import WritePolicy
+from hicache.core.types import WritePolicy
 from hicache.core.stats import TierMoveStats
 from hicache.core.types import JobId
 

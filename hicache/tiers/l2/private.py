@@ -9,7 +9,7 @@ from __future__ import annotations
 from hicache.index.prefix_cache import PrefixCache, Request
 from hicache.core.errors import CacheStateError
 from hicache.index.node import Node
-from hicache.tiers.l2.segment import ServiceHostTier
+from hicache.tiers.l2.shared import ServiceHostTier
 from hicache.transfer.plans import BackupPlan, LoadBack, LoadPlan, LoadRequest
 from hicache.memory.pools import HostPool
 from hicache.index.request import MatchResult
