@@ -22,7 +22,7 @@ PACKAGES = ("hicache", "api", "kernels")
 # (file, asserted expression as ast.unparse writes it) -> why it is an internal invariant.
 ALLOWED: dict[tuple[str, str], str] = {
     ("hicache/client/link.py", "self._sock is not None"): "type narrowing after the connect() that sets it",
-    ("hicache/client/consensus.py", "r.done is not None"): "type narrowing: set by the round that was just awaited",
+    ("hicache/node/ops.py", "r.done is not None"): "type narrowing: set by the round that was just awaited",
     ("hicache/reference/model.py", "slots.host is not None"): "type narrowing: sdpa builds host slot ids",
     ("hicache/reference/model_generate.py", "out is not None"): "start_pos < n is checked above (InvalidArgument)",
     ("hicache/reference/workloads.py", "isinstance(docs, DocumentQAWorkload)"): "type narrowing of the SCALES table",
