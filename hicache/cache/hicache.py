@@ -81,6 +81,15 @@ class Admission(NamedTuple):
             h.wait()
 
 
+class _Loaded(NamedTuple):
+    """What ``HiCache._load_back`` did for one admission."""
+
+    handle: LoadHandle | None  # the load's layer-wise handle (None: nothing loaded)
+    match: MatchResult  # the match to lock
+    fetched_tokens: int  # tokens of it an L3 behind L2 delivered for this request (the service's)
+    no_room_pages: int  # L2-hit logical pages not loaded for want of L1 room (a miss reason)
+
+
 class _L3Hit(NamedTuple):
     hashes: list  # page hashes of the L3 pages continuing the L1/L2 hit
     probed_at: float  # perf_counter() when the probe began (the prefetch budget covers probe and fetch)
@@ -127,10 +136,7 @@ class HiCache:
         self.consensus = consensus
         self.cost = CostModel.from_config(cfg.admission, self.layout.token_bytes)
         self.misses = MissTracker(cfg.policy.miss_window_pages)
-        self._l3_outcome: L3Outcome | None = None  # what the last admission's L3 lookup found
-        self._no_room_pages = 0  # L2-hit pages the last admission could not load: no L1 room
         self.room = L1Room(self, self.cache, self.l2, self._jobs, cfg.policy, self.tier_stats)  # eviction, write-back
-        self._prefetched = 0  # pages the last completed prefetch brought into L2
 
     # ------------------------------------------------------------- requests
     def new_request(self, rid: str, tokens: Tokens, namespace: str = "", *, draft: bool | None = None) -> Request:
@@ -161,8 +167,6 @@ class HiCache:
         the L2 hit back into L1 and lock the whole hit. WAITING/PREEMPTED -> RUNNING.
         Afterwards ``req.computed_tokens`` counts the hit; allocate and compute the rest."""
         self._check_healthy()
-        self._l3_outcome = None
-        self._no_room_pages = 0
         m = req.match()
         device_tokens = m.device_tokens
         l3_hit = self._storage_hit(req, m)
@@ -170,19 +174,20 @@ class HiCache:
         l3_tokens = len(l3_hit.hashes) * self.layout.page_size
         queued = self.transfers.queued_bytes() if self.cost.enabled and (m.host_tokens or l3_tokens) else None
         plan = self.cost.decide(m.host_tokens, l3_tokens, queued)
-        storage_tokens = self._prefetch(req, m, l3_hit) if plan.load_l3 else 0
+        storage_tokens, l3_outcome = self._prefetch(req, m, l3_hit) if plan.load_l3 else (0, None)
         if storage_tokens or m.epoch != self.cache.epoch:
             m = req.match()  # prefetched pages joined L2, or L2 room was made by eviction
         own: LoadHandle | None = None
+        no_room_pages = 0
         if plan.load_l2 or not m.host_tokens:  # the cost model judged the index's L2 hit, if any
-            own, m, fetched = self._load_back(req, m)
+            own, m, fetched, no_room_pages = self._load_back(req, m)
             storage_tokens += fetched
         if self.consensus is not None:
             m = self._agreed(req, m)
             device_tokens = min(device_tokens, m.device_tokens)
         req.lock(m)
         admission_misses(self.misses, self.cache, req.key, req.namespace, m.device_tokens, m.device_node,
-                         self._l3_outcome, self._no_room_pages)
+                         l3_outcome, no_room_pages)
         loads = [own] if own is not None else []
         if m.device_node is not None:
             for n in self.cache.path(m.device_node):
@@ -225,22 +230,22 @@ class HiCache:
         self.tier_stats.storage_hit_pages += s
         return _L3Hit(hashes[have:have + s], t0, st0)
 
-    def _prefetch(self, req: Request, m: MatchResult, hit: _L3Hit) -> int:
-        """Fetch ``hit`` into L2, waiting what is left of the policy's budget; tokens landed."""
+    def _prefetch(self, req: Request, m: MatchResult, hit: _L3Hit) -> tuple[int, L3Outcome | None]:
+        """Fetch ``hit`` into L2, waiting what is left of the policy's budget: the tokens
+        landed and what the L3 lookup found (None: nothing was fetched)."""
         if not hit.hashes:
-            return 0
+            return 0, None
         plan = self.tiers.prepare_prefetch(req.key, req.namespace, m.tokens // self.layout.page_size, hit.hashes)
         if plan is None:
-            return 0
-        self._prefetched = 0
+            return 0, None
         budget = self._prefetch_budget_s(req.num_tokens)
         job = self._submit(plan)
-        self._wait_prefetch(job, None if budget is None else budget - (time.perf_counter() - hit.probed_at))
+        landed = self._wait_prefetch(job, None if budget is None else budget - (time.perf_counter() - hit.probed_at))
         running = job in self._jobs
         have = m.tokens // self.layout.page_size
-        self._l3_outcome = _l3_outcome(have, len(hit.hashes), 0 if running else self._prefetched, running,
-                                       hit.storage_before, self.storage.stats())
-        return len(hit.hashes) * self.layout.page_size if not running else 0
+        outcome = _l3_outcome(have, len(hit.hashes), 0 if running else landed, running,
+                              hit.storage_before, self.storage.stats())
+        return (len(hit.hashes) * self.layout.page_size if not running else 0), outcome
 
     def prefetch_budget_s(self, num_tokens: int) -> float | None:
         """How long the scheduler may wait on L3 for a request of ``num_tokens`` (``_prefetch_budget_s``)."""
@@ -257,20 +262,20 @@ class HiCache:
         return min(p.prefetch_timeout_cap_ms,
                    p.prefetch_timeout_base_ms + p.prefetch_timeout_per_1k_tokens_ms * num_tokens / 1000) / 1e3
 
-    def _wait_prefetch(self, job: JobId, timeout: float | None) -> None:
+    def _wait_prefetch(self, job: JobId, timeout: float | None) -> int:
         """Wait for the prefetch ``job`` up to ``timeout`` (what is left of the policy's
-        budget) and complete it if it landed; other jobs complete in ``poll``."""
+        budget) and complete it if it landed; the pages it brought into L2 (0: still
+        running). Other jobs complete in ``poll``."""
         if self.policy.prefetch_policy is not _BEST_EFFORT:
             t0 = time.perf_counter()
             self.transfers.wait(job, None if timeout is None else max(0.0, timeout))
             self.tier_stats.prefetch_waited_ms += (time.perf_counter() - t0) * 1e3
-        self.complete_finished(job)
+        return sum(r.pages for r in self._complete_results(job))
 
     # ----------------------------------------------------------------- L2 -> L1
-    def _load_back(self, req: Request, m: MatchResult) -> tuple[LoadHandle | None, MatchResult, int]:
-        """Give the L2 hit continuing ``m``'s L1 hit L1 pages and start copying it in.
-        Returns the load's handle (None: nothing loaded), the match to lock and the
-        tokens of it an L3 behind L2 delivered for this request (the service's).
+    def _load_back(self, req: Request, m: MatchResult) -> "_Loaded":
+        """Give the L2 hit continuing ``m``'s L1 hit L1 pages and start copying it in
+        (see ``_Loaded`` for what it returns).
 
         Without a second lookup: ``plan_load`` pins the device hit on L1 and holds
         the L2 hit (pinned in the private pool, acquired at the service) before
@@ -283,21 +288,21 @@ class HiCache:
             self.host_pool = self.transfers.host_pool = pool
         lb = self.l2.plan_load(req, m, self._prefetch_budget_s(req.num_tokens))
         if lb is None:
-            return None, m, 0
+            return _Loaded(None, m, 0, 0)
         try:
             self.room.make_room(lb.num_pages)
             dev = self.cache.alloc_device(lb.num_pages)
         except OutOfPages:  # a miss, counted: L1 is pinned or still writing its victims back
             self.l2.cancel_load(lb)
             self.tier_stats.load_back_no_room_pages += lb.num_pages
-            self._no_room_pages = (lb.end_tokens - m.device_tokens) // self.layout.page_size  # logical pages
-            return None, (m if m.epoch == self.cache.epoch else req.match()), 0
+            no_room = (lb.end_tokens - m.device_tokens) // self.layout.page_size  # logical pages
+            return _Loaded(None, m if m.epoch == self.cache.epoch else req.match(), 0, no_room)
         plan = self.l2.prepare_load(req, lb, dev)
         handle = self._start_load(plan)
         end = lb.end_tokens
-        return handle, m._replace(device_tokens=end, host_tokens=0, exact_tokens=req.exact_tokens_for(end),
-                                  device_node=plan.last, host_node=plan.last,
-                                  epoch=self.cache.epoch), lb.fetched_pages * self.layout.page_size
+        return _Loaded(handle, m._replace(device_tokens=end, host_tokens=0, exact_tokens=req.exact_tokens_for(end),
+                                          device_node=plan.last, host_node=plan.last, epoch=self.cache.epoch),
+                       lb.fetched_pages * self.layout.page_size, 0)
 
     def _start_load(self, plan: LoadPlan) -> LoadHandle:
         """Submit a prepared load back; its layer-wise handle (the controller keeps it until
@@ -338,10 +343,15 @@ class HiCache:
     def complete_finished(self, job: JobId | None = None) -> int:
         """Hand every finished transfer (``job``: only that one) to the tier manager,
         never waiting; returns how many (``RoomOwner``: how written victims leave L1)."""
+        return len(self._complete_results(job))
+
+    def _complete_results(self, job: JobId | None = None) -> list[TransferResult]:
+        """The one place completions are pulled: every finished transfer (``job``: only
+        that one) goes to its ``complete_*``; their results."""
         results = self.transfers.finished(job)
         for r in results:
             self._complete(self._jobs.pop(r.job), r)
-        return len(results)
+        return results
 
     def _complete(self, plan: Plan, r: TransferResult) -> None:
         tiers = self.tiers
@@ -374,7 +384,6 @@ class HiCache:
             self.misses.reached(plan.hashes[:r.pages if r.ok else 0], L3)
         else:
             tiers.complete_prefetch(plan, r.pages)
-            self._prefetched = r.pages
 
     def wait_job(self, job: JobId, timeout: float | None = None) -> None:
         """Block until ``job`` is done (or ``timeout`` s), then complete what finished
