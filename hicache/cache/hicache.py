@@ -41,7 +41,7 @@ from hicache.core.stats import HiCacheStats, StorageStats
 from hicache.index.node import InsertResult, Node
 from hicache.transfer.inflight import InFlight
 from hicache.tiers.l2.base import L2Tier
-from hicache.tiers.l2.base import open_l2
+from hicache.tiers.l2.base import build_l2, open_l2
 from hicache.tiers.l2.shared import ServiceHostTier
 from hicache.index.request import MatchResult
 from hicache.tiers.room import L1Room
@@ -109,9 +109,10 @@ class HiCache:
         self.layout = layout or cfg.layout()
         device = cfg.resolved_device()
         # L2 is one strategy: a private pinned pool, or the node service's shared segment.
-        self.l2: L2Tier
-        self.l2, l3_url = open_l2(cfg, self.layout, device, l3_given=storage is not None)
-        self.host_pool = self.l2.pool
+        l2_memory = open_l2(cfg, self.layout, device, l3_given=storage is not None)
+        self.host_pool = l2_memory.pool
+        self._link = l2_memory.link
+        l3_url = l2_memory.l3_url
         self.device_pool = DevicePool(self.layout, cfg.pool.device_pages, device, buffers=device_buffers)
         if storage is None and l3_url:
             from hicache.storage import open_storage
@@ -122,10 +123,10 @@ class HiCache:
         self.storage = storage
         self.policy = cfg.policy
         self.transfers = TransferController(self.device_pool, self.host_pool, storage, inline=inline_transfers)
-        self.cache = PrefixCache(self.layout, self.device_pool, self.l2.index_allocator,
+        self.cache = PrefixCache(self.layout, self.device_pool, l2_memory.index_allocator,
                                  eviction=cfg.policy.device_eviction, host_eviction=cfg.policy.host_eviction)
         self.tiers = TierManager(self.cache)
-        self.l2.attach(self.cache, self.tiers)
+        self.l2: L2Tier = build_l2(l2_memory, self.tiers, cfg.policy)
         self.tier_stats = self.tiers.stats
         # In-flight work: every submitted, not yet completed job -> its plan (one map;
         # nodes still filling lead to their load's job). A load's layer-wise handle
@@ -471,7 +472,7 @@ class HiCache:
     @property
     def shared(self) -> ServiceHostTier | None:
         """Service mode: the connection to the node's service and its segment (None: private L2)."""
-        return self.l2.service
+        return self._link
 
     @property
     def private_host_bytes(self) -> int:

@@ -30,14 +30,14 @@ Not thread-safe: the scheduler thread calls everything.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, cast
 
 from hicache.client.link import SCHEME
-from hicache.core.config import HiCacheConfig
+from hicache.core.config import HiCacheConfig, PolicyConfig
 from hicache.core.layout import KVLayout
 from hicache.core.types import DevicePageId
 from hicache.index.node import Node
-from hicache.index.prefix_cache import PrefixCache, Request
+from hicache.index.prefix_cache import Request
 from hicache.index.request import MatchResult
 from hicache.memory.allocator import PageAllocator
 from hicache.memory.pools import HostPool
@@ -56,20 +56,8 @@ class L2Tier(Protocol):
         strategy maps a new one after ``reconnect``)."""
 
     @property
-    def index_allocator(self) -> HostPool | PageAllocator:
-        """The L2 allocator the index (``PrefixCache``) records host pages from; an
-        empty one when L2 is indexed elsewhere (the service)."""
-
-    @property
     def private_bytes(self) -> int:
         """Host memory this engine holds for L2 pages of its own (0: the shared segment)."""
-
-    @property
-    def service(self) -> ServiceHostTier | None:
-        """The connection to the node's service when L2 is its segment (None: private L2)."""
-
-    def attach(self, cache: PrefixCache, tiers: TierManager) -> None:
-        """Bind to the index built over ``index_allocator`` (once, by the owner)."""
 
     def unbacked(self, node: Node) -> bool:
         """``node`` has no L2 copy and none is being made (pure)."""
@@ -109,18 +97,33 @@ class L2Tier(Protocol):
         """Release the tier's resources (after every transfer finished)."""
 
 
-class OpenedL2(NamedTuple):
-    tier: L2Tier
+class L2Memory(NamedTuple):
+    """The L2 memory an embedded cache gets, before its index exists (``open_l2``)."""
+
+    pool: HostPool  # what the transfer engine copies to and from
+    index_allocator: HostPool | PageAllocator  # what the index records L2 pages from (empty: the service's)
+    link: ServiceHostTier | None  # service mode: the connection to the node's segment (None: private L2)
     l3_url: str  # the L3 the caller should open ("" when storage.url named the service: its L3 is behind L2)
 
 
-def open_l2(cfg: HiCacheConfig, layout: KVLayout, device: str, *, l3_given: bool = False) -> OpenedL2:
+def open_l2(cfg: HiCacheConfig, layout: KVLayout, device: str, *, l3_given: bool = False) -> L2Memory:
     """The node service's shared segment when ``storage.url`` names its socket
     (``hicache+unix://``) and no L3 object was passed in (``l3_given``), else a
     private pinned pool of ``pool.host_pages`` (``ConfigError`` when the host
-    cannot hold it, or when the service does not answer)."""
+    cannot hold it, or when the service does not answer). Build the index over
+    ``index_allocator``, then the strategy (``build_l2``)."""
     url = cfg.storage.url
     if not l3_given and url.startswith(SCHEME + ":"):
-        return OpenedL2(SharedL2(ServiceHostTier.open(cfg, layout, device), cfg.policy), "")
+        link = ServiceHostTier.open(cfg, layout, device)
+        return L2Memory(link.pool, PageAllocator(0, "L2 (shared)"), link, "")
     cfg.check_host_memory(layout)
-    return OpenedL2(PrivateL2(HostPool(layout, cfg.pool.host_pages)), url)
+    pool = HostPool(layout, cfg.pool.host_pages)
+    return L2Memory(pool, pool, None, url)
+
+
+def build_l2(memory: L2Memory, tiers: TierManager, policy: PolicyConfig) -> L2Tier:
+    """The L2 strategy over ``memory``, complete: ``tiers`` (and its index) were built
+    over ``memory.index_allocator``."""
+    if memory.link is None:
+        return PrivateL2(memory.pool, tiers)
+    return SharedL2(memory.link, cast(PageAllocator, memory.index_allocator), tiers, policy)  # open_l2's empty one

@@ -152,45 +152,25 @@ class ServiceHostTier:
 class SharedL2:
     """L2 in the node service's segment (see the module docstring and ``L2Tier``)."""
 
-    def __init__(self, link: ServiceHostTier, policy: PolicyConfig):
+    def __init__(self, link: ServiceHostTier, index_allocator: PageAllocator, tiers: TierManager,
+                 policy: PolicyConfig):
+        """``tiers``: the tier manager over the index built with the empty ``index_allocator``
+        (the index keeps no L2 ids of its own)."""
+        if tiers.cache.host_allocator is not index_allocator or index_allocator.capacity:
+            raise CacheStateError("SharedL2: the tier manager's index must be built over an empty L2 allocator "
+                                  f"(this one has {index_allocator.capacity} pages)")
         self.link, self.policy = link, policy
-        self._index_allocator = PageAllocator(0, "L2 (shared)")  # the index keeps no L2 ids of its own
-        self._cache: PrefixCache | None = None
-        self._tiers: TierManager | None = None
+        self._index_allocator = index_allocator
+        self.cache: PrefixCache = tiers.cache
+        self.tiers = tiers
 
     @property
     def pool(self) -> HostPool:
         return self.link.pool
 
     @property
-    def index_allocator(self) -> PageAllocator:
-        return self._index_allocator
-
-    @property
     def private_bytes(self) -> int:
         return 0
-
-    @property
-    def service(self) -> ServiceHostTier | None:
-        return self.link
-
-    def attach(self, cache: PrefixCache, tiers: TierManager) -> None:
-        if tiers.cache is not cache or cache.host_allocator is not self._index_allocator:
-            raise CacheStateError("SharedL2.attach: the tier manager and the index must be built over this "
-                                  "L2's (empty) index_allocator")
-        self._cache, self._tiers = cache, tiers
-
-    @property
-    def cache(self) -> PrefixCache:
-        if self._cache is None:
-            raise CacheStateError("SharedL2 used before attach(cache, tiers)")
-        return self._cache
-
-    @property
-    def tiers(self) -> TierManager:
-        if self._tiers is None:
-            raise CacheStateError("SharedL2 used before attach(cache, tiers)")
-        return self._tiers
 
     def unbacked(self, node: Node) -> bool:
         """Never committed to the shared L2 by this engine (the service may evict it
