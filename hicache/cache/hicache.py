@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 
 from hicache.index.prefix_cache import PrefixCache, Request, RequestState, Tokens, as_key
@@ -44,13 +44,14 @@ from hicache.tiers.l2.base import L2Tier
 from hicache.tiers.l2.base import build_l2, open_l2
 from hicache.tiers.l2.shared import ServiceHostTier
 from hicache.index.request import MatchResult
-from hicache.tiers.room import L1Room
+from hicache.tiers.room import L1Room, WaitJob, Work
 from hicache.transfer.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan
 from hicache.tiers.manager import TierManager
 from hicache.transfer.engine import LoadHandle, Plan, TransferController, TransferKind, TransferResult
 from hicache.core.types import JobId
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 L3_PLANS = (StorePlan, PrefetchPlan)  # transfers that make L3 calls (drain does not wait on a stalled L3)
 
@@ -137,7 +138,7 @@ class HiCache:
         self.consensus = consensus
         self.cost = CostModel.from_config(cfg.admission, self.layout.token_bytes)
         self.misses = MissTracker(cfg.policy.miss_window_pages)
-        self.room = L1Room(self, self.cache, self.l2, self._jobs, cfg.policy, self.tier_stats)  # eviction, write-back
+        self.room = L1Room(self.cache, self.l2, self._jobs, cfg.policy, self.tier_stats)  # eviction, write-back
 
     # ------------------------------------------------------------- requests
     def new_request(self, rid: str, tokens: Tokens, namespace: str = "", *, draft: bool | None = None) -> Request:
@@ -199,7 +200,7 @@ class HiCache:
                 self._selective_backup(m.device_node)
         device_tokens = min(device_tokens, m.device_tokens)  # L1 pages evicted meanwhile were not a hit
         host_tokens = m.device_tokens - device_tokens
-        self.room.clean_ahead()  # write_back: room for the next admission (starts copies, never waits)
+        self._run_room(self.room.clean_ahead())  # write_back: room for the next admission (starts copies, never waits)
         return Admission(m, device_tokens, host_tokens, min(storage_tokens, host_tokens), tuple(loads))
 
     def _agreed(self, req: Request, m: MatchResult) -> MatchResult:
@@ -291,7 +292,7 @@ class HiCache:
         if lb is None:
             return _Loaded(None, m, 0, 0)
         try:
-            self.room.make_room(lb.num_pages)
+            self._run_room(self.room.make_room(lb.num_pages))
             dev = self.cache.alloc_device(lb.num_pages)
         except OutOfPages:  # a miss, counted: L1 is pinned or still writing its victims back
             self.l2.cancel_load(lb)
@@ -318,8 +319,7 @@ class HiCache:
 
     def start_backup(self, node: Node) -> JobId | None:
         """Start copying ``node`` to L2 (it stays pinned on L1 until the copy completes
-        in ``poll()``); the job id, or None (nothing to copy, or no L2 room). Part of
-        ``RoomOwner``, the one way ``L1Room`` starts a write-back."""
+        in ``poll()``); the job id, or None (nothing to copy, or no L2 room)."""
         plan = self.l2.prepare_backup(node, pin=True)
         return None if plan is None else self._submit(plan)
 
@@ -343,7 +343,7 @@ class HiCache:
 
     def complete_finished(self, job: JobId | None = None) -> int:
         """Hand every finished transfer (``job``: only that one) to the tier manager,
-        never waiting; returns how many (``RoomOwner``: how written victims leave L1)."""
+        never waiting; returns how many."""
         return len(self._complete_results(job))
 
     def _complete_results(self, job: JobId | None = None) -> list[TransferResult]:
@@ -387,17 +387,32 @@ class HiCache:
             tiers.complete_prefetch(plan, r.pages)
 
     def wait_job(self, job: JobId, timeout: float | None = None) -> None:
-        """Block until ``job`` is done (or ``timeout`` s), then complete what finished
-        (``RoomOwner``)."""
+        """Block until ``job`` is done (or ``timeout`` s), then complete what finished."""
         if self.transfers.wait(job, timeout):
             self.complete_finished()
+
+    def _run_room(self, work: Work[_T]) -> _T:
+        """Drive one ``L1Room`` operation: submit the backup plans it returns, wait for and
+        complete the jobs it names, in its order; its result (its errors propagate)."""
+        reply = None
+        while True:
+            try:
+                step = work.send(reply)
+            except StopIteration as done:
+                return done.value
+            if isinstance(step, BackupPlan):
+                reply = self._submit(step)
+            elif isinstance(step, WaitJob):
+                reply = self.wait_job(step.job)
+            else:
+                reply = self.complete_finished(step.job)
 
     # ------------------------------------------------------------- eviction
     def evict(self, num_pages: int) -> int:
         """Take at least ``num_pages`` logical pages off L1 (see ``L1Room.evict``: under
         ``write_back`` this waits for the victims' copies to L2). Returns pages evicted
         (fewer only when nothing else is evictable)."""
-        return self.room.evict(num_pages)
+        return self._run_room(self.room.evict(num_pages))
 
     def evict_host(self, num_pages: int) -> list[int]:
         """Drop at least ``num_pages`` logical pages from L2 (never pages a transfer
@@ -432,7 +447,7 @@ class HiCache:
         ``TransferError`` once a load back has failed (see ``_check_healthy``)."""
         n = self.complete_finished()
         self._check_healthy()
-        self.room.clean_ahead()
+        self._run_room(self.room.clean_ahead())
         return n
 
     def _check_healthy(self) -> None:
@@ -537,7 +552,7 @@ class TieredRequest(Request):
     def alloc(self, num_tokens: int) -> list[int]:
         end = self.allocated_tokens + num_tokens
         if self.state is RequestState.RUNNING and 0 <= num_tokens and end <= self.num_tokens:
-            self._hc.room.room_to_compute(self._pages_for(end))
+            self._hc._run_room(self._hc.room.room_to_compute(self._pages_for(end)))
         return super().alloc(num_tokens)
 
     def commit(self, num_tokens: int | None = None, *, draft_tokens: int | None = None) -> int:
