@@ -192,7 +192,7 @@ class HiCache:
                          l3_outcome, no_room_pages)
         loads = [own] if own is not None else []
         if m.device_node is not None:
-            for n in self.cache.path(m.device_node):
+            for n in self.cache.tree.path(m.device_node):
                 h = self._loading(n)
                 if h is not None and h not in loads:
                     loads.append(h)
@@ -313,7 +313,7 @@ class HiCache:
 
     # ----------------------------------------------------------------- L1 -> L2
     def _selective_backup(self, deepest: Node) -> None:
-        for n in self.cache.path(deepest):
+        for n in self.cache.tree.path(deepest):
             if self.l2.unbacked(n) and n.hit_count >= self.policy.write_through_threshold:
                 self.start_backup(n)
 
@@ -369,7 +369,7 @@ class HiCache:
                                         r.seconds)
         if isinstance(plan, BackupPlan):
             for n in self.l2.complete_backup(plan, r.ok):
-                self.misses.reached(self.cache.hashes(n), L2)
+                self.misses.reached(self.cache.tree.hashes(n), L2)
                 self._store(n)
             self.room.written(r.job, plan.node)
         elif isinstance(plan, LoadPlan):
@@ -457,7 +457,7 @@ class HiCache:
     def _wait_loads(self, node: Node) -> None:
         """A request is about to use the index's L1 pages on ``node``'s path (or
         write draft rows into them): wait for loads still filling them."""
-        for n in self.cache.path(node):
+        for n in self.cache.tree.path(node):
             h = self._loading(n)
             if h is not None:
                 h.wait()

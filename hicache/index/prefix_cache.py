@@ -35,7 +35,7 @@ from typing import Iterator, Sequence
 from hicache.core.errors import CacheStateError, IntegrityError, OutOfPages
 from hicache.core.layout import KVLayout
 from hicache.core.stats import CacheStats
-from hicache.core.types import DevicePageId, HostPageId, PageHash
+from hicache.core.types import DevicePageId, HostPageId
 from hicache.index.cp import CPRowOrder, make_ownership, PageOwnership
 from hicache.index.eviction import EvictionPolicy, make_policy
 from hicache.index.node import check_request_pages, draft_prefix_pages, Dropped, InsertResult, Node
@@ -289,27 +289,6 @@ class PrefixCache:
         cache while iterating)."""
         return self.tree.iter_nodes()
 
-    def pages(self, node: Node | None, end_page: int, first_page: int = 0, *,
-              host: bool = False) -> list[int]:
-        """Owned L1 (``host``: L2) ids of logical pages ``[first_page, end_page)`` on
-        the path to ``node``, which holds page ``end_page - 1``. A fresh list."""
-        return self.tree.pages(node, end_page, first_page, host=host)
-
-    def path(self, node: Node, stop: Node | None = None) -> list[Node]:
-        """Nodes from just below ``stop`` (default: the root) down to ``node``, top-down."""
-        return self.tree.path(node, stop)
-
-    def split_at(self, node: Node, num_pages: int) -> Node:
-        """Make a node boundary ``num_pages`` into ``node``; returns the upper part."""
-        return self.tree.split_at(node, num_pages)
-
-    def insert_host(self, key: bytes, namespace: str, first_page: int,
-                    host_pages: list[HostPageId]) -> tuple[Node | None, list[HostPageId]]:
-        """Record L3 pages that landed in L2 (see ``RadixTree.insert_host``): returns
-        the deepest new L2 node (None if nothing new) and the ids the index did
-        not take, which the caller frees."""
-        return self.tree.insert_host(key, namespace, first_page, host_pages)
-
     def insert_device(self, key: bytes, namespace: str, device_pages: list[DevicePageId],
                       draft_pages: int = 0) -> InsertResult:
         """Index whole pages ``key`` held in L1 ``device_pages`` outside any request
@@ -317,18 +296,6 @@ class PrefixCache:
         res = self.tree.insert(key, namespace, list(device_pages), draft_pages)
         self._stats.inserted_pages += res.new_pages
         return res
-
-    def set_host(self, node: Node, host_pages: Sequence[HostPageId], *, draft: bool | None = None) -> None:
-        """Record complete L2 copies of ``node`` (ids from ``host_allocator``); ``draft``:
-        their draft rows are valid (default: ``node.draft_device``, see ``RadixTree.set_host``)."""
-        self.tree.set_host(node, host_pages, draft)
-
-    def set_device(self, node: Node, device_pages: Sequence[DevicePageId]) -> None:
-        """Record a completed load back of an L2-only node into these L1 ids."""
-        self.tree.set_device(node, device_pages)
-
-    def set_stored(self, node: Node, stored: bool = True) -> None:
-        self.tree.set_stored(node, stored)
 
     def inc_lock(self, node: Node) -> None:
         """Pin ``node``'s path on L1 for a holder outside requests (e.g. a transfer)."""
@@ -357,10 +324,6 @@ class PrefixCache:
             del held[node]
         else:
             held[node] = n - 1
-
-    def hashes(self, node: Node) -> list[PageHash]:
-        """Chained page hashes of ``node`` (L3 keys / event ids); computed once."""
-        return self.tree.hashes(node)
 
     # ------------------------------------------------------------- statistics
     def stats(self) -> CacheStats:

@@ -178,7 +178,7 @@ class TierManager:
         for n in reversed(chain):
             ids = [host[where[d]] for d in _on_l1(n)]
             try:
-                self.cache.set_host(n, ids, draft=plan.draft)
+                self.cache.tree.set_host(n, ids, draft=plan.draft)
             except CacheStateError:
                 break  # the parent never reached L2: drop this copy
             used.update(ids)
@@ -200,8 +200,8 @@ class TierManager:
         if not m.host_tokens or m.host_node is None:
             return None
         cache, ps = self.cache, self.cache.page_size
-        last = cache.split_at(m.host_node, m.tokens // ps - m.host_node.start_page)
-        path = tuple(cache.path(last, stop=m.device_node))
+        last = cache.tree.split_at(m.host_node, m.tokens // ps - m.host_node.start_page)
+        path = tuple(cache.tree.path(last, stop=m.device_node))
         if not path or not all(n.device_pages is None and n.host_pages is not None for n in path):
             raise CacheStateError(f"plan_load: the host hit {path} is not an L2-only path below "
                                   f"{m.device_node!r}; match again")
@@ -232,7 +232,7 @@ class TierManager:
             ids = _on_l2(n)
             k = len(ids)
             host += ids
-            self.cache.set_device(n, device_pages[at:at + k])
+            self.cache.tree.set_device(n, device_pages[at:at + k])
             at += k
         # The transfer itself pins the L1 pages it fills: the admitting request
         # may abort, finish or be preempted before the copy completes.
@@ -265,7 +265,7 @@ class TierManager:
             self.stats.storage_put_skipped_draft_pages += len(_on_l2(node))
             return None
         self.cache.inc_host_lock(node)
-        plan = StorePlan(node, list(_on_l2(node)), self.cache.hashes(node))
+        plan = StorePlan(node, list(_on_l2(node)), self.cache.tree.hashes(node))
         if self.states is not None:
             self.states.read(plan.host)
         return plan
@@ -278,7 +278,7 @@ class TierManager:
         if self.states is not None:
             self.states.done_reading(plan.host)
         if stored == len(plan.host):
-            self.cache.set_stored(plan.node)
+            self.cache.tree.set_stored(plan.node)
             self._to(plan.host, HostPageState.BACKED_UP)
 
     # ----------------------------------------------------------------- L3 -> L2
@@ -303,10 +303,12 @@ class TierManager:
         got, unused = plan.host[:loaded], plan.host[loaded:]
         if loaded:
             end = (plan.first_page + loaded) * self.cache.page_size * 4
-            node, dup = self.cache.insert_host(plan.key[:end], plan.namespace, plan.first_page, got)
+            node, taken_back = self.cache.tree.insert_host(plan.key[:end], plan.namespace, plan.first_page,
+                                                           cast(list[int], got))
+            dup = cast(list[HostPageId], taken_back)  # the ids the index did not take: the caller frees them
             unused = unused + dup
             if node is not None:
-                self.cache.set_stored(node)
+                self.cache.tree.set_stored(node)
             dups = set(dup)
             self._to([h for h in got if h not in dups], HostPageState.BACKED_UP)
         if unused:

@@ -196,7 +196,7 @@ class L1Room:
         if not self._write_back or not unbacked(victim):
             return False
         own = None
-        for n in self.cache.path(victim):  # top-down: L2 stays prefix-closed
+        for n in self.cache.tree.path(victim):  # top-down: L2 stays prefix-closed
             if not unbacked(n):
                 continue
             plan = self.l2.prepare_backup(n, pin=True)  # pinned on L1 until the copy completes

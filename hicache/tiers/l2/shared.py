@@ -185,13 +185,13 @@ class SharedL2:
         link, cache = self.link, self.cache
         if link.down:
             return None
-        hashes = cache.hashes(node)
+        hashes = cache.tree.hashes(node)
         need_draft = cache.has_draft and node.draft_device
         skip = link.call(lambda: link.client.lookup(hashes, need_draft=need_draft).num_pages, default=None)
         if skip is None:
             return None
         if skip == len(hashes):
-            cache.set_stored(node)
+            cache.tree.set_stored(node)
             return None
         pages = link.call(link.client.reserve, len(hashes) - skip, default=None)
         if pages is None:
@@ -219,7 +219,7 @@ class SharedL2:
         tiers.stats.backup_pages += len(plan.host)
         dp = len(plan.host) if plan.draft else 0
         if link.call(link.client.commit, plan.shared, plan.host, draft_pages=dp) is not None:
-            self.cache.set_stored(plan.node)
+            self.cache.tree.set_stored(plan.node)
         return []
 
     # ------------------------------------------------------------------ load
@@ -278,7 +278,7 @@ class SharedL2:
         if len(device_pages) != n or n == 0:
             raise CacheStateError(f"SharedL2.prepare_load: {len(device_pages)} L1 pages for {n} shared pages")
         end = first + n
-        prefix = cast(list[DevicePageId], cache.pages(acq.anchor, first)) if first else []
+        prefix = cast(list[DevicePageId], cache.tree.pages(acq.anchor, first)) if first else []
         res = cache.insert_device(req.key[:end * cache.page_size * 4], req.namespace, prefix + list(device_pages),
                                   end if acq.draft else 0)
         if res.new_pages != n or res.duplicates or res.draft_copies:
@@ -289,7 +289,7 @@ class SharedL2:
         if acq.anchor is not None:
             cache.dec_lock(acq.anchor)
         for node in path:
-            cache.set_stored(node)  # the shared L2 holds them (a backup would copy nothing)
+            cache.tree.set_stored(node)  # the shared L2 holds them (a backup would copy nothing)
         self.tiers.stats.load_back_pages += n
         return LoadPlan(path[-1], path, list(acq.host), list(device_pages), list(acq.hashes))
 
