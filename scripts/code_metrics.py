@@ -19,6 +19,8 @@
 - folder upward imports: an import (of any kind, as for cycles) from one folder
   (plane) into a folder declared above it in ``PLANES``; a plane may import only
   the planes listed before it. A folder missing from ``PLANES`` is reported too;
+- module docstrings: those over ``MAX_DOCSTRING_LINES`` lines, and those that carry
+  history or bench figures (``HISTORY`` / ``FIGURE`` patterns; figures go to bench/RESULTS.md);
 - largest file: lines of a ``.py`` file;
 - longest function: ``end_lineno - lineno + 1`` of a def (decorators excluded);
   functions over ``MAX_FUNCTION_LINES`` are listed, except those in
@@ -37,9 +39,14 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import sys
 
 MAX_FUNCTION_LINES = 60
+MAX_DOCSTRING_LINES = 15
+# History and bench figures in a module docstring (they belong in git log and bench/RESULTS.md).
+HISTORY = re.compile(r"\b(issues? \d+|round \d+|(?:turn|session) \d+|used to|previously|was \d)", re.I)
+FIGURE = re.compile(r"\d[\d.,]*\s?(?:ms|us|µs|ns|GB/s|MB/s|GiB/s|TB/s)(?![\w/])")
 # "file:function" allowed over MAX_FUNCTION_LINES (the issue allows the Triton kernel).
 LONG_FUNCTION_EXCEPTIONS = {"kernels/_triton_copy.py:_page_copy_kernel"}
 _REMAP = {"kernels": "hicache.kernels", "api": "hicache.api"}
@@ -231,11 +238,18 @@ def boundary_violations(every: dict[str, set[str]]) -> list[str]:
 
 def scan(paths: list[pathlib.Path], root: pathlib.Path | None = None) -> dict:
     files, funcs, hooks, hook_calls, closures = [], [], [], [], []
+    long_docs, doc_history = [], []
     for full in paths:
         src = full.read_text()
         path = full if root is None else full.relative_to(root)  # as named in reports and exceptions
         files.append((src.count("\n"), str(path)))
         tree = ast.parse(src)
+        doc = ast.get_docstring(tree, clean=False) or ""
+        if doc.strip().count("\n") + 1 > MAX_DOCSTRING_LINES:
+            long_docs.append(f"{path} ({doc.strip().count(chr(10)) + 1} lines)")
+        found = [m.group(0) for pat in (HISTORY, FIGURE) for m in pat.finditer(doc)]
+        if found:
+            doc_history.append(f"{path}: {', '.join(found[:3])}")
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 funcs.append((node.end_lineno - node.lineno + 1, f"{path}:{node.lineno} {node.name}",
@@ -260,7 +274,7 @@ def scan(paths: list[pathlib.Path], root: pathlib.Path | None = None) -> dict:
     long_funcs = sorted(((n, where) for n, where, key in funcs
                          if n > MAX_FUNCTION_LINES and key not in LONG_FUNCTION_EXCEPTIONS), reverse=True)
     return {"largest_file": max(files), "longest_function": max(f[:2] for f in funcs),
-            "long_functions": long_funcs,
+            "long_functions": long_funcs, "long_docstrings": sorted(long_docs), "docstring_history": doc_history,
             "hook_params": hooks, "hook_calls": hook_calls, "closures": closures,
             "upward_calls": len(hook_calls) + len(closures), **import_graph(paths, root)}
 
@@ -305,6 +319,12 @@ def main(argv: list[str]) -> None:
           f"{len(m['long_functions'])}")
     for n, where in m["long_functions"]:
         print(f"    {n} lines  {where}")
+    print(f"module docstrings over {MAX_DOCSTRING_LINES} lines: {len(m['long_docstrings'])}")
+    for d in m["long_docstrings"]:
+        print(f"    {d}")
+    print(f"module docstrings with history or bench figures: {len(m['docstring_history'])}")
+    for d in m["docstring_history"]:
+        print(f"    {d}")
     print(f"hook parameters:  {len(m['hook_params'])}  {m['hook_params']}")
     print(f"hook call sites:  {len(m['hook_calls'])}  {m['hook_calls']}")
     print(f"closures:         {len(m['closures'])}  {m['closures']}")

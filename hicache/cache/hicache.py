@@ -1,23 +1,4 @@
 """``HiCache``: the embedded three-tier cache an engine links against.
-
-It composes the index (``PrefixCache``), the L1/L2 pools, an L3 backend and
-the transfer controller, and implements the write policies, load back and
-prefetch on top of the index. The index never calls up: requests made here
-are ``TieredRequest`` handles, which act on what each index call returns
-(back up the nodes an insert created, wait for loads and copy draft planes
-before adopting the index's pages). Making L1 room (eviction, the write-back
-queue, cleaning ahead) is one component it owns, ``L1Room`` (``hicache.tiers.room``)::
-
-    hc = HiCache(HiCacheConfig.load())
-    req = hc.new_request("r1", prompt_ids)
-    adm = hc.admit(req)                 # match L1/L2/L3, prefetch, lock, start load back
-    req.alloc(len(prompt_ids) - adm.hit_tokens)
-    # forward pass: adm.wait_layer(i) before attention of layer i
-    req.commit(); req.finish()
-    hc.poll()                           # once per scheduler step
-
-Not thread-safe: one scheduler thread calls everything; completions run in
-that thread during ``poll``.
 """
 from __future__ import annotations
 
@@ -98,7 +79,27 @@ class _L3Hit(NamedTuple):
 
 
 class HiCache:
-    """Embedded L1/L2/L3 cache. See the module docstring for the call order."""
+    """Embedded L1/L2/L3 cache.
+
+    It composes the index (``PrefixCache``), the L1/L2 pools, an L3 backend and
+    the transfer controller, and implements the write policies, load back and
+    prefetch on top of the index. The index never calls up: requests made here
+    are ``TieredRequest`` handles, which act on what each index call returns
+    (back up the nodes an insert created, wait for loads and copy draft planes
+    before adopting the index's pages). Making L1 room (eviction, the write-back
+    queue, cleaning ahead) is one component it owns, ``L1Room`` (``hicache.tiers.room``)::
+
+        hc = HiCache(HiCacheConfig.load())
+        req = hc.new_request("r1", prompt_ids)
+        adm = hc.admit(req)                 # match L1/L2/L3, prefetch, lock, start load back
+        req.alloc(len(prompt_ids) - adm.hit_tokens)
+        # forward pass: adm.wait_layer(i) before attention of layer i
+        req.commit(); req.finish()
+        hc.poll()                           # once per scheduler step
+
+    Not thread-safe: one scheduler thread calls everything; completions run in
+    that thread during ``poll``.
+    """
 
     def __init__(self, config: HiCacheConfig | None = None, *, layout: KVLayout | None = None,
                  device_buffers=None, storage=None, consensus: HitConsensus | None = None,

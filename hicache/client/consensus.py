@@ -6,23 +6,6 @@ eviction on one rank only, a prefetch that landed on one rank only. The
 scheduler must see one number, and every rank must compute from the same
 token: the group admits the minimum over its ranks, as SGLang does with an
 all-reduce ``MIN`` over its TP group.
-
-``HitConsensus.agree(values)`` is that element-wise minimum. Two transports:
-
-* ``TorchConsensus(group)``: ``torch.distributed.all_reduce(MIN)`` over a
-  process group (gloo on CPU, NCCL on GPU);
-* ``ServiceConsensus(socket_path, group, rank, world_size)``: the node's
-  ``hicache serve`` collects one contribution per rank and answers each with
-  the minimum (op ``agree``; server side: ``hicache.node.ops.AgreeRounds``).
-
-Both are collectives: every rank of the group calls ``agree`` the same number
-of times, in the same order, with lists of the same length. A rank that does
-not call blocks the others (``ServiceConsensus``: until its timeout, after
-which that round fails on every rank, consistently).
-
-``admitted_hit`` is the rule a cache applies on top: ranks that all found the
-same hit (a private partial page included) keep it; otherwise every rank
-falls back to the page-floored minimum, which every rank holds.
 """
 from __future__ import annotations
 
@@ -46,7 +29,7 @@ class HitConsensus(Protocol):
 
     def agree(self, values: Sequence[int]) -> list[int]:
         """The minimum of ``values[i]`` over every rank, for each ``i``. Blocks until
-        every rank called; a collective (see the module docstring)."""
+        every rank called; a collective (see ``ServiceConsensus``)."""
 
     def close(self) -> None:
         """Release the transport (idempotent)."""
@@ -119,6 +102,23 @@ class ServiceConsensus(Link):
     restarted group under a new group name.
     A round that does not complete within ``timeout_s`` raises
     ``ServiceError('timeout')`` on every rank of it.
+
+    ``HitConsensus.agree(values)`` is that element-wise minimum. Two transports:
+
+    * ``TorchConsensus(group)``: ``torch.distributed.all_reduce(MIN)`` over a
+      process group (gloo on CPU, NCCL on GPU);
+    * ``ServiceConsensus(socket_path, group, rank, world_size)``: the node's
+      ``hicache serve`` collects one contribution per rank and answers each with
+      the minimum (op ``agree``; server side: ``hicache.node.ops.AgreeRounds``).
+
+    Both are collectives: every rank of the group calls ``agree`` the same number
+    of times, in the same order, with lists of the same length. A rank that does
+    not call blocks the others (``ServiceConsensus``: until its timeout, after
+    which that round fails on every rank, consistently).
+
+    ``admitted_hit`` is the rule a cache applies on top: ranks that all found the
+    same hit (a private partial page included) keep it; otherwise every rank
+    falls back to the page-floored minimum, which every rank holds.
     """
 
     def __init__(self, socket_path: str, group: str, rank: int, world_size: int, *, timeout_s: float = 30.0):

@@ -10,28 +10,6 @@ the one client module, for both ways an engine uses the service.
 * **As L3** (``hicache.storage.service.ServiceBackend``, what ``open_storage``
   returns for that URL: the vLLM and SGLang connectors, which keep their own
   host tier): payloads are copied by the CPU into and out of the segment.
-
-Synchronous: one blocking Unix socket, one request in flight. Not thread-safe;
-give each engine thread its own client (they are cheap).
-
-Typical write of new pages::
-
-    pages = c.reserve(len(hashes))
-    for p, payload in zip(pages, payloads):
-        c.pool.write_page(p, payload)        # or a GPU page-copy kernel
-    c.commit(hashes, pages)                  # or c.cancel(pages) if the copy failed
-
-and read of a cached prefix::
-
-    pages = c.acquire(hashes)                # the leading present pages, locked
-    data = [c.pool.read_page(p) for p in pages]
-    c.release(hashes[:len(pages)])
-
-A committed page must hold its bytes and a released page may be evicted and
-rewritten, so commit and release come after the copy landed. Everything a
-connection reserved and did not commit, and everything it acquired and did
-not release, is reclaimed by the server when it closes (even when the engine
-process dies).
 """
 from __future__ import annotations
 
@@ -196,6 +174,28 @@ class ServiceClient(Link):
 
     Raises ``ContractMismatch`` when the server refuses the layout (it names
     every differing field), ``ServiceError`` for other refusals.
+
+    Synchronous: one blocking Unix socket, one request in flight. Not thread-safe;
+    give each engine thread its own client (they are cheap).
+
+    Typical write of new pages::
+
+        pages = c.reserve(len(hashes))
+        for p, payload in zip(pages, payloads):
+            c.pool.write_page(p, payload)        # or a GPU page-copy kernel
+        c.commit(hashes, pages)                  # or c.cancel(pages) if the copy failed
+
+    and read of a cached prefix::
+
+        pages = c.acquire(hashes)                # the leading present pages, locked
+        data = [c.pool.read_page(p) for p in pages]
+        c.release(hashes[:len(pages)])
+
+    A committed page must hold its bytes and a released page may be evicted and
+    rewritten, so commit and release come after the copy landed. Everything a
+    connection reserved and did not commit, and everything it acquired and did
+    not release, is reclaimed by the server when it closes (even when the engine
+    process dies).
     """
 
     def __init__(self, socket_path: str, layout: KVLayout, *, timeout: float | None = 30.0,

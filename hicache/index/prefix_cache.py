@@ -10,21 +10,6 @@ A scheduler loop uses it like this::
     req.commit()                        # after each prefill chunk: full pages become shared
     req.extend([next_token]); req.alloc(1); req.commit()   # decode steps
     req.finish()                        # or req.abort() / req.preempt()
-
-Equivalents: SGLang ``match_prefix`` = ``match``, ``cache_unfinished_req`` =
-``commit``, ``cache_finished_req`` = ``finish``; vLLM
-``get_num_new_matched_tokens`` = ``match().device_tokens``,
-``request_finished`` = ``finish``.
-
-Hit rules. Scheduler-visible hits are whole pages: ``device_tokens``, then
-``host_tokens`` continuing it. A request's partial last page is private to
-it; only its own refresh (``req.match()`` while it holds that page, also
-after ``preempt``) counts it, in ``exact_tokens``. Nothing here copies KV and
-nothing calls up: eviction is ``device_victims`` -> the caller's write-back ->
-``drop_device``; an insert reports the nodes it created and the draft planes
-the caller must copy (``hicache.cache.hicache`` acts on both); ``set_host`` /
-``set_device`` record what a tiering controller moved. Not thread-safe: one
-scheduler thread.
 """
 from __future__ import annotations
 
@@ -55,7 +40,7 @@ def _allocator(pool: DevicePool | HostPool | PageAllocator | None) -> PageAlloca
 
 
 class PrefixCache:
-    """Index + allocation for one engine (one CP rank): see the module docstring.
+    """Index + allocation for one engine (one CP rank).
 
     ``device`` is the L1 pool (or its allocator); ``host`` the L2 pool (or
     allocator) when a tiering controller runs on top. ``eviction`` /
@@ -70,6 +55,21 @@ class PrefixCache:
     caller's (``InsertResult.draft_copies``, done by ``hicache.HiCache``).
 
     This is the only way into the index: nothing outside reaches ``tree``.
+
+    Equivalents: SGLang ``match_prefix`` = ``match``, ``cache_unfinished_req`` =
+    ``commit``, ``cache_finished_req`` = ``finish``; vLLM
+    ``get_num_new_matched_tokens`` = ``match().device_tokens``,
+    ``request_finished`` = ``finish``.
+
+    Hit rules. Scheduler-visible hits are whole pages: ``device_tokens``, then
+    ``host_tokens`` continuing it. A request's partial last page is private to
+    it; only its own refresh (``req.match()`` while it holds that page, also
+    after ``preempt``) counts it, in ``exact_tokens``. Nothing here copies KV and
+    nothing calls up: eviction is ``device_victims`` -> the caller's write-back ->
+    ``drop_device``; an insert reports the nodes it created and the draft planes
+    the caller must copy (``hicache.cache.hicache`` acts on both); ``set_host`` /
+    ``set_device`` record what a tiering controller moved. Not thread-safe: one
+    scheduler thread.
     """
 
     def __init__(self, layout: KVLayout, device: DevicePool | PageAllocator,

@@ -11,11 +11,6 @@ The log is bounded. When it is full, new events are dropped and counted; the
 next ``take`` reports how many were lost since the previous one
 (``Taken.dropped``), so a reader knows it must resynchronise (REST clients
 re-read ``/v1/lookup``).
-
-Thread-safe (one lock): the L3 writer records from its thread while the
-server's loop takes. Every event carries ``stamp`` (``time.monotonic_ns()``
-when recorded), so an owner that takes from several logs can merge them in
-the order things happened (``merge``).
 """
 from __future__ import annotations
 
@@ -54,7 +49,13 @@ EMPTY = Taken([], 0)
 
 
 class EventLog:
-    """A bounded, thread-safe queue of ``KVEvent`` with a drop counter (see the module docstring)."""
+    """A bounded, thread-safe queue of ``KVEvent`` with a drop counter.
+
+    Thread-safe (one lock): the L3 writer records from its thread while the
+    server's loop takes. Every event carries ``stamp`` (``time.monotonic_ns()``
+    when recorded), so an owner that takes from several logs can merge them in
+    the order things happened (``merge``).
+    """
 
     def __init__(self, max_events: int):
         if not isinstance(max_events, int) or max_events < 1:

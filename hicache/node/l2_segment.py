@@ -10,24 +10,6 @@ Byte layout (little-endian)::
                             state (0 free, 1 committed, 3 committed with
                             valid draft rows), 15 pad bytes, page hash (16)
     [POOL, +pool bytes)     the ``HostPool`` (``HostPool.nbytes_for``), 4 KiB aligned
-
-The page table mirrors the server's L2 index (it is the index's
-``PageJournal``): on commit the hash is written before the state byte, and
-the state is cleared before a page is freed, so at any instant an entry that
-says "committed" names bytes an engine wrote and committed. That is what
-lets a server that starts after a crash adopt the segment with its pages.
-
-``open_for_server`` decides what to do with a segment of the same name:
-
-* none: create it;
-* not a file this user made (another owner, another mode, a symlink, a
-  hard link, not a regular file): refuse (``PoolError`` saying how to remove
-  it), since another local user could have planted it;
-* a live server owns it: refuse (``PoolError``, unchanged message);
-* left behind by a dead server: adopt it when its header matches this
-  layout and no other process still maps it (a client of the dead server
-  could otherwise still be writing a page the new server hands out again);
-  else recreate it. ``SegmentOpen`` says which, and why.
 """
 from __future__ import annotations
 
@@ -174,7 +156,26 @@ class SegmentOpen(NamedTuple):
 
 class L2Segment:
     """A mapped service segment. ``pool`` is the ``HostPool`` over its pool
-    region; as ``PageJournal`` it keeps the page table. Close with ``close()``."""
+    region; as ``PageJournal`` it keeps the page table. Close with ``close()``.
+
+    The page table mirrors the server's L2 index (it is the index's
+    ``PageJournal``): on commit the hash is written before the state byte, and
+    the state is cleared before a page is freed, so at any instant an entry that
+    says "committed" names bytes an engine wrote and committed. That is what
+    lets a server that starts after a crash adopt the segment with its pages.
+
+    ``open_for_server`` decides what to do with a segment of the same name:
+
+    * none: create it;
+    * not a file this user made (another owner, another mode, a symlink, a
+      hard link, not a regular file): refuse (``PoolError`` saying how to remove
+      it), since another local user could have planted it;
+    * a live server owns it: refuse (``PoolError``, unchanged message);
+    * left behind by a dead server: adopt it when its header matches this
+      layout and no other process still maps it (a client of the dead server
+      could otherwise still be writing a page the new server hands out again);
+      else recreate it. ``SegmentOpen`` says which, and why.
+    """
 
     def __init__(self, shm: SharedSegment, layout: KVLayout, geo: Geometry):
         assert shm.tensor is not None and shm.size >= geo.size, (shm.size, geo)
@@ -185,7 +186,7 @@ class L2Segment:
     # --------------------------------------------------------------- opening
     @classmethod
     def open_for_server(cls, name: str, layout: KVLayout, num_pages: int, gid: int | None = None) -> SegmentOpen:
-        """Create, adopt or recreate segment ``name`` for a server (see the module docstring);
+        """Create, adopt or recreate segment ``name`` for a server (see the class docstring);
         ``gid``: the group that may map it too (``service.socket_group``).
 
         Raises ``PoolError`` when a live server owns it, when the file under

@@ -9,19 +9,6 @@ segment themselves; the server only decides which page ids hold what.
 With an L3 backend (``storage=``; ``storage.url`` when run from the command
 line) committed pages are written behind to L3 and ``fetch`` loads L2 misses
 back from it, on worker threads (``hicache.node.l3_tier``).
-
-KV events are pulled, never pushed: after every request the server takes the
-L2 index's events (``L2Index.take_events``), queues the STORED ones for its
-L3 writer and keeps all of them in a bounded log; ``take_events()`` (any
-thread; the REST app polls it) returns those and the L3 writer's, in the
-order they happened.
-
-Concurrency: one asyncio event loop owns every piece of state. ``start()``
-runs it in a thread (tests, embedding next to a REST app), ``run_forever()``
-in the calling thread (the CLI). ``stats()`` and ``check_integrity()`` may be
-called from any thread; they run on the loop.
-
-Run it: ``python -m hicache.node.server [--config FILE] [--set k=v ...]``.
 """
 from __future__ import annotations
 
@@ -75,6 +62,19 @@ class NodeServer:
     ``storage`` (optional) is the node's L3; the server uses it but does not
     close it. KV events (pages entering and leaving L2, pages written to L3)
     are pulled with ``take_events()``.
+
+    KV events are pulled, never pushed: after every request the server takes the
+    L2 index's events (``L2Index.take_events``), queues the STORED ones for its
+    L3 writer and keeps all of them in a bounded log; ``take_events()`` (any
+    thread; the REST app polls it) returns those and the L3 writer's, in the
+    order they happened.
+
+    Concurrency: one asyncio event loop owns every piece of state. ``start()``
+    runs it in a thread (tests, embedding next to a REST app), ``run_forever()``
+    in the calling thread (the CLI). ``stats()`` and ``check_integrity()`` may be
+    called from any thread; they run on the loop.
+
+    Run it: ``python -m hicache.node.server [--config FILE] [--set k=v ...]``.
     """
 
     def __init__(self, config: HiCacheConfig, layout: KVLayout | None = None,

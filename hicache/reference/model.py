@@ -4,49 +4,6 @@ It keeps its KV in a ``hicache.memory.pools.DevicePool``: it writes the rows of 
 tokens it computes by slot id (``page_id * page_size + offset``, see
 ``model_kv.write_kv``) and reads context K/V by gathering the request's page
 table (one slot id per context token) from the pool buffers.
-
-Bit-exact reuse (``attention="exact"``, the default)
-----------------------------------------------------
-A cache hit must reproduce recomputation bit for bit (float32, CPU). Float
-results depend on reduction order, which depends on tensor shapes, so every
-computation runs on one fixed shape:
-
-* rows are processed in *tiles* of exactly ``page_size`` rows aligned to
-  absolute positions ``[c * page_size, (c + 1) * page_size)``; rows of the
-  tile that this call does not compute are padding (``Row.STATIC_PAD``, token
-  0, never written to the pool); a decode step is a tile with one valid row;
-* every matmul and norm is row-local, so a row's result depends only on its
-  own inputs and the (fixed) tile shape;
-* a query at position ``p`` attends over exactly ``ceil_to_page(p + 1)`` keys
-  (causal mask), whose valid ones are read back from the pool after this
-  tile's rows were written and whose masked tail is zeros, so its reduction
-  length and inputs are the same whatever path produced the context.
-
-Runs being compared must use the same ``torch.get_num_threads()`` (BLAS may
-split work differently). Tiny shapes run fastest with one thread.
-
-``attention="sdpa"`` computes a whole chunk at once with
-``scaled_dot_product_attention`` (GPU timing runs; equal within a tolerance).
-It validates tokens, the page table and the rows' provenance once per call on
-the host (``model_kv.check_rows``), uploads them once (pinned, non-blocking)
-and then runs every layer without a host sync, so a GPU load back can overlap
-it layer by layer (``forward_chunk(before_layer=...)``). The exact path keeps
-``write_kv``'s full per-call checks.
-
-Draft (NextN / EAGLE) head
---------------------------
-The draft row at position ``j`` fuses the target's final hidden state ``h_j``
-(before the final norm) with the embedding of the *next* token ``t_{j+1}``,
-runs one decoder layer whose KV lives in the layout's draft planes at slot
-``j`` (the target's page ids), and predicts ``t_{j+2}``. Row ``j`` therefore
-needs ``t_{j+1}``: the last row of a chunk is *pending* until the next token is
-known. Pass it as ``next_token`` (chunked prefill), or carry
-``ChunkOutput.hidden_last`` into the next call as ``pending_hidden`` (or into
-``speculate``, whose first step writes it). Consequence for reuse: the draft
-row of a page's last slot depends on the first token of the following page;
-a hit continued by a different token keeps a stale draft row there. Target
-logits never depend on the draft; draft proposals are exact when the
-continuation matches (e.g. a warm rerun of the same sequence).
 """
 from __future__ import annotations
 
@@ -132,6 +89,49 @@ class ReferenceModel:
 
     Stateless between calls apart from the pool it is handed: every call
     reads context from and writes new KV rows to ``pool`` (mutates it).
+
+    Bit-exact reuse (``attention="exact"``, the default)
+    ----------------------------------------------------
+    A cache hit must reproduce recomputation bit for bit (float32, CPU). Float
+    results depend on reduction order, which depends on tensor shapes, so every
+    computation runs on one fixed shape:
+
+    * rows are processed in *tiles* of exactly ``page_size`` rows aligned to
+      absolute positions ``[c * page_size, (c + 1) * page_size)``; rows of the
+      tile that this call does not compute are padding (``Row.STATIC_PAD``, token
+      0, never written to the pool); a decode step is a tile with one valid row;
+    * every matmul and norm is row-local, so a row's result depends only on its
+      own inputs and the (fixed) tile shape;
+    * a query at position ``p`` attends over exactly ``ceil_to_page(p + 1)`` keys
+      (causal mask), whose valid ones are read back from the pool after this
+      tile's rows were written and whose masked tail is zeros, so its reduction
+      length and inputs are the same whatever path produced the context.
+
+    Runs being compared must use the same ``torch.get_num_threads()`` (BLAS may
+    split work differently). Tiny shapes run fastest with one thread.
+
+    ``attention="sdpa"`` computes a whole chunk at once with
+    ``scaled_dot_product_attention`` (GPU timing runs; equal within a tolerance).
+    It validates tokens, the page table and the rows' provenance once per call on
+    the host (``model_kv.check_rows``), uploads them once (pinned, non-blocking)
+    and then runs every layer without a host sync, so a GPU load back can overlap
+    it layer by layer (``forward_chunk(before_layer=...)``). The exact path keeps
+    ``write_kv``'s full per-call checks.
+
+    Draft (NextN / EAGLE) head
+    --------------------------
+    The draft row at position ``j`` fuses the target's final hidden state ``h_j``
+    (before the final norm) with the embedding of the *next* token ``t_{j+1}``,
+    runs one decoder layer whose KV lives in the layout's draft planes at slot
+    ``j`` (the target's page ids), and predicts ``t_{j+2}``. Row ``j`` therefore
+    needs ``t_{j+1}``: the last row of a chunk is *pending* until the next token is
+    known. Pass it as ``next_token`` (chunked prefill), or carry
+    ``ChunkOutput.hidden_last`` into the next call as ``pending_hidden`` (or into
+    ``speculate``, whose first step writes it). Consequence for reuse: the draft
+    row of a page's last slot depends on the first token of the following page;
+    a hit continued by a different token keeps a stale draft row there. Target
+    logits never depend on the draft; draft proposals are exact when the
+    continuation matches (e.g. a warm rerun of the same sequence).
     """
 
     def __init__(self, spec: ModelSpec, *, device: str | torch.device = "cpu", attention: Attention = "exact",
@@ -299,7 +299,7 @@ class ReferenceModel:
         ``slot_ids[start_pos:start_pos + n]`` (target planes, and draft planes
         when ``draft``). ``slot_ids`` may be longer than needed. Draft rows
         written: ``[start_pos - 1 if pending_hidden is given else start_pos,
-        end if next_token is given else end - 1)`` (see the module docstring).
+        end if next_token is given else end - 1)`` (see the class docstring).
 
         ``before_layer(i)`` is called before target layer ``i`` reads or writes
         the pool (possibly more than once per layer on the exact path): pass

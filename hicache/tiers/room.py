@@ -8,20 +8,6 @@
   tokens it computes: it must get them, so it may wait (``evict``);
 - ``clean_ahead()`` after each admission and each ``poll``: start the
   write-back of the next victims so that the next admission finds clean ones.
-
-Under ``write_back`` an L1 page may be the only copy of its KV: evicting it
-would lose it. So a victim not yet on L2 is not evicted; its backup (and its
-path's, top-down: L2 stays prefix-closed) is queued in the one in-flight
-registry (``InFlight.queue_write_back``), pinning it on L1, and it leaves L1
-when the copy completes (``written``). Under the other write policies every
-L1 page is on L2 or dropped on purpose, and the index's own eviction runs
-(``PrefixCache.alloc_device``); only ``evict`` is called here.
-
-The room never calls its owner: each operation that may start a copy or need a
-completion is a generator (``Work``) that yields what it needs, a ``BackupPlan`` to
-submit (the reply: its job id), ``WaitJob`` or ``CompleteJob``, and returns its
-result; the owner drives it (``HiCache._run_room``), so every job is submitted,
-recorded and completed in one place. Not thread-safe: the scheduler thread calls everything.
 """
 from __future__ import annotations
 
@@ -60,7 +46,22 @@ Work = Generator[RoomStep, Any, T]
 
 
 class L1Room:
-    """Eviction from L1 and the write-back queue (see the module docstring)."""
+    """Eviction from L1 and the write-back queue.
+
+    Under ``write_back`` an L1 page may be the only copy of its KV: evicting it
+    would lose it. So a victim not yet on L2 is not evicted; its backup (and its
+    path's, top-down: L2 stays prefix-closed) is queued in the one in-flight
+    registry (``InFlight.queue_write_back``), pinning it on L1, and it leaves L1
+    when the copy completes (``written``). Under the other write policies every
+    L1 page is on L2 or dropped on purpose, and the index's own eviction runs
+    (``PrefixCache.alloc_device``); only ``evict`` is called here.
+
+    The room never calls its owner: each operation that may start a copy or need a
+    completion is a generator (``Work``) that yields what it needs, a ``BackupPlan`` to
+    submit (the reply: its job id), ``WaitJob`` or ``CompleteJob``, and returns its
+    result; the owner drives it (``HiCache._run_room``), so every job is submitted,
+    recorded and completed in one place. Not thread-safe: the scheduler thread calls everything.
+    """
 
     def __init__(self, cache: PrefixCache, l2: L2Tier, jobs: InFlight, policy: PolicyConfig,
                  stats: TierMoveStats):

@@ -50,6 +50,26 @@ def test_layout_by_plane():
     assert m["folder_upward"] == [], m["folder_upward"]
 
 
+# Module docstrings still over 15 lines: files other helpers edit this session (the hybrid
+# layer, the vLLM tier, the storage backends) and format specifications still to move out.
+LONG_DOCSTRINGS_LEFT = {
+    "hicache/cache/hybrid.py", "hicache/cache/hybrid_record.py", "hicache/tiers/groups.py",
+    "hicache/transfer/hybrid_copy.py", "hicache/transfer/hybrid_load.py", "hicache/integrations/vllm.py",
+    "hicache/storage/base.py", "hicache/storage/file.py", "hicache/storage/file_cap.py",
+    "hicache/storage/redis_backend.py", "hicache/storage/redis_wire.py",
+    "hicache/cache/handoff.py", "hicache/client/protocol.py", "hicache/integrations/metrics.py",
+    "hicache/integrations/sglang_pools.py", "hicache/reference/hash_trace.py", "hicache/reference/trace_format.py",
+    "hicache/storage/codec.py", "kernels/_triton_copy.py"}
+
+
+def test_module_docstrings_are_short_and_carry_no_history():
+    """Module docstrings describe (<= 15 lines), with no history and no bench figures."""
+    m = _metrics()
+    assert m["docstring_history"] == [], m["docstring_history"]
+    long = {d.split(" (")[0] for d in m["long_docstrings"]}
+    assert long <= LONG_DOCSTRINGS_LEFT, sorted(long - LONG_DOCSTRINGS_LEFT)
+
+
 def test_folder_scan_can_fail():
     """The folder graph sees an upward import of any kind, and a folder missing from PLANES."""
     sys.path.insert(0, str(ROOT / "scripts"))

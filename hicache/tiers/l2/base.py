@@ -10,23 +10,6 @@ Two movements, each two-phase as vLLM's ``prepare_*``/``complete_*``: a
 do, or no room); the caller submits the plan to the transfer engine and,
 once the bytes moved (or failed to), hands the outcome to ``complete_*``
 exactly once. ``complete_*`` always unpins what ``prepare_*`` pinned.
-
-* **backup** (L1 -> L2): ``prepare_backup`` / ``complete_backup``.
-  ``ok=False``: the L2 pages reserved for it are returned (private: freed to
-  the host pool; shared: the service's reservation is cancelled), nothing is
-  indexed (no L2 ids on the node, nothing committed at the service), and the
-  node is as before ``prepare_backup`` (on L1, unpinned, backable again).
-* **load back** (L2 -> L1): ``plan_load`` (pin or acquire the L2 hit) ->
-  the caller finds L1 pages -> ``prepare_load`` (index them as L1 pages,
-  pinned until complete) or ``cancel_load`` (no L1 pages: everything
-  ``plan_load`` took is given back, nothing indexed) -> ``complete_load``.
-  ``ok=False``: the L2 side is released (private: the L2 pin; shared: the
-  acquisition), the L1 pages are unpinned but stay indexed, holding unknown
-  bytes: the caller must stop serving (``HiCache`` raises ``TransferError``
-  from then on). A load cannot un-index what it indexed at ``prepare_load``:
-  requests that locked the hit meanwhile already count those pages.
-
-Not thread-safe: the scheduler thread calls everything.
 """
 from __future__ import annotations
 
@@ -48,7 +31,25 @@ from hicache.transfer.plans import BackupPlan, LoadBack, LoadPlan
 
 
 class L2Tier(Protocol):
-    """What ``HiCache`` asks of its L2 (see the module docstring for the two movements)."""
+    """What ``HiCache`` asks of its L2.
+
+    * **backup** (L1 -> L2): ``prepare_backup`` / ``complete_backup``.
+      ``ok=False``: the L2 pages reserved for it are returned (private: freed to
+      the host pool; shared: the service's reservation is cancelled), nothing is
+      indexed (no L2 ids on the node, nothing committed at the service), and the
+      node is as before ``prepare_backup`` (on L1, unpinned, backable again).
+    * **load back** (L2 -> L1): ``plan_load`` (pin or acquire the L2 hit) ->
+      the caller finds L1 pages -> ``prepare_load`` (index them as L1 pages,
+      pinned until complete) or ``cancel_load`` (no L1 pages: everything
+      ``plan_load`` took is given back, nothing indexed) -> ``complete_load``.
+      ``ok=False``: the L2 side is released (private: the L2 pin; shared: the
+      acquisition), the L1 pages are unpinned but stay indexed, holding unknown
+      bytes: the caller must stop serving (``HiCache`` raises ``TransferError``
+      from then on). A load cannot un-index what it indexed at ``prepare_load``:
+      requests that locked the hit meanwhile already count those pages.
+
+    Not thread-safe: the scheduler thread calls everything.
+    """
 
     @property
     def pool(self) -> HostPool:
@@ -84,7 +85,7 @@ class L2Tier(Protocol):
         loading until ``complete_load`` (readers wait for the copy)."""
 
     def complete_load(self, plan: LoadPlan, ok: bool) -> None:
-        """Unpin a finished load and release its L2 side (see the module docstring for ``ok=False``)."""
+        """Unpin a finished load and release its L2 side (see the class docstring for ``ok=False``)."""
 
     def reconnect(self, idle: bool) -> HostPool | None:
         """After an outage of a remote L2, map it again when ``idle`` (no transfer

@@ -1,25 +1,4 @@
 """``SharedL2``: the node service's shared segment as this engine's L2 (service mode).
-
-With ``storage.url = hicache+unix:///path.sock`` an embedded ``HiCache``
-keeps no private L2: one host copy of each page serves every engine of the
-node. The service's index is the authority on which shared page holds which
-hash and whether its draft rows are valid; this engine's index records no
-L2 pages (``index_allocator`` is empty) and flags a node ``in_storage`` once
-the service holds it. This strategy moves no bytes (the transfer engine runs
-the page-copy kernels between L1 and the mapped segment) and calls nothing
-of its caller's. Its two movements (contract in ``hicache.tiers.l2.base``):
-
-* load back: ``plan_load`` acquires (locks) the shared pages continuing the
-  request's L1 hit, after letting the service fetch what its L2 lacks from
-  its own L3 within the request's budget; ``prepare_load`` indexes them as
-  new L1 pages (loading); ``complete_load`` releases the acquisition.
-* backup: ``prepare_backup`` skips the leading pages the service already
-  holds complete and reserves shared pages for the rest; ``complete_backup``
-  commits them under their page hashes (or cancels the reservation).
-
-A service outage turns each call into a miss, a dropped backup or a no-op
-release (``ServiceHostTier``); a dead engine's reservations and acquisitions
-are reclaimed by the service.
 """
 from __future__ import annotations
 
@@ -150,7 +129,29 @@ class ServiceHostTier:
 
 
 class SharedL2:
-    """L2 in the node service's segment (see the module docstring and ``L2Tier``)."""
+    """L2 in the node service's segment.
+
+    With ``storage.url = hicache+unix:///path.sock`` an embedded ``HiCache``
+    keeps no private L2: one host copy of each page serves every engine of the
+    node. The service's index is the authority on which shared page holds which
+    hash and whether its draft rows are valid; this engine's index records no
+    L2 pages (``index_allocator`` is empty) and flags a node ``in_storage`` once
+    the service holds it. This strategy moves no bytes (the transfer engine runs
+    the page-copy kernels between L1 and the mapped segment) and calls nothing
+    of its caller's. Its two movements (contract in ``hicache.tiers.l2.base``):
+
+    * load back: ``plan_load`` acquires (locks) the shared pages continuing the
+      request's L1 hit, after letting the service fetch what its L2 lacks from
+      its own L3 within the request's budget; ``prepare_load`` indexes them as
+      new L1 pages (loading); ``complete_load`` releases the acquisition.
+    * backup: ``prepare_backup`` skips the leading pages the service already
+      holds complete and reserves shared pages for the rest; ``complete_backup``
+      commits them under their page hashes (or cancels the reservation).
+
+    A service outage turns each call into a miss, a dropped backup or a no-op
+    release (``ServiceHostTier``); a dead engine's reservations and acquisitions
+    are reclaimed by the service.
+    """
 
     def __init__(self, link: ServiceHostTier, index_allocator: PageAllocator, tiers: TierManager,
                  policy: PolicyConfig):
