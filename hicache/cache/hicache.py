@@ -170,7 +170,8 @@ class HiCache:
         the L2 hit back into L1 and lock the whole hit. WAITING/PREEMPTED -> RUNNING.
         Afterwards ``req.computed_tokens`` counts the hit; allocate and compute the rest."""
         self._check_healthy()
-        m = req.match()
+        c = self.cache
+        m = c.refresh(req)
         device_tokens = m.device_tokens
         l3_hit = self._storage_hit(req, m)
         # The one cost decision: load the L2 / L3 parts only where that beats recomputing them.
@@ -179,7 +180,7 @@ class HiCache:
         plan = self.cost.decide(m.host_tokens, l3_tokens, queued)
         storage_tokens, l3_outcome = self._prefetch(req, m, l3_hit) if plan.load_l3 else (0, None)
         if storage_tokens or m.epoch != self.cache.epoch:
-            m = req.match()  # prefetched pages joined L2, or L2 room was made by eviction
+            m = c.refresh(req)  # prefetched pages joined L2, or L2 room was made by eviction
         own: LoadHandle | None = None
         no_room_pages = 0
         if plan.load_l2 or not m.host_tokens:  # the cost model judged the index's L2 hit, if any
@@ -188,7 +189,7 @@ class HiCache:
         if self.consensus is not None:
             m = self._agreed(req, m)
             device_tokens = min(device_tokens, m.device_tokens)
-        req.lock(m)
+        c.lock(req, m)
         admission_misses(self.misses, self.cache, req.key, req.namespace, m.device_tokens, m.device_node,
                          l3_outcome, no_room_pages)
         loads = [own] if own is not None else []
@@ -299,7 +300,7 @@ class HiCache:
             self.l2.cancel_load(lb)
             self.tier_stats.load_back_no_room_pages += lb.num_pages
             no_room = (lb.end_tokens - m.device_tokens) // self.layout.page_size  # logical pages
-            return _Loaded(None, m if m.epoch == self.cache.epoch else req.match(), 0, no_room)
+            return _Loaded(None, m if m.epoch == self.cache.epoch else self.cache.refresh(req), 0, no_room)
         plan = self.l2.prepare_load(req, lb, dev)
         handle = self._start_load(plan)
         end = lb.end_tokens

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 from typing import Iterator, Sequence
 
-from hicache.core.errors import CacheStateError, IntegrityError, OutOfPages
+from hicache.core.errors import CacheStateError, IntegrityError, OutOfPages, StaleMatch
 from hicache.core.layout import KVLayout
 from hicache.core.stats import CacheStats
 from hicache.core.types import DevicePageId, HostPageId
@@ -183,8 +183,39 @@ class PrefixCache:
         return d.freed
 
     # ------------------------------------------------ request locks (the one owner)
+    def refresh(self, req: Request) -> MatchResult:
+        """``req``'s hit for its tokens (at most all but the last; see ``Request.match``).
+        Pure apart from ``stats.lookups``."""
+        m = self.match(req.key, req.namespace, max_tokens=max(0, req.num_tokens - 1), need_draft=req.draft)
+        exact = req.exact_tokens_for(m.tokens)
+        return m if exact == m.tokens else m._replace(exact_tokens=exact)
+
+    def lock(self, req: Request, m: MatchResult) -> None:
+        """Pin ``m``'s device hit and make it ``req``'s computed prefix (see ``Request.lock``):
+        WAITING or PREEMPTED -> RUNNING; ``StaleMatch`` on a match older than the last eviction."""
+        req._check(RequestState.WAITING, RequestState.PREEMPTED, op="lock")
+        if m.epoch != self.tree.epoch:
+            raise StaleMatch(f"request {req.rid!r}: match from epoch {m.epoch}, the cache is at "
+                             f"epoch {self.tree.epoch} (pages were evicted since); call match() again")
+        ps = self.page_size
+        req.pages = list(m.device_pages)
+        req.shared_pages = m.device_tokens // ps
+        req.computed_tokens = m.device_tokens
+        tail_kept = (req.state is RequestState.PREEMPTED and m.host_tokens == 0
+                     and m.exact_tokens > m.device_tokens and req._tail_page == req.shared_pages)
+        if tail_kept:
+            req.pages += req._tail
+            req.computed_tokens = m.exact_tokens
+        elif req._tail:
+            self.free_device(req._tail)
+        req._tail, req._tail_tokens = [], 0
+        req.allocated_tokens = req.computed_tokens
+        req.node, req.draft_tokens = self.lock_hit(req, m)
+        req._draft_shared = req.draft_tokens // ps
+        req.state = RequestState.RUNNING
+
     def lock_hit(self, req: Request, m: MatchResult) -> tuple[Node | None, int]:
-        """``Request.lock``'s part on the index: pin the first ``req.shared_pages`` of
+        """``lock``'s part on the index: pin the first ``req.shared_pages`` of
         ``m``'s device hit (split to end there), touch it and count the admission.
         Returns the locked node (None: nothing shared) and, for a draft request, the
         tokens from 0 whose draft rows are complete on its path (else 0)."""
