@@ -20,7 +20,7 @@ from hicache.memory.allocator import PageAllocator
 from hicache.core.errors import ForeignPage, IntegrityError, OutOfPages, ServiceError
 from hicache.core.hashing import HASH_BYTES
 from hicache.client.protocol import CommitResult
-from hicache.node.events import EventKind, EventLog, Taken
+from hicache.node.snapshot import EventKind, EventLog, Taken
 from hicache.core.types import HostPageId, PageHash
 
 OwnerId = int
@@ -90,7 +90,7 @@ class L2Index:
     so that a restarted server can adopt the segment (``restore``).
 
     KV events: the index records pages entering and leaving it in a bounded
-    ``EventLog`` (``hicache.node.events``); its owner pulls them with
+    ``EventLog`` (``hicache.node.snapshot``); its owner pulls them with
     ``take_events()`` (the server does after every request, feeding its L3
     writer and the REST event stream). Nothing is called back.
 

@@ -19,7 +19,7 @@ from typing import NamedTuple, Sequence
 from hicache.core.errors import ConfigError, IntegrityError, OutOfPages
 from hicache.memory.pools import HostPool
 from hicache.core.stats import L3TierStats
-from hicache.node.events import EventKind, EventLog, KVEvent, Taken
+from hicache.node.snapshot import EventKind, EventLog, KVEvent, Taken
 from hicache.node.l2_index import L2Index
 from hicache.storage import StorageBackend
 from hicache.core.types import PageHash

@@ -31,7 +31,7 @@ from hicache.core.config import HiCacheConfig, parse_set_flags
 from hicache.core.errors import ConfigError, HiCacheError, IntegrityError, ServiceError
 from hicache.node.l2_segment import L2Segment
 from hicache.core.layout import KVLayout
-from hicache.node.events import EventLog, Taken, merge
+from hicache.node.snapshot import EventLog, Taken, merge
 from hicache.node.l2_index import L2Index
 from hicache.node.l3_tier import L3Tier
 from hicache.memory.pools import HostPool

@@ -16,7 +16,7 @@ from hicache.api.stats import RateTracker
 from hicache.core.config import HiCacheConfig
 from hicache.core.errors import ConfigError
 from hicache.core.hashing import page_hashes
-from hicache.node.events import EventKind, EventLog
+from hicache.node.snapshot import EventKind, EventLog
 
 TOKEN = "tok-1234567890abcdef"
 

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from hicache.api.app import create_app
 from hicache.api.deps import RestState
-from hicache.node.events import EMPTY, Taken
+from hicache.node.snapshot import EMPTY, Taken
 from hicache.node.snapshot import ServiceStats, ServiceView
 from hicache.core.config import HiCacheConfig
 from hicache.core.errors import IntegrityError, ServiceError
