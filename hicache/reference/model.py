@@ -4,6 +4,13 @@ It keeps its KV in a ``hicache.memory.pools.DevicePool``: it writes the rows of 
 tokens it computes by slot id (``page_id * page_size + offset``, see
 ``model_kv.write_kv``) and reads context K/V by gathering the request's page
 table (one slot id per context token) from the pool buffers.
+
+Single-request greedy generation (``prefill``, ``greedy_generate``,
+``speculative_generate``; tests and examples) shows the calling protocol the engine
+loop follows: chunked prefill carrying ``hidden_last`` as the next chunk's
+``pending_hidden``, one decode step per token, and speculative decoding
+(``speculate`` -> verify chunk -> ``verify_greedy``). They allocate nothing: the
+caller owns ``pool`` and the page table ``slot_ids``.
 """
 from __future__ import annotations
 
@@ -13,13 +20,14 @@ from typing import Callable, Literal, NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
-from hicache.reference import model_layers as ml
-from hicache.reference.model_kv import (RowBatch, check_rows, check_slot_bounds, gather_context, to_device,
-                                     write_kv, write_rows)
-from hicache.reference.model_spec import ModelSpec
-from hicache.core.errors import PoolError
-from hicache.memory.pools import DevicePool
+from hicache.core.errors import InvalidArgument, PoolError
 from hicache.core.provenance import Row
+from hicache.memory.pools import DevicePool
+from hicache.reference import model_layers as ml
+from hicache.reference.model_kv import (check_rows, check_slot_bounds, gather_context, RowBatch, to_device, write_kv,
+                                        write_rows)
+from hicache.reference.model_spec import ModelSpec
+
 
 Attention = Literal["exact", "sdpa"]
 LayerHook = Callable[[int], None]
@@ -366,3 +374,72 @@ class ReferenceModel:
             toks.append(t)
             logits.append(lg[0])
         return Draft(toks, torch.stack(logits), h[0])
+
+
+def prefill(model: ReferenceModel, pool: DevicePool, prompt: Sequence[int], slot_ids: torch.Tensor, *,
+            start_pos: int = 0, chunk: int | None = None, draft: bool = True) -> ChunkOutput:
+    """Compute ``prompt[start_pos:]`` in chunks of ``chunk`` tokens (default: one chunk).
+
+    The KV of ``prompt[:start_pos]`` must be in ``pool`` already (a cache hit).
+    Non-final chunks complete their last draft row with the next prompt token.
+    Returns the last chunk's output.
+    """
+    n = len(prompt)
+    if not 0 <= start_pos < n:
+        raise InvalidArgument(f"start_pos={start_pos} must be in [0, len(prompt)={n})")
+    step = chunk or n
+    out = None
+    for a in range(start_pos, n, step):
+        b = min(n, a + step)
+        out = model.forward_chunk(pool, prompt[a:b], a, slot_ids, draft=draft,
+                                  next_token=prompt[b] if (draft and b < n) else None)
+    assert out is not None, f"start_pos={start_pos} < n={n} runs at least one chunk"
+    return out
+
+
+def greedy_generate(model: ReferenceModel, pool: DevicePool, prompt: Sequence[int], slot_ids: torch.Tensor,
+                    max_new_tokens: int, *, start_pos: int = 0, chunk: int | None = None,
+                    draft: bool = True) -> Generation:
+    """Prefill then decode greedily, one token per step.
+
+    ``slot_ids`` needs ``len(prompt) + max_new_tokens - 1`` slots (the last
+    generated token is never fed back). With ``draft`` the draft rows of every
+    fed token except the last are written.
+    """
+    out = prefill(model, pool, prompt, slot_ids, start_pos=start_pos, chunk=chunk, draft=draft)
+    toks, logits = [], []
+    pos = len(prompt) - 1
+    while True:
+        logits.append(out.logits_last)
+        toks.append(int(out.logits_last.argmax()))
+        if len(toks) == max_new_tokens:
+            break
+        pos += 1
+        out = model.decode_step(pool, toks[-1], pos, slot_ids, draft=draft,
+                                pending_hidden=out.hidden_last if draft else None)
+    return Generation(toks, torch.stack(logits), [])
+
+
+def speculative_generate(model: ReferenceModel, pool: DevicePool, prompt: Sequence[int], slot_ids: torch.Tensor,
+                         max_new_tokens: int, k: int, *, start_pos: int = 0) -> Generation:
+    """Greedy generation through draft-and-verify steps of ``k`` drafted tokens.
+
+    Produces exactly the tokens of ``greedy_generate`` (the target verifies
+    every token; its logits are bit-identical to a decode step's).
+    ``slot_ids`` needs ``len(prompt) + max_new_tokens + k`` slots (a verify
+    chunk may run past the last kept token).
+    """
+    out = prefill(model, pool, prompt, slot_ids, start_pos=start_pos)
+    tok = int(out.logits_last.argmax())
+    toks, logits, accepts = [tok], [out.logits_last], []
+    pos, hidden = len(prompt) - 1, out.hidden_last  # target hidden at pos; tok sits at pos + 1
+    while len(toks) < max_new_tokens:
+        d = model.speculate(pool, hidden, tok, pos, slot_ids, k)
+        v = model.forward_chunk(pool, [tok, *d.tokens], pos + 1, slot_ids, all_logits=True)
+        verdict = verify_greedy(v.logits, d.tokens)
+        accepts.append(verdict.accept_length)
+        toks += verdict.tokens
+        logits += list(v.logits[:verdict.accept_length + 1])
+        pos += 1 + verdict.accept_length
+        hidden, tok = v.hidden[verdict.accept_length], verdict.bonus_token
+    return Generation(toks[:max_new_tokens], torch.stack(logits[:max_new_tokens]), accepts)

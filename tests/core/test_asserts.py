@@ -24,7 +24,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("hicache/client/link.py", "self._sock is not None"): "type narrowing after the connect() that sets it",
     ("hicache/node/ops.py", "r.done is not None"): "type narrowing: set by the round that was just awaited",
     ("hicache/reference/model.py", "slots.host is not None"): "type narrowing: sdpa builds host slot ids",
-    ("hicache/reference/model_generate.py", "out is not None"): "start_pos < n is checked above (InvalidArgument)",
+    ("hicache/reference/model.py", "out is not None"): "start_pos < n is checked above (InvalidArgument)",
     ("hicache/reference/workloads.py", "isinstance(docs, DocumentQAWorkload)"): "type narrowing of the SCALES table",
     ("hicache/cache/handoff.py", "ticket.slot is not None"): "type narrowing of a ticket this module issued",
     ("hicache/integrations/sglang.py", "per * n_keys == len(ptrs)"): "pointer list built two lines above",
