@@ -22,7 +22,7 @@ from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.exceptions import RequestValidationError
 
-from hicache.api import routes_admin, routes_events, routes_health, routes_lookup, routes_stats
+from hicache.api.routes import ROUTERS
 from hicache.api.deps import RestState, check_bind
 from hicache.api.metrics import build_registry
 from hicache.api.models import LOOKUP_MAX_ITEMS
@@ -78,8 +78,8 @@ def create_app(state: RestState) -> FastAPI:
     _mount_docs(app)
     app.state.rest = state
     app.state.registry = build_registry(state)
-    for r in (routes_health, routes_stats, routes_lookup, routes_events, routes_admin):
-        app.include_router(r.router)
+    for r in ROUTERS:
+        app.include_router(r)
     app.add_exception_handler(RequestValidationError, validation_error)
     svc = state.config.service
     # Added last, runs first: BodyLimit refuses oversized bodies, then BodyGate admits the rest.

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from hicache.core.errors import IntegrityError, InvalidArgument
-from hicache.node.events import EventKind, Taken
+from hicache.node.snapshot import EventKind, Taken
 
 EventType = Literal["stored", "removed"]
 _TYPE: dict[EventKind, EventType] = {EventKind.STORED: "stored", EventKind.REMOVED: "removed"}

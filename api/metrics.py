@@ -3,7 +3,7 @@
 ``StatsCollector`` is a custom collector: every scrape takes one
 ``hicache.api.stats.snapshot`` and turns it into metric families with
 ``families``, a loop over the snapshot dataclasses' field declarations
-(``hicache.core.stat_schema``): each field names its family, kind, help and fixed
+(``hicache.core.stats``): each field names its family, kind, help and fixed
 labels, so nothing here lists statistics and nothing is cached between
 scrapes. It is registered on a registry the app owns (``build_registry``);
 there is no module-global registry. Names carry the ``hicache_`` prefix;
@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 
 from hicache.api.state import RestState
 from hicache.api.stats import snapshot
-from hicache.core.stat_schema import help_of, metric_of
+from hicache.core.stats import help_of, metric_of
 
 PREFIX = "hicache_"
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, create_mod
 
 from hicache.core.stats import L3TierStats
 from hicache.node.snapshot import EngineSnapshot, EventSnapshot, StatsSnapshot, TierSnapshot
-from hicache.core.stat_schema import help_of
+from hicache.core.stats import help_of
 
 Tier = Literal["L2", "L3"]
 

@@ -1,40 +1,73 @@
-"""REST input guards: a request-body size limit enforced before parsing, and
-validation errors that never echo the input.
+"""REST input guards, enforced before FastAPI parses a body.
 
-``BodyLimit`` is plain ASGI middleware: a ``Content-Length`` above the limit
-is answered 413 without reading the body, and a chunked body is counted as
-it streams and cut off with 413 once it passes the limit, so a 50 MB body
-never reaches the JSON parser (``service.max_request_bytes``).
-
-``BodyGate`` bounds what is buffered and parsed at once: at most
-``service.max_body_requests`` requests with a large body (64 KiB or more, or
-chunked) are admitted together
-(the rest are answered 503 with ``Retry-After`` before a byte of their body
-is read), an admitted body must arrive within ``service.body_read_timeout_s``
-(else 408, and its slot is free again: two idle connections cannot hold the
-gate shut), and a ``/v1/lookup`` body holding more JSON items than a lookup
-may carry is refused from a count of its commas, before the JSON parser and
-validation spend a second of the event loop on it (which is what stalled
-``/healthz`` for seconds under ten 8 MiB bodies). A big token list that is
-valid is read off the loop (``hicache.api.lookup_fast``).
-
-``validation_error`` replaces FastAPI's default 422 handler. The default one
-echoes each invalid input (three times for a long token list) and fails with
-a 500 when the input cannot be encoded back (``NaN``, ``Infinity``, a lone
-surrogate). Ours reports each error's location, type and message only.
+- ``BodyLimit`` (ASGI middleware): a body over ``service.max_request_bytes`` is
+  answered 413, from its ``Content-Length`` or while a chunked body streams.
+- ``BodyGate``: at most ``service.max_body_requests`` large bodies (64 KiB or more,
+  or chunked) are read at once (the rest get 503 with ``Retry-After``), each within
+  ``service.body_read_timeout_s`` (else 408, its slot freed); a ``/v1/lookup`` body
+  with more items than a lookup may carry is refused from a count of its commas; a
+  big valid token list is parsed off the event loop on a worker thread
+  (``split_tokens``; the route reads it back with ``parsed_tokens``).
+- ``validation_error`` replaces FastAPI's 422 handler: it reports each error's
+  location, type and message, never the input (which may be huge or not encodable).
 """
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
+import numpy as np
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hicache.api.lookup_fast import MIN_FAST_BYTES, SCOPE_KEY, split_tokens
+from hicache.api.models import MAX_LOOKUP_TOKENS
 from hicache.core.errors import IntegrityError
+
+
+# Only a body whose ``tokens`` array holds nothing but digits, commas and whitespace takes
+# the fast path, and only when its numbers are all valid (0 <= t < 2**32, at most
+# MAX_LOOKUP_TOKENS); anything else is left for FastAPI to parse and report.
+SCOPE_KEY = "hicache.lookup_tokens"
+MIN_FAST_BYTES = 64 << 10  # smaller bodies parse in well under a millisecond: not worth a thread hop
+_NOT_NUMBERS = b"0123456789,\t\n\r "
+
+
+class SplitBody(NamedTuple):
+    body: bytes  # the request body with its token list emptied
+    tokens: list[int]
+
+
+def split_tokens(body: bytes) -> SplitBody | None:
+    """The body with ``"tokens": [...]`` emptied, and the tokens; None to parse it as usual. Pure."""
+    key = body.find(b'"tokens"')
+    start = body.find(b"[", key) if key >= 0 else -1
+    end = body.find(b"]", start) if start >= 0 else -1
+    if end < 0 or body.count(b"[") != 1:  # the token list must be the body's only array
+        return None
+    text = body[start + 1:end]
+    if text.translate(None, _NOT_NUMBERS):
+        return None  # signs, decimals, strings, NaN...: FastAPI's validation reports them
+    compact = text.translate(None, b"\t\n\r ")
+    if b",," in compact or compact[:1] == b"," or compact[-1:] == b",":
+        return None  # an empty item: the usual path names it
+    n = compact.count(b",") + 1 if compact else 0
+    if n > MAX_LOOKUP_TOKENS:
+        return None
+    try:
+        arr = np.fromstring(text, dtype=np.int64, sep=",") if n else np.zeros(0, np.int64)  # releases the GIL
+    except ValueError:  # a number past int64
+        return None
+    if len(arr) != n or (n and (int(arr.max()) >= 2**32 or int(arr.min()) < 0)):
+        return None  # whitespace inside a number ("1 2"), or an out-of-range value: the usual path names it
+    return SplitBody(body[:start + 1] + body[end:], arr.tolist())
+
+
+def parsed_tokens(scope: Scope) -> list[int] | None:
+    """The tokens ``BodyGate`` took out of this request's body, or None when it left the body whole."""
+    return scope.get(SCOPE_KEY)
+
 
 MAX_ERRORS = 10  # errors listed in one 422
 

@@ -18,12 +18,11 @@ from hicache.api.app import create_app
 from hicache.api.deps import ADMIN_TOKEN_HELP, RestState, check_bind
 from hicache.node.server import NodeServer, open_l3
 from hicache.api.events import EventBus
-from hicache.node.preflight import preflight
+from hicache.node.socket_guard import preflight
 from hicache.node.socket_guard import resolve_group
-from hicache.api.redact import redact_url
 from hicache.core.config import HiCacheConfig, read_secret_file
 from hicache.core.errors import ConfigError
-from hicache.core.redact import Redactor, install_log_redaction
+from hicache.core.redact import Redactor, install_log_redaction, redact_url
 
 
 GRACEFUL_SHUTDOWN_S = 3

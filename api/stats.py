@@ -13,7 +13,7 @@ import dataclasses
 import time
 
 from hicache.api.models import StatsResponse
-from hicache.api.rates import RATE_WINDOW_S, RateTracker  # noqa: F401  (re-exported)
+from hicache.api.state import RATE_WINDOW_S, RateTracker  # noqa: F401  (re-exported)
 from hicache.api.state import RestState
 from hicache.core.stats import L3TierStats, MissStats
 from hicache.node.snapshot import EngineSnapshot, EventSnapshot, StatsSnapshot, TierSnapshot, engine_report

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from hicache.kernels.page_copy import PageCopier
-from hicache.kernels.reference import plane_pages
+from hicache.kernels.page_copy import plane_pages
 from hicache.core.layout import KVLayout
 from hicache.memory.pools import DevicePool, HostPool
 

@@ -33,7 +33,7 @@ import torch
 
 from hicache.kernels.page_copy import D2D_TILES, PCIE_TILES, PageCopier, copy_pages
 from hicache.kernels.plan import TileConfig
-from hicache.kernels.reference import plane_pages
+from hicache.kernels.page_copy import plane_pages
 from hicache.core.layout import KVLayout
 from hicache.memory.pools import DevicePool, HostPool
 from hicache.core.shapes import model_shape, shape_names

@@ -31,7 +31,7 @@ import peer_cuda  # noqa: E402  (bench-local extension)
 
 from hicache.kernels.page_copy import PageCopier  # noqa: E402
 from hicache.kernels.plan import TileConfig  # noqa: E402
-from hicache.kernels.reference import plane_pages  # noqa: E402
+from hicache.kernels.page_copy import plane_pages  # noqa: E402
 from hicache.core.layout import BytePlane, KVLayout  # noqa: E402
 from hicache.memory.pools import DevicePool, HostPool  # noqa: E402
 

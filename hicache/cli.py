@@ -16,8 +16,21 @@ from pathlib import Path
 
 from hicache.core.config import DEFAULT_SOCKET_PATH, HiCacheConfig, parse_set_flags
 from hicache.core.errors import HiCacheError
-from hicache.core.proc import process_age_s
 from hicache.core.redact import Redactor, install_log_redaction
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (the kernel's start time, so interpreter
+    start-up and imports count), or None where ``/proc`` does not say (not Linux).
+    Resolution: one clock tick (10 ms); never less than the true age."""
+    try:
+        with open("/proc/self/stat") as f:
+            after_comm = f.read().rsplit(")", 1)[1].split()  # the command name may hold spaces
+        start_s = int(after_comm[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime since boot
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - start_s
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
 
 DESCRIPTION = """\
 hicache: a page-granular tiered KV cache (GPU L1 / host L2 / shared L3) for LLM engines.

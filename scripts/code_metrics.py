@@ -1,8 +1,10 @@
-"""Shape metrics of the core packages (issues 13 and 26).
+"""Shape metrics of the core packages (issues 13, 26 and 33).
 
     .venv/bin/python scripts/code_metrics.py [PKG ...]     (default: hicache api kernels)
 
-- modules, layers: the modules of the packages and the depth of their import
+- library modules: the ``.py`` files of the packages, ``__init__`` not counted;
+  top-level modules: those directly in ``hicache/`` (``__init__`` not counted);
+- modules, layers: the modules of the packages (``__init__`` counted) and the depth of their import
   graph (module-level imports; a module's layer is one more than the highest
   layer it imports; an import cycle counts as one node);
 - import cycles: groups of modules that import each other, counting every
@@ -14,6 +16,11 @@
   climbs the layering). An entry point (``ENTRY_POINTS``: the CLI) sits on top
   by its role; it defers its imports only to start fast, so they count as
   module-level ones;
+- folder upward imports: an import (of any kind, as for cycles) from one folder
+  (plane) into a folder declared above it in ``PLANES``; a plane may import only
+  the planes listed before it. A folder missing from ``PLANES`` is reported too;
+- module docstrings: those over ``MAX_DOCSTRING_LINES`` lines, and those that carry
+  history or bench figures (``HISTORY`` / ``FIGURE`` patterns; figures go to bench/RESULTS.md);
 - largest file: lines of a ``.py`` file;
 - longest function: ``end_lineno - lineno + 1`` of a def (decorators excluded);
   functions over ``MAX_FUNCTION_LINES`` are listed, except those in
@@ -32,9 +39,14 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import sys
 
 MAX_FUNCTION_LINES = 60
+MAX_DOCSTRING_LINES = 15
+# History and bench figures in a module docstring (they belong in git log and bench/RESULTS.md).
+HISTORY = re.compile(r"\b(issues? \d+|round \d+|(?:turn|session) \d+|used to|previously|was \d)", re.I)
+FIGURE = re.compile(r"\d[\d.,]*\s?(?:ms|us|µs|ns|GB/s|MB/s|GiB/s|TB/s)(?![\w/])")
 # "file:function" allowed over MAX_FUNCTION_LINES (the issue allows the Triton kernel).
 LONG_FUNCTION_EXCEPTIONS = {"kernels/_triton_copy.py:_page_copy_kernel"}
 _REMAP = {"kernels": "hicache.kernels", "api": "hicache.api"}
@@ -42,6 +54,11 @@ _REMAP = {"kernels": "hicache.kernels", "api": "hicache.api"}
 # and replay would, to refuse the same settings) and the storage admin commands.
 ENTRY_POINTS = {"hicache.cli", "hicache.runtime_check", "hicache.storage.admin_cli", "hicache.storage.admin"}
 _ROOT = "hicache"  # its __init__ imports nothing of its own at module level: not an edge
+# The planes, bottom first (docs/architecture.md): each may import only those before it.
+# ``hicache`` itself stands for the modules directly in hicache/ (the CLI and its checks).
+PLANES = ("hicache.core", "hicache.memory", "hicache.index", "hicache.kernels", "hicache.transfer",
+          "hicache.client", "hicache.storage", "hicache.tiers", "hicache.cache", "hicache.node",
+          "hicache.integrations", "hicache.reference", "hicache.api", "hicache")
 
 
 def is_hook_name(name: str) -> bool:
@@ -176,12 +193,32 @@ def import_graph(paths: list[pathlib.Path], root: pathlib.Path | None = None) ->
             else:
                 top[m].add(t)
     layers = _layers(top)
+    top_mods = sorted(m for m, p in mods.items()
+                      if p.name != "__init__.py" and m.count(".") == 1 and m.startswith(_ROOT + "."))
     cycles = [c for c in _sccs(every) if len(c) > 1]
     upward = sorted({f"{mods[m]}:{line} {m} (layer {layers[m]}) -> {t} (layer {layers[t]})"
                      for m, t, line in lazy if layers[t] > layers[m]})
     return {"modules": len(known), "layers": 1 + max(layers.values(), default=-1),
             "cycles": cycles, "upward_imports": upward, "layer_of": layers,
-            "boundary_imports": boundary_violations(every)}
+            "boundary_imports": boundary_violations(every), "folder_upward": folder_upward(every, top_mods),
+            "library_modules": sum(p.name != "__init__.py" for p in mods.values()), "top_modules": top_mods}
+
+
+def folder_upward(every: dict[str, set[str]], top: list[str]) -> list[str]:
+    """Edges of the folder graph that climb: ``plane -> plane above (importer, ...)``, one
+    line per pair of planes; an import from or into a folder not in ``PLANES`` counts too.
+    ``top``: the modules directly in hicache/ (they are the plane ``hicache``)."""
+    def plane(mod: str) -> str:
+        return _ROOT if mod == _ROOT or mod in top else ".".join(mod.split(".")[:2])
+
+    rank = {p: i for i, p in enumerate(PLANES)}
+    edges: dict[tuple[str, str], set[str]] = {}
+    for m, ts in every.items():
+        for t in ts:
+            a, b = plane(m), plane(t)
+            if a != b and rank.get(b, len(PLANES)) >= rank.get(a, -1):
+                edges.setdefault((a, b), set()).add(m)
+    return [f"{a} -> {b} ({', '.join(sorted(ms))})" for (a, b), ms in sorted(edges.items())]
 
 
 # Folder boundaries (docs/architecture.md): the reference engine is never imported by
@@ -201,11 +238,18 @@ def boundary_violations(every: dict[str, set[str]]) -> list[str]:
 
 def scan(paths: list[pathlib.Path], root: pathlib.Path | None = None) -> dict:
     files, funcs, hooks, hook_calls, closures = [], [], [], [], []
+    long_docs, doc_history = [], []
     for full in paths:
         src = full.read_text()
         path = full if root is None else full.relative_to(root)  # as named in reports and exceptions
         files.append((src.count("\n"), str(path)))
         tree = ast.parse(src)
+        doc = ast.get_docstring(tree, clean=False) or ""
+        if doc.strip().count("\n") + 1 > MAX_DOCSTRING_LINES:
+            long_docs.append(f"{path} ({doc.strip().count(chr(10)) + 1} lines)")
+        found = [m.group(0) for pat in (HISTORY, FIGURE) for m in pat.finditer(doc)]
+        if found:
+            doc_history.append(f"{path}: {', '.join(found[:3])}")
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 funcs.append((node.end_lineno - node.lineno + 1, f"{path}:{node.lineno} {node.name}",
@@ -230,7 +274,7 @@ def scan(paths: list[pathlib.Path], root: pathlib.Path | None = None) -> dict:
     long_funcs = sorted(((n, where) for n, where, key in funcs
                          if n > MAX_FUNCTION_LINES and key not in LONG_FUNCTION_EXCEPTIONS), reverse=True)
     return {"largest_file": max(files), "longest_function": max(f[:2] for f in funcs),
-            "long_functions": long_funcs,
+            "long_functions": long_funcs, "long_docstrings": sorted(long_docs), "docstring_history": doc_history,
             "hook_params": hooks, "hook_calls": hook_calls, "closures": closures,
             "upward_calls": len(hook_calls) + len(closures), **import_graph(paths, root)}
 
@@ -254,12 +298,17 @@ def source_paths(pkgs: list[str], root: pathlib.Path | None = None) -> list[path
 def main(argv: list[str]) -> None:
     pkgs = argv or ["hicache", "api", "kernels"]
     m = scan(source_paths(pkgs))
+    print(f"library modules:  {m['library_modules']} (__init__ not counted)")
+    print(f"top-level:        {len(m['top_modules'])} directly in hicache/  {m['top_modules']}")
     print(f"modules:          {m['modules']} in {m['layers']} layers")
     print(f"import cycles:    {len(m['cycles'])}")
     for c in m["cycles"]:
         print(f"    {' <-> '.join(c)}")
     print(f"upward imports:   {len(m['upward_imports'])}")
     for u in m["upward_imports"]:
+        print(f"    {u}")
+    print(f"folder upward:    {len(m['folder_upward'])} (folder-graph edges into a plane above, PLANES order)")
+    for u in m["folder_upward"]:
         print(f"    {u}")
     print(f"boundary imports: {len(m['boundary_imports'])}")
     for b in m["boundary_imports"]:
@@ -270,6 +319,12 @@ def main(argv: list[str]) -> None:
           f"{len(m['long_functions'])}")
     for n, where in m["long_functions"]:
         print(f"    {n} lines  {where}")
+    print(f"module docstrings over {MAX_DOCSTRING_LINES} lines: {len(m['long_docstrings'])}")
+    for d in m["long_docstrings"]:
+        print(f"    {d}")
+    print(f"module docstrings with history or bench figures: {len(m['docstring_history'])}")
+    for d in m["docstring_history"]:
+        print(f"    {d}")
     print(f"hook parameters:  {len(m['hook_params'])}  {m['hook_params']}")
     print(f"hook call sites:  {len(m['hook_calls'])}  {m['hook_calls']}")
     print(f"closures:         {len(m['closures'])}  {m['closures']}")

@@ -5,22 +5,6 @@ A prefill instance exports a finished prefill: every page of the prompt's KV
 metadata slot (first output token, top-k, hidden row; ``hicache.cache.slots``). A
 decode instance imports it into its own L1 and index and continues decoding
 as if it had computed the prompt itself.
-
-The call order::
-
-    hello = handoff.hello(decode_hc.layout)                 # bootstrap message (decode -> prefill)
-    tx = Exporter(prefill_hc, channel, hello)              # raises ContractMismatch on any layout
-    rx = Importer(decode_hc, channel, handoff.hello(prefill_hc.layout))  # difference, nothing moved
-    ticket = tx.export(req, slot_view)                     # prefill side; then req.finish()
-    imported = rx.import_(ticket)                          # decode side: RUNNING request + its slot
-    meta = rx.channel.slots.consume(imported.slot)         # the consumer reads: the slot is freed
-
-Channels: ``L2Channel`` (a ``HostPool`` both sides address: one object in a
-process, or one ``hicache.memory.shm`` segment mapped by both, plus a shared
-``MetaSlotPool``) and ``L3Channel`` (an L3 backend both sides open, objects
-under request-scoped keys that are deleted once imported; the metadata
-travels in the ticket). Handoff objects are never cache entries: only the
-importer's index decides what it shares. Single-threaded per side.
 """
 from __future__ import annotations
 
@@ -208,7 +192,24 @@ Channel = L2Channel | L3Channel
 
 
 class Exporter:
-    """Prefill side. Construction is the bootstrap: it checks the decode side's ``hello``."""
+    """Prefill side. Construction is the bootstrap: it checks the decode side's ``hello``.
+
+    The call order::
+
+        hello = handoff.hello(decode_hc.layout)                 # bootstrap message (decode -> prefill)
+        tx = Exporter(prefill_hc, channel, hello)              # raises ContractMismatch on any layout
+        rx = Importer(decode_hc, channel, handoff.hello(prefill_hc.layout))  # difference, nothing moved
+        ticket = tx.export(req, slot_view)                     # prefill side; then req.finish()
+        imported = rx.import_(ticket)                          # decode side: RUNNING request + its slot
+        meta = rx.channel.slots.consume(imported.slot)         # the consumer reads: the slot is freed
+
+    Channels: ``L2Channel`` (a ``HostPool`` both sides address: one object in a
+    process, or one ``hicache.memory.shm`` segment mapped by both, plus a shared
+    ``MetaSlotPool``) and ``L3Channel`` (an L3 backend both sides open, objects
+    under request-scoped keys that are deleted once imported; the metadata
+    travels in the ticket). Handoff objects are never cache entries: only the
+    importer's index decides what it shares. Single-threaded per side.
+    """
 
     def __init__(self, hc: HiCache, channel: Channel, peer: Mapping):
         check_peer(hc.layout, peer, shared_l2=channel.kind == "l2")

@@ -1,30 +1,11 @@
 """``HiCache``: the embedded three-tier cache an engine links against.
-
-It composes the index (``PrefixCache``), the L1/L2 pools, an L3 backend and
-the transfer controller, and implements the write policies, load back and
-prefetch on top of the index. The index never calls up: requests made here
-are ``TieredRequest`` handles, which act on what each index call returns
-(back up the nodes an insert created, wait for loads and copy draft planes
-before adopting the index's pages). Making L1 room (eviction, the write-back
-queue, cleaning ahead) is one component it owns, ``L1Room`` (``hicache.tiers.room``)::
-
-    hc = HiCache(HiCacheConfig.load())
-    req = hc.new_request("r1", prompt_ids)
-    adm = hc.admit(req)                 # match L1/L2/L3, prefetch, lock, start load back
-    req.alloc(len(prompt_ids) - adm.hit_tokens)
-    # forward pass: adm.wait_layer(i) before attention of layer i
-    req.commit(); req.finish()
-    hc.poll()                           # once per scheduler step
-
-Not thread-safe: one scheduler thread calls everything; completions run in
-that thread during ``poll``.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 
 from hicache.index.prefix_cache import PrefixCache, Request, RequestState, Tokens, as_key
@@ -35,22 +16,23 @@ from hicache.core.hashing import namespace_root, raw_page_hashes
 from hicache.core.layout import KVLayout
 from hicache.tiers.cost import CostModel
 from hicache.index.misses import L2, L3, L3Outcome, MissTracker, admission_misses
-from hicache.core.policies import PrefetchPolicy, WritePolicy
+from hicache.core.types import PrefetchPolicy, WritePolicy
 from hicache.memory.pools import DevicePool
 from hicache.core.stats import HiCacheStats, StorageStats
 from hicache.index.node import InsertResult, Node
 from hicache.transfer.inflight import InFlight
 from hicache.tiers.l2.base import L2Tier
-from hicache.tiers.l2.factory import open_l2
-from hicache.tiers.l2.segment import ServiceHostTier
+from hicache.tiers.l2.base import build_l2, open_l2
+from hicache.tiers.l2.shared import ServiceHostTier
 from hicache.index.request import MatchResult
-from hicache.tiers.room import L1Room
+from hicache.tiers.room import L1Room, WaitJob, Work
 from hicache.transfer.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan
 from hicache.tiers.manager import TierManager
 from hicache.transfer.engine import LoadHandle, Plan, TransferController, TransferKind, TransferResult
 from hicache.core.types import JobId
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 L3_PLANS = (StorePlan, PrefetchPlan)  # transfers that make L3 calls (drain does not wait on a stalled L3)
 
@@ -81,6 +63,15 @@ class Admission(NamedTuple):
             h.wait()
 
 
+class _Loaded(NamedTuple):
+    """What ``HiCache._load_back`` did for one admission."""
+
+    handle: LoadHandle | None  # the load's layer-wise handle (None: nothing loaded)
+    match: MatchResult  # the match to lock
+    fetched_tokens: int  # tokens of it an L3 behind L2 delivered for this request (the service's)
+    no_room_pages: int  # L2-hit logical pages not loaded for want of L1 room (a miss reason)
+
+
 class _L3Hit(NamedTuple):
     hashes: list  # page hashes of the L3 pages continuing the L1/L2 hit
     probed_at: float  # perf_counter() when the probe began (the prefetch budget covers probe and fetch)
@@ -88,7 +79,27 @@ class _L3Hit(NamedTuple):
 
 
 class HiCache:
-    """Embedded L1/L2/L3 cache. See the module docstring for the call order."""
+    """Embedded L1/L2/L3 cache.
+
+    It composes the index (``PrefixCache``), the L1/L2 pools, an L3 backend and
+    the transfer controller, and implements the write policies, load back and
+    prefetch on top of the index. The index never calls up: requests made here
+    are ``TieredRequest`` handles, which act on what each index call returns
+    (back up the nodes an insert created, wait for loads and copy draft planes
+    before adopting the index's pages). Making L1 room (eviction, the write-back
+    queue, cleaning ahead) is one component it owns, ``L1Room`` (``hicache.tiers.room``)::
+
+        hc = HiCache(HiCacheConfig.load())
+        req = hc.new_request("r1", prompt_ids)
+        adm = hc.admit(req)                 # match L1/L2/L3, prefetch, lock, start load back
+        req.alloc(len(prompt_ids) - adm.hit_tokens)
+        # forward pass: adm.wait_layer(i) before attention of layer i
+        req.commit(); req.finish()
+        hc.poll()                           # once per scheduler step
+
+    Not thread-safe: one scheduler thread calls everything; completions run in
+    that thread during ``poll``.
+    """
 
     def __init__(self, config: HiCacheConfig | None = None, *, layout: KVLayout | None = None,
                  device_buffers=None, storage=None, consensus: HitConsensus | None = None,
@@ -100,9 +111,10 @@ class HiCache:
         self.layout = layout or cfg.layout()
         device = cfg.resolved_device()
         # L2 is one strategy: a private pinned pool, or the node service's shared segment.
-        self.l2: L2Tier
-        self.l2, l3_url = open_l2(cfg, self.layout, device, l3_given=storage is not None)
-        self.host_pool = self.l2.pool
+        l2_memory = open_l2(cfg, self.layout, device, l3_given=storage is not None)
+        self.host_pool = l2_memory.pool
+        self._link = l2_memory.link
+        l3_url = l2_memory.l3_url
         self.device_pool = DevicePool(self.layout, cfg.pool.device_pages, device, buffers=device_buffers)
         if storage is None and l3_url:
             from hicache.storage import open_storage
@@ -113,10 +125,10 @@ class HiCache:
         self.storage = storage
         self.policy = cfg.policy
         self.transfers = TransferController(self.device_pool, self.host_pool, storage, inline=inline_transfers)
-        self.cache = PrefixCache(self.layout, self.device_pool, self.l2.index_allocator,
+        self.cache = PrefixCache(self.layout, self.device_pool, l2_memory.index_allocator,
                                  eviction=cfg.policy.device_eviction, host_eviction=cfg.policy.host_eviction)
         self.tiers = TierManager(self.cache)
-        self.l2.attach(self.cache, self.tiers)
+        self.l2: L2Tier = build_l2(l2_memory, self.tiers, cfg.policy)
         self.tier_stats = self.tiers.stats
         # In-flight work: every submitted, not yet completed job -> its plan (one map;
         # nodes still filling lead to their load's job). A load's layer-wise handle
@@ -127,10 +139,7 @@ class HiCache:
         self.consensus = consensus
         self.cost = CostModel.from_config(cfg.admission, self.layout.token_bytes)
         self.misses = MissTracker(cfg.policy.miss_window_pages)
-        self._l3_outcome: L3Outcome | None = None  # what the last admission's L3 lookup found
-        self._no_room_pages = 0  # L2-hit pages the last admission could not load: no L1 room
-        self.room = L1Room(self, self.cache, self.l2, self._jobs, cfg.policy, self.tier_stats)  # eviction, write-back
-        self._prefetched = 0  # pages the last completed prefetch brought into L2
+        self.room = L1Room(self.cache, self.l2, self._jobs, cfg.policy, self.tier_stats)  # eviction, write-back
 
     # ------------------------------------------------------------- requests
     def new_request(self, rid: str, tokens: Tokens, namespace: str = "", *, draft: bool | None = None) -> Request:
@@ -161,31 +170,31 @@ class HiCache:
         the L2 hit back into L1 and lock the whole hit. WAITING/PREEMPTED -> RUNNING.
         Afterwards ``req.computed_tokens`` counts the hit; allocate and compute the rest."""
         self._check_healthy()
-        self._l3_outcome = None
-        self._no_room_pages = 0
-        m = req.match()
+        c = self.cache
+        m = c.refresh(req)
         device_tokens = m.device_tokens
         l3_hit = self._storage_hit(req, m)
         # The one cost decision: load the L2 / L3 parts only where that beats recomputing them.
         l3_tokens = len(l3_hit.hashes) * self.layout.page_size
         queued = self.transfers.queued_bytes() if self.cost.enabled and (m.host_tokens or l3_tokens) else None
         plan = self.cost.decide(m.host_tokens, l3_tokens, queued)
-        storage_tokens = self._prefetch(req, m, l3_hit) if plan.load_l3 else 0
+        storage_tokens, l3_outcome = self._prefetch(req, m, l3_hit) if plan.load_l3 else (0, None)
         if storage_tokens or m.epoch != self.cache.epoch:
-            m = req.match()  # prefetched pages joined L2, or L2 room was made by eviction
+            m = c.refresh(req)  # prefetched pages joined L2, or L2 room was made by eviction
         own: LoadHandle | None = None
+        no_room_pages = 0
         if plan.load_l2 or not m.host_tokens:  # the cost model judged the index's L2 hit, if any
-            own, m, fetched = self._load_back(req, m)
+            own, m, fetched, no_room_pages = self._load_back(req, m)
             storage_tokens += fetched
         if self.consensus is not None:
             m = self._agreed(req, m)
             device_tokens = min(device_tokens, m.device_tokens)
-        req.lock(m)
+        c.lock(req, m)
         admission_misses(self.misses, self.cache, req.key, req.namespace, m.device_tokens, m.device_node,
-                         self._l3_outcome, self._no_room_pages)
+                         l3_outcome, no_room_pages)
         loads = [own] if own is not None else []
         if m.device_node is not None:
-            for n in self.cache.path(m.device_node):
+            for n in self.cache.tree.path(m.device_node):
                 h = self._loading(n)
                 if h is not None and h not in loads:
                     loads.append(h)
@@ -193,7 +202,7 @@ class HiCache:
                 self._selective_backup(m.device_node)
         device_tokens = min(device_tokens, m.device_tokens)  # L1 pages evicted meanwhile were not a hit
         host_tokens = m.device_tokens - device_tokens
-        self.room.clean_ahead()  # write_back: room for the next admission (starts copies, never waits)
+        self._run_room(self.room.clean_ahead())  # write_back: room for the next admission (starts copies, never waits)
         return Admission(m, device_tokens, host_tokens, min(storage_tokens, host_tokens), tuple(loads))
 
     def _agreed(self, req: Request, m: MatchResult) -> MatchResult:
@@ -225,22 +234,22 @@ class HiCache:
         self.tier_stats.storage_hit_pages += s
         return _L3Hit(hashes[have:have + s], t0, st0)
 
-    def _prefetch(self, req: Request, m: MatchResult, hit: _L3Hit) -> int:
-        """Fetch ``hit`` into L2, waiting what is left of the policy's budget; tokens landed."""
+    def _prefetch(self, req: Request, m: MatchResult, hit: _L3Hit) -> tuple[int, L3Outcome | None]:
+        """Fetch ``hit`` into L2, waiting what is left of the policy's budget: the tokens
+        landed and what the L3 lookup found (None: nothing was fetched)."""
         if not hit.hashes:
-            return 0
+            return 0, None
         plan = self.tiers.prepare_prefetch(req.key, req.namespace, m.tokens // self.layout.page_size, hit.hashes)
         if plan is None:
-            return 0
-        self._prefetched = 0
+            return 0, None
         budget = self._prefetch_budget_s(req.num_tokens)
         job = self._submit(plan)
-        self._wait_prefetch(job, None if budget is None else budget - (time.perf_counter() - hit.probed_at))
+        landed = self._wait_prefetch(job, None if budget is None else budget - (time.perf_counter() - hit.probed_at))
         running = job in self._jobs
         have = m.tokens // self.layout.page_size
-        self._l3_outcome = _l3_outcome(have, len(hit.hashes), 0 if running else self._prefetched, running,
-                                       hit.storage_before, self.storage.stats())
-        return len(hit.hashes) * self.layout.page_size if not running else 0
+        outcome = _l3_outcome(have, len(hit.hashes), 0 if running else landed, running,
+                              hit.storage_before, self.storage.stats())
+        return (len(hit.hashes) * self.layout.page_size if not running else 0), outcome
 
     def prefetch_budget_s(self, num_tokens: int) -> float | None:
         """How long the scheduler may wait on L3 for a request of ``num_tokens`` (``_prefetch_budget_s``)."""
@@ -257,20 +266,20 @@ class HiCache:
         return min(p.prefetch_timeout_cap_ms,
                    p.prefetch_timeout_base_ms + p.prefetch_timeout_per_1k_tokens_ms * num_tokens / 1000) / 1e3
 
-    def _wait_prefetch(self, job: JobId, timeout: float | None) -> None:
+    def _wait_prefetch(self, job: JobId, timeout: float | None) -> int:
         """Wait for the prefetch ``job`` up to ``timeout`` (what is left of the policy's
-        budget) and complete it if it landed; other jobs complete in ``poll``."""
+        budget) and complete it if it landed; the pages it brought into L2 (0: still
+        running). Other jobs complete in ``poll``."""
         if self.policy.prefetch_policy is not _BEST_EFFORT:
             t0 = time.perf_counter()
             self.transfers.wait(job, None if timeout is None else max(0.0, timeout))
             self.tier_stats.prefetch_waited_ms += (time.perf_counter() - t0) * 1e3
-        self.complete_finished(job)
+        return sum(r.pages for r in self._complete_results(job))
 
     # ----------------------------------------------------------------- L2 -> L1
-    def _load_back(self, req: Request, m: MatchResult) -> tuple[LoadHandle | None, MatchResult, int]:
-        """Give the L2 hit continuing ``m``'s L1 hit L1 pages and start copying it in.
-        Returns the load's handle (None: nothing loaded), the match to lock and the
-        tokens of it an L3 behind L2 delivered for this request (the service's).
+    def _load_back(self, req: Request, m: MatchResult) -> "_Loaded":
+        """Give the L2 hit continuing ``m``'s L1 hit L1 pages and start copying it in
+        (see ``_Loaded`` for what it returns).
 
         Without a second lookup: ``plan_load`` pins the device hit on L1 and holds
         the L2 hit (pinned in the private pool, acquired at the service) before
@@ -283,21 +292,21 @@ class HiCache:
             self.host_pool = self.transfers.host_pool = pool
         lb = self.l2.plan_load(req, m, self._prefetch_budget_s(req.num_tokens))
         if lb is None:
-            return None, m, 0
+            return _Loaded(None, m, 0, 0)
         try:
-            self.room.make_room(lb.num_pages)
+            self._run_room(self.room.make_room(lb.num_pages))
             dev = self.cache.alloc_device(lb.num_pages)
         except OutOfPages:  # a miss, counted: L1 is pinned or still writing its victims back
             self.l2.cancel_load(lb)
             self.tier_stats.load_back_no_room_pages += lb.num_pages
-            self._no_room_pages = (lb.end_tokens - m.device_tokens) // self.layout.page_size  # logical pages
-            return None, (m if m.epoch == self.cache.epoch else req.match()), 0
+            no_room = (lb.end_tokens - m.device_tokens) // self.layout.page_size  # logical pages
+            return _Loaded(None, m if m.epoch == self.cache.epoch else self.cache.refresh(req), 0, no_room)
         plan = self.l2.prepare_load(req, lb, dev)
         handle = self._start_load(plan)
         end = lb.end_tokens
-        return handle, m._replace(device_tokens=end, host_tokens=0, exact_tokens=req.exact_tokens_for(end),
-                                  device_node=plan.last, host_node=plan.last,
-                                  epoch=self.cache.epoch), lb.fetched_pages * self.layout.page_size
+        return _Loaded(handle, m._replace(device_tokens=end, host_tokens=0, exact_tokens=req.exact_tokens_for(end),
+                                          device_node=plan.last, host_node=plan.last, epoch=self.cache.epoch),
+                       lb.fetched_pages * self.layout.page_size, 0)
 
     def _start_load(self, plan: LoadPlan) -> LoadHandle:
         """Submit a prepared load back; its layer-wise handle (the controller keeps it until
@@ -306,14 +315,13 @@ class HiCache:
 
     # ----------------------------------------------------------------- L1 -> L2
     def _selective_backup(self, deepest: Node) -> None:
-        for n in self.cache.path(deepest):
+        for n in self.cache.tree.path(deepest):
             if self.l2.unbacked(n) and n.hit_count >= self.policy.write_through_threshold:
                 self.start_backup(n)
 
     def start_backup(self, node: Node) -> JobId | None:
         """Start copying ``node`` to L2 (it stays pinned on L1 until the copy completes
-        in ``poll()``); the job id, or None (nothing to copy, or no L2 room). Part of
-        ``RoomOwner``, the one way ``L1Room`` starts a write-back."""
+        in ``poll()``); the job id, or None (nothing to copy, or no L2 room)."""
         plan = self.l2.prepare_backup(node, pin=True)
         return None if plan is None else self._submit(plan)
 
@@ -337,11 +345,16 @@ class HiCache:
 
     def complete_finished(self, job: JobId | None = None) -> int:
         """Hand every finished transfer (``job``: only that one) to the tier manager,
-        never waiting; returns how many (``RoomOwner``: how written victims leave L1)."""
+        never waiting; returns how many."""
+        return len(self._complete_results(job))
+
+    def _complete_results(self, job: JobId | None = None) -> list[TransferResult]:
+        """The one place completions are pulled: every finished transfer (``job``: only
+        that one) goes to its ``complete_*``; their results."""
         results = self.transfers.finished(job)
         for r in results:
             self._complete(self._jobs.pop(r.job), r)
-        return len(results)
+        return results
 
     def _complete(self, plan: Plan, r: TransferResult) -> None:
         tiers = self.tiers
@@ -358,7 +371,7 @@ class HiCache:
                                         r.seconds)
         if isinstance(plan, BackupPlan):
             for n in self.l2.complete_backup(plan, r.ok):
-                self.misses.reached(self.cache.hashes(n), L2)
+                self.misses.reached(self.cache.tree.hashes(n), L2)
                 self._store(n)
             self.room.written(r.job, plan.node)
         elif isinstance(plan, LoadPlan):
@@ -374,20 +387,34 @@ class HiCache:
             self.misses.reached(plan.hashes[:r.pages if r.ok else 0], L3)
         else:
             tiers.complete_prefetch(plan, r.pages)
-            self._prefetched = r.pages
 
     def wait_job(self, job: JobId, timeout: float | None = None) -> None:
-        """Block until ``job`` is done (or ``timeout`` s), then complete what finished
-        (``RoomOwner``)."""
+        """Block until ``job`` is done (or ``timeout`` s), then complete what finished."""
         if self.transfers.wait(job, timeout):
             self.complete_finished()
+
+    def _run_room(self, work: Work[_T]) -> _T:
+        """Drive one ``L1Room`` operation: submit the backup plans it returns, wait for and
+        complete the jobs it names, in its order; its result (its errors propagate)."""
+        reply = None
+        while True:
+            try:
+                step = work.send(reply)
+            except StopIteration as done:
+                return done.value
+            if isinstance(step, BackupPlan):
+                reply = self._submit(step)
+            elif isinstance(step, WaitJob):
+                reply = self.wait_job(step.job)
+            else:
+                reply = self.complete_finished(step.job)
 
     # ------------------------------------------------------------- eviction
     def evict(self, num_pages: int) -> int:
         """Take at least ``num_pages`` logical pages off L1 (see ``L1Room.evict``: under
         ``write_back`` this waits for the victims' copies to L2). Returns pages evicted
         (fewer only when nothing else is evictable)."""
-        return self.room.evict(num_pages)
+        return self._run_room(self.room.evict(num_pages))
 
     def evict_host(self, num_pages: int) -> list[int]:
         """Drop at least ``num_pages`` logical pages from L2 (never pages a transfer
@@ -422,7 +449,7 @@ class HiCache:
         ``TransferError`` once a load back has failed (see ``_check_healthy``)."""
         n = self.complete_finished()
         self._check_healthy()
-        self.room.clean_ahead()
+        self._run_room(self.room.clean_ahead())
         return n
 
     def _check_healthy(self) -> None:
@@ -432,7 +459,7 @@ class HiCache:
     def _wait_loads(self, node: Node) -> None:
         """A request is about to use the index's L1 pages on ``node``'s path (or
         write draft rows into them): wait for loads still filling them."""
-        for n in self.cache.path(node):
+        for n in self.cache.tree.path(node):
             h = self._loading(n)
             if h is not None:
                 h.wait()
@@ -462,7 +489,7 @@ class HiCache:
     @property
     def shared(self) -> ServiceHostTier | None:
         """Service mode: the connection to the node's service and its segment (None: private L2)."""
-        return self.l2.service
+        return self._link
 
     @property
     def private_host_bytes(self) -> int:
@@ -527,7 +554,7 @@ class TieredRequest(Request):
     def alloc(self, num_tokens: int) -> list[int]:
         end = self.allocated_tokens + num_tokens
         if self.state is RequestState.RUNNING and 0 <= num_tokens and end <= self.num_tokens:
-            self._hc.room.room_to_compute(self._pages_for(end))
+            self._hc._run_room(self._hc.room.room_to_compute(self._pages_for(end)))
         return super().alloc(num_tokens)
 
     def commit(self, num_tokens: int | None = None, *, draft_tokens: int | None = None) -> int:

@@ -29,7 +29,7 @@ from hicache.core.errors import IntegrityError, LayoutError
 from hicache.tiers.groups import GroupTiers, TierCounts
 from hicache.cache.hicache import HiCache
 from hicache.core.groups import HybridFloor, LayerGroup, resumable_floor
-from hicache.core.policies import PrefetchPolicy
+from hicache.core.types import PrefetchPolicy
 from hicache.cache.hybrid_admission import HybridAdmission, agreed_floor, floor_items, group_holds, settle_floor
 from hicache.cache.hybrid_record import DEFAULT_MAX_BOUNDARIES, SWEEP_BATCH, BoundaryRecord
 from hicache.cache.hybrid_request import HybridRequest

@@ -4,18 +4,6 @@ A prefill hands its decode side, besides KV pages, a little per-request
 metadata: the first output token, the draft's top-k ids and probabilities,
 and the target hidden-state row the draft head continues from. It lives in a
 pool of preallocated slots (tensors allocated once, reused).
-
-The contract (DESIGN.md "Handoff"): a slot is **owned** by one request from
-``acquire`` until its consumer has read it (``consume``) or the request is
-aborted (``release``). It is never recycled while owned: when every slot is
-owned, ``acquire`` back-pressures (waits up to ``timeout``, then raises
-``SlotsExhausted``) instead of handing out a slot somebody still needs. Every
-slot carries a generation that bumps on release; a ``SlotView`` remembers the
-generation it was acquired at, so a read or write through a view whose slot
-has moved on raises ``StaleSlot`` instead of serving another request's data.
-
-Thread-safe: transfers complete on worker threads, so every method takes the
-pool's lock (the tensors are small; copies happen under it).
 """
 from __future__ import annotations
 
@@ -63,7 +51,20 @@ class _Slot:
 
 
 class MetaSlotPool:
-    """``num_slots`` reusable slots of ``top_k`` proposals and a ``hidden_size`` row."""
+    """``num_slots`` reusable slots of ``top_k`` proposals and a ``hidden_size`` row.
+
+    The contract (DESIGN.md "Handoff"): a slot is **owned** by one request from
+    ``acquire`` until its consumer has read it (``consume``) or the request is
+    aborted (``release``). It is never recycled while owned: when every slot is
+    owned, ``acquire`` back-pressures (waits up to ``timeout``, then raises
+    ``SlotsExhausted``) instead of handing out a slot somebody still needs. Every
+    slot carries a generation that bumps on release; a ``SlotView`` remembers the
+    generation it was acquired at, so a read or write through a view whose slot
+    has moved on raises ``StaleSlot`` instead of serving another request's data.
+
+    Thread-safe: transfers complete on worker threads, so every method takes the
+    pool's lock (the tensors are small; copies happen under it).
+    """
 
     def __init__(self, num_slots: int, top_k: int, hidden_size: int, *,
                  hidden_dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):

@@ -6,42 +6,18 @@ eviction on one rank only, a prefetch that landed on one rank only. The
 scheduler must see one number, and every rank must compute from the same
 token: the group admits the minimum over its ranks, as SGLang does with an
 all-reduce ``MIN`` over its TP group.
-
-``HitConsensus.agree(values)`` is that element-wise minimum. Two transports:
-
-* ``TorchConsensus(group)``: ``torch.distributed.all_reduce(MIN)`` over a
-  process group (gloo on CPU, NCCL on GPU);
-* ``ServiceConsensus(socket_path, group, rank, world_size)``: the node's
-  ``hicache serve`` collects one contribution per rank and answers each with
-  the minimum (op ``agree``; server side: ``AgreeRounds``).
-
-Both are collectives: every rank of the group calls ``agree`` the same number
-of times, in the same order, with lists of the same length. A rank that does
-not call blocks the others (``ServiceConsensus``: until its timeout, after
-which that round fails on every rank, consistently).
-
-``admitted_hit`` is the rule a cache applies on top: ranks that all found the
-same hit (a private partial page included) keep it; otherwise every rank
-falls back to the page-floored minimum, which every rank holds.
 """
 from __future__ import annotations
 
-import asyncio
 import os
-from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 from hicache.client.link import Link
-from hicache.core.errors import ConfigError, IntegrityError, ServiceError
+from hicache.core.errors import ConfigError
 from hicache.client.protocol import PROTOCOL_VERSION
 
 # A scheduler admits a batch per step; this bounds one request's size.
 MAX_VALUES = 65536
-# Rounds the server keeps open (waiting for ranks) over all groups, and
-# failed rounds it remembers so that late ranks fail them too.
-MAX_OPEN_ROUNDS = 4096
-MAX_FAILED_ROUNDS = 4096
 MAX_GROUP_CHARS = 200
 
 
@@ -53,7 +29,7 @@ class HitConsensus(Protocol):
 
     def agree(self, values: Sequence[int]) -> list[int]:
         """The minimum of ``values[i]`` over every rank, for each ``i``. Blocks until
-        every rank called; a collective (see the module docstring)."""
+        every rank called; a collective (see ``ServiceConsensus``)."""
 
     def close(self) -> None:
         """Release the transport (idempotent)."""
@@ -73,7 +49,7 @@ def admitted_hit(consensus: HitConsensus, hit_tokens: int, page_size: int) -> in
     return lo // page_size * page_size
 
 
-def _check_values(values: Sequence[int]) -> list[int]:
+def check_values(values: Sequence[int]) -> list[int]:
     out = list(values)
     if len(out) > MAX_VALUES:
         raise ValueError(f"agree: {len(out)} values, at most {MAX_VALUES} per call; split the batch")
@@ -105,7 +81,7 @@ class TorchConsensus:
         self.world_size = dist.get_world_size(group)
 
     def agree(self, values: Sequence[int]) -> list[int]:
-        vals = _check_values(values)
+        vals = check_values(values)
         if not vals or self.world_size == 1:
             return vals
         t = self._torch.tensor(vals, dtype=self._torch.int64, device=self.device)
@@ -126,6 +102,23 @@ class ServiceConsensus(Link):
     restarted group under a new group name.
     A round that does not complete within ``timeout_s`` raises
     ``ServiceError('timeout')`` on every rank of it.
+
+    ``HitConsensus.agree(values)`` is that element-wise minimum. Two transports:
+
+    * ``TorchConsensus(group)``: ``torch.distributed.all_reduce(MIN)`` over a
+      process group (gloo on CPU, NCCL on GPU);
+    * ``ServiceConsensus(socket_path, group, rank, world_size)``: the node's
+      ``hicache serve`` collects one contribution per rank and answers each with
+      the minimum (op ``agree``; server side: ``hicache.node.ops.AgreeRounds``).
+
+    Both are collectives: every rank of the group calls ``agree`` the same number
+    of times, in the same order, with lists of the same length. A rank that does
+    not call blocks the others (``ServiceConsensus``: until its timeout, after
+    which that round fails on every rank, consistently).
+
+    ``admitted_hit`` is the rule a cache applies on top: ranks that all found the
+    same hit (a private partial page included) keep it; otherwise every rank
+    falls back to the page-floored minimum, which every rank holds.
     """
 
     def __init__(self, socket_path: str, group: str, rank: int, world_size: int, *, timeout_s: float = 30.0):
@@ -145,7 +138,7 @@ class ServiceConsensus(Link):
             raise
 
     def agree(self, values: Sequence[int]) -> list[int]:
-        vals = _check_values(values)
+        vals = check_values(values)
         if not vals or self.world_size == 1:
             return vals
         r = self._round
@@ -159,110 +152,3 @@ class ServiceConsensus(Link):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-# ------------------------------------------------------------- server side
-@dataclass(slots=True)
-class _Round:
-    world: int
-    values: list[int]  # running element-wise minimum
-    ranks: set[int] = field(default_factory=set)  # ranks that contributed
-    done: asyncio.Future | None = None
-
-
-class AgreeRounds:
-    """The service's side of ``agree``: open rounds keyed by (group, round).
-
-    Lives on the server's event loop (not thread-safe). A round completes when
-    its ``world`` ranks have contributed; a waiter that times out fails the
-    round for every rank of it, including those that arrive later.
-    """
-
-    def __init__(self, max_wait_s: float = 300.0):
-        self.max_wait_s = max_wait_s
-        self._open: dict[tuple[str, int], _Round] = {}
-        self._failed: OrderedDict[tuple[str, int], str] = OrderedDict()
-        self.completed = 0  # rounds that completed
-        self.failed = 0  # rounds that timed out
-
-    async def agree(self, req: dict[str, Any]) -> dict[str, Any]:
-        """One rank's contribution (an ``agree`` request); waits for the others.
-
-        Raises ``ServiceError`` (``bad_args`` for a malformed or inconsistent
-        contribution, ``timeout`` for a round that did not complete).
-        """
-        key, rank, world, vals, wait_s = self._parse(req)
-        if key in self._failed:
-            raise ServiceError("timeout", self._failed[key])
-        r = self._open.get(key)
-        if r is None:
-            if len(self._open) >= MAX_OPEN_ROUNDS:
-                raise ServiceError("bad_args", f"agree: {len(self._open)} rounds are open, the limit; "
-                                   "some ranks of a group are not calling agree")
-            r = self._open[key] = _Round(world, vals, done=asyncio.get_running_loop().create_future())
-        else:
-            if world != r.world or len(vals) != len(r.values):
-                raise ServiceError("bad_args", f"agree {key}: rank {rank} sends world={world} and "
-                                   f"{len(vals)} values, the round has world={r.world} and {len(r.values)}")
-            if rank in r.ranks:
-                raise ServiceError("bad_args", f"agree {key}: rank {rank} contributed twice")
-            r.values = list(map(min, r.values, vals))
-        r.ranks.add(rank)
-        assert r.done is not None
-        if len(r.ranks) == r.world:
-            del self._open[key]
-            self.completed += 1
-            r.done.set_result(r.values)
-            return {"values": r.values}
-        try:
-            got = await asyncio.wait_for(asyncio.shield(r.done), min(wait_s, self.max_wait_s))
-        except asyncio.TimeoutError:
-            self._fail(key, r)
-            raise ServiceError("timeout", self._failed[key]) from None
-        return {"values": got}
-
-    def _fail(self, key: tuple[str, int], r: _Round) -> None:
-        if self._open.get(key) is not r:
-            return  # completed or failed meanwhile
-        del self._open[key]
-        missing = sorted(set(range(r.world)) - r.ranks)
-        msg = (f"agree {key}: ranks {missing} of {r.world} did not contribute in time (have {sorted(r.ranks)}); "
-               "every rank must call agree in the same order")
-        self._failed[key] = msg
-        while len(self._failed) > MAX_FAILED_ROUNDS:
-            self._failed.popitem(last=False)
-        self.failed += 1
-        assert r.done is not None
-        r.done.set_exception(ServiceError("timeout", msg))
-        r.done.exception()  # retrieved: waiters raise their own copy
-
-    def _parse(self, req: dict[str, Any]) -> tuple[tuple[str, int], int, int, list[int], float]:
-        g, rnd, rank, world = req.get("group"), req.get("round"), req.get("rank"), req.get("world")
-        vals, wait_ms = req.get("values"), req.get("wait_ms")
-        if not isinstance(g, str) or not 0 < len(g) <= MAX_GROUP_CHARS:
-            raise ServiceError("bad_args", f"agree needs group: 1-{MAX_GROUP_CHARS} characters, got {g!r:.80}")
-        for name, v in (("round", rnd), ("world", world), ("rank", rank)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ServiceError("bad_args", f"agree needs {name}: an integer >= 0, got {v!r:.80}")
-        if not 0 <= rank < world:
-            raise ServiceError("bad_args", f"agree: rank {rank} is not in [0, world={world})")
-        if not isinstance(wait_ms, (int, float)) or isinstance(wait_ms, bool) or not 0 <= wait_ms < 1e9:
-            raise ServiceError("bad_args", f"agree needs wait_ms >= 0 (milliseconds), got {wait_ms!r:.80}")
-        if not isinstance(vals, list) or not vals:
-            raise ServiceError("bad_args", f"agree needs values: a non-empty list, got {type(vals).__name__}")
-        try:
-            vals = _check_values(vals)
-        except ValueError as e:
-            raise ServiceError("bad_args", str(e)) from None
-        return (g, rnd), rank, world, vals, wait_ms / 1000.0
-
-    @property
-    def num_open(self) -> int:
-        return len(self._open)
-
-    def check_integrity(self) -> None:
-        """Every open round waits, and has some but not all of its ranks."""
-        for key, r in self._open.items():
-            if r.done is None or r.done.done() or not 0 < len(r.ranks) < r.world or max(r.ranks) >= r.world:
-                raise IntegrityError(f"open agree round {key}: ranks {sorted(r.ranks)} of world {r.world}, "
-                                     f"done={r.done is not None and r.done.done()}")

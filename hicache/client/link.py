@@ -10,28 +10,6 @@ the one client module, for both ways an engine uses the service.
 * **As L3** (``hicache.storage.service.ServiceBackend``, what ``open_storage``
   returns for that URL: the vLLM and SGLang connectors, which keep their own
   host tier): payloads are copied by the CPU into and out of the segment.
-
-Synchronous: one blocking Unix socket, one request in flight. Not thread-safe;
-give each engine thread its own client (they are cheap).
-
-Typical write of new pages::
-
-    pages = c.reserve(len(hashes))
-    for p, payload in zip(pages, payloads):
-        c.pool.write_page(p, payload)        # or a GPU page-copy kernel
-    c.commit(hashes, pages)                  # or c.cancel(pages) if the copy failed
-
-and read of a cached prefix::
-
-    pages = c.acquire(hashes)                # the leading present pages, locked
-    data = [c.pool.read_page(p) for p in pages]
-    c.release(hashes[:len(pages)])
-
-A committed page must hold its bytes and a released page may be evicted and
-rewritten, so commit and release come after the copy landed. Everything a
-connection reserved and did not commit, and everything it acquired and did
-not release, is reclaimed by the server when it closes (even when the engine
-process dies).
 """
 from __future__ import annotations
 
@@ -47,7 +25,6 @@ from hicache.memory.pools import HostPool
 from hicache.client.protocol import HEADER_BYTES, CommitResult, body_length, hello_request, pack, unpack
 from hicache.memory.shm import SharedSegment
 from hicache.core.stats import HiCacheStats
-from hicache.node.snapshot import report_figures
 from hicache.core.types import HostPageId, PageHash
 
 # Page ids arrive as plain ints: ``HostPageId`` is a NewType (static typing
@@ -197,6 +174,28 @@ class ServiceClient(Link):
 
     Raises ``ContractMismatch`` when the server refuses the layout (it names
     every differing field), ``ServiceError`` for other refusals.
+
+    Synchronous: one blocking Unix socket, one request in flight. Not thread-safe;
+    give each engine thread its own client (they are cheap).
+
+    Typical write of new pages::
+
+        pages = c.reserve(len(hashes))
+        for p, payload in zip(pages, payloads):
+            c.pool.write_page(p, payload)        # or a GPU page-copy kernel
+        c.commit(hashes, pages)                  # or c.cancel(pages) if the copy failed
+
+    and read of a cached prefix::
+
+        pages = c.acquire(hashes)                # the leading present pages, locked
+        data = [c.pool.read_page(p) for p in pages]
+        c.release(hashes[:len(pages)])
+
+    A committed page must hold its bytes and a released page may be evicted and
+    rewritten, so commit and release come after the copy landed. Everything a
+    connection reserved and did not commit, and everything it acquired and did
+    not release, is reclaimed by the server when it closes (even when the engine
+    process dies).
     """
 
     def __init__(self, socket_path: str, layout: KVLayout, *, timeout: float | None = 30.0,
@@ -315,3 +314,23 @@ class ServiceClient(Link):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def report_figures(stats: HiCacheStats) -> dict[str, Any]:
+    """An embedded cache's ``HiCache.stats()`` as ``report`` figures."""
+    i = stats.index
+    return {"requests": i.requests, "prompt_tokens": i.admitted_tokens,
+            "l1_hit_tokens_exact": i.device_hit_exact_tokens, "l1_hit_tokens_visible": i.device_hit_tokens,
+            "l2_hit_tokens_exact": i.host_hit_exact_tokens, "l2_hit_tokens_visible": i.host_hit_tokens,
+            "l1_used_pages": i.device_pages_cached + i.device_pages_private,
+            "l1_capacity_pages": stats.capacity_pages.get("L1", 0), "l1_evictions": i.device_evicted_pages,
+            **_admission_figures(stats), "misses": stats.misses.as_dict()}
+
+
+def _admission_figures(stats: HiCacheStats) -> dict[str, int]:
+    a = stats.admission
+    if a is None:
+        return {}
+    return {"admission_load": a.load, "admission_load_l2": a.load_l2, "admission_recompute": a.recompute,
+            "admission_unmeasured": a.unmeasured,
+            "admission_recomputed_tokens": a.recomputed_l2_tokens + a.recomputed_l3_tokens}

@@ -10,41 +10,6 @@ anything else is refused. Its reply carries the segment to map (``shm_name``,
 and ``has_l3`` (the service has an L3 of its own for ``fetch``). A hello with
 ``role: "consensus"`` (and no layout) opens a connection for ``agree``,
 ``stats``, ``check`` and ``bye`` only.
-Ops after the handshake, with their fields:
-
-=========  ==========================  ==========================================
-op         request fields              reply fields
-=========  ==========================  ==========================================
-lookup     hashes: [bin16]             pages: [int] (leading present pages)
-fetch      hashes: [bin16], wait_ms    pages: [int], fetched: int (lookup that
-                                       first loads missing pages from the
-                                       service's L3, waiting up to wait_ms)
-reserve    n: int                      pages: [int] (for the client to write)
-commit     hashes: [bin16], pages,     inserted: int, duplicates: int
-           draft_pages: int
-cancel     pages: [int]                (reserved pages given back unwritten)
-acquire    hashes: [bin16]             pages: [int] (leading present, now locked)
-release    hashes: [bin16]             (undoes acquire, one count per hash)
-agree      group, round, rank, world,      values: [int] (element-wise minimum over
-           values: [int], wait_ms          the group's ranks; see hicache.client.consensus)
-stats      -                           stats: map
-report     figures: {str: int}, name   (this engine's own L1/L2 figures, replacing
-                                       its last report; see EngineReport in
-                                       hicache.node.snapshot; dropped on
-                                       disconnect)
-check      -                           (runs the server's check_integrity)
-bye        -                           (server closes after replying)
-=========  ==========================  ==========================================
-
-Draft validity (layouts with draft planes): ``commit``'s optional
-``draft_pages`` counts the leading pages whose draft rows are valid (absent:
-all pages for a layout without draft planes, none for one with them);
-``lookup``, ``fetch`` and ``acquire`` take an optional ``need_draft: bool``
-(default false) that stops the answer at the first page without valid draft
-rows, as an embedded cache's ``match(need_draft=True)`` does.
-
-This module does no I/O: the server reads with asyncio, the client with a
-blocking socket, and both use these helpers for the bytes.
 """
 from __future__ import annotations
 
@@ -56,6 +21,41 @@ import msgpack
 from hicache.core.errors import ServiceError
 
 # Bump on any incompatible change of frames, ops or their fields.
+# Ops after the handshake, with their fields:
+#
+# =========  ==========================  ==========================================
+# op         request fields              reply fields
+# =========  ==========================  ==========================================
+# lookup     hashes: [bin16]             pages: [int] (leading present pages)
+# fetch      hashes: [bin16], wait_ms    pages: [int], fetched: int (lookup that
+#                                        first loads missing pages from the
+#                                        service's L3, waiting up to wait_ms)
+# reserve    n: int                      pages: [int] (for the client to write)
+# commit     hashes: [bin16], pages,     inserted: int, duplicates: int
+#            draft_pages: int
+# cancel     pages: [int]                (reserved pages given back unwritten)
+# acquire    hashes: [bin16]             pages: [int] (leading present, now locked)
+# release    hashes: [bin16]             (undoes acquire, one count per hash)
+# agree      group, round, rank, world,      values: [int] (element-wise minimum over
+#            values: [int], wait_ms          the group's ranks; see hicache.client.consensus)
+# stats      -                           stats: map
+# report     figures: {str: int}, name   (this engine's own L1/L2 figures, replacing
+#                                        its last report; see EngineReport in
+#                                        hicache.node.snapshot; dropped on
+#                                        disconnect)
+# check      -                           (runs the server's check_integrity)
+# bye        -                           (server closes after replying)
+# =========  ==========================  ==========================================
+#
+# Draft validity (layouts with draft planes): ``commit``'s optional
+# ``draft_pages`` counts the leading pages whose draft rows are valid (absent:
+# all pages for a layout without draft planes, none for one with them);
+# ``lookup``, ``fetch`` and ``acquire`` take an optional ``need_draft: bool``
+# (default false) that stops the answer at the first page without valid draft
+# rows, as an embedded cache's ``match(need_draft=True)`` does.
+#
+# This module does no I/O: the server reads with asyncio, the client with a
+# blocking socket, and both use these helpers for the bytes.
 PROTOCOL_VERSION = 2
 
 HEADER = struct.Struct(">I")

@@ -17,10 +17,33 @@ from typing import Annotated, Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from hicache.core.policies import PrefetchPolicy, WritePolicy
+from hicache.core.types import EVICTION_POLICIES, PrefetchPolicy, WritePolicy
 from hicache.core.errors import ConfigError, LayoutError
-from hicache.core.sizes import parse_size
 from hicache.core.layout import BytePlane, KVLayout
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: Any) -> int | Literal["auto"]:
+    """``"auto"``, an int, or a size string (``"20GiB"``, ``"500M"``, ``"1.5TB"``) -> bytes.
+
+    Raises ``ValueError`` naming the value (the config turns it into ``ConfigError``)."""
+    if isinstance(value, bool):
+        raise ValueError("must be a byte count, a size such as 20GiB, or auto; not a boolean")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError("must be >= 0 (0 = unbounded)")
+        return value
+    if isinstance(value, str):
+        if value.strip().lower() == "auto":
+            return "auto"
+        m = _SIZE.match(value)
+        if m:
+            num, unit, binary = m.groups()
+            base = 1024 if binary or not unit else 1000
+            return int(float(num) * base ** " kmgtp".index(unit.lower() or " "))
+    raise ValueError(f"{value!r} is not a byte count: use bytes (21474836480), a size (20GiB, 500MB) or auto")
 
 
 class _Section(BaseModel):
@@ -184,9 +207,8 @@ class PolicyConfig(_Section):
     @field_validator("device_eviction", "host_eviction")
     @classmethod
     def _eviction(cls, v: str) -> str:
-        from hicache.index.eviction import POLICIES
-        if v not in POLICIES:
-            raise ValueError(f"must be one of {', '.join(sorted(POLICIES))}")
+        if v not in EVICTION_POLICIES:
+            raise ValueError(f"must be one of {', '.join(EVICTION_POLICIES)}")
         return v
 
 

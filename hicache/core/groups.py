@@ -10,12 +10,6 @@ cached prefix must hold so that a request can resume right after it:
 * ``state`` (recurrent, e.g. linear attention / Gated DeltaNet): a fixed-size
   state per layer instead of KV; resuming at ``t`` needs the state *snapshot*
   taken exactly at ``t``. Snapshots are taken every ``snapshot_every`` pages.
-
-``full`` and ``swa`` groups name the ``KVLayout`` layers (plane layer indices)
-they own and partition them; a ``state`` group names its own layers
-``0 .. n - 1`` (they have no per-token planes) and the bytes of one layer's
-state. Everything here is pure: the index, the engines and the tests feed it
-what they hold and act on the answer.
 """
 from __future__ import annotations
 
@@ -53,7 +47,14 @@ MAX_SNAPSHOT_EVERY = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class LayerGroup:
-    """One group of layers that share a resume rule (see the module docstring)."""
+    """One group of layers that share a resume rule.
+
+    ``full`` and ``swa`` groups name the ``KVLayout`` layers (plane layer indices)
+    they own and partition them; a ``state`` group names its own layers
+    ``0 .. n - 1`` (they have no per-token planes) and the bytes of one layer's
+    state. Everything here is pure: the index, the engines and the tests feed it
+    what they hold and act on the answer.
+    """
 
     kind: GroupKind
     layers: tuple[int, ...]  # full/swa: KVLayout layer indices; state: 0 .. n-1 of the state layers

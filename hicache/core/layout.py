@@ -1,21 +1,4 @@
 """``KVLayout``: everything that decides the bytes of a page, and its fingerprint.
-
-A page's payload is a list of *planes*, one entry per (plane name, layer):
-
-* MHA: ``k`` and ``v`` per layer, rows of ``[num_kv_heads, head_dim]``;
-* MLA: ``latent`` per layer, rows of ``[kv_lora_rank + rope_dim]``;
-* extra byte planes (e.g. an fp8 indexer key with its scale) per layer, rows
-  of ``[bytes_per_token]`` uint8;
-* draft planes: the same per-layer planes for ``draft_layers`` draft-model
-  (EAGLE / NextN) layers, named ``draft_k`` etc.; they share the target's page
-  ids, so a page is complete only when both are present;
-* rows (``kind="rows"``): an engine that owns its KV format (vLLM's offload
-  tiers) hands over opaque rows. A page is one row of ``row_bytes`` bytes, one
-  ``uint8`` plane named ``row``; the engine's own canonical description of
-  those bytes (``engine_layout``, a JSON object) enters the fingerprint.
-
-The canonical plane order (``KVLayout.planes``) is the order of bytes in an L3
-object and the order kernels walk.
 """
 from __future__ import annotations
 
@@ -142,6 +125,23 @@ class KVLayout:
     """Frozen description of one process's KV bytes. Validated on construction.
 
     ``num_kv_heads`` is the number of KV heads held by this TP rank.
+
+    A page's payload is a list of *planes*, one entry per (plane name, layer):
+
+    * MHA: ``k`` and ``v`` per layer, rows of ``[num_kv_heads, head_dim]``;
+    * MLA: ``latent`` per layer, rows of ``[kv_lora_rank + rope_dim]``;
+    * extra byte planes (e.g. an fp8 indexer key with its scale) per layer, rows
+      of ``[bytes_per_token]`` uint8;
+    * draft planes: the same per-layer planes for ``draft_layers`` draft-model
+      (EAGLE / NextN) layers, named ``draft_k`` etc.; they share the target's page
+      ids, so a page is complete only when both are present;
+    * rows (``kind="rows"``): an engine that owns its KV format (vLLM's offload
+      tiers) hands over opaque rows. A page is one row of ``row_bytes`` bytes, one
+      ``uint8`` plane named ``row``; the engine's own canonical description of
+      those bytes (``engine_layout``, a JSON object) enters the fingerprint.
+
+    The canonical plane order (``KVLayout.planes``) is the order of bytes in an L3
+    object and the order kernels walk.
     """
 
     model_id: str

@@ -10,10 +10,6 @@ Two layers, both applied by ``Redactor.text``:
   ``storage.auth_key``) are replaced wherever they appear, so an error that
   quotes a fragment of one (``Port could not be cast to integer value as
   'Pa55'``) does not leak it either.
-
-Known secrets shorter than ``MIN_SECRET_CHARS`` are covered by the patterns
-only: replacing every occurrence of a two-letter string would mangle the text
-and tell an observer which letters the secret holds.
 """
 from __future__ import annotations
 
@@ -87,7 +83,12 @@ def error_text(e: BaseException, url: str = "") -> str:
 
 
 class Redactor:
-    """Replaces secrets in text. Cheap to build; ``add`` more secrets as they are resolved."""
+    """Replaces secrets in text. Cheap to build; ``add`` more secrets as they are resolved.
+
+    Known secrets shorter than ``MIN_SECRET_CHARS`` are covered by the patterns
+    only: replacing every occurrence of a two-letter string would mangle the text
+    and tell an observer which letters the secret holds.
+    """
 
     def __init__(self, secrets: Iterable[str] = ()):
         self._secrets: list[str] = []

@@ -1,7 +1,14 @@
-"""Typed ids that prevent mixing device pages, host pages and page hashes."""
+"""Typed ids that prevent mixing L1 pages, L2 pages and page hashes, and the closed
+sets of tiering policies (``policy.write_policy``, ``policy.prefetch_policy``) as
+enums: the configuration parses names into them and the cache compares members,
+never strings. Eviction policies are classes registered by name
+(``hicache.index.eviction.POLICIES``); the names the configuration accepts are
+``EVICTION_POLICIES``, which that registry must equal."""
 from __future__ import annotations
 
+import enum
 from typing import NewType
+
 
 DevicePageId = NewType("DevicePageId", int)
 HostPageId = NewType("HostPageId", int)
@@ -9,3 +16,24 @@ HostPageId = NewType("HostPageId", int)
 JobId = NewType("JobId", int)
 # 16-byte chained digest of a page: H(parent_hash, namespace, token ids).
 PageHash = NewType("PageHash", bytes)
+
+
+class WritePolicy(enum.StrEnum):
+    """When L1 pages get an L2 copy."""
+
+    WRITE_THROUGH = "write_through"  # every page the index takes, as it takes it
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"  # once hit write_through_threshold times
+    WRITE_BACK = "write_back"  # only when evicted from L1 (the eviction waits for the copy)
+
+
+class PrefetchPolicy(enum.StrEnum):
+    """How long admission waits for pages fetched from L3."""
+
+    BEST_EFFORT = "best_effort"  # the probe only; the fetch lands for later requests
+    WAIT_COMPLETE = "wait_complete"  # until the fetch finishes
+    TIMEOUT = "timeout"  # up to base + per-1k-tokens ms, capped
+
+
+# The eviction policies by name (``policy.device_eviction`` / ``host_eviction``): one class each
+# in hicache.index.eviction, which checks at import that its registry holds exactly these.
+EVICTION_POLICIES = ("fifo", "ghost_lru", "lfu", "lru", "mru", "qd_lru", "s3fifo", "slru")

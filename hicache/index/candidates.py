@@ -130,7 +130,7 @@ class _Candidates:
                     eff = (top[0][0] + policy.offset(s, applied=False), top[1])
                     if full is None or eff < full[0]:
                         full = (eff, top[2])
-            if oldest is not None and full[1] is not oldest[2]:
+            if oldest is not None and full is not None and full[1] is not oldest[2]:
                 policy.compared(full[1], oldest[2])  # learnt offsets and LRU disagree
             if best is None and not extra:
                 break

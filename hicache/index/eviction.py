@@ -18,7 +18,8 @@ from collections import OrderedDict
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Mapping, Protocol, TypeVar
 
-from hicache.core.errors import ConfigError
+from hicache.core.errors import ConfigError, IntegrityError
+from hicache.core.types import EVICTION_POLICIES
 
 if TYPE_CHECKING:
     from hicache.index.node import Node
@@ -317,6 +318,12 @@ def describe_policies(device: str, host: str) -> str:
         return f"{device} on L1 and L2, the default: {WHY_DEFAULT}"
     return f"{device} on L1, {host} on L2, set by policy.device_eviction / policy.host_eviction " \
            f"(the default, {DEFAULT_POLICY}: {WHY_DEFAULT})"
+
+
+# The configuration validates names against core's list (core imports nothing of the index).
+if sorted(_REGISTRY) != list(EVICTION_POLICIES):
+    raise IntegrityError(f"eviction policies registered {sorted(_REGISTRY)} but hicache.core.types."
+                         f"EVICTION_POLICIES lists {list(EVICTION_POLICIES)}: keep the two equal")
 
 
 def make_policy(spec: str | EvictionPolicy) -> EvictionPolicy:

@@ -1,30 +1,4 @@
 """Why a page missed: one reason per missed page, the reasons summing to the misses.
-
-A request of ``n`` tokens has ``ceil(n / page_size)`` pages; those past its
-admitted hit are its missed pages, and ``MissTracker.account`` gives each
-exactly one reason (``MissStats``):
-
-- ``partial_page``: the request's last page, which is always computed (it is
-  partial, or it holds the last token, which must be computed to sample);
-- for the others, what the tracker remembers of the page (by page hash): the
-  furthest tier its current copy reached, set when it is computed (L1), when
-  its L2 backup completes (L2) and when L3 accepts it (L3):
-  - never seen: ``other_namespace`` when another namespace's tree holds those
-    tokens, ``fingerprint_mismatch`` when L3 has an object for it written by
-    another layout, else ``first_use``;
-  - L1: ``l1_evicted`` (evicted from L1 with no L2 copy);
-  - on L2 but not loaded, because the admission found no L1 room for it
-    (``no_l1_room``; write-back never blocks admission);
-  - L2: ``l2_evicted`` (evicted from L2 with no L3 copy);
-  - L3: ``prefetch_expired`` (L3 held it but the prefetch did not complete in
-    the policy's budget), ``l3_error`` (the read failed: an error, a corrupt
-    object), else ``l3_evicted``.
-
-Memory is bounded: the tracker remembers the last ``window`` pages it saw
-(FIFO, ~120 bytes a page; the hash objects are shared with the index's nodes
-while they live). A page forgotten that way reads as ``first_use`` again;
-``forgotten`` counts the pages dropped from the window, so a figure of 0 means
-every reason is exact. Not thread-safe (the scheduler thread).
 """
 from __future__ import annotations
 
@@ -75,7 +49,34 @@ def _reason(j: int, t: int | None, room_end: int, other_ns_pages: int, l3: L3Out
 
 
 class MissTracker:
-    """Remembers the furthest tier of recently seen pages; classifies misses."""
+    """Remembers the furthest tier of recently seen pages; classifies misses.
+
+    A request of ``n`` tokens has ``ceil(n / page_size)`` pages; those past its
+    admitted hit are its missed pages, and ``MissTracker.account`` gives each
+    exactly one reason (``MissStats``):
+
+    - ``partial_page``: the request's last page, which is always computed (it is
+      partial, or it holds the last token, which must be computed to sample);
+    - for the others, what the tracker remembers of the page (by page hash): the
+      furthest tier its current copy reached, set when it is computed (L1), when
+      its L2 backup completes (L2) and when L3 accepts it (L3):
+      - never seen: ``other_namespace`` when another namespace's tree holds those
+        tokens, ``fingerprint_mismatch`` when L3 has an object for it written by
+        another layout, else ``first_use``;
+      - L1: ``l1_evicted`` (evicted from L1 with no L2 copy);
+      - on L2 but not loaded, because the admission found no L1 room for it
+        (``no_l1_room``; write-back never blocks admission);
+      - L2: ``l2_evicted`` (evicted from L2 with no L3 copy);
+      - L3: ``prefetch_expired`` (L3 held it but the prefetch did not complete in
+        the policy's budget), ``l3_error`` (the read failed: an error, a corrupt
+        object), else ``l3_evicted``.
+
+    Memory is bounded: the tracker remembers the last ``window`` pages it saw
+    (FIFO, ~120 bytes a page; the hash objects are shared with the index's nodes
+    while they live). A page forgotten that way reads as ``first_use`` again;
+    ``forgotten`` counts the pages dropped from the window, so a figure of 0 means
+    every reason is exact. Not thread-safe (the scheduler thread).
+    """
 
     def __init__(self, window: int):
         if window < 1:

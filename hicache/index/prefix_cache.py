@@ -10,21 +10,6 @@ A scheduler loop uses it like this::
     req.commit()                        # after each prefill chunk: full pages become shared
     req.extend([next_token]); req.alloc(1); req.commit()   # decode steps
     req.finish()                        # or req.abort() / req.preempt()
-
-Equivalents: SGLang ``match_prefix`` = ``match``, ``cache_unfinished_req`` =
-``commit``, ``cache_finished_req`` = ``finish``; vLLM
-``get_num_new_matched_tokens`` = ``match().device_tokens``,
-``request_finished`` = ``finish``.
-
-Hit rules. Scheduler-visible hits are whole pages: ``device_tokens``, then
-``host_tokens`` continuing it. A request's partial last page is private to
-it; only its own refresh (``req.match()`` while it holds that page, also
-after ``preempt``) counts it, in ``exact_tokens``. Nothing here copies KV and
-nothing calls up: eviction is ``device_victims`` -> the caller's write-back ->
-``drop_device``; an insert reports the nodes it created and the draft planes
-the caller must copy (``hicache.cache.hicache`` acts on both); ``set_host`` /
-``set_device`` record what a tiering controller moved. Not thread-safe: one
-scheduler thread.
 """
 from __future__ import annotations
 
@@ -32,19 +17,18 @@ import dataclasses
 import logging
 from typing import Iterator, Sequence
 
-from hicache.memory.allocator import PageAllocator
-from hicache.index.prefix_check import check_pool, check_request
-from hicache.index.cp import CPRowOrder, PageOwnership, make_ownership
-from hicache.index.draft import draft_prefix_pages
-from hicache.core.errors import CacheStateError, IntegrityError, OutOfPages
-from hicache.index.eviction import EvictionPolicy, make_policy
+from hicache.core.errors import CacheStateError, IntegrityError, OutOfPages, StaleMatch
 from hicache.core.layout import KVLayout
-from hicache.index.node import Dropped, InsertResult, Node
-from hicache.memory.pools import DevicePool, HostPool
-from hicache.index.radix import RadixTree
-from hicache.index.request import MatchResult, Request, RequestState, Tokens, as_key
 from hicache.core.stats import CacheStats
-from hicache.core.types import DevicePageId, HostPageId, PageHash
+from hicache.core.types import DevicePageId, HostPageId
+from hicache.index.cp import CPRowOrder, make_ownership, PageOwnership
+from hicache.index.eviction import EvictionPolicy, make_policy
+from hicache.index.node import check_request_pages, draft_prefix_pages, Dropped, InsertResult, Node
+from hicache.index.radix import RadixTree
+from hicache.index.request import as_key, MatchResult, Request, RequestState, Tokens
+from hicache.memory.allocator import PageAllocator
+from hicache.memory.pools import DevicePool, HostPool
+
 
 __all__ = ["PrefixCache", "CacheStats", "Request", "RequestState", "Tokens", "as_key"]  # MatchResult: hicache.index.request
 
@@ -56,7 +40,7 @@ def _allocator(pool: DevicePool | HostPool | PageAllocator | None) -> PageAlloca
 
 
 class PrefixCache:
-    """Index + allocation for one engine (one CP rank): see the module docstring.
+    """Index + allocation for one engine (one CP rank).
 
     ``device`` is the L1 pool (or its allocator); ``host`` the L2 pool (or
     allocator) when a tiering controller runs on top. ``eviction`` /
@@ -71,6 +55,21 @@ class PrefixCache:
     caller's (``InsertResult.draft_copies``, done by ``hicache.HiCache``).
 
     This is the only way into the index: nothing outside reaches ``tree``.
+
+    Equivalents: SGLang ``match_prefix`` = ``match``, ``cache_unfinished_req`` =
+    ``commit``, ``cache_finished_req`` = ``finish``; vLLM
+    ``get_num_new_matched_tokens`` = ``match().device_tokens``,
+    ``request_finished`` = ``finish``.
+
+    Hit rules. Scheduler-visible hits are whole pages: ``device_tokens``, then
+    ``host_tokens`` continuing it. A request's partial last page is private to
+    it; only its own refresh (``req.match()`` while it holds that page, also
+    after ``preempt``) counts it, in ``exact_tokens``. Nothing here copies KV and
+    nothing calls up: eviction is ``device_victims`` -> the caller's write-back ->
+    ``drop_device``; an insert reports the nodes it created and the draft planes
+    the caller must copy (``hicache.cache.hicache`` acts on both); ``set_host`` /
+    ``set_device`` record what a tiering controller moved. Not thread-safe: one
+    scheduler thread.
     """
 
     def __init__(self, layout: KVLayout, device: DevicePool | PageAllocator,
@@ -184,8 +183,39 @@ class PrefixCache:
         return d.freed
 
     # ------------------------------------------------ request locks (the one owner)
+    def refresh(self, req: Request) -> MatchResult:
+        """``req``'s hit for its tokens (at most all but the last; see ``Request.match``).
+        Pure apart from ``stats.lookups``."""
+        m = self.match(req.key, req.namespace, max_tokens=max(0, req.num_tokens - 1), need_draft=req.draft)
+        exact = req.exact_tokens_for(m.tokens)
+        return m if exact == m.tokens else m._replace(exact_tokens=exact)
+
+    def lock(self, req: Request, m: MatchResult) -> None:
+        """Pin ``m``'s device hit and make it ``req``'s computed prefix (see ``Request.lock``):
+        WAITING or PREEMPTED -> RUNNING; ``StaleMatch`` on a match older than the last eviction."""
+        req._check(RequestState.WAITING, RequestState.PREEMPTED, op="lock")
+        if m.epoch != self.tree.epoch:
+            raise StaleMatch(f"request {req.rid!r}: match from epoch {m.epoch}, the cache is at "
+                             f"epoch {self.tree.epoch} (pages were evicted since); call match() again")
+        ps = self.page_size
+        req.pages = list(m.device_pages)
+        req.shared_pages = m.device_tokens // ps
+        req.computed_tokens = m.device_tokens
+        tail_kept = (req.state is RequestState.PREEMPTED and m.host_tokens == 0
+                     and m.exact_tokens > m.device_tokens and req._tail_page == req.shared_pages)
+        if tail_kept:
+            req.pages += req._tail
+            req.computed_tokens = m.exact_tokens
+        elif req._tail:
+            self.free_device(req._tail)
+        req._tail, req._tail_tokens = [], 0
+        req.allocated_tokens = req.computed_tokens
+        req.node, req.draft_tokens = self.lock_hit(req, m)
+        req._draft_shared = req.draft_tokens // ps
+        req.state = RequestState.RUNNING
+
     def lock_hit(self, req: Request, m: MatchResult) -> tuple[Node | None, int]:
-        """``Request.lock``'s part on the index: pin the first ``req.shared_pages`` of
+        """``lock``'s part on the index: pin the first ``req.shared_pages`` of
         ``m``'s device hit (split to end there), touch it and count the admission.
         Returns the locked node (None: nothing shared) and, for a draft request, the
         tokens from 0 whose draft rows are complete on its path (else 0)."""
@@ -290,27 +320,6 @@ class PrefixCache:
         cache while iterating)."""
         return self.tree.iter_nodes()
 
-    def pages(self, node: Node | None, end_page: int, first_page: int = 0, *,
-              host: bool = False) -> list[int]:
-        """Owned L1 (``host``: L2) ids of logical pages ``[first_page, end_page)`` on
-        the path to ``node``, which holds page ``end_page - 1``. A fresh list."""
-        return self.tree.pages(node, end_page, first_page, host=host)
-
-    def path(self, node: Node, stop: Node | None = None) -> list[Node]:
-        """Nodes from just below ``stop`` (default: the root) down to ``node``, top-down."""
-        return self.tree.path(node, stop)
-
-    def split_at(self, node: Node, num_pages: int) -> Node:
-        """Make a node boundary ``num_pages`` into ``node``; returns the upper part."""
-        return self.tree.split_at(node, num_pages)
-
-    def insert_host(self, key: bytes, namespace: str, first_page: int,
-                    host_pages: list[HostPageId]) -> tuple[Node | None, list[HostPageId]]:
-        """Record L3 pages that landed in L2 (see ``RadixTree.insert_host``): returns
-        the deepest new L2 node (None if nothing new) and the ids the index did
-        not take, which the caller frees."""
-        return self.tree.insert_host(key, namespace, first_page, host_pages)
-
     def insert_device(self, key: bytes, namespace: str, device_pages: list[DevicePageId],
                       draft_pages: int = 0) -> InsertResult:
         """Index whole pages ``key`` held in L1 ``device_pages`` outside any request
@@ -318,18 +327,6 @@ class PrefixCache:
         res = self.tree.insert(key, namespace, list(device_pages), draft_pages)
         self._stats.inserted_pages += res.new_pages
         return res
-
-    def set_host(self, node: Node, host_pages: Sequence[HostPageId], *, draft: bool | None = None) -> None:
-        """Record complete L2 copies of ``node`` (ids from ``host_allocator``); ``draft``:
-        their draft rows are valid (default: ``node.draft_device``, see ``RadixTree.set_host``)."""
-        self.tree.set_host(node, host_pages, draft)
-
-    def set_device(self, node: Node, device_pages: Sequence[DevicePageId]) -> None:
-        """Record a completed load back of an L2-only node into these L1 ids."""
-        self.tree.set_device(node, device_pages)
-
-    def set_stored(self, node: Node, stored: bool = True) -> None:
-        self.tree.set_stored(node, stored)
 
     def inc_lock(self, node: Node) -> None:
         """Pin ``node``'s path on L1 for a holder outside requests (e.g. a transfer)."""
@@ -358,10 +355,6 @@ class PrefixCache:
             del held[node]
         else:
             held[node] = n - 1
-
-    def hashes(self, node: Node) -> list[PageHash]:
-        """Chained page hashes of ``node`` (L3 keys / event ids); computed once."""
-        return self.tree.hashes(node)
 
     # ------------------------------------------------------------- statistics
     def stats(self) -> CacheStats:
@@ -401,3 +394,49 @@ class PrefixCache:
                 if getattr(n, attr) != want.get(n, 0):
                     raise IntegrityError(f"{n!r}: {attr}={getattr(n, attr)} but its holders "
                                          f"account for {want.get(n, 0)}")
+
+
+def check_pool(alloc: PageAllocator, tier: str, tree_ids: set[int], others: list[list[int]]) -> None:
+    alloc.check_integrity()
+    seen = set(tree_ids)
+    for ids in others:
+        for i in ids:
+            if i in seen:
+                raise IntegrityError(f"{tier} page {i} is held twice (index/requests/in flight)")
+            seen.add(i)
+    for i in seen:
+        if not alloc.is_allocated(i):
+            raise IntegrityError(f"{tier} page {i} is held but free in the allocator")
+    if len(seen) != alloc.num_used:  # invariant 4: free + held == capacity
+        raise IntegrityError(f"{tier}: {alloc.num_used} pages allocated but {len(seen)} held "
+                             f"(index {len(tree_ids)}); {alloc.num_used - len(seen)} leaked")
+
+
+def check_request(tree: RadixTree, r: Request) -> None:
+    """``r``'s bookkeeping against the index it holds pages of."""
+    ps = tree.page_size
+    if r.state is RequestState.PREEMPTED:
+        want = tree.owned(r._tail_page, 1) if r._tail_tokens else 0
+        if len(r._tail) != want or not 0 <= r._tail_tokens < ps or r.pages:
+            raise IntegrityError(f"{r!r}: preempted with tail {r._tail} of {r._tail_tokens} tokens")
+        return
+    if r.state is RequestState.WAITING:
+        if r.pages or r._tail or r.node is not None:
+            raise IntegrityError(f"{r!r}: waiting but holds pages or a lock")
+        return
+    if r.state is not RequestState.RUNNING:
+        raise IntegrityError(f"{r!r}: a live request in state {r.state.value}")
+    if not (r.computed_tokens <= r.allocated_tokens <= r.num_tokens
+            and r.shared_pages == r.computed_tokens // ps and 0 <= r.draft_tokens <= r.computed_tokens):
+        raise IntegrityError(f"{r!r}: token accounting broken")
+    if len(r.pages) != tree.owned(0, -(-r.allocated_tokens // ps)):
+        raise IntegrityError(f"{r!r}: {len(r.pages)} pages for {r.allocated_tokens} allocated tokens")
+    h = tree.match(r.key[:r.shared_pages * 4 * ps], r.namespace)
+    k = tree.owned(0, r.shared_pages)
+    ids = tree.pages(h.device_node, h.device_num_pages)
+    if h.device_num_pages != r.shared_pages or ids != r.pages[:k]:
+        raise IntegrityError(f"{r!r}: shared pages {r.pages[:k]} are not the index's "
+                             f"{ids} ({h.device_num_pages} pages)")
+    if r.draft and tree.draft:  # invariant 5: a draft request holds no draft-incomplete page it vouched for
+        path = tree.path(h.device_node) if h.device_node is not None else []
+        check_request_pages(path, min(r.shared_pages, r.draft_tokens // ps), r)

@@ -10,28 +10,6 @@ one and nothing is hashed on the match path; page hashes are computed lazily
 
 Every namespace (LoRA adapter, cache salt) has its own root, so two
 namespaces never share a node or a page.
-
-Draft planes (layouts with ``draft_layers``): a page is complete only when
-its draft rows are valid too, and an engine that does not run its draft head
-computes pages without them. ``draft_device`` / ``draft_host`` record, per
-node and tier, that the draft planes of every page hold valid rows; a
-``match(..., need_draft=True)`` stops at the first node whose serving tier
-lacks them (``Hit.draft_cut`` says where), so a hit never returns target
-planes without their draft planes (invariant 5).
-
-Tiers per node: ``device_pages`` (L1 ids, ``None`` = not on L1) and
-``host_pages`` (L2 ids, ``None`` = not on L2); ``in_storage`` marks L3. Under
-context parallelism those lists hold only the pages this rank owns (see
-``hicache.index.cp``); ``[]`` means "on the tier, no page owned here". A non-root
-node is always on L1 or L2; L3-only prefixes live in the storage backend.
-
-The tree allocates, frees and copies nothing, and never calls up: it
-records page ids, returns what it created (``InsertResult.created``) and what
-it would evict (``device_victims`` / ``host_victims``), and drops what it is
-told to (``drop_device`` / ``drop_host``), handing freed ids back to its caller
-(``hicache.index.prefix_cache.PrefixCache``). Eviction candidates live in
-``hicache.index.candidates``, draft-plane completeness in ``hicache.index.draft``, the
-integrity check in ``hicache.index.radix_check``. Not thread-safe.
 """
 from __future__ import annotations
 
@@ -54,7 +32,30 @@ _NO_CUT, _CUT_L1, _CUT_L2 = DraftCut.NONE, DraftCut.L1, DraftCut.L2
 
 
 class RadixTree:
-    """The index. ``page_size`` tokens per page; ``ownership``/``cp_rank`` pick owned pages."""
+    """The index. ``page_size`` tokens per page; ``ownership``/``cp_rank`` pick owned pages.
+
+    Draft planes (layouts with ``draft_layers``): a page is complete only when
+    its draft rows are valid too, and an engine that does not run its draft head
+    computes pages without them. ``draft_device`` / ``draft_host`` record, per
+    node and tier, that the draft planes of every page hold valid rows; a
+    ``match(..., need_draft=True)`` stops at the first node whose serving tier
+    lacks them (``Hit.draft_cut`` says where), so a hit never returns target
+    planes without their draft planes (invariant 5).
+
+    Tiers per node: ``device_pages`` (L1 ids, ``None`` = not on L1) and
+    ``host_pages`` (L2 ids, ``None`` = not on L2); ``in_storage`` marks L3. Under
+    context parallelism those lists hold only the pages this rank owns (see
+    ``hicache.index.cp``); ``[]`` means "on the tier, no page owned here". A non-root
+    node is always on L1 or L2; L3-only prefixes live in the storage backend.
+
+    The tree allocates, frees and copies nothing, and never calls up: it
+    records page ids, returns what it created (``InsertResult.created``) and what
+    it would evict (``device_victims`` / ``host_victims``), and drops what it is
+    told to (``drop_device`` / ``drop_host``), handing freed ids back to its caller
+    (``hicache.index.prefix_cache.PrefixCache``). Eviction candidates live in
+    ``hicache.index.candidates``, draft-plane completeness in ``hicache.index.node``, the
+    integrity check in ``hicache.index.radix_check``. Not thread-safe.
+    """
 
     def __init__(self, page_size: int, ownership: PageOwnership | None = None, cp_rank: int = 0, *,
                  draft: bool = False):

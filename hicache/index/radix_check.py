@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, NamedTuple, Sequence
 
-from hicache.index.draft import check_node_flags
+from hicache.index.node import check_node_flags
 from hicache.core.errors import IntegrityError
 from hicache.index.node import Node, TreeCensus
 

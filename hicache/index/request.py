@@ -10,7 +10,7 @@ from typing import NamedTuple, Protocol, Sequence
 import numpy as np
 import torch
 
-from hicache.core.errors import CacheStateError, StaleMatch
+from hicache.core.errors import CacheStateError
 from hicache.core.hashing import tokens_to_bytes
 from hicache.index.node import DraftCut, InsertResult, Node
 from hicache.index.radix import RadixTree
@@ -67,19 +67,15 @@ class RequestOwner(Protocol):
 
     page_size: int
 
-    @property
-    def epoch(self) -> int: ...
+    def refresh(self, req: "Request") -> MatchResult: ...
 
-    def match(self, tokens: bytes, namespace: str = "", *, max_tokens: int | None = None,
-              need_draft: bool = False) -> MatchResult: ...
+    def lock(self, req: "Request", m: MatchResult) -> None: ...
 
     def owned(self, start_page: int, num_pages: int) -> int: ...
 
     def alloc_device(self, n: int) -> list: ...
 
     def free_device(self, ids: list) -> None: ...
-
-    def lock_hit(self, req: "Request", m: MatchResult) -> tuple[Node | None, int]: ...
 
     def share(self, req: "Request", num_pages: int, draft_pages: int) -> InsertResult: ...
 
@@ -158,12 +154,9 @@ class Request:
         Pure apart from ``stats.lookups``. ``exact_tokens`` adds this request's
         own private partial page when it continues the hit (chunked prefill,
         or after ``preempt`` when its prefix survived); other requests never
-        see that page.
+        see that page. The cache does it (``PrefixCache.refresh``).
         """
-        m = self.cache.match(self.key, self.namespace, max_tokens=max(0, self.num_tokens - 1),
-                             need_draft=self.draft)
-        exact = self.exact_tokens_for(m.tokens)
-        return m if exact == m.tokens else m._replace(exact_tokens=exact)
+        return self.cache.refresh(self)
 
     def exact_tokens_for(self, hit: int) -> int:
         """``match``'s ``exact_tokens`` for a page-floored ``hit`` of this request: ``hit``
@@ -183,29 +176,10 @@ class Request:
         ids and ``computed_tokens == m.device_tokens`` (+ the private tail when
         ``m`` counted it; a tail that no longer continues the device hit is
         freed). Load an L2 hit back before locking to use it. Raises
-        ``StaleMatch`` if an eviction happened since ``m`` was computed.
+        ``StaleMatch`` if an eviction happened since ``m`` was computed. The cache
+        does it (``PrefixCache.lock``).
         """
-        self._check(RequestState.WAITING, RequestState.PREEMPTED, op="lock")
-        c = self.cache
-        if m.epoch != c.epoch:
-            raise StaleMatch(f"request {self.rid!r}: match from epoch {m.epoch}, the cache is at "
-                             f"epoch {c.epoch} (pages were evicted since); call match() again")
-        ps = c.page_size
-        self.pages = list(m.device_pages)
-        self.shared_pages = m.device_tokens // ps
-        self.computed_tokens = m.device_tokens
-        tail_kept = (self.state is RequestState.PREEMPTED and m.host_tokens == 0
-                     and m.exact_tokens > m.device_tokens and self._tail_page == self.shared_pages)
-        if tail_kept:
-            self.pages += self._tail
-            self.computed_tokens = m.exact_tokens
-        elif self._tail:
-            c.free_device(self._tail)
-        self._tail, self._tail_tokens = [], 0
-        self.allocated_tokens = self.computed_tokens
-        self.node, self.draft_tokens = c.lock_hit(self, m)
-        self._draft_shared = self.draft_tokens // ps
-        self.state = RequestState.RUNNING
+        self.cache.lock(self, m)
 
     def alloc(self, num_tokens: int) -> list[int]:
         """Reserve slots for the next ``num_tokens`` tokens; returns the new owned

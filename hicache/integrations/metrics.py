@@ -6,7 +6,7 @@ API (all of it):
 
 * ``AdapterStats``: the counters both adapters keep (lookups, loads, stores,
   bytes, per-operation errors, rejected objects), each a
-  ``hicache.core.stat_schema.stat`` field naming its family, help and labels.
+  ``hicache.core.stats.stat`` field naming its family, help and labels.
 * ``SglangStats(AdapterStats)`` and ``PoolCounts``: the SGLang backend's
   extras (pages per host pool: the KV pool and v2 side pools);
   ``VllmTierStats(AdapterStats)`` and ``GroupCounts``: the vLLM tier's
@@ -58,7 +58,7 @@ from typing import Any, Iterator
 from hicache.core.errors import IntegrityError
 from hicache.core.ratelimit import LogLimiter
 from hicache.core.redact import redact_url
-from hicache.core.stat_schema import Kind, help_of, metric_of, stat
+from hicache.core.stats import Kind, help_of, metric_of, stat
 
 SGLANG_PREFIX = "hicache_adapter_"
 VLLM_PREFIX = "hicache_vllm_"

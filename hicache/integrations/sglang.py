@@ -12,46 +12,6 @@ Extra-config keys besides the factory's own: ``url`` (required), ``timeout_ms``,
 secret; else the environment's ``HICACHE_STORAGE__AUTH_KEY`` /
 ``HICACHE_STORAGE__AUTH_KEY_FILE``: prefer those, SGLang logs its arguments),
 ``stats_window`` (how many per-call figures ``get_stats`` keeps between calls).
-
-Inside SGLang: one INFO line at start through the ``hicache`` loggers (which
-propagate to the root logger SGLang configures), warnings rate-limited, and
-the ``hicache.integrations.metrics`` counters (``hicache_adapter_*{engine=
-"sglang"}``) on the process registry, which SGLang's ``/metrics`` serves
-through its multiprocess directory (``--enable-metrics``).
-
-SGLang's ``StorageBackendFactory`` builds ``HiCacheBackend(storage_config, {})``
-and its ``HiCacheController`` then calls ``register_mem_pool_host``; the L3
-store is opened there, because hicache's fingerprint is derived from the host
-pool (``sglang_keys.sglang_layout``).
-
-Keys: SGLang's page hash string is the key, mapped to hicache's 16-byte key
-space by BLAKE2b-128 (``sglang_keys.page_key``). Objects: hicache's codec (header with
-fingerprint, key and xxh3 checksum), verified on every read; a corrupt or
-foreign object is a miss that ends the hit, and its bytes never reach the
-host pool.
-
-Payload: a page's bytes in the order of ``host_pool.get_page_buffer_meta``
-(the order SGLang's zero-copy backends store; the host layout in the
-fingerprint names it), split into the ``KVLayout``'s plane sizes so that the
-node-local service (``hicache+unix://``) accepts it. The copying
-``get``/``set`` produce the same bytes, so either path reads what the other
-wrote.
-
-Hybrid models (SGLang's ``HybridCacheController``): the v2 methods
-(``register_mem_host_pool_v2``, ``batch_exists_v2``, ``batch_get_v2``,
-``batch_set_v2``) store the side pools of its ``HostPoolGroup`` (SWA KV pages,
-Mamba state slots) under per-pool keys and fingerprints, with SGLang's
-``all_pages`` / ``trailing_pages`` hit policies; see
-``hicache.integrations.sglang_pools``.
-
-Not implemented: the ``block_groups`` hit policy and DeepSeek-V4's compressed
-pools, pools without zero-copy page metadata (a Mamba pool with slot side
-states), anchors without a KV buffer of their own (the shared page-envelope
-arena), host layouts other than ``layer_first``/``page_first``/
-``page_first_direct``, DCP shards (SGLang only allows file/Mooncake there) and
-``page_head`` split heads across heterogeneous TP, and side pools through the
-node-local service (it serves one layout). Registering such a pool raises
-``ConfigError``.
 """
 from __future__ import annotations
 
@@ -123,6 +83,46 @@ class HiCacheBackend(HiCacheStorage):
     Thread-safe: SGLang calls it from its prefetch and backup threads; the
     hicache storage backend is thread-safe and local counters sit behind a lock.
     Never raises on L3 failures: an outage turns into misses and failed writes.
+
+    Inside SGLang: one INFO line at start through the ``hicache`` loggers (which
+    propagate to the root logger SGLang configures), warnings rate-limited, and
+    the ``hicache.integrations.metrics`` counters (``hicache_adapter_*{engine=
+    "sglang"}``) on the process registry, which SGLang's ``/metrics`` serves
+    through its multiprocess directory (``--enable-metrics``).
+
+    SGLang's ``StorageBackendFactory`` builds ``HiCacheBackend(storage_config, {})``
+    and its ``HiCacheController`` then calls ``register_mem_pool_host``; the L3
+    store is opened there, because hicache's fingerprint is derived from the host
+    pool (``sglang_keys.sglang_layout``).
+
+    Keys: SGLang's page hash string is the key, mapped to hicache's 16-byte key
+    space by BLAKE2b-128 (``sglang_keys.page_key``). Objects: hicache's codec (header with
+    fingerprint, key and xxh3 checksum), verified on every read; a corrupt or
+    foreign object is a miss that ends the hit, and its bytes never reach the
+    host pool.
+
+    Payload: a page's bytes in the order of ``host_pool.get_page_buffer_meta``
+    (the order SGLang's zero-copy backends store; the host layout in the
+    fingerprint names it), split into the ``KVLayout``'s plane sizes so that the
+    node-local service (``hicache+unix://``) accepts it. The copying
+    ``get``/``set`` produce the same bytes, so either path reads what the other
+    wrote.
+
+    Hybrid models (SGLang's ``HybridCacheController``): the v2 methods
+    (``register_mem_host_pool_v2``, ``batch_exists_v2``, ``batch_get_v2``,
+    ``batch_set_v2``) store the side pools of its ``HostPoolGroup`` (SWA KV pages,
+    Mamba state slots) under per-pool keys and fingerprints, with SGLang's
+    ``all_pages`` / ``trailing_pages`` hit policies; see
+    ``hicache.integrations.sglang_pools``.
+
+    Not implemented: the ``block_groups`` hit policy and DeepSeek-V4's compressed
+    pools, pools without zero-copy page metadata (a Mamba pool with slot side
+    states), anchors without a KV buffer of their own (the shared page-envelope
+    arena), host layouts other than ``layer_first``/``page_first``/
+    ``page_first_direct``, DCP shards (SGLang only allows file/Mooncake there) and
+    ``page_head`` split heads across heterogeneous TP, and side pools through the
+    node-local service (it serves one layout). Registering such a pool raises
+    ``ConfigError``.
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):

@@ -5,23 +5,6 @@ pools (a ``HostPoolGroup``): the KV anchor pool, which the v1 methods store,
 and side pools registered with ``register_mem_host_pool_v2``: the sliding-window
 layers' KV (``swa``, one page per KV page) and the recurrent state (``mamba``,
 one state slot per node end, ``page_size`` 1). This module stores side pools:
-
-* **Keys**: ``pool_key(pool name, SGLang page hash)``, BLAKE2b-128 of
-  ``"<pool>/<hash>"``; a KV key is the hash alone (``page_key``), and SGLang's
-  hashes are hex, so no side-pool key equals a KV key.
-* **Fingerprints**: every side pool opens its own store with its own layout
-  (``pool_tag`` names the pool; a Mamba page is a ``KVLayout.rows`` page whose
-  ``engine_layout`` lists its state tensors), so a Mamba state page and a KV
-  page never alias, and an object of one pool read as another's is a counted
-  fingerprint mismatch (a miss).
-* **Hits** (``fold_hits``): SGLang's v2 hit policies, as its built-in ``file``
-  backend folds them: the usable prefix ends at a page boundary where the KV
-  pool holds every page and each side pool holds what its policy needs there
-  (``all_pages``: every page up to it; ``trailing_pages``: the last ``n`` pages
-  before it, ``n`` = the transfer's key count). What the KV pool holds but a
-  side pool lacks is a miss.
-* **Bytes**: a page's bytes in the order of the pool's ``get_page_buffer_meta``
-  (zero-copy, read and verified in place, like v1).
 """
 from __future__ import annotations
 
@@ -200,7 +183,25 @@ class SidePool(NamedTuple):
 
 class SidePools:
     """The side pools of one SGLang backend, by pool name. Thread-safe (SGLang's
-    backup and prefetch threads call it; the stores are thread-safe)."""
+    backup and prefetch threads call it; the stores are thread-safe).
+
+    * **Keys**: ``pool_key(pool name, SGLang page hash)``, BLAKE2b-128 of
+      ``"<pool>/<hash>"``; a KV key is the hash alone (``page_key``), and SGLang's
+      hashes are hex, so no side-pool key equals a KV key.
+    * **Fingerprints**: every side pool opens its own store with its own layout
+      (``pool_tag`` names the pool; a Mamba page is a ``KVLayout.rows`` page whose
+      ``engine_layout`` lists its state tensors), so a Mamba state page and a KV
+      page never alias, and an object of one pool read as another's is a counted
+      fingerprint mismatch (a miss).
+    * **Hits** (``fold_hits``): SGLang's v2 hit policies, as its built-in ``file``
+      backend folds them: the usable prefix ends at a page boundary where the KV
+      pool holds every page and each side pool holds what its policy needs there
+      (``all_pages``: every page up to it; ``trailing_pages``: the last ``n`` pages
+      before it, ``n`` = the transfer's key count). What the KV pool holds but a
+      side pool lacks is a miss.
+    * **Bytes**: a page's bytes in the order of the pool's ``get_page_buffer_meta``
+      (zero-copy, read and verified in place, like v1).
+    """
 
     def __init__(self) -> None:
         self._pools: dict[str, SidePool] = {}

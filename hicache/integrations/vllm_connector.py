@@ -38,7 +38,7 @@ from hicache.cache.connector_events import L2
 from hicache.cache.connector_plan import JobReport, StepPlan
 from hicache.cache.connector_shared import SharedConnectorScheduler
 from hicache.cache.connector_worker import ConnectorWorker
-from hicache.core.errors import ConfigError
+from hicache.core.errors import ConfigError, ContractMismatch
 from hicache.core.redact import redact_url
 from hicache.core.layout import KVLayout
 from hicache.memory.paged_kv import adopt_paged_kv
@@ -60,7 +60,9 @@ class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
     reports: list[JobReport]
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "HiCacheWorkerMetadata":
-        assert isinstance(other, HiCacheWorkerMetadata), f"cannot aggregate {type(other).__name__}"
+        if not isinstance(other, HiCacheWorkerMetadata):
+            raise ContractMismatch(f"cannot aggregate HiCacheWorkerMetadata with {type(other).__name__}: "
+                                   "every rank must run HiCacheConnector")
         return HiCacheWorkerMetadata(self.reports + other.reports)
 
 
@@ -200,7 +202,9 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        assert isinstance(meta, HiCacheConnectorMetadata)
+        if not isinstance(meta, HiCacheConnectorMetadata):
+            raise ContractMismatch(f"the scheduler sent {type(meta).__name__}, not HiCacheConnectorMetadata: "
+                                   "scheduler and workers must run the same connector")
         self.worker.start(meta.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -263,7 +267,9 @@ class HiCacheConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output):
         meta = connector_output.kv_connector_worker_meta
         if meta is not None:
-            assert isinstance(meta, HiCacheWorkerMetadata), f"unexpected worker metadata {type(meta).__name__}"
+            if not isinstance(meta, HiCacheWorkerMetadata):
+                raise ContractMismatch(f"a worker sent {type(meta).__name__}, not HiCacheWorkerMetadata: "
+                                       "scheduler and workers must run the same connector")
             self.scheduler.completed(meta.reports)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -6,18 +6,7 @@ index it by slot id (``page * page_size + offset``). A page of a plane is
 contiguous: ``page_bytes`` bytes at ``page * page_bytes``. An engine's paged
 tensors may instead be registered as strided page views (``memory.paged_kv``);
 kernels then address every plane through ``DevicePool.byte_pages``.
-
-Host pool (L2): one flat uint8 buffer. The bytes of (plane ``i``, page ``p``)
-start at ``plane_offset[i] + p * page_stride[i]``:
-
-* ``layer_first``: plane after plane, ``[plane, page, rows]``:
-  ``plane_offset[i]`` = sum of earlier planes' regions, ``page_stride[i]`` =
-  the plane's ``page_bytes``;
-* ``page_first``: page after page, ``[page, plane, rows]``: ``plane_offset[i]``
-  = the plane's offset inside a page, ``page_stride[i]`` = ``layout.page_bytes``;
-  a whole page is one contiguous region (zero-copy L3 I/O).
-
-Kernels use exactly these two arrays, so one kernel serves both layouts.
+The L2 host pool's two layouts are on ``HostPool``.
 """
 from __future__ import annotations
 
@@ -165,6 +154,18 @@ class HostPool:
     Pinned when CUDA is present (so GPU kernels can address it directly),
     plain otherwise. ``buffer`` (optional) supplies the memory, e.g. a shared
     memory segment in service mode; it must hold ``nbytes_for(...)`` bytes.
+
+    Host pool (L2): one flat uint8 buffer. The bytes of (plane ``i``, page ``p``)
+    start at ``plane_offset[i] + p * page_stride[i]``:
+
+    * ``layer_first``: plane after plane, ``[plane, page, rows]``:
+      ``plane_offset[i]`` = sum of earlier planes' regions, ``page_stride[i]`` =
+      the plane's ``page_bytes``;
+    * ``page_first``: page after page, ``[page, plane, rows]``: ``plane_offset[i]``
+      = the plane's offset inside a page, ``page_stride[i]`` = ``layout.page_bytes``;
+      a whole page is one contiguous region (zero-copy L3 I/O).
+
+    Kernels use exactly these two arrays, so one kernel serves both layouts.
     """
 
     def __init__(self, layout: KVLayout, num_pages: int, *, pin: bool | None = None,

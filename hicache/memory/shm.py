@@ -9,25 +9,6 @@ that process exits, pulling the segment from under the server.
 ``tensor`` is a 1-D uint8 view of the whole mapping, suitable as the
 ``buffer=`` of ``hicache.memory.pools.HostPool``. With CUDA present, ``pin()``
 page-locks the mapping (``cudaHostRegister``) so GPU kernels can address it.
-
-Liveness travels with the file, as open-file-description locks (``F_OFD_*``:
-the kernel drops them when the holder dies, SIGKILL included): the owner
-holds a write lock on byte 0 for as long as it serves, and every process that
-maps the segment (owner included) holds a read lock on byte 1. So a segment
-whose byte 0 can be locked has no live owner (``take_orphan``), and one whose
-byte 1 can be write-locked is mapped by nobody else. A new segment gets its
-locks before its name appears (created unnamed, then linked), so no process
-ever sees a named segment without its owner's lock.
-
-Trust: ``/dev/shm`` is writable by every local user, so a name found there
-proves nothing. A segment is created ``0600`` (``0660`` and handed to a
-group when the server shares its socket with one) under an unnamed file
-that only then gets its name, never replacing one. A segment found under
-the name is adopted or mapped only when ``check_trusted`` accepts it: a
-regular file (never followed through a symlink), owned by the server's
-uid, with exactly the expected mode and group, and no other hard link.
-Anything else is refused with a message that says how to remove it,
-instead of serving (or overwriting) bytes another user planted.
 """
 from __future__ import annotations
 
@@ -158,6 +139,25 @@ class SharedSegment:
     ``tensor`` stays valid until ``close()``; views taken from it must be dropped
     before ``close()`` for the mapping to be released (otherwise it is released
     when the last view dies).
+
+    Liveness travels with the file, as open-file-description locks (``F_OFD_*``:
+    the kernel drops them when the holder dies, SIGKILL included): the owner
+    holds a write lock on byte 0 for as long as it serves, and every process that
+    maps the segment (owner included) holds a read lock on byte 1. So a segment
+    whose byte 0 can be locked has no live owner (``take_orphan``), and one whose
+    byte 1 can be write-locked is mapped by nobody else. A new segment gets its
+    locks before its name appears (created unnamed, then linked), so no process
+    ever sees a named segment without its owner's lock.
+
+    Trust: ``/dev/shm`` is writable by every local user, so a name found there
+    proves nothing. A segment is created ``0600`` (``0660`` and handed to a
+    group when the server shares its socket with one) under an unnamed file
+    that only then gets its name, never replacing one. A segment found under
+    the name is adopted or mapped only when ``check_trusted`` accepts it: a
+    regular file (never followed through a symlink), owned by the server's
+    uid, with exactly the expected mode and group, and no other hard link.
+    Anything else is refused with a message that says how to remove it,
+    instead of serving (or overwriting) bytes another user planted.
     """
 
     def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool, fd: int):
@@ -165,7 +165,7 @@ class SharedSegment:
         self.size = size
         self.owner = owner
         self.mapped_elsewhere = False  # take_orphan: other processes still map it
-        self._fd: int | None = fd  # holds this process's locks (see the module docstring)
+        self._fd: int | None = fd  # holds this process's locks (see the class docstring)
         self._mm: mmap.mmap | None = mm
         self._pinned_ptr: int | None = None
         self.tensor: torch.Tensor | None = torch.frombuffer(mm, dtype=torch.uint8, count=size)

@@ -9,32 +9,6 @@ Every host page is in exactly one state:
 * reserved by one owner (a client connection) that is writing it,
 * committed: indexed under its hash, lookup-able; it may be acquired (locked
   for reading) by any number of owners, and is evictable only while unlocked.
-
-Eviction is LRU over unlocked committed pages. The recency order holds every
-committed page; eviction passes over a locked page by moving it to the recent
-end (it is in use). A chain's pages enter the order deepest first (and a
-lookup or release refreshes them deepest first), so a prefix loses its tail
-before its head and the survivors stay lookup-able.
-
-Draft validity: a committed page may lack valid draft-model rows (an engine
-that does not run its draft head commits target planes only).
-``commit(..., draft_pages=k)`` says which leading pages are complete;
-``lookup``/``acquire``/``peek*`` with ``need_draft=True`` stop at the first
-incomplete page, as an embedded cache's ``match(need_draft=True)`` does. A
-later commit of a complete copy upgrades an incomplete page in place of it
-(unless the page is acquired: then the copy is a duplicate).
-
-A ``PageJournal`` (optional) is told which page holds which committed hash,
-so that a restarted server can adopt the segment (``restore``).
-
-KV events: the index records pages entering and leaving it in a bounded
-``EventLog`` (``hicache.node.events``); its owner pulls them with
-``take_events()`` (the server does after every request, feeding its L3
-writer and the REST event stream). Nothing is called back.
-
-Not thread-safe: the server touches it only from its event loop thread. The
-one exception is ``generation(page)``, a single list read that any thread may
-make (the L3 writer uses it as a seqlock, see ``hicache.node.l3_tier``).
 """
 from __future__ import annotations
 
@@ -46,7 +20,7 @@ from hicache.memory.allocator import PageAllocator
 from hicache.core.errors import ForeignPage, IntegrityError, OutOfPages, ServiceError
 from hicache.core.hashing import HASH_BYTES
 from hicache.client.protocol import CommitResult
-from hicache.node.events import EventKind, EventLog, Taken
+from hicache.node.snapshot import EventKind, EventLog, Taken
 from hicache.core.types import HostPageId, PageHash
 
 OwnerId = int
@@ -97,6 +71,32 @@ class L2Index:
 
     Hot paths (``lookup``, ``acquire``) run as C-level ``map`` calls over the
     request's hashes: a lookup of an 8K-token prompt is 512 of them.
+
+    Eviction is LRU over unlocked committed pages. The recency order holds every
+    committed page; eviction passes over a locked page by moving it to the recent
+    end (it is in use). A chain's pages enter the order deepest first (and a
+    lookup or release refreshes them deepest first), so a prefix loses its tail
+    before its head and the survivors stay lookup-able.
+
+    Draft validity: a committed page may lack valid draft-model rows (an engine
+    that does not run its draft head commits target planes only).
+    ``commit(..., draft_pages=k)`` says which leading pages are complete;
+    ``lookup``/``acquire``/``peek*`` with ``need_draft=True`` stop at the first
+    incomplete page, as an embedded cache's ``match(need_draft=True)`` does. A
+    later commit of a complete copy upgrades an incomplete page in place of it
+    (unless the page is acquired: then the copy is a duplicate).
+
+    A ``PageJournal`` (optional) is told which page holds which committed hash,
+    so that a restarted server can adopt the segment (``restore``).
+
+    KV events: the index records pages entering and leaving it in a bounded
+    ``EventLog`` (``hicache.node.snapshot``); its owner pulls them with
+    ``take_events()`` (the server does after every request, feeding its L3
+    writer and the REST event stream). Nothing is called back.
+
+    Not thread-safe: the server touches it only from its event loop thread. The
+    one exception is ``generation(page)``, a single list read that any thread may
+    make (the L3 writer uses it as a seqlock, see ``hicache.node.l3_tier``).
     """
 
     def __init__(self, allocator: PageAllocator, journal: PageJournal | None = None,

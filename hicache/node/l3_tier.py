@@ -5,24 +5,6 @@ Every L3 call runs on one of two worker threads, so the event loop never
 waits for L3: the *writer* (a bounded queue of pages to store) and the
 *reader* (one fetch at a time; at most ``MAX_FETCH_JOBS`` queued). The loop
 only enqueues, reserves and commits.
-
-Writes. ``queue_writes`` (called on the loop by the server with the STORED
-events it took from the L2 index) queues ``(hash, parent, page, generation)``.
-The writer copies each page out of the shared segment *without* locking it,
-then re-reads the page's generation (``L2Index.generation``, bumped whenever a
-committed page leaves L2): unchanged means the page was not recycled during
-the copy, so the bytes are the ones committed under the hash (a seqlock:
-committed pages are never written in place). A changed generation drops the
-page (``stale``); a full queue drops it (``dropped``). Pages that came from
-L3 (committed by ``L3_OWNER``) are not written back. Pages the writer stored
-are recorded as L3 STORED events, which the server pulls with
-``take_events()`` (for the REST event stream); nothing is called back.
-
-Reads. ``fetch(hashes, wait_s)`` asks L3 how many leading ``hashes`` it
-holds, reserves that many L2 pages under ``L3_OWNER``, copies the payloads
-in, commits the leading ones that arrived and cancels the rest. The caller
-waits at most ``wait_s``; a load still running then completes later (its
-pages stay reserved until it does), so the next lookup finds them.
 """
 from __future__ import annotations
 
@@ -37,7 +19,7 @@ from typing import NamedTuple, Sequence
 from hicache.core.errors import ConfigError, IntegrityError, OutOfPages
 from hicache.memory.pools import HostPool
 from hicache.core.stats import L3TierStats
-from hicache.node.events import EventKind, EventLog, KVEvent, Taken
+from hicache.node.snapshot import EventKind, EventLog, KVEvent, Taken
 from hicache.node.l2_index import L2Index
 from hicache.storage import StorageBackend
 from hicache.core.types import PageHash
@@ -66,6 +48,24 @@ class L3Tier:
     ``stats`` and ``check_integrity`` may be called from any thread. ``aclose``
     stops both workers; it must finish before the segment is unmapped.
     ``take_events`` (any thread) returns the pages stored in L3 since the last call.
+
+    Writes. ``queue_writes`` (called on the loop by the server with the STORED
+    events it took from the L2 index) queues ``(hash, parent, page, generation)``.
+    The writer copies each page out of the shared segment *without* locking it,
+    then re-reads the page's generation (``L2Index.generation``, bumped whenever a
+    committed page leaves L2): unchanged means the page was not recycled during
+    the copy, so the bytes are the ones committed under the hash (a seqlock:
+    committed pages are never written in place). A changed generation drops the
+    page (``stale``); a full queue drops it (``dropped``). Pages that came from
+    L3 (committed by ``L3_OWNER``) are not written back. Pages the writer stored
+    are recorded as L3 STORED events, which the server pulls with
+    ``take_events()`` (for the REST event stream); nothing is called back.
+
+    Reads. ``fetch(hashes, wait_s)`` asks L3 how many leading ``hashes`` it
+    holds, reserves that many L2 pages under ``L3_OWNER``, copies the payloads
+    in, commits the leading ones that arrived and cancels the rest. The caller
+    waits at most ``wait_s``; a load still running then completes later (its
+    pages stay reserved until it does), so the next lookup finds them.
     """
 
     def __init__(self, storage: StorageBackend, index: L2Index, pool: HostPool, *, max_wait_s: float,

@@ -9,19 +9,6 @@ segment themselves; the server only decides which page ids hold what.
 With an L3 backend (``storage=``; ``storage.url`` when run from the command
 line) committed pages are written behind to L3 and ``fetch`` loads L2 misses
 back from it, on worker threads (``hicache.node.l3_tier``).
-
-KV events are pulled, never pushed: after every request the server takes the
-L2 index's events (``L2Index.take_events``), queues the STORED ones for its
-L3 writer and keeps all of them in a bounded log; ``take_events()`` (any
-thread; the REST app polls it) returns those and the L3 writer's, in the
-order they happened.
-
-Concurrency: one asyncio event loop owns every piece of state. ``start()``
-runs it in a thread (tests, embedding next to a REST app), ``run_forever()``
-in the calling thread (the CLI). ``stats()`` and ``check_integrity()`` may be
-called from any thread; they run on the loop.
-
-Run it: ``python -m hicache.node.server [--config FILE] [--set k=v ...]``.
 """
 from __future__ import annotations
 
@@ -36,15 +23,15 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from hicache.node.ops import Dispatcher
-from hicache.node.preflight import check_socket_path
+from hicache.node.socket_guard import check_socket_path
 from hicache.node.socket_guard import PeerPolicy, bind_unix_socket, peer_cred, resolve_group
-from hicache.node.view import ServiceStats, ServiceView
-from hicache.node.write_marks import WriteMarks
+from hicache.node.snapshot import ServiceStats, ServiceView
+from hicache.node.l2_segment import WriteMarks
 from hicache.core.config import HiCacheConfig, parse_set_flags
 from hicache.core.errors import ConfigError, HiCacheError, IntegrityError, ServiceError
 from hicache.node.l2_segment import L2Segment
 from hicache.core.layout import KVLayout
-from hicache.node.events import EventLog, Taken, merge
+from hicache.node.snapshot import EventLog, Taken, merge
 from hicache.node.l2_index import L2Index
 from hicache.node.l3_tier import L3Tier
 from hicache.memory.pools import HostPool
@@ -75,6 +62,19 @@ class NodeServer:
     ``storage`` (optional) is the node's L3; the server uses it but does not
     close it. KV events (pages entering and leaving L2, pages written to L3)
     are pulled with ``take_events()``.
+
+    KV events are pulled, never pushed: after every request the server takes the
+    L2 index's events (``L2Index.take_events``), queues the STORED ones for its
+    L3 writer and keeps all of them in a bounded log; ``take_events()`` (any
+    thread; the REST app polls it) returns those and the L3 writer's, in the
+    order they happened.
+
+    Concurrency: one asyncio event loop owns every piece of state. ``start()``
+    runs it in a thread (tests, embedding next to a REST app), ``run_forever()``
+    in the calling thread (the CLI). ``stats()`` and ``check_integrity()`` may be
+    called from any thread; they run on the loop.
+
+    Run it: ``python -m hicache.node.server [--config FILE] [--set k=v ...]``.
     """
 
     def __init__(self, config: HiCacheConfig, layout: KVLayout | None = None,

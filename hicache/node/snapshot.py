@@ -1,5 +1,8 @@
-"""The node service's statistics snapshot: the single declaration of every
-figure ``/v1/stats`` and ``/metrics`` report (see ``hicache.core.stat_schema``).
+"""What the REST app sees of the node service: ``ServiceView`` (the five methods the
+routes call; ``NodeServer`` and the REST tests' in-memory view implement it), its
+``ServiceStats``, the statistics snapshot (the single declaration of every figure
+``/v1/stats`` and ``/metrics`` report, see ``hicache.core.stats``), and KV events as
+a pull queue (``EventLog``: the recorder keeps them, its owner takes them).
 
 Sizes are pages and bytes; token counts are ``pages * page_size``. The service
 indexes whole pages only, so a hit's exact token count and its
@@ -9,11 +12,188 @@ makes them differ.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+import dataclasses
+import enum
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal, NamedTuple, Protocol, Sequence
 
-from hicache.core.stat_schema import stat
-from hicache.core.stats import HiCacheStats, L3TierStats, MissStats
+from hicache.core.errors import ConfigError, IntegrityError
+from hicache.core.stats import L3TierStats, MissStats, stat
+from hicache.core.types import PageHash
+
+
+class EventKind(enum.Enum):
+    STORED = "stored"  # the page became readable on the tier
+    REMOVED = "removed"  # the page stopped being readable on the tier (evicted or flushed)
+
+
+class KVEvent(NamedTuple):
+    kind: EventKind
+    tier: str  # "L2" or "L3"
+    page_hash: PageHash
+    parent: PageHash | None  # STORED: the previous page of the same commit (None: its first); REMOVED: None
+    owner: int | None  # STORED on L2: the index owner whose commit stored it; else None
+    stamp: int  # time.monotonic_ns() when recorded
+
+
+class Taken(NamedTuple):
+    """What one ``take`` returns: events oldest first, and how many were lost before them."""
+
+    events: list[KVEvent]
+    dropped: int  # events the full log refused since the previous take
+
+
+EMPTY = Taken([], 0)
+
+
+class EventLog:
+    """A bounded, thread-safe queue of ``KVEvent`` with a drop counter.
+
+    Thread-safe (one lock): the L3 writer records from its thread while the
+    server's loop takes. Every event carries ``stamp`` (``time.monotonic_ns()``
+    when recorded), so an owner that takes from several logs can merge them in
+    the order things happened (``merge``).
+
+    A component that changes what a tier holds (the L2 index, the L3 writer) records
+    ``KVEvent``s in its own log; its owner calls ``take_events()`` when it wants them,
+    which returns the events since the previous take and clears them: the recorder
+    never knows who reads. When the log is full, new events are dropped and counted;
+    the next take reports how many (``Taken.dropped``), so a reader knows it must
+    resynchronise (REST clients re-read ``/v1/lookup``).
+    """
+
+    def __init__(self, max_events: int):
+        if not isinstance(max_events, int) or max_events < 1:
+            raise ConfigError(f"event log: max_events={max_events!r}; it must be an integer >= 1")
+        self.max_events = max_events
+        self._lock = threading.Lock()
+        self._queue: deque[KVEvent] = deque()
+        self._dropped_since_take = 0
+        self.recorded = 0  # events offered since start (kept + dropped)
+        self.taken = 0  # events handed out by take()
+        self.dropped = 0  # events refused because the log was full, since start
+
+    def record(self, kind: EventKind, tier: str, pages: Iterable[tuple[PageHash, PageHash | None]],
+               owner: int | None = None) -> None:
+        """Append one event per ``(page hash, parent)``; never blocks (a full log drops)."""
+        stamp = time.monotonic_ns()
+        self.extend([KVEvent(kind, tier, h, parent, owner, stamp) for h, parent in pages])
+
+    def extend(self, events: Sequence[KVEvent], dropped: int = 0) -> None:
+        """Append events recorded elsewhere (an owner forwarding what it took), with
+        the ``dropped`` count that came with them."""
+        with self._lock:
+            room = max(0, self.max_events - len(self._queue))
+            self._queue.extend(events[:room])
+            lost = len(events) - min(room, len(events)) + dropped
+            self.recorded += len(events) + dropped
+            self.dropped += lost
+            self._dropped_since_take += lost
+
+    def take(self) -> Taken:
+        """Every queued event (oldest first) and the drops since the previous take; clears both."""
+        with self._lock:
+            out = Taken(list(self._queue), self._dropped_since_take)
+            self._queue.clear()
+            self._dropped_since_take = 0
+            self.taken += len(out.events)
+        return out
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._queue)
+
+    def check_integrity(self) -> None:
+        """Bounded, in record order, and every offered event is taken, queued or dropped."""
+        with self._lock:
+            q, recorded, taken, dropped = list(self._queue), self.recorded, self.taken, self.dropped
+            since = self._dropped_since_take
+        if len(q) > self.max_events:
+            raise IntegrityError(f"event log holds {len(q)} events > max_events {self.max_events}")
+        if any(b.stamp < a.stamp for a, b in zip(q, q[1:])):
+            raise IntegrityError("event log is not in record order")
+        if recorded != taken + len(q) + dropped or not 0 <= since <= dropped:
+            raise IntegrityError(f"event log: recorded {recorded} != taken {taken} + queued {len(q)} + "
+                                 f"dropped {dropped} (dropped since the last take: {since})")
+
+
+def merge(*taken: Taken) -> Taken:
+    """Several takes as one, events in the order they were recorded (stable on ties)."""
+    events = sorted((e for t in taken for e in t.events), key=lambda e: e.stamp)
+    return Taken(events, sum(t.dropped for t in taken))
+
+
+@dataclass(slots=True)
+class ServiceStats:
+    """A snapshot of the service, plain values only (``to_dict`` for JSON)."""
+
+    capacity_pages: int
+    page_bytes: int
+    segment_bytes: int
+    used_pages: int  # reserved + committed
+    free_pages: int
+    committed_pages: int  # lookup-able
+    reserved_pages: int  # being written by clients
+    locked_pages: int  # committed and acquired by at least one client
+    lookups: int
+    hits: int  # pages
+    misses: int  # pages
+    evictions: int
+    reservations: int  # pages reserved since start
+    commits: int  # pages inserted since start
+    acquired: int  # pages locked for reading by clients since start
+    flushed: int  # pages dropped by flush_l2() since start
+    duplicates: int
+    cancelled: int
+    reclaimed: int  # reservations and acquisitions taken back from closed connections
+    draft_cut_pages: int  # present pages need_draft lookups did not return (draft rows missing)
+    draft_upgraded: int  # draft-incomplete pages replaced by a complete copy
+    segment_origin: str  # the L2 segment was "created", "adopted" (after a crash) or "recreated"
+    clients: int  # connected and handshaken now
+    clients_total: int  # connections accepted since start
+    errors: dict[str, int] = field(default_factory=dict)  # refusals by kind
+    l3: dict[str, int] = field(default_factory=dict)  # L3TierStats; empty without an L3
+    engines: dict[str, dict[str, Any]] = field(default_factory=dict)  # client id -> its EngineReport
+    reported_misses: dict[str, int] = field(default_factory=dict)  # MissStats of every report since start (summed)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class ServiceView(Protocol):
+    """The node service as the REST routes use it. Every method may be called from
+    any thread (the routes run on FastAPI's worker threads).
+
+    A service that is not serving (not started, stopped, its loop stuck) raises
+    ``ServiceError`` (or ``TimeoutError`` when its loop does not answer in time);
+    ``/readyz`` reports such a service as not ready.
+    """
+
+    def stats(self) -> ServiceStats:
+        """A consistent snapshot, built fresh on every call; mutates nothing."""
+        ...
+
+    def peek_l2(self, hashes: list[PageHash]) -> int:
+        """How many leading ``hashes`` L2 holds. Pure: touches no recency or counter."""
+        ...
+
+    def flush_l2(self) -> int:
+        """Drop every unlocked committed L2 page; returns how many were dropped."""
+        ...
+
+    def take_events(self) -> Taken:
+        """KV events (pages stored and removed, per tier) since the previous call,
+        oldest first, and how many were dropped meanwhile; clears them (the REST
+        app polls it and fans the events out to ``/v1/events`` subscribers)."""
+        ...
+
+    def check_integrity(self) -> None:
+        """Raise ``IntegrityError`` when an internal invariant does not hold."""
+        ...
+
 
 Tier = Literal["L2", "L3"]
 
@@ -129,26 +309,6 @@ class EngineReport:
                                             metric="engine_admission_recomputed_tokens", default=0)
     misses: MissStats = stat("The engine's missed pages by reason (hicache.index.misses).", default_factory=MissStats,
                              prefix="engine_")
-
-
-def report_figures(stats: "HiCacheStats") -> dict[str, Any]:
-    """An embedded cache's ``HiCache.stats()`` as ``report`` figures."""
-    i = stats.index
-    return {"requests": i.requests, "prompt_tokens": i.admitted_tokens,
-            "l1_hit_tokens_exact": i.device_hit_exact_tokens, "l1_hit_tokens_visible": i.device_hit_tokens,
-            "l2_hit_tokens_exact": i.host_hit_exact_tokens, "l2_hit_tokens_visible": i.host_hit_tokens,
-            "l1_used_pages": i.device_pages_cached + i.device_pages_private,
-            "l1_capacity_pages": stats.capacity_pages.get("L1", 0), "l1_evictions": i.device_evicted_pages,
-            **_admission_figures(stats), "misses": stats.misses.as_dict()}
-
-
-def _admission_figures(stats: "HiCacheStats") -> dict[str, int]:
-    a = stats.admission
-    if a is None:
-        return {}
-    return {"admission_load": a.load, "admission_load_l2": a.load_l2, "admission_recompute": a.recompute,
-            "admission_unmeasured": a.unmeasured,
-            "admission_recomputed_tokens": a.recomputed_l2_tokens + a.recomputed_l3_tokens}
 
 
 def engine_report(fields: dict[str, Any]) -> EngineReport:

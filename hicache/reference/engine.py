@@ -9,11 +9,6 @@ verified greedily by the target (the same tokens as plain greedy decoding),
 writing draft rows into the cache's draft planes; each request reports its
 accept lengths. Its requests are draft requests, so the cache serves them only
 pages whose draft planes are complete.
-
-With ``model=None`` it runs the same schedule without computing anything
-(outputs are taken from ``forced_outputs``): that is how ``hicache replay``
-measures the baselines (L1-only cache, infinite cache) on the very same
-token streams.
 """
 from __future__ import annotations
 
@@ -74,7 +69,13 @@ class EngineRun:
 
 
 class Engine:
-    """Runs requests through ``model`` with ``cache`` as the KV cache backend."""
+    """Runs requests through ``model`` with ``cache`` as the KV cache backend.
+
+    With ``model=None`` it runs the same schedule without computing anything
+    (outputs are taken from ``forced_outputs``): that is how ``hicache replay``
+    measures the baselines (L1-only cache, infinite cache) on the very same
+    token streams.
+    """
 
     def __init__(self, cache: HiCache, model=None, *, chunk_tokens: int = 256, max_running: int = 4,
                  keep_logits: bool = False, use_draft: bool | None = None, speculate_k: int = 3,

@@ -11,13 +11,6 @@ prefix hashes). The last block is partial: it holds ``input_length -
 block_tokens * (len(hash_ids) - 1)`` tokens. ``output_length`` is what the
 model generated; its KV is not part of later prompts' ids, so it is not
 replayed.
-
-Every hash id becomes a fixed, deterministic block of token ids
-(``block_tokens_of``): equal ids give equal tokens, different ids give pages
-that differ in their first tokens, so the radix tree shares exactly the pages
-the trace shares. The reader yields one request at a time and builds a
-request's tokens only when asked (``HashBlockRequest.tokens``), so a
-145M-token trace never sits in memory.
 """
 from __future__ import annotations
 
@@ -113,7 +106,15 @@ def iter_hash_trace(path: str | Path, block_tokens: int = DEFAULT_BLOCK_TOKENS, 
     timestamps that go back, an ``input_length`` its blocks cannot hold, a line
     over ``MAX_LINE_BYTES``, or more than ``max_pages`` pages of ``page_size``
     tokens (``limit`` says what bounds them) or ``MAX_REQUEST_TOKENS``: checked
-    before the request's tokens are built."""
+    before the request's tokens are built.
+
+    Every hash id becomes a fixed, deterministic block of token ids
+    (``block_tokens_of``): equal ids give equal tokens, different ids give pages
+    that differ in their first tokens, so the radix tree shares exactly the pages
+    the trace shares. The reader yields one request at a time and builds a
+    request's tokens only when asked (``HashBlockRequest.tokens``), so a
+    145M-token trace never sits in memory.
+    """
     if block_tokens < 1:
         raise TraceError(f"block_tokens={block_tokens}: a hash id stands for at least one token (Mooncake: 512)")
     cap = MAX_REQUEST_TOKENS if max_pages is None else min(MAX_REQUEST_TOKENS, max_pages * page_size)

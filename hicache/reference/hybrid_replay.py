@@ -21,14 +21,15 @@ from typing import Any
 
 import torch
 
+from hicache.cache.hybrid import group_layout, HybridCache, HybridPools
 from hicache.core.config import HiCacheConfig
 from hicache.core.groups import hybrid_layout, workload_bytes
-from hicache.cache.hybrid import HybridCache, HybridPools, group_layout
 from hicache.core.layout import KVLayout
-from hicache.memory.pools import HostPool
-from hicache.reference.progress import Progress, logs_above_bars
-from hicache.core.policies import WritePolicy
 from hicache.core.shapes import model_shape
+from hicache.core.types import WritePolicy
+from hicache.memory.pools import HostPool
+from hicache.reference.progress import logs_above_bars, Progress
+
 
 HYBRID_SHAPES = ("gpt-oss-120b", "qwen3-next-80b-a3b")
 PLACEHOLDER_BASE = 1 << 24  # output token ids: above every trace vocab, distinct per request

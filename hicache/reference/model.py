@@ -5,48 +5,12 @@ tokens it computes by slot id (``page_id * page_size + offset``, see
 ``model_kv.write_kv``) and reads context K/V by gathering the request's page
 table (one slot id per context token) from the pool buffers.
 
-Bit-exact reuse (``attention="exact"``, the default)
-----------------------------------------------------
-A cache hit must reproduce recomputation bit for bit (float32, CPU). Float
-results depend on reduction order, which depends on tensor shapes, so every
-computation runs on one fixed shape:
-
-* rows are processed in *tiles* of exactly ``page_size`` rows aligned to
-  absolute positions ``[c * page_size, (c + 1) * page_size)``; rows of the
-  tile that this call does not compute are padding (``Row.STATIC_PAD``, token
-  0, never written to the pool); a decode step is a tile with one valid row;
-* every matmul and norm is row-local, so a row's result depends only on its
-  own inputs and the (fixed) tile shape;
-* a query at position ``p`` attends over exactly ``ceil_to_page(p + 1)`` keys
-  (causal mask), whose valid ones are read back from the pool after this
-  tile's rows were written and whose masked tail is zeros, so its reduction
-  length and inputs are the same whatever path produced the context.
-
-Runs being compared must use the same ``torch.get_num_threads()`` (BLAS may
-split work differently). Tiny shapes run fastest with one thread.
-
-``attention="sdpa"`` computes a whole chunk at once with
-``scaled_dot_product_attention`` (GPU timing runs; equal within a tolerance).
-It validates tokens, the page table and the rows' provenance once per call on
-the host (``model_kv.check_rows``), uploads them once (pinned, non-blocking)
-and then runs every layer without a host sync, so a GPU load back can overlap
-it layer by layer (``forward_chunk(before_layer=...)``). The exact path keeps
-``write_kv``'s full per-call checks.
-
-Draft (NextN / EAGLE) head
---------------------------
-The draft row at position ``j`` fuses the target's final hidden state ``h_j``
-(before the final norm) with the embedding of the *next* token ``t_{j+1}``,
-runs one decoder layer whose KV lives in the layout's draft planes at slot
-``j`` (the target's page ids), and predicts ``t_{j+2}``. Row ``j`` therefore
-needs ``t_{j+1}``: the last row of a chunk is *pending* until the next token is
-known. Pass it as ``next_token`` (chunked prefill), or carry
-``ChunkOutput.hidden_last`` into the next call as ``pending_hidden`` (or into
-``speculate``, whose first step writes it). Consequence for reuse: the draft
-row of a page's last slot depends on the first token of the following page;
-a hit continued by a different token keeps a stale draft row there. Target
-logits never depend on the draft; draft proposals are exact when the
-continuation matches (e.g. a warm rerun of the same sequence).
+Single-request greedy generation (``prefill``, ``greedy_generate``,
+``speculative_generate``; tests and examples) shows the calling protocol the engine
+loop follows: chunked prefill carrying ``hidden_last`` as the next chunk's
+``pending_hidden``, one decode step per token, and speculative decoding
+(``speculate`` -> verify chunk -> ``verify_greedy``). They allocate nothing: the
+caller owns ``pool`` and the page table ``slot_ids``.
 """
 from __future__ import annotations
 
@@ -56,13 +20,14 @@ from typing import Callable, Literal, NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
-from hicache.reference import model_layers as ml
-from hicache.reference.model_kv import (RowBatch, check_rows, check_slot_bounds, gather_context, to_device,
-                                     write_kv, write_rows)
-from hicache.reference.model_spec import ModelSpec
-from hicache.core.errors import PoolError
-from hicache.memory.pools import DevicePool
+from hicache.core.errors import InvalidArgument, PoolError
 from hicache.core.provenance import Row
+from hicache.memory.pools import DevicePool
+from hicache.reference import model_layers as ml
+from hicache.reference.model_kv import (check_rows, check_slot_bounds, gather_context, RowBatch, to_device, write_kv,
+                                        write_rows)
+from hicache.reference.model_spec import ModelSpec
+
 
 Attention = Literal["exact", "sdpa"]
 LayerHook = Callable[[int], None]
@@ -132,6 +97,49 @@ class ReferenceModel:
 
     Stateless between calls apart from the pool it is handed: every call
     reads context from and writes new KV rows to ``pool`` (mutates it).
+
+    Bit-exact reuse (``attention="exact"``, the default)
+    ----------------------------------------------------
+    A cache hit must reproduce recomputation bit for bit (float32, CPU). Float
+    results depend on reduction order, which depends on tensor shapes, so every
+    computation runs on one fixed shape:
+
+    * rows are processed in *tiles* of exactly ``page_size`` rows aligned to
+      absolute positions ``[c * page_size, (c + 1) * page_size)``; rows of the
+      tile that this call does not compute are padding (``Row.STATIC_PAD``, token
+      0, never written to the pool); a decode step is a tile with one valid row;
+    * every matmul and norm is row-local, so a row's result depends only on its
+      own inputs and the (fixed) tile shape;
+    * a query at position ``p`` attends over exactly ``ceil_to_page(p + 1)`` keys
+      (causal mask), whose valid ones are read back from the pool after this
+      tile's rows were written and whose masked tail is zeros, so its reduction
+      length and inputs are the same whatever path produced the context.
+
+    Runs being compared must use the same ``torch.get_num_threads()`` (BLAS may
+    split work differently). Tiny shapes run fastest with one thread.
+
+    ``attention="sdpa"`` computes a whole chunk at once with
+    ``scaled_dot_product_attention`` (GPU timing runs; equal within a tolerance).
+    It validates tokens, the page table and the rows' provenance once per call on
+    the host (``model_kv.check_rows``), uploads them once (pinned, non-blocking)
+    and then runs every layer without a host sync, so a GPU load back can overlap
+    it layer by layer (``forward_chunk(before_layer=...)``). The exact path keeps
+    ``write_kv``'s full per-call checks.
+
+    Draft (NextN / EAGLE) head
+    --------------------------
+    The draft row at position ``j`` fuses the target's final hidden state ``h_j``
+    (before the final norm) with the embedding of the *next* token ``t_{j+1}``,
+    runs one decoder layer whose KV lives in the layout's draft planes at slot
+    ``j`` (the target's page ids), and predicts ``t_{j+2}``. Row ``j`` therefore
+    needs ``t_{j+1}``: the last row of a chunk is *pending* until the next token is
+    known. Pass it as ``next_token`` (chunked prefill), or carry
+    ``ChunkOutput.hidden_last`` into the next call as ``pending_hidden`` (or into
+    ``speculate``, whose first step writes it). Consequence for reuse: the draft
+    row of a page's last slot depends on the first token of the following page;
+    a hit continued by a different token keeps a stale draft row there. Target
+    logits never depend on the draft; draft proposals are exact when the
+    continuation matches (e.g. a warm rerun of the same sequence).
     """
 
     def __init__(self, spec: ModelSpec, *, device: str | torch.device = "cpu", attention: Attention = "exact",
@@ -299,7 +307,7 @@ class ReferenceModel:
         ``slot_ids[start_pos:start_pos + n]`` (target planes, and draft planes
         when ``draft``). ``slot_ids`` may be longer than needed. Draft rows
         written: ``[start_pos - 1 if pending_hidden is given else start_pos,
-        end if next_token is given else end - 1)`` (see the module docstring).
+        end if next_token is given else end - 1)`` (see the class docstring).
 
         ``before_layer(i)`` is called before target layer ``i`` reads or writes
         the pool (possibly more than once per layer on the exact path): pass
@@ -366,3 +374,72 @@ class ReferenceModel:
             toks.append(t)
             logits.append(lg[0])
         return Draft(toks, torch.stack(logits), h[0])
+
+
+def prefill(model: ReferenceModel, pool: DevicePool, prompt: Sequence[int], slot_ids: torch.Tensor, *,
+            start_pos: int = 0, chunk: int | None = None, draft: bool = True) -> ChunkOutput:
+    """Compute ``prompt[start_pos:]`` in chunks of ``chunk`` tokens (default: one chunk).
+
+    The KV of ``prompt[:start_pos]`` must be in ``pool`` already (a cache hit).
+    Non-final chunks complete their last draft row with the next prompt token.
+    Returns the last chunk's output.
+    """
+    n = len(prompt)
+    if not 0 <= start_pos < n:
+        raise InvalidArgument(f"start_pos={start_pos} must be in [0, len(prompt)={n})")
+    step = chunk or n
+    out = None
+    for a in range(start_pos, n, step):
+        b = min(n, a + step)
+        out = model.forward_chunk(pool, prompt[a:b], a, slot_ids, draft=draft,
+                                  next_token=prompt[b] if (draft and b < n) else None)
+    assert out is not None, f"start_pos={start_pos} < n={n} runs at least one chunk"
+    return out
+
+
+def greedy_generate(model: ReferenceModel, pool: DevicePool, prompt: Sequence[int], slot_ids: torch.Tensor,
+                    max_new_tokens: int, *, start_pos: int = 0, chunk: int | None = None,
+                    draft: bool = True) -> Generation:
+    """Prefill then decode greedily, one token per step.
+
+    ``slot_ids`` needs ``len(prompt) + max_new_tokens - 1`` slots (the last
+    generated token is never fed back). With ``draft`` the draft rows of every
+    fed token except the last are written.
+    """
+    out = prefill(model, pool, prompt, slot_ids, start_pos=start_pos, chunk=chunk, draft=draft)
+    toks, logits = [], []
+    pos = len(prompt) - 1
+    while True:
+        logits.append(out.logits_last)
+        toks.append(int(out.logits_last.argmax()))
+        if len(toks) == max_new_tokens:
+            break
+        pos += 1
+        out = model.decode_step(pool, toks[-1], pos, slot_ids, draft=draft,
+                                pending_hidden=out.hidden_last if draft else None)
+    return Generation(toks, torch.stack(logits), [])
+
+
+def speculative_generate(model: ReferenceModel, pool: DevicePool, prompt: Sequence[int], slot_ids: torch.Tensor,
+                         max_new_tokens: int, k: int, *, start_pos: int = 0) -> Generation:
+    """Greedy generation through draft-and-verify steps of ``k`` drafted tokens.
+
+    Produces exactly the tokens of ``greedy_generate`` (the target verifies
+    every token; its logits are bit-identical to a decode step's).
+    ``slot_ids`` needs ``len(prompt) + max_new_tokens + k`` slots (a verify
+    chunk may run past the last kept token).
+    """
+    out = prefill(model, pool, prompt, slot_ids, start_pos=start_pos)
+    tok = int(out.logits_last.argmax())
+    toks, logits, accepts = [tok], [out.logits_last], []
+    pos, hidden = len(prompt) - 1, out.hidden_last  # target hidden at pos; tok sits at pos + 1
+    while len(toks) < max_new_tokens:
+        d = model.speculate(pool, hidden, tok, pos, slot_ids, k)
+        v = model.forward_chunk(pool, [tok, *d.tokens], pos + 1, slot_ids, all_logits=True)
+        verdict = verify_greedy(v.logits, d.tokens)
+        accepts.append(verdict.accept_length)
+        toks += verdict.tokens
+        logits += list(v.logits[:verdict.accept_length + 1])
+        pos += 1 + verdict.accept_length
+        hidden, tok = v.hidden[verdict.accept_length], verdict.bonus_token
+    return Generation(toks[:max_new_tokens], torch.stack(logits[:max_new_tokens]), accepts)

@@ -8,17 +8,6 @@ fixed per-head decay ``g``). The attention layers keep KV in a
 ``hicache.memory.pools.DevicePool`` exactly as ``ReferenceModel`` does (the pool's
 layer ``i`` is the ``i``-th attention layer of the pattern); the linear layers
 keep their state in a ``HybridState`` the caller owns, one per request.
-
-Bit-exact reuse follows ``hicache.reference.model``: every tile has the fixed
-shape ``page_size`` rows, attention reduces over ``ceil_to_page(p + 1)`` keys
-whatever the path; an SWA layer masks keys at or before ``p - window`` and
-zeroes every context row older than its tile's first window, so pages outside
-the window are never read (they may be freed, or hold anything). The
-recurrence consumes the tile's valid rows one by one in position order (the
-same per-row ops whatever the chunking), and records a *snapshot* of every
-linear layer's state at each boundary that is a multiple of
-``snapshot_every`` pages. Resuming from a snapshot at boundary ``t`` therefore
-continues exactly as the cold run did.
 """
 from __future__ import annotations
 
@@ -150,6 +139,17 @@ class HybridModel(ReferenceModel):
     reads: never read). ``replay=True`` then skips only the full layers'
     writes: the SWA layers' KV of the replayed span is written again (the
     same bytes the cold run wrote).
+
+    Bit-exact reuse follows ``hicache.reference.model``: every tile has the fixed
+    shape ``page_size`` rows, attention reduces over ``ceil_to_page(p + 1)`` keys
+    whatever the path; an SWA layer masks keys at or before ``p - window`` and
+    zeroes every context row older than its tile's first window, so pages outside
+    the window are never read (they may be freed, or hold anything). The
+    recurrence consumes the tile's valid rows one by one in position order (the
+    same per-row ops whatever the chunking), and records a *snapshot* of every
+    linear layer's state at each boundary that is a multiple of
+    ``snapshot_every`` pages. Resuming from a snapshot at boundary ``t`` therefore
+    continues exactly as the cold run did.
     """
 
     def __init__(self, spec: HybridSpec, *, device: str | torch.device = "cpu"):

@@ -12,15 +12,99 @@ requests; a policy's rank is its place among the policies in that mode and capac
 """
 from __future__ import annotations
 
+import heapq
 import re
 import sys
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
+
+import numpy as np
 
 from hicache.core.config import HiCacheConfig
 from hicache.core.errors import ConfigError
-from hicache.reference import sim_baselines as bl
+from hicache.core.hashing import namespace_root, raw_page_hashes
 from hicache.reference.simulate import SimPlan, SimRequest, run_hicache, sim_config
+
+
+class PageStream(NamedTuple):
+    """Per request: its full pages' ids, how many it may hit, its prompt tokens."""
+
+    pages: list[np.ndarray]  # int64 page ids of each request's full pages
+    caps: list[int]  # pages each request may hit at most
+    tokens: list[int]  # prompt tokens of each request
+    unique_pages: int  # distinct pages in the whole stream: the working set
+
+
+# ---- Offline baselines of ``--simulate`` over the same page stream as the real runs.
+#
+# A request of ``n`` tokens may hit at most its first ``(n - 1) // page_size``
+# pages (the last token is always computed) and, once served, holds its
+# ``n // page_size`` full pages: the rules ``HiCache`` follows. Pages are named
+# by their chained page hash (``hicache.core.hashing``), numbered densely here.
+#
+# - ``infinite``: every page any earlier request held is still cached.
+# - ``belady``: one cache of ``capacity`` pages; when full, the page whose next
+#   use is furthest in the future goes first (Belady's MIN: no eviction policy
+#   hits more at this capacity). Ties go to the deeper page, so a page never
+#   outlives its prefix. It sees one pool of the distinct pages the tiers can
+#   hold together (``distinct_capacity``: ``max(L1, L2)`` when L2 holds a copy
+#   of every L1 page, ``L1 + L2`` when a page may live on one tier).
+def page_stream(requests: Iterable, page_size: int) -> PageStream:
+    """Number the pages of ``requests`` (``SimRequest``s) by their chained hash."""
+    ids: dict[bytes, int] = {}
+    pages, caps, tokens = [], [], []
+    for r in requests:
+        n = len(r.key) // 4
+        hs = raw_page_hashes(r.key, page_size, namespace_root(r.namespace))
+        pages.append(np.fromiter((ids.setdefault(h, len(ids)) for h in hs), dtype=np.int64, count=len(hs)))
+        caps.append(max(0, n - 1) // page_size)
+        tokens.append(n)
+    return PageStream(pages, caps, tokens, len(ids))
+
+
+def _prefix_in(ids: np.ndarray, cap: int, cached) -> int:
+    k = 0
+    while k < cap and int(ids[k]) in cached:
+        k += 1
+    return k
+
+
+def infinite(stream: PageStream, page_size: int) -> int:
+    """Hit tokens of an infinite cache."""
+    seen: set[int] = set()
+    hit = 0
+    for ids, cap in zip(stream.pages, stream.caps):
+        hit += _prefix_in(ids, cap, seen) * page_size
+        seen.update(ids.tolist())
+    return hit
+
+
+def belady(stream: PageStream, page_size: int, capacity: int) -> int:
+    """Hit tokens of Belady's MIN over one pool of ``capacity`` pages."""
+    if capacity <= 0:
+        return 0
+    never = len(stream.pages)
+    nxt: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * len(stream.pages)
+    last: dict[int, int] = {}
+    for i in range(len(stream.pages) - 1, -1, -1):  # next use of each page after request i
+        ids = stream.pages[i].tolist()
+        nxt[i] = np.fromiter((last.get(p, never) for p in ids), dtype=np.int64, count=len(ids))
+        for p in ids:
+            last[p] = i
+    cached: dict[int, int] = {}  # page -> its next use
+    heap: list[tuple[int, int, int]] = []  # (-next use, -depth, page); stale entries skipped
+    hit = 0
+    for i, (ids, cap) in enumerate(zip(stream.pages, stream.caps)):
+        hit += _prefix_in(ids, cap, cached) * page_size
+        for depth, (p, u) in enumerate(zip(ids.tolist(), nxt[i].tolist())):
+            cached[p] = u
+            heapq.heappush(heap, (-u, -depth, p))
+        while len(cached) > capacity:
+            u, _, p = heapq.heappop(heap)
+            if cached.get(p) == -u:
+                del cached[p]
+    return hit
+
 
 Factory = Callable[[], Iterator[SimRequest]]
 DEFAULT_CAPACITIES = "0.25M,0.5M,1M,2M,5M,10M,20M"
@@ -85,17 +169,17 @@ def policy_sweep(cfg: HiCacheConfig, factory: Factory, policies: list[str], capa
                           f"policy.write_policy is {cfg.policy.write_policy.value}")
     base = SimPlan.from_config(cfg.simulate)
     ps = base.page_size
-    stream = bl.page_stream(factory(), ps)
+    stream = page_stream(factory(), ps)
     prompt = sum(stream.tokens)
     largest = max((len(p) + 1 for p in stream.pages), default=1)
     runs: list[dict[str, Any]] = []
-    belady: dict[int, float] = {}
+    bound: dict[int, float] = {}  # capacity -> Belady's hit rate there
     total, done, t0 = len(capacities) * (len(modes) * len(policies) + 1), 0, time.perf_counter()
     for c in capacities:
         distinct = max(max(p.l1_pages, p.l2_pages) for p in (_plan(base, m, c, largest) for m in modes))
-        belady[c] = bl.belady(stream, ps, distinct) / prompt if prompt else 0.0
+        bound[c] = belady(stream, ps, distinct) / prompt if prompt else 0.0
         done += 1
-        log(f"[{done}/{total}] {c:,} tokens: Belady at {distinct:,} pages {belady[c]:.1%} "
+        log(f"[{done}/{total}] {c:,} tokens: Belady at {distinct:,} pages {bound[c]:.1%} "
             f"({time.perf_counter() - t0:.0f} s)")
         for mode in modes:
             plan = _plan(base, mode, c, largest)
@@ -117,11 +201,11 @@ def policy_sweep(cfg: HiCacheConfig, factory: Factory, policies: list[str], capa
             lru = next((r["hit_rate"] for r in rows if r["policy"] == "lru"), None)
             for r in rows:
                 r["rank"] = ranks[r["policy"]]
-                gap = belady[c] - lru if lru is not None else 0.0
+                gap = bound[c] - lru if lru is not None else 0.0
                 r["gap_closed"] = (r["hit_rate"] - lru) / gap if lru is not None and gap > 1e-12 else None
     return {"page_size": ps, "prompt_tokens": prompt, "working_set_pages": stream.unique_pages,
-            "infinite_hit_rate": bl.infinite(stream, ps) / prompt if prompt else 0.0, "policies": policies,
-            "capacities": capacities, "modes": list(modes), "belady": belady, "runs": runs,
+            "infinite_hit_rate": infinite(stream, ps) / prompt if prompt else 0.0, "policies": policies,
+            "capacities": capacities, "modes": list(modes), "belady": bound, "runs": runs,
             "default": cfg.policy.device_eviction}
 
 

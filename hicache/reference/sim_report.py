@@ -1,4 +1,6 @@
-"""``hicache replay --simulate``: the runs, the table, the sweep and its plot."""
+"""``hicache replay --simulate``: the runs, the table, the sweep and its plot, and
+the offline baselines over the same page stream (``infinite``, ``belady``; see
+``page_stream``)."""
 from __future__ import annotations
 
 import argparse
@@ -8,13 +10,16 @@ import os
 import time
 from typing import Any, Callable, Iterator
 
+
 from hicache.core.config import HiCacheConfig
 from hicache.core.errors import ConfigError
-from hicache.reference import sim_baselines as bl
-from hicache.reference.progress import Progress, logs_above_bars
-from hicache.reference.simulate import SimPlan, SimRequest, run_hicache, sim_config, trace_requests
 from hicache.index.eviction import POLICIES
 from hicache.index.misses import REASONS
+from hicache.reference.progress import logs_above_bars, Progress
+from hicache.reference import sim_policies as sp
+from hicache.reference.sim_policies import PageStream, belady, infinite, page_stream
+from hicache.reference.simulate import run_hicache, sim_config, SimPlan, SimRequest, trace_requests
+
 
 Factory = Callable[[], Iterator[SimRequest]]
 SWEEP_FRACTIONS = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)  # of the working set's bytes, per tier
@@ -24,7 +29,7 @@ def _limited(factory: Factory, limit: int | None) -> Factory:
     return factory if limit is None else (lambda: itertools.islice(factory(), limit))
 
 
-def _offline_row(name: str, hit: int, stream: bl.PageStream, plan: SimPlan) -> dict[str, Any]:
+def _offline_row(name: str, hit: int, stream: PageStream, plan: SimPlan) -> dict[str, Any]:
     prompt = sum(stream.tokens)
     return {"name": name, "requests": len(stream.tokens), "prompt_tokens": prompt, "hit_tokens": hit,
             "hit_rate": hit / prompt if prompt else 0.0, "l1_hit_tokens": None, "l2_hit_tokens": None,
@@ -64,7 +69,7 @@ def simulate(cfg: HiCacheConfig, factory: Factory, *, policies: list[str] | None
     first = f"hicache {label} ({default})"
     rows = [run_hicache(first, sim_config(cfg, plan, backup=label != "L1"), plan if label != "L1" else _no_l2(plan),
                         feed(first))]
-    stream = bl.page_stream(feed("page stream (baselines)"), ps)
+    stream = page_stream(feed("page stream (baselines)"), ps)
     if baselines:
         gpu = "GPU-only prefix cache (L1, lru)"
         rows.append(run_hicache(gpu, sim_config(cfg, plan, eviction="lru", l3=False, backup=False), _no_l2(plan),
@@ -74,8 +79,8 @@ def simulate(cfg: HiCacheConfig, factory: Factory, *, policies: list[str] | None
                 rows.append(run_hicache(f"hicache L1+L2 ({p})", sim_config(cfg, plan, eviction=p, l3=False),
                                         plan, feed(f"hicache L1+L2 ({p})")))
         cap, rule = distinct_capacity(plan.l1_pages, plan.l2_pages, cfg.policy.write_policy.value)
-        rows.append(_offline_row(f"Belady MIN ({cap:,} pages = {rule})", bl.belady(stream, ps, cap), stream, plan))
-        rows.append(_offline_row("infinite cache", bl.infinite(stream, ps), stream, plan))
+        rows.append(_offline_row(f"Belady MIN ({cap:,} pages = {rule})", belady(stream, ps, cap), stream, plan))
+        rows.append(_offline_row("infinite cache", infinite(stream, ps), stream, plan))
     return {"config": _plan_dict(plan), "working_set_pages": stream.unique_pages,
             "working_set_bytes": stream.unique_pages * plan.page_bytes, "rows": rows}
 
@@ -161,7 +166,7 @@ def sweep(cfg: HiCacheConfig, factory: Factory, fractions=SWEEP_FRACTIONS,
     s = cfg.simulate
     base = SimPlan.from_config(s)
     feed = _feeder(factory, progress)
-    stream = bl.page_stream(feed("page stream (working set)"), base.page_size)
+    stream = page_stream(feed("page stream (working set)"), base.page_size)
     ws = stream.unique_pages * base.page_bytes
     prompt = sum(stream.tokens)
     points = []
@@ -179,7 +184,7 @@ def sweep(cfg: HiCacheConfig, factory: Factory, fractions=SWEEP_FRACTIONS,
                           feed(f"{tier} {human_bytes(b)}"))
         points.append({"tier": tier, "bytes": b, "fraction": f, "hit_rate": row["hit_rate"],
                        "time_s": row["time_s"]})
-    return {"working_set_bytes": ws, "infinite_hit_rate": bl.infinite(stream, base.page_size) / prompt,
+    return {"working_set_bytes": ws, "infinite_hit_rate": infinite(stream, base.page_size) / prompt,
             "config": _plan_dict(base), "points": points}
 
 
@@ -267,7 +272,6 @@ def sweep_caption(sw: dict[str, Any]) -> str:
 # ------------------------------------------------------------------ command
 def _policies(args: argparse.Namespace, cfg: HiCacheConfig, factory: Factory, name: str) -> dict[str, Any]:
     """``--policies``: the policy sweep (``hicache.reference.sim_policies``), printed and plotted."""
-    from hicache.reference import sim_policies as sp
     pol = sorted(POLICIES) if args.policies == "all" else args.policies.split(",")
     unknown = [p for p in pol if p not in POLICIES]
     if unknown:

@@ -1,22 +1,17 @@
 """``hicache replay TRACE --simulate``: the real control plane at full scale, no model.
 
-Each request goes through the real ``HiCache``: the radix index, the tier
-manager, the eviction, write and prefetch policies, the transfer controller
-and a real L3 backend (``simulate.l3_url``: ``memory://``, ``file://``,
-``redis://``). Pages carry small stand-in payloads (one layer, one head of
-dimension 1, uint8: ``2 * page_size`` bytes) and the transfers run inline in
-the scheduler thread, so the run is deterministic. Bytes are *accounted* as if
-each page had the real size of ``simulate.shape`` (``hicache.core.shapes``), not
-moved: tier capacities are given in those bytes and converted to pages.
-
-Requests are served one at a time in arrival order (admit, compute the miss,
-commit, finish); the trace's arrival times give its duration and request rate.
+Each request goes through the real ``HiCache`` (index, tier manager, policies,
+transfer controller and a real L3 backend, ``simulate.l3_url``). Pages carry small
+stand-in payloads (one layer, one head of dimension 1, uint8) and the transfers run
+inline in the scheduler thread, so the run is deterministic; bytes are *accounted*
+at the real page size of ``simulate.shape`` (``hicache.core.shapes``), and tier
+capacities are given in those bytes. Requests are served one at a time in arrival
+order (admit, compute the miss, commit, finish).
 
 Baselines over the same page stream (``hicache.reference.sim_report``): the
-infinite cache and Belady's offline optimum at the distinct pages the tiers hold
-(both in ``hicache.reference.sim_baselines``), and the real ``HiCache`` as a
-GPU-only prefix cache (L1 alone, plain LRU: what vLLM and SGLang do) and with
-each eviction policy over L1+L2.
+infinite cache, Belady's offline optimum at the distinct pages the tiers hold,
+the real ``HiCache`` as a GPU-only prefix cache (L1 alone, plain LRU: what vLLM
+and SGLang do) and with each eviction policy over L1+L2.
 """
 from __future__ import annotations
 

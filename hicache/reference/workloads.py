@@ -11,9 +11,6 @@ with a string, stable across platforms and versions):
 * ``SystemPromptWorkload``: many requests behind a few long system prompts
   (Zipf-skewed popularity), each with its own user suffix;
 * ``DocumentQAWorkload``: several questions over each of a few long documents.
-
-The trace format, ``read_trace``/``write_trace`` and ``PromptResolver`` live in
-``hicache.reference.trace_format`` and are re-exported here.
 """
 from __future__ import annotations
 
@@ -40,6 +37,11 @@ def _at(t: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class ChatWorkload:
+    """ChatWorkload.
+
+    The trace format, ``read_trace``/``write_trace`` and ``PromptResolver`` live in
+    ``hicache.reference.trace_format`` and are re-exported here.
+    """
     conversations: int = 12
     turns: int = 4
     system_tokens: int = 32  # shared by every conversation (0: none)

@@ -1,20 +1,16 @@
-"""Bounded L3: the byte cap (``storage.max_bytes``), its default, the L3
-eviction policies, and ``StorageUsage`` (what a backend holds now).
+"""Bounded L3: the byte cap (``storage.max_bytes``), its default, the L3 eviction
+policies, and ``StorageUsage`` (what a backend holds now).
 
-L3 eviction orders stored objects, not tree nodes, so it has its own two
-policies under the names ``hicache.index.eviction`` uses for the same idea:
-``lru`` (least recently read or written first; a hit refreshes the object)
-and ``fifo`` (oldest write first; hits change nothing, so reads stay
-read-only). Frequency-based policies need per-object counters that a shared
-directory cannot keep cheaply across processes, so they are not offered.
+L3 eviction orders stored objects, not tree nodes: ``lru`` (least recently read or
+written first; a hit refreshes the object) and ``fifo`` (oldest write first; reads
+stay read-only). Frequency-based policies would need per-object counters that a
+shared directory cannot keep cheaply across processes.
 
-The default cap (``max_bytes = "auto"``) is ``min(20 GiB, 10% of the file
-system)`` for ``file://`` and ``min(20 GiB, 10% of physical memory)`` for
-``memory://``: the default L3 lives in the per-user cache directory, usually
-on the home or root file system, which the cache must never fill. 10% keeps a
-small disk usable; 20 GiB (about 160K tokens of llama-3.1-8b KV) bounds a
-large one. An operator with a disk for L3 sets ``storage.max_bytes``. Redis
-is bounded by its own ``maxmemory`` (see ``RedisBackend.usage``).
+The default cap (``max_bytes = "auto"``) is ``min(20 GiB, 10% of the file system)``
+for ``file://`` and ``min(20 GiB, 10% of physical memory)`` for ``memory://``: the
+default L3 lives in the per-user cache directory, which the cache must never fill.
+An operator with a disk for L3 sets ``storage.max_bytes``. Redis is bounded by its
+own ``maxmemory`` (see ``RedisBackend.usage``).
 """
 from __future__ import annotations
 
@@ -25,7 +21,7 @@ from urllib.parse import unquote, urlsplit
 from typing import Any, ClassVar, Literal, NamedTuple
 
 from hicache.core.errors import ConfigError
-from hicache.core.sizes import parse_size  # noqa: F401  (re-exported)
+from hicache.core.config import parse_size  # noqa: F401  (re-exported)
 
 
 L3Eviction = Literal["lru", "fifo"]

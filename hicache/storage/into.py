@@ -1,24 +1,17 @@
 """Reads straight into the caller's buffer: the pieces of ``StorageBackend.get_into``.
 
-A backend's ``_raw_get_into`` answers, per key, what ``_raw_get`` answers
-(``None``, an exception, or the whole object, which the base then decodes and
-copies into the destination once: the default, and what ``redis://`` does with
-its reply), or ``InPlace(header)``: the object's payload bytes were read into
-the destination itself and ``header`` holds everything before them (file://
-reads both with one ``preadv``).
+A backend's ``_raw_get_into`` answers, per key, what ``_raw_get`` answers (``None``,
+an exception, or the whole object, which the base decodes and copies into the
+destination once), or ``InPlace(header)``: the payload was read into the destination
+itself and ``header`` holds everything before it (file:// reads both with one
+``preadv``). Verification happens in place, in the backend's thread right after each
+read (``Verifier``, ``verify_into``), while the bytes are still in that core's cache.
 
-Verification happens in place, over the destination's bytes (``verify_into``),
-in the backend's thread right after each read (``Verifier``), while the bytes
-are still in that core's cache.
-
-Contract: a destination whose page is reported missing (absent, unreadable,
-corrupt, another layout's, a bad MAC, L3 down) may have been written: it holds
-garbage (a partial object, unverified bytes). After a call that timed out
-(an outage), a file:// worker may still finish the one page it was reading;
-it reads no further page into the caller's buffers. Callers must treat it as
-free space and never expose it; the adapters report such a page as not loaded
-and zero it (``wipe_unloaded``: a forger's bytes never stay in an engine's
-pages), and the engines then recompute it over that memory.
+Contract: a destination whose page is reported missing (absent, unreadable, corrupt,
+another layout's, a bad MAC, L3 down) may hold garbage; after a call that timed out,
+a file:// worker may still finish the one page it was reading. Callers treat such a
+page as free space and never expose it; the adapters report it as not loaded and
+zero it (``wipe_unloaded``), and the engines recompute it over that memory.
 """
 from __future__ import annotations
 

@@ -6,26 +6,6 @@ engine of the node through the service's L2 (a shared-memory segment), and
 through whatever L3 the service persists to. (An embedded ``HiCache`` given
 this URL does not open it: the segment becomes its L2, ``hicache.tiers.l2.shared``.
 Both go through the one client, ``hicache.client.link``.)
-
-* ``put``: ``reserve`` + copy payloads into the segment + ``commit`` under
-  the page hashes (the service writes them behind to its own L3);
-* ``get``: ``acquire`` + copy out + ``release``; a page evicted meanwhile is
-  a miss, never wrong bytes (acquired pages cannot be evicted);
-* ``prefix_hits``: ``fetch`` (a lookup that first loads what the service's
-  L2 lacks from its L3, within a bounded wait).
-
-The service answers prefixes: ``get``/``exists`` treat every key after the
-first absent one as absent. Pages carry no L3 object header here: the
-service's handshake checks the whole layout (fingerprint included) on every
-(re)connect, and it hands out only committed pages.
-
-Failure model (as ``StorageBackend``): a service that is down, restarting or
-hung turns calls into misses and dropped writes with one warning per outage;
-the backend reconnects on a later call (probes spaced by the base's
-backoff). A layout the service refuses raises ``ContractMismatch`` when the
-backend is opened; if a restarted service refuses it later, that is logged
-as an error and treated as an outage. Not-connecting at open is not an
-error: the service may start after the engine.
 """
 from __future__ import annotations
 
@@ -50,7 +30,28 @@ class _Unreachable(OSError):
 
 class ServiceBackend(StorageBackend):
     """L3 slot backed by the node's hicache service. Thread-safe: one client,
-    one request in flight (calls from several threads take turns)."""
+    one request in flight (calls from several threads take turns).
+
+    * ``put``: ``reserve`` + copy payloads into the segment + ``commit`` under
+      the page hashes (the service writes them behind to its own L3);
+    * ``get``: ``acquire`` + copy out + ``release``; a page evicted meanwhile is
+      a miss, never wrong bytes (acquired pages cannot be evicted);
+    * ``prefix_hits``: ``fetch`` (a lookup that first loads what the service's
+      L2 lacks from its L3, within a bounded wait).
+
+    The service answers prefixes: ``get``/``exists`` treat every key after the
+    first absent one as absent. Pages carry no L3 object header here: the
+    service's handshake checks the whole layout (fingerprint included) on every
+    (re)connect, and it hands out only committed pages.
+
+    Failure model (as ``StorageBackend``): a service that is down, restarting or
+    hung turns calls into misses and dropped writes with one warning per outage;
+    the backend reconnects on a later call (probes spaced by the base's
+    backoff). A layout the service refuses raises ``ContractMismatch`` when the
+    backend is opened; if a restarted service refuses it later, that is logged
+    as an error and treated as an outage. Not-connecting at open is not an
+    error: the service may start after the engine.
+    """
 
     scheme = SCHEME
     OUTAGE_ERRORS: ClassVar[tuple[type[BaseException], ...]] = (OSError,)

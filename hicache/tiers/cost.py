@@ -8,25 +8,6 @@ before it). Three choices, each costed with the same model:
 - load both: ``load_s(L2 + L3)``;
 - load L2, recompute the L3 part: ``load_s(L2) + l3 / prefill``;
 - recompute both: ``(l2 + l3) / prefill``.
-
-``load_s``: the L3 part moves L3 -> L2 -> L1, the L2 part L2 -> L1; each link
-first drains the bytes already queued on it (one after the other, which is
-what ``HiCache.admit`` does: it waits for the prefetch, then loads back)::
-
-    load_s = (queued_L3 + b3) / bw_L3 + (queued_L2 + b2 + b3) / bw_L2
-
-with ``b = tokens * bytes_per_token``. The cheapest choice wins; ties load
-(loading saves compute for the other requests of the batch). Bandwidths are
-EWMAs of real transfers (``BandwidthMeter``), starting from the configured
-priors; the prefill rate is ``admission.prefill_tokens_per_s`` or, when that is
-0, an EWMA of what the engine reports (``HiCache.observe_prefill``). While a
-needed input is unknown the choice is to load (counted as ``unmeasured``): a
-cache with no measurement yet behaves as before.
-
-``estimate`` and ``choose`` are pure; ``CostModel`` holds the meters and the
-decision counters of one cache. In service mode (``hicache+unix://``) the
-node's service owns L2 and L3 and the engine's index sees no L2 hit before
-acquiring, so those admissions are not gated (a hit of 0 tokens: uncounted).
 """
 from __future__ import annotations
 
@@ -115,7 +96,7 @@ class CostInputs:
 
 
 def choose(l2_tokens: int, l3_tokens: int, inputs: CostInputs) -> Decision:
-    """The cheapest of load both / load L2 only / recompute (see the module docstring). Pure."""
+    """The cheapest of load both / load L2 only / recompute (see ``CostModel``). Pure."""
     if not l2_tokens and not l3_tokens:
         return Decision(Choice.LOAD, 0, 0, 0.0, 0.0, 0.0)
     rate = inputs.prefill_tokens_per_s
@@ -163,7 +144,27 @@ class BandwidthMeter:
 
 class CostModel:
     """One cache's meters and decision counters around ``choose``. Not thread-safe
-    except ``observe_*`` (called from transfer completions)."""
+    except ``observe_*`` (called from transfer completions).
+
+    ``load_s``: the L3 part moves L3 -> L2 -> L1, the L2 part L2 -> L1; each link
+    first drains the bytes already queued on it (one after the other, which is
+    what ``HiCache.admit`` does: it waits for the prefetch, then loads back)::
+
+        load_s = (queued_L3 + b3) / bw_L3 + (queued_L2 + b2 + b3) / bw_L2
+
+    with ``b = tokens * bytes_per_token``. The cheapest choice wins; ties load
+    (loading saves compute for the other requests of the batch). Bandwidths are
+    EWMAs of real transfers (``BandwidthMeter``), starting from the configured
+    priors; the prefill rate is ``admission.prefill_tokens_per_s`` or, when that is
+    0, an EWMA of what the engine reports (``HiCache.observe_prefill``). While a
+    needed input is unknown the choice is to load (counted as ``unmeasured``): a
+    cache with no measurement yet behaves as before.
+
+    ``estimate`` and ``choose`` are pure; ``CostModel`` holds the meters and the
+    decision counters of one cache. In service mode (``hicache+unix://``) the
+    node's service owns L2 and L3 and the engine's index sees no L2 hit before
+    acquiring, so those admissions are not gated (a hit of 0 tokens: uncounted).
+    """
 
     def __init__(self, *, bytes_per_token: int, enabled: bool, prefill_tokens_per_s: float = 0.0,
                  priors: Mapping[str, float] | None = None, alpha: float = 0.2):

@@ -11,15 +11,6 @@ it at each step of a two-phase movement, and an illegal move raises
     SYNCED --complete_store (all pages)--> BACKED_UP
     RESERVED / PROTECTED --failed or unused--> FREE
     SYNCED / BACKED_UP --evict_host--> FREE      (never while a transfer reads it)
-
-Reads are counted beside the state, not as one: a load back (L2 -> L1) and a
-store (L2 -> L3) read an indexed page, possibly both at once; a page being
-read cannot be freed.
-
-Off unless asked for (``HICACHE_DEBUG_STATES=1`` or ``debug_states = true``):
-the tier manager then keeps no table and each transition is one ``None`` test.
-``check`` cross-checks the table against the allocator, the index and the
-plans in flight (the tier manager's ``check_integrity`` calls it).
 """
 from __future__ import annotations
 
@@ -58,7 +49,17 @@ def enabled_by_env() -> bool:
 
 
 class HostPageStates:
-    """The state of each of ``capacity`` L2 page ids, and the reads in progress."""
+    """The state of each of ``capacity`` L2 page ids, and the reads in progress.
+
+    Reads are counted beside the state, not as one: a load back (L2 -> L1) and a
+    store (L2 -> L3) read an indexed page, possibly both at once; a page being
+    read cannot be freed.
+
+    Off unless asked for (``HICACHE_DEBUG_STATES=1`` or ``debug_states = true``):
+    the tier manager then keeps no table and each transition is one ``None`` test.
+    ``check`` cross-checks the table against the allocator, the index and the
+    plans in flight (the tier manager's ``check_integrity`` calls it).
+    """
 
     def __init__(self, capacity: int):
         self._state = bytearray(capacity)  # HostPageState per page id; all FREE

@@ -1,46 +1,4 @@
 """Scheduler side of tiering: a two-phase manager that moves no bytes.
-
-``TierManager`` decides what moves between tiers and records it in the index
-(``PrefixCache``); a transfer engine (``hicache.transfer.engine``) moves the bytes.
-Each movement is a pair: ``prepare_*`` reserves destination pages, pins the
-pages involved and returns a small typed plan (or ``None``: nothing to do, or
-no room); the caller submits the plan and, once the bytes moved, hands the
-outcome to ``complete_*``, which unpins and records the result. Between the
-two calls the plan's pages are protected from eviction:
-
-| pair | direction | pinned until complete |
-|---|---|---|
-| ``prepare_backup`` / ``complete_backup`` | L1 -> L2 | the node on L1 (``pin``), the new L2 ids |
-| ``plan_load`` + ``prepare_load`` / ``complete_load`` | L2 -> L1 | the path on L2 and its new L1 pages |
-| ``prepare_store`` / ``complete_store`` | L2 -> L3 | the node on L2 |
-| ``prepare_prefetch`` / ``complete_prefetch`` | L3 -> L2 | the new L2 ids |
-
-Failure (as vLLM's ``complete_*(success=False)``): every ``complete_*`` must
-be called exactly once per plan, also when the transfer failed, and always
-unpins what its ``prepare_*`` pinned. What a failure leaves behind:
-
-| call | on failure |
-|---|---|
-| ``complete_backup(plan, ok=False)`` | no L2 copy recorded; the reserved L2 ids are freed; ``transfer_errors`` += 1 |
-| ``complete_load(plan, ok=False)`` | the L1 pages stay indexed with unknown bytes: the caller must stop serving (``HiCache`` raises ``TransferError`` from then on) |
-| ``complete_store(plan, stored)`` | partial: only ``stored`` leading pages reached L3; the node is flagged stored only when all did |
-| ``complete_prefetch(plan, loaded)`` | partial: the ``loaded`` leading pages are indexed on L2, the rest of the reserved ids freed |
-
-These are the movements of the private L2 (``hicache.tiers.l2.private``). In
-service mode the node's shared segment is L2 and ``hicache.tiers.l2.shared`` makes
-its own backup and load plans; only ``backing_up`` and ``stats`` are common.
-
-Debug mode (``HICACHE_DEBUG_STATES=1``, ``debug_states = true``): every
-private L2 page carries a state (``hicache.tiers.host_states``: free, reserved,
-protected, synced, backed up) moved at each step above; an illegal move
-raises ``IntegrityError`` and ``check_integrity`` cross-checks the table
-against the allocator, the index and the plans in flight.
-
-L1 pages for a load come from the caller (``prepare_load(..., device_pages)``):
-hicache's own allocator (``PrefixCache.alloc_device``) or an engine's block
-pool, whichever owns L1 (``DeviceBlocks``). L2 pages come from the index's
-host allocator, evicting L2 when short. Not thread-safe: the scheduler thread
-calls everything.
 """
 from __future__ import annotations
 
@@ -69,7 +27,50 @@ class DeviceBlocks(Protocol):
 
 
 class TierManager:
-    """Two-phase tier movements over one ``PrefixCache`` (see the module docstring)."""
+    """Two-phase tier movements over one ``PrefixCache``.
+
+    ``TierManager`` decides what moves between tiers and records it in the index
+    (``PrefixCache``); a transfer engine (``hicache.transfer.engine``) moves the bytes.
+    Each movement is a pair: ``prepare_*`` reserves destination pages, pins the
+    pages involved and returns a small typed plan (or ``None``: nothing to do, or
+    no room); the caller submits the plan and, once the bytes moved, hands the
+    outcome to ``complete_*``, which unpins and records the result. Between the
+    two calls the plan's pages are protected from eviction:
+
+    | pair | direction | pinned until complete |
+    |---|---|---|
+    | ``prepare_backup`` / ``complete_backup`` | L1 -> L2 | the node on L1 (``pin``), the new L2 ids |
+    | ``plan_load`` + ``prepare_load`` / ``complete_load`` | L2 -> L1 | the path on L2 and its new L1 pages |
+    | ``prepare_store`` / ``complete_store`` | L2 -> L3 | the node on L2 |
+    | ``prepare_prefetch`` / ``complete_prefetch`` | L3 -> L2 | the new L2 ids |
+
+    Failure (as vLLM's ``complete_*(success=False)``): every ``complete_*`` must
+    be called exactly once per plan, also when the transfer failed, and always
+    unpins what its ``prepare_*`` pinned. What a failure leaves behind:
+
+    | call | on failure |
+    |---|---|
+    | ``complete_backup(plan, ok=False)`` | no L2 copy recorded; the reserved L2 ids are freed; ``transfer_errors`` += 1 |
+    | ``complete_load(plan, ok=False)`` | the L1 pages stay indexed with unknown bytes: the caller must stop serving (``HiCache`` raises ``TransferError`` from then on) |
+    | ``complete_store(plan, stored)`` | partial: only ``stored`` leading pages reached L3; the node is flagged stored only when all did |
+    | ``complete_prefetch(plan, loaded)`` | partial: the ``loaded`` leading pages are indexed on L2, the rest of the reserved ids freed |
+
+    These are the movements of the private L2 (``hicache.tiers.l2.private``). In
+    service mode the node's shared segment is L2 and ``hicache.tiers.l2.shared`` makes
+    its own backup and load plans; only ``backing_up`` and ``stats`` are common.
+
+    Debug mode (``HICACHE_DEBUG_STATES=1``, ``debug_states = true``): every
+    private L2 page carries a state (``hicache.tiers.host_states``: free, reserved,
+    protected, synced, backed up) moved at each step above; an illegal move
+    raises ``IntegrityError`` and ``check_integrity`` cross-checks the table
+    against the allocator, the index and the plans in flight.
+
+    L1 pages for a load come from the caller (``prepare_load(..., device_pages)``):
+    hicache's own allocator (``PrefixCache.alloc_device``) or an engine's block
+    pool, whichever owns L1 (``DeviceBlocks``). L2 pages come from the index's
+    host allocator, evicting L2 when short. Not thread-safe: the scheduler thread
+    calls everything.
+    """
 
     def __init__(self, cache: PrefixCache, *, debug_states: bool | None = None):
         """``debug_states``: keep the L2 page state table (None: ``HICACHE_DEBUG_STATES``)."""
@@ -178,7 +179,7 @@ class TierManager:
         for n in reversed(chain):
             ids = [host[where[d]] for d in _on_l1(n)]
             try:
-                self.cache.set_host(n, ids, draft=plan.draft)
+                self.cache.tree.set_host(n, ids, draft=plan.draft)
             except CacheStateError:
                 break  # the parent never reached L2: drop this copy
             used.update(ids)
@@ -200,8 +201,8 @@ class TierManager:
         if not m.host_tokens or m.host_node is None:
             return None
         cache, ps = self.cache, self.cache.page_size
-        last = cache.split_at(m.host_node, m.tokens // ps - m.host_node.start_page)
-        path = tuple(cache.path(last, stop=m.device_node))
+        last = cache.tree.split_at(m.host_node, m.tokens // ps - m.host_node.start_page)
+        path = tuple(cache.tree.path(last, stop=m.device_node))
         if not path or not all(n.device_pages is None and n.host_pages is not None for n in path):
             raise CacheStateError(f"plan_load: the host hit {path} is not an L2-only path below "
                                   f"{m.device_node!r}; match again")
@@ -232,7 +233,7 @@ class TierManager:
             ids = _on_l2(n)
             k = len(ids)
             host += ids
-            self.cache.set_device(n, device_pages[at:at + k])
+            self.cache.tree.set_device(n, device_pages[at:at + k])
             at += k
         # The transfer itself pins the L1 pages it fills: the admitting request
         # may abort, finish or be preempted before the copy completes.
@@ -265,7 +266,7 @@ class TierManager:
             self.stats.storage_put_skipped_draft_pages += len(_on_l2(node))
             return None
         self.cache.inc_host_lock(node)
-        plan = StorePlan(node, list(_on_l2(node)), self.cache.hashes(node))
+        plan = StorePlan(node, list(_on_l2(node)), self.cache.tree.hashes(node))
         if self.states is not None:
             self.states.read(plan.host)
         return plan
@@ -278,7 +279,7 @@ class TierManager:
         if self.states is not None:
             self.states.done_reading(plan.host)
         if stored == len(plan.host):
-            self.cache.set_stored(plan.node)
+            self.cache.tree.set_stored(plan.node)
             self._to(plan.host, HostPageState.BACKED_UP)
 
     # ----------------------------------------------------------------- L3 -> L2
@@ -303,10 +304,12 @@ class TierManager:
         got, unused = plan.host[:loaded], plan.host[loaded:]
         if loaded:
             end = (plan.first_page + loaded) * self.cache.page_size * 4
-            node, dup = self.cache.insert_host(plan.key[:end], plan.namespace, plan.first_page, got)
+            node, taken_back = self.cache.tree.insert_host(plan.key[:end], plan.namespace, plan.first_page,
+                                                           cast(list[int], got))
+            dup = cast(list[HostPageId], taken_back)  # the ids the index did not take: the caller frees them
             unused = unused + dup
             if node is not None:
-                self.cache.set_stored(node)
+                self.cache.tree.set_stored(node)
             dups = set(dup)
             self._to([h for h in got if h not in dups], HostPageState.BACKED_UP)
         if unused:

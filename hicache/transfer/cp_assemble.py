@@ -1,19 +1,16 @@
-"""Context parallelism at the KV boundary: per-rank row batches and page assembly.
+"""Context parallelism at the KV boundary: per-rank row batches and page assembly,
+both in terms of ``hicache.index.cp`` (ownership + ``CPRowOrder``).
 
-Two jobs, both in terms of ``hicache.index.cp`` (ownership + ``CPRowOrder``):
+* ``rank_batch`` builds the row batch one CP rank stores for several requests at
+  once: its rows in CP-local order, padded to its page tails (``Row.CP_PAGE_TAIL``)
+  and to a static batch size (``Row.STATIC_PAD``), each with its slot id and
+  provenance, so ``store_rows`` persists exactly the ``VALID`` rows;
+* ``assemble`` gives a non-CP consumer (a decode instance, an importer) the full
+  logical pages of a sequence in global order, copying each page from the pool of
+  the rank that owns it; it mutates only its destination pool.
 
-* ``rank_batch`` builds the row batch one CP rank stores for several requests
-  at once: the rank's rows in CP-local order, padded to its page tails
-  (``Row.CP_PAGE_TAIL``) and to a static batch size (``Row.STATIC_PAD``), each
-  row with its slot id and provenance, so ``store_rows`` persists exactly the
-  ``VALID`` rows;
-* ``assemble`` gives a non-CP consumer (a decode instance, an importer) the
-  full logical pages of a sequence in global order, copying each page from the
-  pool of the rank that owns it (device pools or the ranks' L2 host pools).
-
-The layout fingerprint ignores ``cp_rank``/``cp_size``, so a rank's pages copy
-byte for byte into a ``cp_size 1`` pool. Pure functions; only ``assemble``
-mutates (its destination pool).
+The layout fingerprint ignores ``cp_rank``/``cp_size``, so a rank's pages copy byte
+for byte into a ``cp_size 1`` pool.
 """
 from __future__ import annotations
 

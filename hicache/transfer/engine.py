@@ -7,12 +7,6 @@ every job done since the last call (in submission order), and the caller
 (``HiCache.poll``) hands each to the matching ``TierManager.complete_*`` in
 its own thread, so the index is only ever mutated by the scheduler thread.
 Until then the pages a job uses stay pinned by its plan.
-
-Concurrency model: on a GPU, page copies run on a dedicated CUDA stream and
-completion is observed through CUDA events (a graphed load back's layers:
-through flags its kernels write, ``hicache.transfer.load_graph``); without a GPU, one worker thread
-executes copies in submission order. L3 I/O always runs on its own worker
-thread (a storage call may block up to its timeout).
 """
 from __future__ import annotations
 
@@ -175,7 +169,14 @@ class _Inline:
 
 
 class TransferController:
-    """Runs L1<->L2 copies and L2<->L3 I/O without blocking the scheduler."""
+    """Runs L1<->L2 copies and L2<->L3 I/O without blocking the scheduler.
+
+    Concurrency model: on a GPU, page copies run on a dedicated CUDA stream and
+    completion is observed through CUDA events (a graphed load back's layers:
+    through flags its kernels write, ``hicache.transfer.load_graph``); without a GPU, one worker thread
+    executes copies in submission order. L3 I/O always runs on its own worker
+    thread (a storage call may block up to its timeout).
+    """
 
     def __init__(self, device_pool: DevicePool, host_pool: HostPool, storage=None, *, graphs: bool = True,
                  inline: bool = False):

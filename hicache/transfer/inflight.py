@@ -7,12 +7,6 @@ index over the same entries (each node of a ``LoadPlan``'s path -> its job),
 added and removed with them; ``check_integrity`` proves the two agree and that
 each load still pins what it fills. Layer-wise handles stay with the transfer
 engine, keyed by the same ``JobId`` (``TransferController.load_handle``).
-
-Write-back (``write_policy = write_back``) marks, in the same registry, the
-backups it queued instead of waiting for them, in queue order, and which of
-them copy an eviction victim (the backup's node, pinned on L1 by it) that
-leaves L1 once written: ``queue_write_back`` / ``end_write_back``.
-Not thread-safe: the scheduler thread calls everything.
 """
 from __future__ import annotations
 
@@ -26,7 +20,14 @@ from hicache.core.types import JobId
 
 
 class InFlight:
-    """Submitted, uncompleted jobs and their plans (see the module docstring)."""
+    """Submitted, uncompleted jobs and their plans.
+
+    Write-back (``write_policy = write_back``) marks, in the same registry, the
+    backups it queued instead of waiting for them, in queue order, and which of
+    them copy an eviction victim (the backup's node, pinned on L1 by it) that
+    leaves L1 once written: ``queue_write_back`` / ``end_write_back``.
+    Not thread-safe: the scheduler thread calls everything.
+    """
 
     def __init__(self) -> None:
         self._jobs: dict[JobId, Plan] = {}

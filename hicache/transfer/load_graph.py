@@ -2,31 +2,13 @@
 
 A load back launches one page-copy kernel per layer (and one for the draft
 planes), and the forward pass waits for layer ``i``'s copy before that
-layer's attention. Launched one by one that costs ~30 us of host time per
-layer (Triton's launcher), ~1 ms for a 32-layer model: most of an
-admission's host time. ``LoadGraph`` captures the whole sequence once per
+layer's attention. Launched one by one, the launcher's host time per layer
+adds up to most of an admission's host time (bench/RESULTS.md). ``LoadGraph`` captures the whole sequence once per
 (host pool, device pool) pair: every launch reads its page ids from fixed
 device buffers and the number of pairs from device memory
 (``copy_pages(..., count=)``). A load then costs one small upload (the count,
 the load's epoch, the source and the destination ids; two copies when the
 pool is much larger than the load) and one replay.
-
-How the forward learns that layer ``i`` is in L1 (``completion``):
-
-* ``"flags"`` (the default where the driver has 64-bit stream memory
-  operations): each layer's kernel writes the load's epoch to that layer's flag
-  in pinned host memory once all of its programs are done (``copy_pages(...,
-  signal=)``). A stream waits for layer ``i`` with ``cuStreamWaitValue64(flag
-  >= epoch)``; the host reads the flag directly (``LayerFlag.query``). The
-  graph holds only the kernels: replaying 33 kernels measured 8-45 us of host
-  time against 95-200 us with an event node after each
-  (``bench/graph_launch.py``). Epochs only grow and loads run in order on one
-  stream, so a flag never goes back.
-* ``"events"``: an *external* event node after each layer's kernel, waited on
-  with ``cudaStreamWaitEvent``. The events are the graph's, shared by every
-  replay: a stream that waits on layer ``i`` waits for the latest replay's
-  layer ``i`` at the time of the wait, which is never too early (at worst it
-  also waits for a later load's layer ``i``).
 """
 from __future__ import annotations
 
@@ -49,11 +31,29 @@ Completion = Literal["flags", "events"]
 
 
 class LoadGraph:
-    """The captured load back from ``host`` into ``device`` for ``groups`` (plane sets per layer)."""
+    """The captured load back from ``host`` into ``device`` for ``groups`` (plane sets per layer).
+
+    How the forward learns that layer ``i`` is in L1 (``completion``):
+
+    * ``"flags"`` (the default where the driver has 64-bit stream memory
+      operations): each layer's kernel writes the load's epoch to that layer's flag
+      in pinned host memory once all of its programs are done (``copy_pages(...,
+      signal=)``). A stream waits for layer ``i`` with ``cuStreamWaitValue64(flag
+      >= epoch)``; the host reads the flag directly (``LayerFlag.query``). The
+      graph holds only the kernels: replaying 33 kernels measured 8-45 us of host
+      time against 95-200 us with an event node after each
+      (``bench/graph_launch.py``). Epochs only grow and loads run in order on one
+      stream, so a flag never goes back.
+    * ``"events"``: an *external* event node after each layer's kernel, waited on
+      with ``cudaStreamWaitEvent``. The events are the graph's, shared by every
+      replay: a stream that waits on layer ``i`` waits for the latest replay's
+      layer ``i`` at the time of the wait, which is never too early (at worst it
+      also waits for a later load's layer ``i``).
+    """
 
     def __init__(self, host: HostPool, device: DevicePool, groups: Sequence[Sequence[int]], *,
                  completion: Completion | None = None):
-        """``completion``: how waiters learn a layer is in L1 (module docstring); ``None``:
+        """``completion``: how waiters learn a layer is in L1 (class docstring); ``None``:
         ``"flags"`` where stream memory operations work, else ``"events"``."""
         self.host, self.device = host, device
         dev = device.device

@@ -10,13 +10,13 @@ from hypothesis import HealthCheck, given, settings
 
 from hicache.api.deps import check_bind, is_loopback
 from hicache.api.events import EventBus
-from hicache.api.redact import redact_url
+from hicache.core.redact import redact_url
 from hicache.api.serve import resolve_admin_token
 from hicache.api.stats import RateTracker
 from hicache.core.config import HiCacheConfig
 from hicache.core.errors import ConfigError
 from hicache.core.hashing import page_hashes
-from hicache.node.events import EventKind, EventLog
+from hicache.node.snapshot import EventKind, EventLog
 
 TOKEN = "tok-1234567890abcdef"
 

@@ -21,7 +21,7 @@ from hicache.cache.hicache import HiCacheStats
 from hicache.tiers.cost import AdmissionStats
 from hicache.index.misses import REASONS, MissStats
 from hicache.node.snapshot import REPORT_FIELDS, EngineReport, StatsSnapshot
-from hicache.core.stat_schema import help_of, metric_of, stat
+from hicache.core.stats import help_of, metric_of, stat
 from hicache.tiers.manager import TierMoveStats
 
 from .test_serve_process import commit

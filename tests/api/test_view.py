@@ -1,6 +1,6 @@
 """The REST app over an in-memory ``ServiceView``: no engine server, socket or segment.
 
-The routes see the node service only through ``hicache.node.view.ServiceView``;
+The routes see the node service only through ``hicache.node.snapshot.ServiceView``;
 these tests build the app over ``FakeView`` (a dict of pages) and check each
 route reads or changes exactly what the fake holds.
 """
@@ -12,8 +12,8 @@ from fastapi.testclient import TestClient
 
 from hicache.api.app import create_app
 from hicache.api.deps import RestState
-from hicache.node.events import EMPTY, Taken
-from hicache.node.view import ServiceStats, ServiceView
+from hicache.node.snapshot import EMPTY, Taken
+from hicache.node.snapshot import ServiceStats, ServiceView
 from hicache.core.config import HiCacheConfig
 from hicache.core.errors import IntegrityError, ServiceError
 from hicache.core.hashing import page_hashes

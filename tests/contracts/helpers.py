@@ -25,7 +25,7 @@ def indexed_pages(hc: HiCache):
     for n in hc.cache.nodes():
         toks = n.tokens
         owned = [j for j in range(n.num_pages) if hc.cache.owns(n.start_page + j)]
-        hashes = hc.cache.hashes(n) if n.in_storage else None
+        hashes = hc.cache.tree.hashes(n) if n.in_storage else None
         for k, j in enumerate(owned):
             page_toks = toks[j * ps:(j + 1) * ps]
             if n.device_pages is not None:

@@ -117,7 +117,7 @@ def test_ranks_hold_only_their_pages_and_assemble_to_cp1_bytes(model, cp_size):
     host = []
     for hc, req in ranks:
         m = hc.cache.match(prompt())
-        host.append(RankPages(hc.host_pool, hc.cache.pages(m.device_node, full, host=True)))
+        host.append(RankPages(hc.host_pool, hc.cache.tree.pages(m.device_node, full, host=True)))
     dec2 = make_hc(layout)
     dst = dec2.device_pool.allocator.alloc(full)
     assemble(own, host, dec2.device_pool, dst)

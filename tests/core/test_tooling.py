@@ -42,6 +42,44 @@ def test_no_import_cycles_and_no_upward_imports():
     assert m["upward_imports"] == [], m["upward_imports"]
 
 
+def test_layout_by_plane():
+    """Issue 33: few modules directly in hicache/, and no folder imports a plane above it."""
+    m = _metrics()
+    assert len(m["top_modules"]) <= 10, m["top_modules"]
+    assert m["library_modules"] <= 110, m["library_modules"]  # __init__ not counted
+    assert m["folder_upward"] == [], m["folder_upward"]
+
+
+# Module docstrings still over 15 lines: files other helpers edit this session (the hybrid
+# layer, the vLLM tier, the storage backends) and three format specifications still to move out.
+LONG_DOCSTRINGS_LEFT = {
+    "hicache/cache/hybrid_record.py", "hicache/integrations/vllm.py",
+    "hicache/storage/base.py", "hicache/storage/file.py", "hicache/storage/file_cap.py",
+    "hicache/storage/redis_backend.py", "hicache/storage/redis_wire.py", "hicache/storage/codec.py",
+    "hicache/integrations/metrics.py", "hicache/reference/trace_format.py", "kernels/_triton_copy.py"}
+
+
+def test_module_docstrings_are_short_and_carry_no_history():
+    """Module docstrings describe (<= 15 lines), with no history and no bench figures."""
+    m = _metrics()
+    assert m["docstring_history"] == [], m["docstring_history"]
+    long = {d.split(" (")[0] for d in m["long_docstrings"]}
+    assert long <= LONG_DOCSTRINGS_LEFT, sorted(long - LONG_DOCSTRINGS_LEFT)
+
+
+def test_folder_scan_can_fail():
+    """The folder graph sees an upward import of any kind, and a folder missing from PLANES."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import code_metrics
+    finally:
+        sys.path.pop(0)
+    every = {"hicache.core.config": {"hicache.index.eviction", "hicache.core.errors"},
+             "hicache.index.eviction": {"hicache.core.errors"}, "hicache.cli": {"hicache.nowhere.x"}}
+    assert code_metrics.folder_upward(every, ["hicache.cli"]) == [
+        "hicache -> hicache.nowhere (hicache.cli)", "hicache.core -> hicache.index (hicache.core.config)"]
+
+
 def test_folder_boundaries_hold():
     """The library never imports the reference engine, nor the core the REST package."""
     m = _metrics()

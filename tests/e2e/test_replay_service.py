@@ -13,7 +13,7 @@ import urllib.request
 import uuid
 
 from hicache.cli import main
-from hicache.core.proc import process_age_s
+from hicache.cli import process_age_s
 from tests.conftest import free_port
 
 
@@ -83,7 +83,7 @@ def test_replay_through_the_service_reports_its_l3_traffic_and_no_negative_hits(
 
 
 def test_process_age_counts_time_before_the_first_line_of_the_program():
-    code = "import time; time.sleep(1.0); from hicache.core.proc import process_age_s; print(process_age_s())"
+    code = "import time; time.sleep(1.0); from hicache.cli import process_age_s; print(process_age_s())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert float(out.stdout) >= 1.0

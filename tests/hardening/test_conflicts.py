@@ -13,7 +13,7 @@ import socket
 import pytest
 
 from hicache.node.server import NodeServer
-from hicache.node.preflight import check_socket_path
+from hicache.node.socket_guard import check_socket_path
 from hicache.api.serve import serve
 from hicache.core.config import HiCacheConfig
 from hicache.core.errors import ConfigError

@@ -18,7 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from hicache.api.app import create_app
-from hicache.api.lookup_fast import MIN_FAST_BYTES, split_tokens
+from hicache.api.rest_guards import MIN_FAST_BYTES, split_tokens
 from hicache.api.models import LOOKUP_MAX_ITEMS, MAX_LOOKUP_TOKENS
 from hicache.api.rest_guards import BodyGate
 from hicache.core.hashing import page_hashes

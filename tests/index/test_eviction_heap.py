@@ -33,7 +33,7 @@ def drive(policy, seed):
         for n in list(c.tree.iter_nodes()):  # back up whatever can be (L2 prefix-closed)
             if (n.host_pages is None and n.device_pages is not None and n.parent.host_pages is not None
                     and c.host_allocator.can_alloc(len(n.device_pages)) and rng.random() < 0.5):
-                c.set_host(n, c.host_allocator.alloc(len(n.device_pages)))
+                c.tree.set_host(n, c.host_allocator.alloc(len(n.device_pages)))
         if step % 7 == 3:
             log.append(("L1", c.evict(rng.randrange(1, 6)), c.stats().device_pages_cached))
         if step % 11 == 5:

@@ -60,8 +60,8 @@ def test_namespaces_never_share_pages(mk, run_req):
     assert c.match(A, "ns2").device_pages == [4, 5, 6, 7]
     assert c.match(A).device_tokens == 0
     n1, n2 = c.match(A, "ns1").device_node, c.match(A, "ns2").device_node
-    assert c.hashes(n1) != c.hashes(n2)
-    assert c.hashes(n1) == page_hashes(A, 4, "ns1")
+    assert c.tree.hashes(n1) != c.tree.hashes(n2)
+    assert c.tree.hashes(n1) == page_hashes(A, 4, "ns1")
 
 
 def test_node_split_shares_prefix_and_frees_duplicates(mk, run_req):
@@ -74,7 +74,7 @@ def test_node_split_shares_prefix_and_frees_duplicates(mk, run_req):
     assert c.match(A).device_pages == [0, 1, 2, 3]
     top = c.match(A[:8]).device_node
     assert top.num_pages == 2 and len(top.children) == 2
-    assert c.hashes(c.match(b).device_node) == page_hashes(b, 4)[2:]
+    assert c.tree.hashes(c.match(b).device_node) == page_hashes(b, 4)[2:]
     assert c.stats().inserted_pages == 6 and r.state.value == "finished"
 
 

@@ -154,7 +154,7 @@ class CacheMachine(RuleBasedStateMachine):
         ids = self.c.host_allocator.alloc(len(n.device_pages))
         for h, d in zip(ids, n.device_pages):
             self.hmem[h] = self.mem[d]
-        self.c.set_host(n, ids)
+        self.c.tree.set_host(n, ids)
 
     @rule(n=st.integers(1, 8))
     def evict_host(self, n):
@@ -171,7 +171,7 @@ class CacheMachine(RuleBasedStateMachine):
         ids = self.c.device_allocator.alloc(len(n.host_pages))
         for d, h in zip(ids, n.host_pages):
             self.mem[d] = self.hmem[h]
-        self.c.set_device(n, ids)
+        self.c.tree.set_device(n, ids)
 
     @rule(i=st.integers(0, 99))
     def host_lock(self, i):

@@ -13,13 +13,13 @@ Y = X[:8] + [1, 2, 3, 4, 5, 6, 7, 8]  # shares 2 pages with X
 def backup(c, node):
     """What a write-through controller does: copy, then record the L2 ids."""
     ids = c.host_allocator.alloc(len(node.device_pages))
-    c.set_host(node, ids)
+    c.tree.set_host(node, ids)
     return ids
 
 
 def backup_path(c, node):
     """Write-back: L2 must stay prefix-closed, so copy the ancestors first."""
-    for n in c.path(node):
+    for n in c.tree.path(node):
         if n.host_pages is None:
             backup(c, n)
 
@@ -80,11 +80,11 @@ def test_device_then_host_hit_and_load_back(mk, run_req):
     assert (m.device_tokens, m.host_tokens, m.device_pages, m.host_pages) == (8, 4, [0, 1], [2])
     low = m.host_node
     with pytest.raises(CacheStateError, match="got 1 pages, need 2"):
-        c.set_device(low, [9])
+        c.tree.set_device(low, [9])
     c.inc_host_lock(low)  # pinned while "loading"
     assert c.evict_host(100) == []  # the whole L2 path is pinned
     new = c.device_allocator.alloc(2)
-    c.set_device(low, new)
+    c.tree.set_device(low, new)
     c.dec_host_lock(low)
     c.check_integrity()
     assert c.match(X).device_pages == [0, 1] + new
@@ -124,11 +124,11 @@ def test_hashes_and_storage_flag(mk, run_req):
     c = mk()
     run_req(c, "x", X)
     n = c.match(X).device_node
-    c.set_stored(n)
+    c.tree.set_stored(n)
     top = c.tree.split_at(n, 1)
     assert top.in_storage and n.in_storage
     from hicache.core.hashing import page_hashes
-    assert c.hashes(top) + c.hashes(n) == page_hashes(X, 4)
+    assert c.tree.hashes(top) + c.tree.hashes(n) == page_hashes(X, 4)
     c.check_integrity()
 
 

@@ -26,7 +26,7 @@ from hicache.integrations.metrics import (
     warnings_for,
 )
 from hicache.core.layout import KVLayout
-from hicache.core.stat_schema import metric_of
+from hicache.core.stats import metric_of
 from hicache.storage import open_storage
 
 LAYOUT = KVLayout("metrics-test", 2, num_kv_heads=1, head_dim=8, page_size=4, dtype="float16")

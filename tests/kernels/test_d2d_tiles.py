@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hicache.kernels.page_copy import D2D_TILES, D2D_TILES_LARGE, D2D_TILES_WHOLE_32K, PageCopier
-from hicache.kernels.reference import plane_pages
+from hicache.kernels.page_copy import plane_pages
 from hicache.core.layout import BytePlane, KVLayout
 from hicache.memory.pools import DevicePool
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hicache.reference.model import verify_greedy
-from hicache.reference.model_generate import greedy_generate, prefill, speculative_generate
+from hicache.reference.model import greedy_generate, prefill, speculative_generate
 
 
 def test_verify_greedy_exact_values():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.reference.model_generate import greedy_generate, prefill
+from hicache.reference.model import greedy_generate, prefill
 
 N_PAGES = 5  # prompts span 5 full pages plus a partial one
 

@@ -24,10 +24,13 @@ def _report(out: str) -> list[str]:
 def test_simulate_says_what_is_ahead_draws_a_bar_per_pass_and_keeps_its_report(capsys):
     assert main(["replay", "--simulate", "--scale", "tiny", *MEM]) == 0
     out, err = capsys.readouterr()
-    # 15 requests, 4 passes: hicache, the baselines' page stream, GPU-only, L1+L2 (qd_lru)
+    # 15 requests, 4 passes: hicache, the baselines' page stream, GPU-only (always lru), L1+L2
+    # (the default policy)
+    from hicache.core.config import HiCacheConfig
+    default = HiCacheConfig.load(env={}).policy.device_eviction
     assert "simulating built-in mixed trace (tiny): 4 passes over 15 requests; --limit N replays only" in err
-    for run in ("hicache L1+L2+L3 (qd_lru)", "page stream (baselines)", "GPU-only prefix cache (L1)",
-                "hicache L1+L2 (qd_lru)"):
+    for run in (f"hicache L1+L2+L3 ({default})", "page stream (baselines)", "GPU-only prefix cache (L1, lru)",
+                f"hicache L1+L2 ({default})"):
         assert re.search(re.escape(run) + r": +0%\|.*\| 0/15 \[", err), (run, err[-2000:])  # total known
     assert main(["replay", "--simulate", "--scale", "tiny", "--quiet", *MEM]) == 0
     quiet_out, quiet_err = capsys.readouterr()

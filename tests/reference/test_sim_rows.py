@@ -9,7 +9,7 @@ import pytest
 
 from hicache.cache.hicache import HiCache
 from hicache.reference.sim_report import distinct_capacity, simulate, tiers_label
-from hicache.reference.simulate import SimPlan, sim_config, stand_in_layout
+from hicache.reference.simulate import sim_config, stand_in_layout
 
 from tests.reference.test_simulate import cfg_for, reqs
 

@@ -10,7 +10,7 @@ import pytest
 
 from hicache.cli import main as cli_main
 from hicache.core.config import HiCacheConfig
-from hicache.reference import sim_baselines as bl
+from hicache.reference import sim_report as bl
 from hicache.reference.hash_trace import block_tokens_of, detect_format, iter_hash_trace
 from hicache.reference.sim_report import format_sweep, plot_sweep, simulate, sweep
 from hicache.reference.simulate import SimPlan, SimRequest, run_hicache, sim_config, trace_requests

@@ -7,7 +7,7 @@ import pytest
 from hicache.memory.allocator import PageAllocator
 from hicache.core.errors import ConfigError, IntegrityError
 from hicache.core.hashing import page_hashes
-from hicache.node.events import EventKind, EventLog, KVEvent, Taken, merge
+from hicache.node.snapshot import EventKind, EventLog, KVEvent, Taken, merge
 from hicache.node.l2_index import L2Index
 
 STORED, REMOVED = EventKind.STORED, EventKind.REMOVED

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.memory.allocator import PageAllocator
-from hicache.node.events import EventKind
+from hicache.node.snapshot import EventKind
 from hicache.node.l2_index import CommitResult, L2Index
 from hicache.index.prefix_cache import PrefixCache
 from hicache.core.errors import OutOfPages, ServiceError

@@ -3,7 +3,7 @@ it is handed (never those a fetch brought from L3), records what it stored as L3
 events for its owner to take, and keeps its counters balanced."""
 import time
 
-from hicache.node.events import EventKind
+from hicache.node.snapshot import EventKind
 from hicache.node.l2_index import L2Index
 from hicache.node.l3_tier import L3_OWNER, L3Tier
 from hicache.core.layout import KVLayout

@@ -56,7 +56,7 @@ def test_make_room_queues_unwritten_victims_misses_and_evicts_them_once_written(
     gate = CopyGate(monkeypatch)  # the victims' copies stay in flight
     with pytest.raises(OutOfPages, match=f"{L1_PAGES} pages needed to load an L2 hit, {L1_PAGES - 2 * PAGES} "
                                          "free; the write-back of 2 victim\\(s\\) is queued"):
-        hc.room.make_room(L1_PAGES)
+        hc._run_room(hc.room.make_room(L1_PAGES))
     assert len(hc._jobs.victim_jobs()) == 2 and hc._jobs.victim_pages() == 2 * PAGES
     assert hc.stats().tiers.write_back_queued_pages == 2 * PAGES
     assert hc.cache.stats().device_pages_cached == 2 * PAGES  # nothing evicted before its copy
@@ -78,7 +78,7 @@ def test_make_room_queues_unwritten_victims_misses_and_evicts_them_once_written(
     gate.open()
     hc.drain()  # the copies complete; their victims leave L1
     assert hc.cache.stats().device_pages_cached == 0 and not hc._jobs.write_backs()
-    hc.room.make_room(L1_PAGES)  # room now, nothing queued
+    hc._run_room(hc.room.make_room(L1_PAGES))  # room now, nothing queued
     for rid, p, rows in (("a2", a, rows_a), ("b2", b, rows_b)):
         adm = serve(hc, rid, p, rows)
         assert (adm.device_tokens, adm.host_tokens) == (0, PAGES * layout.page_size)  # L2 hits
@@ -97,9 +97,9 @@ def test_other_write_policies_leave_room_to_the_index(layout):
     rows_a = rows_for(hc, len(a), seed=3)
     serve(hc, "a", a, rows_a)
     hc.drain()
-    hc.room.make_room(L1_PAGES)
+    hc._run_room(hc.room.make_room(L1_PAGES))
     assert hc.cache.stats().device_pages_cached == PAGES
-    hc.room.clean_ahead()
+    hc._run_room(hc.room.clean_ahead())
     assert hc.evict(100) == PAGES and not hc._jobs.write_backs()
     hc.check_integrity()
     adm = serve(hc, "a2", a, rows_a)
@@ -107,23 +107,37 @@ def test_other_write_policies_leave_room_to_the_index(layout):
     hc.close()
 
 
-def test_hicache_satisfies_the_owner_protocol_its_room_uses():
-    """``L1Room`` talks to its cache only through ``RoomOwner``: every method of the
-    protocol is on a real ``HiCache`` with the declared parameters (a rename on either
-    side fails), and the room a cache builds is owned by that cache."""
-    import inspect
-
-    from hicache.tiers.room import RoomOwner
+def test_the_room_returns_plans_and_never_calls_its_cache(monkeypatch):
+    """``L1Room`` holds no reference to its cache: an operation that needs copies yields
+    their backup plans (the driver submits them and replies with the job ids) and the
+    jobs to complete, and the driver does what the room asked, in its order."""
+    from hicache.tiers.room import CompleteJob, WaitJob
 
     hc = _make(LAYOUT)
     try:
-        names = [n for n, fn in vars(RoomOwner).items() if inspect.isfunction(fn) and not n.startswith("_")]
-        assert sorted(names) == ["complete_finished", "start_backup", "wait_job"]
-        for name in names:
-            have = getattr(hc, name, None)
-            assert callable(have), f"HiCache lacks method {name!r}"
-            want = [p for p in inspect.signature(getattr(RoomOwner, name)).parameters if p != "self"]
-            assert list(inspect.signature(have).parameters) == want, (name, inspect.signature(have))
-        assert hc.room._owner is hc and hc.room._jobs is hc._jobs and hc.room.l2 is hc.l2
+        assert all(v is not hc for v in vars(hc.room).values())
+        a, b = _prompt(LAYOUT, 1000), _prompt(LAYOUT, 5000)
+        serve(hc, "a", a, rows_for(hc, len(a), seed=1))
+        serve(hc, "b", b, rows_for(hc, len(b), seed=2))  # 4 unwritten pages on L1, 4 free
+        gate = CopyGate(monkeypatch)  # the victims' copies stay in flight
+        work, reply, steps = hc.room.make_room(L1_PAGES), None, []
+        with pytest.raises(OutOfPages):
+            while True:
+                step = work.send(reply)
+                steps.append(type(step).__name__)
+                if isinstance(step, BackupPlan):
+                    reply = hc._submit(step)
+                elif isinstance(step, WaitJob):
+                    reply = hc.wait_job(step.job)
+                else:
+                    assert isinstance(step, CompleteJob)
+                    reply = hc.complete_finished(step.job)
+        # each victim's backup, then the first queued one, still in flight: the load is a miss
+        assert steps == ["BackupPlan", "BackupPlan", "CompleteJob"]
+        assert hc._jobs.victim_pages() == 2 * PAGES
+        hc.check_integrity()
+        gate.open()
+        assert hc._run_room(hc.room.evict(2 * PAGES)) == 2 * PAGES  # waits for the copies, then evicts
+        hc.check_integrity()
     finally:
         hc.close()

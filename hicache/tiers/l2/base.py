@@ -10,41 +10,46 @@ Two movements, each two-phase as vLLM's ``prepare_*``/``complete_*``: a
 do, or no room); the caller submits the plan to the transfer engine and,
 once the bytes moved (or failed to), hands the outcome to ``complete_*``
 exactly once. ``complete_*`` always unpins what ``prepare_*`` pinned.
-
-* **backup** (L1 -> L2): ``prepare_backup`` / ``complete_backup``.
-  ``ok=False``: the L2 pages reserved for it are returned (private: freed to
-  the host pool; shared: the service's reservation is cancelled), nothing is
-  indexed (no L2 ids on the node, nothing committed at the service), and the
-  node is as before ``prepare_backup`` (on L1, unpinned, backable again).
-* **load back** (L2 -> L1): ``plan_load`` (pin or acquire the L2 hit) ->
-  the caller finds L1 pages -> ``prepare_load`` (index them as L1 pages,
-  pinned until complete) or ``cancel_load`` (no L1 pages: everything
-  ``plan_load`` took is given back, nothing indexed) -> ``complete_load``.
-  ``ok=False``: the L2 side is released (private: the L2 pin; shared: the
-  acquisition), the L1 pages are unpinned but stay indexed, holding unknown
-  bytes: the caller must stop serving (``HiCache`` raises ``TransferError``
-  from then on). A load cannot un-index what it indexed at ``prepare_load``:
-  requests that locked the hit meanwhile already count those pages.
-
-Not thread-safe: the scheduler thread calls everything.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol, cast
 
-from hicache.memory.allocator import PageAllocator
-from hicache.index.prefix_cache import PrefixCache, Request
-from hicache.index.node import Node
-from hicache.tiers.l2.segment import ServiceHostTier
-from hicache.transfer.plans import BackupPlan, LoadBack, LoadPlan
-from hicache.memory.pools import HostPool
-from hicache.index.request import MatchResult
-from hicache.tiers.manager import TierManager
+from hicache.client.link import SCHEME
+from hicache.core.config import HiCacheConfig, PolicyConfig
+from hicache.core.layout import KVLayout
 from hicache.core.types import DevicePageId
+from hicache.index.node import Node
+from hicache.index.prefix_cache import Request
+from hicache.index.request import MatchResult
+from hicache.memory.allocator import PageAllocator
+from hicache.memory.pools import HostPool
+from hicache.tiers.l2.private import PrivateL2
+from hicache.tiers.l2.shared import ServiceHostTier, SharedL2
+from hicache.tiers.manager import TierManager
+from hicache.transfer.plans import BackupPlan, LoadBack, LoadPlan
 
 
 class L2Tier(Protocol):
-    """What ``HiCache`` asks of its L2 (see the module docstring for the two movements)."""
+    """What ``HiCache`` asks of its L2.
+
+    * **backup** (L1 -> L2): ``prepare_backup`` / ``complete_backup``.
+      ``ok=False``: the L2 pages reserved for it are returned (private: freed to
+      the host pool; shared: the service's reservation is cancelled), nothing is
+      indexed (no L2 ids on the node, nothing committed at the service), and the
+      node is as before ``prepare_backup`` (on L1, unpinned, backable again).
+    * **load back** (L2 -> L1): ``plan_load`` (pin or acquire the L2 hit) ->
+      the caller finds L1 pages -> ``prepare_load`` (index them as L1 pages,
+      pinned until complete) or ``cancel_load`` (no L1 pages: everything
+      ``plan_load`` took is given back, nothing indexed) -> ``complete_load``.
+      ``ok=False``: the L2 side is released (private: the L2 pin; shared: the
+      acquisition), the L1 pages are unpinned but stay indexed, holding unknown
+      bytes: the caller must stop serving (``HiCache`` raises ``TransferError``
+      from then on). A load cannot un-index what it indexed at ``prepare_load``:
+      requests that locked the hit meanwhile already count those pages.
+
+    Not thread-safe: the scheduler thread calls everything.
+    """
 
     @property
     def pool(self) -> HostPool:
@@ -52,20 +57,8 @@ class L2Tier(Protocol):
         strategy maps a new one after ``reconnect``)."""
 
     @property
-    def index_allocator(self) -> HostPool | PageAllocator:
-        """The L2 allocator the index (``PrefixCache``) records host pages from; an
-        empty one when L2 is indexed elsewhere (the service)."""
-
-    @property
     def private_bytes(self) -> int:
         """Host memory this engine holds for L2 pages of its own (0: the shared segment)."""
-
-    @property
-    def service(self) -> ServiceHostTier | None:
-        """The connection to the node's service when L2 is its segment (None: private L2)."""
-
-    def attach(self, cache: PrefixCache, tiers: TierManager) -> None:
-        """Bind to the index built over ``index_allocator`` (once, by the owner)."""
 
     def unbacked(self, node: Node) -> bool:
         """``node`` has no L2 copy and none is being made (pure)."""
@@ -92,7 +85,7 @@ class L2Tier(Protocol):
         loading until ``complete_load`` (readers wait for the copy)."""
 
     def complete_load(self, plan: LoadPlan, ok: bool) -> None:
-        """Unpin a finished load and release its L2 side (see the module docstring for ``ok=False``)."""
+        """Unpin a finished load and release its L2 side (see the class docstring for ``ok=False``)."""
 
     def reconnect(self, idle: bool) -> HostPool | None:
         """After an outage of a remote L2, map it again when ``idle`` (no transfer
@@ -103,3 +96,35 @@ class L2Tier(Protocol):
 
     def close(self) -> None:
         """Release the tier's resources (after every transfer finished)."""
+
+
+class L2Memory(NamedTuple):
+    """The L2 memory an embedded cache gets, before its index exists (``open_l2``)."""
+
+    pool: HostPool  # what the transfer engine copies to and from
+    index_allocator: HostPool | PageAllocator  # what the index records L2 pages from (empty: the service's)
+    link: ServiceHostTier | None  # service mode: the connection to the node's segment (None: private L2)
+    l3_url: str  # the L3 the caller should open ("" when storage.url named the service: its L3 is behind L2)
+
+
+def open_l2(cfg: HiCacheConfig, layout: KVLayout, device: str, *, l3_given: bool = False) -> L2Memory:
+    """The node service's shared segment when ``storage.url`` names its socket
+    (``hicache+unix://``) and no L3 object was passed in (``l3_given``), else a
+    private pinned pool of ``pool.host_pages`` (``ConfigError`` when the host
+    cannot hold it, or when the service does not answer). Build the index over
+    ``index_allocator``, then the strategy (``build_l2``)."""
+    url = cfg.storage.url
+    if not l3_given and url.startswith(SCHEME + ":"):
+        link = ServiceHostTier.open(cfg, layout, device)
+        return L2Memory(link.pool, PageAllocator(0, "L2 (shared)"), link, "")
+    cfg.check_host_memory(layout)
+    pool = HostPool(layout, cfg.pool.host_pages)
+    return L2Memory(pool, pool, None, url)
+
+
+def build_l2(memory: L2Memory, tiers: TierManager, policy: PolicyConfig) -> L2Tier:
+    """The L2 strategy over ``memory``, complete: ``tiers`` (and its index) were built
+    over ``memory.index_allocator``."""
+    if memory.link is None:
+        return PrivateL2(memory.pool, tiers)
+    return SharedL2(memory.link, cast(PageAllocator, memory.index_allocator), tiers, policy)  # open_l2's empty one

@@ -6,10 +6,9 @@ to ``hicache.tiers.l2.base.L2Tier``.
 """
 from __future__ import annotations
 
-from hicache.index.prefix_cache import PrefixCache, Request
+from hicache.index.prefix_cache import Request
 from hicache.core.errors import CacheStateError
 from hicache.index.node import Node
-from hicache.tiers.l2.segment import ServiceHostTier
 from hicache.transfer.plans import BackupPlan, LoadBack, LoadPlan, LoadRequest
 from hicache.memory.pools import HostPool
 from hicache.index.request import MatchResult
@@ -20,37 +19,20 @@ from hicache.core.types import DevicePageId
 class PrivateL2:
     """L2 in this process's pinned ``HostPool`` (see ``L2Tier`` for the contract)."""
 
-    def __init__(self, pool: HostPool):
+    def __init__(self, pool: HostPool, tiers: TierManager):
+        """``tiers``: the tier manager over the index that records L2 pages from ``pool``."""
+        if tiers.cache.host_allocator is not pool.allocator:
+            raise CacheStateError("PrivateL2: the tier manager's index must be built over this L2's pool")
         self._pool = pool
-        self._tiers: TierManager | None = None
+        self.tiers = tiers
 
     @property
     def pool(self) -> HostPool:
         return self._pool
 
     @property
-    def index_allocator(self) -> HostPool:
-        return self._pool
-
-    @property
     def private_bytes(self) -> int:
         return self._pool.nbytes()
-
-    @property
-    def service(self) -> ServiceHostTier | None:
-        return None
-
-    def attach(self, cache: PrefixCache, tiers: TierManager) -> None:
-        if tiers.cache is not cache or cache.host_allocator is not self._pool.allocator:
-            raise CacheStateError("PrivateL2.attach: the tier manager and the index must be built over this "
-                                  "L2's pool (index_allocator)")
-        self._tiers = tiers
-
-    @property
-    def tiers(self) -> TierManager:
-        if self._tiers is None:
-            raise CacheStateError("PrivateL2 used before attach(cache, tiers)")
-        return self._tiers
 
     def unbacked(self, node: Node) -> bool:
         return node.host_pages is None and node not in self.tiers.backing_up
