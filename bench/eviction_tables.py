@@ -3,7 +3,7 @@
     python bench/eviction_tables.py --run DIR [TRACE...]   # replay each trace (long: minutes per trace)
     python bench/eviction_tables.py DIR [--plot docs/eviction_policies.png]   # tables from DIR/*.json
 
-``--run`` writes the generated workloads into DIR (hicache.reference.sim_workloads) and
+``--run`` writes the generated workloads into DIR (hicache.reference.workloads) and
 runs ``hicache replay TRACE --simulate --policies all --json DIR/NAME.json`` for them and
 for the TRACEs given; without it, the JSON reports in DIR become one markdown table per
 trace and mode (hit rate of each policy at each capacity, Belady, and the best online
@@ -22,7 +22,7 @@ ORDER = ["lru", "ghost_lru", "qd_lru", "slru", "s3fifo", "lfu", "fifo", "mru"]
 
 
 def run(outdir: str, traces: list[str]) -> None:
-    subprocess.run([sys.executable, "-m", "hicache.reference.sim_workloads", outdir], check=True)
+    subprocess.run([sys.executable, "-m", "hicache.reference.workloads", outdir], check=True)
     for t in [*sorted(glob.glob(os.path.join(outdir, "*.jsonl"))), *traces]:
         name = os.path.splitext(os.path.basename(t))[0]
         print(f"== {name}", flush=True)

@@ -34,7 +34,7 @@ from hicache.reference.model_spec import ModelSpec
 from hicache.cache.hicache import HiCache
 from hicache.core.layout import KVLayout
 from hicache.tiers.cost import Choice, choose
-from hicache.storage.options import StorageOptions
+from hicache.storage.capacity import StorageOptions
 from hicache.storage.memory import MemoryBackend
 
 

@@ -26,7 +26,7 @@ def check_runtime(cfg: HiCacheConfig) -> None:
         from hicache.api.deps import check_bind
         from hicache.api.serve import resolve_admin_token
         check_bind(svc.host, resolve_admin_token(cfg))
-    from hicache.storage.options import StorageOptions
+    from hicache.storage.capacity import StorageOptions
     from hicache.storage.registry import default_registry
     st, layout = cfg.storage, cfg.layout()
     # The MAC key, the timeouts and the retry count, as every backend checks them.

@@ -25,7 +25,7 @@ import torch
 
 from hicache.core.errors import IntegrityError
 from hicache.core.layout import KVLayout
-from hicache.core.provenance import check_provenance, Row
+from hicache.core.types import check_provenance, Row
 from hicache.kernels.plan import build_plan, CopyPlan, PlaneAddr, TileConfig
 from hicache.memory.pools import DevicePool, HostPool
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from hicache.cache.connector_events import L2, L3, EventLog, PageEvent
+from hicache.cache.connector_plan import L2, L3, EventLog, PageEvent
 from hicache.cache.connector_plan import JobKind, JobReport, LoadSpec, SaveSpec, StepPlan
 from hicache.core.errors import CacheStateError, ConfigError, IntegrityError
 from hicache.core.hashing import namespace_root, raw_page_hashes

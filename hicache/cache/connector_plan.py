@@ -1,4 +1,5 @@
-"""What crosses between the connector's scheduler half and its worker half.
+"""What the connector's two halves share: the plans and reports that cross between
+them, the page events they log, and the settings both are built from.
 
 Plain data only (ints, bytes, tuples): an engine may run the two halves in
 different processes and pickle these. The scheduler half
@@ -12,6 +13,17 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any, Mapping, NamedTuple, Sequence
+
+from hicache.client.link import SCHEME
+from hicache.core.config import HiCacheConfig
+from hicache.core.errors import ConfigError
+from hicache.core.layout import KVLayout
+from hicache.core.types import HostPageId
+from hicache.storage import open_storage
+from hicache.storage.capacity import backend_options
+from hicache.tiers.cost import CostModel
+from hicache.tiers.l2.shared import ServiceHostTier
 
 
 class JobKind(enum.StrEnum):
@@ -77,3 +89,111 @@ class WorkerStep:
     finished_saves: set[str] = field(default_factory=set)  # rids whose blocks the saves no longer read
     load_errors: set[int] = field(default_factory=set)  # blocks whose load failed or failed verification
     reports: list[JobReport] = field(default_factory=list)
+
+
+L2, L3 = "L2", "L3"
+
+
+class PageEvent(NamedTuple):
+    stored: bool  # False: removed
+    medium: str  # L2 or L3
+    keys: tuple  # the engine's keys of the pages, in order
+    parent: object | None = None  # stored: the key of the page before the first (None: none)
+    tokens: tuple[int, ...] = ()  # stored: the pages' token ids
+
+
+class EventLog:
+    """Events since the last ``take``, and the key of every indexed L2 page (for removals)."""
+
+    def __init__(self) -> None:
+        self._events: list[PageEvent] = []
+        self._l2_keys: dict[HostPageId, object] = {}
+
+    def stored(self, medium: str, keys: Sequence, parent, tokens: Sequence[int],
+               host: Sequence[HostPageId] = ()) -> None:
+        """Pages ``keys`` reached ``medium``; ``host``: their L2 ids (L2 only)."""
+        if not keys:
+            return
+        if medium == L2:
+            self._l2_keys.update(zip(host, keys))
+        self._events.append(PageEvent(True, medium, tuple(keys), parent, tuple(tokens)))
+
+    def removed_l2(self, freed: Sequence[HostPageId]) -> None:
+        keys = tuple(k for k in (self._l2_keys.pop(h, None) for h in freed) if k is not None)
+        if keys:
+            self._events.append(PageEvent(False, L2, keys))
+
+    def take(self) -> list[PageEvent]:
+        out, self._events = self._events, []
+        return out
+
+    @property
+    def tracked(self) -> int:
+        """L2 pages whose keys are known."""
+        return len(self._l2_keys)
+
+
+LOAD_MODES = ("async", "layerwise")
+_OWN_KEYS = ("load", "host_bytes")
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    config: HiCacheConfig
+    layerwise: bool = False
+    host_bytes: int = 0  # 0: config.pool.host_pages
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> "ConnectorSettings":
+        """Validate the engine's connector object (``ConfigError`` names the key and the fix)."""
+        extra = dict(extra or {})
+        load = extra.pop("load", "async")
+        if load not in LOAD_MODES:
+            raise ConfigError(f"hicache connector: load={load!r}; use one of {', '.join(LOAD_MODES)}")
+        host_bytes = extra.pop("host_bytes", 0)
+        if not isinstance(host_bytes, int) or isinstance(host_bytes, bool) or host_bytes < 0:
+            raise ConfigError(f"hicache connector: host_bytes={host_bytes!r}; must be an integer >= 0")
+        overrides: dict[str, Any] = {}
+        for section, values in extra.items():
+            if isinstance(values, Mapping):
+                overrides.update({f"{section}.{k}": v for k, v in values.items()})
+            else:
+                overrides[section] = values
+        cfg = HiCacheConfig.load(overrides=overrides, env=env)
+        if cfg.storage.url.startswith("memory:"):
+            raise ConfigError("hicache connector: storage.url='memory://' is one store per process object, so "
+                              "the scheduler and the workers would not share it; use file:///dir, redis://, "
+                              "or '' for no L3")
+        return cls(cfg, load == "layerwise", host_bytes)
+
+    def host_pages(self, layout: KVLayout) -> int:
+        """L2 pages of ``layout`` (``host_bytes`` when given); ``ConfigError`` when under one page."""
+        n = self.host_bytes // layout.page_bytes if self.host_bytes else self.config.pool.host_pages
+        if n < 1:
+            raise ConfigError(f"hicache connector: host_bytes={self.host_bytes} holds no page of "
+                              f"{layout.page_bytes} bytes; give at least one page")
+        return n
+
+    @property
+    def shared(self) -> bool:
+        """L2 is the node service's segment (``storage.url = hicache+unix:///path.sock``)."""
+        return self.config.storage.url.startswith(SCHEME + ":")
+
+    def open_link(self, layout: KVLayout, device: str):
+        """Map the node service's segment (``ServiceHostTier``; ``ConfigError`` when no service answers)."""
+        return ServiceHostTier.open(self.config, layout, device)
+
+    def open_l3(self, layout: KVLayout):
+        """The L3 backend of ``storage.url`` for ``layout`` (None: no L3, or the service's behind its segment)."""
+        s = self.config.storage
+        if not s.url or self.shared:
+            return None
+        return open_storage(s.url, fingerprint=layout.fingerprint(), layout=layout, timeout_ms=s.timeout_ms,
+                            max_retries=s.max_retries, auth_key=s.resolved_auth_key(), **backend_options(s))
+
+    def cost_model(self, layout: KVLayout) -> CostModel:
+        return CostModel.from_config(self.config.admission, layout.token_bytes)
+
+    def probe_budget_s(self) -> float:
+        """How long a lookup may wait for L3 (the prefetch policy's base budget)."""
+        return self.config.policy.prefetch_timeout_base_ms / 1e3

@@ -16,13 +16,13 @@ from __future__ import annotations
 import dataclasses
 
 from hicache.cache.connector import ConnectorJobs, Hit, _event_fields, _Load, _Save
-from hicache.cache.connector_events import L2
+from hicache.cache.connector_plan import L2
 from hicache.cache.connector_plan import LoadSpec, SaveSpec
 from hicache.core.errors import CacheStateError, IntegrityError
 from hicache.core.layout import KVLayout
 from hicache.index.prefix_cache import as_key
 from hicache.tiers.cost import CostModel
-from hicache.tiers.l2.segment import ServiceHostTier
+from hicache.tiers.l2.shared import ServiceHostTier
 
 
 @dataclasses.dataclass(slots=True)

@@ -4,7 +4,7 @@ The engine's paged KV tensors are this rank's L1 (a ``DevicePool`` over them,
 page id == block id); its L2 is a host pool of its own heads (pinned when
 CUDA is present); L3 is any hicache storage URL. Copies and L3 I/O run on the
 transfer engine (``hicache.transfer.engine``: a CUDA stream with the page-copy
-kernels, or a CPU thread). Per engine step::
+kernels, or a CPU thread). Per engine step (not thread-safe: one worker thread)::
 
     w.start(plan)                 # before the forward: saves, then loads
     w.wait_layer(i)               # in the forward, before attention of layer i (layer-wise loads)
@@ -13,7 +13,6 @@ kernels, or a CPU thread). Per engine step::
 A load whose L3 part fails verification or is missing loads the pages before
 it and reports every later block in ``load_errors``; a failed copy reports all
 of its blocks. No block is ever reported loaded that does not hold the page.
-Not thread-safe: the engine's worker thread calls everything.
 """
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ from itertools import accumulate
 from typing import Any, Iterable, Literal, NamedTuple, Protocol, Sequence
 
 from hicache.core.errors import LayoutError
+from hicache.core.hashing import page_hashes
 
 
 # What this module reads of a KVLayout and a ModelShape. Protocols, not imports:
@@ -278,8 +279,6 @@ def workload_bytes(layout: _Layout, sequences: Iterable[tuple[Sequence[int], str
     full page), at its page-floored end; an SWA page is kept when some sequence's
     boundary needs it (as ``HybridCache`` keeps them: with a state group, only
     boundaries with a snapshot). Pure."""
-    from hicache.core.hashing import page_hashes
-
     ps = layout.page_size
     state = next((g for g in layout.groups if g.kind == "state"), None)
     pages: set[bytes] = set()

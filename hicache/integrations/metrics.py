@@ -25,7 +25,7 @@ API (all of it):
   ``SglangStats`` or a plain ``AdapterStats``.
 * ``start_line(log, engine, url, fingerprint, capacity)``: the INFO line at
   start (URL redacted).
-* ``warnings_for(log)``: a ``hicache.core.ratelimit.LogLimiter`` (a few lines per
+* ``warnings_for(log)``: a ``hicache.core.redact.LogLimiter`` (a few lines per
   kind of warning and minute).
 
 Export channels (each adapter keeps its engine's own; the names, help and
@@ -56,7 +56,7 @@ import weakref
 from typing import Any, Iterator
 
 from hicache.core.errors import IntegrityError
-from hicache.core.ratelimit import LogLimiter
+from hicache.core.redact import LogLimiter
 from hicache.core.redact import redact_url
 from hicache.core.stats import Kind, help_of, metric_of, stat
 

@@ -23,7 +23,7 @@ from hicache.core.hashing import HASH_BYTES
 from hicache.core.layout import KVLayout
 from hicache.storage import StorageBackend, StorageStats
 from hicache.storage.into import wipe_unloaded
-from hicache.storage.options import StorageOptions
+from hicache.storage.capacity import StorageOptions
 from hicache.core.types import PageHash
 
 KV_POOL = PoolName.KV  # the anchor pool, stored by the v1 methods

@@ -80,7 +80,7 @@ from hicache.integrations.known import KnownSet
 from hicache.integrations.metrics import VLLM_PREFIX, GroupCounts, Increases, VllmTierStats, families
 from hicache.integrations.vllm_groups import GroupLedger, KVGroup, kv_groups
 from hicache.core.layout import MAX_MODEL_ID_CHARS, KVLayout
-from hicache.core.ratelimit import LogLimiter
+from hicache.core.redact import LogLimiter
 from hicache.storage import StorageBackend, open_storage
 from hicache.storage.into import wipe_unloaded
 from hicache.core.redact import redact_url

@@ -2,7 +2,7 @@
 
 Loaded by vLLM from ``--kv-transfer-config '{"kv_connector":"HiCacheConnector",
 "kv_connector_module_path":"hicache.integrations.vllm_connector","kv_role":"kv_both",
-"kv_connector_extra_config":{...}}'`` (keys: ``hicache.cache.connector_config``).
+"kv_connector_extra_config":{...}}'`` (keys: ``hicache.cache.connector_plan``).
 This module only translates vLLM objects to and from the vLLM-free core:
 ``hicache.cache.connector`` (scheduler half: the index, floors, the cost model)
 and ``hicache.cache.connector_worker`` (worker half: page copies, L3 I/O);
@@ -33,8 +33,8 @@ from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hicache.cache.connector import ConnectorScheduler
-from hicache.cache.connector_config import ConnectorSettings
-from hicache.cache.connector_events import L2
+from hicache.cache.connector_plan import ConnectorSettings
+from hicache.cache.connector_plan import L2
 from hicache.cache.connector_plan import JobReport, StepPlan
 from hicache.cache.connector_shared import SharedConnectorScheduler
 from hicache.cache.connector_worker import ConnectorWorker

@@ -26,7 +26,7 @@ from hicache.core.errors import (ContractMismatch, ForeignPage, IntegrityError, 
 from hicache.core.layout import KVLayout
 from hicache.index.misses import MissStats
 from hicache.client.protocol import PROTOCOL_VERSION, error_reply, plain
-from hicache.core.ratelimit import LogLimiter
+from hicache.core.redact import LogLimiter
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from hicache.node.l2_index import L2Index
 from hicache.node.l3_tier import L3Tier
 from hicache.memory.pools import HostPool
 from hicache.client.protocol import HEADER_BYTES, body_length, pack, unpack
-from hicache.core.ratelimit import LogLimiter
+from hicache.core.redact import LogLimiter
 from hicache.core.redact import Redactor
 from hicache.storage import StorageBackend, open_storage
 from hicache.core.types import PageHash

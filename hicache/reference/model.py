@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from hicache.core.errors import InvalidArgument, PoolError
-from hicache.core.provenance import Row
+from hicache.core.types import Row
 from hicache.memory.pools import DevicePool
 from hicache.reference import model_layers as ml
 from hicache.reference.model_kv import (check_rows, check_slot_bounds, gather_context, RowBatch, to_device, write_kv,

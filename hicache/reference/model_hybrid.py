@@ -25,7 +25,7 @@ from hicache.reference.model_spec import ModelSpec
 from hicache.core.errors import IntegrityError, InvalidArgument, LayoutError, PoolError
 from hicache.core.groups import LayerGroup
 from hicache.cache.hybrid import group_layout
-from hicache.core.provenance import Row
+from hicache.core.types import Row
 from hicache.core.layout import HostLayout, KVLayout
 from hicache.memory.pools import DevicePool
 

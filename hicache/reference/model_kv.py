@@ -1,7 +1,7 @@
 """How the reference model writes KV rows into a ``DevicePool`` and reads context back.
 
 Rows are addressed by slot id (``page_id * page_size + offset``). A batch of
-rows carries one ``hicache.core.provenance.Row`` code per row; only ``VALID`` rows
+rows carries one ``hicache.core.types.Row`` code per row; only ``VALID`` rows
 reach the pool, padding rows (``STATIC_PAD``) may carry any slot id (``-1`` by
 convention) and are dropped.
 
@@ -20,7 +20,7 @@ import torch
 
 from hicache.core.errors import InvalidArgument, PoolError, ProvenanceError
 from hicache.memory.pools import DevicePool
-from hicache.core.provenance import Row, check_provenance
+from hicache.core.types import Row, check_provenance
 
 try:  # hicache's store kernel (Triton on CUDA, plain torch on CPU)
     from hicache.kernels.page_copy import store_rows as _store_rows

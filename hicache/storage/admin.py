@@ -108,7 +108,7 @@ class FileStore:
                 continue
             n, size = n + 1, size + e.stat.st_size
         from hicache.storage.file_cap import rescan_ledger
-        from hicache.storage.file_perms import FilePerms
+        from hicache.storage.file_cap import FilePerms
         rescan_ledger(self.root, FilePerms.of(self.group, str(self.root)).gid)
         return Cleared(n, size)
 

@@ -42,9 +42,9 @@ from hicache.storage import codec, into
 from hicache.storage.capacity import StorageUsage
 from hicache.storage.codec import Buffer, ReadStatus
 from hicache.storage.health import DOWN, Health
-from hicache.storage.options import StorageOptions
-from hicache.storage.put_batch import PutBatch, PutItem, put_rows
-from hicache.storage.reads import ObjectWarnings, ReadTally, failing_objects
+from hicache.storage.capacity import StorageOptions
+from hicache.storage.into import PutBatch, PutItem, put_rows
+from hicache.storage.into import ObjectWarnings, ReadTally, failing_objects
 
 log = logging.getLogger(__name__)
 

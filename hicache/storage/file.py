@@ -46,12 +46,12 @@ from typing import Any, Callable, Iterator
 from hicache.core.errors import ConfigError, IntegrityError
 from hicache.core.hashing import HASH_BYTES
 from hicache.storage.base import StorageBackend
-from hicache.storage.options import StorageOptions
-from hicache.storage.put_batch import PutBatch
+from hicache.storage.capacity import StorageOptions
+from hicache.storage.into import PutBatch
 from hicache.storage.capacity import StorageUsage, check_eviction
 from hicache.storage.codec import Buffer
 from hicache.storage.file_cap import FileCap, scan
-from hicache.storage.file_perms import FilePerms
+from hicache.storage.file_cap import FilePerms
 from hicache.storage.health import FLOOR_BYTES_PER_S, LoadFactor, call_budget
 from hicache.storage.into import MAX_SPLIT_HEADER, InPlace
 
@@ -400,7 +400,7 @@ class FileBackend(StorageBackend):
             return
         with self._idle:
             self._idle.wait_for(lambda: self._pending == 0, timeout=LATE_WAIT_S)
-        total, _ = self._cap.usage()
+        total = self._cap.checked_usage()  # an untrusted ledger is reported, not repaired, by a check
         on_disk = sum(f.size for f in scan(self.root)[0])
         if on_disk > total:
             self._warnings.once("ledger", "L3 %s: the size ledger counted %d bytes but %d are on disk (a put that "

@@ -38,7 +38,7 @@ whole old object (POSIX keeps the inode until closed); a reader that has not
 opened it yet gets a miss. Reads verify checksums anyway.
 """
 from __future__ import annotations
-
+from dataclasses import dataclass
 import errno
 import fcntl
 import logging
@@ -50,9 +50,11 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, NamedTuple
-
 from hicache.core.errors import IntegrityError, StorageError
 from hicache.storage.capacity import TRIM_TO
+import grp
+from hicache.core.errors import ConfigError
+
 
 LEDGER = ".hicache-usage"
 TRIM_LOCK = ".hicache-trim.lock"
@@ -326,16 +328,22 @@ class FileCap:
             self._write(fd, size + (added1 - added0), added1, kept)
         return TrimResult(n, freed, size)
 
-    def check_integrity(self) -> None:
-        """The ledger covers the bytes on disk (its promise), and exists. Call it
-        while no process is inside a put (a rename not yet accounted is the
-        one legitimate, momentary gap)."""
+    def checked_usage(self) -> int:
+        """The ledger's bytes, read without repairing anything. Raises ``IntegrityError``
+        naming a ledger that is missing or untrusted (a check never mutates)."""
         try:
             with self._ledger(check_only=True) as (_, total, _added, _n):
                 if total is None:
                     raise IntegrityError(f"file:// ledger {self._ledger_path} was never written")
         except LedgerError as e:
             raise IntegrityError(str(e)) from None
+        return total
+
+    def check_integrity(self) -> None:
+        """The ledger covers the bytes on disk (its promise), and exists. Call it
+        while no process is inside a put (a rename not yet accounted is the
+        one legitimate, momentary gap)."""
+        total = self.checked_usage()
         objs, _ = scan(self.root)
         on_disk = sum(f.size for f in objs)
         if on_disk > total:
@@ -406,3 +414,48 @@ def rescan_ledger(root: Path, gid: int | None = None) -> None:
     ledger of ``root`` to what is on disk, if the directory has one (a capped store)."""
     if os.path.lexists(Path(root) / LEDGER):
         FileCap(Path(root), max_bytes=1, gid=gid).rescan()
+
+
+@dataclass(frozen=True, slots=True)
+class FilePerms:
+    gid: int | None  # the sharing group; None: this uid only
+
+    @classmethod
+    def of(cls, group: str, where: str) -> "FilePerms":
+        """``storage.file_group`` (a name, a numeric gid or "") resolved. Raises ``ConfigError``."""
+        if not group:
+            return cls(None)
+        if str(group).isdigit():
+            return cls(int(group))
+        try:
+            return cls(grp.getgrnam(group).gr_gid)
+        except KeyError:
+            raise ConfigError(f"storage url {where!r}: storage.file_group={group!r}: no such group on this "
+                              "machine; create it, give a numeric gid, or leave it empty (this user only)") from None
+
+    @property
+    def file_mode(self) -> int:
+        return 0o600 if self.gid is None else 0o640
+
+    @property
+    def dir_mode(self) -> int:
+        return 0o700 if self.gid is None else 0o2770
+
+    def make_dir(self, path: Path, tighten: bool = False) -> None:
+        """Create ``path`` (and missing parents) with ``dir_mode``; ``tighten``: also an existing
+        one of ours whose mode lets more in than ``dir_mode``. Raises ``OSError``."""
+        try:
+            os.mkdir(path, 0o700)
+        except FileNotFoundError:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return self.make_dir(path, tighten)
+        except FileExistsError:
+            if not tighten:
+                return
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            return  # not ours to change (the write path refuses what is not a directory)
+        if self.gid is not None and st.st_gid != self.gid:
+            os.chown(path, -1, self.gid)
+        if stat.S_IMODE(st.st_mode) != self.dir_mode:
+            os.chmod(path, self.dir_mode)

@@ -14,14 +14,18 @@ page as free space and never expose it; the adapters report it as not loaded and
 zero it (``wipe_unloaded``), and the engines recompute it over that memory.
 """
 from __future__ import annotations
-
 import hmac
 from typing import NamedTuple, Sequence
-
 import numpy as np
-
 from hicache.storage import codec
 from hicache.storage.codec import Buffer, Decoded, ReadStatus
+import logging
+import threading
+from typing import Iterator
+from hicache.core.errors import IntegrityError
+from hicache.core.redact import LogLimiter
+from typing import Callable
+
 
 # Beyond this, what precedes the payload is not a header of ours (a header is
 # ~100 bytes plus a few per plane): the object is read whole and rejected by decode.
@@ -132,3 +136,160 @@ class Verifier:
             return d
         scatter(d.payload, segs)  # type: ignore[arg-type]
         return ReadStatus.OK
+
+
+class ObjectWarnings:
+    """A backend's warnings about single calls and objects: per-object problems
+    rate-limited (a few lines per kind and minute), per-call kinds once. Thread-safe."""
+
+    def __init__(self, log: logging.Logger):
+        self._log = log
+        self._limited = LogLimiter(log)
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()
+
+    def object(self, kind: str, msg: str, *args: object) -> None:
+        """A problem with one object (corrupt, unreadable): rate-limited per ``kind``."""
+        self._limited.warning(kind, msg, *args)
+
+    def once(self, kind: str, msg: str, *args: object) -> None:
+        """A kind of problem worth one line per backend (another layout's objects, a failing call)."""
+        with self._lock:
+            if kind in self._warned:
+                return
+            self._warned.add(kind)
+        self._log.warning(msg, *args)
+
+
+class ReadTally:
+    """The ``StorageStats`` increments of one read batch, and the corrupt objects'
+    full keys (to delete). Logs each problem through ``warnings``. Not thread-safe:
+    one per call."""
+
+    __slots__ = ("name", "warnings", "counts", "corrupt_keys")
+
+    def __init__(self, name: str, warnings: ObjectWarnings):
+        self.name = name
+        self.warnings = warnings
+        self.counts = dict(hits=0, misses=0, corrupt=0, fingerprint_mismatch=0, errors=0, bytes_read=0)
+        self.corrupt_keys: list[bytes] = []
+
+    def hit(self, nbytes: int) -> None:
+        self.counts["hits"] += 1
+        self.counts["bytes_read"] += nbytes
+
+    def absent(self) -> None:
+        self.counts["misses"] += 1
+
+    def failed(self, full_key: bytes, exc: BaseException) -> None:
+        """One item's read raised (e.g. WRONGTYPE: another program's key under our prefix): a miss."""
+        self.counts["misses"] += 1
+        self.counts["errors"] += 1
+        self.warnings.object(f"get:{type(exc).__name__}", "L3 %s: reading object %r failed (%s: %s); counted as "
+                             "a miss", self.name, full_key, type(exc).__name__, str(exc)[:200])
+
+    def rejected(self, full_key: bytes, d: codec.Decoded) -> None:
+        """An object that did not verify: another layout's (left in place) or corrupt (to delete)."""
+        self.counts["misses"] += 1
+        if d.status is ReadStatus.FINGERPRINT:
+            self.counts["fingerprint_mismatch"] += 1
+            self.warnings.once("fingerprint", "L3 %s: object %r belongs to another layout (%s); "
+                               "give each layout its own key_prefix", self.name, full_key, d.why)
+        else:
+            self.counts["corrupt"] += 1
+            self.corrupt_keys.append(full_key)
+            self.warnings.object("corrupt", "L3 %s: corrupt object %r (%s); deleted, counted as a miss",
+                                 self.name, full_key, d.why)
+
+
+def failing_objects(name: str, scan: Iterator[tuple[bytes, Buffer]], key_prefix: bytes, fingerprint: str,
+                    auth_key: bytes) -> list[str]:
+    """What is wrong with each listed object of backend ``name`` that does not verify
+    (format, fingerprint, key, length, checksum, MAC). Raises ``IntegrityError`` for a
+    key outside ``key_prefix``."""
+    bad = []
+    for fk, obj in scan:
+        if not fk.startswith(key_prefix):
+            raise IntegrityError(f"L3 backend {name} listed key {fk!r} outside its prefix {key_prefix!r}")
+        d = codec.decode(obj, fk[len(key_prefix):], fingerprint, None, auth_key)
+        if d.status is not ReadStatus.OK:
+            bad.append(f"{fk!r}: {d.status.value}: {d.why}")
+    return bad
+
+
+# A page put: (page hash, payload in canonical plane order, plane sizes).
+PutItem = tuple[bytes, Buffer, Sequence[int]]
+Row = tuple[bytes, bytes, memoryview, codec.PlaneSizes]  # (full key, page hash, payload, plane sizes)
+
+
+def put_rows(items: Sequence[PutItem], full: Callable[[bytes], bytes]) -> list[Row]:
+    """One row per item, its key made full by ``full`` (which checks it). Raises
+    ``ValueError`` for a bad key or a payload whose length is not the sum of its plane sizes."""
+    rows = []
+    last: tuple[object, codec.PlaneSizes | None] = (None, None)
+    for key, payload, sizes in items:
+        if sizes is not last[0]:  # callers pass one plane-sizes list for a whole batch
+            last = (sizes, codec.plane_sizes(sizes))
+        mv = codec.as_bytes_view(payload)
+        codec.check_length(mv, last[1])
+        rows.append((full(key), key, mv, last[1]))
+    return rows
+
+
+class PutBatch(Sequence[tuple[bytes, bytes, memoryview]]):
+    """``(full key, header, payload)`` per page, the header built on first access.
+
+    Building a header reads the whole payload (checksum); a backend that
+    handles pages one by one (file) builds it just before writing the payload,
+    while the payload is still in cache. Headers are kept once built.
+    """
+
+    __slots__ = ("_fingerprint", "_rows", "_headers", "_auth_key", "_templates")
+
+    def __init__(self, fingerprint: str, rows: list[Row], auth_key: bytes = b""):
+        self._fingerprint = fingerprint
+        self._auth_key = auth_key
+        self._rows = rows  # (full key, page hash, payload, plane sizes), lengths already checked
+        self._headers: list[bytes | None] = [None] * len(rows)
+        self._templates: dict[int, codec.HeaderTemplate] = {}  # per plane-sizes object (one per batch, usually)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def payload_bytes(self, i: int) -> int:
+        """Payload size of page ``i`` (builds no header)."""
+        return self._rows[i][2].nbytes
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        row = self._rows[i]
+        return row[0], self.header(i), row[2]
+
+    def key_payload(self, i: int) -> tuple[bytes, memoryview]:
+        """Full key and payload of page ``i`` (builds no header)."""
+        row = self._rows[i]
+        return row[0], row[2]
+
+    def header_ahead(self, i: int, nbytes: int) -> bytes:
+        """Page ``i``'s header; if it is not built yet, the headers of the pages
+        after it are built with it, up to ``nbytes`` of payload in all (a group
+        that the send following it still finds in cache)."""
+        if self._headers[i] is None:
+            acc, j = 0, i
+            while j < len(self._rows) and acc < nbytes:
+                self.header(j)
+                acc += self._rows[j][2].nbytes
+                j += 1
+        return self.header(i)
+
+    def header(self, i: int) -> bytes:
+        """Page ``i``'s header, built (checksum over the payload) on the first call."""
+        hdr = self._headers[i]
+        if hdr is None:
+            _, key, mv, sizes = self._rows[i]
+            t = self._templates.get(id(sizes))
+            if t is None:
+                t = self._templates[id(sizes)] = codec.header_template(self._fingerprint, sizes)
+            hdr = self._headers[i] = codec.encode_header(self._fingerprint, key, sizes, mv, self._auth_key, t)
+        return hdr

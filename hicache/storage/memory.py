@@ -13,8 +13,8 @@ from typing import Iterator
 
 from hicache.core.errors import ConfigError, IntegrityError
 from hicache.storage.base import StorageBackend
-from hicache.storage.options import StorageOptions
-from hicache.storage.put_batch import PutBatch
+from hicache.storage.capacity import StorageOptions
+from hicache.storage.into import PutBatch
 from hicache.storage.capacity import StorageUsage, check_eviction
 from hicache.storage.codec import Buffer
 

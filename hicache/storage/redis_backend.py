@@ -39,8 +39,8 @@ from hicache.core.errors import ConfigError
 from hicache.core.redact import error_text
 from hicache.core.redact import redact_url
 from hicache.storage.base import StorageBackend
-from hicache.storage.options import StorageOptions
-from hicache.storage.put_batch import PutBatch
+from hicache.storage.capacity import StorageOptions
+from hicache.storage.into import PutBatch
 from hicache.storage.capacity import StorageUsage
 from hicache.storage.codec import Buffer
 from hicache.storage.redis_wire import FramedConnection, FramedSSLConnection, FramedValue

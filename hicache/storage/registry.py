@@ -7,19 +7,18 @@ signature). Add a backend with ``registry.register("s3", factory)`` and pass
 ``registry=`` to ``open_storage``; nothing is kept in module state.
 """
 from __future__ import annotations
-
 import importlib
 import logging
 from importlib.metadata import entry_points
 from typing import Any, Callable
-
 from hicache.core.errors import ConfigError
 from hicache.core.layout import KVLayout
 from hicache.core.redact import redact_url
 from hicache.storage.base import StorageBackend
-from hicache.storage.options import StorageOptions
+from hicache.storage.capacity import StorageOptions
 from hicache.storage.file import FileBackend
 from hicache.storage.memory import MemoryBackend
+
 
 log = logging.getLogger(__name__)
 

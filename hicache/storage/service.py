@@ -18,8 +18,8 @@ from hicache.core.errors import ConfigError, ContractMismatch, IntegrityError, O
 from hicache.core.layout import KVLayout
 from hicache.storage.base import StorageBackend
 from hicache.storage.health import DOWN
-from hicache.storage.options import StorageOptions
-from hicache.storage.put_batch import PutBatch, PutItem
+from hicache.storage.capacity import StorageOptions
+from hicache.storage.into import PutBatch, PutItem
 from hicache.storage.codec import Buffer, as_bytes_view
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import torch
 from hicache.index.cp import CPRowOrder, PageOwnership
 from hicache.memory.pools import DevicePool, HostPool
 from hicache.kernels.page_copy import copy_pages, store_rows
-from hicache.core.provenance import Row, check_provenance
+from hicache.core.types import Row, check_provenance
 
 Pool = DevicePool | HostPool
 

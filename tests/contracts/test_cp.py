@@ -9,7 +9,7 @@ import torch
 from hicache.transfer.cp_assemble import RankPages, RequestRows, assemble, page_sources, rank_batch, store_batch
 from hicache.reference.model import ReferenceModel
 from hicache.reference.model_spec import ModelSpec
-from hicache.core.provenance import Row
+from hicache.core.types import Row
 
 from .helpers import SENTINEL, make_hc
 

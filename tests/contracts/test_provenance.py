@@ -10,7 +10,7 @@ from hicache.transfer.cp_assemble import RequestRows, rank_batch, store_batch
 from hicache.core.errors import ProvenanceError
 from hicache.kernels.page_copy import store_rows
 from hicache.core.layout import KVLayout
-from hicache.core.provenance import Row, check_provenance
+from hicache.core.types import Row, check_provenance
 
 from .helpers import SENTINEL, indexed_pages, make_hc
 

@@ -96,7 +96,7 @@ _UNDER_O = textwrap.dedent("""
     from hicache.api.events import EventBus
     from hicache.node.server import NodeServer
     from hicache.core.config import HiCacheConfig
-    from hicache.core.ratelimit import LogLimiter
+    from hicache.core.redact import LogLimiter
 
     def expect(kind, fn, *args, **kw):
         try:

@@ -14,6 +14,7 @@ import pytest
 
 from hicache.cli import main
 from hicache.storage import open_storage
+from hicache.core.errors import StorageError
 from hicache.storage.file_cap import scan
 
 FP = "0f1e2d3c4b5a6978"
@@ -90,6 +91,6 @@ def test_scan_does_not_count_through_a_symlinked_fanout_dir(tmp_path):
     os.rename(fan, str(fan) + ".real")
     os.symlink(outside, fan)
     assert scan(root)[0] == []
-    with pytest.raises(AssertionError, match="not an object path"):
+    with pytest.raises(StorageError, match="not an object path"):
         from hicache.storage.file_cap import _unlink
         _unlink(root, str(outside / "x"))

@@ -17,7 +17,7 @@ import torch
 from hicache.kernels.page_copy import PageCopier
 from hicache.core.layout import KVLayout
 from hicache.memory.pools import DevicePool
-from hicache.core.provenance import Row
+from hicache.core.types import Row
 from hicache.core.shapes import model_shapes
 from tests.kernels.test_page_copy import make_pools
 

@@ -8,7 +8,7 @@ from hicache.core.errors import ProvenanceError
 from hicache.kernels.page_copy import PageCopier, store_rows
 from hicache.core.layout import BytePlane, KVLayout
 from hicache.memory.pools import DevicePool
-from hicache.core.provenance import Row
+from hicache.core.types import Row
 
 SENTINEL = 0xA5
 HAS_CUDA = torch.cuda.is_available()

@@ -13,7 +13,7 @@ from hicache.reference.model_spec import ModelSpec
 from hicache.core.errors import PoolError, ProvenanceError
 from hicache.cache.hicache import HiCache
 from hicache.memory.pools import DevicePool
-from hicache.core.provenance import Row
+from hicache.core.types import Row
 
 V, P, T = int(Row.VALID), int(Row.STATIC_PAD), int(Row.CP_PAGE_TAIL)
 # aten ops that make the host wait for a GPU (read a value back or size a result by data)

@@ -9,7 +9,7 @@ from hicache.reference.model_kv import gather_context, write_kv
 from hicache.reference.model_spec import ModelSpec
 from hicache.core.errors import LayoutError, PoolError, ProvenanceError
 from hicache.memory.pools import DevicePool
-from hicache.core.provenance import Row
+from hicache.core.types import Row
 
 
 def test_kv_layout_mha_and_mla():

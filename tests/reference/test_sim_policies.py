@@ -8,7 +8,7 @@ import pytest
 
 from hicache.cli import main as cli_main
 from hicache.core.errors import ConfigError
-from hicache.reference import sim_workloads as sw
+from hicache.reference import workloads as sw
 from hicache.reference.hash_trace import iter_hash_trace
 from hicache.reference.sim_policies import format_policy_sweep, parse_capacities, plot_policy_sweep, policy_sweep
 from hicache.reference.sim_report import sweep_caption

@@ -10,7 +10,7 @@ import redis
 
 from hicache.core.hashing import page_hashes
 from hicache.storage import codec, open_storage, redis_backend
-from hicache.storage.put_batch import PutBatch
+from hicache.storage.into import PutBatch
 
 from .conftest import FP
 
