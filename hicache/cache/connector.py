@@ -281,7 +281,7 @@ class ConnectorScheduler(ConnectorJobs):
         anchor, host = None, ()
         if l2_end > first:
             node = m.host_node
-            anchor = self.cache.split_at(node, l2_end - node.start_page)
+            anchor = self.cache.tree.split_at(node, l2_end - node.start_page)
             self.cache.inc_host_lock(anchor)
             host = tuple(m.host_pages[first:l2_end])
         prefetch, l3_host, l3_hashes = None, (), ()
@@ -314,7 +314,7 @@ class ConnectorScheduler(ConnectorJobs):
             return False
         anchor = None
         if have:  # pinned before making room, which must not evict the prefix the save continues
-            anchor = self.cache.split_at(m.host_node, have - m.host_node.start_page)
+            anchor = self.cache.tree.split_at(m.host_node, have - m.host_node.start_page)
             self.cache.inc_host_lock(anchor)
         self._evict(n - have)
         host = self.tiers.alloc_host(n - have)
@@ -354,7 +354,7 @@ class ConnectorScheduler(ConnectorJobs):
         spec, reports = sv.spec, sv.reports
         sv.reports = []
         ok = all(r.ok for r in reports)
-        node, unused = (self.cache.insert_host(sv.key, sv.namespace, sv.first_page, list(spec.host))
+        node, unused = (self.cache.tree.insert_host(sv.key, sv.namespace, sv.first_page, list(spec.host))
                         if ok else (None, list(spec.host)))
         if sv.anchor is not None:
             self.cache.dec_host_lock(sv.anchor)
@@ -383,7 +383,7 @@ class ConnectorScheduler(ConnectorJobs):
         self._c["stored"] += stored
         if sv.node is not None:
             if stored == len(sv.spec.host) and all(r.ok for r in sv.reports):
-                self.cache.set_stored(sv.node)
+                self.cache.tree.set_stored(sv.node)
                 self.events.stored(L3, sv.keys, sv.parent, sv.tokens)
             self.cache.dec_host_lock(sv.node)
         self._free_host(sv.unused)
