@@ -21,10 +21,9 @@ the late answer is discarded. A scheduler passes its prefetch policy's
 budget, so a slow L3 never holds a scheduler step longer than the policy
 allows.
 
-Pieces beside it: ``options`` (``StorageOptions``), ``health`` (the circuit
-breaker and probe backoff), ``put_batch`` (what ``_raw_put`` receives),
-``reads`` (judging and counting what a read brought back) and ``into``
-(reads into the caller's buffers).
+Pieces beside it: ``capacity`` (``StorageOptions`` and the byte cap), ``health``
+(the circuit breaker and probe backoff), and ``into`` (what ``_raw_put`` receives,
+reads into the caller's buffers, and judging what a read brought back).
 """
 from __future__ import annotations
 
