@@ -5,11 +5,15 @@ never strings. Eviction policies are classes registered by name
 (``hicache.index.eviction.POLICIES``); the names the configuration accepts are
 ``EVICTION_POLICIES``, which that registry must equal."""
 from __future__ import annotations
+
 import enum
-from typing import NewType
 from enum import IntEnum
-import torch
+from typing import TYPE_CHECKING, NewType
+
 from hicache.core.errors import ProvenanceError
+
+if TYPE_CHECKING:  # the CLI's help and info import this module and never torch
+    import torch
 
 
 DevicePageId = NewType("DevicePageId", int)
