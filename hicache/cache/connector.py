@@ -114,6 +114,21 @@ class ConnectorJobs:
         self._c = dict(loaded=0, load_errors=0, saved=0, save_dropped=0, stored=0)
         self.events = EventLog()
 
+    def _allocated_span(self, rid: str, num_external: int) -> tuple[Hit, int, int] | None:
+        """``rid``'s last lookup and the pages ``[first, end)`` the engine allocated for
+        ``num_external`` tokens of it; None when there is nothing to load. Raises
+        ``CacheStateError`` for an allocation that is not whole pages within the hit."""
+        entry = self._hits.pop(rid, None)
+        if not num_external or entry is None:
+            return None
+        hit, engine_hit = entry
+        ps = self.page_size
+        if num_external % ps or num_external > hit.tokens or engine_hit % ps:
+            raise CacheStateError(f"request {rid!r}: the engine allocated for {num_external} external tokens "
+                                  f"after a hit of {hit.tokens} beyond {engine_hit}; it must be whole pages "
+                                  f"of {ps} tokens, at most the hit")
+        return hit, engine_hit // ps, (engine_hit + num_external) // ps
+
     def _saveable(self, rid: str, tokens, computed_tokens: int, block_ids) -> tuple:
         """Forget ``rid``'s lookup; ``(key, n)``: its key and how many full pages of its
         ``computed_tokens`` may be saved (0 while its load is in flight: blocks not final)."""
@@ -264,17 +279,12 @@ class ConnectorScheduler(ConnectorJobs):
         the L3 part and queue the load for the next plan. Pages that cannot be
         served any more are queued as missing (the workers report them failed).
         ``keys``: the engine's key of each page of ``tokens`` (for ``take_events``)."""
-        entry = self._hits.pop(rid, None)
-        if not num_external or entry is None:
+        span = self._allocated_span(rid, num_external)
+        if span is None:
             return None
-        hit, engine_hit = entry
+        hit, first, end = span
         ps = self.page_size
-        if num_external % ps or num_external > hit.tokens or engine_hit % ps:
-            raise CacheStateError(f"request {rid!r}: the engine allocated for {num_external} external tokens "
-                                  f"after a hit of {hit.tokens} beyond {engine_hit}; it must be whole pages "
-                                  f"of {ps} tokens, at most the hit")
         key = as_key(tokens)
-        first, end = engine_hit // ps, (engine_hit + num_external) // ps
         blocks = tuple(int(b) for b in block_ids[first:end])
         m = self.cache.match(key, namespace, max_tokens=end * ps)
         l2_end = m.host_tokens // ps

@@ -65,15 +65,10 @@ class SharedConnectorScheduler(ConnectorJobs):
                   keys=()) -> LoadSpec | None:
         """Acquire the segment pages for ``num_external`` tokens of the last lookup (the
         service may hand fewer: the rest are queued as missing)."""
-        entry = self._hits.pop(rid, None)
-        if not num_external or entry is None:
+        span = self._allocated_span(rid, num_external)
+        if span is None:
             return None
-        hit, engine_hit = entry
-        ps = self.page_size
-        if num_external % ps or num_external > hit.tokens or engine_hit % ps:
-            raise CacheStateError(f"request {rid!r}: {num_external} external tokens after a hit of {hit.tokens} "
-                                  f"beyond {engine_hit}; it must be whole pages of {ps} tokens, at most the hit")
-        first, end = engine_hit // ps, (engine_hit + num_external) // ps
+        hit, first, end = span
         hashes = self._hashes(as_key(tokens), namespace, end)[first:end]
         link = self.link
         pages = link.call(link.client.acquire, hashes, default=[])
