@@ -41,6 +41,7 @@ from hicache.cache.connector_worker import ConnectorWorker
 from hicache.core.errors import ConfigError, ContractMismatch
 from hicache.core.redact import redact_url
 from hicache.core.layout import KVLayout
+from hicache.integrations.vllm_keys import ENGINE_CELLS_OF, attention_backend, index_key, model_identity, namespace
 from hicache.memory.paged_kv import adopt_paged_kv
 
 # Under vLLM's own logger tree, so the start line shows in vLLM's log at its default level.
@@ -139,13 +140,15 @@ def layout_of(vllm_config, kv_cache_config, tp_rank: int = 0) -> KVLayout:
     if pc.pipeline_parallel_size != 1:
         raise ConfigError(f"HiCacheConnector: pipeline_parallel_size={pc.pipeline_parallel_size}; it supports 1")
     dtype = str(spec.dtype).removeprefix("torch.")
-    common = dict(model_id=vllm_config.model_config.model, num_layers=len(layers), dtype=dtype,
+    backend = attention_backend(vllm_config, spec)
+    common = dict(model_id=model_identity(vllm_config.model_config, backend), num_layers=len(layers), dtype=dtype,
                   page_size=spec.block_size, tp_rank=tp_rank,
                   tp_size=pc.tensor_parallel_size)
     if isinstance(spec, MLAAttentionSpec):
         return KVLayout(kind="mla", kv_lora_rank=spec.head_size, **common)
     if isinstance(spec, FullAttentionSpec):
-        return KVLayout(kind="mha", num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size, **common)
+        return KVLayout(kind="mha", num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
+                        engine_cells=ENGINE_CELLS_OF.get(backend, ""), **common)
     raise ConfigError(f"HiCacheConnector: KV cache spec {type(spec).__name__} is not supported; "
                       "it supports full attention and MLA")
 
@@ -243,13 +246,14 @@ class HiCacheConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         hit = self.scheduler.lookup(request.request_id, request.all_token_ids, num_computed_tokens,
-                                    _namespace(request))
+                                    namespace(request), key=index_key(request, self.layout.page_size))
         return hit.tokens, hit.is_async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         if num_external_tokens:
             self.scheduler.allocated(request.request_id, request.all_token_ids, blocks.get_block_ids()[0],
-                                     num_external_tokens, _namespace(request), keys=request.block_hashes)
+                                     num_external_tokens, namespace(request), keys=request.block_hashes,
+                                     key=index_key(request, self.layout.page_size))
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         if not num_external_tokens:
@@ -274,7 +278,8 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         delay = self.scheduler.finished(request.request_id, request.all_token_ids, request.num_computed_tokens,
-                                        block_ids, _namespace(request), keys=request.block_hashes)
+                                        block_ids, namespace(request), keys=request.block_hashes,
+                                        key=index_key(request, self.layout.page_size))
         return delay, None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
@@ -305,13 +310,6 @@ class HiCacheConnector(KVConnectorBase_V1):
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         return HiCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
-
-
-def _namespace(request) -> str:
-    """Pages of different LoRA adapters or cache salts never share (the index's namespace)."""
-    lora = request.lora_request.lora_name if request.lora_request is not None else ""
-    salt = request.cache_salt or ""
-    return f"{lora}\0{salt}" if lora or salt else ""
 
 
 def _flat(stats) -> dict[str, int]:
