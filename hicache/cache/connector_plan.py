@@ -142,6 +142,7 @@ class ConnectorSettings:
     config: HiCacheConfig
     layerwise: bool = False
     host_bytes: int = 0  # 0: config.pool.host_pages
+    model_id: str = ""  # model.model_id when given: the operator names the model (else the engine derives it)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> "ConnectorSettings":
@@ -164,7 +165,8 @@ class ConnectorSettings:
             raise ConfigError("hicache connector: storage.url='memory://' is one store per process object, so "
                               "the scheduler and the workers would not share it; use file:///dir, redis://, "
                               "or '' for no L3")
-        return cls(cfg, load == "layerwise", host_bytes)
+        named = isinstance(extra.get("model"), Mapping) and "model_id" in extra["model"]
+        return cls(cfg, load == "layerwise", host_bytes, cfg.model.model_id if named else "")
 
     def host_pages(self, layout: KVLayout) -> int:
         """L2 pages of ``layout`` (``host_bytes`` when given); ``ConfigError`` when under one page."""

@@ -129,8 +129,9 @@ def _tp_rank(role: KVConnectorRole, vllm_config) -> int:
     return pc.rank % pc.tensor_parallel_size
 
 
-def layout_of(vllm_config, kv_cache_config, tp_rank: int = 0) -> KVLayout:
-    """The ``KVLayout`` of vLLM's one KV cache group on this TP rank (``ConfigError`` otherwise)."""
+def layout_of(vllm_config, kv_cache_config, tp_rank: int = 0, model_id: str = "") -> KVLayout:
+    """The ``KVLayout`` of vLLM's one KV cache group on this TP rank (``ConfigError`` otherwise).
+    ``model_id``: the operator's name for the model; by default ``model_identity``'s."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ConfigError(f"HiCacheConnector: {len(groups)} KV cache groups; it supports one (start vLLM with "
@@ -141,7 +142,7 @@ def layout_of(vllm_config, kv_cache_config, tp_rank: int = 0) -> KVLayout:
         raise ConfigError(f"HiCacheConnector: pipeline_parallel_size={pc.pipeline_parallel_size}; it supports 1")
     dtype = str(spec.dtype).removeprefix("torch.")
     backend = attention_backend(vllm_config, spec)
-    common = dict(model_id=model_identity(vllm_config.model_config, backend), num_layers=len(layers), dtype=dtype,
+    common = dict(model_id=model_id or model_identity(vllm_config.model_config, backend), num_layers=len(layers), dtype=dtype,
                   page_size=spec.block_size, tp_rank=tp_rank,
                   tp_size=pc.tensor_parallel_size)
     if isinstance(spec, MLAAttentionSpec):
@@ -163,7 +164,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         self.settings = s = ConnectorSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         if vllm_config.cache_config.block_size != kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size:
             raise ConfigError("HiCacheConnector: vLLM's hash block size differs from its KV block size")
-        self.layout = layout = layout_of(vllm_config, kv_cache_config, _tp_rank(role, vllm_config))
+        self.layout = layout = layout_of(vllm_config, kv_cache_config, _tp_rank(role, vllm_config), s.model_id)
         self._layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         self._layer_index = {n: i for i, n in enumerate(self._layer_names)}
         url = s.config.storage.url
@@ -190,9 +191,10 @@ class HiCacheConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._reports: list[JobReport] = []
         l2 = (f"the node segment at {url}" if s.shared else f"{s.host_pages(layout)} pages of {layout.page_bytes} B")
-        log.info("HiCacheConnector started (%s, rank %d): L2 %s, L3 %s, load %s, %d layers x %d-token pages",
-                 role.name.lower(), layout.tp_rank, l2, redact_url(url) if url and not s.shared else "none",
-                 "layerwise" if s.layerwise else "async", layout.num_layers, layout.page_size)
+        log.info("HiCacheConnector started (%s, rank %d): L2 %s, L3 %s, load %s, %d layers x %d-token pages, "
+                 "model %s (fingerprint %s)", role.name.lower(), layout.tp_rank, l2,
+                 redact_url(url) if url and not s.shared else "none", "layerwise" if s.layerwise else "async",
+                 layout.num_layers, layout.page_size, layout.model_id, layout.fingerprint()[:12])
 
     @property
     def requires_kv_delivery(self) -> bool:

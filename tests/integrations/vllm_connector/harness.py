@@ -91,10 +91,14 @@ def vllm_tensors(shape: Shape, num_blocks: int, names: list[str], kv_layout: str
 
 
 def connector_config(extra: dict, *, policy: str = "recompute", tokens_per_step: int = 64, **kw):
-    """The VllmConfig of the docs' ``vllm serve`` line (same connector fields)."""
-    return create_vllm_config(kv_connector="HiCacheConnector", kv_connector_module_path=MODULE, kv_role="kv_both",
-                              kv_connector_extra_config=extra, kv_load_failure_policy=policy,
-                              max_num_batched_tokens=tokens_per_step, block_size=BLOCK, **kw)
+    """The VllmConfig of the docs' ``vllm serve`` line (same connector fields), as on a GPU
+    server: FlashAttention (this CPU box would otherwise select CPU_ATTN's block interior)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    cfg = create_vllm_config(kv_connector="HiCacheConnector", kv_connector_module_path=MODULE, kv_role="kv_both",
+                             kv_connector_extra_config=extra, kv_load_failure_policy=policy,
+                             max_num_batched_tokens=tokens_per_step, block_size=BLOCK, **kw)
+    cfg.attention_config.backend = AttentionBackendEnum.FLASH_ATTN
+    return cfg
 
 
 _seeded = False
