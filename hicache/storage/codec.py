@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import hmac
+import os
 import struct
 from typing import NamedTuple, Sequence
 
@@ -63,14 +64,41 @@ def mac_key(secret: bytes) -> bytes:
     return blake3.blake3(secret, derive_key_context=_MAC_CONTEXT).digest()
 
 
-def payload_digests(segs: Sequence[memoryview], key: bytes = b"") -> tuple[int, "blake3.blake3 | None"]:
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+# A MAC over a payload of at least MAC_THREADS_MIN_BYTES is hashed by BLAKE3's own
+# threads where there are cores to spare (its tree splits a page among them); on a box of
+# fewer than MAC_THREADS_MIN_CPUS the readers' parallel pages already use every core.
+MAC_THREADS_MIN_BYTES = 512 << 10
+MAC_THREADS_MIN_CPUS = 4
+_MAC_THREADS = blake3.blake3.AUTO if _usable_cpus() >= MAC_THREADS_MIN_CPUS else 1
+
+
+def _mac_state(key: bytes, nbytes: int) -> "blake3.blake3":
+    return blake3.blake3(key=key, max_threads=_MAC_THREADS if nbytes >= MAC_THREADS_MIN_BYTES else 1)
+
+
+def payload_digests(segs: Sequence[memoryview], key: bytes = b"",
+                    claimed: int | None = None) -> tuple[int, "blake3.blake3 | None"]:
     """The xxh3_64 checksum of the payload ``segs`` hold in order and, with a MAC
     ``key``, the BLAKE3 MAC state fed with the payload (the fields follow: ``_finish_mac``).
-    Both hashes read each block in turn; both release the GIL on large buffers."""
+    Both hashes read each block in turn; both release the GIL on large buffers.
+    ``claimed`` (with a key only): the checksum a stored header claims, returned as is
+    with no xxh3 pass; the MAC, which covers the payload and that claim, judges both."""
     if not key and len(segs) == 1:
         return xxhash.xxh3_64_intdigest(segs[0]), None
+    if key and claimed is not None:
+        m = _mac_state(key, sum(mv.nbytes for mv in segs))
+        for mv in segs:
+            m.update(mv)
+        return claimed, m
     x = xxhash.xxh3_64()
-    m = blake3.blake3(key=key) if key else None
+    m = _mac_state(key, sum(mv.nbytes for mv in segs)) if key else None
     for mv in segs:
         if m is None:
             x.update(mv)
@@ -186,6 +214,16 @@ def _bin(b: bytes) -> bytes:
     return b"\xc4" + bytes((len(b),)) + b if len(b) < 0x100 else msgpack.packb(b)
 
 
+def claimed_checksum(t: HeaderTemplate, page_hash: bytes, header: Buffer) -> int | None:
+    """The payload checksum that ``header`` (an object's bytes before its payload) holds
+    where our writer puts it for this template and page, or None when it is not there
+    (then the header is not ours, and the caller hashes the payload to judge it)."""
+    at = PREFIX_BYTES + 1 + len(t.head) + 2 + len(page_hash) + len(t.tail)
+    if len(page_hash) >= 0x100 or len(header) < at + 9 or header[at] != 0xCF:
+        return None
+    return int.from_bytes(header[at + 1:at + 9], "big")
+
+
 def _header_fields(t: HeaderTemplate, page_hash: bytes, ck: int) -> bytes:
     """The six fields' entries (no map byte): what ``hck`` and the MAC cover, after the map byte."""
     return t.head + _bin(bytes(page_hash)) + t.tail + _uint(ck)
@@ -203,10 +241,14 @@ def encode_header(fingerprint: str, page_hash: bytes, sizes: Sequence[int] | Pla
     return header_of_segments(t, page_hash, [mv], auth_key)
 
 
-def header_of_segments(t: HeaderTemplate, page_hash: bytes, segs: Sequence[memoryview], auth_key: bytes = b"") -> bytes:
+def header_of_segments(t: HeaderTemplate, page_hash: bytes, segs: Sequence[memoryview], auth_key: bytes = b"",
+                       claimed: int | None = None) -> bytes:
     """``encode_header`` of the payload that ``segs`` hold in order (no join, one
-    pass over the bytes); the caller has checked that they sum to ``t.sizes.total``."""
-    ck, m = payload_digests(segs, auth_key)
+    pass over the bytes); the caller has checked that they sum to ``t.sizes.total``.
+    ``claimed``: with ``auth_key``, the checksum a stored header claims (``claimed_checksum``):
+    the header is then built with it and no xxh3 pass; it equals the stored header only
+    if the MAC over this payload and that claim verifies (a reader's check, not a writer's)."""
+    ck, m = payload_digests(segs, auth_key, claimed if auth_key else None)
     entries = _header_fields(t, page_hash, ck)
     n = 6
     if m is not None:
@@ -255,7 +297,8 @@ def _decode_exact(mv: memoryview, page_hash: bytes, t: HeaderTemplate, auth_key:
     if magic != MAGIC or mv.nbytes - end != t.sizes.total:
         return None
     payload = mv[end:]
-    want = header_of_segments(t, page_hash, [payload], auth_key)
+    claimed = claimed_checksum(t, page_hash, mv[:end]) if auth_key else None
+    want = header_of_segments(t, page_hash, [payload], auth_key, claimed)
     if len(want) != end or not hmac.compare_digest(mv[:end], want):
         return None
     return Decoded(ReadStatus.OK, payload, "")

@@ -112,6 +112,7 @@ class FileBackend(StorageBackend):
         self._pool = concurrent.futures.ThreadPoolExecutor(IO_WORKERS, thread_name_prefix="hicache-file-l3")
         self._pending = 0  # worker tasks not finished, late ones included (under _mu)
         self._idle = threading.Condition(self._mu)
+        self._late_parts = 0  # parts of calls given up, still running (a read may still land)
         self._load = LoadFactor()
         if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0:
             raise ConfigError(f"storage url {self.name!r}: max_bytes={max_bytes!r} must be an integer >= 0 "
@@ -193,10 +194,22 @@ class FileBackend(StorageBackend):
         _, pending = concurrent.futures.wait(futs, timeout=budget)
         if pending:
             given_up.set()
+            with self._mu:
+                self._late_parts += len(pending)
             for f in pending:
-                f.add_done_callback(self._trim_if_over)
+                f.add_done_callback(self._late_done)
             raise self._late(budget)
         return [x for f in futs for x in f.result()]
+
+    def _late_done(self, _fut: Any = None) -> None:
+        with self._idle:
+            self._late_parts -= 1
+            self._idle.notify_all()
+        self._trim_if_over()
+
+    def wait_late_reads(self, timeout: float | None = None) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: self._late_parts == 0, timeout=timeout)
 
     def _trim_if_over(self, _fut: Any = None) -> None:
         if self._cap is not None and self._cap.over():

@@ -85,7 +85,8 @@ def verify_into(header: Buffer, segs: list[memoryview], page_hash: bytes, finger
     ``ReadStatus.OK`` or the failed ``Decoded``. Never raises on bad data;
     mutates nothing.
     """
-    if hmac.compare_digest(header, codec.header_of_segments(template, page_hash, segs, auth_key)):
+    claimed = codec.claimed_checksum(template, page_hash, header) if auth_key else None
+    if hmac.compare_digest(header, codec.header_of_segments(template, page_hash, segs, auth_key, claimed)):
         return ReadStatus.OK
     d = codec.decode(bytes(header) + b"".join(segs), page_hash, fingerprint, template.sizes, auth_key, template)
     # OK here means decode found the payload at the split point, so ``segs`` hold it.
