@@ -214,6 +214,14 @@ def _bin(b: bytes) -> bytes:
     return b"\xc4" + bytes((len(b),)) + b if len(b) < 0x100 else msgpack.packb(b)
 
 
+def header_bytes(t: HeaderTemplate, keyed: bool, hash_bytes: int = 16) -> int:
+    """The length of the header (magic and length prefix included) our writer builds for
+    a page of this template whose checksums need their full 8 bytes (all but 1 in 2**32
+    pages): what a reader expects before the payload."""
+    n = PREFIX_BYTES + 1 + len(t.head) + 2 + hash_bytes + len(t.tail) + 9 + len(_HCK_KEY) + 9
+    return n + (len(_MAC_KEY) + 2 + MAC_BYTES if keyed else 0)
+
+
 def claimed_checksum(t: HeaderTemplate, page_hash: bytes, header: Buffer) -> int | None:
     """The payload checksum that ``header`` (an object's bytes before its payload) holds
     where our writer puts it for this template and page, or None when it is not there

@@ -52,8 +52,8 @@ from hicache.storage.capacity import StorageUsage, check_eviction
 from hicache.storage.codec import Buffer
 from hicache.storage.file_cap import FileCap, scan
 from hicache.storage.file_cap import FilePerms
-from hicache.storage.health import FLOOR_BYTES_PER_S, LoadFactor, call_budget
-from hicache.storage.into import MAX_SPLIT_HEADER, InPlace
+from hicache.storage.health import FLOOR_BYTES_PER_S, LoadFactor, _cpus, call_budget
+from hicache.storage.into import MAX_SPLIT_HEADER, InPlace, Verifier
 
 _TMP = ".tmp."
 # Worker threads for file I/O (syscalls and hashing release the GIL). 4 lets
@@ -66,7 +66,6 @@ LATE_WAIT_S = 30.0  # check_integrity waits this long at most for calls still on
 # Calls of at least this many payload bytes per worker are split among the
 # workers, each reading (or writing) and hashing its pages while they are hot.
 SPLIT_MIN_BYTES = 1 << 20
-HEADER_BUF = 4096  # a header is ~100 bytes plus a few per plane; longer ones get their own buffer
 _HEX_NAME = re.compile(r"^[0-9a-f]{%d}$" % (2 * HASH_BYTES))
 
 
@@ -186,7 +185,7 @@ class FileBackend(StorageBackend):
         ``_budget(n, nbytes)``, else sets ``given_up`` (an Event) and raises
         ``TimeoutError``. Parts still running finish on their own: a late put still
         accounts its bytes, a late read stops before its next page."""
-        k = max(1, min(IO_WORKERS, n, nbytes // SPLIT_MIN_BYTES))
+        k = self._parts(n, nbytes)
         bounds = [n * j // k for j in range(k + 1)]
         given_up = threading.Event()
         futs = [self._submit(part, range(bounds[j], bounds[j + 1]), given_up, *args) for j in range(k)]
@@ -211,6 +210,12 @@ class FileBackend(StorageBackend):
         with self._idle:
             return self._idle.wait_for(lambda: self._late_parts == 0, timeout=timeout)
 
+    def _parts(self, n: int, nbytes: int) -> int:
+        """Workers a call of ``n`` pages and ``nbytes`` splits among: one per
+        ``SPLIT_MIN_BYTES``, at most ``IO_WORKERS``, and no more than the cores the load
+        average leaves (on a saturated box, threads only take turns at the GIL)."""
+        return max(1, min(IO_WORKERS, n, nbytes // SPLIT_MIN_BYTES, int(_cpus() / self._load())))
+
     def _trim_if_over(self, _fut: Any = None) -> None:
         if self._cap is not None and self._cap.over():
             self._trim()
@@ -222,18 +227,18 @@ class FileBackend(StorageBackend):
     def _get_all(self, keys: list[bytes]) -> list[Buffer | None | BaseException]:
         return self._read_each(keys, range(len(keys)), lambda path, i: self._read(path))
 
-    def _raw_get_into(self, keys: list[bytes], dests: list[list[memoryview]], verify: Callable[[int, Any], Any]
-                      ) -> list[Any]:
+    def _raw_get_into(self, keys: list[bytes], dests: list[list[memoryview]], verify: Verifier) -> list[Any]:
         nbytes = sum(mv.nbytes for mv in dests[0]) * len(keys) if keys else 0
         return self._in_parts(self._get_into_part, len(keys), nbytes, keys, dests, verify)
 
     def _get_into_part(self, idx: range, given_up: threading.Event, keys: list[bytes],
-                       dests: list[list[memoryview]], verify: Callable[[int, Any], Any]) -> list[Any]:
+                       dests: list[list[memoryview]], verify: Verifier) -> list[Any]:
         # Verified right after its read, on this worker, while its bytes are in cache.
         # Headers are read into one buffer per part, reused: each is judged before the next read.
         # Once the caller has given up, the destinations are the engine's again: no more reads.
-        hdr = memoryview(bytearray(HEADER_BUF))
-        return self._read_each(keys, idx, lambda path, i: verify(i, _read_into(path, dests[i], hdr)), given_up)
+        hdr, spare = memoryview(bytearray(verify.header_bytes)), memoryview(bytearray(1))
+        return self._read_each(keys, idx, lambda path, i: verify(i, _read_into(path, dests[i], hdr, spare)),
+                               given_up)
 
     def _read_each(self, keys: list[bytes], idx: range, read: Callable[[str, int], Any],
                    given_up: threading.Event | None = None) -> list[Any]:
@@ -450,10 +455,12 @@ def _touch(path: str) -> None:
         pass
 
 
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK  # O_NONBLOCK: a FIFO never waits
+
+
 def _open_regular(path: str) -> tuple[int, int]:
     """(fd, size) of a regular file, never through a symlink; raises OSError otherwise."""
-    # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer.
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    fd = os.open(path, _READ_FLAGS)
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
@@ -461,24 +468,43 @@ def _open_regular(path: str) -> tuple[int, int]:
     return fd, st.st_size
 
 
-def _read_into(path: str, segs: list[memoryview], hdr_buf: memoryview) -> InPlace | bytearray:
+def _read_into(path: str, segs: list[memoryview], hdr: memoryview, spare: memoryview) -> InPlace | bytes:
     """The object at ``path`` with its payload (its last bytes) read into ``segs`` in
-    order, with one ``preadv`` of header + payload: ``InPlace(header)``, the header a view
-    of ``hdr_buf`` when it fits (valid until the next read into it). An object too short,
-    or whose head is too long to be a header, is read whole instead (decode rejects it)."""
-    fd, size = _open_regular(path)
+    order: ``InPlace(header)``, the header a view of ``hdr`` (valid until the next read
+    into it) when it has ``hdr``'s length, the length our writer gives this page's header.
+    That case costs one ``preadv`` of header, payload and ``spare`` (one byte, left
+    unfilled at the end of the file) and no ``fstat``. Any other object takes
+    ``_read_odd``. Nothing is ever sized from the file's size: at most a page and
+    ``MAX_SPLIT_HEADER`` bytes are read."""
+    fd = os.open(path, _READ_FLAGS)
     try:
-        hlen = size - sum(mv.nbytes for mv in segs)
-        if not 0 < hlen <= MAX_SPLIT_HEADER:
-            buf = bytearray(size)
-            return buf[:_preadv_full(fd, [memoryview(buf)])]
-        hdr = hdr_buf[:hlen] if hlen <= hdr_buf.nbytes else memoryview(bytearray(hlen))
-        got = _preadv_full(fd, [hdr, *segs])
-        if got < size:  # shrank under us: whatever arrived, as one object decode rejects
-            return (bytes(hdr) + b"".join(segs))[:got]
-        return InPlace(hdr)
+        if len(segs) + 2 <= IOV_MAX:
+            want = hdr.nbytes + (segs[0].nbytes if len(segs) == 1 else sum(mv.nbytes for mv in segs))
+            if os.preadv(fd, [hdr, *segs, spare], 0) == want:
+                return InPlace(hdr)  # a regular file ends exactly there (a short read is its end)
+        return _read_odd(fd, path, segs, hdr)
     finally:
         os.close(fd)
+
+
+def _read_odd(fd: int, path: str, segs: list[memoryview], hdr: memoryview) -> InPlace | bytes:
+    """``_read_into`` of an object whose length is not the expected one: a header of
+    another length (an older writer, a checksum that encodes shorter) split off by the
+    file's size, or (too short, too long, not a regular file) what a page and
+    ``MAX_SPLIT_HEADER`` hold of it, whole, for ``decode`` to reject."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise OSError(f"{path} is not a regular file (mode {st.st_mode:o}); refusing to read it")
+    payload = sum(mv.nbytes for mv in segs)
+    hlen = st.st_size - payload
+    if 0 < hlen <= MAX_SPLIT_HEADER:
+        head = hdr if hlen == hdr.nbytes else memoryview(bytearray(hlen))
+        got = _preadv_full(fd, [head, *segs])
+        if got == st.st_size:
+            return InPlace(head)
+        return (bytes(head) + b"".join(segs))[:got]  # shrank under us: decode rejects it
+    buf = bytearray(min(st.st_size, payload + MAX_SPLIT_HEADER + 1))
+    return bytes(buf[:_preadv_full(fd, [memoryview(buf)])])
 
 
 def _preadv_full(fd: int, bufs: list[memoryview]) -> int:

@@ -118,12 +118,15 @@ class Verifier:
     ``None`` or an exception. Called by the backend's workers, any thread; it writes
     only into ``views[i]`` (the copy of an object read whole)."""
 
-    __slots__ = ("keys", "views", "fingerprint", "template", "auth_key")
+    __slots__ = ("keys", "views", "fingerprint", "template", "auth_key", "header_bytes")
 
     def __init__(self, keys: list[bytes], views: list[list[memoryview]], fingerprint: str,
                  template: codec.HeaderTemplate, auth_key: bytes):
         self.keys, self.views, self.fingerprint = keys, views, fingerprint
         self.template, self.auth_key = template, auth_key
+        # What a reader expects before each payload (``codec.header_bytes``); other lengths
+        # are read and judged too, by a slower path.
+        self.header_bytes = codec.header_bytes(template, bool(auth_key))
 
     def __call__(self, i: int, obj: object) -> ReadStatus | Decoded | BaseException | None:
         if obj is None or isinstance(obj, BaseException):
