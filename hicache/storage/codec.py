@@ -257,6 +257,12 @@ def header_of_segments(t: HeaderTemplate, page_hash: bytes, segs: Sequence[memor
     the header is then built with it and no xxh3 pass; it equals the stored header only
     if the MAC over this payload and that claim verifies (a reader's check, not a writer's)."""
     ck, m = payload_digests(segs, auth_key, claimed if auth_key else None)
+    return header_of_digests(t, page_hash, ck, m)
+
+
+def header_of_digests(t: HeaderTemplate, page_hash: bytes, ck: int, m: "blake3.blake3 | None") -> bytes:
+    """The header for a payload whose checksum is ``ck`` and whose MAC state (None
+    without a key) has been fed the payload (``payload_digests``, ``PayloadHasher``)."""
     entries = _header_fields(t, page_hash, ck)
     n = 6
     if m is not None:
@@ -265,6 +271,29 @@ def header_of_segments(t: HeaderTemplate, page_hash: bytes, segs: Sequence[memor
     hck = checksum(bytes((_MAP | n,)) + entries)
     hdr = bytes((_MAP | (n + 1),)) + entries + _HCK_KEY + _uint(hck)
     return _PREFIX.pack(MAGIC, len(hdr)) + hdr
+
+
+class PayloadHasher:
+    """``payload_digests`` fed block by block, so that a reader hashes each block of a
+    large payload as it lands, while it is in cache. One per page and thread."""
+
+    __slots__ = ("_x", "_m", "_claimed")
+
+    def __init__(self, auth_key: bytes, nbytes: int, claimed: int | None = None):
+        self._claimed = claimed if auth_key else None
+        self._x = xxhash.xxh3_64() if self._claimed is None else None
+        self._m = _mac_state(auth_key, nbytes) if auth_key else None
+
+    def update(self, block: memoryview) -> None:
+        if self._x is not None:
+            self._x.update(block)
+        if self._m is not None:
+            self._m.update(block)
+
+    def header(self, t: HeaderTemplate, page_hash: bytes) -> bytes:
+        """The header of the payload fed so far (``header_of_segments`` of it); once only."""
+        ck = self._claimed if self._x is None else self._x.intdigest()
+        return header_of_digests(t, page_hash, ck, self._m)
 
 
 def _encode_header_dict(fingerprint: str, page_hash: bytes, sizes: Sequence[int] | PlaneSizes,

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import re
 import secrets
@@ -49,7 +50,7 @@ from hicache.storage.base import StorageBackend
 from hicache.storage.capacity import StorageOptions
 from hicache.storage.into import PutBatch
 from hicache.storage.capacity import StorageUsage, check_eviction
-from hicache.storage.codec import Buffer
+from hicache.storage.codec import HASH_BLOCK, Buffer, PayloadHasher
 from hicache.storage.file_cap import FileCap, scan
 from hicache.storage.file_cap import FilePerms
 from hicache.storage.health import FLOOR_BYTES_PER_S, LoadFactor, _cpus, call_budget
@@ -66,6 +67,9 @@ LATE_WAIT_S = 30.0  # check_integrity waits this long at most for calls still on
 # Calls of at least this many payload bytes per worker are split among the
 # workers, each reading (or writing) and hashing its pages while they are hot.
 SPLIT_MIN_BYTES = 1 << 20
+# A page payload of at least this many bytes in one segment is read block by block, each
+# block hashed as it lands (a core's L2 holds it); smaller ones are read whole, then hashed.
+STREAM_MIN_BYTES = 1 << 20
 _HEX_NAME = re.compile(r"^[0-9a-f]{%d}$" % (2 * HASH_BYTES))
 
 
@@ -237,8 +241,11 @@ class FileBackend(StorageBackend):
         # Headers are read into one buffer per part, reused: each is judged before the next read.
         # Once the caller has given up, the destinations are the engine's again: no more reads.
         hdr, spare = memoryview(bytearray(verify.header_bytes)), memoryview(bytearray(1))
-        return self._read_each(keys, idx, lambda path, i: verify(i, _read_into(path, dests[i], hdr, spare)),
-                               given_up)
+        if verify.template.sizes.total < STREAM_MIN_BYTES:
+            return self._read_each(keys, idx, lambda path, i: verify(i, _read_into(path, dests[i], hdr, spare)),
+                                   given_up)
+        return self._read_each(keys, idx, lambda path, i: verify(i, _read_into(
+            path, dests[i], hdr, spare, functools.partial(verify.hasher, i))), given_up)
 
     def _read_each(self, keys: list[bytes], idx: range, read: Callable[[str, int], Any],
                    given_up: threading.Event | None = None) -> list[Any]:
@@ -468,23 +475,54 @@ def _open_regular(path: str) -> tuple[int, int]:
     return fd, st.st_size
 
 
-def _read_into(path: str, segs: list[memoryview], hdr: memoryview, spare: memoryview) -> InPlace | bytes:
+def _read_into(path: str, segs: list[memoryview], hdr: memoryview, spare: memoryview,
+               hasher: Callable[[memoryview], PayloadHasher] | None = None) -> InPlace | bytes:
     """The object at ``path`` with its payload (its last bytes) read into ``segs`` in
     order: ``InPlace(header)``, the header a view of ``hdr`` (valid until the next read
     into it) when it has ``hdr``'s length, the length our writer gives this page's header.
     That case costs one ``preadv`` of header, payload and ``spare`` (one byte, left
     unfilled at the end of the file) and no ``fstat``. Any other object takes
     ``_read_odd``. Nothing is ever sized from the file's size: at most a page and
-    ``MAX_SPLIT_HEADER`` bytes are read."""
+    ``MAX_SPLIT_HEADER`` bytes are read. ``hasher`` (a large page in one segment): the
+    payload is read block by block and each block hashed as it lands (``_read_hashing``)."""
     fd = os.open(path, _READ_FLAGS)
     try:
-        if len(segs) + 2 <= IOV_MAX:
+        if hasher is not None and len(segs) == 1:
+            got = _read_hashing(fd, segs[0], hdr, spare, hasher)
+            if got is not None:
+                return got
+        elif len(segs) + 2 <= IOV_MAX:
             want = hdr.nbytes + (segs[0].nbytes if len(segs) == 1 else sum(mv.nbytes for mv in segs))
             if os.preadv(fd, [hdr, *segs, spare], 0) == want:
                 return InPlace(hdr)  # a regular file ends exactly there (a short read is its end)
         return _read_odd(fd, path, segs, hdr)
     finally:
         os.close(fd)
+
+
+def _read_hashing(fd: int, seg: memoryview, hdr: memoryview, spare: memoryview,
+                  hasher: Callable[[memoryview], PayloadHasher]) -> InPlace | None:
+    """``_read_into`` of a payload larger than a core's cache: the header and the first
+    block, then block after block (``codec.HASH_BLOCK``, the last with ``spare``), each
+    fed to the digests while it is in cache, so the verifier never reads the page again
+    from memory. None when the object is not of the expected length."""
+    h, n = hdr.nbytes, seg.nbytes
+    at, digests = 0, None
+    while True:
+        block = seg[at:at + HASH_BLOCK]
+        end = at + block.nbytes >= n
+        bufs = [hdr, block] if at == 0 else [block]
+        if end:
+            bufs.append(spare)
+        want = (h if at == 0 else 0) + block.nbytes
+        if os.preadv(fd, bufs, 0 if at == 0 else h + at) != want:
+            return None
+        if digests is None:
+            digests = hasher(hdr)
+        digests.update(block)
+        at += block.nbytes
+        if end:
+            return InPlace(hdr, digests)
 
 
 def _read_odd(fd: int, path: str, segs: list[memoryview], hdr: memoryview) -> InPlace | bytes:
