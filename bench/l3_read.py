@@ -9,7 +9,10 @@ Raw: ``file://``, one thread opening each object file and ``os.readv``-ing it wh
 buffer allocated once; ``redis://``, one redis-py ``MGET`` of the same keys (its default
 client). Nothing verified, nothing placed. Byte-exact check of L2 after every hicache read.
 
-Rounds are interleaved (raw, default, MAC'd, order reversed every round); a ratio is the
+"get() + copy": the same pages through ``get()`` (verified on the caller's thread) and
+``HostPool.write_page``, what ``storage_get`` ran before it read into L2 (unkeyed).
+
+Rounds are interleaved (raw, default, MAC'd, get() + copy, order reversed every round); a ratio is the
 median over rounds of that round's pair. ``--redis-url`` (default the local server, db 15,
 private key prefix, deleted at the end).
 
@@ -65,6 +68,11 @@ class Case:
         got = self.store.get_into(self.keys, self.sizes, [self.pool.page_buffers(p) for p in range(self.n)])
         assert all(got), self.store.stats()
 
+    def read_copy(self) -> None:
+        """What storage_get did before get_into: verified ``get()`` on the caller, then a copy."""
+        for p, payload in enumerate(self.store.get(self.keys, self.sizes)):
+            self.pool.write_page(p, payload)
+
     def check(self) -> None:
         for p in range(0, self.n, max(1, self.n // 4)):
             assert b"".join(self.pool.page_buffers(p)) == self.src[p].tobytes(), p
@@ -103,7 +111,7 @@ def timed(fn) -> float:
 
 
 def measure(raw, plain: Case, keyed: Case, rounds: int) -> dict[str, float]:
-    ops = [("raw", raw), ("hicache", plain.read), ("mac", keyed.read)]
+    ops = [("raw", raw), ("hicache", plain.read), ("mac", keyed.read), ("copy", plain.read_copy)]
     for _, fn in ops:
         fn()  # warm: page cache, connections
     plain.check()
@@ -117,6 +125,7 @@ def measure(raw, plain: Case, keyed: Case, rounds: int) -> dict[str, float]:
     med["x_raw"] = statistics.median(r / h for r, h in zip(secs["raw"], secs["hicache"]))
     med["mac_x_raw"] = statistics.median(r / m for r, m in zip(secs["raw"], secs["mac"]))
     med["mac_x_plain"] = statistics.median(h / m for h, m in zip(secs["hicache"], secs["mac"]))
+    med["copy_x_raw"] = statistics.median(r / c for r, c in zip(secs["raw"], secs["copy"]))
     return med
 
 
@@ -165,11 +174,13 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
     print(f"\n{a.host_layout} L2, one batch of --mib {a.mib} MiB per read, median of {a.rounds} interleaved rounds, GB/s of payload; "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
-    print("| store | page | pages | raw | hicache | x raw | MAC'd | MAC'd x raw | MAC'd x unkeyed |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| store | page | pages | raw | hicache | x raw | MAC'd | MAC'd x raw | MAC'd x unkeyed "
+          "| get() + copy | x raw |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['kind']} | {human(r['size'])} | {r['n']} | {r['raw']:.2f} | {r['hicache']:.2f} "
-              f"| {r['x_raw']:.2f} | {r['mac']:.2f} | {r['mac_x_raw']:.2f} | {r['mac_x_plain']:.2f} |")
+              f"| {r['x_raw']:.2f} | {r['mac']:.2f} | {r['mac_x_raw']:.2f} | {r['mac_x_plain']:.2f} "
+              f"| {r['copy']:.2f} | {r['copy_x_raw']:.2f} |")
 
 
 if __name__ == "__main__":
