@@ -13,9 +13,11 @@ Safety against other local users who can write the directory: temp files
 are created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` under a random name (a
 symlink planted at a temp name is never followed), fan-out directories must
 be real directories, and objects are opened with ``O_NOFOLLOW | O_NONBLOCK``
-and must be regular files (a FIFO or device at an object path is a counted
-error, not a hang). Every batch runs on the worker threads (a batch of large
-pages split among them, each page hashed by the worker that read or wrote it)
+(a FIFO, directory or device at an object path is a counted error or a
+corrupt object, never a hang). A read never sizes a buffer from a file's size
+(at most a page and ``MAX_SPLIT_HEADER``). Every batch runs on the worker threads
+(a batch of large pages split among them, as many as the load leaves cores for,
+each page hashed by the worker that read or wrote it)
 and the caller waits at most ``health.call_budget``: ``timeout_ms`` per page
 plus the bytes at a slow disk's rate, times ``1 + max_retries``, scaled by the
 load average: a hung file system turns into an outage, a loaded box does not.

@@ -1,17 +1,17 @@
 """Reads straight into the caller's buffer: the pieces of ``StorageBackend.get_into``.
 
 A backend's ``_raw_get_into`` answers, per key, what ``_raw_get`` answers (``None``,
-an exception, or the whole object, which the base decodes and copies into the
-destination once), or ``InPlace(header)``: the payload was read into the destination
-itself and ``header`` holds everything before it (file:// reads both with one
-``preadv``). Verification happens in place, in the backend's thread right after each
-read (``Verifier``, ``verify_into``), while the bytes are still in that core's cache.
+an exception, or the whole object, which the base decodes and copies once), or
+``InPlace(header)``: the payload was read into the destination itself (file:// with one
+``preadv``, redis:// from an MGET) and ``header`` holds what precedes it. Verification
+happens in place, in the backend's thread right after each read (``Verifier``), while
+the bytes are in that core's cache (a large page may be hashed as it lands).
 
 Contract: a destination whose page is reported missing (absent, unreadable, corrupt,
 another layout's, a bad MAC, L3 down) may hold garbage; after a call that timed out,
-a file:// worker may still finish the one page it was reading. Callers treat such a
-page as free space and never expose it; the adapters report it as not loaded and
-zero it (``wipe_unloaded``), and the engines recompute it over that memory.
+a file:// worker may still finish the one page it was reading (``wait_late_reads``).
+Callers treat such a page as free space and never expose it; the adapters report it
+as not loaded and zero it (``wipe_unloaded``), the engines recompute it.
 """
 from __future__ import annotations
 import hmac

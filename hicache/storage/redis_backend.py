@@ -3,7 +3,9 @@
 
 Every batch is one non-transactional pipeline (one round trip per server).
 A page is SET as ``FramedValue(header, payload)`` so the payload is sent
-without being joined to its header (see ``redis_wire``).
+without being joined to its header (see ``redis_wire``). ``get_into`` (one
+server) sends MGETs whose values land in the caller's buffers and are verified
+by the thread that received them, a large batch split over connections.
 Timeouts: ``socket_timeout`` and ``socket_connect_timeout`` are
 ``timeout_ms``; a failed attempt is retried ``max_retries`` times by redis-py's
 ``Retry`` with ``EqualJitterBackoff`` (capped at ``timeout_ms``), so the worst
@@ -275,6 +277,9 @@ class RedisBackend(StorageBackend):
         pool = self._client().connection_pool
         conn = pool.get_connection()
         try:
+            if not conn.reads_into:  # RESP3 asked for: whole values, each verified then copied
+                return [verify(i, v) for i, v in zip(idx, self._raw_get([keys[i] for i in idx]))]
+
             def attempt() -> list[Any]:
                 conn.send_packed_command(conn.pack_commands([("MGET", *(keys[i] for i in c)) for c in chunks]))
                 return [x for c in chunks for x in conn.read_into(_PageSink(c, dests, verify))]

@@ -322,10 +322,15 @@ class _Framed:
 
     _buffer_cutoff: int
 
+    @property
+    def reads_into(self) -> bool:
+        """Whether ``read_into`` works here: replies parsed by ``DirectReplyParser`` (RESP2)."""
+        return isinstance(self._parser, DirectReplyParser)  # type: ignore[attr-defined]
+
     def read_into(self, sink: ValueSink) -> list:
         """The next reply, an array whose values go where ``sink`` says, read by redis-py's
         ``read_response`` (its timeouts, errors and disconnects). Raises ``TypeError`` when
-        this connection parses with redis-py's own parser (``protocol=3``)."""
+        this connection parses with redis-py's own parser (``protocol=3``: see ``reads_into``)."""
         parser = self._parser  # type: ignore[attr-defined]  (redis-py's Connection sets it)
         if not isinstance(parser, DirectReplyParser):
             raise TypeError(f"{type(self).__name__} parses replies with {type(parser).__name__}, "
