@@ -439,11 +439,13 @@ class TransferController:
             n = 0
             t0 = time.perf_counter()
             try:
-                for payload, p in zip(storage.get(list(hashes), sizes), host_pages):
-                    if payload is None:
-                        break
-                    host_pool.write_page(p, payload)
+                # Straight into the L2 pages, verified by the backend's readers (no copy on a
+                # DIRECT_IO store). Pages past a miss may hold garbage: the plan frees them.
+                got = storage.get_into(list(hashes), sizes, [host_pool.page_buffers(p) for p in host_pages])
+                while n < len(got) and got[n]:
                     n += 1
+                if n < len(got):  # a read given up may still land: the pages stay pinned until it has
+                    storage.wait_late_reads()
             except BaseException as e:
                 t.error = e
             t.result = n
