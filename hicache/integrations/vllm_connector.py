@@ -2,11 +2,11 @@
 
 Loaded by vLLM from ``--kv-transfer-config '{"kv_connector":"HiCacheConnector",
 "kv_connector_module_path":"hicache.integrations.vllm_connector","kv_role":"kv_both",
-"kv_connector_extra_config":{...}}'`` (keys: ``hicache.cache.connector_plan``).
+"kv_connector_extra_config":{...}}'`` (keys: ``hicache.connector.plan``).
 This module only translates vLLM objects to and from the vLLM-free core:
-``hicache.cache.connector`` (scheduler half: the index, floors, the cost model)
-and ``hicache.cache.connector_worker`` (worker half: page copies, L3 I/O);
-what crosses between them is ``hicache.cache.connector_plan`` plain data.
+``hicache.connector.scheduler`` (scheduler half: the index, floors, the cost model)
+and ``hicache.connector.worker`` (worker half: page copies, L3 I/O);
+what crosses between them is ``hicache.connector.plan`` plain data.
 vLLM's KV tensors are adopted as L1 with page id == block id
 (``hicache.memory.paged_kv``, every layout vLLM 0.33 allocates); a hicache page
 is one vLLM block.
@@ -32,12 +32,12 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from hicache.cache.connector import ConnectorScheduler
-from hicache.cache.connector_plan import ConnectorSettings
-from hicache.cache.connector_plan import L2
-from hicache.cache.connector_plan import JobReport, StepPlan
-from hicache.cache.connector_shared import SharedConnectorScheduler
-from hicache.cache.connector_worker import ConnectorWorker
+from hicache.connector.scheduler import ConnectorScheduler
+from hicache.connector.plan import ConnectorSettings
+from hicache.connector.plan import L2
+from hicache.connector.plan import JobReport, StepPlan
+from hicache.connector.shared import SharedConnectorScheduler
+from hicache.connector.worker import ConnectorWorker
 from hicache.core.errors import ConfigError, ContractMismatch
 from hicache.core.redact import redact_url
 from hicache.core.layout import KVLayout

@@ -11,7 +11,8 @@ from hicache.tiers.host_states import HostPageState, HostPageStates, enabled_by_
 from hicache.index.node import Node
 from hicache.core.stats import TierMoveStats
 from hicache.index.request import MatchResult
-from hicache.transfer.plans import BackupPlan, LoadPlan, LoadRequest, PrefetchPlan, StorePlan
+from hicache.transfer.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan
+from hicache.tiers.holds import LoadRequest
 from hicache.tiers.groups import GroupPlan, GroupTiers
 from hicache.core.types import DevicePageId, HostPageId, PageHash
 

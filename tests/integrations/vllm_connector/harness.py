@@ -353,7 +353,7 @@ def l3_object(root, prompt: list[int], page: int):
 
 def host_pins(eng: Engine) -> int:
     """L2 pins the connector holds (0 once idle): its index's, or the service pages its jobs hold."""
-    from hicache.cache.connector_shared import SharedConnectorScheduler
+    from hicache.connector.shared import SharedConnectorScheduler
     if isinstance(eng.core, SharedConnectorScheduler):
         return len(eng.core._held)
     return sum(n.host_lock_ref for n in eng.core.cache.nodes())

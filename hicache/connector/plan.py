@@ -3,8 +3,8 @@ them, the page events they log, and the settings both are built from.
 
 Plain data only (ints, bytes, tuples): an engine may run the two halves in
 different processes and pickle these. The scheduler half
-(``hicache.cache.connector``) builds one ``StepPlan`` per engine step; every
-worker (TP rank) runs it (``hicache.cache.connector_worker``) and answers with
+(``hicache.connector.scheduler``) builds one ``StepPlan`` per engine step; every
+worker (TP rank) runs it (``hicache.connector.worker``) and answers with
 ``JobReport`` s, which the scheduler half completes once every rank reported.
 Page ``i`` of a spec is block ``blocks[i]`` of the engine's KV tensors (page id
 == block id) and L2 page ``host[i]`` of every rank's host pool.

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from hicache.cache.connector import ConnectorJobs, Hit, _event_fields, _Load, _Save
-from hicache.cache.connector_plan import L2
-from hicache.cache.connector_plan import LoadSpec, SaveSpec
+from hicache.connector.scheduler import ConnectorJobs, Hit, _event_fields, _Load, _Save
+from hicache.connector.plan import L2
+from hicache.connector.plan import LoadSpec, SaveSpec
 from hicache.core.errors import CacheStateError, IntegrityError
 from hicache.core.layout import KVLayout
 from hicache.index.prefix_cache import as_key

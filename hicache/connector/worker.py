@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from hicache.cache.connector_plan import JobKind, JobReport, LoadSpec, SaveSpec, StepPlan, WorkerStep
+from hicache.connector.plan import JobKind, JobReport, LoadSpec, SaveSpec, StepPlan, WorkerStep
 from hicache.core.errors import CacheStateError, IntegrityError
 from hicache.core.layout import KVLayout
 from hicache.memory.pools import DevicePool, HostPool

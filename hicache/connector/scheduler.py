@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from hicache.cache.connector_plan import L2, L3, EventLog, PageEvent
-from hicache.cache.connector_plan import JobKind, JobReport, LoadSpec, SaveSpec, StepPlan
+from hicache.connector.plan import L2, L3, EventLog, PageEvent
+from hicache.connector.plan import JobKind, JobReport, LoadSpec, SaveSpec, StepPlan
 from hicache.core.errors import CacheStateError, ConfigError, IntegrityError
 from hicache.core.hashing import namespace_root, raw_page_hashes
 from hicache.core.layout import KVLayout
@@ -89,7 +89,7 @@ class _Save:
 class ConnectorJobs:
     """What both L2 strategies share: the plan queue, job ids, reports per rank, counters,
     the cost decision and events. Subclasses: ``ConnectorScheduler`` (the connector's own
-    L2, indexed here) and ``hicache.cache.connector_shared.SharedConnectorScheduler``
+    L2, indexed here) and ``hicache.connector.shared.SharedConnectorScheduler``
     (the node service's segment, indexed by the service)."""
 
     storage = None  # an L3 this half probes (None: none, or the service's, behind its L2)
