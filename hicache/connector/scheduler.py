@@ -24,6 +24,7 @@ from hicache.connector.plan import JobKind, JobReport, LoadSpec, SaveSpec, StepP
 from hicache.core.errors import CacheStateError, ConfigError, IntegrityError
 from hicache.core.hashing import namespace_root, raw_page_hashes
 from hicache.core.layout import KVLayout
+from hicache.core.stats import ConnectorStats
 from hicache.core.types import HostPageId, PageHash
 from hicache.index.node import Node
 from hicache.index.prefix_cache import PrefixCache, as_key
@@ -41,19 +42,6 @@ class Hit(NamedTuple):
     l3_tokens: int  # from L3, continuing the L2 part
     is_async: bool  # the load runs between steps (the request waits for it)
     decision: Decision | None = None  # the cost model's, None when there was nothing to judge
-
-
-class ConnectorStats(NamedTuple):
-    """Counters since start (a snapshot)."""
-
-    lookups: int
-    hit_tokens: dict[str, int]  # tokens admitted for loading, by source ("L2", "L3")
-    loaded_pages: int  # pages that reached engine blocks (every rank)
-    load_error_pages: int  # pages reported to the engine as failed loads (it recomputes them)
-    saved_pages: int  # pages copied to L2 and indexed
-    save_dropped_pages: int  # pages not saved: no L2 room, or a failed copy
-    stored_pages: int  # pages L3 accepted
-    decisions: dict[str, int]  # the cost model's choices (hicache.core.stats.AdmissionStats)
 
 
 @dataclasses.dataclass(slots=True)
@@ -225,8 +213,9 @@ class ConnectorJobs:
 
     def stats(self) -> ConnectorStats:
         c = self._c
-        return ConnectorStats(self._lookups, dict(self._hit_tokens), c["loaded"], c["load_errors"], c["saved"],
-                              c["save_dropped"], c["stored"], self.cost.stats.as_dict())
+        pages = dict(loaded_pages=c["loaded"], load_error_pages=c["load_errors"], saved_pages=c["saved"],
+                     save_dropped_pages=c["save_dropped"], stored_pages=c["stored"])
+        return ConnectorStats.of(self._lookups, self._hit_tokens, pages, self.cost.stats)
 
     @property
     def in_flight(self) -> int:

@@ -41,6 +41,9 @@ from hicache.connector.worker import ConnectorWorker
 from hicache.core.errors import ConfigError, ContractMismatch
 from hicache.core.redact import redact_url
 from hicache.core.layout import KVLayout
+from hicache.core.stats import ConnectorStats
+from hicache.integrations.metrics import families, flat_series, series, series_key
+from hicache.integrations.vllm_groups import engine_groups
 from hicache.memory.paged_kv import adopt_paged_kv
 
 # Under vLLM's own logger tree, so the start line shows in vLLM's log at its default level.
@@ -68,7 +71,7 @@ class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
 
 @dataclasses.dataclass
 class HiCacheConnectorStats(KVConnectorStats):
-    """Counter deltas since the last report (keys of ``ConnectorStats``, flattened)."""
+    """Counter deltas since the last report (``flat_series`` of ``ConnectorStats``)."""
 
     def reset(self):
         self.data = {}
@@ -85,30 +88,20 @@ class HiCacheConnectorStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-# Prometheus families (one declaration each) and the stats keys that feed them.
-_FAMILIES = {
-    "hicache:connector_pages": ("event", "Pages the connector moved or could not, by event: loaded into vLLM's "
-                                "blocks, load_error (reported to vLLM, which recomputes them), saved to L2, "
-                                "save_dropped, stored to L3.",
-                                {"loaded_pages": "loaded", "load_error_pages": "load_error", "saved_pages": "saved",
-                                 "save_dropped_pages": "save_dropped", "stored_pages": "stored"}),
-    "hicache:connector_hit_tokens": ("source", "Tokens admitted for loading beyond vLLM's own prefix hit, by tier.",
-                                     {"hit_tokens_L2": "L2", "hit_tokens_L3": "L3"}),
-    "hicache:connector_admission": ("choice", "The cost model's load-or-recompute choices on hits.",
-                                    {f"decision_{c}": c for c in ("load", "load_l2", "recompute", "unmeasured")}),
-}
-
-
 class HiCachePromMetrics(KVConnectorPromMetrics):
-    """hicache's connector counters on vLLM's ``/metrics`` (from ``HiCacheConnectorStats``)."""
+    """hicache's connector counters on vLLM's ``/metrics``: the families ``ConnectorStats``
+    declares, as ``hicache:<family>``, fed by ``HiCacheConnectorStats`` (``flat_series`` deltas)."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {}
-        for name, (label, doc, keys) in _FAMILIES.items():
-            fam = self._counter_cls(name=name, documentation=doc, labelnames=[*labelnames, label])
-            for stat_key, value in keys.items():
-                self._counters[stat_key] = {e: fam.labels(*lv, value) for e, lv in per_engine_labelvalues.items()}
+        declared = families(ConnectorStats)
+        counters = {name: self._counter_cls(name=f"hicache:{name}", documentation=f.help,
+                                            labelnames=[*labelnames, *f.labels]) for name, f in declared.items()}
+        self._counters = {}  # series key -> engine index -> its child counter
+        for name, labels, _ in series(ConnectorStats()):
+            values = [labels[k] for k in declared[name].labels]
+            self._counters[series_key(name, labels)] = {e: counters[name].labels(*lv, *values)
+                                                         for e, lv in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         for k, v in transfer_stats_data.items():
@@ -132,8 +125,9 @@ def layout_of(vllm_config, kv_cache_config, tp_rank: int = 0) -> KVLayout:
     """The ``KVLayout`` of vLLM's one KV cache group on this TP rank (``ConfigError`` otherwise)."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
-        raise ConfigError(f"HiCacheConnector: {len(groups)} KV cache groups; it supports one (start vLLM with "
-                          "--disable-hybrid-kv-cache-manager for a hybrid model)")
+        kinds = ", ".join(f"{g.index}: {g.kind}" for g in engine_groups(kv_cache_config))
+        raise ConfigError(f"HiCacheConnector: {len(groups)} KV cache groups ({kinds}); it moves one group's "
+                          "pages (start vLLM with --disable-hybrid-kv-cache-manager for a hybrid model)")
     spec, layers = groups[0].kv_cache_spec, groups[0].layer_names
     pc = vllm_config.parallel_config
     if pc.pipeline_parallel_size != 1:
@@ -292,7 +286,7 @@ class HiCacheConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.scheduler is None:
             return None
-        now = _flat(self.scheduler.stats())
+        now = flat_series(self.scheduler.stats())
         delta = {k: v - self._reported.get(k, 0) for k, v in now.items()}
         self._reported = now
         return HiCacheConnectorStats(data=delta) if any(delta.values()) else None
@@ -312,13 +306,3 @@ def _namespace(request) -> str:
     lora = request.lora_request.lora_name if request.lora_request is not None else ""
     salt = request.cache_salt or ""
     return f"{lora}\0{salt}" if lora or salt else ""
-
-
-def _flat(stats) -> dict[str, int]:
-    out = {"lookups": stats.lookups, "loaded_pages": stats.loaded_pages, "load_error_pages": stats.load_error_pages,
-           "saved_pages": stats.saved_pages, "save_dropped_pages": stats.save_dropped_pages,
-           "stored_pages": stats.stored_pages}
-    out.update({f"hit_tokens_{k}": v for k, v in stats.hit_tokens.items()})
-    out.update({f"decision_{k}": v for k, v in stats.decisions.items()})
-    return out
-
