@@ -279,9 +279,7 @@ class ConnectorScheduler(ConnectorJobs):
         l2_end = m.host_tokens // ps
         anchor, host = None, ()
         if l2_end > first:
-            node = m.host_node
-            anchor = self.cache.tree.split_at(node, l2_end - node.start_page)
-            self.cache.inc_host_lock(anchor)
+            anchor = self.tiers.pin_host(m, l2_end)
             host = tuple(m.host_pages[first:l2_end])
         prefetch, l3_host, l3_hashes = None, (), ()
         l3_from = max(first, l2_end)
@@ -313,13 +311,12 @@ class ConnectorScheduler(ConnectorJobs):
             return False
         anchor = None
         if have:  # pinned before making room, which must not evict the prefix the save continues
-            anchor = self.cache.tree.split_at(m.host_node, have - m.host_node.start_page)
-            self.cache.inc_host_lock(anchor)
+            anchor = self.tiers.pin_host(m, have)
         self._evict(n - have)
         host = self.tiers.alloc_host(n - have)
         if host is None:
             if anchor is not None:
-                self.cache.dec_host_lock(anchor)
+                self.tiers.unpin_host(anchor)
             self._c["save_dropped"] += n - have
             return False
         hashes = tuple(self._hashes(key, namespace, n)[have:]) if self.storage is not None else ()
@@ -336,7 +333,7 @@ class ConnectorScheduler(ConnectorJobs):
         if self._loading.get(ld.rid) == ld.spec.job:
             del self._loading[ld.rid]
         if ld.anchor is not None:
-            self.cache.dec_host_lock(ld.anchor)
+            self.tiers.unpin_host(ld.anchor)
         landed = min(r.pages for r in ld.reports) if all(r.ok for r in ld.reports) else 0
         if ld.prefetch is not None:
             self.tiers.complete_prefetch(ld.prefetch, landed)
@@ -353,10 +350,10 @@ class ConnectorScheduler(ConnectorJobs):
         spec, reports = sv.spec, sv.reports
         sv.reports = []
         ok = all(r.ok for r in reports)
-        node, unused = (self.cache.tree.insert_host(sv.key, sv.namespace, sv.first_page, list(spec.host))
-                        if ok else (None, list(spec.host)))
+        node, unused = (self.tiers.index_host(sv.key, sv.namespace, sv.first_page, list(spec.host),
+                                              pin=bool(spec.hashes)) if ok else (None, list(spec.host)))
         if sv.anchor is not None:
-            self.cache.dec_host_lock(sv.anchor)
+            self.tiers.unpin_host(sv.anchor)
         taken = len(spec.host) - len(unused)
         if taken and node is not None:  # the index took the pages after the duplicates at the front
             k = len(unused)
@@ -368,10 +365,9 @@ class ConnectorScheduler(ConnectorJobs):
             del self._saves[spec.job]
             self._free_host(unused)
             return
-        # Every rank reports the L3 stage too (0 pages where its copy failed).
+        # Every rank reports the L3 stage too (0 pages where its copy failed); the node stays
+        # pinned (index_host) while L3 reads it.
         sv.node, sv.unused, sv.stage = node, unused, JobKind.STORE
-        if node is not None:
-            self.cache.inc_host_lock(node)  # L3 reads these pages until every rank stored them
         sv.reports, sv.early = sv.early, []
         if len(sv.reports) == self.ranks:
             self._complete_store(sv)
@@ -381,10 +377,10 @@ class ConnectorScheduler(ConnectorJobs):
         stored = min(r.pages for r in sv.reports)
         self._c["stored"] += stored
         if sv.node is not None:
-            if stored == len(sv.spec.host) and all(r.ok for r in sv.reports):
-                self.cache.tree.set_stored(sv.node)
+            whole = stored == len(sv.spec.host) and all(r.ok for r in sv.reports)
+            self.tiers.complete_engine_store(sv.node, whole)
+            if whole:
                 self.events.stored(L3, sv.keys, sv.parent, sv.tokens)
-            self.cache.dec_host_lock(sv.node)
         self._free_host(sv.unused)
 
     def _staging_room(self) -> int:
