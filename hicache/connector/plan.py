@@ -43,6 +43,7 @@ class LoadSpec:
     l3_host: tuple[int, ...] = ()  # L2 pages reserved for the L3 part (the next len(l3_host) blocks)
     l3_hashes: tuple[bytes, ...] = ()  # the L3 keys of that part
     layerwise: bool = False  # True: the forward of this step waits per layer; False: loads between steps
+    group: int = 0  # the engine's KV cache group whose blocks these are (its own worker and L2)
 
     @property
     def missing(self) -> tuple[int, ...]:
@@ -59,6 +60,7 @@ class SaveSpec:
     blocks: tuple[int, ...]
     host: tuple[int, ...]
     hashes: tuple[bytes, ...] = ()  # L3 keys, one per page (() : no L3)
+    group: int = 0  # the engine's KV cache group whose blocks these are (its own worker and L2)
 
 
 @dataclass(frozen=True, slots=True)

@@ -125,7 +125,35 @@ class ConnectorJobs:
         key = as_key(tokens)
         if rid in self._loading:
             return key, 0
-        return key, min(computed_tokens, len(key) // 4, len(block_ids) * self.page_size) // self.page_size
+        return key, self.saveable_pages(tokens, computed_tokens, block_ids)
+
+    def saveable_pages(self, tokens, computed_tokens: int, block_ids) -> int:
+        """Full pages of ``computed_tokens`` the engine's ``block_ids`` hold (what an ending
+        request may save). Pure."""
+        return min(computed_tokens, len(tokens), len(block_ids) * self.page_size) // self.page_size
+
+    def pending_span(self, rid: str, num_external: int) -> tuple[int, int] | None:
+        """The pages ``[first, end)`` an allocation of ``num_external`` tokens for ``rid``'s
+        last lookup covers; None when there is none. Pure."""
+        entry = self._hits.get(rid)
+        if not num_external or entry is None:
+            return None
+        first = entry[1] // self.page_size
+        return first, first + num_external // self.page_size
+
+    def cut_hit(self, rid: str, tokens: int) -> Hit:
+        """Shorten ``rid``'s last lookup to ``tokens`` (whole pages, at most its hit), the L2
+        part first: what a hybrid floor leaves of it."""
+        hit, engine_hit = self._hits[rid]
+        if tokens % self.page_size or not 0 <= tokens <= hit.tokens:
+            raise CacheStateError(f"request {rid!r}: cannot cut a hit of {hit.tokens} tokens to {tokens}")
+        if not tokens:
+            del self._hits[rid]
+            return Hit(0, 0, 0, False, hit.decision)
+        l2 = min(hit.l2_tokens, tokens)
+        cut = Hit(tokens, l2, tokens - l2, bool(tokens - l2) or not self.layerwise, hit.decision)
+        self._hits[rid] = (cut, engine_hit)
+        return cut
 
     def _decide(self, rid: str, engine_hit: int, l2_new: int, l3_new: int) -> Hit:
         """The cost model's verdict on a hit of ``l2_new`` + ``l3_new`` pages beyond ``engine_hit``."""

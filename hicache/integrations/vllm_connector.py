@@ -25,19 +25,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from hicache.connector.hybrid import HybridConnectorScheduler
 from hicache.connector.scheduler import ConnectorScheduler
 from hicache.connector.plan import ConnectorSettings
 from hicache.connector.plan import L2
 from hicache.connector.plan import JobReport, StepPlan
 from hicache.connector.shared import SharedConnectorScheduler
-from hicache.connector.worker import ConnectorWorker
+from hicache.connector.worker import ConnectorWorker, GroupWorkers
 from hicache.core.errors import ConfigError, ContractMismatch
 from hicache.core.redact import redact_url
 from hicache.core.layout import KVLayout
@@ -138,14 +140,15 @@ def layout_of(vllm_config, kv_cache_config, tp_rank: int = 0) -> KVLayout:
                   tp_size=pc.tensor_parallel_size)
     if isinstance(spec, MLAAttentionSpec):
         return KVLayout(kind="mla", kv_lora_rank=spec.head_size, **common)
-    if isinstance(spec, FullAttentionSpec):
+    if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
         return KVLayout(kind="mha", num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size, **common)
     raise ConfigError(f"HiCacheConnector: KV cache spec {type(spec).__name__} is not supported; "
                       "it supports full attention and MLA")
 
 
-class HiCacheConnector(KVConnectorBase_V1):
-    """See the module docstring; the two halves are ``ConnectorScheduler`` / ``ConnectorWorker``."""
+class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
+    """See the module docstring; the two halves are ``ConnectorScheduler`` / ``ConnectorWorker``
+    (a hybrid model, several KV cache groups: ``HybridConnectorScheduler`` / ``GroupWorkers``)."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -154,15 +157,32 @@ class HiCacheConnector(KVConnectorBase_V1):
         self.settings = s = ConnectorSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         if vllm_config.cache_config.block_size != kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size:
             raise ConfigError("HiCacheConnector: vLLM's hash block size differs from its KV block size")
+        url = s.config.storage.url
+        self._l3_source = CacheHitSource.DISK if url.startswith("file:") else CacheHitSource.EXTERNAL_UNSPECIFIED
+        self.scheduler: ConnectorScheduler | SharedConnectorScheduler | HybridConnectorScheduler | None = None
+        self.worker: ConnectorWorker | GroupWorkers | None = None
+        self._reported: dict[str, int] = {}
+        ranks = vllm_config.parallel_config.tensor_parallel_size
+        self._layouts: dict[int, KVLayout] = {}  # a hybrid model's: group index -> its layout
+        if len(kv_cache_config.kv_cache_groups) > 1:
+            self._start_hybrid(vllm_config, role, kv_cache_config, ranks)
+        else:
+            self._start_one(vllm_config, role, kv_cache_config, ranks)
+        layout = self.layout
+        self._load_errors: set[int] = set()
+        self._reports: list[JobReport] = []
+        l2 = (f"the node segment at {url}" if s.shared else f"{s.host_pages(layout)} pages of {layout.page_bytes} B"
+              if not self._layouts else f"{self._group_pages} pages per KV cache group ({len(self._layouts)} groups)")
+        log.info("HiCacheConnector started (%s, rank %d): L2 %s, L3 %s, load %s, %d layers x %d-token pages",
+                 role.name.lower(), layout.tp_rank, l2, redact_url(url) if url and not s.shared else "none",
+                 "layerwise" if s.layerwise else "async", layout.num_layers, layout.page_size)
+
+    def _start_one(self, vllm_config, role: KVConnectorRole, kv_cache_config, ranks: int) -> None:
+        """One KV cache group: this role's half over its layout."""
+        s = self.settings
         self.layout = layout = layout_of(vllm_config, kv_cache_config, _tp_rank(role, vllm_config))
         self._layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         self._layer_index = {n: i for i, n in enumerate(self._layer_names)}
-        url = s.config.storage.url
-        self._l3_source = CacheHitSource.DISK if url.startswith("file:") else CacheHitSource.EXTERNAL_UNSPECIFIED
-        self.scheduler: ConnectorScheduler | SharedConnectorScheduler | None = None
-        self.worker: ConnectorWorker | None = None
-        ranks = vllm_config.parallel_config.tensor_parallel_size
-        device = "cuda" if torch.cuda.is_available() else "cpu"
         if role == KVConnectorRole.SCHEDULER:
             if s.shared:
                 self.scheduler = SharedConnectorScheduler(
@@ -173,17 +193,43 @@ class HiCacheConnector(KVConnectorBase_V1):
                     layout, s.host_pages(layout), storage=s.open_l3(layout), cost=s.cost_model(layout),
                     ranks=ranks, layerwise=s.layerwise, probe_budget_s=s.probe_budget_s(),
                     host_eviction=s.config.policy.host_eviction)
-            self._reported: dict[str, int] = {}
         else:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
             link = s.open_link(layout, device) if s.shared else None
             self.worker = ConnectorWorker(layout, 0 if s.shared else s.host_pages(layout), rank=layout.tp_rank,
                                           storage=s.open_l3(layout), link=link)
-        self._load_errors: set[int] = set()
-        self._reports: list[JobReport] = []
-        l2 = (f"the node segment at {url}" if s.shared else f"{s.host_pages(layout)} pages of {layout.page_bytes} B")
-        log.info("HiCacheConnector started (%s, rank %d): L2 %s, L3 %s, load %s, %d layers x %d-token pages",
-                 role.name.lower(), layout.tp_rank, l2, redact_url(url) if url and not s.shared else "none",
-                 "layerwise" if s.layerwise else "async", layout.num_layers, layout.page_size)
+
+    def _start_hybrid(self, vllm_config, role: KVConnectorRole, kv_cache_config, ranks: int) -> None:
+        """A hybrid model: a layout, an L2 and a worker per KV cache group (``hicache.connector.hybrid``);
+        ``host_bytes`` is shared out as the same number of pages per group."""
+        s = self.settings
+        if s.shared:
+            raise ConfigError("HiCacheConnector: a hybrid model's KV cache groups keep L2s of their own; the node "
+                              "service's segment serves one layout (use a file:// or redis:// storage URL, or "
+                              "start vLLM with --disable-hybrid-kv-cache-manager)")
+        groups = engine_groups(kv_cache_config)
+        tp = _tp_rank(role, vllm_config)
+        layouts = [layout_of(vllm_config, dataclasses.replace(kv_cache_config, kv_cache_groups=[g]), tp)
+                   for g in kv_cache_config.kv_cache_groups]
+        pages = s.host_bytes // sum(x.page_bytes for x in layouts) if s.host_bytes else s.config.pool.host_pages
+        if pages < 1:
+            raise ConfigError(f"HiCacheConnector: host_bytes={s.host_bytes} holds no page of each KV cache group "
+                              f"({sum(x.page_bytes for x in layouts)} bytes together); give at least that")
+        main = next(i for i, g in enumerate(groups) if g.kind == "full")
+        self.layout = layouts[main]
+        self._group_pages = pages
+        self._layouts = {g.index: x for g, x in zip(groups, layouts)}
+        self._group_layers = {g.index: list(g.layers) for g in groups}
+        self._layer_index = {n: (g.index, i) for g in groups for i, n in enumerate(g.layers)}
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = HybridConnectorScheduler(
+                groups, layouts, [pages] * len(groups), ranks=ranks, storage=s.open_l3(self.layout),
+                cost=s.cost_model(self.layout), layerwise=s.layerwise, probe_budget_s=s.probe_budget_s(),
+                host_eviction=s.config.policy.host_eviction)
+        else:
+            self.worker = GroupWorkers({g.index: ConnectorWorker(x, pages, rank=x.tp_rank,
+                                                                 storage=s.open_l3(x) if i == main else None)
+                                        for i, (g, x) in enumerate(zip(groups, layouts))})
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -192,6 +238,10 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        if isinstance(self.worker, GroupWorkers):
+            for g, w in self.worker.workers.items():
+                w.register(adopt_paged_kv(self._layouts[g], [kv_caches[n] for n in self._group_layers[g]]))
+            return
         self.worker.register(adopt_paged_kv(self.layout, [kv_caches[n] for n in self._layer_names]))
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
@@ -202,7 +252,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         self.worker.start(meta.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self.worker.wait_layer(self._layer_index[layer_name])
+        at = self._layer_index[layer_name]
+        self.worker.wait_layer(*at) if isinstance(at, tuple) else self.worker.wait_layer(at)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         return  # saves copy whole blocks once a request ends (request_finished), not per layer
@@ -232,7 +283,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         elif isinstance(self.scheduler, SharedConnectorScheduler):
             self.scheduler.close()
         elif self.scheduler.storage is not None:
-            self.scheduler.storage.close()
+            self.scheduler.storage.close()  # (a hybrid model's: its index group's L3)
 
     # ------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -242,7 +293,8 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         if num_external_tokens:
-            self.scheduler.allocated(request.request_id, request.all_token_ids, blocks.get_block_ids()[0],
+            ids = blocks.get_block_ids()
+            self.scheduler.allocated(request.request_id, request.all_token_ids, ids if self._layouts else ids[0],
                                      num_external_tokens, _namespace(request), keys=request.block_hashes)
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict[CacheHitSource, int]:
@@ -267,6 +319,14 @@ class HiCacheConnector(KVConnectorBase_V1):
             self.scheduler.completed(meta.reports)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        delay = self.scheduler.finished(request.request_id, request.all_token_ids, request.num_computed_tokens,
+                                        block_ids, _namespace(request), keys=request.block_hashes)
+        return delay, None
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        """vLLM's hybrid manager ends a request: every group's blocks (one group: ``request_finished``)."""
+        if not self._layouts:
+            return self.request_finished(request, block_ids[0])
         delay = self.scheduler.finished(request.request_id, request.all_token_ids, request.num_computed_tokens,
                                         block_ids, _namespace(request), keys=request.block_hashes)
         return delay, None

@@ -211,6 +211,10 @@ class Engine:
         half = u.shape[-1] // 2
         return [u[..., :half], u[..., half:]]
 
+    def _blocks(self, rid: str):
+        """What ``_compute`` and ``check`` address the request's KV by: its blocks (one group)."""
+        return self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+
     def _prefix_seeds(self, req: Request) -> torch.Tensor:
         s = self._seeds.get(req.request_id)
         if s is None or len(s) < req.num_tokens:
@@ -268,7 +272,7 @@ class Engine:
                 for rid, n in so.num_scheduled_tokens.items():
                     req = self.scheduler.requests[rid]
                     end = req.num_computed_tokens
-                    blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+                    blocks = self._blocks(rid)
                     self._compute(req, blocks, end - n, end, rank)
                     if rank == 0:
                         computed.append((req, blocks, end - n, end))

@@ -18,12 +18,12 @@ from hicache.integrations.vllm_groups import engine_groups
 BLOCK = 16
 
 
-def gpt_oss_config() -> KVCacheConfig:
+def gpt_oss_config(num_blocks: int = 64) -> KVCacheConfig:
     m = model_shape("gpt-oss-120b")
     kw = dict(block_size=BLOCK, num_kv_heads=m.kv_heads, head_size=m.head_dim, dtype=torch.bfloat16)
     swa = [f"model.layers.{i}.self_attn" for i in range(0, m.layers, 2)]
     full = [f"model.layers.{i}.self_attn" for i in range(1, m.layers, 2)]
-    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(swa, SlidingWindowSpec(sliding_window=m.sliding_window, **kw)),
         KVCacheGroupSpec(full, FullAttentionSpec(**kw))])
 
