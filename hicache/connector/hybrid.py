@@ -121,7 +121,7 @@ class HybridConnectorScheduler:
         ps = self.page_size
         first = engine_hit // ps
         end = first + hit.tokens // ps
-        hashes = self.core._hashes(as_key(tokens), namespace, end)
+        hashes = self.core.page_hashes(as_key(tokens), namespace, end)
         holds = [[True] * end if i == self.main else self.lanes[i].holds(hashes) for i in range(len(self.groups))]
         floor = floor_hit(self.groups, ps, first, holds).end
         if floor == end:
@@ -138,13 +138,13 @@ class HybridConnectorScheduler:
         if spec is None or span is None:
             return
         first, end = span
-        hashes = self.core._hashes(as_key(tokens), namespace, end)
+        hashes = self.core.page_hashes(as_key(tokens), namespace, end)
         for i, items in self.lanes.items():
             pages = needed(self.groups[i], ps, first, end)
             want = [hashes[p] for p in pages]
             host = items.pin(want)
             blocks = tuple(int(block_ids[i][p]) for p in pages)
-            job = self.core._job()
+            job = self.core.new_job()
             lspec = LoadSpec(job, rid, blocks, tuple(host), layerwise=spec.layerwise, group=self.groups[i].index)
             self._jobs[job] = _GroupJob(i, lspec, tuple(want[:len(host)]))
             self._plan_loads.append(lspec)
@@ -158,14 +158,14 @@ class HybridConnectorScheduler:
         delay = self.core.finished(rid, tokens, computed_tokens, block_ids[self.main], namespace, keys)
         if n == 0:
             return delay
-        hashes = self.core._hashes(as_key(tokens), namespace, n)
+        hashes = self.core.page_hashes(as_key(tokens), namespace, n)
         for i, items in self.lanes.items():
             pages = [p for p in needed(self.groups[i], self.page_size, 0, n)
                      if hashes[p] not in items.items and int(block_ids[i][p]) != 0]  # 0: vLLM's null block
             host = items.reserve(len(pages)) if pages else None
             if host is None:
                 continue
-            job = self.core._job()
+            job = self.core.new_job()
             spec = SaveSpec(job, rid, tuple(int(block_ids[i][p]) for p in pages), tuple(host),
                             group=self.groups[i].index)
             self._jobs[job] = _GroupJob(i, spec, tuple(hashes[p] for p in pages))

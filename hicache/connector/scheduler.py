@@ -170,7 +170,8 @@ class ConnectorJobs:
         self._hits[rid] = (hit, engine_hit)
         return hit if hit.tokens else Hit(0, 0, 0, False, d)
 
-    def _hashes(self, key: bytes, namespace: str, num_pages: int) -> list[PageHash]:
+    def page_hashes(self, key: bytes, namespace: str, num_pages: int) -> list[PageHash]:
+        """The hashes of the first ``num_pages`` pages of ``key`` in ``namespace`` (the L3 keys). Pure."""
         return raw_page_hashes(key[:num_pages * self._ps4], self.page_size, namespace_root(namespace))
 
     def _queue_load(self, rid: str, ld: "_Load") -> LoadSpec:
@@ -200,7 +201,8 @@ class ConnectorJobs:
         that cannot be served are in neither). Pure."""
         return dict(self._sources.get(rid, {}))
 
-    def _job(self) -> int:
+    def new_job(self) -> int:
+        """A job id no other job of this scheduler (or a caller sharing its ids) has."""
         self._next_job += 1
         return self._next_job
 
@@ -284,7 +286,7 @@ class ConnectorScheduler(ConnectorJobs):
         l3 = 0
         room = self._staging_room()
         if self.storage is not None and l2 < cap and room:
-            hashes = self._hashes(key, namespace, cap)
+            hashes = self.page_hashes(key, namespace, cap)
             l3 = min(room, self.storage.prefix_hits(hashes[l2:cap], self.probe_budget_s))
         l2_new, l3_new = max(0, l2 - first), (l3 if l2 >= first else max(0, l2 + l3 - first))
         return self._decide(rid, engine_hit, l2_new, l3_new)
@@ -312,12 +314,12 @@ class ConnectorScheduler(ConnectorJobs):
         prefetch, l3_host, l3_hashes = None, (), ()
         l3_from = max(first, l2_end)
         if l3_from < end and hit.l3_tokens:
-            hashes = self._hashes(key, namespace, end)[l3_from:end]
+            hashes = self.page_hashes(key, namespace, end)[l3_from:end]
             self._evict(len(hashes))
             prefetch = self.tiers.prepare_prefetch(key, namespace, l3_from, hashes)
             if prefetch is not None:
                 l3_host, l3_hashes = tuple(prefetch.host), tuple(hashes)
-        spec = LoadSpec(self._job(), rid, blocks, host, l3_host, l3_hashes, layerwise=not hit.is_async)
+        spec = LoadSpec(self.new_job(), rid, blocks, host, l3_host, l3_hashes, layerwise=not hit.is_async)
         ev = _event_fields(keys, tokens, l3_from, l3_from + len(l3_host), ps)
         return self._queue_load(rid, _Load(rid, spec, anchor, prefetch, *ev))
 
@@ -347,8 +349,8 @@ class ConnectorScheduler(ConnectorJobs):
                 self.tiers.unpin_host(anchor)
             self._c["save_dropped"] += n - have
             return False
-        hashes = tuple(self._hashes(key, namespace, n)[have:]) if self.storage is not None else ()
-        job = self._job()
+        hashes = tuple(self.page_hashes(key, namespace, n)[have:]) if self.storage is not None else ()
+        job = self.new_job()
         spec = SaveSpec(job, rid, tuple(int(b) for b in block_ids[have:n]), tuple(host), hashes)
         ev_keys, ev_parent, ev_tokens = _event_fields(keys, tokens, have, n, ps)
         self._saves[job] = _Save(rid, spec, key, namespace, have, anchor, keys=ev_keys, parent=ev_parent,

@@ -57,7 +57,7 @@ class SharedConnectorScheduler(ConnectorJobs):
         if cap <= first:
             return self._decide(rid, engine_hit, 0, 0)
         link = self.link
-        hashes = self._hashes(key, namespace, cap)
+        hashes = self.page_hashes(key, namespace, cap)
         got = link.call(link.client.fetch, hashes, self.fetch_wait_ms)
         return self._decide(rid, engine_hit, max(0, (got.num_pages if got else 0) - first), 0)
 
@@ -69,10 +69,10 @@ class SharedConnectorScheduler(ConnectorJobs):
         if span is None:
             return None
         hit, first, end = span
-        hashes = self._hashes(as_key(tokens), namespace, end)[first:end]
+        hashes = self.page_hashes(as_key(tokens), namespace, end)[first:end]
         link = self.link
         pages = link.call(link.client.acquire, hashes, default=[])
-        spec = LoadSpec(self._job(), rid, tuple(int(b) for b in block_ids[first:end]), tuple(pages),
+        spec = LoadSpec(self.new_job(), rid, tuple(int(b) for b in block_ids[first:end]), tuple(pages),
                         layerwise=not hit.is_async)
         self._held[spec.job] = _Shared(hashes[:len(pages)])
         return self._queue_load(rid, _Load(rid, spec, None, None))
@@ -84,7 +84,7 @@ class SharedConnectorScheduler(ConnectorJobs):
         if n == 0:
             return False
         link = self.link
-        hashes = self._hashes(key, namespace, n)
+        hashes = self.page_hashes(key, namespace, n)
         found = link.call(link.client.lookup, hashes)
         if found is None:  # the service is away: nothing to save into
             self._c["save_dropped"] += n
@@ -96,7 +96,7 @@ class SharedConnectorScheduler(ConnectorJobs):
         if not pages:
             self._c["save_dropped"] += n - have
             return False
-        spec = SaveSpec(self._job(), rid, tuple(int(b) for b in block_ids[have:n]), tuple(pages))
+        spec = SaveSpec(self.new_job(), rid, tuple(int(b) for b in block_ids[have:n]), tuple(pages))
         ev_keys, ev_parent, ev_tokens = _event_fields(keys, tokens, have, n, self.page_size)
         self._saves[spec.job] = _Save(rid, spec, b"", namespace, have, None, keys=ev_keys, parent=ev_parent,
                                       tokens=ev_tokens)
