@@ -215,6 +215,10 @@ class Engine:
         half = u.shape[-1] // 2
         return [u[..., :half], u[..., half:]]
 
+    def _blocks(self, rid: str):
+        """What ``_compute`` and ``check`` address the request's KV by: its blocks (one group)."""
+        return self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+
     def _prefix_seeds(self, req: Request) -> torch.Tensor:
         s = self._seeds.get(req.request_id)
         if s is None or len(s) < req.num_tokens:
@@ -272,7 +276,7 @@ class Engine:
                 for rid, n in so.num_scheduled_tokens.items():
                     req = self.scheduler.requests[rid]
                     end = req.num_computed_tokens
-                    blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+                    blocks = self._blocks(rid)
                     self._compute(req, blocks, end - n, end, rank)
                     if rank == 0:
                         computed.append((req, blocks, end - n, end))
@@ -357,7 +361,7 @@ def l3_object(root, prompt: list[int], page: int):
 
 def host_pins(eng: Engine) -> int:
     """L2 pins the connector holds (0 once idle): its index's, or the service pages its jobs hold."""
-    from hicache.cache.connector_shared import SharedConnectorScheduler
+    from hicache.connector.shared import SharedConnectorScheduler
     if isinstance(eng.core, SharedConnectorScheduler):
         return len(eng.core._held)
     return sum(n.host_lock_ref for n in eng.core.cache.nodes())
