@@ -76,12 +76,12 @@ class Engine:
 
     @property
     def scheduler(self):
-        """The connector's scheduler half (``hicache.cache.connector.ConnectorScheduler``)."""
+        """The connector's scheduler half (``hicache.connector.scheduler.ConnectorScheduler``)."""
         return self.llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
 
     @property
     def worker(self):
-        """The connector's worker half (``hicache.cache.connector_worker.ConnectorWorker``)."""
+        """The connector's worker half (``hicache.connector.worker.ConnectorWorker``)."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group
         return get_kv_transfer_group().worker
 
