@@ -14,6 +14,7 @@ is one vLLM block.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -49,6 +50,8 @@ from hicache.integrations.vllm_groups import engine_groups
 from hicache.integrations.vllm_keys import ENGINE_CELLS_OF, attention_backend, index_key, model_identity, namespace
 from hicache.memory.paged_kv import adopt_paged_kv
 
+# Forwards of fewer tokens (decode steps) are not prefill rates: weights, not tokens, set their time.
+_PREFILL_STEP_TOKENS = 256
 # Under vLLM's own logger tree, so the start line shows in vLLM's log at its default level.
 log = init_logger("vllm.hicache_connector")
 
@@ -59,17 +62,20 @@ __all__ = ["HiCacheConnector", "HiCacheConnectorMetadata", "HiCacheWorkerMetadat
 @dataclasses.dataclass
 class HiCacheConnectorMetadata(KVConnectorMetadata):
     plan: StepPlan
+    tokens: int = 0  # tokens the step's forward computes (the workers time it for the cost model)
 
 
 @dataclasses.dataclass
 class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
     reports: list[JobReport]
+    forward: tuple[int, float] = (0, 0.0)  # (tokens, seconds) of the step's forward on this rank
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "HiCacheWorkerMetadata":
         if not isinstance(other, HiCacheWorkerMetadata):
             raise ContractMismatch(f"cannot aggregate HiCacheWorkerMetadata with {type(other).__name__}: "
                                    "every rank must run HiCacheConnector")
-        return HiCacheWorkerMetadata(self.reports + other.reports)
+        return HiCacheWorkerMetadata(self.reports + other.reports, max(self.forward, other.forward,
+                                                                        key=lambda f: f[1]))
 
 
 @dataclasses.dataclass
@@ -174,6 +180,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._start_one(vllm_config, role, kv_cache_config, ranks)
         layout = self.layout
         self._load_errors: set[int] = set()
+        self._forward_start: tuple[int, float] = (0, 0.0)  # worker: (tokens, start) of the step's forward
+        self._forward: tuple[int, float] = (0, 0.0)  # worker: the last forward's (tokens, seconds), not yet sent
         self._reports: list[JobReport] = []
         l2 = (f"the node segment at {url}" if s.shared else f"{s.host_pages(layout)} pages of {layout.page_bytes} B"
               if not self._layouts else f"{self._group_pages} pages per KV cache group ({len(self._layouts)} groups)")
@@ -254,6 +262,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if not isinstance(meta, HiCacheConnectorMetadata):
             raise ContractMismatch(f"the scheduler sent {type(meta).__name__}, not HiCacheConnectorMetadata: "
                                    "scheduler and workers must run the same connector")
+        self._forward_start = (meta.tokens, time.perf_counter())
         self.worker.start(meta.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -268,6 +277,10 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         step = self.worker.finish_step(finished_req_ids)
+        tokens, t0 = self._forward_start
+        if tokens:
+            self._forward = (tokens, time.perf_counter() - t0)
+        self._forward_start = (0, 0.0)
         self._load_errors |= step.load_errors
         self._reports += step.reports
         return step.finished_saves or None, step.finished_loads or None
@@ -277,10 +290,10 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return out
 
     def build_connector_worker_meta(self) -> HiCacheWorkerMetadata | None:
-        if not self._reports:
+        if not self._reports and not self._forward[0]:
             return None
-        out, self._reports = self._reports, []
-        return HiCacheWorkerMetadata(out)
+        out, self._reports, forward, self._forward = self._reports, [], self._forward, (0, 0.0)
+        return HiCacheWorkerMetadata(out, forward)
 
     def shutdown(self):
         if self.worker is not None:
@@ -314,7 +327,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return {k: v for k, v in out.items() if v}
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return HiCacheConnectorMetadata(self.scheduler.take_plan())
+        return HiCacheConnectorMetadata(self.scheduler.take_plan(), scheduler_output.total_num_scheduled_tokens)
 
     def update_connector_output(self, connector_output):
         meta = connector_output.kv_connector_worker_meta
@@ -323,6 +336,9 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 raise ContractMismatch(f"a worker sent {type(meta).__name__}, not HiCacheWorkerMetadata: "
                                        "scheduler and workers must run the same connector")
             self.scheduler.completed(meta.reports)
+            tokens, seconds = meta.forward
+            if tokens >= _PREFILL_STEP_TOKENS:  # a prefill-sized forward: the rate recomputing a hit would run at
+                (self.scheduler.core if self._layouts else self.scheduler).cost.observe_prefill(tokens, seconds)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         delay = self.scheduler.finished(request.request_id, request.all_token_ids, request.num_computed_tokens,

@@ -18,7 +18,9 @@ from tests.integrations.vllm_engine.engine import BLOCK, Engine, prompt
 def eng(tmp_path_factory):
     model = write_checkpoint(tmp_path_factory.mktemp("llama"), "llama-gqa", seed=0)
     l3 = tmp_path_factory.mktemp("l3")
-    e = Engine(str(model), {"storage": {"url": f"file://{l3}"}, "host_bytes": 96 << 20}, max_batched=512)
+    # always_load: every scenario compares a hit of a known length (the cost model is checked below)
+    e = Engine(str(model), {"storage": {"url": f"file://{l3}"}, "host_bytes": 96 << 20,
+                            "admission": {"policy": "always_load"}}, max_batched=512)
     yield e
     e.check_integrity()
 
@@ -97,3 +99,15 @@ def test_partial_hit_continues_vllm_own(eng):
     assert got.cached == 9 * BLOCK
     assert eng.scheduler.stats().hit_tokens["L2"] - before == 5 * BLOCK
     assert got == eng.reference([p])[0]
+
+
+def test_cost_model_measures_vllms_forwards(eng):
+    """The workers time vLLM's prefill-sized forwards; with the L2 loads measured too, the
+    load-or-recompute choice for a hit is made on measured rates, not 'unmeasured'."""
+    from hicache.tiers.cost import Choice, choose
+    cost = eng.scheduler.cost
+    eng.generate([prompt(6, 600)])
+    inputs = cost.inputs()
+    assert inputs.prefill_tokens_per_s and inputs.prefill_tokens_per_s > 0
+    assert inputs.bandwidth.get("L2")  # from the L2 hits above
+    assert choose(9 * BLOCK, 0, inputs).choice is not Choice.UNMEASURED

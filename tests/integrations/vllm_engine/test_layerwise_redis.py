@@ -20,7 +20,8 @@ PAGE_BYTES = 4 * 2 * 2 * 64 * 4 * BLOCK  # layers x (K, V) x KV heads x head dim
 @pytest.fixture(scope="module")
 def eng(tmp_path_factory, redis_url):
     model = write_checkpoint(tmp_path_factory.mktemp("llama"), "llama-gqa", seed=1)
-    e = Engine(str(model), {"load": "layerwise", "storage": {"url": redis_url}, "host_bytes": 12 * PAGE_BYTES})
+    e = Engine(str(model), {"load": "layerwise", "storage": {"url": redis_url}, "host_bytes": 12 * PAGE_BYTES,
+                                "admission": {"policy": "always_load"}})
     yield e
     e.check_integrity()
 

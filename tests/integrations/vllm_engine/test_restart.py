@@ -73,7 +73,7 @@ def _object(l3: pathlib.Path, p: list[int], page: int) -> pathlib.Path:
 def restarted(tmp_path_factory):
     model = str(write_checkpoint(tmp_path_factory.mktemp("llama"), "llama-gqa", seed=0))
     l3 = tmp_path_factory.mktemp("l3")
-    extra = {"storage": {"url": f"file://{l3}"}, "host_bytes": 64 << 20}
+    extra = {"storage": {"url": f"file://{l3}"}, "host_bytes": 64 << 20, "admission": {"policy": "always_load"}}
     specs = [f"{s}:{n}" for s, n in PROMPTS.values()]
     out = subprocess.run([sys.executable, str(HERE / "first_engine.py"), model, json.dumps(extra), *specs],
                          capture_output=True, text=True, timeout=600, env=os.environ)
