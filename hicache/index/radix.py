@@ -31,6 +31,10 @@ __all__ = ["RadixTree", "Node", "Hit", "InsertResult", "Dropped", "TreeCensus"]
 _NO_CUT, _CUT_L1, _CUT_L2 = DraftCut.NONE, DraftCut.L1, DraftCut.L2
 
 
+def _on_l1(n: Node) -> bool:
+    return n.device_pages is not None
+
+
 class RadixTree:
     """The index. ``page_size`` tokens per page; ``ownership``/``cp_rank`` pick owned pages.
 
@@ -482,8 +486,17 @@ class RadixTree:
         nothing else is evictable); parents that become leaves once their
         children go are included after them. Mutates no node. Step 2 is the
         caller's: back up (``set_host``) what must stay on L2; step 3 is
-        ``drop_device`` of the same list."""
-        return self.device_candidates.choose(num_pages, policy)
+        ``drop_device`` of the same list.
+
+        Page-granular: when the last victim holds more pages than are still needed,
+        it is split and only its tail is chosen (its head stays, still a prefix of
+        the sequence), so eviction takes what was asked, not whole nodes. The split
+        changes no page's tier."""
+        victims = self.device_candidates.choose(num_pages, policy)
+        over = sum(n.num_pages for n in victims) - num_pages
+        if over > 0 and victims[-1].num_pages > over:
+            self._split(victims[-1], over)  # the victim keeps its identity: it is now the tail
+        return victims
 
     def drop_device(self, victims: Sequence[Node]) -> Dropped:
         """Take ``victims`` off L1 in order (skipping any no longer an unlocked L1
@@ -513,8 +526,12 @@ class RadixTree:
     def host_victims(self, num_pages: int, policy: EvictionPolicy) -> list[Node]:
         """L2 leaves with ``host_lock_ref == 0`` to drop, in ``policy`` order,
         covering at least ``num_pages`` logical pages (parents that become L2
-        leaves after them). Mutates no node; pass the list to ``drop_host``."""
-        return self.host_candidates.choose(num_pages, policy)
+        leaves after them). Mutates no node; pass the list to ``drop_host``.
+
+        L2 copies of pages L1 also holds go only after every other candidate: under
+        write_through that keeps L2 a superset of L1 whatever the policy (dropping
+        the copy of an L1 page would leave it with one copy, lost when L1 evicts it)."""
+        return self.host_candidates.choose(num_pages, policy, (_on_l1,))
 
     def drop_host(self, victims: Sequence[Node]) -> Dropped:
         """Drop ``victims``' L2 copies in order (skipping any no longer an

@@ -154,6 +154,16 @@ def run_index(policy: str, plan: SimPlan, requests) -> dict[str, Any]:
     return {"hit_tokens": hit, "hit_rate": hit / prompt if prompt else 0.0, "time_s": time.perf_counter() - t0}
 
 
+def _refuse_tier_bytes(cfg: HiCacheConfig) -> None:
+    """The sweep sizes L1 and L2 from its capacities: tier sizes set in bytes would be ignored."""
+    s = cfg.simulate
+    given = [f"simulate.{k}={getattr(s, k):,}" for k in ("l1_bytes", "l2_bytes") if k in s.model_fields_set]
+    if given:
+        raise ConfigError(f"--policies sizes L1 and L2 from --capacities (GPU-only: L1 = C; L1+L2: L2 = C, "
+                          f"L1 = C/{L1_SHARE}), so {' and '.join(given)} would be ignored: drop it, or "
+                          "run --simulate without --policies for one run at those sizes")
+
+
 def _ranks(hits: dict[str, int]) -> dict[str, int]:
     order = sorted(hits.values(), reverse=True)
     return {p: 1 + order.index(h) for p, h in hits.items()}
@@ -167,6 +177,7 @@ def policy_sweep(cfg: HiCacheConfig, factory: Factory, policies: list[str], capa
     if cfg.policy.write_policy.value != "write_through":
         raise ConfigError(f"--policies compares L1+L2 under write_through (L2 inclusive of L1); "
                           f"policy.write_policy is {cfg.policy.write_policy.value}")
+    _refuse_tier_bytes(cfg)
     base = SimPlan.from_config(cfg.simulate)
     ps = base.page_size
     stream = page_stream(factory(), ps)
