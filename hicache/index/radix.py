@@ -35,6 +35,10 @@ def _on_l1(n: Node) -> bool:
     return n.device_pages is not None
 
 
+def _waited(n: Node) -> bool:
+    return n.wait_ref > 0
+
+
 class RadixTree:
     """The index. ``page_size`` tokens per page; ``ownership``/``cp_rank`` pick owned pages.
 
@@ -298,7 +302,7 @@ class RadixTree:
         k = self.owned(child.start_page, p)
         up = Node(child.key[:p * pb], p, child.start_page, child.parent, child.namespace, self._nid(),
                   in_storage=child.in_storage, lock_ref=child.lock_ref,
-                  host_lock_ref=child.host_lock_ref, last_access=child.last_access,
+                  host_lock_ref=child.host_lock_ref, wait_ref=child.wait_ref, last_access=child.last_access,
                   hit_count=child.hit_count, draft_device=child.draft_device, draft_host=child.draft_host)
         if child.device_pages is not None:
             up.device_pages, child.device_pages = child.device_pages[:k], child.device_pages[k:]
@@ -344,6 +348,15 @@ class RadixTree:
             if node.host_lock_ref <= 0:
                 raise CacheStateError(f"host unlock of unlocked {node!r}")
             node.host_lock_ref -= 1
+            node = node.parent
+
+    def wait(self, node: Node, delta: int) -> None:
+        """Add ``delta`` to ``wait_ref`` on ``node``'s path (a waiting request's cached prefix).
+        ``node`` may have left the tree since: its parents still lead to the root."""
+        while node.parent is not None:
+            node.wait_ref += delta
+            if node.wait_ref < 0:
+                raise CacheStateError(f"wait_ref of {node!r} went negative")
             node = node.parent
 
     def touch(self, node: Node) -> None:
@@ -491,8 +504,11 @@ class RadixTree:
         Page-granular: when the last victim holds more pages than are still needed,
         it is split and only its tail is chosen (its head stays, still a prefix of
         the sequence), so eviction takes what was asked, not whole nodes. The split
-        changes no page's tier."""
-        victims = self.device_candidates.choose(num_pages, policy)
+        changes no page's tier.
+
+        Pages a waiting request will hit (``Node.wait_ref``, see
+        ``PrefixCache.note_waiting``) go only after every other candidate."""
+        victims = self.device_candidates.choose(num_pages, policy, (_waited,))
         over = sum(n.num_pages for n in victims) - num_pages
         if over > 0 and victims[-1].num_pages > over:
             self._split(victims[-1], over)  # the victim keeps its identity: it is now the tail
@@ -530,8 +546,9 @@ class RadixTree:
 
         L2 copies of pages L1 also holds go only after every other candidate: under
         write_through that keeps L2 a superset of L1 whatever the policy (dropping
-        the copy of an L1 page would leave it with one copy, lost when L1 evicts it)."""
-        return self.host_candidates.choose(num_pages, policy, (_on_l1,))
+        the copy of an L1 page would leave it with one copy, lost when L1 evicts it).
+        Before those, but after the rest, go pages a waiting request will hit."""
+        return self.host_candidates.choose(num_pages, policy, (_waited, _on_l1))
 
     def drop_host(self, victims: Sequence[Node]) -> Dropped:
         """Drop ``victims``' L2 copies in order (skipping any no longer an
