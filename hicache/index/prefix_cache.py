@@ -138,8 +138,20 @@ class PrefixCache:
             self.tree.wait(node, 1)
         else:
             node = None
-        self.waiting[rid] = Waiting(key, namespace, priority, seq, node)
+        self.waiting[rid] = Waiting(key, namespace, priority, seq, node, pages)
         return pages * self.page_size
+
+    def refresh_waiting(self) -> int:
+        """Note again every waiting request whose cached prefix grew since it was noted
+        (a request sharing it finished). Returns how many grew. Called when a request
+        finishes; one lookup per waiting request."""
+        grown = 0
+        for rid, w in list(self.waiting.items()):
+            h = self.tree.match(w.key, w.namespace)
+            if h.device_num_pages + h.host_num_pages > w.pages:
+                self.note_waiting(rid, w.key, w.namespace, priority=w.priority)
+                grown += 1
+        return grown
 
     def forget_waiting(self, rid: str) -> None:
         """``rid`` was admitted, finished or aborted: its pages lose the protection of
@@ -308,6 +320,8 @@ class PrefixCache:
         self.requests.pop(req.rid, None)
         if state is RequestState.FINISHED:
             s.requests_finished += 1
+            if self.waiting:
+                self.refresh_waiting()  # what it inserted may be a waiting request's prefix
         else:
             s.requests_aborted += 1
 
@@ -453,6 +467,7 @@ class Waiting(NamedTuple):
     priority: int  # higher: admitted sooner
     seq: int  # order noted (ties of priority: first come first served)
     node: Node | None  # deepest node of its cached prefix when noted (None: nothing cached)
+    pages: int  # logical pages of that prefix
 
 
 def check_pool(alloc: PageAllocator, tier: str, tree_ids: set[int], others: list[list[int]]) -> None:

@@ -307,6 +307,20 @@ def _policies(args: argparse.Namespace, cfg: HiCacheConfig, factory: Factory, na
     return out
 
 
+def _queue(args: argparse.Namespace, cfg: HiCacheConfig, factory: Factory, name: str) -> dict[str, Any]:
+    """``--utilisation``: the waiting-queue replay (``sim_policies.queue_sweep``), printed."""
+    try:
+        utils = [float(u) for u in args.utilisation.split(",")]
+    except ValueError:
+        raise ConfigError(f"--utilisation {args.utilisation!r}: want fractions like 0.5,0.8,0.95") from None
+    bad = [u for u in utils if not 0 < u < 1]
+    if bad:
+        raise ConfigError(f"--utilisation {bad}: each must be in (0, 1): at 1 or more the queue grows without end")
+    out = sp.queue_sweep(cfg, factory, sp.parse_capacities(args.capacities or sp.QUEUE_CAPACITIES), utils)
+    print(sp.format_queue_sweep(out, name))
+    return out
+
+
 def short_name(trace: str) -> str:
     """A plot title's name for a trace path: the file name without its extension."""
     return os.path.splitext(os.path.basename(trace))[0] or trace
@@ -332,6 +346,8 @@ def main(args: argparse.Namespace, cfg: HiCacheConfig) -> int:
             print(f"plot: {png}")
         elif args.policies:
             out = _policies(args, cfg, factory, name)
+        elif getattr(args, "utilisation", None):
+            out = _queue(args, cfg, factory, name)
         else:
             progress.note(f"simulating {name}: {runs_ahead(None, not args.no_baselines)} passes over "
                           f"{progress.total:,} requests" + ("" if args.limit else "; --limit N replays only "

@@ -117,3 +117,23 @@ def test_sweep_refuses_a_configured_l1_no_request_fits():
     cfg = cfg.model_copy(update={"simulate": cfg.simulate.model_copy(update={"l1_bytes": 3 * PAGE_BYTES})})
     with pytest.raises(ConfigError, match="l1_bytes"):
         sweep(cfg, lambda: iter(reqs(([1, 2, 3, 4, 5], 17))), fractions=(1.0,))
+
+
+# ------------------------------------------------------------- the waiting queue
+def test_fcfs_ttft_by_hand():
+    from hicache.reference.sim_policies import fcfs_ttft
+    assert fcfs_ttft([0, 1, 1.5], [10, 5, 10], 10.0) == pytest.approx([1.0, 0.5, 1.0])
+
+
+@pytest.mark.parametrize("protect, hit, last_ttft", [(True, 12, 0.21), (False, 8, 0.25)])
+def test_a_queued_request_keeps_its_prefix_while_it_waits(protect, hit, last_ttft):
+    # L1 = 5 pages, 100 tokens/s: every request arrives while the first computes. At rC's
+    # admission one page must go: LRU takes B (A B is older than E, hit again by rE2); with
+    # the waiting queue known, rA2's A B stay and E goes.
+    from hicache.reference.simulate import SimRequest, run_hicache, sim_config
+    cfg, plan = cfg_for(l1_pages=5, protect_waiting=str(protect).lower(), device_eviction="lru")
+    base = reqs(pages(5), pages(1, 2), pages(5), pages(3, 4), pages(1, 2))
+    trace = [SimRequest(r.rid, 0.01 * i, r.namespace, r.key) for i, r in enumerate(base)]
+    row = run_hicache("q", sim_config(cfg, plan, l3=False, backup=False), plan, trace, rate=100.0)
+    assert row["hit_tokens"] == hit
+    assert row["ttft_s"] == pytest.approx([0.05, 0.13, 0.13, 0.21, last_ttft])
