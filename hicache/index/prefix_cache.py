@@ -123,7 +123,14 @@ class PrefixCache:
         entry (call it when the prefix grew, e.g. after a prefetch). ``priority``: higher
         is admitted sooner (orders ``waiting_order``). Returns the cached tokens now
         protected. Mutates only ``wait_ref`` counts; the protection is a preference, not a
-        pin: when nothing else is left, protected pages go too (the request then misses them)."""
+        pin: when nothing else is left, protected pages go too (the request then misses them).
+
+        For an engine that owns its scheduler (an engine KV connector over this index,
+        e.g. vLLM's): call it for each waiting request the scheduler asks about (vLLM:
+        ``get_num_new_matched_tokens`` of a request not yet allocated, with its prompt
+        token ids; calling it each step keeps the protection current), and call
+        ``forget_waiting`` once the request is allocated, finished or aborted. ``rid``
+        is the engine's request id. Not thread-safe: the scheduler thread."""
         old = self.waiting.get(rid)
         self.forget_waiting(rid)
         key = tokens if type(tokens) is bytes else as_key(tokens)
