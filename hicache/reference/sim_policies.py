@@ -258,14 +258,17 @@ def plot_policy_sweep(sw: dict[str, Any], path: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(sw["modes"]), figsize=(6 * len(sw["modes"]), 4.8), sharey=True)
+    import matplotlib.ticker
+    fig, axes = plt.subplots(1, len(sw["modes"]), figsize=(6 * len(sw["modes"]) + 2.2, 4.8), sharey=True)
     caps = sw["capacities"]
+    styles = ("-", "--", "-.", ":")  # with 10 colours and 10 markers: no two policies look alike
     for ax, mode in zip(axes if len(sw["modes"]) > 1 else [axes], sw["modes"]):
         for i, p in enumerate(sw["policies"]):
             ys = [next(r["hit_rate"] for r in sw["runs"] if r["mode"] == mode and r["capacity_tokens"] == c
                        and r["policy"] == p) for c in caps]
             ax.plot(caps, ys, marker="osD^v<>ph*"[i % 10], color=f"C{i % 10}", markersize=5,
-                    linewidth=2.4 if p == sw["default"] else 1.2, label=p + (" (default)" if p == sw["default"] else ""))
+                    linestyle=styles[i % len(styles)], linewidth=2.4 if p == sw["default"] else 1.2,
+                    label=p + (" (default)" if p == sw["default"] else ""))
         ax.plot(caps, [sw["belady"][c] for c in caps], "k--", marker="x", label="Belady MIN (offline)")
         ax.axhline(sw["infinite_hit_rate"], color="gray", linestyle=":", label="infinite cache")
         ax.set_xscale("log")
@@ -273,13 +276,14 @@ def plot_policy_sweep(sw: dict[str, Any], path: str, title: str) -> None:
         ax.minorticks_off()
         ax.set_xlabel("capacity (tokens)")
         ax.set_title(mode, fontsize=10)
+        ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
         ax.grid(alpha=0.3)
     (axes[0] if len(sw["modes"]) > 1 else axes).set_ylabel("hit rate (of prompt tokens)")
-    (axes[-1] if len(sw["modes"]) > 1 else axes).legend(fontsize=7, loc="lower right")
+    (axes[-1] if len(sw["modes"]) > 1 else axes).legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.suptitle(title, fontsize=11)
     fig.text(0.5, 0.01, "The space between a policy and Belady is what knowing the future would save; "
              "the curves meet once the cache holds the working set.", ha="center", fontsize=8)
-    fig.tight_layout(rect=(0, 0.04, 1, 0.95))
+    fig.tight_layout(rect=(0, 0.04, 1, 0.95))  # (the legend right of the last panel, outside the data)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
