@@ -101,7 +101,7 @@ class NodeServer:
         self.pool: HostPool | None = None
         self.index: L2Index | None = None
         self.l3: L3Tier | None = None
-        self._expected: set[asyncio.Task] = set()  # background fetches started by ``expect``
+        self._expected: set[asyncio.Task[int]] = set()  # background fetches started by ``expect``
         self._events: EventLog | None = None  # L2 events taken from the index, until take_events()
         self.dispatcher: Dispatcher | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
