@@ -106,6 +106,9 @@ class LookupByTokens(BaseModel):
     tokens: list[TokenId] = Field(max_length=MAX_LOOKUP_TOKENS)
     namespace: str = Field("", max_length=1024)
     include_l3: bool = True  # L3 costs a round trip; routers on a hot path may skip it
+    # "peek": only look; "admit": the router sends this request here: its L2 pages are
+    # evicted last and its L3 pages start loading into L2 while it waits to be admitted
+    intent: Literal["peek", "admit"] = "peek"
 
 
 class LookupByHashes(BaseModel):
@@ -115,6 +118,7 @@ class LookupByHashes(BaseModel):
 
     hashes: list[HexHash] = Field(max_length=MAX_LOOKUP_HASHES)
     include_l3: bool = True
+    intent: Literal["peek", "admit"] = "peek"  # as ``LookupByTokens.intent``
 
 
 LookupRequest = LookupByTokens | LookupByHashes

@@ -110,7 +110,8 @@ lookup_router = APIRouter(tags=["lookup"])
 
 
 @lookup_router.post("/v1/lookup", response_model=LookupResponse,
-             summary="Leading pages of a token list (or page hashes) held by L2, then by L3")
+             summary="Leading pages of a token list (or page hashes) held by L2, then by L3; with intent "
+                     "'admit', also keep its L2 pages and start loading its L3 pages into L2")
 def lookup(req: LookupRequest, state: StateDep, request: Request) -> LookupResponse:
     ps = state.layout.page_size
     if isinstance(req, LookupByTokens):
@@ -126,7 +127,7 @@ def lookup(req: LookupRequest, state: StateDep, request: Request) -> LookupRespo
         hashes = page_hashes(tokens, ps, namespace=req.namespace)
     else:
         hashes = [PageHash(bytes.fromhex(h)) for h in req.hashes]
-    l2 = state.engine.peek_l2(hashes)
+    l2 = state.engine.expect(hashes) if req.intent == "admit" else state.engine.peek_l2(hashes)
     l3: int | None = None
     if req.include_l3 and state.storage is not None:
         l3 = state.storage.prefix_hits(hashes[l2:])

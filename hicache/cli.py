@@ -109,7 +109,12 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
                                         "included): each at each --capacities, GPU-only and L1+L2, with its "
                                         "rank, Belady and the share of the LRU->Belady gap it closes")
     sim.add_argument("--capacities", metavar="LIST",
-                     help="--policies: cache capacities in tokens (default 0.25M,0.5M,1M,2M,5M,10M,20M)")
+                     help="--policies / --utilisation: cache capacities in tokens (default 0.25M,0.5M,1M,2M,5M,"
+                          "10M,20M / 0.5M,2M)")
+    sim.add_argument("--utilisation", metavar="LIST",
+                     help="serve the trace through a waiting queue at these prefill utilisations (e.g. "
+                          "0.5,0.8,0.95): hit rate and TTFT of LRU, LRU with the waiting requests' pages "
+                          "protected, and Belady, per --capacities")
     sim.add_argument("--limit", type=_at_least(1), help="only the first N requests of the trace")
 
 

@@ -136,18 +136,68 @@ class HiCache:
         self._jobs = InFlight()
         self._storage_enabled = storage is not None and self.layout.cp_size == 1
         self._failed: TransferError | None = None  # set by a failed load back; fatal
+        self._prefetch_anchors: dict[JobId, Node] = {}  # prefetch job -> the L2 hit it continues, pinned
+        self._prefetch_for: dict[JobId, str] = {}  # prefetch job -> the waiting request it is for
+        self._prefetched_waiting: set[str] = set()  # waiting requests whose prefetch was started
         self.consensus = consensus
         self.cost = CostModel.from_config(cfg.admission, self.layout.token_bytes)
         self.misses = MissTracker(cfg.policy.miss_window_pages)
         self.room = L1Room(self.cache, self.l2, self._jobs, cfg.policy, self.tier_stats)  # eviction, write-back
 
     # ------------------------------------------------------------- requests
-    def new_request(self, rid: str, tokens: Tokens, namespace: str = "", *, draft: bool | None = None) -> Request:
+    def new_request(self, rid: str, tokens: Tokens, namespace: str = "", *, draft: bool | None = None,
+                    priority: int = 0) -> Request:
         """A WAITING request handle (see ``hicache.index.prefix_cache.Request``). ``draft``: the
-        request runs the draft head (default: the layout has draft planes)."""
+        request runs the draft head (default: the layout has draft planes).
+
+        Call it when the request arrives, before ``admit``: until it is admitted (or ends)
+        its cached prefix is evicted only after every other page (``policy.protect_waiting``;
+        ``PrefixCache.note_waiting``) and ``poll`` prefetches its L3 pages into L2, the
+        next-admitted first (``priority``: higher is admitted sooner)."""
         c = self.cache
-        return c.add_request(TieredRequest(self, rid, as_key(tokens), namespace,
-                                           c.has_draft if draft is None else draft))
+        req = c.add_request(TieredRequest(self, rid, as_key(tokens), namespace,
+                                          c.has_draft if draft is None else draft))
+        if self.policy.protect_waiting:
+            c.note_waiting(rid, req.key, namespace, priority=priority)
+        return req
+
+    def prefetch_waiting(self) -> int:
+        """Start the L3 -> L2 prefetch of the first ``policy.waiting_prefetch_requests``
+        waiting requests (next-admitted first) not prefetched yet, without waiting; each
+        is noted again once its pages land, so they are protected too. Returns the
+        prefetches started. Called by ``poll``."""
+        c = self.cache
+        done = self._prefetched_waiting
+        done.intersection_update(c.waiting)
+        if not self._storage_enabled or not c.waiting:
+            return 0
+        started = 0
+        for rid in c.waiting_order()[:self.policy.waiting_prefetch_requests]:
+            if rid in done:
+                continue
+            done.add(rid)
+            w = c.waiting[rid]
+            m = c.match(w.key, w.namespace)
+            hit = self._storage_hit(w.key, w.namespace, len(w.key) // 4, m)
+            if hit.hashes:
+                started += self._prefetch_ahead(rid, w, m, hit)
+        return started
+
+    def _prefetch_ahead(self, rid: str, w, m: MatchResult, hit: "_L3Hit") -> int:
+        ps = self.layout.page_size
+        anchor = m.host_node if m.tokens and m.host_node is not None and m.host_node.host_pages is not None else None
+        if anchor is not None:
+            self.cache.inc_host_lock(anchor)
+        plan = self.tiers.prepare_prefetch(w.key, w.namespace, m.tokens // ps, hit.hashes)
+        if plan is None:
+            if anchor is not None:
+                self.cache.dec_host_lock(anchor)
+            return 0
+        job = self._submit(plan)
+        if anchor is not None:
+            self._prefetch_anchors[job] = anchor
+        self._prefetch_for[job] = rid
+        return 1
 
     def match(self, tokens: Tokens, namespace: str = "", *, storage: bool = False) -> tuple[MatchResult, int]:
         """Page-floored hits per tier without side effects beyond statistics:
@@ -173,7 +223,7 @@ class HiCache:
         c = self.cache
         m = c.refresh(req)
         device_tokens = m.device_tokens
-        l3_hit = self._storage_hit(req, m)
+        l3_hit = self._storage_hit(req.key, req.namespace, req.num_tokens, m)
         # The one cost decision: load the L2 / L3 parts only where that beats recomputing them.
         l3_tokens = len(l3_hit.hashes) * self.layout.page_size
         queued = self.transfers.queued_bytes() if self.cost.enabled and (m.host_tokens or l3_tokens) else None
@@ -214,21 +264,21 @@ class HiCache:
         return self.cache.match(req.key, req.namespace, max_tokens=agreed, need_draft=req.draft)
 
     # ----------------------------------------------------------------- L3 -> L2
-    def _storage_hit(self, req: Request, m: MatchResult) -> _L3Hit:
-        """The L3 pages continuing ``m`` (probed within the prefetch budget); none when
-        there is no L3 or the hit is below ``storage_hit_min_pages``."""
+    def _storage_hit(self, key: bytes, namespace: str, num_tokens: int, m: MatchResult) -> _L3Hit:
+        """The L3 pages continuing ``m`` for a request of ``key`` (probed within the prefetch
+        budget); none when there is no L3 or the hit is below ``storage_hit_min_pages``."""
         t0 = time.perf_counter()
         if not self._storage_enabled:
             return _L3Hit([], t0)
         ps = self.layout.page_size
         have = m.tokens // ps
-        cap = max(0, req.num_tokens - 1) // ps
+        cap = max(0, num_tokens - 1) // ps
         if cap - have < self.policy.storage_hit_min_pages:
             return _L3Hit([], t0)
-        hashes = self._page_hashes(req.key, req.namespace, cap)
+        hashes = self._page_hashes(key, namespace, cap)
         self.tier_stats.storage_lookups += 1
         st0 = self.storage.stats()
-        s = self.transfers.storage_probe(hashes[have:cap], self._prefetch_budget_s(req.num_tokens))
+        s = self.transfers.storage_probe(hashes[have:cap], self._prefetch_budget_s(num_tokens))
         if s < self.policy.storage_hit_min_pages:
             return _L3Hit([], t0)
         self.tier_stats.storage_hit_pages += s
@@ -236,20 +286,32 @@ class HiCache:
 
     def _prefetch(self, req: Request, m: MatchResult, hit: _L3Hit) -> tuple[int, L3Outcome | None]:
         """Fetch ``hit`` into L2, waiting what is left of the policy's budget: the tokens
-        landed and what the L3 lookup found (None: nothing was fetched)."""
+        the index took and what the L3 lookup found (None: nothing was looked up).
+
+        The hit the prefetch continues is pinned on L2 while L2 room is made: the
+        prefetched pages hang from it (L2 is prefix-closed), so evicting it would drop
+        them. What L2 cannot place (no room, or a parent not on L2) is ``no_room``."""
         if not hit.hashes:
             return 0, None
-        plan = self.tiers.prepare_prefetch(req.key, req.namespace, m.tokens // self.layout.page_size, hit.hashes)
+        ps = self.layout.page_size
+        have = m.tokens // ps
+        anchor = m.host_node if have and m.host_node is not None and m.host_node.host_pages is not None else None
+        if anchor is not None:
+            self.cache.inc_host_lock(anchor)  # released when the prefetch completes (``_complete``)
+        plan = self.tiers.prepare_prefetch(req.key, req.namespace, have, hit.hashes)
         if plan is None:
-            return 0, None
+            if anchor is not None:
+                self.cache.dec_host_lock(anchor)
+            return 0, _l3_outcome(have, len(hit.hashes), 0, False, hit.storage_before, self.storage.stats(), True)
         budget = self._prefetch_budget_s(req.num_tokens)
         job = self._submit(plan)
-        landed = self._wait_prefetch(job, None if budget is None else budget - (time.perf_counter() - hit.probed_at))
+        if anchor is not None:
+            self._prefetch_anchors[job] = anchor
+        landed, taken = self._wait_prefetch(job, None if budget is None else budget - (time.perf_counter() - hit.probed_at))
         running = job in self._jobs
-        have = m.tokens // self.layout.page_size
-        outcome = _l3_outcome(have, len(hit.hashes), 0 if running else landed, running,
-                              hit.storage_before, self.storage.stats())
-        return (len(hit.hashes) * self.layout.page_size if not running else 0), outcome
+        outcome = _l3_outcome(have, len(hit.hashes), taken, running, hit.storage_before, self.storage.stats(),
+                              not running and taken < landed or len(plan.host) < len(hit.hashes))
+        return taken * ps, outcome
 
     def prefetch_budget_s(self, num_tokens: int) -> float | None:
         """How long the scheduler may wait on L3 for a request of ``num_tokens`` (``_prefetch_budget_s``)."""
@@ -266,15 +328,19 @@ class HiCache:
         return min(p.prefetch_timeout_cap_ms,
                    p.prefetch_timeout_base_ms + p.prefetch_timeout_per_1k_tokens_ms * num_tokens / 1000) / 1e3
 
-    def _wait_prefetch(self, job: JobId, timeout: float | None) -> int:
+    def _wait_prefetch(self, job: JobId, timeout: float | None) -> tuple[int, int]:
         """Wait for the prefetch ``job`` up to ``timeout`` (what is left of the policy's
-        budget) and complete it if it landed; the pages it brought into L2 (0: still
-        running). Other jobs complete in ``poll``."""
+        budget) and complete it if it landed: the pages it brought into L2 and those the
+        index took (0, 0: still running). Other jobs complete in ``poll``."""
         if self.policy.prefetch_policy is not _BEST_EFFORT:
             t0 = time.perf_counter()
             self.transfers.wait(job, None if timeout is None else max(0.0, timeout))
             self.tier_stats.prefetch_waited_ms += (time.perf_counter() - t0) * 1e3
-        return sum(r.pages for r in self._complete_results(job))
+        landed = taken = 0
+        for r in self.transfers.finished(job):
+            landed += r.pages
+            taken += self._complete(self._jobs.pop(r.job), r)
+        return landed, taken
 
     # ----------------------------------------------------------------- L2 -> L1
     def _load_back(self, req: Request, m: MatchResult) -> "_Loaded":
@@ -356,7 +422,8 @@ class HiCache:
             self._complete(self._jobs.pop(r.job), r)
         return results
 
-    def _complete(self, plan: Plan, r: TransferResult) -> None:
+    def _complete(self, plan: Plan, r: TransferResult) -> int:
+        """Hand ``r`` to its plan's ``complete_*``; the pages the index took (prefetches), else 0."""
         tiers = self.tiers
         if plan.group >= 0:  # a layer group's items (hicache.tiers.groups): keyed (group, page hash)
             for nxt in tiers.complete_group(plan, r.ok, r.pages):
@@ -365,7 +432,7 @@ class HiCache:
                 self._failed = TransferError(f"load back of layer group {plan.group}'s items {plan.device[:8]} "
                                              f"failed ({r.error!r}); their L1 pages hold unknown bytes, so this "
                                              "cache refuses to serve; rebuild it")
-            return
+            return 0
         if r.seconds and r.ok and r.kind in (TransferKind.H2D, TransferKind.L3_GET):  # the cost model's bandwidths
             self.cost.bandwidth.observe("L2" if r.kind is TransferKind.H2D else "L3", r.pages * self.layout.page_bytes,
                                         r.seconds)
@@ -386,7 +453,16 @@ class HiCache:
             tiers.complete_store(plan, r.pages if r.ok else 0)
             self.misses.reached(plan.hashes[:r.pages if r.ok else 0], L3)
         else:
-            tiers.complete_prefetch(plan, r.pages)
+            taken = tiers.complete_prefetch(plan, r.pages)
+            anchor = self._prefetch_anchors.pop(r.job, None)
+            if anchor is not None:
+                self.cache.dec_host_lock(anchor)
+            rid = self._prefetch_for.pop(r.job, None)
+            w = self.cache.waiting.get(rid) if rid is not None else None
+            if w is not None and taken:  # still waiting: protect what landed too
+                self.cache.note_waiting(rid, w.key, w.namespace, priority=w.priority)
+            return taken
+        return 0
 
     def wait_job(self, job: JobId, timeout: float | None = None) -> None:
         """Block until ``job`` is done (or ``timeout`` s), then complete what finished."""
@@ -450,6 +526,7 @@ class HiCache:
         n = self.complete_finished()
         self._check_healthy()
         self._run_room(self.room.clean_ahead())
+        self.prefetch_waiting()
         return n
 
     def _check_healthy(self) -> None:
@@ -535,11 +612,11 @@ class HiCache:
 
 
 def _l3_outcome(first_page: int, held: int, delivered: int, running: bool, before: StorageStats,
-                after: StorageStats) -> L3Outcome:
+                after: StorageStats, no_room: bool = False) -> L3Outcome:
     """What an admission's L3 lookup found (``hicache.index.misses``), from the backend's counters."""
     return L3Outcome(first_page, held, delivered, running,
                      (after.errors - before.errors) + (after.corrupt - before.corrupt),
-                     after.fingerprint_mismatch - before.fingerprint_mismatch)
+                     after.fingerprint_mismatch - before.fingerprint_mismatch, no_room)
 
 
 class TieredRequest(Request):

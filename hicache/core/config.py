@@ -201,6 +201,12 @@ class PolicyConfig(_Section):
     prefetch_timeout_per_1k_tokens_ms: float = Field(2.0, ge=0)
     prefetch_timeout_cap_ms: float = Field(200.0, ge=0)
     storage_hit_min_pages: int = Field(1, ge=1)  # smaller L3 hits are not worth a prefetch
+    # Requests that arrived but are not admitted (HiCache.new_request before admit): their
+    # cached prefix is evicted only after every other page (protect_waiting), and the
+    # first waiting_prefetch_requests of them, next-admitted first, have their L3 pages
+    # prefetched into L2 while they wait (0: none).
+    protect_waiting: bool = True
+    waiting_prefetch_requests: int = Field(8, ge=0)
     # Pages whose last tier the miss tracker remembers (hicache.index.misses; ~120 B each).
     miss_window_pages: int = Field(1_000_000, ge=1)
 

@@ -204,6 +204,8 @@ class MissStats:
     l2_evicted: int = _reason("Evicted from L2 with no L3 copy.", "l2_evicted")
     l3_evicted: int = _reason("Evicted from L3 (stored there once, gone now).", "l3_evicted")
     l3_error: int = _reason("L3 held it but the read failed (error, corrupt object).", "l3_error")
+    no_l2_room: int = _reason("L3 held it but L2 could not place the prefetch (no room, or its prefix "
+                              "left L2).", "no_l2_room")
     prefetch_expired: int = _reason("L3 held it but the prefetch missed the policy's budget.", "prefetch_expired")
     other_namespace: int = _reason("Another namespace holds the same tokens.", "other_namespace")
     fingerprint_mismatch: int = _reason("L3 holds it under another layout fingerprint.", "fingerprint_mismatch")

@@ -17,12 +17,13 @@ changes no node (it only tidies its own heap). Not thread-safe.
 from __future__ import annotations
 
 import heapq
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from hicache.index.eviction import EvictionPolicy, Key, SegmentedPolicy
 from hicache.index.node import Node
 
 Entry = tuple[Key, int, Node]  # (policy key, nid, node): nid is unique, nodes are never compared
+Spare = Callable[[Node], bool]  # a node kept while candidates it does not spare remain
 
 
 class _Candidates:
@@ -31,6 +32,7 @@ class _Candidates:
     def __init__(self) -> None:
         self._heaps: dict[str, tuple[EvictionPolicy, list[Entry]]] = {}
         self._segs: dict[str, tuple[Any, list[list[Entry]]]] = {}  # segmented policies: a heap per segment
+        self._spare: tuple[Spare, ...] = ()  # what the pass in progress keeps (``choose``)
 
     # Subclasses define what a candidate is, in the real tree and as seen
     # after the nodes in ``gone`` were evicted.
@@ -70,22 +72,59 @@ class _Candidates:
         for pol, _ in self._segs.values():
             pol.evicted(n)
 
-    def choose(self, num_pages: int, policy: EvictionPolicy) -> list[Node]:
+    def choose(self, num_pages: int, policy: EvictionPolicy, spares: Sequence[Spare] = ()) -> list[Node]:
         """Victims covering at least ``num_pages`` logical pages (fewer only when
-        candidates run out), in eviction order. Mutates no node."""
+        candidates run out), in eviction order. Mutates no node.
+
+        ``spares``: predicates of nodes to keep while others remain, in passes: the
+        first pass skips every node any predicate spares, each later pass drops the
+        first predicate still in force, the last pass spares nothing. Inside a pass
+        the order is the policy's."""
+        victims: list[Node] = []
+        gone: set[Node] = set()
+        got = 0
+        for i in range(len(spares) + 1):
+            if got >= num_pages:
+                break
+            self._spare = tuple(spares[i:])
+            try:
+                more = self._choose_pass(num_pages - got, policy, gone)
+            finally:
+                self._spare = ()
+            victims += more
+            gone.update(more)
+            got += sum(n.num_pages for n in more)
+        return victims
+
+    def _held(self, n: Node) -> bool:
+        """Pinned, or spared in this pass."""
+        return self._pinned(n) or any(f(n) for f in self._spare)
+
+    def _choose_pass(self, num_pages: int, policy: EvictionPolicy, gone: set[Node]) -> list[Node]:
         if num_pages <= 0:
             return []
         if isinstance(policy, SegmentedPolicy):
-            return self._choose_segmented(num_pages, policy)
+            return self._choose_segmented(num_pages, policy, gone)
         if policy.monotone:
-            return self._choose_heap(num_pages, policy)
+            return self._choose_heap(num_pages, policy, gone)
         key = policy.key
-        none: set[Node] = set()
-        heap = [(key(n), n.nid, n) for n in self._all() if self._valid(n, none) and not self._pinned(n)]
+        heap = [(key(n), n.nid, n) for n in self._all()
+                if n not in gone and self._valid(n, gone) and not self._held(n)]
         heapq.heapify(heap)
-        return self._drain(heap, [], num_pages, policy, set())
+        return self._drain(heap, [], num_pages, policy, gone)
 
-    def _choose_heap(self, num_pages: int, policy: EvictionPolicy) -> list[Node]:
+    def _freed_parents(self, gone: set[Node], key: Callable[[Node], Any]) -> list[Any]:
+        """Parents that earlier passes' victims (``gone``) leave as candidates, as heap entries."""
+        out, seen = [], set()
+        for v in gone:
+            p = self._next(v, gone)
+            if p is not None and p not in gone and p not in seen:
+                seen.add(p)
+                out.append((key(p), p.nid, p))
+        heapq.heapify(out)
+        return out
+
+    def _choose_heap(self, num_pages: int, policy: EvictionPolicy, gone: set[Node]) -> list[Node]:
         got = self._heaps.get(policy.name)
         if got is None or len(got[1]) > 2 * self._bound() + 1024:  # first use, or too stale
             heap = [(policy.key(n), n.nid, n) for n in self._all()]
@@ -94,12 +133,12 @@ class _Candidates:
         else:
             heap = got[1]
         restore: list[Entry] = []
-        victims = self._drain(heap, restore, num_pages, policy, set())
+        victims = self._drain(heap, restore, num_pages, policy, gone)
         for e in restore:  # chosen and pinned entries stay: drop_* invalidates the chosen
             heapq.heappush(heap, e)
         return victims
 
-    def _choose_segmented(self, num_pages: int, policy: SegmentedPolicy) -> list[Node]:
+    def _choose_segmented(self, num_pages: int, policy: SegmentedPolicy, gone: set[Node]) -> list[Node]:
         """One lazy heap per segment (keys grow inside a segment, a node's segment only
         grows, offsets grow with the segment): the smallest ``key + offset`` over the
         segments' valid tops is the smallest over every candidate."""
@@ -114,8 +153,9 @@ class _Candidates:
         else:
             heaps = got[1]
         restore: list[tuple[int, Entry]] = []
-        gone: set[Node] = set()
-        extra: list[tuple[Key, int, Node]] = []  # parents that become candidates, by effective key
+        gone = set(gone)
+        # parents that become candidates, by effective key
+        extra = self._freed_parents(gone, lambda p: (policy.key(p)[0] + policy.offset(policy.segment(p)), p.nid))
         victims, pages = [], 0
         while pages < num_pages:
             best = oldest = full = None
@@ -132,6 +172,8 @@ class _Candidates:
                         full = (eff, top[2])
             if oldest is not None and full is not None and full[1] is not oldest[2]:
                 policy.compared(full[1], oldest[2])  # learnt offsets and LRU disagree
+            while extra and extra[0][2] in gone:  # also chosen from a segment's heap meanwhile
+                heapq.heappop(extra)
             if best is None and not extra:
                 break
             if best is None or (extra and extra[0][0] < best[0]):
@@ -167,7 +209,7 @@ class _Candidates:
             if cur != k:
                 heapq.heapreplace(heap, (cur, nid, n))
                 continue
-            if self._pinned(n):
+            if self._held(n):
                 restore.append((s, heapq.heappop(heap)))
                 continue
             return heap[0]
@@ -178,7 +220,8 @@ class _Candidates:
         """Pop victims from ``heap`` (validated lazily; popped live entries go to
         ``restore``) merged with ``extra``, the parents that become candidates."""
         key, got, victims = policy.key, 0, []
-        extra: list[Entry] = []
+        gone = set(gone)
+        extra: list[Entry] = self._freed_parents(gone, key)
         while got < num_pages:
             top = None
             while heap:
@@ -190,11 +233,13 @@ class _Candidates:
                 if cur != k:
                     heapq.heapreplace(heap, (cur, nid, n))
                     continue
-                if self._pinned(n):
+                if self._held(n):
                     restore.append(heapq.heappop(heap))
                     continue
                 top = heap[0]
                 break
+            while extra and extra[0][2] in gone:  # also chosen from the heap meanwhile
+                heapq.heappop(extra)
             if top is None and not extra:
                 break
             if top is None or (extra and extra[0] < top):
@@ -243,7 +288,7 @@ class DeviceCandidates(_Candidates):
 
     def _next(self, n: Node, gone: set[Node]) -> Node | None:
         p = n.parent
-        if p is None or p.parent is None or p.lock_ref:
+        if p is None or p.parent is None or self._held(p):
             return None
         if any(c.device_pages is not None and c not in gone for c in p.children.values()):
             return None
@@ -285,6 +330,6 @@ class HostCandidates(_Candidates):
 
     def _next(self, n: Node, gone: set[Node]) -> Node | None:
         p = n.parent
-        if p is None or p.parent is None or p.host_lock_ref or not self._valid(p, gone):
+        if p is None or p.parent is None or self._held(p) or not self._valid(p, gone):
             return None
         return p

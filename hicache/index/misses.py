@@ -23,6 +23,7 @@ class L3Outcome(NamedTuple):
     expired: bool  # the prefetch was still running when the budget ran out
     read_errors: int  # L3 read errors and corrupt objects during this admission
     fingerprint_mismatches: int  # objects written by another layout, met during this admission
+    no_room: bool = False  # L2 could not place every held page (no room, or its parent left L2)
 
 
 def _reason(j: int, t: int | None, room_end: int, other_ns_pages: int, l3: L3Outcome | None) -> str:
@@ -42,7 +43,9 @@ def _reason(j: int, t: int | None, room_end: int, other_ns_pages: int, l3: L3Out
     if l3 is not None and l3.delivered <= j - l3.first_page < l3.held:
         if l3.expired:
             return "prefetch_expired"
-        return "l3_error" if l3.read_errors else "l3_evicted"  # l3_evicted: held at the probe, gone at the read
+        if l3.read_errors:
+            return "l3_error"
+        return "no_l2_room" if l3.no_room else "l3_evicted"  # l3_evicted: held at the probe, gone at the read
     if l3 is not None and l3.read_errors and j - l3.first_page >= l3.held:
         return "l3_error"
     return "l3_evicted"
@@ -69,7 +72,8 @@ class MissTracker:
       - L2: ``l2_evicted`` (evicted from L2 with no L3 copy);
       - L3: ``prefetch_expired`` (L3 held it but the prefetch did not complete in
         the policy's budget), ``l3_error`` (the read failed: an error, a corrupt
-        object), else ``l3_evicted``.
+        object), ``no_l2_room`` (L3 held it but L2 could not place it), else
+        ``l3_evicted``.
 
     Memory is bounded: the tracker remembers the last ``window`` pages it saw
     (FIFO, ~120 bytes a page; the hash objects are shared with the index's nodes

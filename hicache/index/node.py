@@ -33,6 +33,7 @@ class Node:
     host_lock_ref: int = 0  # holders of this node or a descendant on L2 (pins L2)
     last_access: int = 0  # tree clock at the last lock/insert
     hit_count: int = 0  # times a request locked this node or a descendant
+    wait_ref: int = 0  # waiting requests (arrived, not admitted) whose cached prefix runs through here
     draft_device: bool = False  # every page's draft rows are valid on L1 (False when not on L1)
     draft_host: bool = False  # ... on L2 (False when not on L2)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 from hicache.core.errors import CacheStateError, IntegrityError, OutOfPages, StaleMatch
 from hicache.core.layout import KVLayout
@@ -87,9 +87,13 @@ class PrefixCache:
         self.host_policy = make_policy(host_eviction)
         self.tree = RadixTree(layout.page_size, self.ownership, layout.cp_rank,
                               draft=layout.draft_layers > 0)
+        self._waiting_seq = 0
         self._draft_warned: set[int] = set()  # causes already logged (one warning per cause)
         self.requests: dict[str, Request] = {}  # live (not finished/aborted) requests by id
         self._stats = CacheStats()
+        # Waiting requests (arrived, not admitted): rid -> the deepest node of their cached
+        # prefix when noted, counted in ``wait_ref`` along its path (``note_waiting``).
+        self.waiting: dict[str, Waiting] = {}
         self._ext_locks: dict[Node, int] = {}  # holders outside requests (transfers)
         self._ext_host_locks: dict[Node, int] = {}
 
@@ -110,6 +114,62 @@ class PrefixCache:
         self.requests[rid] = req
         self._stats.requests += 1
         return req
+
+    # ------------------------------------------------------- waiting requests
+    def note_waiting(self, rid: str, tokens: Tokens, namespace: str = "", *, priority: int = 0) -> int:
+        """A request that has arrived but is not admitted yet will need ``tokens``: the
+        prefix of them cached now (L1, then L2 continuing it) is evicted only after every
+        other candidate, until ``forget_waiting(rid)``. Noting ``rid`` again replaces its
+        entry (call it when the prefix grew, e.g. after a prefetch). ``priority``: higher
+        is admitted sooner (orders ``waiting_order``). Returns the cached tokens now
+        protected. Mutates only ``wait_ref`` counts; the protection is a preference, not a
+        pin: when nothing else is left, protected pages go too (the request then misses them).
+
+        For an engine that owns its scheduler (an engine KV connector over this index,
+        e.g. vLLM's): call it for each waiting request the scheduler asks about (vLLM:
+        ``get_num_new_matched_tokens`` of a request not yet allocated, with its prompt
+        token ids; calling it each step keeps the protection current), and call
+        ``forget_waiting`` once the request is allocated, finished or aborted. ``rid``
+        is the engine's request id. Not thread-safe: the scheduler thread."""
+        old = self.waiting.get(rid)
+        self.forget_waiting(rid)
+        key = tokens if type(tokens) is bytes else as_key(tokens)
+        h = self.tree.match(key, namespace)
+        node = h.host_node
+        pages = h.device_num_pages + h.host_num_pages
+        if old is None:
+            self._waiting_seq += 1
+        seq = self._waiting_seq if old is None else old.seq  # noted again: keeps its place
+        if node is not None and node.parent is not None and pages:
+            node = self._lock_target(node, pages)  # protect no page past the prefix
+            self.tree.wait(node, 1)
+        else:
+            node = None
+        self.waiting[rid] = Waiting(key, namespace, priority, seq, node, pages)
+        return pages * self.page_size
+
+    def refresh_waiting(self) -> int:
+        """Note again every waiting request whose cached prefix grew since it was noted
+        (a request sharing it finished). Returns how many grew. Called when a request
+        finishes; one lookup per waiting request."""
+        grown = 0
+        for rid, w in list(self.waiting.items()):
+            h = self.tree.match(w.key, w.namespace)
+            if h.device_num_pages + h.host_num_pages > w.pages:
+                self.note_waiting(rid, w.key, w.namespace, priority=w.priority)
+                grown += 1
+        return grown
+
+    def forget_waiting(self, rid: str) -> None:
+        """``rid`` was admitted, finished or aborted: its pages lose the protection of
+        ``note_waiting``. A no-op for an id not noted."""
+        w = self.waiting.pop(rid, None)
+        if w is not None and w.node is not None:
+            self.tree.wait(w.node, -1)
+
+    def waiting_order(self) -> list[str]:
+        """Noted request ids, the next to be admitted first: higher priority, then arrival."""
+        return sorted(self.waiting, key=lambda r: (-self.waiting[r].priority, self.waiting[r].seq))
 
     def match(self, tokens: Tokens, namespace: str = "", *, max_tokens: int | None = None,
               need_draft: bool = False) -> MatchResult:
@@ -194,6 +254,7 @@ class PrefixCache:
         """Pin ``m``'s device hit and make it ``req``'s computed prefix (see ``Request.lock``):
         WAITING or PREEMPTED -> RUNNING; ``StaleMatch`` on a match older than the last eviction."""
         req._check(RequestState.WAITING, RequestState.PREEMPTED, op="lock")
+        self.forget_waiting(req.rid)  # admitted: its hit is pinned from here on
         if m.epoch != self.tree.epoch:
             raise StaleMatch(f"request {req.rid!r}: match from epoch {m.epoch}, the cache is at "
                              f"epoch {self.tree.epoch} (pages were evicted since); call match() again")
@@ -262,9 +323,12 @@ class PrefixCache:
         if state is RequestState.PREEMPTED:
             s.requests_preempted += 1
             return
+        self.forget_waiting(req.rid)
         self.requests.pop(req.rid, None)
         if state is RequestState.FINISHED:
             s.requests_finished += 1
+            if self.waiting:
+                self.refresh_waiting()  # what it inserted may be a waiting request's prefix
         else:
             s.requests_aborted += 1
 
@@ -385,15 +449,32 @@ class PrefixCache:
             check_request(self.tree, r)
             if r.node is not None:
                 locks[r.node] = locks.get(r.node, 0) + 1
-        for held, attr in ((locks, "lock_ref"), (self._ext_host_locks, "host_lock_ref")):
+        waits: dict[Node, int] = {}
+        for w in self.waiting.values():
+            if w.node is not None:
+                waits[w.node] = waits.get(w.node, 0) + 1
+        for held, attr in ((locks, "lock_ref"), (self._ext_host_locks, "host_lock_ref"), (waits, "wait_ref")):
             want: dict[Node, int] = {}
             for node, k in held.items():
-                for n in self.tree.path(node):
+                n = node
+                while n.parent is not None:  # (a waiting request's node may have left the tree)
                     want[n] = want.get(n, 0) + k
+                    n = n.parent
             for n in self.tree.iter_nodes():
                 if getattr(n, attr) != want.get(n, 0):
                     raise IntegrityError(f"{n!r}: {attr}={getattr(n, attr)} but its holders "
                                          f"account for {want.get(n, 0)}")
+
+
+class Waiting(NamedTuple):
+    """A request noted as waiting (``PrefixCache.note_waiting``)."""
+
+    key: bytes
+    namespace: str
+    priority: int  # higher: admitted sooner
+    seq: int  # order noted (ties of priority: first come first served)
+    node: Node | None  # deepest node of its cached prefix when noted (None: nothing cached)
+    pages: int  # logical pages of that prefix
 
 
 def check_pool(alloc: PageAllocator, tier: str, tree_ids: set[int], others: list[list[int]]) -> None:

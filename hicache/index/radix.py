@@ -31,6 +31,14 @@ __all__ = ["RadixTree", "Node", "Hit", "InsertResult", "Dropped", "TreeCensus"]
 _NO_CUT, _CUT_L1, _CUT_L2 = DraftCut.NONE, DraftCut.L1, DraftCut.L2
 
 
+def _on_l1(n: Node) -> bool:
+    return n.device_pages is not None
+
+
+def _waited(n: Node) -> bool:
+    return n.wait_ref > 0
+
+
 class RadixTree:
     """The index. ``page_size`` tokens per page; ``ownership``/``cp_rank`` pick owned pages.
 
@@ -294,7 +302,7 @@ class RadixTree:
         k = self.owned(child.start_page, p)
         up = Node(child.key[:p * pb], p, child.start_page, child.parent, child.namespace, self._nid(),
                   in_storage=child.in_storage, lock_ref=child.lock_ref,
-                  host_lock_ref=child.host_lock_ref, last_access=child.last_access,
+                  host_lock_ref=child.host_lock_ref, wait_ref=child.wait_ref, last_access=child.last_access,
                   hit_count=child.hit_count, draft_device=child.draft_device, draft_host=child.draft_host)
         if child.device_pages is not None:
             up.device_pages, child.device_pages = child.device_pages[:k], child.device_pages[k:]
@@ -340,6 +348,15 @@ class RadixTree:
             if node.host_lock_ref <= 0:
                 raise CacheStateError(f"host unlock of unlocked {node!r}")
             node.host_lock_ref -= 1
+            node = node.parent
+
+    def wait(self, node: Node, delta: int) -> None:
+        """Add ``delta`` to ``wait_ref`` on ``node``'s path (a waiting request's cached prefix).
+        ``node`` may have left the tree since: its parents still lead to the root."""
+        while node.parent is not None:
+            node.wait_ref += delta
+            if node.wait_ref < 0:
+                raise CacheStateError(f"wait_ref of {node!r} went negative")
             node = node.parent
 
     def touch(self, node: Node) -> None:
@@ -482,8 +499,20 @@ class RadixTree:
         nothing else is evictable); parents that become leaves once their
         children go are included after them. Mutates no node. Step 2 is the
         caller's: back up (``set_host``) what must stay on L2; step 3 is
-        ``drop_device`` of the same list."""
-        return self.device_candidates.choose(num_pages, policy)
+        ``drop_device`` of the same list.
+
+        Page-granular: when the last victim holds more pages than are still needed,
+        it is split and only its tail is chosen (its head stays, still a prefix of
+        the sequence), so eviction takes what was asked, not whole nodes. The split
+        changes no page's tier.
+
+        Pages a waiting request will hit (``Node.wait_ref``, see
+        ``PrefixCache.note_waiting``) go only after every other candidate."""
+        victims = self.device_candidates.choose(num_pages, policy, (_waited,))
+        over = sum(n.num_pages for n in victims) - num_pages
+        if over > 0 and victims[-1].num_pages > over:
+            self._split(victims[-1], over)  # the victim keeps its identity: it is now the tail
+        return victims
 
     def drop_device(self, victims: Sequence[Node]) -> Dropped:
         """Take ``victims`` off L1 in order (skipping any no longer an unlocked L1
@@ -513,8 +542,13 @@ class RadixTree:
     def host_victims(self, num_pages: int, policy: EvictionPolicy) -> list[Node]:
         """L2 leaves with ``host_lock_ref == 0`` to drop, in ``policy`` order,
         covering at least ``num_pages`` logical pages (parents that become L2
-        leaves after them). Mutates no node; pass the list to ``drop_host``."""
-        return self.host_candidates.choose(num_pages, policy)
+        leaves after them). Mutates no node; pass the list to ``drop_host``.
+
+        L2 copies of pages L1 also holds go only after every other candidate: under
+        write_through that keeps L2 a superset of L1 whatever the policy (dropping
+        the copy of an L1 page would leave it with one copy, lost when L1 evicts it).
+        Before those, but after the rest, go pages a waiting request will hit."""
+        return self.host_candidates.choose(num_pages, policy, (_waited, _on_l1))
 
     def drop_host(self, victims: Sequence[Node]) -> Dropped:
         """Drop ``victims``' L2 copies in order (skipping any no longer an

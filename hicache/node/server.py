@@ -101,6 +101,7 @@ class NodeServer:
         self.pool: HostPool | None = None
         self.index: L2Index | None = None
         self.l3: L3Tier | None = None
+        self._expected: set[asyncio.Task[int]] = set()  # background fetches started by ``expect``
         self._events: EventLog | None = None  # L2 events taken from the index, until take_events()
         self.dispatcher: Dispatcher | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -366,6 +367,24 @@ class NodeServer:
         def peek() -> int:
             return self._serving().peek(hashes)
         return self._on_loop(peek)
+
+    def expect(self, hashes: list[PageHash]) -> int:
+        """A router sends the request of ``hashes`` here: its L2 pages go to the most
+        recently used end (evicted last) and the L3 pages continuing them start loading
+        into L2 (a background fetch, not waited for). Returns the leading pages L2 holds.
+        Any thread."""
+        def expect() -> int:
+            n = len(self._serving().lookup(hashes))
+            if self.l3 is not None and n < len(hashes):
+                try:
+                    loop = asyncio.get_running_loop()
+                except RuntimeError:  # not serving on a loop (a bare start in tests): no fetch
+                    return n
+                task = loop.create_task(self.l3.fetch(hashes[n:], self.l3.max_wait_s))
+                self._expected.add(task)
+                task.add_done_callback(self._expected.discard)
+            return n
+        return self._on_loop(expect)
 
     def flush_l2(self) -> int:
         """Drop every unlocked committed L2 page; returns how many. Any thread."""

@@ -180,6 +180,13 @@ class ServiceView(Protocol):
         """How many leading ``hashes`` L2 holds. Pure: touches no recency or counter."""
         ...
 
+    def expect(self, hashes: list[PageHash]) -> int:
+        """A router sends the request of ``hashes`` here (``/v1/lookup`` with intent
+        ``admit``): L2's leading pages among them become the most recently used (evicted
+        last) and the L3 pages continuing them start loading into L2 in the background.
+        Returns the leading pages L2 holds (as ``peek_l2``); counts as an L2 lookup."""
+        ...
+
     def flush_l2(self) -> int:
         """Drop every unlocked committed L2 page; returns how many were dropped."""
         ...

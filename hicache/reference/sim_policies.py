@@ -33,6 +33,7 @@ class PageStream(NamedTuple):
     caps: list[int]  # pages each request may hit at most
     tokens: list[int]  # prompt tokens of each request
     unique_pages: int  # distinct pages in the whole stream: the working set
+    arrivals: tuple[float, ...] = ()  # each request's arrival (seconds from the trace's start)
 
 
 # ---- Offline baselines of ``--simulate`` over the same page stream as the real runs.
@@ -52,14 +53,15 @@ class PageStream(NamedTuple):
 def page_stream(requests: Iterable, page_size: int) -> PageStream:
     """Number the pages of ``requests`` (``SimRequest``s) by their chained hash."""
     ids: dict[bytes, int] = {}
-    pages, caps, tokens = [], [], []
+    pages, caps, tokens, arrivals = [], [], [], []
     for r in requests:
+        arrivals.append(r.arrival)
         n = len(r.key) // 4
         hs = raw_page_hashes(r.key, page_size, namespace_root(r.namespace))
         pages.append(np.fromiter((ids.setdefault(h, len(ids)) for h in hs), dtype=np.int64, count=len(hs)))
         caps.append(max(0, n - 1) // page_size)
         tokens.append(n)
-    return PageStream(pages, caps, tokens, len(ids))
+    return PageStream(pages, caps, tokens, len(ids), tuple(arrivals))
 
 
 def _prefix_in(ids: np.ndarray, cap: int, cached) -> int:
@@ -79,9 +81,12 @@ def infinite(stream: PageStream, page_size: int) -> int:
     return hit
 
 
-def belady(stream: PageStream, page_size: int, capacity: int) -> int:
-    """Hit tokens of Belady's MIN over one pool of ``capacity`` pages."""
+def belady(stream: PageStream, page_size: int, capacity: int, per_request: list[int] | None = None) -> int:
+    """Hit tokens of Belady's MIN over one pool of ``capacity`` pages; ``per_request``: when
+    given, each request's hit tokens are appended to it."""
     if capacity <= 0:
+        if per_request is not None:
+            per_request += [0] * len(stream.pages)
         return 0
     never = len(stream.pages)
     nxt: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * len(stream.pages)
@@ -95,7 +100,10 @@ def belady(stream: PageStream, page_size: int, capacity: int) -> int:
     heap: list[tuple[int, int, int]] = []  # (-next use, -depth, page); stale entries skipped
     hit = 0
     for i, (ids, cap) in enumerate(zip(stream.pages, stream.caps)):
-        hit += _prefix_in(ids, cap, cached) * page_size
+        got = _prefix_in(ids, cap, cached) * page_size
+        hit += got
+        if per_request is not None:
+            per_request.append(got)
         for depth, (p, u) in enumerate(zip(ids.tolist(), nxt[i].tolist())):
             cached[p] = u
             heapq.heappush(heap, (-u, -depth, p))
@@ -154,6 +162,16 @@ def run_index(policy: str, plan: SimPlan, requests) -> dict[str, Any]:
     return {"hit_tokens": hit, "hit_rate": hit / prompt if prompt else 0.0, "time_s": time.perf_counter() - t0}
 
 
+def _refuse_tier_bytes(cfg: HiCacheConfig) -> None:
+    """The sweep sizes L1 and L2 from its capacities: tier sizes set in bytes would be ignored."""
+    s = cfg.simulate
+    given = [f"simulate.{k}={getattr(s, k):,}" for k in ("l1_bytes", "l2_bytes") if k in s.model_fields_set]
+    if given:
+        raise ConfigError(f"--policies sizes L1 and L2 from --capacities (GPU-only: L1 = C; L1+L2: L2 = C, "
+                          f"L1 = C/{L1_SHARE}), so {' and '.join(given)} would be ignored: drop it, or "
+                          "run --simulate without --policies for one run at those sizes")
+
+
 def _ranks(hits: dict[str, int]) -> dict[str, int]:
     order = sorted(hits.values(), reverse=True)
     return {p: 1 + order.index(h) for p, h in hits.items()}
@@ -167,6 +185,7 @@ def policy_sweep(cfg: HiCacheConfig, factory: Factory, policies: list[str], capa
     if cfg.policy.write_policy.value != "write_through":
         raise ConfigError(f"--policies compares L1+L2 under write_through (L2 inclusive of L1); "
                           f"policy.write_policy is {cfg.policy.write_policy.value}")
+    _refuse_tier_bytes(cfg)
     base = SimPlan.from_config(cfg.simulate)
     ps = base.page_size
     stream = page_stream(factory(), ps)
@@ -239,14 +258,17 @@ def plot_policy_sweep(sw: dict[str, Any], path: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(sw["modes"]), figsize=(6 * len(sw["modes"]), 4.8), sharey=True)
+    import matplotlib.ticker
+    fig, axes = plt.subplots(1, len(sw["modes"]), figsize=(6 * len(sw["modes"]) + 2.2, 4.8), sharey=True)
     caps = sw["capacities"]
+    styles = ("-", "--", "-.", ":")  # with 10 colours and 10 markers: no two policies look alike
     for ax, mode in zip(axes if len(sw["modes"]) > 1 else [axes], sw["modes"]):
         for i, p in enumerate(sw["policies"]):
             ys = [next(r["hit_rate"] for r in sw["runs"] if r["mode"] == mode and r["capacity_tokens"] == c
                        and r["policy"] == p) for c in caps]
             ax.plot(caps, ys, marker="osD^v<>ph*"[i % 10], color=f"C{i % 10}", markersize=5,
-                    linewidth=2.4 if p == sw["default"] else 1.2, label=p + (" (default)" if p == sw["default"] else ""))
+                    linestyle=styles[i % len(styles)], linewidth=2.4 if p == sw["default"] else 1.2,
+                    label=p + (" (default)" if p == sw["default"] else ""))
         ax.plot(caps, [sw["belady"][c] for c in caps], "k--", marker="x", label="Belady MIN (offline)")
         ax.axhline(sw["infinite_hit_rate"], color="gray", linestyle=":", label="infinite cache")
         ax.set_xscale("log")
@@ -254,12 +276,102 @@ def plot_policy_sweep(sw: dict[str, Any], path: str, title: str) -> None:
         ax.minorticks_off()
         ax.set_xlabel("capacity (tokens)")
         ax.set_title(mode, fontsize=10)
+        ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
         ax.grid(alpha=0.3)
     (axes[0] if len(sw["modes"]) > 1 else axes).set_ylabel("hit rate (of prompt tokens)")
-    (axes[-1] if len(sw["modes"]) > 1 else axes).legend(fontsize=7, loc="lower right")
+    (axes[-1] if len(sw["modes"]) > 1 else axes).legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.suptitle(title, fontsize=11)
     fig.text(0.5, 0.01, "The space between a policy and Belady is what knowing the future would save; "
              "the curves meet once the cache holds the working set.", ha="center", fontsize=8)
-    fig.tight_layout(rect=(0, 0.04, 1, 0.95))
+    fig.tight_layout(rect=(0, 0.04, 1, 0.95))  # (the legend right of the last panel, outside the data)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# ---- ``--utilisation``: the waiting queue an engine's scheduler holds, seen by the cache.
+#
+# One prefill server, first come first served, at ``rate`` tokens/s: a request waits while
+# earlier ones compute, and the cache knows every request that has arrived
+# (``HiCache.new_request`` before ``admit``). Utilisation ``u`` sets the rate: LRU's
+# recomputed tokens, served without a queue, over ``u`` times the trace's span. Three rows
+# per capacity and utilisation: LRU alone (``policy.protect_waiting`` off), LRU with the
+# waiting queue's pages protected (on), and Belady's MIN at the distinct pages the tiers
+# hold (its TTFT through the same queue). TTFT = wait + prefill of the missed tokens.
+UTILISATIONS = (0.5, 0.8, 0.95)
+QUEUE_CAPACITIES = "0.5M,2M"
+QUEUE_ROWS = ("lru", "lru+waiting", "Belady")
+
+
+def fcfs_ttft(arrivals, work_tokens, rate: float) -> list[float]:
+    """Each request's time to first token at one FCFS server of ``rate`` tokens/s."""
+    t, out = 0.0, []
+    for a, w in zip(arrivals, work_tokens):
+        t = max(t, a) + w / rate
+        out.append(t - a)
+    return out
+
+
+def _ttft_stats(ttft: list[float]) -> dict[str, float]:
+    a = np.asarray(ttft, dtype=np.float64)
+    return {"ttft_p50_s": float(np.percentile(a, 50)) if a.size else 0.0,
+            "ttft_p90_s": float(np.percentile(a, 90)) if a.size else 0.0}
+
+
+def queue_sweep(cfg: HiCacheConfig, factory: Factory, capacities: list[int],
+                utilisations=UTILISATIONS, log=None) -> dict[str, Any]:
+    """Hit rate and TTFT of LRU, LRU with the waiting queue protected, and Belady, per
+    capacity (L1+L2 mode of ``policy_sweep``) and utilisation; one line per run on ``log``."""
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    _refuse_tier_bytes(cfg)
+    base = SimPlan.from_config(cfg.simulate)
+    ps = base.page_size
+    stream = page_stream(factory(), ps)
+    span = (stream.arrivals[-1] - stream.arrivals[0]) if stream.arrivals else 0.0
+    if span <= 0:
+        raise ConfigError("--utilisation needs requests spread in time; every request of this trace arrives at once")
+    largest = max((len(p) + 1 for p in stream.pages), default=1)
+    prompt = sum(stream.tokens)
+    cells = []
+    for c in capacities:
+        plan = _plan(base, "L1+L2", c, largest)
+        runs = {name: _waiting(sim_config(cfg, plan, eviction="lru", l3=False), name != "lru")
+                for name in QUEUE_ROWS[:2]}
+        work = run_hicache("lru, no queue", runs["lru"], plan, factory())["recomputed_tokens"]
+        per: list[int] = []
+        belady(stream, ps, max(plan.l1_pages, plan.l2_pages), per)
+        for u in utilisations:
+            rate = work / (u * span)
+            cell = {"capacity_tokens": c, "utilisation": u, "rate_tokens_per_s": rate}
+            for name, rcfg in runs.items():
+                row = run_hicache(name, rcfg, plan, factory(), rate)
+                cell[name] = {"hit_rate": row["hit_rate"], **_ttft_stats(row["ttft_s"]), "time_s": row["time_s"]}
+                log(f"{_tok(c)} tokens at {u:.0%}: {name} {row['hit_rate']:.2%} ({row['time_s']:.1f} s)")
+            ttft = fcfs_ttft(stream.arrivals, [n - h for n, h in zip(stream.tokens, per)], rate)
+            cell["Belady"] = {"hit_rate": sum(per) / prompt if prompt else 0.0, **_ttft_stats(ttft)}
+            gap = cell["Belady"]["hit_rate"] - cell["lru"]["hit_rate"]
+            cell["gap_closed"] = (cell["lru+waiting"]["hit_rate"] - cell["lru"]["hit_rate"]) / gap if gap > 1e-12 else None
+            cells.append(cell)
+    return {"page_size": ps, "prompt_tokens": prompt, "span_s": span, "requests": len(stream.tokens),
+            "capacities": capacities, "utilisations": list(utilisations), "cells": cells}
+
+
+def _waiting(cfg: HiCacheConfig, on: bool) -> HiCacheConfig:
+    return cfg.model_copy(update={"policy": cfg.policy.model_copy(update={"protect_waiting": on})})
+
+
+def format_queue_sweep(q: dict[str, Any], trace: str) -> str:
+    lines = [f"waiting queue on {trace}: {q['requests']:,} requests over {q['span_s']:.0f} s, one FCFS prefill "
+             "server; utilisation = LRU's recomputed tokens / (rate x span); TTFT = wait + prefill of the "
+             "missed tokens (p50 / p90 s); L1+L2 (L1 = L2 / 8), write_through", ""]
+    head = ["capacity", "util", "rate tok/s", *(f"{n} hit" for n in QUEUE_ROWS), *(f"{n} TTFT" for n in QUEUE_ROWS),
+            "gap closed"]
+    table = [head]
+    for c in q["cells"]:
+        g = c["gap_closed"]
+        table.append([_tok(c["capacity_tokens"]), f"{c['utilisation']:.0%}", f"{c['rate_tokens_per_s']:,.0f}",
+                      *(f"{c[n]['hit_rate']:.2%}" for n in QUEUE_ROWS),
+                      *(f"{c[n]['ttft_p50_s']:.2f}/{c[n]['ttft_p90_s']:.2f}" for n in QUEUE_ROWS),
+                      "-" if g is None else f"{g:+.0%}"])
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    lines += ["  ".join(x.rjust(w) for x, w in zip(r, widths)) for r in table]
+    return "\n".join(lines)

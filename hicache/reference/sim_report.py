@@ -76,6 +76,8 @@ def simulate(cfg: HiCacheConfig, factory: Factory, *, policies: list[str] | None
                                 feed(gpu)))
         if plan.l2_pages:
             for p in policies if policies is not None else [default]:
+                if label == "L1+L2" and p == default == cfg.policy.host_eviction:
+                    continue  # the first row is this very run (no L3 to tell them apart)
                 rows.append(run_hicache(f"hicache L1+L2 ({p})", sim_config(cfg, plan, eviction=p, l3=False),
                                         plan, feed(f"hicache L1+L2 ({p})")))
         cap, rule = distinct_capacity(plan.l1_pages, plan.l2_pages, cfg.policy.write_policy.value)
@@ -170,10 +172,7 @@ def sweep(cfg: HiCacheConfig, factory: Factory, fractions=SWEEP_FRACTIONS,
     ws = stream.unique_pages * base.page_bytes
     prompt = sum(stream.tokens)
     points = []
-    above = {"L1": 0, "L2": base.l1_pages * base.page_bytes, "L3": base.l2_pages * base.page_bytes}
-    todo = [(tier, f, max(base.page_bytes, int(ws * f))) for tier in ("L1", "L2", "L3") for f in fractions]
-    # no larger than the tier above it: adds nothing (L2 and L3 hold copies)
-    todo = [(tier, f, b) for tier, f, b in todo if b > above[tier]]
+    todo = sweep_points(base, stream, fractions)
     if progress is not None:
         n = f"{progress.total:,}" if progress.total is not None else "all the"
         progress.note(f"sweep: {len(todo)} capacity points, each a whole replay of {n} requests "
@@ -186,6 +185,29 @@ def sweep(cfg: HiCacheConfig, factory: Factory, fractions=SWEEP_FRACTIONS,
                        "time_s": row["time_s"]})
     return {"working_set_bytes": ws, "infinite_hit_rate": infinite(stream, base.page_size) / prompt,
             "config": _plan_dict(base), "points": points}
+
+
+def sweep_points(base: SimPlan, stream: PageStream, fractions) -> list[tuple[str, float, int]]:
+    """(tier, fraction, bytes) of each sweep point that can run: L2 and L3 points no larger
+    than the tier above are skipped (they hold copies of it), and L1 points below the
+    largest request (it could not be served) are lifted to it, once. ``ConfigError``
+    when the configured L1 cannot hold the largest request (every L2 and L3 point needs it)."""
+    pb = base.page_bytes
+    largest = max((-(-n // base.page_size) for n in stream.tokens), default=1)  # L1 pages one request needs
+    if base.l1_pages < largest:
+        raise ConfigError(f"simulate.l1_bytes={base.l1_pages * pb:,} holds {base.l1_pages} pages; the largest "
+                          f"request needs {largest} pages ({largest * pb:,} bytes): raise simulate.l1_bytes")
+    ws = stream.unique_pages * pb
+    above = {"L1": 0, "L2": base.l1_pages * pb, "L3": base.l2_pages * pb}
+    todo = [(tier, f, max(pb, int(ws * f))) for tier in ("L1", "L2", "L3") for f in fractions]
+    todo = [(t, f, max(b, largest * pb) if t == "L1" else b) for t, f, b in todo]
+    seen: set[tuple[str, int]] = set()
+    out = []
+    for t, f, b in todo:
+        if b > above[t] and (t, b) not in seen:
+            seen.add((t, b))
+            out.append((t, f if b == max(pb, int(ws * f)) else b / ws, b))
+    return out
 
 
 def _point(cfg: HiCacheConfig, tier: str, b: int) -> tuple[SimPlan, HiCacheConfig]:
@@ -285,6 +307,20 @@ def _policies(args: argparse.Namespace, cfg: HiCacheConfig, factory: Factory, na
     return out
 
 
+def _queue(args: argparse.Namespace, cfg: HiCacheConfig, factory: Factory, name: str) -> dict[str, Any]:
+    """``--utilisation``: the waiting-queue replay (``sim_policies.queue_sweep``), printed."""
+    try:
+        utils = [float(u) for u in args.utilisation.split(",")]
+    except ValueError:
+        raise ConfigError(f"--utilisation {args.utilisation!r}: want fractions like 0.5,0.8,0.95") from None
+    bad = [u for u in utils if not 0 < u < 1]
+    if bad:
+        raise ConfigError(f"--utilisation {bad}: each must be in (0, 1): at 1 or more the queue grows without end")
+    out = sp.queue_sweep(cfg, factory, sp.parse_capacities(args.capacities or sp.QUEUE_CAPACITIES), utils)
+    print(sp.format_queue_sweep(out, name))
+    return out
+
+
 def short_name(trace: str) -> str:
     """A plot title's name for a trace path: the file name without its extension."""
     return os.path.splitext(os.path.basename(trace))[0] or trace
@@ -310,6 +346,8 @@ def main(args: argparse.Namespace, cfg: HiCacheConfig) -> int:
             print(f"plot: {png}")
         elif args.policies:
             out = _policies(args, cfg, factory, name)
+        elif getattr(args, "utilisation", None):
+            out = _queue(args, cfg, factory, name)
         else:
             progress.note(f"simulating {name}: {runs_ahead(None, not args.no_baselines)} passes over "
                           f"{progress.total:,} requests" + ("" if args.limit else "; --limit N replays only "

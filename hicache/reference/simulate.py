@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
@@ -148,59 +149,118 @@ def _object_bytes(layout: KVLayout) -> int:
         st.close()
 
 
-def run_hicache(name: str, cfg: HiCacheConfig, plan: SimPlan, requests: Iterable[SimRequest]) -> dict[str, Any]:
-    """Serve ``requests`` through a real ``HiCache`` configured by ``cfg``; one report row."""
+def run_hicache(name: str, cfg: HiCacheConfig, plan: SimPlan, requests: Iterable[SimRequest],
+                rate: float | None = None) -> dict[str, Any]:
+    """Serve ``requests`` through a real ``HiCache`` configured by ``cfg``; one report row.
+
+    ``rate``: None serves each request at its arrival, one at a time (no queue). Else one
+    prefill server computes ``rate`` tokens/s, first come first served: a request waits
+    while earlier ones compute, and every request that has arrived by the time one is
+    admitted, or computes, is known to the cache (``HiCache.new_request``: the waiting
+    queue an engine's scheduler holds). The row then has ``ttft_s``, each request's wait
+    plus its prefill (loads and decode not modelled)."""
     import torch
     torch.set_num_threads(1)  # stand-in pages are tiny: threads only contend
     layout = stand_in_layout(plan)
-    storage = _open_l3(cfg, layout, plan)
-    hc = HiCache(cfg, layout=layout, storage=storage, inline_transfers=True)
-    clock = _Clock().parts
-    l1 = l2 = l3 = prompt = n = 0
-    first = last = 0.0
+    hc = HiCache(cfg, layout=layout, storage=_open_l3(cfg, layout, plan), inline_transfers=True)
+    run = _Served(hc, plan, rate)
     t_start = time.perf_counter()
-    perf = time.perf_counter
     try:
-        for r in requests:
-            t0 = perf()
-            req = hc.new_request(r.rid, r.key, r.namespace)
-            adm = hc.admit(req)
-            t1 = perf()
-            try:
-                req.alloc(req.num_tokens - adm.hit_tokens)
-            except OutOfPages:
-                raise ConfigError(f"request {r.rid} needs {-(-req.num_tokens // plan.page_size)} pages of L1, "
-                                  f"more than its {plan.l1_pages}; raise simulate.l1_bytes") from None
-            t2 = perf()
-            req.commit()
-            req.finish()
-            hc.drain()  # backups, then the stores they start: done before the next arrival
-            t3 = perf()
-            clock["match+load (admit)"] += t1 - t0
-            clock["evict (alloc)"] += t2 - t1
-            clock["insert (commit+finish)"] += t3 - t2
-            l1 += adm.device_tokens
-            l2 += adm.host_tokens - adm.storage_tokens
-            l3 += adm.storage_tokens
-            prompt += req.num_tokens
-            first, last = (r.arrival if n == 0 else first), r.arrival
-            n += 1
+        run.serve(requests)
         hc.check_integrity()
         stats = hc.stats()
     finally:
         hc.close()
-    wall = time.perf_counter() - t_start
-    tb = plan.shape.token_bytes
-    idx = stats.index
-    stored = stats.tiers.storage_put_pages
-    return {"name": name, "requests": n, "prompt_tokens": prompt, "hit_tokens": l1 + l2 + l3,
-            "hit_rate": (l1 + l2 + l3) / prompt if prompt else 0.0,
-            "l1_hit_tokens": l1, "l2_hit_tokens": l2, "l3_hit_tokens": l3,
-            "l1_hit_bytes": l1 * tb, "l2_hit_bytes": l2 * tb, "l3_hit_bytes": l3 * tb,
-            "recomputed_tokens": prompt - l1 - l2 - l3,
-            "l1_used_bytes": idx.device_pages_cached * plan.page_bytes,
-            "l2_used_bytes": idx.host_pages_cached * plan.page_bytes if cfg.pool.host_pages > 1 else 0,
-            "l3_stored_bytes": stored * plan.page_bytes,
-            "misses": stats.misses.as_dict(), "time_s": wall,
-            "time_parts_s": dict(clock), "duration_s": last - first,
-            "evicted_pages": {"L1": idx.device_evicted_pages, "L2": idx.host_evicted_pages}}
+    return run.row(name, cfg, stats, time.perf_counter() - t_start)
+
+
+class _Served:
+    """One replay's serving loop and its counts (``run_hicache``)."""
+
+    def __init__(self, hc: HiCache, plan: SimPlan, rate: float | None):
+        self.hc, self.plan, self.rate = hc, plan, rate
+        self.clock = _Clock().parts
+        self.l1 = self.l2 = self.l3 = self.prompt = self.n = 0
+        self.first = self.last = 0.0
+        self.ttft: list[float] = []
+
+    def serve(self, requests: Iterable[SimRequest]) -> None:
+        it = iter(requests)
+        pending: deque = deque()  # (SimRequest, handle): arrived, not admitted
+        nxt = next(it, None)
+        t = 0.0
+        while nxt is not None or pending:
+            if not pending:  # the server is idle: the next arrival starts at once
+                t = max(t, nxt.arrival)
+                pending.append((nxt, self.hc.new_request(nxt.rid, nxt.key, nxt.namespace)))
+                nxt = next(it, None)
+            if self.rate is not None:
+                nxt = self._arrive(it, nxt, pending, t)
+            r, req = pending.popleft()
+            t = self._one(r, req, t, lambda end: self._arrive(it, nxt, pending, end))
+            if self.rate is not None:
+                nxt = self._next
+        self.hc.drain()
+
+    def _arrive(self, it, nxt, pending: deque, until: float):
+        """Note every request arrived by ``until`` (waiting); the next one not yet arrived."""
+        hc, added = self.hc, False
+        while nxt is not None and nxt.arrival <= until:
+            pending.append((nxt, hc.new_request(nxt.rid, nxt.key, nxt.namespace)))
+            nxt, added = next(it, None), True
+        if added:
+            hc.poll()  # the waiting requests' L3 pages start toward L2
+        self._next = nxt
+        return nxt
+
+    def _one(self, r: SimRequest, req, start: float, arrive) -> float:
+        """Admit, compute and finish ``req`` from ``start``; returns when it is done."""
+        hc, perf, clock = self.hc, time.perf_counter, self.clock
+        t0 = perf()
+        adm = hc.admit(req)
+        t1 = perf()
+        try:
+            req.alloc(req.num_tokens - adm.hit_tokens)
+        except OutOfPages:
+            raise ConfigError(f"request {r.rid} needs {-(-req.num_tokens // self.plan.page_size)} pages of L1, "
+                              f"more than its {self.plan.l1_pages}; raise simulate.l1_bytes") from None
+        t2 = perf()
+        end = start
+        if self.rate is not None:
+            end = start + (req.num_tokens - adm.hit_tokens) / self.rate
+            arrive(end)  # those arriving while it computes wait for it
+            self.ttft.append(end - r.arrival)
+        req.commit()
+        req.finish()
+        hc.drain()  # backups, then the stores they start: done before the next admission
+        t3 = perf()
+        clock["match+load (admit)"] += t1 - t0
+        clock["evict (alloc)"] += t2 - t1
+        clock["insert (commit+finish)"] += t3 - t2
+        self.l1 += adm.device_tokens
+        self.l2 += adm.host_tokens - adm.storage_tokens
+        self.l3 += adm.storage_tokens
+        self.prompt += req.num_tokens
+        self.first, self.last = (r.arrival if self.n == 0 else self.first), r.arrival
+        self.n += 1
+        return end
+
+    def row(self, name: str, cfg: HiCacheConfig, stats, wall: float) -> dict[str, Any]:
+        plan, tb = self.plan, self.plan.shape.token_bytes
+        l1, l2, l3, prompt = self.l1, self.l2, self.l3, self.prompt
+        idx = stats.index
+        stored = stats.tiers.storage_put_pages
+        out = {"name": name, "requests": self.n, "prompt_tokens": prompt, "hit_tokens": l1 + l2 + l3,
+               "hit_rate": (l1 + l2 + l3) / prompt if prompt else 0.0,
+               "l1_hit_tokens": l1, "l2_hit_tokens": l2, "l3_hit_tokens": l3,
+               "l1_hit_bytes": l1 * tb, "l2_hit_bytes": l2 * tb, "l3_hit_bytes": l3 * tb,
+               "recomputed_tokens": prompt - l1 - l2 - l3,
+               "l1_used_bytes": idx.device_pages_cached * plan.page_bytes,
+               "l2_used_bytes": idx.host_pages_cached * plan.page_bytes if cfg.pool.host_pages > 1 else 0,
+               "l3_stored_bytes": stored * plan.page_bytes,
+               "misses": stats.misses.as_dict(), "time_s": wall,
+               "time_parts_s": dict(self.clock), "duration_s": self.last - self.first,
+               "evicted_pages": {"L1": idx.device_evicted_pages, "L2": idx.host_evicted_pages}}
+        if self.rate is not None:
+            out["ttft_s"] = self.ttft
+        return out

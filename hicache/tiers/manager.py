@@ -318,8 +318,13 @@ class TierManager:
     def prepare_prefetch(self, key: bytes, namespace: str, first_page: int,
                          hashes: list[PageHash]) -> PrefetchPlan | None:
         """Reserve L2 pages for L3 pages ``hashes`` continuing logical page
-        ``first_page`` of ``key``; None without L2 room."""
+        ``first_page`` of ``key``: all of them, or the leading ones L2 has room for
+        once evictable pages are gone (``len(plan.host)`` says how many); None
+        without room for one."""
         host = self.alloc_host(len(hashes))
+        if host is None and self._host.num_free:
+            hashes = hashes[:self._host.num_free]
+            host = self.alloc_host(len(hashes))
         if host is None:
             return None
         self.stats.prefetch_started += 1

@@ -203,3 +203,37 @@ def test_docs_page_loads_every_asset_from_this_server(make_state, app_of):
                     assert r.content == f.read()
         assert c.get("/openapi.json").json()["info"]["title"] == "hicache"
         assert c.get("/redoc").status_code == 404  # it would load from a CDN; /docs is the UI
+
+
+def test_lookup_with_intent_admit_keeps_l2_pages_and_starts_an_l3_fetch(make_state, app_of):
+    import time
+    from hicache.node.server import NodeServer, open_l3
+    st = make_state()
+    st.engine.stop()  # this test's service reads through to the L3 the routes see
+    eng = NodeServer(st.config, st.layout, storage=open_l3(st.config, st.layout))
+    eng.start()
+    st.engine = eng
+    toks = {k: list(range(1000 * k, 1000 * k + 16)) for k in range(4)}  # four prompts of 4 pages
+    hs = {k: page_hashes(t, 4) for k, t in toks.items()}
+
+    def commit(k: int) -> None:
+        idx = eng._serving()
+        pages = idx.reserve(-7, 4)
+        idx.commit(-7, hs[k], pages)
+
+    eng._on_loop(lambda: eng._serving().add_owner(-7))
+    for k in range(3):  # 12 of 16 pages, prompt 0 the least recently used
+        eng._on_loop(lambda k=k: commit(k))
+    with TestClient(app_of(st)) as c:
+        r = c.post("/v1/lookup", json={"tokens": toks[0], "intent": "admit"})
+        assert r.json()["L2"] == {"pages": 4, "tokens": 16}
+        eng._on_loop(lambda: eng._serving().reserve(-7, 8))  # 4 free: 4 pages evicted, LRU first
+        assert eng.peek_l2(hs[0]) == 4 and eng.peek_l2(hs[1]) == 0  # prompt 1 went, not prompt 0
+        before = eng.stats().l3.get("fetches", 0)
+        c.post("/v1/lookup", json={"tokens": toks[3], "intent": "admit"})  # not in L2: L3 is asked
+        for _ in range(200):
+            if eng.stats().l3.get("fetches", 0) > before:
+                break
+            time.sleep(0.01)
+        assert eng.stats().l3["fetches"] == before + 1
+        eng.check_integrity()

@@ -32,6 +32,7 @@ class FakeView:
         self.capacity, self.page_bytes = capacity, page_bytes
         self.flushed = 0
         self.integrity_checks = 0
+        self.expected: list[list[PageHash]] = []  # what ``expect`` was told, in order
 
     def _serving(self) -> None:
         if not self.serving:
@@ -53,6 +54,10 @@ class FakeView:
         while n < len(hashes) and hashes[n] in self.pages:
             n += 1
         return n
+
+    def expect(self, hashes: list[PageHash]) -> int:
+        self.expected.append(list(hashes))
+        return self.peek_l2(hashes)
 
     def flush_l2(self) -> int:
         self._serving()
@@ -91,6 +96,19 @@ def test_lookup_reports_the_fakes_leading_pages():
     assert (body["query_pages"], body["L2"], body["L3"]) == (3, {"pages": 2, "tokens": 8}, None)
     assert body["total"] == {"pages": 2, "tokens": 8}
     assert by_hash.json()["L2"] == {"pages": 0, "tokens": 0}  # hashes[2] leads and is missing
+
+
+def test_lookup_with_intent_admit_tells_the_service_and_a_peek_does_not():
+    view = FakeView()
+    hashes = page_hashes(TOKENS, 4)
+    view.pages.update(hashes[:1])
+    with TestClient(create_app(make(view))) as c:
+        peek = c.post("/v1/lookup", json={"tokens": TOKENS})
+        admit = c.post("/v1/lookup", json={"tokens": TOKENS, "intent": "admit"})
+        bad = c.post("/v1/lookup", json={"tokens": TOKENS, "intent": "later"})
+    assert peek.json()["L2"] == admit.json()["L2"] == {"pages": 1, "tokens": 4}
+    assert view.expected == [list(hashes)]  # only the admit
+    assert bad.status_code == 422
 
 
 def test_flush_empties_the_fake_and_stats_show_it():
@@ -136,6 +154,6 @@ def test_engine_server_has_exactly_the_view_methods():
     # mypy checks the signatures (the end of hicache/node/server.py); this pins the names.
     from hicache.node.server import NodeServer
     names = {n for n in vars(ServiceView) if not n.startswith("_")}
-    assert names == {"stats", "peek_l2", "flush_l2", "take_events", "check_integrity"}
+    assert names == {"stats", "peek_l2", "expect", "flush_l2", "take_events", "check_integrity"}
     assert all(callable(getattr(NodeServer, n)) for n in names)
     assert {f.name for f in dataclasses.fields(ServiceStats)} >= {"capacity_pages", "clients", "l3"}

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from hicache.cli import main as cli_main
+from hicache.core.config import HiCacheConfig
 from hicache.core.errors import ConfigError
 from hicache.reference import workloads as sw
 from hicache.reference.hash_trace import iter_hash_trace
@@ -14,7 +15,7 @@ from hicache.reference.sim_policies import format_policy_sweep, parse_capacities
 from hicache.reference.sim_report import sweep_caption
 from hicache.reference.simulate import trace_requests
 
-from tests.reference.test_simulate import cfg_for, write_hash_trace
+from tests.reference.test_simulate import write_hash_trace
 
 
 def test_parse_capacities():
@@ -28,8 +29,14 @@ def hash_trace(tmp_path):
     return write_hash_trace(tmp_path / "h.jsonl", lines)
 
 
+def policy_cfg() -> HiCacheConfig:
+    """The sweep's configuration: pages of 4 tokens, tier sizes left to --capacities."""
+    sets = {"simulate.page_size": "4", "simulate.block_tokens": "4", "storage.url": ""}
+    return HiCacheConfig.load(None, sets, env={})
+
+
 def test_every_policy_at_every_capacity_with_ranks_and_gap(tmp_path):
-    cfg, _ = cfg_for(l1_pages=8, l2_pages=16)
+    cfg = policy_cfg()
     factory = trace_requests(hash_trace(tmp_path), cfg.simulate)
     log: list[str] = []
     out = policy_sweep(cfg, factory, ["lru", "fifo", "mru"], [12, 24], log=log.append)

@@ -59,10 +59,10 @@ def test_distinct_capacity_rule():
     assert distinct_capacity(4, 0, "write_through") == (4, "L1")
 
 
-def max_distinct(write_policy: str, l1: int, l2: int, seed: int) -> int:
+def max_distinct(write_policy: str, l1: int, l2: int, seed: int, policy: str = "lru") -> int:
     """Most distinct pages on L1 or L2 after any request of a random run."""
-    cfg, plan = cfg_for(l1_pages=l1, l2_pages=l2, write_policy=write_policy, device_eviction="lru",
-                        host_eviction="lru")
+    cfg, plan = cfg_for(l1_pages=l1, l2_pages=l2, write_policy=write_policy, device_eviction=policy,
+                        host_eviction=policy)
     hc = HiCache(sim_config(cfg, plan, l3=False), layout=stand_in_layout(plan), storage=None, inline_transfers=True)
     most = 0
     try:

@@ -125,13 +125,14 @@ def test_pages_after_a_hit_inside_a_node_keep_their_reason():
     assert nonzero(row["misses"]) == {"first_use": 16, "l1_evicted": 4, "partial_page": 5}
 
 
-def test_l2_serves_what_l1_evicted_then_l2_eviction_is_explained():
-    # L1 = 3 pages, L2 = 4, write_through. r1 evicts the leaf [P1 P2] from L1 (both backed up);
-    # r2 hits P1 from L2; backing up P5 evicts P2 (the LRU L2 leaf) from L2; r3 hits P1 on L1.
+def test_l1_keeps_the_head_of_a_victim_then_l2_eviction_is_explained():
+    # L1 = 3 pages, L2 = 4, write_through. r1 needs one page more than is free: page-granular
+    # eviction takes P2, the tail of [P1 P2] (both backed up), so r2 hits P1 on L1; backing up
+    # P5 evicts P2 (an L2 leaf no longer on L1) from L2; r3 hits P1 on L1 and misses P2.
     cfg, plan = cfg_for(l1_pages=3, l2_pages=4)
     row = run(cfg, plan, reqs(([1, 2], 8), ([3, 4], 8), ([1, 5], 8), ([1, 2, 6], 12)), l3=False)
-    assert (row["l1_hit_tokens"], row["l2_hit_tokens"], row["l3_hit_tokens"]) == (4, 4, 0)
-    assert row["l2_hit_bytes"] == PAGE_BYTES  # one page read back from L2, accounted at the shape's size
+    assert (row["l1_hit_tokens"], row["l2_hit_tokens"], row["l3_hit_tokens"]) == (8, 0, 0)
+    assert row["l2_hit_bytes"] == 0
     assert nonzero(row["misses"]) == {"first_use": 2, "l2_evicted": 1, "partial_page": 4}
 
 

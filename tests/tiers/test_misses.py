@@ -31,6 +31,7 @@ def test_each_tier_gives_its_reason_and_they_sum_to_the_misses():
     (L3Outcome(1, 3, 1, True, 0, 0), "prefetch_expired"),  # L3 held 3 pages, the fetch was still running
     (L3Outcome(1, 3, 1, False, 2, 0), "l3_error"),  # held, but the read failed
     (L3Outcome(1, 3, 1, False, 0, 0), "l3_evicted"),  # held at the probe, gone at the read
+    (L3Outcome(1, 3, 1, False, 0, 0, True), "no_l2_room"),  # held, but L2 could not place it
 ])
 def test_l3_pages_the_prefetch_did_not_bring(outcome, reason):
     t = MissTracker(window=100)
