@@ -117,6 +117,9 @@ class ConnectorJobs:
                                   f"of {ps} tokens, at most the hit")
         return hit, engine_hit // ps, (engine_hit + num_external) // ps
 
+    def admitted(self, rid: str) -> None:
+        """The engine scheduled ``rid``: no waiting-request state here (the subclass's index may keep some)."""
+
     def _saveable(self, rid: str, tokens, computed_tokens: int, block_ids, key: bytes | None = None) -> tuple:
         """Forget ``rid``'s lookup; ``(key, n)``: its key and how many full pages of its
         ``computed_tokens`` may be saved (0 while its load is in flight: blocks not final)."""
@@ -277,10 +280,13 @@ class ConnectorScheduler(ConnectorJobs):
         that L2, then L3, hold for ``tokens``; at least one token stays to compute.
         ``key``: the index key when the pages' content is more than their token ids
         (``hicache.core.hashing.content_key``); every call for ``rid`` passes the same kind.
-        Mutates only counters (and probes L3 within ``probe_budget_s``)."""
+        The engine asks about waiting requests only: ``rid``'s cached prefix is protected from
+        eviction (``PrefixCache.note_waiting``) until ``admitted`` or ``finished``.
+        Mutates counters and that protection (and probes L3 within ``probe_budget_s``)."""
         self._lookups += 1
         ps = self.page_size
         key = as_key(tokens) if key is None else key
+        self.cache.note_waiting(rid, key, namespace)
         cap = max(0, len(key) // 4 - 1) // ps
         first = engine_hit // ps
         m = self.cache.match(key, namespace, max_tokens=cap * ps)
@@ -292,6 +298,10 @@ class ConnectorScheduler(ConnectorJobs):
             l3 = min(room, self.storage.prefix_hits(hashes[l2:cap], self.probe_budget_s))
         l2_new, l3_new = max(0, l2 - first), (l3 if l2 >= first else max(0, l2 + l3 - first))
         return self._decide(rid, engine_hit, l2_new, l3_new)
+
+    def admitted(self, rid: str) -> None:
+        """The engine scheduled ``rid`` (with or without a hit): it no longer waits."""
+        self.cache.forget_waiting(rid)
 
     def allocated(self, rid: str, tokens, block_ids, num_external: int, namespace: str = "",
                   keys=(), key: bytes | None = None) -> LoadSpec | None:
@@ -333,6 +343,7 @@ class ConnectorScheduler(ConnectorJobs):
         engine must keep the blocks until a worker reports the save finished. A
         request whose load is still in flight saves nothing (its blocks are not final).
         ``keys``: the engine's key of each page (for ``take_events``)."""
+        self.cache.forget_waiting(rid)
         key, n = self._saveable(rid, tokens, computed_tokens, block_ids, key)
         if n == 0:
             return False

@@ -310,6 +310,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return hit.tokens, hit.is_async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        (self.scheduler.core if self._layouts else self.scheduler).admitted(request.request_id)
         if num_external_tokens:
             ids = blocks.get_block_ids()
             self.scheduler.allocated(request.request_id, request.all_token_ids, ids if self._layouts else ids[0],

@@ -144,3 +144,27 @@ def test_a_fast_ranks_l3_report_before_a_slow_ranks_copy_report(tmp_path):
     assert (s.saved_pages, s.stored_pages, sched.in_flight) == (2, 2, 0)
     assert sched.lookup("b", tokens, 0).l2_tokens == 2 * PS
     sched.check_integrity()
+
+
+def test_a_waiting_requests_prefix_goes_last_from_l2():
+    """vLLM asks about waiting requests only: their L2 prefix is evicted after every other page
+    until the engine schedules them (``admitted``) or they end."""
+    layout = layout_of("llama-3.1-8b", layers=2)
+    sched, worker, pool = rig(layout, "cpu", None, blocks=12, host_pages=8)
+    a, b = list(range(100, 100 + 4 * PS + 1)), list(range(300, 300 + 4 * PS + 1))
+    for rid, toks, blocks in (("a", a, [0, 1, 2, 3, 11]), ("b", b, [4, 5, 6, 7, 11])):
+        sched.finished(rid, toks, len(toks), blocks)
+        step(sched, worker, layout.num_layers)
+        worker.finish_step({rid})
+    assert sched.lookup("wa", a, 0).l2_tokens == 4 * PS  # "wa" waits on a's pages (the older ones)
+    assert set(sched.cache.waiting) == {"wa"}
+    c = list(range(500, 500 + 4 * PS + 1))
+    sched.finished("c", c, len(c), [8, 9, 10, 11, 0])  # 4 pages more than L2 has free: b's go, not a's
+    step(sched, worker, layout.num_layers)
+    worker.finish_step({"c"})
+    assert sched.lookup("x", a, 0).l2_tokens == 4 * PS and sched.lookup("y", b, 0).l2_tokens == 0
+    sched.admitted("wa")
+    sched.finished("x", a, 0, [])
+    sched.finished("y", b, 0, [])
+    assert sched.cache.waiting == {}
+    sched.check_integrity()
