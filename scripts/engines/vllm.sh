@@ -28,18 +28,7 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -d "$TESTS/tests/v1/k
   exit 0
 fi
 
-if [ ! -x "$VPY" ]; then
-  step "create $VENV" "5 s"
-  "$PY" -m venv "$VENV"
-  step_done
-fi
-if ! "$VPY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
-  # CPU build: the PyTorch CPU index first, so pip never pulls a CUDA build.
-  step "install torch==$TORCH_VERSION, CPU build" "1-3 min, ~200 MB download"
-  pip_loud install --retries 1 --timeout 15 --index-url https://download.pytorch.org/whl/cpu "torch==$TORCH_VERSION" \
-    || pip_loud install "torch==$TORCH_VERSION"
-  step_done
-fi
+venv_with_cpu_torch "$TORCH_VERSION"
 step "install vllm==$VLLM_VERSION (--no-deps) and its import-time dependencies ($REQS)" "2-6 min the first time"
 pip_loud install --no-deps "vllm==$VLLM_VERSION"
 pip_loud install --no-deps -r "$REQS"
