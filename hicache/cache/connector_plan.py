@@ -59,6 +59,7 @@ class SaveSpec:
     blocks: tuple[int, ...]
     host: tuple[int, ...]
     hashes: tuple[bytes, ...] = ()  # L3 keys, one per page (() : no L3)
+    rows: int = 0  # rows of the last page that hold tokens (0: all); the rest are zeroed before L3
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +135,7 @@ class EventLog:
 
 
 LOAD_MODES = ("async", "layerwise")
-_OWN_KEYS = ("load", "host_bytes")
+_OWN_KEYS = ("load", "host_bytes", "draft_layers", "pd")
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,8 @@ class ConnectorSettings:
     config: HiCacheConfig
     layerwise: bool = False
     host_bytes: int = 0  # 0: config.pool.host_pages
+    draft_layers: int = 0  # the last N layers of vLLM's KV group are the drafter's (EAGLE / NextN)
+    pd: Mapping[str, Any] = field(default_factory=dict)  # prefill/decode handoff settings (connector_pd)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> "ConnectorSettings":
@@ -153,6 +156,13 @@ class ConnectorSettings:
         host_bytes = extra.pop("host_bytes", 0)
         if not isinstance(host_bytes, int) or isinstance(host_bytes, bool) or host_bytes < 0:
             raise ConfigError(f"hicache connector: host_bytes={host_bytes!r}; must be an integer >= 0")
+        draft = extra.pop("draft_layers", 0)
+        if not isinstance(draft, int) or isinstance(draft, bool) or draft < 0:
+            raise ConfigError(f"hicache connector: draft_layers={draft!r}; must be an integer >= 0 (the "
+                              "drafter's layers at the end of vLLM's KV cache group)")
+        pd = extra.pop("pd", {})
+        if not isinstance(pd, Mapping):
+            raise ConfigError(f"hicache connector: pd={pd!r}; must be an object of handoff settings")
         overrides: dict[str, Any] = {}
         for section, values in extra.items():
             if isinstance(values, Mapping):
@@ -164,7 +174,7 @@ class ConnectorSettings:
             raise ConfigError("hicache connector: storage.url='memory://' is one store per process object, so "
                               "the scheduler and the workers would not share it; use file:///dir, redis://, "
                               "or '' for no L3")
-        return cls(cfg, load == "layerwise", host_bytes)
+        return cls(cfg, load == "layerwise", host_bytes, draft, dict(pd))
 
     def host_pages(self, layout: KVLayout) -> int:
         """L2 pages of ``layout`` (``host_bytes`` when given); ``ConfigError`` when under one page."""

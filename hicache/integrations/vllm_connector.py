@@ -31,11 +31,13 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.request import RequestStatus
 
 from hicache.cache.connector import ConnectorScheduler
 from hicache.cache.connector_plan import ConnectorSettings
 from hicache.cache.connector_plan import L2
 from hicache.cache.connector_plan import JobReport, StepPlan
+from hicache.cache.connector_pd import ROLES as PD_ROLES, PDCounters, open_handoffs
 from hicache.cache.connector_shared import SharedConnectorScheduler
 from hicache.cache.connector_worker import ConnectorWorker
 from hicache.core.errors import ConfigError, ContractMismatch
@@ -96,6 +98,9 @@ _FAMILIES = {
                                      {"hit_tokens_L2": "L2", "hit_tokens_L3": "L3"}),
     "hicache:connector_admission": ("choice", "The cost model's load-or-recompute choices on hits.",
                                     {f"decision_{c}": c for c in ("load", "load_l2", "recompute", "unmeasured")}),
+    "hicache:connector_handoffs": ("event", "Prefill/decode handoffs by event (kv_producer: published, released, "
+                                   "expired, publish_failed, ...; kv_consumer: loaded, load_failed, ...).",
+                                   {f"handoff_{k}": k for k in PDCounters.__slots__}),
 }
 
 
@@ -128,8 +133,9 @@ def _tp_rank(role: KVConnectorRole, vllm_config) -> int:
     return pc.rank % pc.tensor_parallel_size
 
 
-def layout_of(vllm_config, kv_cache_config, tp_rank: int = 0) -> KVLayout:
-    """The ``KVLayout`` of vLLM's one KV cache group on this TP rank (``ConfigError`` otherwise)."""
+def layout_of(vllm_config, kv_cache_config, tp_rank: int = 0, draft_layers: int = 0) -> KVLayout:
+    """The ``KVLayout`` of vLLM's one KV cache group on this TP rank (``ConfigError`` otherwise);
+    its last ``draft_layers`` layers are the drafter's (EAGLE / NextN draft planes)."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ConfigError(f"HiCacheConnector: {len(groups)} KV cache groups; it supports one (start vLLM with "
@@ -139,7 +145,11 @@ def layout_of(vllm_config, kv_cache_config, tp_rank: int = 0) -> KVLayout:
     if pc.pipeline_parallel_size != 1:
         raise ConfigError(f"HiCacheConnector: pipeline_parallel_size={pc.pipeline_parallel_size}; it supports 1")
     dtype = str(spec.dtype).removeprefix("torch.")
-    common = dict(model_id=vllm_config.model_config.model, num_layers=len(layers), dtype=dtype,
+    if draft_layers >= len(layers):
+        raise ConfigError(f"HiCacheConnector: draft_layers={draft_layers} of a KV cache group of {len(layers)} "
+                          "layers; the drafter's layers are the last ones, after at least one target layer")
+    common = dict(model_id=vllm_config.model_config.model, num_layers=len(layers) - draft_layers,
+                  draft_layers=draft_layers, dtype=dtype,
                   page_size=spec.block_size, tp_rank=tp_rank,
                   tp_size=pc.tensor_parallel_size)
     if isinstance(spec, MLAAttentionSpec):
@@ -160,7 +170,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         self.settings = s = ConnectorSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         if vllm_config.cache_config.block_size != kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size:
             raise ConfigError("HiCacheConnector: vLLM's hash block size differs from its KV block size")
-        self.layout = layout = layout_of(vllm_config, kv_cache_config, _tp_rank(role, vllm_config))
+        self.layout = layout = layout_of(vllm_config, kv_cache_config, _tp_rank(role, vllm_config), s.draft_layers)
         self._layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         self._layer_index = {n: i for i, n in enumerate(self._layer_names)}
         url = s.config.storage.url
@@ -184,6 +194,9 @@ class HiCacheConnector(KVConnectorBase_V1):
             link = s.open_link(layout, device) if s.shared else None
             self.worker = ConnectorWorker(layout, 0 if s.shared else s.host_pages(layout), rank=layout.tp_rank,
                                           storage=s.open_l3(layout), link=link)
+        kv_role = self._kv_transfer_config.kv_role
+        self.pd = (open_handoffs(kv_role, layout, self.scheduler, s, ranks, self._kv_transfer_config.engine_id)
+                   if self.scheduler is not None and kv_role in PD_ROLES else None)  # prefill/decode handoffs
         self._load_errors: set[int] = set()
         self._reports: list[JobReport] = []
         l2 = (f"the node segment at {url}" if s.shared else f"{s.host_pages(layout)} pages of {layout.page_bytes} B")
@@ -193,8 +206,8 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     @property
     def requires_kv_delivery(self) -> bool:
-        """A cache, not a hand-off: a save dropped by a preemption is a later miss."""
-        return False
+        """A producer hands prefills off; as ``kv_both`` (a cache) a dropped save is a later miss."""
+        return self._kv_transfer_config.kv_role == "kv_producer"
 
     # ------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
@@ -233,6 +246,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         return HiCacheWorkerMetadata(out)
 
     def shutdown(self):
+        if self.pd is not None:
+            self.pd.close()
         if self.worker is not None:
             self.worker.close()
         elif isinstance(self.scheduler, SharedConnectorScheduler):
@@ -242,11 +257,20 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params or {}
+        if self.pd is not None and params.get("do_remote_decode" if self.pd.producer else "do_remote_prefill"):
+            if not self.pd.producer:
+                return self.pd.lookup(request.request_id, params, request.prompt_token_ids, num_computed_tokens)
+            if not self.pd.admit(request.request_id):
+                return None, False
         hit = self.scheduler.lookup(request.request_id, request.all_token_ids, num_computed_tokens,
                                     _namespace(request))
         return hit.tokens, hit.is_async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        if self.pd is not None and self.pd.allocated(request.request_id, request.kv_transfer_params or {},
+                                                     blocks.get_block_ids()[0], num_external_tokens):
+            return
         if num_external_tokens:
             self.scheduler.allocated(request.request_id, request.all_token_ids, blocks.get_block_ids()[0],
                                      num_external_tokens, _namespace(request), keys=request.block_hashes)
@@ -262,7 +286,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         return {k: v for k, v in out.items() if v}
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return HiCacheConnectorMetadata(self.scheduler.take_plan())
+        plan = self.scheduler.take_plan()
+        return HiCacheConnectorMetadata(plan if self.pd is None else self.pd.take_plan(plan))
 
     def update_connector_output(self, connector_output):
         meta = connector_output.kv_connector_worker_meta
@@ -270,9 +295,18 @@ class HiCacheConnector(KVConnectorBase_V1):
             if not isinstance(meta, HiCacheWorkerMetadata):
                 raise ContractMismatch(f"a worker sent {type(meta).__name__}, not HiCacheWorkerMetadata: "
                                        "scheduler and workers must run the same connector")
-            self.scheduler.completed(meta.reports)
+            self.scheduler.completed(meta.reports if self.pd is None else self.pd.completed(meta.reports))
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.pd is not None:
+            params = request.kv_transfer_params or {}
+            if self.pd.producer and params.get("do_remote_decode"):
+                done = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+                first = request.output_token_ids[0] if request.output_token_ids else -1
+                return self.pd.publish(request.request_id, request.prompt_token_ids, request.num_computed_tokens,
+                                       done, first, block_ids)
+            if self.pd.ended(request.request_id):
+                return False, None  # its handoff's load still writes the blocks (vLLM waits for it)
         delay = self.scheduler.finished(request.request_id, request.all_token_ids, request.num_computed_tokens,
                                         block_ids, _namespace(request), keys=request.block_hashes)
         return delay, None
@@ -292,7 +326,7 @@ class HiCacheConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.scheduler is None:
             return None
-        now = _flat(self.scheduler.stats())
+        now = _flat(self.scheduler.stats()) | (self.pd.stats() if self.pd is not None else {})
         delta = {k: v - self._reported.get(k, 0) for k, v in now.items()}
         self._reported = now
         return HiCacheConnectorStats(data=delta) if any(delta.values()) else None
