@@ -141,6 +141,7 @@ class PDCounters:
 class _Out:
     """Producer: one handoff from publish to release."""
 
+    rid: str
     slot: SlotView
     record: Record
     keys: tuple[bytes, ...]
@@ -171,6 +172,7 @@ class _In:
 
 
 OK = "ok"
+LOADED, FAILED, ABORTED = "loaded", "load_failed", "consumer_aborted"  # how a consumer's handoff ends
 
 
 class Handoffs:
@@ -268,12 +270,12 @@ class Handoffs:
         self.slots.write(view, first_token, torch.tensor([first_token]), torch.tensor([1.0]), torch.zeros(1))
         handoff = uuid.uuid4().hex
         digest = tokens_digest(tokens[:n])
-        rec = Record(handoff, rid, n, digest, self.layout.fingerprint(), int(first_token))
+        rec = Record(handoff, rid[:200], n, digest, self.layout.fingerprint(), int(first_token))
         keys = handoff_keys(handoff, digest, pages)
         job = self.core._job()
         self._saves.append(SaveSpec(job, rid, tuple(int(b) for b in block_ids[:pages]), tuple(staging), keys,
                                     rows=n % self.layout.page_size))
-        self._out[job] = _Out(view, rec, keys, job, staging)
+        self._out[job] = _Out(rid, view, rec, keys, job, staging)
         return True, self._params(handoff, n)
 
     def _params(self, handoff: str | None, n: int) -> dict:
@@ -315,8 +317,8 @@ class Handoffs:
             if there and now - o.since < self.settings.ttl_s:
                 continue
             del self._published[o.record.handoff]
+            self._delete(o.record.handoff, o.keys)  # a consumer that could not read the record left its pages
             if there:
-                self._delete(o.record.handoff, o.keys)
                 self.slots.release(o.slot)
                 self.c.expired += 1
             else:
@@ -324,7 +326,7 @@ class Handoffs:
                 self.c.released += 1
 
     # ------------------------------------------------------------- consumer
-    def lookup(self, rid: str, params: Mapping, tokens: Sequence[int], local: int) -> tuple[int | None, bool]:
+    def lookup(self, rid: str, params: dict, tokens: Sequence[int], local: int) -> tuple[int | None, bool]:
         """Consumer, for a ``do_remote_prefill`` request: the tokens its handoff holds
         beyond vLLM's own ``local`` hit, loaded asynchronously; ``(None, False)`` while
         the handoff is not complete in L3 (up to ``pd.wait_s``) or no slot is free."""
@@ -349,7 +351,8 @@ class Handoffs:
         rc.local = local
         n = rc.num_tokens - local
         if n <= 0:  # vLLM's own cache holds it all: the handoff is not needed
-            self._close(rc, ok=rc.verdict == OK)
+            params["do_remote_prefill"] = False
+            self._close(rc, LOADED if rc.verdict == OK else FAILED)
             return 0, False
         return n, True
 
@@ -394,6 +397,9 @@ class Handoffs:
         if rc is None or rc.job:
             return rc is not None
         params["do_remote_prefill"] = False
+        if not num_external:  # vLLM chose not to load it (its worker reports nothing for no job)
+            self._close(rc, FAILED)
+            return True
         ps = self.layout.page_size
         first, end = rc.local // ps, math.ceil((rc.local + num_external) / ps)
         rc.blocks = tuple(int(b) for b in block_ids[first:end])
@@ -401,7 +407,7 @@ class Handoffs:
         self._in_jobs[rc.job] = rid
         staging = self._reserve(len(rc.blocks)) if rc.verdict == OK and rc.blocks else None
         if staging is None:
-            self._loads.append(LoadSpec(rc.job, rid, rc.blocks))  # every block reported failed
+            self._loads.append(LoadSpec(rc.job, rid, rc.blocks, ()))  # every block reported failed
         else:
             rc.staging = staging
             keys = handoff_keys(rc.handoff, rc.record.digest, end)[first:]
@@ -416,7 +422,9 @@ class Handoffs:
         self._free(rc.staging)
         rc.staging = []
         landed = min(x.pages for x in rc.reports) if all(x.ok for x in rc.reports) else 0
-        self._close(rc, ok=rc.verdict == OK and landed == len(rc.blocks))
+        self.core._c["loaded"] += landed  # the connector's page counters count handoffs' pages too
+        self.core._c["load_errors"] += len(rc.blocks) - landed
+        self._close(rc, FAILED if rc.verdict != OK or landed < len(rc.blocks) else ABORTED if rc.aborted else LOADED)
 
     def ended(self, rid: str) -> bool:
         """Consumer: ``rid`` finished or was aborted. True while its load is in flight
@@ -428,22 +436,23 @@ class Handoffs:
         rc.aborted = True
         if rc.job:
             return True
-        self._close(rc, ok=False)
+        self._close(rc, ABORTED)
         return False
 
-    def _close(self, rc: _In, ok: bool) -> None:
-        """Delete the handoff (the producer sees its record gone) and end the slot."""
+    def _close(self, rc: _In, outcome: str) -> None:
+        """Delete the handoff (the producer sees its record gone), end the slot (consumed
+        only when the request decodes from the handoff) and count ``outcome``."""
         del self._in[rc.rid]
         if rc.handoff:
             self._delete(rc.handoff, handoff_keys(rc.handoff, rc.record.digest, math.ceil(
                 rc.num_tokens / self.layout.page_size)) if rc.record is not None else ())
         if rc.slot is not None:
-            self.slots.consume(rc.slot) if ok and rc.record is not None else self.slots.release(rc.slot)
-        if rc.aborted:
-            self.c.consumer_aborted += 1
-        elif ok:
+            self.slots.consume(rc.slot) if outcome == LOADED else self.slots.release(rc.slot)
+        if outcome == LOADED:
             self.c.loaded += 1
             self.c.loaded_pages += len(rc.blocks)
+        elif outcome == ABORTED:
+            self.c.consumer_aborted += 1
         else:
             self.c.load_failed += 1
 
@@ -469,10 +478,10 @@ class Handoffs:
                 rest.append(r)
         return rest
 
-    def busy(self, rid: str) -> bool:
-        """A handoff job writes or reads ``rid``'s blocks (its cache save must wait)."""
-        rc = self._in.get(rid)
-        return bool(rc is not None and rc.job) or any(o.record.rid == rid for o in self._out.values())
+    @property
+    def publishing(self) -> bool:
+        """Producer: publishes queued or in flight (the engine must keep stepping for them)."""
+        return bool(self._saves or self._out)
 
     def _reserve(self, n: int) -> list[int] | None:
         core = self.core
@@ -501,8 +510,7 @@ class Handoffs:
         """Every owned slot belongs to a tracked handoff, and the staging pages add up."""
         self.slots.check_integrity()
         if self.producer:
-            want = [*self._admitted, *(o.record.rid for o in self._out.values()),
-                    *(o.record.rid for o in self._published.values())]
+            want = [*self._admitted, *(o.rid for o in self._out.values()), *(o.rid for o in self._published.values())]
         else:
             want = [rc.rid for rc in self._in.values() if rc.slot is not None]
         have = sorted(self.slots.owners().values())

@@ -311,6 +311,10 @@ class HiCacheConnector(KVConnectorBase_V1):
                                         block_ids, _namespace(request), keys=request.block_hashes)
         return delay, None
 
+    def has_pending_push_work(self) -> bool:
+        """A producer's publishes in flight keep vLLM stepping until their records are written."""
+        return self.pd is not None and self.pd.publishing
+
     def take_events(self) -> Iterable[KVCacheEvent]:
         """hicache's L2 (medium CPU) and L3 (medium STORAGE) pages, under vLLM's own block hashes."""
         for e in self.scheduler.take_events():

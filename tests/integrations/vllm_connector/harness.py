@@ -313,7 +313,7 @@ class Engine:
         (``integrity``: check both halves' invariants after every step)."""
         logs = []
         for _ in range(max_steps):
-            idle = not self.scheduler.has_unfinished_requests() and not self.scheduler.has_finished_requests()
+            idle = not self.scheduler.has_requests()  # what vLLM's engine loop asks (connector push work too)
             if idle and self.core.in_flight == 0 and not any(w.worker.in_flight for w in self.workers):
                 return logs
             logs.append(self.step(between))

@@ -147,6 +147,7 @@ def test_consumer_abort_releases_both_slots(tmp_path, when):
     else:
         prod.add("p1", p, max_tokens=1, kv_transfer_params=dict(TO_PREFILL))
         prod.step()
+        prod.step()  # the prefill finished; its record is written at a later step
         cons.add("d1", p, kv_transfer_params=prod.transfer_params["p1"])
         cons.step()
         cons.scheduler.finish_requests("d1", RequestStatus.FINISHED_ABORTED)
@@ -280,3 +281,54 @@ def test_a_decode_side_without_the_draft_planes_refuses_to_start(tmp_path):
     with pytest.raises(ContractMismatch, match="draft_layers"):
         Engine(ex, DSV3_NEXTN, kv_role="kv_consumer", num_blocks=4)  # NextN counted as a 62nd target layer
     finish_idle(prod)
+
+
+def _serve_configs(tmp_path):
+    """docs/vllm-connector.md's two P/D lines through vLLM's CLI parser, with the model
+    (this box has opt-125m's config) and the store (this test's directory) replaced."""
+    import json
+    import pathlib
+    import shlex
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from tests.test_readme import block
+    doc = pathlib.Path(__file__).resolve().parents[3] / "docs" / "vllm-connector.md"
+    lines = [x for x in block(doc, "test_pd_docs_serve_lines", "bash").splitlines() if x.startswith("vllm")]
+    out = []
+    for line, role in zip(lines, ("kv_producer", "kv_consumer")):
+        argv = shlex.split(line)
+        rest = argv[3:]
+        i = rest.index("--kv-transfer-config")
+        kv = json.loads(rest[i + 1])
+        assert kv["kv_role"] == role and kv["kv_connector_extra_config"]["pd"] == {"group": "llama-8b"}
+        kv["kv_connector_extra_config"]["storage"]["url"] = f"file://{tmp_path}/l3"
+        kv["kv_connector_extra_config"]["pd"].update(poll_s=0, wait_s=0)
+        rest[i + 1] = json.dumps(kv)
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args([*rest, "--model", "facebook/opt-125m"])
+        out.append(EngineArgs.from_cli_args(args).create_engine_config())
+    return out
+
+
+def test_pd_docs_serve_lines(tmp_path):
+    shape = real_shape("opt-125m")
+    pcfg, ccfg = _serve_configs(tmp_path)
+    prod = Engine(None, shape, num_blocks=16, vllm_config=pcfg)
+    cons = Engine(None, shape, num_blocks=16, vllm_config=ccfg)
+    assert prod.connector.requires_kv_delivery and not cons.connector.requires_kv_delivery
+    assert prod.scheduler.requires_kv_delivery  # vLLM's scheduler read it
+    p = tokens(99, 4 * BLOCK + 9)
+    d = cons.add("d1", p, max_tokens=4, kv_transfer_params=prefill(prod, "p1", p))
+    cons.run(integrity=True)
+    settle(prod)
+    assert d.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    # What each side's /metrics gets (the kv_connector_stats vLLM's scheduler reported):
+    def total(eng, key):
+        return sum(s.get(key, 0) for s in eng.connector_stats)
+    assert [total(prod, f"handoff_{k}") for k in ("published", "published_pages", "released")] == [1, 5, 1]
+    assert [total(cons, f"handoff_{k}") for k in ("loaded", "loaded_pages", "load_failed")] == [1, 5, 0]
+    assert cons.hits_by_source == {"external_unspecified": len(p)}
+    finish_idle(prod)
+    finish_idle(cons)
