@@ -164,6 +164,32 @@ def test_consumer_abort_releases_both_slots(tmp_path, when):
     finish_idle(cons)
 
 
+def test_no_l2_room_answers_without_a_handoff_and_the_decode_side_computes(tmp_path):
+    ex = pd_extra(tmp_path)
+    ex["pool"] = {"host_pages": 2}
+    prod = Engine(ex, kv_role="kv_producer")
+    cons = Engine(pd_extra(tmp_path), kv_role="kv_consumer")
+    p = tokens(100, 4 * BLOCK + 1)  # 5 pages to stage, 2 in L2
+    params = prefill(prod, "p1", p)
+    assert params["do_remote_prefill"] is False and params["hicache_handoff"] is None
+    assert counters(prod, "publish_dropped", "published") == (1, 0) and free_slots(prod) == SLOTS
+    d = cons.add("d1", p, kv_transfer_params=params)
+    cons.run(integrity=True)
+    assert d.status == RequestStatus.FINISHED_LENGTH_CAPPED and cons.lookups[0] == ("d1", 0, 0, False)
+    assert counters(cons, "loaded", "load_failed") == (0, 0)
+    finish_idle(prod)
+    finish_idle(cons)
+
+
+def test_a_store_l3_refuses_fails_the_publish_and_releases(tmp_path):
+    prod = Engine(extra(storage={"url": "redis://127.0.0.1:9/0", "timeout_ms": 20, "max_retries": 0},
+                        pd={"slots": SLOTS, "poll_s": 0}), kv_role="kv_producer")
+    params = prefill(prod, "p1", tokens(101, 3 * BLOCK + 2))  # nothing listens there: every put is dropped
+    assert params["do_remote_prefill"] is True  # answered before the store; the consumer's load will fail
+    assert counters(prod, "publish_failed", "published") == (1, 0) and free_slots(prod) == SLOTS
+    finish_idle(prod)
+
+
 def _lose_page(prod: Engine, params: dict, prompt: list[int], page: int) -> None:
     pd = prod.connector.pd
     keys = handoff_keys(params["hicache_handoff"], tokens_digest(prompt), page + 1)
