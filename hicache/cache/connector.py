@@ -129,12 +129,12 @@ class ConnectorJobs:
                                   f"of {ps} tokens, at most the hit")
         return hit, engine_hit // ps, (engine_hit + num_external) // ps
 
-    def _saveable(self, rid: str, tokens, computed_tokens: int, block_ids) -> tuple:
+    def _saveable(self, rid: str, tokens, computed_tokens: int, block_ids, key: bytes | None = None) -> tuple:
         """Forget ``rid``'s lookup; ``(key, n)``: its key and how many full pages of its
         ``computed_tokens`` may be saved (0 while its load is in flight: blocks not final)."""
         self._hits.pop(rid, None)
         self._sources.pop(rid, None)
-        key = as_key(tokens)
+        key = as_key(tokens) if key is None else key
         if rid in self._loading:
             return key, 0
         return key, min(computed_tokens, len(key) // 4, len(block_ids) * self.page_size) // self.page_size
@@ -254,13 +254,15 @@ class ConnectorScheduler(ConnectorJobs):
         self.staged: set[HostPageId] = set()  # L2 pages handoff jobs hold outside the index (connector_pd)
 
     # ------------------------------------------------------------- admission
-    def lookup(self, rid: str, tokens, engine_hit: int, namespace: str = "") -> Hit:
+    def lookup(self, rid: str, tokens, engine_hit: int, namespace: str = "", key: bytes | None = None) -> Hit:
         """Page-floored tokens beyond ``engine_hit`` (the engine's own, block-aligned hit)
         that L2, then L3, hold for ``tokens``; at least one token stays to compute.
+        ``key``: the index key when the pages' content is more than their token ids
+        (``hicache.core.hashing.content_key``); every call for ``rid`` passes the same kind.
         Mutates only counters (and probes L3 within ``probe_budget_s``)."""
         self._lookups += 1
         ps = self.page_size
-        key = as_key(tokens)
+        key = as_key(tokens) if key is None else key
         cap = max(0, len(key) // 4 - 1) // ps
         first = engine_hit // ps
         m = self.cache.match(key, namespace, max_tokens=cap * ps)
@@ -274,7 +276,7 @@ class ConnectorScheduler(ConnectorJobs):
         return self._decide(rid, engine_hit, l2_new, l3_new)
 
     def allocated(self, rid: str, tokens, block_ids, num_external: int, namespace: str = "",
-                  keys=()) -> LoadSpec | None:
+                  keys=(), key: bytes | None = None) -> LoadSpec | None:
         """The engine gave ``rid`` blocks ``block_ids`` (all of its blocks, in order) for
         ``num_external`` tokens of its last ``lookup``: pin the L2 part, reserve L2 for
         the L3 part and queue the load for the next plan. Pages that cannot be
@@ -285,7 +287,7 @@ class ConnectorScheduler(ConnectorJobs):
             return None
         hit, first, end = span
         ps = self.page_size
-        key = as_key(tokens)
+        key = as_key(tokens) if key is None else key
         blocks = tuple(int(b) for b in block_ids[first:end])
         m = self.cache.match(key, namespace, max_tokens=end * ps)
         l2_end = m.host_tokens // ps
@@ -308,13 +310,14 @@ class ConnectorScheduler(ConnectorJobs):
         return self._queue_load(rid, _Load(rid, spec, anchor, prefetch, *ev))
 
     # ------------------------------------------------------------- storing
-    def finished(self, rid: str, tokens, computed_tokens: int, block_ids, namespace: str = "", keys=()) -> bool:
+    def finished(self, rid: str, tokens, computed_tokens: int, block_ids, namespace: str = "", keys=(),
+                 key: bytes | None = None) -> bool:
         """``rid`` ended (finished, aborted or stopped) holding ``block_ids``: queue a
         save of the full pages of its ``computed_tokens`` that L2 lacks. True: the
         engine must keep the blocks until a worker reports the save finished. A
         request whose load is still in flight saves nothing (its blocks are not final).
         ``keys``: the engine's key of each page (for ``take_events``)."""
-        key, n = self._saveable(rid, tokens, computed_tokens, block_ids)
+        key, n = self._saveable(rid, tokens, computed_tokens, block_ids, key)
         if n == 0:
             return False
         ps = self.page_size

@@ -74,8 +74,10 @@ def _digest(*parts: object) -> bytes:
     return hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=HASH_BYTES).digest()
 
 
-def tokens_digest(tokens: Sequence[int]) -> str:
-    return hashlib.blake2b(msgpack.packb([int(t) for t in tokens]), digest_size=16).hexdigest()
+def prompt_digest(key: bytes, namespace: str = "") -> str:
+    """A prompt's identity: its index key (uint32 ids, content-keyed pages: what the
+    connector keys pages by) and its namespace (LoRA, cache salt)."""
+    return hashlib.blake2b(namespace.encode() + b"\0" + bytes(key), digest_size=16).hexdigest()
 
 
 def handoff_keys(handoff: str, digest: str, num_pages: int) -> tuple[bytes, ...]:
@@ -94,7 +96,7 @@ class Record(NamedTuple):
     handoff: str
     rid: str  # the producer's request id
     num_tokens: int  # prompt tokens whose KV travels (the partial last page included)
-    digest: str  # tokens_digest of those tokens
+    digest: str  # prompt_digest of those tokens
     fingerprint: str
     first_token: int  # what the producer sampled (its metadata slot)
 
@@ -248,12 +250,13 @@ class Handoffs:
         self._admitted[rid] = view
         return True
 
-    def publish(self, rid: str, tokens: Sequence[int], computed: int, completed: bool, first_token: int,
+    def publish(self, rid: str, key: bytes, namespace: str, computed: int, completed: bool, first_token: int,
                 block_ids: Sequence[int]) -> tuple[bool, dict | None]:
         """Producer, when ``rid`` ended holding ``block_ids``: queue the publish of its
-        ``computed`` prompt tokens. Returns vLLM's ``(delay_free, kv_transfer_params)``."""
+        ``computed`` prompt tokens (``key``: the prompt's index key, 4 bytes a token).
+        Returns vLLM's ``(delay_free, kv_transfer_params)``."""
         view = self._admitted.pop(rid, None)
-        n = min(computed, len(tokens))
+        n = min(computed, len(key) // 4)
         if not completed or n == 0:  # aborted, or stopped before its prefill finished
             if view is not None:
                 self.slots.release(view)
@@ -269,7 +272,7 @@ class Handoffs:
             return False, self._params(None, n)
         self.slots.write(view, first_token, torch.tensor([first_token]), torch.tensor([1.0]), torch.zeros(1))
         handoff = uuid.uuid4().hex
-        digest = tokens_digest(tokens[:n])
+        digest = prompt_digest(key[:4 * n], namespace)
         rec = Record(handoff, rid[:200], n, digest, self.layout.fingerprint(), int(first_token))
         keys = handoff_keys(handoff, digest, pages)
         job = self.core._job()
@@ -326,15 +329,15 @@ class Handoffs:
                 self.c.released += 1
 
     # ------------------------------------------------------------- consumer
-    def lookup(self, rid: str, params: dict, tokens: Sequence[int], local: int) -> tuple[int | None, bool]:
+    def lookup(self, rid: str, params: dict, key: bytes, namespace: str, local: int) -> tuple[int | None, bool]:
         """Consumer, for a ``do_remote_prefill`` request: the tokens its handoff holds
         beyond vLLM's own ``local`` hit, loaded asynchronously; ``(None, False)`` while
         the handoff is not complete in L3 (up to ``pd.wait_s``) or no slot is free."""
         rc = self._in.get(rid)
         if rc is None:
-            rc = self._in[rid] = self._receive(rid, params, tokens)
+            rc = self._in[rid] = self._receive(rid, params, len(key) // 4)
         if not rc.verdict:
-            rc.verdict = self._check(rc, tokens)
+            rc.verdict = self._check(rc, prompt_digest(key[:4 * rc.num_tokens], namespace))
             if not rc.verdict:
                 if self.clock() - rc.first_seen < self.settings.wait_s:
                     return None, False
@@ -356,20 +359,21 @@ class Handoffs:
             return 0, False
         return n, True
 
-    def _receive(self, rid: str, params: Mapping, tokens: Sequence[int]) -> _In:
+    def _receive(self, rid: str, params: Mapping, num_prompt: int) -> _In:
         handoff, n = params.get("hicache_handoff"), params.get("remote_num_tokens")
-        rc = _In(rid, handoff if isinstance(handoff, str) else "", len(tokens), params.get("hicache_fingerprint"),
+        rc = _In(rid, handoff if isinstance(handoff, str) else "", num_prompt, params.get("hicache_fingerprint"),
                  self.clock())
-        if not rc.handoff or not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= len(tokens):
-            rc.verdict = (f"kv_transfer_params of {rid!r} name no hicache handoff of at most its {len(tokens)} "
+        if not rc.handoff or not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= num_prompt:
+            rc.verdict = (f"kv_transfer_params of {rid!r} name no hicache handoff of at most its {num_prompt} "
                           f"prompt tokens (hicache_handoff={handoff!r}, remote_num_tokens={n!r}): the prefill "
                           "instance must run HiCacheConnector as kv_producer")
         else:
             rc.num_tokens = n
         return rc
 
-    def _check(self, rc: _In, tokens: Sequence[int]) -> str:
-        """OK, "" (not complete yet) or why the handoff cannot be loaded. Reads its record."""
+    def _check(self, rc: _In, digest: str) -> str:
+        """OK, "" (not complete yet) or why the handoff cannot be loaded (``digest``: of
+        the request's first ``rc.num_tokens`` tokens). Reads its record."""
         fp = self.layout.fingerprint()
         if rc.fingerprint != fp:
             return f"handoff {rc.handoff} has fingerprint {rc.fingerprint!r}, this instance {fp!r}"
@@ -381,7 +385,7 @@ class Handoffs:
         rec = Record.unpack(raw) if raw is not None else None
         if rec is None:
             return f"handoff {rc.handoff}: its record failed verification (corrupt or another layout's)"
-        want = (rc.handoff, rc.num_tokens, tokens_digest(tokens[:rc.num_tokens]), fp)
+        want = (rc.handoff, rc.num_tokens, digest, fp)
         if (rec.handoff, rec.num_tokens, rec.digest, rec.fingerprint) != want:
             return (f"handoff {rc.handoff}: its record holds {rec.num_tokens} tokens of digest {rec.digest}, "
                     f"the request {want[1]} of digest {want[2]} (another prompt)")

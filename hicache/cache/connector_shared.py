@@ -46,12 +46,13 @@ class SharedConnectorScheduler(ConnectorJobs):
     def host_pages(self) -> int:
         return self.link.pool.num_pages
 
-    def lookup(self, rid: str, tokens, engine_hit: int, namespace: str = "") -> Hit:
+    def lookup(self, rid: str, tokens, engine_hit: int, namespace: str = "", key: bytes | None = None) -> Hit:
         """Page-floored tokens beyond ``engine_hit`` the segment holds (after letting the
-        service fetch from its L3 for ``fetch_wait_ms``); at least one token stays."""
+        service fetch from its L3 for ``fetch_wait_ms``); at least one token stays.
+        ``key``: as ``ConnectorScheduler.lookup``."""
         self._lookups += 1
         ps = self.page_size
-        key = as_key(tokens)
+        key = as_key(tokens) if key is None else key
         cap = max(0, len(key) // 4 - 1) // ps
         first = engine_hit // ps
         if cap <= first:
@@ -62,14 +63,14 @@ class SharedConnectorScheduler(ConnectorJobs):
         return self._decide(rid, engine_hit, max(0, (got.num_pages if got else 0) - first), 0)
 
     def allocated(self, rid: str, tokens, block_ids, num_external: int, namespace: str = "",
-                  keys=()) -> LoadSpec | None:
+                  keys=(), key: bytes | None = None) -> LoadSpec | None:
         """Acquire the segment pages for ``num_external`` tokens of the last lookup (the
         service may hand fewer: the rest are queued as missing)."""
         span = self._allocated_span(rid, num_external)
         if span is None:
             return None
         hit, first, end = span
-        hashes = self._hashes(as_key(tokens), namespace, end)[first:end]
+        hashes = self._hashes(as_key(tokens) if key is None else key, namespace, end)[first:end]
         link = self.link
         pages = link.call(link.client.acquire, hashes, default=[])
         spec = LoadSpec(self._job(), rid, tuple(int(b) for b in block_ids[first:end]), tuple(pages),
@@ -77,10 +78,11 @@ class SharedConnectorScheduler(ConnectorJobs):
         self._held[spec.job] = _Shared(hashes[:len(pages)])
         return self._queue_load(rid, _Load(rid, spec, None, None))
 
-    def finished(self, rid: str, tokens, computed_tokens: int, block_ids, namespace: str = "", keys=()) -> bool:
+    def finished(self, rid: str, tokens, computed_tokens: int, block_ids, namespace: str = "", keys=(),
+                 key: bytes | None = None) -> bool:
         """Reserve segment pages for the computed full pages the segment lacks; True: the
         engine keeps the blocks until the workers copied them."""
-        key, n = self._saveable(rid, tokens, computed_tokens, block_ids)
+        key, n = self._saveable(rid, tokens, computed_tokens, block_ids, key)
         if n == 0:
             return False
         link = self.link

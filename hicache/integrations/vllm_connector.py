@@ -42,7 +42,9 @@ from hicache.cache.connector_shared import SharedConnectorScheduler
 from hicache.cache.connector_worker import ConnectorWorker
 from hicache.core.errors import ConfigError, ContractMismatch
 from hicache.core.redact import redact_url
+from hicache.core.hashing import tokens_to_bytes
 from hicache.core.layout import KVLayout
+from hicache.integrations.vllm_keys import ENGINE_CELLS_OF, attention_backend, index_key, model_identity, namespace
 from hicache.memory.paged_kv import adopt_paged_kv
 
 # Under vLLM's own logger tree, so the start line shows in vLLM's log at its default level.
@@ -148,14 +150,16 @@ def layout_of(vllm_config, kv_cache_config, tp_rank: int = 0, draft_layers: int 
     if draft_layers >= len(layers):
         raise ConfigError(f"HiCacheConnector: draft_layers={draft_layers} of a KV cache group of {len(layers)} "
                           "layers; the drafter's layers are the last ones, after at least one target layer")
-    common = dict(model_id=vllm_config.model_config.model, num_layers=len(layers) - draft_layers,
+    backend = attention_backend(vllm_config, spec)
+    common = dict(model_id=model_identity(vllm_config.model_config, backend), num_layers=len(layers) - draft_layers,
                   draft_layers=draft_layers, dtype=dtype,
                   page_size=spec.block_size, tp_rank=tp_rank,
                   tp_size=pc.tensor_parallel_size)
     if isinstance(spec, MLAAttentionSpec):
         return KVLayout(kind="mla", kv_lora_rank=spec.head_size, **common)
     if isinstance(spec, FullAttentionSpec):
-        return KVLayout(kind="mha", num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size, **common)
+        return KVLayout(kind="mha", num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
+                        engine_cells=ENGINE_CELLS_OF.get(backend, ""), **common)
     raise ConfigError(f"HiCacheConnector: KV cache spec {type(spec).__name__} is not supported; "
                       "it supports full attention and MLA")
 
@@ -260,11 +264,11 @@ class HiCacheConnector(KVConnectorBase_V1):
         params = request.kv_transfer_params or {}
         if self.pd is not None and params.get("do_remote_decode" if self.pd.producer else "do_remote_prefill"):
             if not self.pd.producer:
-                return self.pd.lookup(request.request_id, params, request.prompt_token_ids, num_computed_tokens)
+                return self.pd.lookup(request.request_id, params, *self._prompt_key(request), num_computed_tokens)
             if not self.pd.admit(request.request_id):
                 return None, False
         hit = self.scheduler.lookup(request.request_id, request.all_token_ids, num_computed_tokens,
-                                    _namespace(request))
+                                    namespace(request), key=index_key(request, self.layout.page_size))
         return hit.tokens, hit.is_async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
@@ -273,7 +277,8 @@ class HiCacheConnector(KVConnectorBase_V1):
             return
         if num_external_tokens:
             self.scheduler.allocated(request.request_id, request.all_token_ids, blocks.get_block_ids()[0],
-                                     num_external_tokens, _namespace(request), keys=request.block_hashes)
+                                     num_external_tokens, namespace(request), keys=request.block_hashes,
+                                     key=index_key(request, self.layout.page_size))
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         if not num_external_tokens:
@@ -303,13 +308,19 @@ class HiCacheConnector(KVConnectorBase_V1):
             if self.pd.producer and params.get("do_remote_decode"):
                 done = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
                 first = request.output_token_ids[0] if request.output_token_ids else -1
-                return self.pd.publish(request.request_id, request.prompt_token_ids, request.num_computed_tokens,
+                return self.pd.publish(request.request_id, *self._prompt_key(request), request.num_computed_tokens,
                                        done, first, block_ids)
             if self.pd.ended(request.request_id):
                 return False, None  # its handoff's load still writes the blocks (vLLM waits for it)
         delay = self.scheduler.finished(request.request_id, request.all_token_ids, request.num_computed_tokens,
-                                        block_ids, _namespace(request), keys=request.block_hashes)
+                                        block_ids, namespace(request), keys=request.block_hashes,
+                                        key=index_key(request, self.layout.page_size))
         return delay, None
+
+    def _prompt_key(self, request) -> tuple[bytes, str]:
+        """What a handoff is of: the prompt's index key and namespace (P/D only)."""
+        ids = list(request.prompt_token_ids or ())
+        return index_key(request, self.layout.page_size, ids) or tokens_to_bytes(ids), namespace(request)
 
     def has_pending_push_work(self) -> bool:
         """A producer's publishes in flight keep vLLM stepping until their records are written."""
@@ -343,13 +354,6 @@ class HiCacheConnector(KVConnectorBase_V1):
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         return HiCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
-
-
-def _namespace(request) -> str:
-    """Pages of different LoRA adapters or cache salts never share (the index's namespace)."""
-    lora = request.lora_request.lora_name if request.lora_request is not None else ""
-    salt = request.cache_salt or ""
-    return f"{lora}\0{salt}" if lora or salt else ""
 
 
 def _flat(stats) -> dict[str, int]:

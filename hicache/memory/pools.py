@@ -76,7 +76,7 @@ class DevicePool:
         if tuple(t.shape) == want and not t.is_contiguous():
             raise PoolError(f"plane {key}: a row buffer must be contiguous (strides {t.stride()}); "
                             f"register strided KV as a page view {paged}")
-        if t.stride(-1) != 1:
+        if t.stride(-1) != 1 and not self.layout.engine_cells:
             raise PoolError(f"plane {key}: a page view needs a contiguous last dim, got strides {t.stride()}")
         if tuple(t.shape) == paged and t.stride(0) == t.stride(1) * t.shape[1]:
             return t.flatten(0, 1)  # pages then tokens merge into rows (a view): slot-addressable
@@ -135,7 +135,12 @@ def _byte_pages(t: torch.Tensor, num_pages: int, page_size: int, spec: PlaneSpec
     """``uint8 [num_pages, *dims]`` over buffer ``t`` (rows or page view), dims merged where
     the strides allow; row-major order over dims is the canonical page order."""
     paged = t.unflatten(0, (num_pages, page_size)) if t.dim() == 1 + len(spec.row_shape) else t
-    u = paged.view(torch.uint8)  # last dim contiguous: checked at registration
+    if paged.stride(-1) == 1:
+        u = paged.view(torch.uint8)
+    else:  # an engine's transposed plane (``KVLayout.engine_cells``): one more dim, each element's bytes
+        e = paged.element_size()
+        raw = torch.empty(0, dtype=torch.uint8, device=paged.device).set_(paged.untyped_storage())
+        u = raw.as_strided((*paged.shape, e), (*(x * e for x in paged.stride()), 1), paged.storage_offset() * e)
     shape, stride = [u.shape[-1]], [1]
     for n, st in zip(reversed(u.shape[1:-1]), reversed(u.stride()[1:-1])):
         if n == 1:

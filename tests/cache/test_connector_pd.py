@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from hicache.cache.connector_pd import (RECORD_BYTES, HELLO_FINGERPRINT, Handoffs, PDSettings, Record,
-                                        handoff_keys, record_key, tokens_digest)
+                                        handoff_keys, prompt_digest, record_key)
 from hicache.core.errors import ConfigError, ContractMismatch
+from hicache.core.hashing import tokens_to_bytes
 from hicache.storage import open_storage
 from tests.cache.test_connector_core import DEVICES, PS, fill, layout_of, page_bytes, rig, step
 
@@ -42,14 +43,14 @@ def test_publish_then_load_exact_with_the_tail_zeroed(device, tmp_path):
         fill(ppool, b, 40 + b)
     want = [page_bytes(ppool, b) for b in range(3)]
     assert prod.admit("r")
-    delay, params = prod.publish("r", tokens, len(tokens), True, 77, [0, 1, 2])
+    delay, params = prod.publish("r", tokens_to_bytes(tokens), "", len(tokens), True, 77, [0, 1, 2])
     assert delay and params["do_remote_prefill"] and params["remote_num_tokens"] == len(tokens)
     out = pd_step(prod, pw, layout.num_layers + 1)
     assert pw.finish_step({"r"}).finished_saves == {"r"} and not out.load_errors
     assert (prod.c.published, prod.c.published_pages, prod.slots.num_free) == (1, 3, 1)
     rec = Record.unpack(prod.stores[0].get([record_key(params["hicache_handoff"])], [RECORD_BYTES])[0])
-    assert rec == Record(params["hicache_handoff"], "r", len(tokens), tokens_digest(tokens), layout.fingerprint(), 77)
-    assert cons.lookup("d", params, tokens, 0) == (len(tokens), True)
+    assert rec == Record(params["hicache_handoff"], "r", len(tokens), prompt_digest(tokens_to_bytes(tokens)), layout.fingerprint(), 77)
+    assert cons.lookup("d", params, tokens_to_bytes(tokens), "", 0) == (len(tokens), True)
     assert cons.allocated("d", params, [5, 6, 7], len(tokens)) and params["do_remote_prefill"] is False
     out = pd_step(cons, cw, layout.num_layers + 1)
     assert out.finished_loads == {"d"} and not out.load_errors
@@ -73,8 +74,9 @@ def test_settings_and_records_refuse_what_they_cannot_use(tmp_path):
     with pytest.raises(ConfigError, match="pd.slots"):
         PDSettings.from_extra({"slots": 0})
     assert Record.unpack(b"\x00" * RECORD_BYTES) is None and Record.unpack(b"\x93\x01\x02\x03") is None
-    keys = handoff_keys("h", tokens_digest([1, 2]), 2)
-    assert len(set(keys)) == 2 and keys != handoff_keys("h", tokens_digest([1, 3]), 2)
+    keys = handoff_keys("h", prompt_digest(tokens_to_bytes([1, 2])), 2)
+    assert len(set(keys)) == 2 and keys != handoff_keys("h", prompt_digest(tokens_to_bytes([1, 3])), 2)
+    assert prompt_digest(b"ab", "lora") != prompt_digest(b"ab")
     layout = layout_of("llama-3.1-8b", layers=2)
     prod = side("kv_producer", layout, "cpu", tmp_path)[0]
     with pytest.raises(ContractMismatch, match="num_layers"):

@@ -13,8 +13,9 @@ import torch
 
 from vllm.v1.request import RequestStatus
 
-from hicache.cache.connector_pd import RECORD_BYTES, handoff_keys, record_key, tokens_digest
+from hicache.cache.connector_pd import RECORD_BYTES, handoff_keys, prompt_digest, record_key
 from hicache.core.errors import ContractMismatch
+from hicache.core.hashing import tokens_to_bytes
 from tests.integrations.vllm_connector.harness import BLOCK, TOY, TOY_MLA, Engine, real_shape, tokens
 from tests.integrations.vllm_connector.test_scheduler_path import extra, finish_idle
 
@@ -23,6 +24,11 @@ from tests.integrations.vllm_connector.test_scheduler_path import extra, finish_
 TO_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
               "remote_block_ids": None, "remote_host": None, "remote_port": None}
 SLOTS = 4
+
+
+def tokens_digest(tokens: list[int]) -> str:
+    """A text prompt's handoff digest (no namespace)."""
+    return prompt_digest(tokens_to_bytes(tokens))
 
 
 def pd_extra(tmp_path, **pd):
