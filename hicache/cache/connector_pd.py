@@ -28,7 +28,7 @@ import torch
 from hicache.cache.connector_plan import JobKind, JobReport, LoadSpec, SaveSpec, StepPlan
 from hicache.cache.handoff import check_peer, hello
 from hicache.cache.slots import MetaSlotPool, SlotView
-from hicache.core.errors import ConfigError, IntegrityError
+from hicache.core.errors import ConfigError, ContractMismatch, IntegrityError
 from hicache.core.hashing import HASH_BYTES
 from hicache.core.layout import KVLayout
 
@@ -215,7 +215,6 @@ class Handoffs:
 
     def _register(self) -> None:
         """Check the other role's registered hello (if any), then register ours."""
-        from hicache.core.errors import ContractMismatch
         peer_role = ROLES[self.producer]
         [raw] = self.hellos.get([self._hello_key(peer_role)], [HELLO_BYTES])
         if raw is not None:

@@ -12,7 +12,7 @@ from hicache.cache.connector_pd import (RECORD_BYTES, HELLO_FINGERPRINT, Handoff
 from hicache.core.errors import ConfigError, ContractMismatch
 from hicache.core.hashing import tokens_to_bytes
 from hicache.storage import open_storage
-from tests.cache.test_connector_core import DEVICES, PS, fill, layout_of, page_bytes, rig, step
+from tests.cache.test_connector_core import DEVICES, PS, fill, layout_of, page_bytes, rig
 
 
 def side(role, layout, device, tmp_path, *, slots=2, group="g", **pd):
