@@ -22,6 +22,7 @@ import json
 import os
 import pathlib
 
+from hicache.core.errors import ConfigError
 from hicache.core.hashing import content_key, tokens_to_bytes
 
 __all__ = ["ENGINE_CELLS_OF", "attention_backend", "index_key", "model_identity", "namespace"]
@@ -58,8 +59,11 @@ def index_key(request, page_size: int, tokens=None) -> bytes | None:
 
 
 def attention_backend(vllm_config, spec) -> str:
-    """The name of the attention backend vLLM selects for ``spec`` (``CPU_ATTN``,
-    ``FLASH_ATTN``, ...); the configured one when selection cannot run here."""
+    """The attention backend's name (``CPU_ATTN``, ``FLASH_ATTN``, ...): the one configured
+    (``--attention-backend``), else the one vLLM's selector picks for ``spec`` on this platform."""
+    chosen = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    if chosen is not None:
+        return str(getattr(chosen, "name", chosen))
     from vllm.config import set_current_vllm_config
     from vllm.platforms import current_platform
     from vllm.v1.attention.selector import get_attn_backend
@@ -69,9 +73,10 @@ def attention_backend(vllm_config, spec) -> str:
             cls = get_attn_backend(spec.head_size, spec.dtype, vllm_config.cache_config.cache_dtype,
                                    use_mla=isinstance(spec, MLAAttentionSpec))
         return cls.get_name()
-    except Exception:  # a platform that cannot select outside a worker: name what was asked for
-        chosen = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-        return str(getattr(chosen, "name", chosen) or f"auto-{current_platform.device_name}")
+    except (ImportError, ValueError, NotImplementedError, RuntimeError) as e:  # no backend fits here
+        raise ConfigError(f"HiCacheConnector: vLLM selects no attention backend for {type(spec).__name__} "
+                          f"(head size {spec.head_size}, {spec.dtype}) on {current_platform.device_name}: {e}; "
+                          "name one with --attention-backend") from e
 
 
 def model_identity(model_config, backend: str) -> str:

@@ -189,6 +189,7 @@ class HostPool:
                             f"{buffer.dtype} shape {tuple(buffer.shape)}")
         self.buffer = buffer[:need]
         self.plane_offset, self.page_stride, _ = self.addressing(layout, num_pages)
+        self._bytes: memoryview | None = None  # the buffer as bytes, made on the first page_buffers()
 
     @staticmethod
     def nbytes_for(layout: KVLayout, num_pages: int) -> int:
@@ -220,6 +221,19 @@ class HostPool:
             raise PoolError("page_region() needs host_layout='page_first'; use read_page() to gather")
         b = self.page_stride[0]
         return self.buffer[page * b:(page + 1) * b]
+
+    def page_buffers(self, page: int) -> list[memoryview]:
+        """Writable flat byte views (no copy) of one page's planes in canonical order: the
+        L3 payload's segments, one region in ``page_first``. Valid while the pool lives;
+        writing them writes the page (an L3 read lands there with no copy)."""
+        mv = self._bytes
+        if mv is None:
+            mv = self._bytes = memoryview(self.buffer.numpy())
+        if self.layout.host_layout == "page_first" and self.page_stride[0] == self.layout.page_bytes:
+            at = page * self.page_stride[0]
+            return [mv[at:at + self.layout.page_bytes]]
+        return [mv[o + page * st:o + page * st + s.page_bytes]
+                for o, st, s in zip(self.plane_offset, self.page_stride, self.layout.planes)]
 
     def read_page(self, page: int) -> bytes:
         """The page in canonical plane order (the L3 payload). Copies."""

@@ -13,7 +13,7 @@ import torch
 
 from vllm.v1.request import RequestStatus
 
-from hicache.cache.connector_pd import RECORD_BYTES, handoff_keys, prompt_digest, record_key
+from hicache.connector.pd import RECORD_BYTES, handoff_keys, prompt_digest, record_key
 from hicache.core.errors import ContractMismatch
 from hicache.core.hashing import tokens_to_bytes
 from tests.integrations.vllm_connector.harness import BLOCK, TOY, TOY_MLA, Engine, real_shape, tokens
@@ -339,7 +339,8 @@ def _serve_configs(tmp_path):
         kv["kv_connector_extra_config"]["storage"]["url"] = f"file://{tmp_path}/l3"
         kv["kv_connector_extra_config"]["pd"].update(poll_s=0, wait_s=0)
         rest[i + 1] = json.dumps(kv)
-        args = make_arg_parser(FlexibleArgumentParser()).parse_args([*rest, "--model", "facebook/opt-125m"])
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args([*rest, "--model", "facebook/opt-125m",
+                                                                 "--attention-backend", "FLASH_ATTN"])
         out.append(EngineArgs.from_cli_args(args).create_engine_config())
     return out
 
@@ -357,10 +358,10 @@ def test_pd_docs_serve_lines(tmp_path):
     settle(prod)
     assert d.status == RequestStatus.FINISHED_LENGTH_CAPPED
     # What each side's /metrics gets (the kv_connector_stats vLLM's scheduler reported):
-    def total(eng, key):
-        return sum(s.get(key, 0) for s in eng.connector_stats)
-    assert [total(prod, f"handoff_{k}") for k in ("published", "published_pages", "released")] == [1, 5, 1]
-    assert [total(cons, f"handoff_{k}") for k in ("loaded", "loaded_pages", "load_failed")] == [1, 5, 0]
+    def total(eng, event):
+        return sum(s.get(f"connector_handoffs,event={event}", 0) for s in eng.connector_stats)
+    assert [total(prod, k) for k in ("published", "published_pages", "released")] == [1, 5, 1]
+    assert [total(cons, k) for k in ("loaded", "loaded_pages", "load_failed")] == [1, 5, 0]
     assert cons.hits_by_source == {"external_unspecified": len(p)}
     finish_idle(prod)
     finish_idle(cons)

@@ -45,7 +45,8 @@ class Engine:
         from vllm.config import KVTransferConfig
         ktc = KVTransferConfig(kv_connector="HiCacheConnector",
                                kv_connector_module_path="hicache.integrations.vllm_connector",
-                               kv_role="kv_both", kv_connector_extra_config=extra)
+                               kv_role="kv_both", kv_connector_extra_config=extra,
+                               kv_load_failure_policy="recompute")
         self.llm = LLM(model=model, block_size=BLOCK, enforce_eager=True, max_model_len=4096, dtype=dtype,
                        max_num_batched_tokens=max_batched, enable_prefix_caching=True, kv_transfer_config=ktc,
                        seed=0, kv_cache_memory_bytes=kv_bytes, **llm_kw)
@@ -75,12 +76,12 @@ class Engine:
 
     @property
     def scheduler(self):
-        """The connector's scheduler half (``hicache.cache.connector.ConnectorScheduler``)."""
+        """The connector's scheduler half (``hicache.connector.scheduler.ConnectorScheduler``)."""
         return self.llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
 
     @property
     def worker(self):
-        """The connector's worker half (``hicache.cache.connector_worker.ConnectorWorker``)."""
+        """The connector's worker half (``hicache.connector.worker.ConnectorWorker``)."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group
         return get_kv_transfer_group().worker
 

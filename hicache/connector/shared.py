@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from hicache.cache.connector import ConnectorJobs, Hit, _event_fields, _Load, _Save
-from hicache.cache.connector_plan import L2
-from hicache.cache.connector_plan import LoadSpec, SaveSpec
+from hicache.connector.scheduler import ConnectorJobs, Hit, _event_fields, _Load, _Save
+from hicache.connector.plan import L2
+from hicache.connector.plan import LoadSpec, SaveSpec
 from hicache.core.errors import CacheStateError, IntegrityError
 from hicache.core.layout import KVLayout
 from hicache.index.prefix_cache import as_key
@@ -58,7 +58,7 @@ class SharedConnectorScheduler(ConnectorJobs):
         if cap <= first:
             return self._decide(rid, engine_hit, 0, 0)
         link = self.link
-        hashes = self._hashes(key, namespace, cap)
+        hashes = self.page_hashes(key, namespace, cap)
         got = link.call(link.client.fetch, hashes, self.fetch_wait_ms)
         return self._decide(rid, engine_hit, max(0, (got.num_pages if got else 0) - first), 0)
 
@@ -70,10 +70,10 @@ class SharedConnectorScheduler(ConnectorJobs):
         if span is None:
             return None
         hit, first, end = span
-        hashes = self._hashes(as_key(tokens) if key is None else key, namespace, end)[first:end]
+        hashes = self.page_hashes(as_key(tokens) if key is None else key, namespace, end)[first:end]
         link = self.link
         pages = link.call(link.client.acquire, hashes, default=[])
-        spec = LoadSpec(self._job(), rid, tuple(int(b) for b in block_ids[first:end]), tuple(pages),
+        spec = LoadSpec(self.new_job(), rid, tuple(int(b) for b in block_ids[first:end]), tuple(pages),
                         layerwise=not hit.is_async)
         self._held[spec.job] = _Shared(hashes[:len(pages)])
         return self._queue_load(rid, _Load(rid, spec, None, None))
@@ -86,7 +86,7 @@ class SharedConnectorScheduler(ConnectorJobs):
         if n == 0:
             return False
         link = self.link
-        hashes = self._hashes(key, namespace, n)
+        hashes = self.page_hashes(key, namespace, n)
         found = link.call(link.client.lookup, hashes)
         if found is None:  # the service is away: nothing to save into
             self._c["save_dropped"] += n
@@ -98,7 +98,7 @@ class SharedConnectorScheduler(ConnectorJobs):
         if not pages:
             self._c["save_dropped"] += n - have
             return False
-        spec = SaveSpec(self._job(), rid, tuple(int(b) for b in block_ids[have:n]), tuple(pages))
+        spec = SaveSpec(self.new_job(), rid, tuple(int(b) for b in block_ids[have:n]), tuple(pages))
         ev_keys, ev_parent, ev_tokens = _event_fields(keys, tokens, have, n, self.page_size)
         self._saves[spec.job] = _Save(rid, spec, b"", namespace, have, None, keys=ev_keys, parent=ev_parent,
                                       tokens=ev_tokens)

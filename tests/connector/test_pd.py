@@ -1,4 +1,4 @@
-"""The connector's P/D handoffs without vLLM (hicache.cache.connector_pd): a producer's
+"""The connector's P/D handoffs without vLLM (hicache.connector.pd): a producer's
 scheduler and worker halves publish a prefill's blocks to L3, a consumer's load them
 into its own blocks. On CPU here; the ``gpu`` variant runs the same on CUDA tensors,
 a pinned L2 and the copy kernels (the partial last page zeroed in pinned memory)."""
@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.cache.connector_pd import (RECORD_BYTES, HELLO_FINGERPRINT, Handoffs, PDSettings, Record,
+from hicache.connector.pd import (RECORD_BYTES, HELLO_FINGERPRINT, Handoffs, PDSettings, Record,
                                         handoff_keys, prompt_digest, record_key)
 from hicache.core.errors import ConfigError, ContractMismatch
 from hicache.core.hashing import tokens_to_bytes
 from hicache.storage import open_storage
-from tests.cache.test_connector_core import DEVICES, PS, fill, layout_of, page_bytes, rig
+from tests.connector.test_connector_core import DEVICES, PS, fill, layout_of, page_bytes, rig
 
 
 def side(role, layout, device, tmp_path, *, slots=2, group="g", **pd):

@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import msgpack
 import torch
 
-from hicache.cache.connector_plan import JobKind, JobReport, LoadSpec, SaveSpec, StepPlan
+from hicache.connector.plan import JobKind, JobReport, LoadSpec, SaveSpec, StepPlan
 from hicache.cache.handoff import check_peer, hello
 from hicache.cache.slots import MetaSlotPool, SlotView
 from hicache.core.errors import ConfigError, ContractMismatch, IntegrityError
@@ -123,7 +123,7 @@ class Record(NamedTuple):
 
 @dataclasses.dataclass(slots=True)
 class PDCounters:
-    """Handoff counters since start (``Handoffs.stats`` flattens them as ``handoff_<name>``)."""
+    """Handoff counters since start (``ConnectorStats.handoffs``: ``core.stats.HANDOFF_EVENTS``)."""
 
     slot_waits: int = 0  # lookups that waited for a free metadata slot
     published: int = 0  # producer: handoffs complete in L3 (record written)
@@ -274,7 +274,7 @@ class Handoffs:
         digest = prompt_digest(key[:4 * n], namespace)
         rec = Record(handoff, rid[:200], n, digest, self.layout.fingerprint(), int(first_token))
         keys = handoff_keys(handoff, digest, pages)
-        job = self.core._job()
+        job = self.core.new_job()
         self._saves.append(SaveSpec(job, rid, tuple(int(b) for b in block_ids[:pages]), tuple(staging), keys,
                                     rows=n % self.layout.page_size))
         self._out[job] = _Out(rid, view, rec, keys, job, staging)
@@ -406,7 +406,7 @@ class Handoffs:
         ps = self.layout.page_size
         first, end = rc.local // ps, math.ceil((rc.local + num_external) / ps)
         rc.blocks = tuple(int(b) for b in block_ids[first:end])
-        rc.job = self.core._job()
+        rc.job = self.core.new_job()
         self._in_jobs[rc.job] = rid
         staging = self._reserve(len(rc.blocks)) if rc.verdict == OK and rc.blocks else None
         if staging is None:
@@ -507,7 +507,8 @@ class Handoffs:
         self.stores[0].delete([record_key(handoff)])
 
     def stats(self) -> dict[str, int]:
-        return {f"handoff_{k}": getattr(self.c, k) for k in PDCounters.__slots__}
+        """The counters by event (``ConnectorStats.handoffs``)."""
+        return {k: getattr(self.c, k) for k in PDCounters.__slots__}
 
     def check_integrity(self) -> None:
         """Every owned slot belongs to a tracked handoff, and the staging pages add up."""
@@ -542,7 +543,7 @@ def _unpad(raw) -> dict:
 def open_handoffs(role: str, layout: KVLayout, core, settings, ranks: int, engine_id: str) -> Handoffs:
     """The P/D side of a connector built from ``settings`` (``ConnectorSettings``): one L3
     store per TP rank's layout and the hello namespace, at ``storage.url``."""
-    from hicache.cache.connector import ConnectorScheduler
+    from hicache.connector.scheduler import ConnectorScheduler
     from hicache.storage import open_storage
     from hicache.storage.capacity import backend_options
 
