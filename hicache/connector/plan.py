@@ -61,6 +61,7 @@ class SaveSpec:
     host: tuple[int, ...]
     hashes: tuple[bytes, ...] = ()  # L3 keys, one per page (() : no L3)
     group: int = 0  # the engine's KV cache group whose blocks these are (its own worker and L2)
+    rows: int = 0  # rows of the last page that hold tokens (0: all); the rest are zeroed before L3
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +137,7 @@ class EventLog:
 
 
 LOAD_MODES = ("async", "layerwise")
-_OWN_KEYS = ("load", "host_bytes")
+_OWN_KEYS = ("load", "host_bytes", "draft_layers", "pd")
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,8 @@ class ConnectorSettings:
     layerwise: bool = False
     host_bytes: int = 0  # 0: config.pool.host_pages
     model_id: str = ""  # model.model_id when given: the operator names the model (else the engine derives it)
+    draft_layers: int = 0  # the last N layers of vLLM's KV group are the drafter's (EAGLE / NextN)
+    pd: Mapping[str, Any] = field(default_factory=dict)  # prefill/decode handoff settings (connector.pd)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> "ConnectorSettings":
@@ -156,6 +159,13 @@ class ConnectorSettings:
         host_bytes = extra.pop("host_bytes", 0)
         if not isinstance(host_bytes, int) or isinstance(host_bytes, bool) or host_bytes < 0:
             raise ConfigError(f"hicache connector: host_bytes={host_bytes!r}; must be an integer >= 0")
+        draft = extra.pop("draft_layers", 0)
+        if not isinstance(draft, int) or isinstance(draft, bool) or draft < 0:
+            raise ConfigError(f"hicache connector: draft_layers={draft!r}; must be an integer >= 0 (the "
+                              "drafter's layers at the end of vLLM's KV cache group)")
+        pd = extra.pop("pd", {})
+        if not isinstance(pd, Mapping):
+            raise ConfigError(f"hicache connector: pd={pd!r}; must be an object of handoff settings")
         overrides: dict[str, Any] = {}
         for section, values in extra.items():
             if isinstance(values, Mapping):
@@ -168,7 +178,7 @@ class ConnectorSettings:
                               "the scheduler and the workers would not share it; use file:///dir, redis://, "
                               "or '' for no L3")
         named = isinstance(extra.get("model"), Mapping) and "model_id" in extra["model"]
-        return cls(cfg, load == "layerwise", host_bytes, cfg.model.model_id if named else "")
+        return cls(cfg, load == "layerwise", host_bytes, cfg.model.model_id if named else "", draft, dict(pd))
 
     def host_pages(self, layout: KVLayout) -> int:
         """L2 pages of ``layout`` (``host_bytes`` when given); ``ConfigError`` when under one page."""

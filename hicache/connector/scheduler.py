@@ -273,6 +273,7 @@ class ConnectorScheduler(ConnectorJobs):
         self.tiers = TierManager(self.cache, debug_states=False)
         self.storage = storage
         self.probe_budget_s = probe_budget_s
+        self.staged: set[HostPageId] = set()  # L2 pages handoff jobs hold outside the index (connector.pd)
 
     # ------------------------------------------------------------- admission
     def lookup(self, rid: str, tokens, engine_hit: int, namespace: str = "", key: bytes | None = None) -> Hit:
@@ -447,7 +448,7 @@ class ConnectorScheduler(ConnectorJobs):
     # ------------------------------------------------------------- state
     def check_integrity(self) -> None:
         """Index invariants, with the L2 pages jobs hold outside it (``IntegrityError``)."""
-        held: list[int] = list(self.tiers.host_in_flight)  # the L3 parts' reserved pages
+        held: list[int] = list(self.tiers.host_in_flight) + sorted(self.staged)  # L3 parts', handoffs'
         for sv in self._saves.values():
             held += sv.spec.host if sv.stage is JobKind.SAVE else sv.unused
         self.cache.check_integrity(host_in_flight=held)

@@ -157,6 +157,9 @@ class ConnectorWorker:
         self._unsent.add(spec.rid)
         if spec.hashes:
             if ok:
+                if spec.rows:  # a partial last page: only its tokens' rows travel, never padding
+                    for i in range(len(self.layout.planes)):
+                        self.host_pool.plane_page(i, spec.host[-1])[spec.rows:].zero_()
                 self._jobs[self._tc.storage_put(spec.host, spec.hashes).job] = sv
             else:
                 self._report(JobKind.STORE, spec.job, False, 0)

@@ -249,6 +249,9 @@ class AdmissionStats:
 
 # The cost model's choices (``AdmissionStats`` fields, and the ``choice`` label of their families).
 ADMISSION_CHOICES = ("load", "load_l2", "recompute", "unmeasured")
+# Prefill/decode handoff events (hicache.connector.pd.PDCounters' fields).
+HANDOFF_EVENTS = ("slot_waits", "published", "published_pages", "released", "expired", "publish_failed",
+                  "publish_dropped", "producer_aborted", "loaded", "loaded_pages", "load_failed", "consumer_aborted")
 
 
 def _conn_pages(help: str, event: str, family_help: str | None = None) -> Any:
@@ -279,6 +282,10 @@ class ConnectorStats:
     recomputed_tokens: dict[str, int] = stat("Hit tokens the cost model had recomputed instead of loaded, by tier.",
                                              metric="connector_recomputed_tokens", key_label="tier",
                                              default_factory=lambda: {"L2": 0, "L3": 0})
+    handoffs: dict[str, int] = stat("Prefill/decode handoffs by event (kv_producer: published, released, expired, "
+                                    "publish_failed, ...; kv_consumer: loaded, load_failed, ...).",
+                                    metric="connector_handoffs", key_label="event",
+                                    default_factory=lambda: dict.fromkeys(HANDOFF_EVENTS, 0))
 
     @classmethod
     def of(cls, lookups: int, hit_tokens: dict[str, int], pages: dict[str, int],

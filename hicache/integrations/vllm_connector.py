@@ -33,16 +33,19 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.request import RequestStatus
 
 from hicache.connector.hybrid import HybridConnectorScheduler
 from hicache.connector.scheduler import ConnectorScheduler
 from hicache.connector.plan import ConnectorSettings
 from hicache.connector.plan import L2
 from hicache.connector.plan import JobReport, StepPlan
+from hicache.connector.pd import ROLES as PD_ROLES, open_handoffs
 from hicache.connector.shared import SharedConnectorScheduler
 from hicache.connector.worker import ConnectorWorker, GroupWorkers
 from hicache.core.errors import ConfigError, ContractMismatch
 from hicache.core.redact import redact_url
+from hicache.core.hashing import tokens_to_bytes
 from hicache.core.layout import KVLayout
 from hicache.core.stats import ConnectorStats
 from hicache.integrations.metrics import families, flat_series, series, series_key
@@ -130,9 +133,10 @@ def _tp_rank(role: KVConnectorRole, vllm_config) -> int:
     return pc.rank % pc.tensor_parallel_size
 
 
-def layout_of(vllm_config, kv_cache_config, tp_rank: int = 0, model_id: str = "") -> KVLayout:
+def layout_of(vllm_config, kv_cache_config, tp_rank: int = 0, model_id: str = "", draft_layers: int = 0) -> KVLayout:
     """The ``KVLayout`` of vLLM's one KV cache group on this TP rank (``ConfigError`` otherwise).
-    ``model_id``: the operator's name for the model; by default ``model_identity``'s."""
+    ``model_id``: the operator's name for the model; by default ``model_identity``'s. Its last
+    ``draft_layers`` layers are the drafter's (EAGLE / NextN draft planes)."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         kinds = ", ".join(f"{g.index}: {g.kind}" for g in engine_groups(kv_cache_config))
@@ -143,8 +147,12 @@ def layout_of(vllm_config, kv_cache_config, tp_rank: int = 0, model_id: str = ""
     if pc.pipeline_parallel_size != 1:
         raise ConfigError(f"HiCacheConnector: pipeline_parallel_size={pc.pipeline_parallel_size}; it supports 1")
     dtype = str(spec.dtype).removeprefix("torch.")
+    if draft_layers >= len(layers):
+        raise ConfigError(f"HiCacheConnector: draft_layers={draft_layers} of a KV cache group of {len(layers)} "
+                          "layers; the drafter's layers are the last ones, after at least one target layer")
     backend = attention_backend(vllm_config, spec)
-    common = dict(model_id=model_id or model_identity(vllm_config.model_config, backend), num_layers=len(layers), dtype=dtype,
+    common = dict(model_id=model_id or model_identity(vllm_config.model_config, backend),
+                  num_layers=len(layers) - draft_layers, draft_layers=draft_layers, dtype=dtype,
                   page_size=spec.block_size, tp_rank=tp_rank,
                   tp_size=pc.tensor_parallel_size)
     if isinstance(spec, MLAAttentionSpec):
@@ -179,6 +187,9 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self._start_one(vllm_config, role, kv_cache_config, ranks)
         layout = self.layout
+        kv_role = self._kv_transfer_config.kv_role
+        self.pd = (open_handoffs(kv_role, layout, self.scheduler, s, ranks, self._kv_transfer_config.engine_id)
+                   if self.scheduler is not None and kv_role in PD_ROLES else None)  # prefill/decode handoffs
         self._load_errors: set[int] = set()
         self._forward_start: tuple[int, float] = (0, 0.0)  # worker: (tokens, start) of the step's forward
         self._forward: tuple[int, float] = (0, 0.0)  # worker: the last forward's (tokens, seconds), not yet sent
@@ -193,7 +204,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def _start_one(self, vllm_config, role: KVConnectorRole, kv_cache_config, ranks: int) -> None:
         """One KV cache group: this role's half over its layout."""
         s = self.settings
-        self.layout = layout = layout_of(vllm_config, kv_cache_config, _tp_rank(role, vllm_config), s.model_id)
+        self.layout = layout = layout_of(vllm_config, kv_cache_config, _tp_rank(role, vllm_config), s.model_id,
+                                         s.draft_layers)
         self._layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         self._layer_index = {n: i for i, n in enumerate(self._layer_names)}
         if role == KVConnectorRole.SCHEDULER:
@@ -246,8 +258,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     @property
     def requires_kv_delivery(self) -> bool:
-        """A cache, not a hand-off: a save dropped by a preemption is a later miss."""
-        return False
+        """A producer hands prefills off; as ``kv_both`` (a cache) a dropped save is a later miss."""
+        return self._kv_transfer_config.kv_role == "kv_producer"
 
     # ------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
@@ -296,6 +308,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return HiCacheWorkerMetadata(out, forward)
 
     def shutdown(self):
+        if self.pd is not None:
+            self.pd.close()
         if self.worker is not None:
             self.worker.close()
         elif isinstance(self.scheduler, SharedConnectorScheduler):
@@ -305,12 +319,21 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params or {}
+        if self.pd is not None and params.get("do_remote_decode" if self.pd.producer else "do_remote_prefill"):
+            if not self.pd.producer:
+                return self.pd.lookup(request.request_id, params, *self._prompt_key(request), num_computed_tokens)
+            if not self.pd.admit(request.request_id):
+                return None, False
         hit = self.scheduler.lookup(request.request_id, request.all_token_ids, num_computed_tokens,
                                     namespace(request), key=index_key(request, self.layout.page_size))
         return hit.tokens, hit.is_async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         (self.scheduler.core if self._layouts else self.scheduler).admitted(request.request_id)
+        if self.pd is not None and self.pd.allocated(request.request_id, request.kv_transfer_params or {},
+                                                     blocks.get_block_ids()[0], num_external_tokens):
+            return
         if num_external_tokens:
             ids = blocks.get_block_ids()
             self.scheduler.allocated(request.request_id, request.all_token_ids, ids if self._layouts else ids[0],
@@ -328,7 +351,9 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return {k: v for k, v in out.items() if v}
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return HiCacheConnectorMetadata(self.scheduler.take_plan(), scheduler_output.total_num_scheduled_tokens)
+        plan = self.scheduler.take_plan()
+        return HiCacheConnectorMetadata(plan if self.pd is None else self.pd.take_plan(plan),
+                                        scheduler_output.total_num_scheduled_tokens)
 
     def update_connector_output(self, connector_output):
         meta = connector_output.kv_connector_worker_meta
@@ -336,12 +361,21 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             if not isinstance(meta, HiCacheWorkerMetadata):
                 raise ContractMismatch(f"a worker sent {type(meta).__name__}, not HiCacheWorkerMetadata: "
                                        "scheduler and workers must run the same connector")
-            self.scheduler.completed(meta.reports)
+            self.scheduler.completed(meta.reports if self.pd is None else self.pd.completed(meta.reports))
             tokens, seconds = meta.forward
             if tokens >= _PREFILL_STEP_TOKENS:  # a prefill-sized forward: the rate recomputing a hit would run at
                 (self.scheduler.core if self._layouts else self.scheduler).cost.observe_prefill(tokens, seconds)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.pd is not None:
+            params = request.kv_transfer_params or {}
+            if self.pd.producer and params.get("do_remote_decode"):
+                done = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+                first = request.output_token_ids[0] if request.output_token_ids else -1
+                return self.pd.publish(request.request_id, *self._prompt_key(request), request.num_computed_tokens,
+                                       done, first, block_ids)
+            if self.pd.ended(request.request_id):
+                return False, None  # its handoff's load still writes the blocks (vLLM waits for it)
         delay = self.scheduler.finished(request.request_id, request.all_token_ids, request.num_computed_tokens,
                                         block_ids, namespace(request), keys=request.block_hashes,
                                      key=index_key(request, self.layout.page_size))
@@ -355,6 +389,15 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                                         block_ids, namespace(request), keys=request.block_hashes,
                                      key=index_key(request, self.layout.page_size))
         return delay, None
+
+    def _prompt_key(self, request) -> tuple[bytes, str]:
+        """What a handoff is of: the prompt's index key and namespace (P/D only)."""
+        ids = list(request.prompt_token_ids or ())
+        return index_key(request, self.layout.page_size, ids) or tokens_to_bytes(ids), namespace(request)
+
+    def has_pending_push_work(self) -> bool:
+        """A producer's publishes in flight keep vLLM stepping until their records are written."""
+        return self.pd is not None and self.pd.publishing
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """hicache's L2 (medium CPU) and L3 (medium STORAGE) pages, under vLLM's own block hashes."""
@@ -371,7 +414,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.scheduler is None:
             return None
-        now = flat_series(self.scheduler.stats())
+        st = self.scheduler.stats()
+        now = flat_series(st if self.pd is None else dataclasses.replace(st, handoffs=self.pd.stats()))
         delta = {k: v - self._reported.get(k, 0) for k, v in now.items()}
         self._reported = now
         return HiCacheConnectorStats(data=delta) if any(delta.values()) else None

@@ -1,19 +1,13 @@
 """What a page is keyed by under vLLM: everything vLLM keys its own blocks by.
 
-vLLM's block hash chains a block's token ids with extra keys: multimodal items
-(hash and offset), prompt embeddings, LoRA (name and path) and the cache salt
-(``vllm/v1/core/kv_cache_utils.py`` ``generate_block_hash_extra_keys``). The
-connector's index is keyed by token ids under a namespace, so:
-
-* ``namespace``: LoRA name and path and cache salt (every page of the request);
-* ``index_key``: pages whose extra keys carry more (images, audio, prompt
-  embeddings) get their ids replaced by values derived from those keys
-  (``hicache.core.hashing.content_key``); None for text-only requests;
-* ``model_identity``: the layout's model id names what decides the KV besides
-  the layout: revision, quantization, dtype, rope settings, ``hf_overrides``,
-  the attention backend, and for a local checkpoint its config and a sample
-  of its weight files;
-* ``attention_backend``: the backend vLLM selects for the KV cache spec.
+vLLM's block hash chains token ids with extra keys: multimodal items (hash and
+offset), prompt embeddings, LoRA (name and path) and the cache salt
+(``generate_block_hash_extra_keys``). Here: ``namespace`` holds LoRA and salt;
+``index_key`` folds the other extra keys into the ids of the pages they touch
+(None for text-only requests); ``model_identity`` names what decides the KV
+besides the layout (revision, quantization, dtype, rope, ``hf_overrides``, the
+attention backend, a local checkpoint's sample); ``attention_backend`` names
+the backend vLLM selects.
 """
 from __future__ import annotations
 

@@ -90,11 +90,12 @@ def vllm_tensors(shape: Shape, num_blocks: int, names: list[str], kv_layout: str
     return dict(zip(names, made.values()))
 
 
-def connector_config(extra: dict, *, policy: str = "recompute", tokens_per_step: int = 64, **kw):
+def connector_config(extra: dict, *, policy: str = "recompute", tokens_per_step: int = 64, kv_role: str = "kv_both",
+                     **kw):
     """The VllmConfig of the docs' ``vllm serve`` line (same connector fields), as on a GPU
     server: FlashAttention (this CPU box would otherwise select CPU_ATTN's block interior)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
-    cfg = create_vllm_config(kv_connector="HiCacheConnector", kv_connector_module_path=MODULE, kv_role="kv_both",
+    cfg = create_vllm_config(kv_connector="HiCacheConnector", kv_connector_module_path=MODULE, kv_role=kv_role,
                              kv_connector_extra_config=extra, kv_load_failure_policy=policy,
                              max_num_batched_tokens=tokens_per_step, block_size=BLOCK, **kw)
     cfg.attention_config.backend = AttentionBackendEnum.FLASH_ATTN
@@ -104,12 +105,14 @@ def connector_config(extra: dict, *, policy: str = "recompute", tokens_per_step:
 _seeded = False
 
 
-def make_request(rid: str, tokens: list[int], max_tokens: int = 2) -> Request:
+def make_request(rid: str, tokens: list[int], max_tokens: int = 2, kv_transfer_params: dict | None = None) -> Request:
+    """``kv_transfer_params``: what vLLM's OpenAI server puts in ``extra_args`` from a request body."""
     global _seeded
     if not _seeded:
         init_none_hash(sha256)
         _seeded = True
-    sp = SamplingParams(max_tokens=max_tokens)
+    extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+    sp = SamplingParams(max_tokens=max_tokens, extra_args=extra)
     sp.update_from_generation_config({}, EOS_TOKEN_ID)
     return Request(request_id=rid, prompt_token_ids=list(tokens), sampling_params=sp, pooling_params=None,
                    mm_features=None, block_hasher=get_request_block_hasher(BLOCK, sha256))
@@ -149,11 +152,13 @@ class Engine:
     """vLLM's scheduler + HiCacheConnector (scheduler and worker roles) + the stand-in model."""
 
     def __init__(self, extra: dict | None, shape: Shape = TOY, *, num_blocks: int = 64, tokens_per_step: int = 64,
-                 policy: str = "recompute", vllm_config=None, kv_layout: str = "LBNHC", tp: int = 1):
+                 policy: str = "recompute", vllm_config=None, kv_layout: str = "LBNHC", tp: int = 1,
+                 kv_role: str = "kv_both"):
         """``vllm_config``: a config built elsewhere (vLLM's CLI parser) instead of ``connector_config(extra)``;
         ``tp``: tensor-parallel ranks, each a worker connector with ``shape``'s heads (per rank)."""
         self.shape = shape
-        self.vllm_config = vllm_config or connector_config(extra, policy=policy, tokens_per_step=tokens_per_step)
+        self.vllm_config = vllm_config or connector_config(extra, policy=policy, tokens_per_step=tokens_per_step,
+                                                           kv_role=kv_role)
         self.vllm_config.parallel_config.tensor_parallel_size = tp
         self.kv_config = kv_cache_config(shape, num_blocks)
         self.scheduler = create_scheduler(self.vllm_config, num_blocks=num_blocks, kv_cache_config=self.kv_config)
@@ -178,6 +183,7 @@ class Engine:
         self.hits_by_source: dict[str, int] = {}  # vLLM's own per-tier hit counts (its /metrics source label)
         self.connector_stats: list[dict] = []  # the kv_connector_stats vLLM's scheduler reports
         self.events: list = []  # the KV events vLLM's scheduler took from the connector
+        self.transfer_params: dict[str, dict | None] = {}  # finished rid -> the kv_transfer_params vLLM returned
 
     def _spy_lookups(self) -> None:
         real = self.connector.get_num_new_matched_tokens
@@ -196,8 +202,8 @@ class Engine:
         self.connector.take_events = take_spy
 
     # ------------------------------------------------------------- requests
-    def add(self, rid: str, tokens: list[int], max_tokens: int = 2) -> Request:
-        req = make_request(rid, tokens, max_tokens)
+    def add(self, rid: str, tokens: list[int], max_tokens: int = 2, kv_transfer_params: dict | None = None) -> Request:
+        req = make_request(rid, tokens, max_tokens, kv_transfer_params)
         self.scheduler.add_request(req)
         return req
 
@@ -296,6 +302,9 @@ class Engine:
         sending = kv_out.finished_sending if kv_out is not None else None
         recving = kv_out.finished_recving if kv_out is not None else None
         for eco in self.scheduler.update_from_output(so, out).values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    self.transfer_params[o.request_id] = o.kv_transfer_params
             st = eco.scheduler_stats
             if st is None:
                 continue
@@ -312,7 +321,7 @@ class Engine:
         (``integrity``: check both halves' invariants after every step)."""
         logs = []
         for _ in range(max_steps):
-            idle = not self.scheduler.has_unfinished_requests() and not self.scheduler.has_finished_requests()
+            idle = not self.scheduler.has_requests()  # what vLLM's engine loop asks (connector push work too)
             if idle and self.core.in_flight == 0 and not any(w.worker.in_flight for w in self.workers):
                 return logs
             logs.append(self.step(between))
@@ -331,6 +340,8 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.core.check_integrity()
+        if self.connector.pd is not None:
+            self.connector.pd.check_integrity()
         for w in self.workers:
             w.worker.check_integrity()
 

@@ -46,7 +46,7 @@ class HybridEngine(Engine):
         self.lookups = []
         self._spy_lookups()
         self.checked_tokens = 0
-        self.hits_by_source, self.connector_stats, self.events = {}, [], []
+        self.hits_by_source, self.connector_stats, self.events, self.transfer_params = {}, [], [], {}
 
     def _blocks(self, rid: str):
         return self.scheduler.kv_cache_manager.get_block_ids(rid)
