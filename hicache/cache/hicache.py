@@ -187,7 +187,7 @@ class HiCache:
         ps = self.layout.page_size
         anchor = m.host_node if m.tokens and m.host_node is not None and m.host_node.host_pages is not None else None
         if anchor is not None:
-            self.cache.inc_host_lock(anchor)
+            self.tiers.hold_host(anchor)
         plan = self.tiers.prepare_prefetch(w.key, w.namespace, m.tokens // ps, hit.hashes)
         if plan is None:
             if anchor is not None:
@@ -297,7 +297,7 @@ class HiCache:
         have = m.tokens // ps
         anchor = m.host_node if have and m.host_node is not None and m.host_node.host_pages is not None else None
         if anchor is not None:
-            self.cache.inc_host_lock(anchor)  # released when the prefetch completes (``_complete``)
+            self.tiers.hold_host(anchor)  # released when the prefetch completes (``_complete``)
         plan = self.tiers.prepare_prefetch(req.key, req.namespace, have, hit.hashes)
         if plan is None:
             if anchor is not None:

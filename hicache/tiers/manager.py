@@ -268,6 +268,11 @@ class TierManager:
         self.cache.inc_host_lock(anchor)
         return anchor
 
+    def hold_host(self, node: Node) -> None:
+        """Pin on L2 the whole path to ``node`` (e.g. the hit an L3 prefetch continues, so that
+        making room for the prefetch cannot evict it) until ``unpin_host``."""
+        self.cache.inc_host_lock(node)
+
     def unpin_host(self, node: Node) -> None:
         self.cache.dec_host_lock(node)
 
