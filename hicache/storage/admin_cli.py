@@ -126,7 +126,8 @@ def run(args: argparse.Namespace, cfg) -> int:
         return 0  # a dry run that worked (2 is for errors)
     done = store.clear(prefix)
     print(f"deleted {done.objects:,} objects ({_size(done.bytes)}) under {what} of {shown}"
-          + (f"; left {done.foreign:,} keys that are no hicache object alone" if done.foreign else ""))
+          + (f"; left {done.foreign:,} {'files' if url.startswith('file:') else 'keys'} that are no hicache "
+             "object alone" if done.foreign else ""))
     return 0
 
 

@@ -49,7 +49,8 @@ from hicache.storage.base import StorageBackend
 from hicache.storage.capacity import StorageOptions
 from hicache.storage.into import PutBatch
 from hicache.storage.capacity import StorageUsage, check_eviction
-from hicache.storage.codec import Buffer
+from hicache.storage import codec
+from hicache.storage.codec import HEAD_BYTES, Buffer, Decoded, ReadStatus
 from hicache.storage.file_cap import FileCap, scan
 from hicache.storage.file_cap import FilePerms
 from hicache.storage.health import FLOOR_BYTES_PER_S, LoadFactor, call_budget
@@ -203,11 +204,14 @@ class FileBackend(StorageBackend):
             self._trim()
 
     # ------------------------------------------------------------- primitives
-    def _raw_get(self, keys: list[bytes]) -> list[Buffer | None | BaseException]:
-        return self._deadline(self._get_all, len(keys), keys)
+    def _raw_get(self, keys: list[bytes]) -> list[Buffer | None | BaseException | Decoded]:
+        return self._deadline(self._get_all, len(keys), keys, None)
 
-    def _get_all(self, keys: list[bytes]) -> list[Buffer | None | BaseException]:
-        return self._read_each(keys, range(len(keys)), lambda path, i: self._read(path))
+    def _raw_get_sized(self, keys: list[bytes], payload_bytes: int) -> list[Buffer | None | BaseException | Decoded]:
+        return self._deadline(self._get_all, len(keys), keys, payload_bytes)
+
+    def _get_all(self, keys: list[bytes], payload: int | None) -> list[Buffer | None | BaseException | Decoded]:
+        return self._read_each(keys, range(len(keys)), lambda path, i: self._read(path, payload))
 
     def _raw_get_into(self, keys: list[bytes], dests: list[list[memoryview]], verify: Callable[[int, Any], Any]
                       ) -> list[Any]:
@@ -220,7 +224,8 @@ class FileBackend(StorageBackend):
         # Headers are read into one buffer per part, reused: each is judged before the next read.
         # Once the caller has given up, the destinations are the engine's again: no more reads.
         hdr = memoryview(bytearray(HEADER_BUF))
-        return self._read_each(keys, idx, lambda path, i: verify(i, _read_into(path, dests[i], hdr)), given_up)
+        fp = self.fingerprint
+        return self._read_each(keys, idx, lambda path, i: verify(i, _read_into(path, dests[i], hdr, fp)), given_up)
 
     def _read_each(self, keys: list[bytes], idx: range, read: Callable[[str, int], Any],
                    given_up: threading.Event | None = None) -> list[Any]:
@@ -278,23 +283,20 @@ class FileBackend(StorageBackend):
             self._cap.account(sum(len(items.header(i)) + items.payload_bytes(i) for i in ok), len(ok))
         return out
 
-    @staticmethod
-    def _read(path: str) -> bytearray:
-        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer.
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    def _read(self, path: str, payload: int | None = None) -> bytearray | Decoded:
+        """The whole object at ``path``, or why it is refused unread (``_refuse``: a size its
+        header does not declare, a payload not of ``payload`` bytes, another layout's, no
+        header of ours)."""
+        fd, size = _open_regular(path)
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise OSError(f"{path} is not a regular file (mode {st.st_mode:o}); refusing to read it")
-            size = st.st_size
+            head = read_head(fd, size)
+            bad = _refuse(head, size, self.fingerprint, payload)
+            if bad is not None:
+                return bad
             buf = bytearray(size)
-            mv, got = memoryview(buf), 0
-            while got < size:
-                n = os.readv(fd, [mv[got:]])
-                if n == 0:  # shrank under us; the checksum will reject it
-                    return buf[:got]
-                got += n
-            return buf
+            buf[:len(head)] = head
+            got = len(head) + _preadv_full(fd, [memoryview(buf)[len(head):]], len(head))
+            return buf if got == size else buf[:got]  # shrank under us: the checksum rejects it
         finally:
             os.close(fd)
 
@@ -371,7 +373,7 @@ class FileBackend(StorageBackend):
                 except OSError:  # not a regular file, a symlink, unreadable: reported bad
                     yield self.key_prefix + b"?" + f.name.encode(), b""
                     continue
-                yield self.key_prefix + bytes.fromhex(f.name), obj
+                yield self.key_prefix + bytes.fromhex(f.name), obj  # type: ignore[misc]  (a Decoded: refused)
 
     def _raw_usage(self) -> StorageUsage:
         if self._cap is not None:
@@ -448,15 +450,21 @@ def _open_regular(path: str) -> tuple[int, int]:
     return fd, st.st_size
 
 
-def _read_into(path: str, segs: list[memoryview], hdr_buf: memoryview) -> InPlace | bytearray:
+def _read_into(path: str, segs: list[memoryview], hdr_buf: memoryview, fingerprint: str
+               ) -> InPlace | bytearray | Decoded:
     """The object at ``path`` with its payload (its last bytes) read into ``segs`` in
     order, with one ``preadv`` of header + payload: ``InPlace(header)``, the header a view
-    of ``hdr_buf`` when it fits (valid until the next read into it). An object too short,
-    or whose head is too long to be a header, is read whole instead (decode rejects it)."""
+    of ``hdr_buf`` when it fits (valid until the next read into it). An object too short is
+    read whole instead (decode rejects it); one whose head is too long to be a header is
+    judged by its header alone (``_refuse``) before anything is allocated for it."""
     fd, size = _open_regular(path)
     try:
         hlen = size - sum(mv.nbytes for mv in segs)
         if not 0 < hlen <= MAX_SPLIT_HEADER:
+            if hlen > 0:  # larger than this page can be: never read whole unless its header says so
+                bad = _refuse(read_head(fd, size), size, fingerprint, size - hlen)
+                if bad is not None:
+                    return bad
             buf = bytearray(size)
             return buf[:_preadv_full(fd, [memoryview(buf)])]
         hdr = hdr_buf[:hlen] if hlen <= hdr_buf.nbytes else memoryview(bytearray(hlen))
@@ -468,11 +476,38 @@ def _read_into(path: str, segs: list[memoryview], hdr_buf: memoryview) -> InPlac
         os.close(fd)
 
 
-def _preadv_full(fd: int, bufs: list[memoryview]) -> int:
-    """Fill ``bufs`` from offset 0 (several ``preadv`` only if the kernel returns short); bytes read."""
+def read_head(fd: int, size: int) -> bytes:
+    """The first bytes of the object of ``size`` bytes open on ``fd``: its prefix and
+    header (``HEAD_BYTES``, more only for a longer header, at most 1 MiB), or all of it."""
+    head = os.pread(fd, min(size, HEAD_BYTES), 0)
+    end = codec.head_end(head)
+    return os.pread(fd, end, 0) if len(head) < end <= size else head
+
+
+def _refuse(head: bytes, size: int, fingerprint: str, payload: int | None) -> Decoded | None:
+    """Why an object of ``size`` bytes starting with ``head`` is not read whole, judged
+    before any allocation for it: no hicache header (corrupt), another layout's (kept), a
+    size its header does not declare (corrupt: a sparse or grown file), or a payload that
+    is not the page's ``payload`` bytes (corrupt). None when its header declares exactly
+    ``size`` bytes for ``fingerprint`` (and ``payload`` where given)."""
+    h = codec.parse_head(head)
+    if isinstance(h, Decoded):
+        return h
+    if h.fingerprint != fingerprint:
+        return Decoded(ReadStatus.FINGERPRINT, None, f"fingerprint {h.fingerprint!r} != ours {fingerprint!r}")
+    if h.size != size:
+        return Decoded(ReadStatus.CORRUPT, None, f"object is {size:,} bytes but its header declares {h.size:,}")
+    if payload is not None and h.size - h.header_bytes != payload:
+        return Decoded(ReadStatus.CORRUPT, None, f"payload of {h.size - h.header_bytes:,} bytes, the page's "
+                       f"is {payload:,}")
+    return None
+
+
+def _preadv_full(fd: int, bufs: list[memoryview], at: int = 0) -> int:
+    """Fill ``bufs`` from offset ``at`` (several ``preadv`` only if the kernel returns short); bytes read."""
     done = 0
     while bufs:
-        n = os.preadv(fd, bufs[:IOV_MAX], done)
+        n = os.preadv(fd, bufs[:IOV_MAX], at + done)
         if n == 0:  # end of file
             return done
         done += n

@@ -1,8 +1,8 @@
 """Reads straight into the caller's buffer: the pieces of ``StorageBackend.get_into``.
 
 A backend's ``_raw_get_into`` answers, per key, what ``_raw_get`` answers (``None``,
-an exception, or the whole object, which the base decodes and copies into the
-destination once), or ``InPlace(header)``: the payload was read into the destination
+an exception, a ``Decoded`` for an object refused unread, or the whole object, which
+the base decodes and copies into the destination once), or ``InPlace(header)``: the payload was read into the destination
 itself and ``header`` holds everything before it (file:// reads both with one
 ``preadv``). Verification happens in place, in the backend's thread right after each
 read (``Verifier``, ``verify_into``), while the bytes are still in that core's cache.
@@ -125,7 +125,7 @@ class Verifier:
         self.template, self.auth_key = template, auth_key
 
     def __call__(self, i: int, obj: object) -> ReadStatus | Decoded | BaseException | None:
-        if obj is None or isinstance(obj, BaseException):
+        if obj is None or isinstance(obj, (BaseException, Decoded)):  # a Decoded: refused unread
             return obj
         segs = self.views[i]
         if isinstance(obj, InPlace):
@@ -211,7 +211,7 @@ def failing_objects(name: str, scan: Iterator[tuple[bytes, Buffer]], key_prefix:
     for fk, obj in scan:
         if not fk.startswith(key_prefix):
             raise IntegrityError(f"L3 backend {name} listed key {fk!r} outside its prefix {key_prefix!r}")
-        d = codec.decode(obj, fk[len(key_prefix):], fingerprint, None, auth_key)
+        d = obj if isinstance(obj, Decoded) else codec.decode(obj, fk[len(key_prefix):], fingerprint, None, auth_key)
         if d.status is not ReadStatus.OK:
             bad.append(f"{fk!r}: {d.status.value}: {d.why}")
     return bad
