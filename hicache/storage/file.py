@@ -100,8 +100,8 @@ class FileBackend(StorageBackend):
             self._perms.make_dir(self.root)
             self._perms.make_dir(self.dir, tighten=True)
         except OSError as e:
-            raise ConfigError(f"storage url {self.name!r}: cannot create directory {str(self.dir)!r}: "
-                              f"{e}; pick a writable directory") from None
+            raise ConfigError(f"storage url {self.name!r}: cannot create directory {e.filename or str(self.dir)!r} "
+                              f"({e.strerror or e}); pick a directory this user can write") from None
         self._made: set[str] = set()  # fan-out directories known to exist
         self._mu = threading.Lock()
         # IO_WORKERS workers: independent calls (an engine's several I/O threads)
@@ -266,6 +266,7 @@ class FileBackend(StorageBackend):
         """Write pages ``idx`` (None: skipped as present) and account them in the cap's
         ledger here, on the worker, so a put whose caller stopped waiting still counts."""
         out: list[bool | BaseException | None] = []
+        written, replaced, rewrites = 0, 0, 0  # bytes written; of those, bytes and objects that replaced one
         for i in idx:
             k, payload = items.key_payload(i)
             d, path = self._path(k)
@@ -273,14 +274,18 @@ class FileBackend(StorageBackend):
                 if skip_present and _is_object(path):
                     out.append(None)
                     continue
-                self._write(d, path, items.header(i), payload)
+                hdr = items.header(i)
+                old = self._write(d, path, hdr, payload)
                 out.append(True)
             except OSError as e:
                 out.append(e)
-        if self._cap is not None:
-            ok = [i for i, r in zip(idx, out) if r is True]
-            # Headers were built by the write: len() reads the cache.
-            self._cap.account(sum(len(items.header(i)) + items.payload_bytes(i) for i in ok), len(ok))
+                continue
+            new = len(hdr) + payload.nbytes
+            written += new
+            if old is not None:
+                replaced, rewrites = replaced + min(old, new), rewrites + 1
+        if self._cap is not None and written:
+            self._cap.account(written, sum(r is True for r in out) - rewrites, replaced=replaced)
         return out
 
     def _read(self, path: str, payload: int | None = None) -> bytearray | Decoded:
@@ -305,7 +310,9 @@ class FileBackend(StorageBackend):
         if r is not None and r.deleted:
             self._count(evicted=r.deleted)
 
-    def _write(self, d: str, path: str, hdr: bytes, payload: memoryview) -> None:
+    def _write(self, d: str, path: str, hdr: bytes, payload: memoryview) -> int | None:
+        """Write one object in place of any at ``path``; with a cap, the size of the one it
+        replaced (None: none; the ledger counts each object once)."""
         self._ensure_dir(d)
         # A fresh random name, created exclusively and never through a symlink.
         tmp = f"{path}{_TMP}{os.getpid()}.{secrets.token_hex(8)}"
@@ -329,7 +336,9 @@ class FileBackend(StorageBackend):
             os.unlink(tmp)
             raise
         os.close(fd)
+        old = _size_of(path) if self._cap is not None else None  # just before the rename: the gap stays small
         os.replace(tmp, path)
+        return old
 
     def _raw_exists(self, keys: list[bytes]) -> list[bool]:
         return self._deadline(lambda: [_is_object(self._path(k)[1]) for k in keys], len(keys))
@@ -428,6 +437,15 @@ def _is_object(path: str) -> bool:
         return stat.S_ISREG(os.lstat(path).st_mode)
     except OSError:
         return False
+
+
+def _size_of(path: str) -> int | None:
+    """The size of the regular file at ``path`` (not followed); None when there is none."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def _touch(path: str) -> None:

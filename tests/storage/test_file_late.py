@@ -42,7 +42,7 @@ def test_call_budget_grows_with_pages_bytes_and_load():
 def test_a_put_that_outlives_its_caller_is_accounted(tmp_path, monkeypatch):
     b = open_storage(f"file://{tmp_path}", fingerprint=FP, max_bytes=10 << 20, timeout_ms=1, max_retries=0)
     release, real = threading.Event(), b._write
-    monkeypatch.setattr(b, "_write", lambda *a: (release.wait(30), real(*a)))
+    monkeypatch.setattr(b, "_write", lambda *a: release.wait(30) and real(*a))
     monkeypatch.setattr(b, "_budget", lambda n, nbytes: 0.05)
     try:
         assert b.put([(k, bytes(4096), SIZES) for k in keys(4)]) == 0  # the caller gave up
