@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterator
 
 from hicache.core.errors import ConfigError, IntegrityError
 from hicache.core.hashing import HASH_BYTES
+from hicache.core.redact import redact_url
 from hicache.storage.base import StorageBackend
 from hicache.storage.capacity import StorageOptions
 from hicache.storage.into import PutBatch
@@ -75,7 +76,7 @@ def parse_file_url(url: str) -> Path:
     """``file:///abs`` -> ``/abs``; ``file://./rel`` or ``file://rel`` -> ``rel``."""
     rest = url.split("://", 1)[1]
     if not rest:
-        raise ConfigError(f"storage url {url!r}: needs a directory, e.g. file:///var/cache/hicache "
+        raise ConfigError(f"storage url {redact_url(url)!r}: needs a directory, e.g. file:///var/cache/hicache "
                           "or file://./.hicache/l3")
     if rest.startswith("localhost/"):
         rest = rest[len("localhost"):]
@@ -126,7 +127,7 @@ class FileBackend(StorageBackend):
 
     @classmethod
     def from_url(cls, url: str, options: StorageOptions, **opts) -> "FileBackend":
-        return cls(options, parse_file_url(url), name=url, **opts)
+        return cls(options, parse_file_url(url), name=redact_url(url), **opts)
 
     # ------------------------------------------------------------------ paths
     def _path(self, full_key: bytes) -> tuple[str, str]:
