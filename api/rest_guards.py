@@ -4,15 +4,10 @@
   answered 413, from its ``Content-Length`` or while a chunked body streams.
 - ``BodyGate``: at most ``service.max_body_requests`` large bodies (64 KiB or more,
   or chunked) are read at once, each within ``service.body_read_timeout_s`` (else
-  408, its slot freed). The others wait in a short queue (``4 x`` the slots) for up
-  to twice that long (a slot held by a body that never comes frees within it), then
-  get 503 with ``Retry-After``; a freed slot goes to the waiter
-  whose client (its address) holds the fewest slots, first come first served among
-  equals, so a client that reopens its connections after each 408 queues behind the
-  others instead of holding every slot; a ``/v1/lookup`` body
-  with more items than a lookup may carry is refused from a count of its commas; a
-  big valid token list is parsed off the event loop on a worker thread
-  (``split_tokens``; the route reads it back with ``parsed_tokens``).
+  408). Others wait in a short queue, then get 503; a freed slot goes to the client
+  holding the fewest (``BodyGate``). A ``/v1/lookup`` body with more items than a
+  lookup may carry is refused from a count of its commas; a big valid token list is
+  parsed off the event loop (``split_tokens``; the route reads ``parsed_tokens``).
 - ``validation_error`` replaces FastAPI's 422 handler: it reports each error's
   location, type and message, never the input (which may be huge or not encodable).
 """
@@ -131,6 +126,12 @@ class BodyLimit:
 
 class BodyGate:
     """Admission of requests with a body (see the module docstring). One event loop: no lock.
+
+    Past the slots, requests wait in a queue (``max_waiting``) for up to twice the read
+    timeout (a slot held by a body that never comes frees within one), then get 503 with
+    ``Retry-After``. A freed slot goes to the waiter whose client (its address) holds
+    the fewest slots, first come first served among equals: a client that reopens its
+    connections after each 408 queues behind the others instead of holding every slot.
 
     ``max_items``: per path, the most JSON items (commas + 1) a body may hold.
     ``read_timeout_s``: the time an admitted request has to deliver its whole body; a

@@ -11,7 +11,6 @@ and the configuration as ``/v1/config`` shows it (``redacted_config``: secrets o
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from concurrent.futures import TimeoutError as FutureTimeout

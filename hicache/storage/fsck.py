@@ -2,18 +2,14 @@
 ``--repair``, delete the ones that fail, remove crashed writers' temp files and
 set a capped ``file://`` directory's size ledger to what is on disk.
 
-Each object is checked as a reader would (framing, version, header checksum,
-page hash against its key, length, checksum; with ``storage.auth_key`` the
-MAC), against the fingerprint its own header names, which must match its
-prefix (``hicache:<fingerprint[:8]>:``, on ``file://`` the directory
-``hicache-<fingerprint[:8]>``) where the prefix is a default one. An object's
-size is checked against its header before its payload is read; a file is
-mapped, never copied, and a Redis value is read only once its size agrees.
-
-Never follows a symlink. Deletes only objects that fail and that start with a
-hicache object header (``codec.is_hicache_object``, the test ``clear`` applies
-too), and temp files older than ``file_cap.STALE_TMP_S``: another program's
-file or key under the same directory or prefix is reported and left alone.
+Each object is checked as a reader would (framing, version, header checksum, page
+hash against its key, length, checksum; with ``storage.auth_key`` the MAC), against
+the fingerprint its header names, which must match a default prefix. Its size is
+checked against its header before its payload is read (a file is mapped, a Redis
+value read only once its size agrees). Never follows a symlink. Deletes only
+failing objects that start with a hicache object header (``codec.is_hicache_object``,
+the test ``clear`` applies too) and temp files older than ``file_cap.STALE_TMP_S``:
+another program's file or key is reported and left alone.
 """
 from __future__ import annotations
 
