@@ -5,7 +5,9 @@ pipe (a grandchild holding a pipe open kept ``subprocess.run`` waiting after the
 was killed). At ``timeout_s`` the whole group is killed and the failure names the test
 that was running (the ``hicache_suite_guard`` plugin records each test as it starts).
 Once the child has printed pytest's summary line it has ``EXIT_GRACE_S`` to exit; one
-still waiting (on children it left behind) is killed and judged by its summary.
+still waiting (on children it left behind) is killed and judged by its summary. Every
+``PROGRESS_S`` a line on the terminal says which test it is at (pytest captures the
+rest), so a long engine suite is never silent for more than that.
 """
 from __future__ import annotations
 
@@ -13,16 +15,18 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import pytest
 
 GUARD_DIR = Path(__file__).resolve().parents[1] / "integrations" / "suite_guard"
 EXIT_GRACE_S = 60.0
 POLL_S = 1.0
+PROGRESS_S = 120.0
 # pytest's last line: "==== 3 passed, 1 skipped in 2.10s ====", or without the rules under -q
 _SUMMARY = re.compile(r"^=*\s*(?:\d+ [a-z]+|no tests ran)[^\n]* in [\d.]+s\b[^\n]*$", re.MULTILINE)
 
@@ -48,7 +52,7 @@ def run_suite(argv: list[str], cwd: Path | str, env: dict[str, str], timeout_s: 
             proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         try:
-            note = _wait(proc, out_path, timeout_s)
+            note = _wait(proc, out_path, timeout_s, lambda s: _progress(what, s, running))
         finally:
             _kill_group(proc)
         output = out_path.read_text(errors="replace")
@@ -69,10 +73,18 @@ def summary_line(output: str) -> str:
     return found[-1] if found else ""
 
 
-def _wait(proc: subprocess.Popen, out_path: Path, timeout_s: float) -> str:
+def _progress(what: str, elapsed_s: float, running: Path) -> None:
+    at = running.read_text() if running.exists() else "starting"
+    sys.__stderr__.write(f"\n  [{what}: {elapsed_s / 60:.0f} min, at {at}]\n")
+    sys.__stderr__.flush()
+
+
+def _wait(proc: subprocess.Popen, out_path: Path, timeout_s: float, progress: Callable[[float], None]) -> str:
     """"" once ``proc`` exits; "deadline" past ``timeout_s``; a note when it printed its
-    summary but did not exit within ``EXIT_GRACE_S``."""
-    deadline = time.monotonic() + timeout_s
+    summary but did not exit within ``EXIT_GRACE_S``. Calls ``progress(seconds)`` every
+    ``PROGRESS_S``."""
+    start = time.monotonic()
+    deadline, next_report = start + timeout_s, start + PROGRESS_S
     summary_at = None
     while True:
         try:
@@ -81,6 +93,9 @@ def _wait(proc: subprocess.Popen, out_path: Path, timeout_s: float) -> str:
         except subprocess.TimeoutExpired:
             pass
         now = time.monotonic()
+        if now >= next_report:
+            progress(now - start)
+            next_report = now + PROGRESS_S
         if summary_at is None and _SUMMARY.search(_tail(out_path)):
             summary_at = now
         if summary_at is not None and now - summary_at > EXIT_GRACE_S:

@@ -80,7 +80,7 @@ def _alive(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def test_a_hung_suite_is_killed_with_its_grandchildren_and_names_the_running_test(tmp_path):
+def test_a_hung_suite_is_killed_with_its_grandchildren_and_names_the_running_test(tmp_path, monkeypatch, capfd):
     argv = _suite(tmp_path, f"""
         import subprocess, time
         def test_fine():
@@ -90,8 +90,10 @@ def test_a_hung_suite_is_killed_with_its_grandchildren_and_names_the_running_tes
             open({str(tmp_path / 'grandchild')!r}, "w").write(str(p.pid))
             time.sleep(600)
         """)
+    monkeypatch.setattr(suite_run, "PROGRESS_S", 10.0)
     with pytest.raises(pytest.fail.Exception) as e:
         suite_run.run_suite(argv, tmp_path, ENV, 30, "the child suite")
+    assert "[the child suite: 0 min, at test_child.py::test_stuck]" in capfd.readouterr().err  # on the terminal
     msg = str(e.value)
     assert "the child suite did not finish within 30 s; killed its process group" in msg, msg
     assert "The test running then: test_child.py::test_stuck" in msg, msg
