@@ -15,7 +15,7 @@ from hicache.core.config import HiCacheConfig
 from hicache.core.errors import ConfigError
 from hicache.index.eviction import POLICIES
 from hicache.index.misses import REASONS
-from hicache.reference.progress import logs_above_bars, Progress
+from hicache.reference.progress import logs_above_bars, point_text, Progress
 from hicache.reference import sim_policies as sp
 from hicache.reference.sim_policies import PageStream, belady, infinite, page_stream
 from hicache.reference.simulate import run_hicache, sim_config, SimPlan, SimRequest, trace_requests
@@ -176,9 +176,13 @@ def sweep(cfg: HiCacheConfig, factory: Factory, fractions=SWEEP_FRACTIONS,
     todo = [(tier, f, b) for tier, f, b in todo if b > above[tier]]
     if progress is not None:
         n = f"{progress.total:,}" if progress.total is not None else "all the"
-        progress.note(f"sweep: {len(todo)} capacity points, each a whole replay of {n} requests "
-                      "(on the Mooncake trace ~1 min of CPU each); --limit N replays only the first N")
-    for tier, f, b in todo:
+        progress.note(f"sweep: {len(todo)} capacity points, each a whole replay of {n} requests; --limit N "
+                      "replays only the first N")
+    t0 = time.perf_counter()
+    for k, (tier, f, b) in enumerate(todo):
+        if progress is not None:
+            progress.note(f"sweep {point_text(k + 1, len(todo), time.perf_counter() - t0, k)}: {tier} "
+                          f"{human_bytes(b)}")
         plan, c = _point(cfg, tier, b)
         row = run_hicache(f"{tier} {human_bytes(b)}", c, plan if tier != "L1" else _no_l2(plan),
                           feed(f"{tier} {human_bytes(b)}"))
