@@ -111,6 +111,8 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
     sim.add_argument("--capacities", metavar="LIST",
                      help="--policies: cache capacities in tokens (default 0.25M,0.5M,1M,2M,5M,10M,20M)")
     sim.add_argument("--limit", type=_at_least(1), help="only the first N requests of the trace")
+    sim.add_argument("--wide", action="store_true", help="--simulate: every column (L2 read, L2 used, L3 "
+                                                         "stored) and whole run names; the default fits 100 columns")
 
 
 def _at_least(low: int):
