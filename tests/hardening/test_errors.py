@@ -113,3 +113,10 @@ def test_an_l3_directory_that_refuses_mkdir_fails_in_one_line(capsys):
     err = err_of(capsys, ["replay", "--scale", "tiny", "--no-baselines", "--quiet",
                           "--set", "storage.url=file:///proc/hicache-l3"])
     assert err.count("\n") == 1 and "pick a directory this user can write" in err, err
+
+
+def test_replay_service_without_a_service_is_one_short_sentence(capsys, tmp_path):
+    """It was 604 characters that said "start hicache serve first" twice."""
+    err = err_of(capsys, ["replay", "--service", str(tmp_path / "none.sock"), "--quiet"])
+    assert err == (f"hicache: error: --service {tmp_path / 'none.sock'}: no hicache service listens there (No such "
+                   "file or directory); start `hicache serve` first\n")
