@@ -275,3 +275,15 @@ def test_a_client_that_takes_no_bytes_is_dropped_and_unsubscribed():
     assert asyncio.run(run()) == 0
     chunk = sent[2]["body"].decode()
     assert chunk.count("\nevent: stored\n") == routes.CHUNK_EVENTS
+
+
+def test_the_rest_server_caps_its_connections_above_the_event_streams():
+    """uvicorn had no cap: any number of connections (and of slow clients) was served."""
+    from hicache.api.events import MAX_SUBSCRIBERS
+    from hicache.api.serve import KEEP_ALIVE_S, uvicorn_config
+    cfg = HiCacheConfig.load(None, {"service.rest_max_connections": "200"}, env={})
+    c = uvicorn_config(object(), cfg)
+    assert (c.limit_concurrency, c.timeout_keep_alive) == (200, KEEP_ALIVE_S)
+    assert HiCacheConfig.load(None, {}, env={}).service.rest_max_connections > MAX_SUBSCRIBERS
+    with pytest.raises(ConfigError, match="rest_max_connections"):
+        HiCacheConfig.load(None, {"service.rest_max_connections": "10"}, env={})
