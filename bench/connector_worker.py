@@ -98,7 +98,9 @@ def bandwidth(case, kv_layout: str, host_layout: str, mib: int, reps: int, host_
         t.view(torch.uint8)[blocks.to(DEV)] = 0
     load()
     assert all(torch.equal(kv[k].view(torch.uint8)[blocks], v) for k, v in before.items()), "round trip differs"
-    nbytes = n * lay.page_bytes
+    # Each group moves only its own layers' planes: gpt-oss's two groups alias one allocation,
+    # so n blocks split over them carry n x (one group's page share), not n whole pages.
+    nbytes = sum(len(b) * sum(lay.planes[j].page_bytes for j in planes) for planes, b, _ in split)
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=CUDA)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
     h2d = rate(nbytes, timed(lambda: dst.copy_(src, non_blocking=True), reps))

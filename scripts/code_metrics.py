@@ -57,7 +57,8 @@ _ROOT = "hicache"  # its __init__ imports nothing of its own at module level: no
 # The planes, bottom first (docs/architecture.md): each may import only those before it.
 # ``hicache`` itself stands for the modules directly in hicache/ (the CLI and its checks).
 PLANES = ("hicache.core", "hicache.memory", "hicache.index", "hicache.kernels", "hicache.transfer",
-          "hicache.client", "hicache.storage", "hicache.tiers", "hicache.cache", "hicache.node",
+          "hicache.client", "hicache.storage", "hicache.tiers", "hicache.cache", "hicache.connector",
+          "hicache.node",
           "hicache.integrations", "hicache.reference", "hicache.api", "hicache")
 
 

@@ -20,7 +20,7 @@ from hicache.core.types import PrefetchPolicy, WritePolicy
 from hicache.memory.pools import DevicePool
 from hicache.core.stats import HiCacheStats, StorageStats
 from hicache.index.node import InsertResult, Node
-from hicache.transfer.inflight import InFlight
+from hicache.tiers.inflight import InFlight
 from hicache.tiers.l2.base import L2Tier
 from hicache.tiers.l2.base import build_l2, open_l2
 from hicache.tiers.l2.shared import ServiceHostTier

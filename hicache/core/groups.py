@@ -209,13 +209,6 @@ def swa_needed_pages(boundaries: Iterable[int], window: int, page_size: int) -> 
     return out
 
 
-def swa_freeable(num_pages: int, boundaries: Iterable[int], window: int, page_size: int) -> list[int]:
-    """Pages ``0 .. num_pages - 1`` outside every boundary's window: an SWA group may
-    free (or never store) them without losing any of ``boundaries``."""
-    need = swa_needed_pages(boundaries, window, page_size)
-    return [p for p in range(num_pages) if p not in need]
-
-
 # ------------------------------------------------------------------ accounting
 class StoredBytes(NamedTuple):
     """Bytes one cached prefix costs in a hybrid layout versus full storage."""

@@ -91,3 +91,28 @@ def raw_page_hashes(raw: bytes, page_size: int, parent: PageHash) -> list[PageHa
         h = PageHash(blake(h + raw[i * step:(i + 1) * step], digest_size=HASH_BYTES).digest())
         out.append(h)
     return out
+
+
+def content_key(key: bytes, page_size: int, content: dict[int, bytes]) -> bytes:
+    """The index key of token ids whose pages carry content beyond their ids.
+
+    ``key``: uint32-LE token ids (``tokens_to_bytes``); ``content``: page index ->
+    a digest of what else decides that page's KV (an image's hash and offset,
+    prompt embeddings), as the engine keys its own blocks. Each such page's ids
+    become ``page_size`` values derived from the digest and the ids (SHAKE-256,
+    31 bits each, top bit set so no real token id equals one): 31 * page_size
+    bits per page, so two contents never share a page by chance, and the key
+    stays a prefix path (pages after a differing one differ in the tree).
+    Pages not in ``content`` keep their ids. Pure.
+    """
+    if not content:
+        return key
+    ps4 = 4 * page_size
+    out = bytearray(key)
+    for page, digest in content.items():
+        lo, hi = page * ps4, min(len(key), (page + 1) * ps4)
+        if lo >= hi:
+            continue
+        derived = np.frombuffer(hashlib.shake_256(digest + key[lo:hi]).digest(hi - lo), dtype="<u4") | 0x80000000
+        out[lo:hi] = derived.astype("<u4").tobytes()
+    return bytes(out)

@@ -86,6 +86,9 @@ _NOT_IN_FINGERPRINT = frozenset({"cp_rank", "cp_size", "host_layout"})
 # unset, so that the fingerprints of MHA/MLA layouts (written into every L3
 # object) and the handshakes with processes that predate the fields are unchanged.
 _ROWS_ONLY = ("row_bytes", "engine_layout")
+# Engine block interiors ``adopt_paged_kv`` decodes: vLLM's CPU_ATTN keeps, per
+# (block, head), the block's K then its V, each a [page_size, head_dim] run.
+ENGINE_CELLS = ("", "cpu_attn")
 
 
 def canonical_json(obj: object) -> str:
@@ -165,6 +168,10 @@ class KVLayout:
     # Hybrid models: layer groups (``hicache.core.groups``); () for a model whose every
     # layer is full attention. In the fingerprint only when non-empty.
     groups: tuple[LayerGroup, ...] = ()
+    # The engine's block interior where it is not (head, token) cells of K then V
+    # (``ENGINE_CELLS``): the page bytes are canonical either way, but two attention
+    # backends compute different KV, so they never share. In the fingerprint only when set.
+    engine_cells: str = ""
     _planes: tuple[PlaneSpec, ...] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -192,6 +199,10 @@ class KVLayout:
         if not isinstance(self.model_id, str) or not self.model_id or len(self.model_id) > MAX_MODEL_ID_CHARS:
             raise self._bad("model_id", f"must be a non-empty string of at most {MAX_MODEL_ID_CHARS} "
                             "characters naming the model")
+        if self.engine_cells not in ENGINE_CELLS:
+            raise self._bad("engine_cells", f"must be one of {ENGINE_CELLS}")
+        if self.engine_cells and (self.kind != "mha" or self.extra_planes or self.draft_layers):
+            raise self._bad("engine_cells", "only MHA layouts without extra or draft planes have an engine cell order")
         for name in ("num_layers", "page_size", "tp_size", "cp_size", "draft_layers", "tp_rank", "cp_rank",
                      "num_kv_heads", "head_dim", "kv_lora_rank", "rope_dim", "row_bytes"):
             v = getattr(self, name)
@@ -361,6 +372,8 @@ class KVLayout:
                 if v:  # absent for non-hybrid layouts: their fingerprints stay what they were
                     out["groups"] = [g.to_list() for g in v]
                 continue
+            if f.name == "engine_cells" and not v:  # likewise for the default cell order
+                continue
             out[f.name] = [[p.name, p.bytes_per_token] for p in v] if f.name == "extra_planes" else v
         return out
 
@@ -404,6 +417,8 @@ class KVLayout:
              if not f.name.startswith("_") and f.name not in self._unset_rows_fields()}
         d["extra_planes"] = [[p.name, p.bytes_per_token] for p in self.extra_planes]
         del d["groups"]
+        if not self.engine_cells:
+            del d["engine_cells"]
         if self.groups:  # only hybrids carry it: other layouts' dicts (handshakes, stats) are unchanged
             d["groups"] = [g.to_list() for g in self.groups]
         return d

@@ -1,7 +1,7 @@
 """The statistics types of every layer, in one leaf module: the index
 (``CacheStats``), tier movements (``TierMoveStats``), an L3 backend (``StorageStats``),
-the service's L3 writer and reader (``L3TierStats``) and an embedded cache's snapshot
-of them all (``HiCacheStats``).
+the service's L3 writer and reader (``L3TierStats``), an embedded cache's snapshot
+of them all (``HiCacheStats``) and an engine KV connector's (``ConnectorStats``).
 
 One declaration per statistic: ``stat(help, ...)`` is a ``dataclasses.field`` whose
 metadata says what the value means and which Prometheus family it feeds. The REST
@@ -243,6 +243,48 @@ class AdmissionStats:
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
+
+
+# The cost model's choices (``AdmissionStats`` fields, and the ``choice`` label of their families).
+ADMISSION_CHOICES = ("load", "load_l2", "recompute", "unmeasured")
+
+
+def _conn_pages(help: str, event: str, family_help: str | None = None) -> Any:
+    return stat(help, metric="connector_pages", labels={"event": event}, family_help=family_help, default=0)
+
+
+@dataclass(slots=True, frozen=True)
+class ConnectorStats:
+    """An engine KV connector's counters since start (``hicache.connector``), a snapshot."""
+
+    lookups: int = stat("Requests the connector looked up beyond the engine's own prefix hit.",
+                        metric="connector_lookups", default=0)
+    hit_tokens: dict[str, int] = stat("Tokens admitted for loading beyond the engine's own prefix hit, by tier.",
+                                      metric="connector_hit_tokens", key_label="source",
+                                      default_factory=lambda: {"L2": 0, "L3": 0})
+    loaded_pages: int = _conn_pages("Pages that reached the engine's blocks (every rank).", "loaded",
+                                    "Pages the connector moved or could not, by event: loaded into vLLM's blocks, "
+                                    "load_error (reported to vLLM, which recomputes them), saved to L2, "
+                                    "save_dropped, stored to L3.")
+    load_error_pages: int = _conn_pages("Pages reported to the engine as failed loads (it recomputes them).",
+                                        "load_error")
+    saved_pages: int = _conn_pages("Pages copied to L2 and indexed.", "saved")
+    save_dropped_pages: int = _conn_pages("Pages not saved: no L2 room, or a failed copy.", "save_dropped")
+    stored_pages: int = _conn_pages("Pages L3 accepted.", "stored")
+    decisions: dict[str, int] = stat("The cost model's load-or-recompute choices on hits.",
+                                     metric="connector_admission", key_label="choice",
+                                     default_factory=lambda: dict.fromkeys(ADMISSION_CHOICES, 0))
+    recomputed_tokens: dict[str, int] = stat("Hit tokens the cost model had recomputed instead of loaded, by tier.",
+                                             metric="connector_recomputed_tokens", key_label="tier",
+                                             default_factory=lambda: {"L2": 0, "L3": 0})
+
+    @classmethod
+    def of(cls, lookups: int, hit_tokens: dict[str, int], pages: dict[str, int],
+           admission: AdmissionStats) -> "ConnectorStats":
+        """From a connector's own counts (``pages`` by field name) and its cost model's stats."""
+        return cls(lookups, dict(hit_tokens), **pages,
+                   decisions={c: getattr(admission, c) for c in ADMISSION_CHOICES},
+                   recomputed_tokens={"L2": admission.recomputed_l2_tokens, "L3": admission.recomputed_l3_tokens})
 
 
 @dataclass(slots=True, frozen=True)

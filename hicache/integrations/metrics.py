@@ -13,7 +13,8 @@ API (all of it):
   (lookup answers, jobs, the known-chunk gauge, chunks per KV cache group).
   Declared here in the same style.
 * ``Family`` and ``families(cls)``: the Prometheus families a stats class
-  declares (name, help, kind, label names); ``series(stats)`` its samples.
+  declares (name, help, kind, label names); ``series(stats)`` its samples,
+  ``flat_series(stats)`` the same as plain data.
 * ``Increases(cls)``: what each series gained since the previous call (the
   shape both export channels need: a counter is only ever increased).
 * ``adapter_stats(store, **adapter_counts)``: an ``AdapterStats`` from an L3
@@ -227,6 +228,16 @@ def series(stats: Any) -> Iterator[tuple[str, dict[str, str], float]]:
                     yield name, {**outer, **labels}, x
             else:
                 yield metric_of(f) or f.name, {**fixed, **outer}, float(v)
+
+
+def flat_series(stats: Any) -> dict[str, float]:
+    """``series(stats)`` as plain data, ``"family,label=value,..."`` -> value (labels
+    sorted): what crosses a process boundary to the exporter."""
+    return {series_key(name, labels): v for name, labels, v in series(stats)}
+
+
+def series_key(name: str, labels: dict[str, str]) -> str:
+    return ",".join([name, *(f"{k}={v}" for k, v in sorted(labels.items()))])
 
 
 class Increases:

@@ -2,11 +2,11 @@
 
 Loaded by vLLM from ``--kv-transfer-config '{"kv_connector":"HiCacheConnector",
 "kv_connector_module_path":"hicache.integrations.vllm_connector","kv_role":"kv_both",
-"kv_connector_extra_config":{...}}'`` (keys: ``hicache.cache.connector_plan``).
+"kv_connector_extra_config":{...}}'`` (keys: ``hicache.connector.plan``).
 This module only translates vLLM objects to and from the vLLM-free core:
-``hicache.cache.connector`` (scheduler half: the index, floors, the cost model)
-and ``hicache.cache.connector_worker`` (worker half: page copies, L3 I/O);
-what crosses between them is ``hicache.cache.connector_plan`` plain data.
+``hicache.connector.scheduler`` (scheduler half: the index, floors, the cost model)
+and ``hicache.connector.worker`` (worker half: page copies, L3 I/O);
+what crosses between them is ``hicache.connector.plan`` plain data.
 vLLM's KV tensors are adopted as L1 with page id == block id
 (``hicache.memory.paged_kv``, every layout vLLM 0.33 allocates); a hicache page
 is one vLLM block.
@@ -25,22 +25,28 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from hicache.cache.connector import ConnectorScheduler
-from hicache.cache.connector_plan import ConnectorSettings
-from hicache.cache.connector_plan import L2
-from hicache.cache.connector_plan import JobReport, StepPlan
-from hicache.cache.connector_shared import SharedConnectorScheduler
-from hicache.cache.connector_worker import ConnectorWorker
+from hicache.connector.hybrid import HybridConnectorScheduler
+from hicache.connector.scheduler import ConnectorScheduler
+from hicache.connector.plan import ConnectorSettings
+from hicache.connector.plan import L2
+from hicache.connector.plan import JobReport, StepPlan
+from hicache.connector.shared import SharedConnectorScheduler
+from hicache.connector.worker import ConnectorWorker, GroupWorkers
 from hicache.core.errors import ConfigError, ContractMismatch
 from hicache.core.redact import redact_url
 from hicache.core.layout import KVLayout
+from hicache.core.stats import ConnectorStats
+from hicache.integrations.metrics import families, flat_series, series, series_key
+from hicache.integrations.vllm_groups import engine_groups
+from hicache.integrations.vllm_keys import ENGINE_CELLS_OF, attention_backend, index_key, model_identity, namespace
 from hicache.memory.paged_kv import adopt_paged_kv
 
 # Under vLLM's own logger tree, so the start line shows in vLLM's log at its default level.
@@ -68,7 +74,7 @@ class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
 
 @dataclasses.dataclass
 class HiCacheConnectorStats(KVConnectorStats):
-    """Counter deltas since the last report (keys of ``ConnectorStats``, flattened)."""
+    """Counter deltas since the last report (``flat_series`` of ``ConnectorStats``)."""
 
     def reset(self):
         self.data = {}
@@ -85,30 +91,20 @@ class HiCacheConnectorStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-# Prometheus families (one declaration each) and the stats keys that feed them.
-_FAMILIES = {
-    "hicache:connector_pages": ("event", "Pages the connector moved or could not, by event: loaded into vLLM's "
-                                "blocks, load_error (reported to vLLM, which recomputes them), saved to L2, "
-                                "save_dropped, stored to L3.",
-                                {"loaded_pages": "loaded", "load_error_pages": "load_error", "saved_pages": "saved",
-                                 "save_dropped_pages": "save_dropped", "stored_pages": "stored"}),
-    "hicache:connector_hit_tokens": ("source", "Tokens admitted for loading beyond vLLM's own prefix hit, by tier.",
-                                     {"hit_tokens_L2": "L2", "hit_tokens_L3": "L3"}),
-    "hicache:connector_admission": ("choice", "The cost model's load-or-recompute choices on hits.",
-                                    {f"decision_{c}": c for c in ("load", "load_l2", "recompute", "unmeasured")}),
-}
-
-
 class HiCachePromMetrics(KVConnectorPromMetrics):
-    """hicache's connector counters on vLLM's ``/metrics`` (from ``HiCacheConnectorStats``)."""
+    """hicache's connector counters on vLLM's ``/metrics``: the families ``ConnectorStats``
+    declares, as ``hicache:<family>``, fed by ``HiCacheConnectorStats`` (``flat_series`` deltas)."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {}
-        for name, (label, doc, keys) in _FAMILIES.items():
-            fam = self._counter_cls(name=name, documentation=doc, labelnames=[*labelnames, label])
-            for stat_key, value in keys.items():
-                self._counters[stat_key] = {e: fam.labels(*lv, value) for e, lv in per_engine_labelvalues.items()}
+        declared = families(ConnectorStats)
+        counters = {name: self._counter_cls(name=f"hicache:{name}", documentation=f.help,
+                                            labelnames=[*labelnames, *f.labels]) for name, f in declared.items()}
+        self._counters = {}  # series key -> engine index -> its child counter
+        for name, labels, _ in series(ConnectorStats()):
+            values = [labels[k] for k in declared[name].labels]
+            self._counters[series_key(name, labels)] = {e: counters[name].labels(*lv, *values)
+                                                         for e, lv in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         for k, v in transfer_stats_data.items():
@@ -128,30 +124,35 @@ def _tp_rank(role: KVConnectorRole, vllm_config) -> int:
     return pc.rank % pc.tensor_parallel_size
 
 
-def layout_of(vllm_config, kv_cache_config, tp_rank: int = 0) -> KVLayout:
-    """The ``KVLayout`` of vLLM's one KV cache group on this TP rank (``ConfigError`` otherwise)."""
+def layout_of(vllm_config, kv_cache_config, tp_rank: int = 0, model_id: str = "") -> KVLayout:
+    """The ``KVLayout`` of vLLM's one KV cache group on this TP rank (``ConfigError`` otherwise).
+    ``model_id``: the operator's name for the model; by default ``model_identity``'s."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
-        raise ConfigError(f"HiCacheConnector: {len(groups)} KV cache groups; it supports one (start vLLM with "
-                          "--disable-hybrid-kv-cache-manager for a hybrid model)")
+        kinds = ", ".join(f"{g.index}: {g.kind}" for g in engine_groups(kv_cache_config))
+        raise ConfigError(f"HiCacheConnector: {len(groups)} KV cache groups ({kinds}); it moves one group's "
+                          "pages (start vLLM with --disable-hybrid-kv-cache-manager for a hybrid model)")
     spec, layers = groups[0].kv_cache_spec, groups[0].layer_names
     pc = vllm_config.parallel_config
     if pc.pipeline_parallel_size != 1:
         raise ConfigError(f"HiCacheConnector: pipeline_parallel_size={pc.pipeline_parallel_size}; it supports 1")
     dtype = str(spec.dtype).removeprefix("torch.")
-    common = dict(model_id=vllm_config.model_config.model, num_layers=len(layers), dtype=dtype,
+    backend = attention_backend(vllm_config, spec)
+    common = dict(model_id=model_id or model_identity(vllm_config.model_config, backend), num_layers=len(layers), dtype=dtype,
                   page_size=spec.block_size, tp_rank=tp_rank,
                   tp_size=pc.tensor_parallel_size)
     if isinstance(spec, MLAAttentionSpec):
         return KVLayout(kind="mla", kv_lora_rank=spec.head_size, **common)
-    if isinstance(spec, FullAttentionSpec):
-        return KVLayout(kind="mha", num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size, **common)
+    if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
+        return KVLayout(kind="mha", num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
+                        engine_cells=ENGINE_CELLS_OF.get(backend, ""), **common)
     raise ConfigError(f"HiCacheConnector: KV cache spec {type(spec).__name__} is not supported; "
                       "it supports full attention and MLA")
 
 
-class HiCacheConnector(KVConnectorBase_V1):
-    """See the module docstring; the two halves are ``ConnectorScheduler`` / ``ConnectorWorker``."""
+class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
+    """See the module docstring; the two halves are ``ConnectorScheduler`` / ``ConnectorWorker``
+    (a hybrid model, several KV cache groups: ``HybridConnectorScheduler`` / ``GroupWorkers``)."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -160,15 +161,33 @@ class HiCacheConnector(KVConnectorBase_V1):
         self.settings = s = ConnectorSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         if vllm_config.cache_config.block_size != kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size:
             raise ConfigError("HiCacheConnector: vLLM's hash block size differs from its KV block size")
-        self.layout = layout = layout_of(vllm_config, kv_cache_config, _tp_rank(role, vllm_config))
-        self._layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
-        self._layer_index = {n: i for i, n in enumerate(self._layer_names)}
         url = s.config.storage.url
         self._l3_source = CacheHitSource.DISK if url.startswith("file:") else CacheHitSource.EXTERNAL_UNSPECIFIED
-        self.scheduler: ConnectorScheduler | SharedConnectorScheduler | None = None
-        self.worker: ConnectorWorker | None = None
+        self.scheduler: ConnectorScheduler | SharedConnectorScheduler | HybridConnectorScheduler | None = None
+        self.worker: ConnectorWorker | GroupWorkers | None = None
+        self._reported: dict[str, int] = {}
         ranks = vllm_config.parallel_config.tensor_parallel_size
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self._layouts: dict[int, KVLayout] = {}  # a hybrid model's: group index -> its layout
+        if len(kv_cache_config.kv_cache_groups) > 1:
+            self._start_hybrid(vllm_config, role, kv_cache_config, ranks)
+        else:
+            self._start_one(vllm_config, role, kv_cache_config, ranks)
+        layout = self.layout
+        self._load_errors: set[int] = set()
+        self._reports: list[JobReport] = []
+        l2 = (f"the node segment at {url}" if s.shared else f"{s.host_pages(layout)} pages of {layout.page_bytes} B"
+              if not self._layouts else f"{self._group_pages} pages per KV cache group ({len(self._layouts)} groups)")
+        log.info("HiCacheConnector started (%s, rank %d): L2 %s, L3 %s, load %s, %d layers x %d-token pages, "
+                 "model %s (fingerprint %s)", role.name.lower(), layout.tp_rank, l2,
+                 redact_url(url) if url and not s.shared else "none", "layerwise" if s.layerwise else "async",
+                 layout.num_layers, layout.page_size, layout.model_id, layout.fingerprint()[:12])
+
+    def _start_one(self, vllm_config, role: KVConnectorRole, kv_cache_config, ranks: int) -> None:
+        """One KV cache group: this role's half over its layout."""
+        s = self.settings
+        self.layout = layout = layout_of(vllm_config, kv_cache_config, _tp_rank(role, vllm_config), s.model_id)
+        self._layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
+        self._layer_index = {n: i for i, n in enumerate(self._layer_names)}
         if role == KVConnectorRole.SCHEDULER:
             if s.shared:
                 self.scheduler = SharedConnectorScheduler(
@@ -179,17 +198,43 @@ class HiCacheConnector(KVConnectorBase_V1):
                     layout, s.host_pages(layout), storage=s.open_l3(layout), cost=s.cost_model(layout),
                     ranks=ranks, layerwise=s.layerwise, probe_budget_s=s.probe_budget_s(),
                     host_eviction=s.config.policy.host_eviction)
-            self._reported: dict[str, int] = {}
         else:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
             link = s.open_link(layout, device) if s.shared else None
             self.worker = ConnectorWorker(layout, 0 if s.shared else s.host_pages(layout), rank=layout.tp_rank,
                                           storage=s.open_l3(layout), link=link)
-        self._load_errors: set[int] = set()
-        self._reports: list[JobReport] = []
-        l2 = (f"the node segment at {url}" if s.shared else f"{s.host_pages(layout)} pages of {layout.page_bytes} B")
-        log.info("HiCacheConnector started (%s, rank %d): L2 %s, L3 %s, load %s, %d layers x %d-token pages",
-                 role.name.lower(), layout.tp_rank, l2, redact_url(url) if url and not s.shared else "none",
-                 "layerwise" if s.layerwise else "async", layout.num_layers, layout.page_size)
+
+    def _start_hybrid(self, vllm_config, role: KVConnectorRole, kv_cache_config, ranks: int) -> None:
+        """A hybrid model: a layout, an L2 and a worker per KV cache group (``hicache.connector.hybrid``);
+        ``host_bytes`` is shared out as the same number of pages per group."""
+        s = self.settings
+        if s.shared:
+            raise ConfigError("HiCacheConnector: a hybrid model's KV cache groups keep L2s of their own; the node "
+                              "service's segment serves one layout (use a file:// or redis:// storage URL, or "
+                              "start vLLM with --disable-hybrid-kv-cache-manager)")
+        groups = engine_groups(kv_cache_config)
+        tp = _tp_rank(role, vllm_config)
+        layouts = [layout_of(vllm_config, dataclasses.replace(kv_cache_config, kv_cache_groups=[g]), tp, s.model_id)
+                   for g in kv_cache_config.kv_cache_groups]
+        pages = s.host_bytes // sum(x.page_bytes for x in layouts) if s.host_bytes else s.config.pool.host_pages
+        if pages < 1:
+            raise ConfigError(f"HiCacheConnector: host_bytes={s.host_bytes} holds no page of each KV cache group "
+                              f"({sum(x.page_bytes for x in layouts)} bytes together); give at least that")
+        main = next(i for i, g in enumerate(groups) if g.kind == "full")
+        self.layout = layouts[main]
+        self._group_pages = pages
+        self._layouts = {g.index: x for g, x in zip(groups, layouts)}
+        self._group_layers = {g.index: list(g.layers) for g in groups}
+        self._layer_index = {n: (g.index, i) for g in groups for i, n in enumerate(g.layers)}
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = HybridConnectorScheduler(
+                groups, layouts, [pages] * len(groups), ranks=ranks, storage=s.open_l3(self.layout),
+                cost=s.cost_model(self.layout), layerwise=s.layerwise, probe_budget_s=s.probe_budget_s(),
+                host_eviction=s.config.policy.host_eviction)
+        else:
+            self.worker = GroupWorkers({g.index: ConnectorWorker(x, pages, rank=x.tp_rank,
+                                                                 storage=s.open_l3(x) if i == main else None)
+                                        for i, (g, x) in enumerate(zip(groups, layouts))})
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -198,6 +243,10 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        if isinstance(self.worker, GroupWorkers):
+            for g, w in self.worker.workers.items():
+                w.register(adopt_paged_kv(self._layouts[g], [kv_caches[n] for n in self._group_layers[g]]))
+            return
         self.worker.register(adopt_paged_kv(self.layout, [kv_caches[n] for n in self._layer_names]))
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
@@ -208,7 +257,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         self.worker.start(meta.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self.worker.wait_layer(self._layer_index[layer_name])
+        at = self._layer_index[layer_name]
+        self.worker.wait_layer(*at) if isinstance(at, tuple) else self.worker.wait_layer(at)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         return  # saves copy whole blocks once a request ends (request_finished), not per layer
@@ -238,18 +288,20 @@ class HiCacheConnector(KVConnectorBase_V1):
         elif isinstance(self.scheduler, SharedConnectorScheduler):
             self.scheduler.close()
         elif self.scheduler.storage is not None:
-            self.scheduler.storage.close()
+            self.scheduler.storage.close()  # (a hybrid model's: its index group's L3)
 
     # ------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         hit = self.scheduler.lookup(request.request_id, request.all_token_ids, num_computed_tokens,
-                                    _namespace(request))
+                                    namespace(request), key=index_key(request, self.layout.page_size))
         return hit.tokens, hit.is_async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         if num_external_tokens:
-            self.scheduler.allocated(request.request_id, request.all_token_ids, blocks.get_block_ids()[0],
-                                     num_external_tokens, _namespace(request), keys=request.block_hashes)
+            ids = blocks.get_block_ids()
+            self.scheduler.allocated(request.request_id, request.all_token_ids, ids if self._layouts else ids[0],
+                                     num_external_tokens, namespace(request), keys=request.block_hashes,
+                                     key=index_key(request, self.layout.page_size))
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         if not num_external_tokens:
@@ -274,7 +326,17 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         delay = self.scheduler.finished(request.request_id, request.all_token_ids, request.num_computed_tokens,
-                                        block_ids, _namespace(request), keys=request.block_hashes)
+                                        block_ids, namespace(request), keys=request.block_hashes,
+                                     key=index_key(request, self.layout.page_size))
+        return delay, None
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        """vLLM's hybrid manager ends a request: every group's blocks (one group: ``request_finished``)."""
+        if not self._layouts:
+            return self.request_finished(request, block_ids[0])
+        delay = self.scheduler.finished(request.request_id, request.all_token_ids, request.num_computed_tokens,
+                                        block_ids, namespace(request), keys=request.block_hashes,
+                                     key=index_key(request, self.layout.page_size))
         return delay, None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
@@ -292,7 +354,7 @@ class HiCacheConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.scheduler is None:
             return None
-        now = _flat(self.scheduler.stats())
+        now = flat_series(self.scheduler.stats())
         delta = {k: v - self._reported.get(k, 0) for k, v in now.items()}
         self._reported = now
         return HiCacheConnectorStats(data=delta) if any(delta.values()) else None
@@ -304,21 +366,3 @@ class HiCacheConnector(KVConnectorBase_V1):
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         return HiCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-
-
-def _namespace(request) -> str:
-    """Pages of different LoRA adapters or cache salts never share (the index's namespace)."""
-    lora = request.lora_request.lora_name if request.lora_request is not None else ""
-    salt = request.cache_salt or ""
-    return f"{lora}\0{salt}" if lora or salt else ""
-
-
-def _flat(stats) -> dict[str, int]:
-    out = {"lookups": stats.lookups, "loaded_pages": stats.loaded_pages, "load_error_pages": stats.load_error_pages,
-           "saved_pages": stats.saved_pages, "save_dropped_pages": stats.save_dropped_pages,
-           "stored_pages": stats.stored_pages}
-    out.update({f"hit_tokens_{k}": v for k, v in stats.hit_tokens.items()})
-    out.update({f"decision_{k}": v for k, v in stats.decisions.items()})
-    return out
-

@@ -1,4 +1,5 @@
-"""vLLM's KV cache groups as ``HiCacheTier`` sees them, and its per-group counts.
+"""vLLM's KV cache groups as ``HiCacheTier`` and ``HiCacheConnector`` see them, and the
+tier's per-group counts.
 
 vLLM's hybrid KV cache manager puts layers of one attention kind in one group
 (gpt-oss: a sliding-window group and a full-attention group; Qwen3-Next: three
@@ -8,20 +9,23 @@ own primary row and its own L3 object; which chunks of a windowed or recurrent
 group get stored or loaded is vLLM's scheduler's decision, and a prefix hit
 that needs several groups is composed there, one ``lookup`` per key. The
 per-group counts (``GroupCounts``) are declared with the adapters' other
-counters in ``hicache.integrations.metrics``.
+counters in ``hicache.integrations.metrics``. ``engine_groups`` maps the groups of
+a ``KVCacheConfig`` to the connector's ``EngineGroup``s (``hicache.connector.groups``).
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
 
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from vllm.v1.kv_offload.base import OffloadKey, get_offload_group_idx
 from vllm.v1.kv_offload.config import OffloadingConfig
 
+from hicache.connector.groups import EngineGroup, check_groups
 from hicache.core.errors import ConfigError, IntegrityError
 from hicache.integrations.metrics import GroupCounts
 
-__all__ = ["KVGroup", "GroupLedger", "kv_groups"]
+__all__ = ["KVGroup", "GroupLedger", "kv_groups", "engine_groups"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -88,3 +92,30 @@ class GroupLedger:
         if sums != (stored, loaded, load_missed):
             raise IntegrityError(f"HiCacheTier: per-group (stored, loaded, load_missed) add up to {sums}, the "
                                  f"tier counted {(stored, loaded, load_missed)}: {self._counts}")
+
+
+def engine_groups(kv_cache_config) -> tuple[EngineGroup, ...]:
+    """The connector's view of vLLM's KV cache groups: full attention (and MLA) ``full``,
+    sliding window ``swa`` (its window), Mamba / linear attention in ``align`` cache mode
+    ``state`` (a state kept at every block boundary). Raises ``ConfigError`` naming the
+    group for any other spec, mixed block sizes, or a Mamba group without ``align``."""
+    out = []
+    for i, g in enumerate(kv_cache_config.kv_cache_groups):
+        spec, layers = g.kv_cache_spec, tuple(g.layer_names)
+        if isinstance(spec, SlidingWindowSpec):
+            out.append(EngineGroup(i, "swa", layers, spec.sliding_window))
+        elif isinstance(spec, FullAttentionSpec) and spec.sliding_window is None:
+            out.append(EngineGroup(i, "full", layers))
+        elif isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align":
+            out.append(EngineGroup(i, "state", layers))
+        else:
+            mode = f" (mamba_cache_mode {spec.mamba_cache_mode!r}: start vLLM with --enable-prefix-caching)" \
+                if isinstance(spec, MambaSpec) else ""
+            raise ConfigError(f"HiCacheConnector: KV cache group {i} is {type(spec).__name__}{mode}; it serves "
+                              "full attention, MLA, sliding window and Mamba state groups")
+    sizes = {g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups}
+    if len(sizes) != 1:
+        raise ConfigError(f"HiCacheConnector: KV cache groups of block sizes {sorted(sizes)}; it needs one "
+                          "block size for every group (its page)")
+    check_groups(out)
+    return tuple(out)

@@ -95,6 +95,22 @@ def _plane_view(parts: list[torch.Tensor], spec: PlaneSpec, at: int, layout: KVL
     return v if len(spec.row_shape) == 2 else v.squeeze(2)  # MHA k/v keep [.., H, D], also H = 1
 
 
+def _cpu_attn_views(name: str, t: torch.Tensor, layout: KVLayout, layer: int) -> dict:
+    """``k``/``v`` page views ``[B, N, H, D]`` of vLLM's CPU_ATTN block interior: per (block,
+    head), K transposed ``[D, N]`` then V ``[N, D]`` (``engine_cells="cpu_attn"``; the
+    engine's ``cpu_attn_reshape_and_cache`` writes it so, checked by the tests)."""
+    _check_dtype(name, t, layout)
+    h, n, d = layout.num_kv_heads, layout.page_size, layout.head_dim
+    if t.dim() != 4 or tuple(t.shape[1:]) != (h, n, 2 * d) or t.stride(3) != 1 or t.stride(2) != 2 * d:
+        raise _bad(name, t, layout, "CPU_ATTN keeps [B, H, N, 2 * head_dim] with each (block, head) contiguous")
+    kspec, vspec = layout.planes_of_layer(layer)
+    u = t.view(kspec.dtype)
+    sb, sh, at = u.stride(0), u.stride(1), u.storage_offset()
+    k = u.as_strided((u.shape[0], n, h, d), (sb, 1, sh, n), at)
+    v = u.as_strided((u.shape[0], n, h, d), (sb, d, sh, 1), at + n * d)
+    return {(kspec.name, layer): k, (vspec.name, layer): v}
+
+
 def adopt_paged_kv(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]) -> DevicePool:
     """A ``DevicePool`` over the engine's per-layer KV tensors: no copy, page id == block id.
 
@@ -126,6 +142,9 @@ def adopt_paged_kv(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor] | Seq
     num_blocks = blocks.pop()
     views: dict[tuple[str, int], torch.Tensor] = {}
     for (name, t), layer in zip(items, range(want)):
+        if layout.engine_cells:
+            views.update(_cpu_attn_views(name, t, layout, layer))
+            continue
         draft = layer >= layout.num_layers
         parts = _cells(name, t, layout)
         at = 0

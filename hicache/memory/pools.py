@@ -76,7 +76,7 @@ class DevicePool:
         if tuple(t.shape) == want and not t.is_contiguous():
             raise PoolError(f"plane {key}: a row buffer must be contiguous (strides {t.stride()}); "
                             f"register strided KV as a page view {paged}")
-        if t.stride(-1) != 1:
+        if t.stride(-1) != 1 and not self.layout.engine_cells:
             raise PoolError(f"plane {key}: a page view needs a contiguous last dim, got strides {t.stride()}")
         if tuple(t.shape) == paged and t.stride(0) == t.stride(1) * t.shape[1]:
             return t.flatten(0, 1)  # pages then tokens merge into rows (a view): slot-addressable
@@ -135,7 +135,12 @@ def _byte_pages(t: torch.Tensor, num_pages: int, page_size: int, spec: PlaneSpec
     """``uint8 [num_pages, *dims]`` over buffer ``t`` (rows or page view), dims merged where
     the strides allow; row-major order over dims is the canonical page order."""
     paged = t.unflatten(0, (num_pages, page_size)) if t.dim() == 1 + len(spec.row_shape) else t
-    u = paged.view(torch.uint8)  # last dim contiguous: checked at registration
+    if paged.stride(-1) == 1:
+        u = paged.view(torch.uint8)
+    else:  # an engine's transposed plane (``KVLayout.engine_cells``): one more dim, each element's bytes
+        e = paged.element_size()
+        raw = torch.empty(0, dtype=torch.uint8, device=paged.device).set_(paged.untyped_storage())
+        u = raw.as_strided((*paged.shape, e), (*(x * e for x in paged.stride()), 1), paged.storage_offset() * e)
     shape, stride = [u.shape[-1]], [1]
     for n, st in zip(reversed(u.shape[1:-1]), reversed(u.stride()[1:-1])):
         if n == 1:
@@ -184,6 +189,7 @@ class HostPool:
                             f"{buffer.dtype} shape {tuple(buffer.shape)}")
         self.buffer = buffer[:need]
         self.plane_offset, self.page_stride, _ = self.addressing(layout, num_pages)
+        self._bytes: memoryview | None = None  # the buffer as bytes, made on the first page_buffers()
 
     @staticmethod
     def nbytes_for(layout: KVLayout, num_pages: int) -> int:
@@ -215,6 +221,19 @@ class HostPool:
             raise PoolError("page_region() needs host_layout='page_first'; use read_page() to gather")
         b = self.page_stride[0]
         return self.buffer[page * b:(page + 1) * b]
+
+    def page_buffers(self, page: int) -> list[memoryview]:
+        """Writable flat byte views (no copy) of one page's planes in canonical order: the
+        L3 payload's segments, one region in ``page_first``. Valid while the pool lives;
+        writing them writes the page (an L3 read lands there with no copy)."""
+        mv = self._bytes
+        if mv is None:
+            mv = self._bytes = memoryview(self.buffer.numpy())
+        if self.layout.host_layout == "page_first" and self.page_stride[0] == self.layout.page_bytes:
+            at = page * self.page_stride[0]
+            return [mv[at:at + self.layout.page_bytes]]
+        return [mv[o + page * st:o + page * st + s.page_bytes]
+                for o, st, s in zip(self.plane_offset, self.page_stride, self.layout.planes)]
 
     def read_page(self, page: int) -> bytes:
         """The page in canonical plane order (the L3 payload). Copies."""

@@ -207,14 +207,16 @@ class L3Tier:
         return got
 
     def _read_into(self, hashes: list[PageHash], pages: list[int]) -> int:
-        """On the reader thread: copy the leading verified payloads into reserved ``pages``."""
+        """On the reader thread: the leading verified payloads, read straight into the
+        reserved ``pages`` (``get_into``); returns how many landed. A page past them may
+        hold garbage: the caller cancels it, once no given-up read can still land there."""
         n = 0
         while n < len(hashes):
-            got = self.storage.get(hashes[n:n + self._batch], self._sizes)
-            for payload in got:
-                if payload is None:
+            dests = [self.pool.page_buffers(p) for p in pages[n:n + self._batch]]
+            for ok in self.storage.get_into(hashes[n:n + self._batch], self._sizes, dests):
+                if not ok:
+                    self.storage.wait_late_reads()
                     return n
-                self.pool.write_page(pages[n], payload)
                 n += 1
         return n
 

@@ -311,6 +311,14 @@ class StorageBackend(abc.ABC):
             raise StorageError(f"L3 backend {self.name}: get_into of {len(full)} keys returned {len(judged)} results")
         return self._tally_into(full, judged, sizes.total)
 
+    def wait_late_reads(self, timeout: float | None = None) -> bool:
+        """Block until no ``get_into`` this backend gave up on (a timeout: its pages were
+        answered ``False``) can still write into its destinations; True once none can,
+        False when ``timeout`` passed first. A caller that reuses a page answered ``False``
+        for other data calls it first (L2 pages). Immediate where reads land only on the
+        caller's thread (every store but ``DIRECT_IO`` ones that read on workers)."""
+        return True
+
     def _raw_get_into(self, keys: list[bytes], dests: list[list[memoryview]],
                       verify: "into.Verifier") -> list[Any]:
         """``DIRECT_IO`` backends: per key ``verify(i, what was read)``, called in the

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import hmac
+import os
 import struct
 from typing import NamedTuple, Sequence
 
@@ -63,14 +64,41 @@ def mac_key(secret: bytes) -> bytes:
     return blake3.blake3(secret, derive_key_context=_MAC_CONTEXT).digest()
 
 
-def payload_digests(segs: Sequence[memoryview], key: bytes = b"") -> tuple[int, "blake3.blake3 | None"]:
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+# A MAC over a payload of at least MAC_THREADS_MIN_BYTES is hashed by BLAKE3's own
+# threads where there are cores to spare (its tree splits a page among them); on a box of
+# fewer than MAC_THREADS_MIN_CPUS the readers' parallel pages already use every core.
+MAC_THREADS_MIN_BYTES = 512 << 10
+MAC_THREADS_MIN_CPUS = 4
+_MAC_THREADS = blake3.blake3.AUTO if _usable_cpus() >= MAC_THREADS_MIN_CPUS else 1
+
+
+def _mac_state(key: bytes, nbytes: int) -> "blake3.blake3":
+    return blake3.blake3(key=key, max_threads=_MAC_THREADS if nbytes >= MAC_THREADS_MIN_BYTES else 1)
+
+
+def payload_digests(segs: Sequence[memoryview], key: bytes = b"",
+                    claimed: int | None = None) -> tuple[int, "blake3.blake3 | None"]:
     """The xxh3_64 checksum of the payload ``segs`` hold in order and, with a MAC
     ``key``, the BLAKE3 MAC state fed with the payload (the fields follow: ``_finish_mac``).
-    Both hashes read each block in turn; both release the GIL on large buffers."""
+    Both hashes read each block in turn; both release the GIL on large buffers.
+    ``claimed`` (with a key only): the checksum a stored header claims, returned as is
+    with no xxh3 pass; the MAC, which covers the payload and that claim, judges both."""
     if not key and len(segs) == 1:
         return xxhash.xxh3_64_intdigest(segs[0]), None
+    if key and claimed is not None:
+        m = _mac_state(key, sum(mv.nbytes for mv in segs))
+        for mv in segs:
+            m.update(mv)
+        return claimed, m
     x = xxhash.xxh3_64()
-    m = blake3.blake3(key=key) if key else None
+    m = _mac_state(key, sum(mv.nbytes for mv in segs)) if key else None
     for mv in segs:
         if m is None:
             x.update(mv)
@@ -186,6 +214,24 @@ def _bin(b: bytes) -> bytes:
     return b"\xc4" + bytes((len(b),)) + b if len(b) < 0x100 else msgpack.packb(b)
 
 
+def header_bytes(t: HeaderTemplate, keyed: bool, hash_bytes: int = 16) -> int:
+    """The length of the header (magic and length prefix included) our writer builds for
+    a page of this template whose checksums need their full 8 bytes (all but 1 in 2**32
+    pages): what a reader expects before the payload."""
+    n = PREFIX_BYTES + 1 + len(t.head) + 2 + hash_bytes + len(t.tail) + 9 + len(_HCK_KEY) + 9
+    return n + (len(_MAC_KEY) + 2 + MAC_BYTES if keyed else 0)
+
+
+def claimed_checksum(t: HeaderTemplate, page_hash: bytes, header: Buffer) -> int | None:
+    """The payload checksum that ``header`` (an object's bytes before its payload) holds
+    where our writer puts it for this template and page, or None when it is not there
+    (then the header is not ours, and the caller hashes the payload to judge it)."""
+    at = PREFIX_BYTES + 1 + len(t.head) + 2 + len(page_hash) + len(t.tail)
+    if len(page_hash) >= 0x100 or len(header) < at + 9 or header[at] != 0xCF:
+        return None
+    return int.from_bytes(header[at + 1:at + 9], "big")
+
+
 def _header_fields(t: HeaderTemplate, page_hash: bytes, ck: int) -> bytes:
     """The six fields' entries (no map byte): what ``hck`` and the MAC cover, after the map byte."""
     return t.head + _bin(bytes(page_hash)) + t.tail + _uint(ck)
@@ -203,10 +249,20 @@ def encode_header(fingerprint: str, page_hash: bytes, sizes: Sequence[int] | Pla
     return header_of_segments(t, page_hash, [mv], auth_key)
 
 
-def header_of_segments(t: HeaderTemplate, page_hash: bytes, segs: Sequence[memoryview], auth_key: bytes = b"") -> bytes:
+def header_of_segments(t: HeaderTemplate, page_hash: bytes, segs: Sequence[memoryview], auth_key: bytes = b"",
+                       claimed: int | None = None) -> bytes:
     """``encode_header`` of the payload that ``segs`` hold in order (no join, one
-    pass over the bytes); the caller has checked that they sum to ``t.sizes.total``."""
-    ck, m = payload_digests(segs, auth_key)
+    pass over the bytes); the caller has checked that they sum to ``t.sizes.total``.
+    ``claimed``: with ``auth_key``, the checksum a stored header claims (``claimed_checksum``):
+    the header is then built with it and no xxh3 pass; it equals the stored header only
+    if the MAC over this payload and that claim verifies (a reader's check, not a writer's)."""
+    ck, m = payload_digests(segs, auth_key, claimed if auth_key else None)
+    return header_of_digests(t, page_hash, ck, m)
+
+
+def header_of_digests(t: HeaderTemplate, page_hash: bytes, ck: int, m: "blake3.blake3 | None") -> bytes:
+    """The header for a payload whose checksum is ``ck`` and whose MAC state (None
+    without a key) has been fed the payload (``payload_digests``, ``PayloadHasher``)."""
     entries = _header_fields(t, page_hash, ck)
     n = 6
     if m is not None:
@@ -215,6 +271,29 @@ def header_of_segments(t: HeaderTemplate, page_hash: bytes, segs: Sequence[memor
     hck = checksum(bytes((_MAP | n,)) + entries)
     hdr = bytes((_MAP | (n + 1),)) + entries + _HCK_KEY + _uint(hck)
     return _PREFIX.pack(MAGIC, len(hdr)) + hdr
+
+
+class PayloadHasher:
+    """``payload_digests`` fed block by block, so that a reader hashes each block of a
+    large payload as it lands, while it is in cache. One per page and thread."""
+
+    __slots__ = ("_x", "_m", "_claimed")
+
+    def __init__(self, auth_key: bytes, nbytes: int, claimed: int | None = None):
+        self._claimed = claimed if auth_key else None
+        self._x = xxhash.xxh3_64() if self._claimed is None else None
+        self._m = _mac_state(auth_key, nbytes) if auth_key else None
+
+    def update(self, block: memoryview) -> None:
+        if self._x is not None:
+            self._x.update(block)
+        if self._m is not None:
+            self._m.update(block)
+
+    def header(self, t: HeaderTemplate, page_hash: bytes) -> bytes:
+        """The header of the payload fed so far (``header_of_segments`` of it); once only."""
+        ck = self._claimed if self._x is None else self._x.intdigest()
+        return header_of_digests(t, page_hash, ck, self._m)
 
 
 def _encode_header_dict(fingerprint: str, page_hash: bytes, sizes: Sequence[int] | PlaneSizes,
@@ -255,7 +334,8 @@ def _decode_exact(mv: memoryview, page_hash: bytes, t: HeaderTemplate, auth_key:
     if magic != MAGIC or mv.nbytes - end != t.sizes.total:
         return None
     payload = mv[end:]
-    want = header_of_segments(t, page_hash, [payload], auth_key)
+    claimed = claimed_checksum(t, page_hash, mv[:end]) if auth_key else None
+    want = header_of_segments(t, page_hash, [payload], auth_key, claimed)
     if len(want) != end or not hmac.compare_digest(mv[:end], want):
         return None
     return Decoded(ReadStatus.OK, payload, "")

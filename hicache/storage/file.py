@@ -13,9 +13,13 @@ Safety against other local users who can write the directory: temp files
 are created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` under a random name (a
 symlink planted at a temp name is never followed), fan-out directories must
 be real directories, and objects are opened with ``O_NOFOLLOW | O_NONBLOCK``
-and must be regular files (a FIFO or device at an object path is a counted
-error, not a hang). Every batch runs on the worker threads (a batch of large
-pages split among them, each page hashed by the worker that read or wrote it)
+(a FIFO, directory or device at an object path is a counted error or a
+corrupt object, never a hang). A read never sizes a buffer from a file's size
+alone: ``get_into`` reads at most a page and ``MAX_SPLIT_HEADER``, ``get`` an
+object whose size its header and the page's planes declare (else it is corrupt,
+unread). Every batch runs on the worker threads
+(a batch of large pages split among them, as many as the load leaves cores for,
+each page hashed by the worker that read or wrote it)
 and the caller waits at most ``health.call_budget``: ``timeout_ms`` per page
 plus the bytes at a slow disk's rate, times ``1 + max_retries``, scaled by the
 load average: a hung file system turns into an outage, a loaded box does not.
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import re
 import secrets
@@ -51,11 +56,11 @@ from hicache.storage.capacity import StorageOptions
 from hicache.storage.into import PutBatch
 from hicache.storage.capacity import StorageUsage, check_eviction
 from hicache.storage import codec
-from hicache.storage.codec import HEAD_BYTES, Buffer, Decoded, ReadStatus
+from hicache.storage.codec import HASH_BLOCK, HEAD_BYTES, Buffer, Decoded, PayloadHasher, ReadStatus
 from hicache.storage.file_cap import FileCap, scan
 from hicache.storage.file_cap import FilePerms
-from hicache.storage.health import FLOOR_BYTES_PER_S, LoadFactor, call_budget
-from hicache.storage.into import MAX_SPLIT_HEADER, InPlace
+from hicache.storage.health import FLOOR_BYTES_PER_S, LoadFactor, _cpus, call_budget
+from hicache.storage.into import MAX_SPLIT_HEADER, InPlace, Verifier
 
 _TMP = ".tmp."
 # Worker threads for file I/O (syscalls and hashing release the GIL). 4 lets
@@ -68,7 +73,9 @@ LATE_WAIT_S = 30.0  # check_integrity waits this long at most for calls still on
 # Calls of at least this many payload bytes per worker are split among the
 # workers, each reading (or writing) and hashing its pages while they are hot.
 SPLIT_MIN_BYTES = 1 << 20
-HEADER_BUF = 4096  # a header is ~100 bytes plus a few per plane; longer ones get their own buffer
+# A page payload of at least this many bytes in one segment is read block by block, each
+# block hashed as it lands (a core's L2 holds it); smaller ones are read whole, then hashed.
+STREAM_MIN_BYTES = 1 << 20
 _HEX_NAME = re.compile(r"^[0-9a-f]{%d}$" % (2 * HASH_BYTES))
 
 
@@ -114,6 +121,7 @@ class FileBackend(StorageBackend):
         self._pool = concurrent.futures.ThreadPoolExecutor(IO_WORKERS, thread_name_prefix="hicache-file-l3")
         self._pending = 0  # worker tasks not finished, late ones included (under _mu)
         self._idle = threading.Condition(self._mu)
+        self._late_parts = 0  # parts of calls given up, still running (a read may still land)
         self._load = LoadFactor()
         if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0:
             raise ConfigError(f"storage url {self.name!r}: max_bytes={max_bytes!r} must be an integer >= 0 "
@@ -187,7 +195,7 @@ class FileBackend(StorageBackend):
         ``_budget(n, nbytes)``, else sets ``given_up`` (an Event) and raises
         ``TimeoutError``. Parts still running finish on their own: a late put still
         accounts its bytes, a late read stops before its next page."""
-        k = max(1, min(IO_WORKERS, n, nbytes // SPLIT_MIN_BYTES))
+        k = self._parts(n, nbytes)
         bounds = [n * j // k for j in range(k + 1)]
         given_up = threading.Event()
         futs = [self._submit(part, range(bounds[j], bounds[j + 1]), given_up, *args) for j in range(k)]
@@ -195,10 +203,28 @@ class FileBackend(StorageBackend):
         _, pending = concurrent.futures.wait(futs, timeout=budget)
         if pending:
             given_up.set()
+            with self._mu:
+                self._late_parts += len(pending)
             for f in pending:
-                f.add_done_callback(self._trim_if_over)
+                f.add_done_callback(self._late_done)
             raise self._late(budget)
         return [x for f in futs for x in f.result()]
+
+    def _late_done(self, _fut: Any = None) -> None:
+        with self._idle:
+            self._late_parts -= 1
+            self._idle.notify_all()
+        self._trim_if_over()
+
+    def wait_late_reads(self, timeout: float | None = None) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: self._late_parts == 0, timeout=timeout)
+
+    def _parts(self, n: int, nbytes: int) -> int:
+        """Workers a call of ``n`` pages and ``nbytes`` splits among: one per
+        ``SPLIT_MIN_BYTES``, at most ``IO_WORKERS``, and no more than the cores the load
+        average leaves (on a saturated box, threads only take turns at the GIL)."""
+        return max(1, min(IO_WORKERS, n, nbytes // SPLIT_MIN_BYTES, int(_cpus() / self._load())))
 
     def _trim_if_over(self, _fut: Any = None) -> None:
         if self._cap is not None and self._cap.over():
@@ -214,19 +240,21 @@ class FileBackend(StorageBackend):
     def _get_all(self, keys: list[bytes], payload: int | None) -> list[Buffer | None | BaseException | Decoded]:
         return self._read_each(keys, range(len(keys)), lambda path, i: self._read(path, payload))
 
-    def _raw_get_into(self, keys: list[bytes], dests: list[list[memoryview]], verify: Callable[[int, Any], Any]
-                      ) -> list[Any]:
+    def _raw_get_into(self, keys: list[bytes], dests: list[list[memoryview]], verify: Verifier) -> list[Any]:
         nbytes = sum(mv.nbytes for mv in dests[0]) * len(keys) if keys else 0
         return self._in_parts(self._get_into_part, len(keys), nbytes, keys, dests, verify)
 
     def _get_into_part(self, idx: range, given_up: threading.Event, keys: list[bytes],
-                       dests: list[list[memoryview]], verify: Callable[[int, Any], Any]) -> list[Any]:
+                       dests: list[list[memoryview]], verify: Verifier) -> list[Any]:
         # Verified right after its read, on this worker, while its bytes are in cache.
         # Headers are read into one buffer per part, reused: each is judged before the next read.
         # Once the caller has given up, the destinations are the engine's again: no more reads.
-        hdr = memoryview(bytearray(HEADER_BUF))
-        fp = self.fingerprint
-        return self._read_each(keys, idx, lambda path, i: verify(i, _read_into(path, dests[i], hdr, fp)), given_up)
+        hdr, spare = memoryview(bytearray(verify.header_bytes)), memoryview(bytearray(1))
+        if verify.template.sizes.total < STREAM_MIN_BYTES:
+            return self._read_each(keys, idx, lambda path, i: verify(i, _read_into(path, dests[i], hdr, spare)),
+                                   given_up)
+        return self._read_each(keys, idx, lambda path, i: verify(i, _read_into(
+            path, dests[i], hdr, spare, functools.partial(verify.hasher, i))), given_up)
 
     def _read_each(self, keys: list[bytes], idx: range, read: Callable[[str, int], Any],
                    given_up: threading.Event | None = None) -> list[Any]:
@@ -458,10 +486,12 @@ def _touch(path: str) -> None:
         pass
 
 
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK  # O_NONBLOCK: a FIFO never waits
+
+
 def _open_regular(path: str) -> tuple[int, int]:
     """(fd, size) of a regular file, never through a symlink; raises OSError otherwise."""
-    # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer.
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    fd = os.open(path, _READ_FLAGS)
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
@@ -469,30 +499,74 @@ def _open_regular(path: str) -> tuple[int, int]:
     return fd, st.st_size
 
 
-def _read_into(path: str, segs: list[memoryview], hdr_buf: memoryview, fingerprint: str
-               ) -> InPlace | bytearray | Decoded:
+def _read_into(path: str, segs: list[memoryview], hdr: memoryview, spare: memoryview,
+               hasher: Callable[[memoryview], PayloadHasher] | None = None) -> InPlace | bytes:
     """The object at ``path`` with its payload (its last bytes) read into ``segs`` in
-    order, with one ``preadv`` of header + payload: ``InPlace(header)``, the header a view
-    of ``hdr_buf`` when it fits (valid until the next read into it). An object too short is
-    read whole instead (decode rejects it); one whose head is too long to be a header is
-    judged by its header alone (``_refuse``) before anything is allocated for it."""
-    fd, size = _open_regular(path)
+    order: ``InPlace(header)``, the header a view of ``hdr`` (valid until the next read
+    into it) when it has ``hdr``'s length, the length our writer gives this page's header.
+    That case costs one ``preadv`` of header, payload and ``spare`` (one byte, left
+    unfilled at the end of the file) and no ``fstat``. Any other object takes
+    ``_read_odd``. Nothing is ever sized from the file's size: at most a page and
+    ``MAX_SPLIT_HEADER`` bytes are read. ``hasher`` (a large page in one segment): the
+    payload is read block by block and each block hashed as it lands (``_read_hashing``)."""
+    fd = os.open(path, _READ_FLAGS)
     try:
-        hlen = size - sum(mv.nbytes for mv in segs)
-        if not 0 < hlen <= MAX_SPLIT_HEADER:
-            if hlen > 0:  # larger than this page can be: never read whole unless its header says so
-                bad = _refuse(read_head(fd, size), size, fingerprint, size - hlen)
-                if bad is not None:
-                    return bad
-            buf = bytearray(size)
-            return buf[:_preadv_full(fd, [memoryview(buf)])]
-        hdr = hdr_buf[:hlen] if hlen <= hdr_buf.nbytes else memoryview(bytearray(hlen))
-        got = _preadv_full(fd, [hdr, *segs])
-        if got < size:  # shrank under us: whatever arrived, as one object decode rejects
-            return (bytes(hdr) + b"".join(segs))[:got]
-        return InPlace(hdr)
+        if hasher is not None and len(segs) == 1:
+            got = _read_hashing(fd, segs[0], hdr, spare, hasher)
+            if got is not None:
+                return got
+        elif len(segs) + 2 <= IOV_MAX:
+            want = hdr.nbytes + (segs[0].nbytes if len(segs) == 1 else sum(mv.nbytes for mv in segs))
+            if os.preadv(fd, [hdr, *segs, spare], 0) == want:
+                return InPlace(hdr)  # a regular file ends exactly there (a short read is its end)
+        return _read_odd(fd, path, segs, hdr)
     finally:
         os.close(fd)
+
+
+def _read_hashing(fd: int, seg: memoryview, hdr: memoryview, spare: memoryview,
+                  hasher: Callable[[memoryview], PayloadHasher]) -> InPlace | None:
+    """``_read_into`` of a payload larger than a core's cache: the header and the first
+    block, then block after block (``codec.HASH_BLOCK``, the last with ``spare``), each
+    fed to the digests while it is in cache, so the verifier never reads the page again
+    from memory. None when the object is not of the expected length."""
+    h, n = hdr.nbytes, seg.nbytes
+    at, digests = 0, None
+    while True:
+        block = seg[at:at + HASH_BLOCK]
+        end = at + block.nbytes >= n
+        bufs = [hdr, block] if at == 0 else [block]
+        if end:
+            bufs.append(spare)
+        want = (h if at == 0 else 0) + block.nbytes
+        if os.preadv(fd, bufs, 0 if at == 0 else h + at) != want:
+            return None
+        if digests is None:
+            digests = hasher(hdr)
+        digests.update(block)
+        at += block.nbytes
+        if end:
+            return InPlace(hdr, digests)
+
+
+def _read_odd(fd: int, path: str, segs: list[memoryview], hdr: memoryview) -> InPlace | bytes:
+    """``_read_into`` of an object whose length is not the expected one: a header of
+    another length (an older writer, a checksum that encodes shorter) split off by the
+    file's size, or (too short, too long, not a regular file) what a page and
+    ``MAX_SPLIT_HEADER`` hold of it, whole, for ``decode`` to reject."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise OSError(f"{path} is not a regular file (mode {st.st_mode:o}); refusing to read it")
+    payload = sum(mv.nbytes for mv in segs)
+    hlen = st.st_size - payload
+    if 0 < hlen <= MAX_SPLIT_HEADER:
+        head = hdr if hlen == hdr.nbytes else memoryview(bytearray(hlen))
+        got = _preadv_full(fd, [head, *segs])
+        if got == st.st_size:
+            return InPlace(head)
+        return (bytes(head) + b"".join(segs))[:got]  # shrank under us: decode rejects it
+    buf = bytearray(min(st.st_size, payload + MAX_SPLIT_HEADER + 1))
+    return bytes(buf[:_preadv_full(fd, [memoryview(buf)])])
 
 
 def read_head(fd: int, size: int) -> bytes:

@@ -1,17 +1,17 @@
 """Reads straight into the caller's buffer: the pieces of ``StorageBackend.get_into``.
 
 A backend's ``_raw_get_into`` answers, per key, what ``_raw_get`` answers (``None``,
-an exception, a ``Decoded`` for an object refused unread, or the whole object, which
-the base decodes and copies into the destination once), or ``InPlace(header)``: the payload was read into the destination
-itself and ``header`` holds everything before it (file:// reads both with one
-``preadv``). Verification happens in place, in the backend's thread right after each
-read (``Verifier``, ``verify_into``), while the bytes are still in that core's cache.
+an exception, or the whole object, which the base decodes and copies once), or
+``InPlace(header)``: the payload was read into the destination itself (file:// with one
+``preadv``, redis:// from an MGET) and ``header`` holds what precedes it. Verification
+happens in place, in the backend's thread right after each read (``Verifier``), while
+the bytes are in that core's cache (a large page may be hashed as it lands).
 
 Contract: a destination whose page is reported missing (absent, unreadable, corrupt,
 another layout's, a bad MAC, L3 down) may hold garbage; after a call that timed out,
-a file:// worker may still finish the one page it was reading. Callers treat such a
-page as free space and never expose it; the adapters report it as not loaded and
-zero it (``wipe_unloaded``), and the engines recompute it over that memory.
+a file:// worker may still finish the one page it was reading (``wait_late_reads``).
+Callers treat such a page as free space and never expose it; the adapters report it
+as not loaded and zero it (``wipe_unloaded``), the engines recompute it.
 """
 from __future__ import annotations
 import hmac
@@ -33,9 +33,12 @@ MAX_SPLIT_HEADER = 64 << 10
 
 
 class InPlace(NamedTuple):
-    """The payload lies in the destination; ``header`` is the object's bytes before it."""
+    """The payload lies in the destination; ``header`` is the object's bytes before it.
+    ``hashed``: the payload's digests, fed by the reader as each block landed (None: the
+    verifier hashes the destination)."""
 
     header: Buffer
+    hashed: codec.PayloadHasher | None = None
 
 
 Dest = Buffer | Sequence[Buffer]  # one buffer, or the payload's segments in order (scatter)
@@ -74,18 +77,25 @@ def header_of(fingerprint: str, page_hash: bytes, t: codec.HeaderTemplate, segs:
 
 
 def verify_into(header: Buffer, segs: list[memoryview], page_hash: bytes, fingerprint: str,
-                template: codec.HeaderTemplate, auth_key: bytes = b"") -> ReadStatus | Decoded:
+                template: codec.HeaderTemplate, auth_key: bytes = b"",
+                hashed: codec.PayloadHasher | None = None) -> ReadStatus | Decoded:
     """Verify an object split as ``header`` + the payload already in ``segs``.
 
     Fast path: the header is byte for byte what our writer builds for this
     page and these payload bytes (checksum and, with a key, MAC computed over
-    the destination); compared in constant time. Anything else (an object of an
+    the destination, or fed to ``hashed`` by the reader as they landed); compared
+    in constant time. Anything else (an object of an
     older writer, damage, another layout) is judged by ``codec.decode`` over a
     joined copy, so statuses and reasons are exactly those of ``get``. Returns
     ``ReadStatus.OK`` or the failed ``Decoded``. Never raises on bad data;
     mutates nothing.
     """
-    if hmac.compare_digest(header, codec.header_of_segments(template, page_hash, segs, auth_key)):
+    if hashed is not None:  # ``segs`` were hashed as they landed
+        want = hashed.header(template, page_hash)
+    else:
+        claimed = codec.claimed_checksum(template, page_hash, header) if auth_key else None
+        want = codec.header_of_segments(template, page_hash, segs, auth_key, claimed)
+    if hmac.compare_digest(header, want):
         return ReadStatus.OK
     d = codec.decode(bytes(header) + b"".join(segs), page_hash, fingerprint, template.sizes, auth_key, template)
     # OK here means decode found the payload at the split point, so ``segs`` hold it.
@@ -117,19 +127,29 @@ class Verifier:
     ``None`` or an exception. Called by the backend's workers, any thread; it writes
     only into ``views[i]`` (the copy of an object read whole)."""
 
-    __slots__ = ("keys", "views", "fingerprint", "template", "auth_key")
+    __slots__ = ("keys", "views", "fingerprint", "template", "auth_key", "header_bytes")
 
     def __init__(self, keys: list[bytes], views: list[list[memoryview]], fingerprint: str,
                  template: codec.HeaderTemplate, auth_key: bytes):
         self.keys, self.views, self.fingerprint = keys, views, fingerprint
         self.template, self.auth_key = template, auth_key
+        # What a reader expects before each payload (``codec.header_bytes``); other lengths
+        # are read and judged too, by a slower path.
+        self.header_bytes = codec.header_bytes(template, bool(auth_key))
+
+    def hasher(self, i: int, header: Buffer) -> codec.PayloadHasher:
+        """Digests for page ``i``'s payload, for a reader that hashes each block as it lands
+        (``InPlace(header, hasher)``); ``header`` is the object's, read first."""
+        claimed = codec.claimed_checksum(self.template, self.keys[i], header) if self.auth_key else None
+        return codec.PayloadHasher(self.auth_key, self.template.sizes.total, claimed)
 
     def __call__(self, i: int, obj: object) -> ReadStatus | Decoded | BaseException | None:
-        if obj is None or isinstance(obj, (BaseException, Decoded)):  # a Decoded: refused unread
+        if obj is None or isinstance(obj, BaseException):
             return obj
         segs = self.views[i]
         if isinstance(obj, InPlace):
-            return verify_into(obj.header, segs, self.keys[i], self.fingerprint, self.template, self.auth_key)
+            return verify_into(obj.header, segs, self.keys[i], self.fingerprint, self.template, self.auth_key,
+                               obj.hashed)
         # The whole object (too short or too odd to split): decoded, then one copy.
         d = codec.decode(obj, self.keys[i], self.fingerprint, self.template.sizes, self.auth_key, self.template)
         if d.status is not ReadStatus.OK:

@@ -3,7 +3,9 @@
 
 Every batch is one non-transactional pipeline (one round trip per server).
 A page is SET as ``FramedValue(header, payload)`` so the payload is sent
-without being joined to its header (see ``redis_wire``).
+without being joined to its header (see ``redis_wire``). ``get_into`` (one
+server) sends MGETs whose values land in the caller's buffers and are verified
+by the thread that received them, a large batch split over connections.
 Timeouts: ``socket_timeout`` and ``socket_connect_timeout`` are
 ``timeout_ms``; a failed attempt is retried ``max_retries`` times by redis-py's
 ``Retry`` with ``EqualJitterBackoff`` (capped at ``timeout_ms``), so the worst
@@ -20,6 +22,7 @@ URL forms::
 """
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import threading
@@ -43,6 +46,8 @@ from hicache.storage.capacity import StorageOptions
 from hicache.storage.into import PutBatch
 from hicache.storage.capacity import StorageUsage
 from hicache.storage.codec import Buffer
+from hicache.storage.health import LoadFactor
+from hicache.storage.into import MAX_SPLIT_HEADER, InPlace, Verifier
 from hicache.storage.redis_wire import FramedConnection, FramedSSLConnection, FramedValue
 
 
@@ -64,6 +69,48 @@ OVERLAP_MIN_CPUS = 4
 LAZY_GROUP_BYTES = 1 << 20
 
 
+# get_into: a batch of at least READ_SPLIT_BYTES of payload per connection is split among
+# up to READ_PARTS connections (one thread each), each receiving and verifying its pages;
+# one MGET carries at most MGET_BYTES of payload (Redis builds each reply whole).
+READ_PARTS = 4
+READ_SPLIT_BYTES = 2 << 20
+MGET_BYTES = 16 << 20
+
+
+class _PageSink:
+    """Where one MGET's values land: value ``j`` is page ``idx[j]``, received as its header
+    (``verify.header_bytes``, or whatever precedes the payload) then straight into its
+    destination's segments, and judged by ``verify`` as soon as it has landed. A value of
+    an odd length is received whole, at most a page and ``MAX_SPLIT_HEADER`` of it, for
+    ``decode`` to reject. Used by one thread."""
+
+    __slots__ = ("idx", "dests", "verify", "hdr", "head", "odd", "payload")
+
+    def __init__(self, idx: range, dests: list[list[memoryview]], verify: Verifier):
+        self.idx, self.dests, self.verify = idx, dests, verify
+        self.hdr = memoryview(bytearray(verify.header_bytes))
+        self.payload = sum(mv.nbytes for mv in dests[idx.start]) if idx else 0
+        self.head = self.hdr  # where the value being received puts what precedes its payload
+        self.odd: memoryview | None = None  # the buffer of the value being received whole
+
+    def buffers(self, j: int, n: int) -> list[memoryview]:
+        hlen = n - self.payload
+        if 0 < hlen <= MAX_SPLIT_HEADER:
+            self.odd = None
+            self.head = self.hdr if hlen == self.hdr.nbytes else memoryview(bytearray(hlen))
+            return [self.head, *self.dests[self.idx[j]]]
+        self.odd = memoryview(bytearray(min(n, self.payload + MAX_SPLIT_HEADER + 1)))
+        return [self.odd]
+
+    def landed(self, j: int, n: int | None | BaseException) -> Any:
+        i = self.idx[j]
+        if n is None or isinstance(n, BaseException):
+            return self.verify(i, n)
+        if self.odd is not None:
+            return self.verify(i, bytes(self.odd))
+        return self.verify(i, InPlace(self.head))
+
+
 def _usable_cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -80,6 +127,7 @@ class RedisBackend(StorageBackend):
     """
 
     scheme = "redis"
+    DIRECT_IO = True  # MGET values land in the caller's rows (redis_wire); put_new is SET NX
     OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, RedisClusterException,
                      OSError)
     CALL_ERRORS = (RedisError,)
@@ -92,6 +140,8 @@ class RedisBackend(StorageBackend):
         self._make_client = make_client
         self._client_obj: Any = None
         self._hash_pool: ThreadPoolExecutor | None = None  # checksum helper for large puts, made on first use
+        self._read_pool: ThreadPoolExecutor | None = None  # get_into's extra reading threads, made on first use
+        self._load = LoadFactor()
         self._memory_checked = False  # the first successful put reads INFO memory once (maxmemory warning)
         self._mu = threading.Lock()
 
@@ -143,8 +193,8 @@ class RedisBackend(StorageBackend):
         return c
 
     # ------------------------------------------------------------- primitives
-    def _raw_put(self, items: PutBatch) -> list[bool | BaseException]:
-        out = self._put_all(items)
+    def _raw_put(self, items: PutBatch, nx: bool = False) -> list[bool | BaseException | None]:
+        out = self._put_all(items, nx)
         if not self._memory_checked:
             self._memory_checked = True
             try:
@@ -153,12 +203,15 @@ class RedisBackend(StorageBackend):
                 self._warnings.once("info", "L3 %s: INFO memory failed (%s); cannot check maxmemory", self.name, e)
         return out
 
-    def _put_all(self, items: PutBatch) -> list[bool | BaseException]:
+    def _raw_put_new(self, items: PutBatch) -> list[bool | BaseException | None]:
+        return self._raw_put(items, nx=True)
+
+    def _put_all(self, items: PutBatch, nx: bool = False) -> list[bool | BaseException | None]:
         chunks = _put_chunks(items) if self.overlap_checksums else None
         if chunks is None:
             # One pipeline; headers are built (checksums read) group by group just
             # before the group is sent, so the send reads the payloads from cache.
-            return self._put_pipeline(items, range(len(items)), lazy=True)
+            return self._put_pipeline(items, range(len(items)), nx, lazy=True)
         # Checksum chunk j+1 on the helper thread while chunk j is on the wire:
         # sendall releases the GIL, so the two run on two cores. Headers are
         # built once (PutBatch caches them) and only by the helper.
@@ -168,19 +221,25 @@ class RedisBackend(StorageBackend):
         try:
             for c, f in zip(chunks, futs):
                 f.result()
-                out += self._put_pipeline(items, c)
+                out += self._put_pipeline(items, c, nx)
         finally:
             for f in futs:
                 f.cancel()  # after an outage: no hashing for chunks that will not be sent
         return out
 
-    def _put_pipeline(self, items: PutBatch, idx: range, lazy: bool = False) -> list[bool | BaseException]:
+    def _put_pipeline(self, items: PutBatch, idx: range, nx: bool,
+                      lazy: bool = False) -> list[bool | BaseException | None]:
+        """SET each page (``nx``: SET NX, None where the key was present); p.set() minus its option parsing."""
         p = self._pipe()
         for i in idx:
             k, payload = items.key_payload(i)
             hdr = partial(items.header_ahead, i, LAZY_GROUP_BYTES) if lazy else items.header(i)
-            p.execute_command("SET", k, FramedValue(hdr, payload))  # p.set() minus its option parsing
-        return [r if isinstance(r, BaseException) else bool(r) for r in p.execute(raise_on_error=False)]
+            if nx:
+                p.execute_command("SET", k, FramedValue(hdr, payload), "NX")
+            else:
+                p.execute_command("SET", k, FramedValue(hdr, payload))
+        return [r if isinstance(r, BaseException) else None if (nx and r is None) else bool(r)
+                for r in p.execute(raise_on_error=False)]
 
     def _hasher(self) -> ThreadPoolExecutor:
         with self._mu:
@@ -195,6 +254,44 @@ class RedisBackend(StorageBackend):
         for k in keys:
             p.execute_command("GET", k, NEVER_DECODE=[])
         return p.execute(raise_on_error=False)
+
+    def _raw_get_into(self, keys: list[bytes], dests: list[list[memoryview]], verify: Verifier) -> list[Any]:
+        """MGETs whose values land in ``dests`` (``redis_wire``'s ``read_into``), each page
+        verified by the thread that received it; a batch of large pages is split among
+        connections, one thread each (the caller's the first), all finished before this returns."""
+        n = len(keys)
+        payload = sum(mv.nbytes for mv in dests[0]) if n else 0
+        k = max(1, min(READ_PARTS, n, payload * n // READ_SPLIT_BYTES, int(_usable_cpus() / self._load())))
+        parts = [range(n * j // k, n * (j + 1) // k) for j in range(k)]
+        futs = [self._readers().submit(self._mget_into, keys, idx, dests, verify) for idx in parts[1:]]
+        try:
+            first = self._mget_into(keys, parts[0], dests, verify)
+        finally:
+            concurrent.futures.wait(futs)  # no part may still write into dests once this returns
+        return first + [x for f in futs for x in f.result()]
+
+    def _mget_into(self, keys: list[bytes], idx: range, dests: list[list[memoryview]], verify: Verifier) -> list[Any]:
+        """Pages ``idx`` on one connection: MGETs of at most ``MGET_BYTES`` of payload, pipelined."""
+        per = max(1, MGET_BYTES // max(1, sum(mv.nbytes for mv in dests[idx.start]))) if idx else 1
+        chunks = [range(a, min(a + per, idx.stop)) for a in range(idx.start, idx.stop, per)]
+        pool = self._client().connection_pool
+        conn = pool.get_connection()
+        try:
+            if not conn.reads_into:  # RESP3 asked for: whole values, each verified then copied
+                return [verify(i, v) for i, v in zip(idx, self._raw_get([keys[i] for i in idx]))]
+
+            def attempt() -> list[Any]:
+                conn.send_packed_command(conn.pack_commands([("MGET", *(keys[i] for i in c)) for c in chunks]))
+                return [x for c in chunks for x in conn.read_into(_PageSink(c, dests, verify))]
+            return conn.retry.call_with_retry(attempt, lambda _e: conn.disconnect())
+        finally:
+            pool.release(conn)
+
+    def _readers(self) -> ThreadPoolExecutor:
+        with self._mu:
+            if self._read_pool is None:
+                self._read_pool = ThreadPoolExecutor(READ_PARTS - 1, thread_name_prefix=f"hicache-l3-read-{self.name}")
+            return self._read_pool
 
     def _raw_exists(self, keys: list[bytes]) -> list[bool]:
         p = self._pipe()
@@ -237,8 +334,10 @@ class RedisBackend(StorageBackend):
         with self._mu:
             c, self._client_obj = self._client_obj, None
             pool, self._hash_pool = self._hash_pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+            readers, self._read_pool = self._read_pool, None
+        for p in (pool, readers):
+            if p is not None:
+                p.shutdown(wait=True)
         if c is not None:
             c.close()
 
@@ -279,6 +378,7 @@ class RedisClusterBackend(RedisBackend):
     a batch's commands by node (one round trip per node)."""
 
     scheme = "redis+cluster"
+    DIRECT_IO = False  # an MGET spans one hash slot: gets are pipelined GETs, verified, then copied
 
     @classmethod
     def from_url(cls, url: str, options: StorageOptions, **cluster_kwargs: Any) -> "RedisClusterBackend":

@@ -23,12 +23,16 @@ disable_decoding=True)``): only those bulk replies come back as a
 which the backends ask for (``protocol=2``; redis-py 8 defaults to RESP3,
 whose push messages an L3 of GET/SET does not use); a URL or caller that sets
 ``protocol=3`` gets redis-py's own parser.
+
+``FramedConnection.read_into(sink)`` reads one array reply (an MGET's) with each value
+received straight into buffers the ``ValueSink`` names (a page's header buffer and its
+L2 destination) and judged by the sink as soon as it has landed.
 """
 from __future__ import annotations
 
 import socket
 import ssl
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from redis._parsers import BaseParser
 from redis.connection import Connection, Encoder, HiredisRespSerializer, PythonRespSerializer, SSLConnection
@@ -95,6 +99,17 @@ class FramedPacker:
         return out
 
 
+class ValueSink(Protocol):
+    """Where ``FramedConnection.read_into`` puts the values of one array reply (an MGET's)."""
+
+    def buffers(self, i: int, n: int) -> Sequence[memoryview]:
+        """Buffers to receive value ``i`` (``n`` bytes) into, in order; they may hold less."""
+
+    def landed(self, i: int, n: int | None | BaseException) -> Any:
+        """Value ``i`` is in its buffers (``n``: its length), nil (None), or an error
+        reply; what this returns is the reply's element ``i``."""
+
+
 class DirectReplyParser(BaseParser):
     """RESP2 reply parser; undecoded bulk replies are received into their own
     ``bytearray`` with no intermediate copy (see the module docstring).
@@ -112,6 +127,7 @@ class DirectReplyParser(BaseParser):
         self.encoder = None
         self._buf = bytearray(self._read_size)  # pending bytes are _buf[_start:_end]
         self._start = self._end = 0
+        self.sink: ValueSink | None = None  # set by FramedConnection.read_into for one array reply
 
     def on_connect(self, connection) -> None:
         self._sock = connection._sock
@@ -181,27 +197,64 @@ class DirectReplyParser(BaseParser):
     def _bulk_into(self, n: int, timeout: object) -> bytearray:
         """The next ``n`` bytes in a new buffer: what is pending, then straight from the socket."""
         out = bytearray(n)
-        have = min(n, self._end - self._start)
-        out[:have] = self._buf[self._start:self._start + have]
-        self._start += have
-        if have < n:
-            sock = self._sock
-            if sock is None:
-                raise ConnectionError(_CLOSED)
-            custom = timeout is not _SENTINEL
-            if custom:
-                sock.settimeout(timeout)
-            try:
-                with memoryview(out) as mv:
-                    while have < n:
-                        got = sock.recv_into(mv[have:])
-                        if not got:
-                            raise ConnectionError(_CLOSED)
-                        have += got
-            finally:
-                if custom:
-                    sock.settimeout(self._timeout)
+        with memoryview(out) as mv:
+            self._fill(mv, timeout)
         return out
+
+    def _fill(self, mv: memoryview, timeout: object) -> None:
+        """Fill ``mv`` with the next bytes of the stream: what is pending, then straight
+        from the socket (no copy between)."""
+        n = mv.nbytes
+        have = min(n, self._end - self._start)
+        mv[:have] = self._buf[self._start:self._start + have]
+        self._start += have
+        if have == n:
+            return
+        sock = self._sock
+        if sock is None:
+            raise ConnectionError(_CLOSED)
+        custom = timeout is not _SENTINEL
+        if custom:
+            sock.settimeout(timeout)
+        try:
+            while have < n:
+                got = sock.recv_into(mv[have:])
+                if not got:
+                    raise ConnectionError(_CLOSED)
+                have += got
+        finally:
+            if custom:
+                sock.settimeout(self._timeout)
+
+    def _value_into(self, sink: "ValueSink", i: int, timeout: object):
+        """Element ``i`` of an array reply handed to ``sink``: a bulk value received into
+        the buffers ``sink.buffers(i, n)`` gives (bytes past them are read and dropped),
+        then ``sink.landed(i, n)``; a nil is ``landed(i, None)``, an error reply
+        ``landed(i, error)``."""
+        raw = self._line(timeout)
+        kind = raw[:1]
+        if kind == b"$":
+            n = _int(raw)
+            if n < 0:
+                return sink.landed(i, None)
+            left = n
+            for mv in sink.buffers(i, n):
+                take = min(left, mv.nbytes)
+                self._fill(mv[:take], timeout)
+                left -= take
+            while left:  # a value longer than anything we asked for: read and dropped
+                with memoryview(bytearray(min(left, 1 << 20))) as scratch:
+                    self._fill(scratch, timeout)
+                    left -= scratch.nbytes
+            if self._take(2, timeout) != _CRLF:
+                raise InvalidResponse(f"Protocol Error: bulk string of {n} bytes is not followed by CRLF")
+            return sink.landed(i, n)
+        if kind == b"-":
+            error = self.parse_error(raw[1:].decode("utf-8", errors="replace"))
+            if isinstance(error, ConnectionError):
+                raise error
+            return sink.landed(i, error)
+        raise InvalidResponse(f"Protocol Error: {raw[:100]!r} where an array element was expected")
 
     def read_response(self, disable_decoding: bool = False, timeout: object = _SENTINEL):
         if self._buf.startswith(_OK, self._start, self._end):  # a put's replies
@@ -233,6 +286,9 @@ class DirectReplyParser(BaseParser):
             n = _int(raw)
             if n < 0:
                 return None
+            sink, self.sink = self.sink, None  # the elements of this reply only
+            if sink is not None:
+                return [self._value_into(sink, i, timeout) for i in range(n)]
             return [self.read_response(disable_decoding, timeout) for _ in range(n)]
         raise InvalidResponse(f"Protocol Error: {raw!r}")
 
@@ -261,9 +317,29 @@ class _Framed:
     sends it (it iterates what ``pack_commands`` returns), so each page's
     header is built right before that page is sent. Small pieces are joined
     as redis-py joins them; an exception while building disconnects, as any
-    failure in the middle of a send does."""
+    failure in the middle of a send does. ``read_into`` receives an MGET's
+    values straight into the caller's buffers."""
 
     _buffer_cutoff: int
+
+    @property
+    def reads_into(self) -> bool:
+        """Whether ``read_into`` works here: replies parsed by ``DirectReplyParser`` (RESP2)."""
+        return isinstance(self._parser, DirectReplyParser)  # type: ignore[attr-defined]
+
+    def read_into(self, sink: ValueSink) -> list:
+        """The next reply, an array whose values go where ``sink`` says, read by redis-py's
+        ``read_response`` (its timeouts, errors and disconnects). Raises ``TypeError`` when
+        this connection parses with redis-py's own parser (``protocol=3``: see ``reads_into``)."""
+        parser = self._parser  # type: ignore[attr-defined]  (redis-py's Connection sets it)
+        if not isinstance(parser, DirectReplyParser):
+            raise TypeError(f"{type(self).__name__} parses replies with {type(parser).__name__}, "
+                            "not DirectReplyParser (protocol=3?)")
+        parser.sink = sink
+        try:
+            return self.read_response(disable_decoding=True)  # type: ignore[attr-defined]
+        finally:
+            parser.sink = None
 
     def pack_commands(self, commands):
         commands = list(commands)

@@ -11,7 +11,8 @@ from hicache.tiers.host_states import HostPageState, HostPageStates, enabled_by_
 from hicache.index.node import Node
 from hicache.core.stats import TierMoveStats
 from hicache.index.request import MatchResult
-from hicache.transfer.plans import BackupPlan, LoadPlan, LoadRequest, PrefetchPlan, StorePlan
+from hicache.transfer.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan
+from hicache.tiers.holds import LoadRequest
 from hicache.tiers.groups import GroupPlan, GroupTiers
 from hicache.core.types import DevicePageId, HostPageId, PageHash
 
@@ -255,6 +256,37 @@ class TierManager:
         self.cache.dec_lock(plan.last)
         if not ok:
             self.stats.transfer_errors += 1
+
+    # ------------------------------------------------ L1 owned by an engine
+    # The connector's movements: the engine's blocks are L1 (the index holds no L1 ids), so
+    # they are keyed by prefix and page range; the blocks travel in the connector's plans.
+    def pin_host(self, m: MatchResult, end_page: int) -> Node:
+        """Pin on L2 the pages of ``m``'s host hit up to page ``end_page`` (a load from L2,
+        or the prefix a save continues) until ``unpin_host``; returns the pinned node."""
+        node = cast(Node, m.host_node)
+        anchor = self.cache.tree.split_at(node, end_page - node.start_page)
+        self.cache.inc_host_lock(anchor)
+        return anchor
+
+    def unpin_host(self, node: Node) -> None:
+        self.cache.dec_host_lock(node)
+
+    def index_host(self, key: bytes, namespace: str, first_page: int, host: list[HostPageId], *,
+                   pin: bool) -> tuple[Node | None, list[HostPageId]]:
+        """Index L2 pages ``host`` that an engine's blocks were copied into, continuing page
+        ``first_page`` of ``key``. Returns the node that took them (None: none) and the ids
+        it did not take (duplicates, for the caller to free). ``pin``: the node stays
+        pinned on L2 (an L3 write reads it) until ``complete_engine_store``."""
+        node, unused = self.cache.tree.insert_host(key, namespace, first_page, cast(list[int], host))
+        if pin and node is not None:
+            self.cache.inc_host_lock(node)
+        return node, cast(list[HostPageId], unused)
+
+    def complete_engine_store(self, node: Node, stored: bool) -> None:
+        """Unpin ``node`` after its L3 write; ``stored``: L3 took every page (flag the node)."""
+        if stored:
+            self.cache.tree.set_stored(node)
+        self.cache.dec_host_lock(node)
 
     # ----------------------------------------------------------------- L2 -> L3
     def prepare_store(self, node: Node) -> StorePlan | None:

@@ -17,7 +17,7 @@ from typing import Any, Generator, NamedTuple, TypeVar, Union
 from hicache.index.prefix_cache import PrefixCache
 from hicache.core.errors import IntegrityError, InvalidArgument, OutOfPages
 from hicache.index.node import Node
-from hicache.transfer.inflight import InFlight
+from hicache.tiers.inflight import InFlight
 from hicache.tiers.l2.base import L2Tier
 from hicache.core.config import PolicyConfig
 from hicache.transfer.plans import BackupPlan

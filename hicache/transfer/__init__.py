@@ -1,5 +1,6 @@
 """The worker side: plans of page copies (``plans``), the transfer engine that runs
 them on a CUDA stream or a CPU thread (``engine``), the CUDA-graph layer-wise load
-(``load_graph``), the registry of in-flight jobs (``inflight``), and CP row assembly.
+(``load_graph``) and CP row assembly.
 
-Imports ``core``, ``memory``, ``index`` (node types in plans) and ``hicache.kernels``."""
+Imports ``core``, ``memory``, ``hicache.kernels`` and ``index`` for CP page ownership
+(``cp_assemble``); the plans name the index's nodes in annotations only."""

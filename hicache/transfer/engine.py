@@ -19,7 +19,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -439,11 +439,13 @@ class TransferController:
             n = 0
             t0 = time.perf_counter()
             try:
-                for payload, p in zip(storage.get(list(hashes), sizes), host_pages):
-                    if payload is None:
-                        break
-                    host_pool.write_page(p, payload)
+                # Straight into the L2 pages, verified by the backend's readers (no copy on a
+                # DIRECT_IO store). Pages past a miss may hold garbage: the plan frees them.
+                got = storage.get_into(list(hashes), sizes, [host_pool.page_buffers(p) for p in host_pages])
+                while n < len(got) and got[n]:
                     n += 1
+                if n < len(got):  # a read given up may still land: the pages stay pinned until it has
+                    storage.wait_late_reads()
             except BaseException as e:
                 t.error = e
             t.result = n
@@ -464,19 +466,16 @@ class TransferController:
     def submit(self, plan: Plan) -> JobId:
         """Start the job ``plan`` describes; returns its id (see ``finished``).
         The caller keeps the plan's pages pinned until the result is reported."""
-        if isinstance(plan, BackupPlan):
-            t = self.backup(plan.device, plan.host, plan.group)
-        elif isinstance(plan, LoadPlan):
-            h = self.load_back(plan.host, plan.device, plan.group)
-            self._handles[h.transfer.job] = h
-            t = h.transfer
-        elif isinstance(plan, StorePlan):
-            t = self.storage_put(plan.host, plan.hashes, plan.group)
-        elif isinstance(plan, PrefetchPlan):
-            t = self.storage_get(plan.hashes, plan.host, plan.group)
-        else:
-            raise TypeError(f"cannot submit {plan!r}: not a BackupPlan, LoadPlan, StorePlan or PrefetchPlan")
-        return t.job
+        mover = MOVERS.get(type(plan))
+        if mover is None:
+            raise TypeError(f"cannot submit {plan!r}: no mover for it; registered: "
+                            f"{', '.join(t.__name__ for t in MOVERS)}")
+        return mover(self, plan).job
+
+    def _move_load(self, plan: LoadPlan) -> Transfer:
+        h = self.load_back(plan.host, plan.device, plan.group)
+        self._handles[h.transfer.job] = h
+        return h.transfer
 
     def load_handle(self, job: JobId) -> "LoadHandle":
         """The layer-wise handle of a submitted ``LoadPlan`` (valid until reported finished)."""
@@ -543,3 +542,13 @@ class TransferController:
         self._closed = True
         atexit.unregister(self._exit_hook)
         self._stop_workers(timeout=5)
+
+
+# One mover per (source, destination) medium, keyed by the plan class that names the pair:
+# a new tier adds its plan class and a mover here, not a branch in ``submit``.
+MOVERS: dict[type, Callable[[TransferController, Any], Transfer]] = {
+    BackupPlan: lambda tc, p: tc.backup(p.device, p.host, p.group),  # L1 -> L2
+    LoadPlan: TransferController._move_load,  # L2 -> L1, layer by layer (a LoadHandle)
+    StorePlan: lambda tc, p: tc.storage_put(p.host, p.hashes, p.group),  # L2 -> L3
+    PrefetchPlan: lambda tc, p: tc.storage_get(p.hashes, p.host, p.group),  # L3 -> L2
+}

@@ -43,10 +43,10 @@ def test_no_import_cycles_and_no_upward_imports():
 
 
 def test_layout_by_plane():
-    """Issue 33: few modules directly in hicache/, and no folder imports a plane above it."""
+    """Few modules directly in hicache/, and no folder imports a plane above it (the
+    number of modules is not capped: cohesion decides where code lives)."""
     m = _metrics()
     assert len(m["top_modules"]) <= 10, m["top_modules"]
-    assert m["library_modules"] <= 110, m["library_modules"]  # __init__ not counted
     assert m["folder_upward"] == [], m["folder_upward"]
 
 
@@ -131,3 +131,21 @@ def test_hook_scan_can_fail(tmp_path):
     assert m["hook_params"] == ["hooked.py:2 listener", "hooked.py:2 on_stored"]
     assert m["hook_calls"] == ["hooked.py:5 .listener.pages_stored()", "hooked.py:6 .on_stored()"]
     assert m["closures"] == ["hooked.py:9 on_done=done"] and m["upward_calls"] == 3
+
+
+# The index's structural operations: only the index and the scheduler side of tiering
+# (``TierManager``, the L2 strategies) call them; the caches and the connector ask those.
+TREE_OPERATIONS = {"split_at", "inc_host_lock", "insert_host", "set_stored"}
+
+
+def test_tree_operations_only_in_index_and_tiers():
+    import ast
+    found = []
+    for path in sorted((ROOT / "hicache").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(("hicache/index/", "hicache/tiers/")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in TREE_OPERATIONS:
+                found.append(f"{rel}:{node.lineno} {node.attr}")
+    assert found == [], found

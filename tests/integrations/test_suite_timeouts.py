@@ -17,11 +17,13 @@ import textwrap
 import pytest
 
 from tests.helpers import suite_run
-from tests.integrations import test_sglang_suite, test_vllm_connector_bench, test_vllm_suites
+from tests.integrations import (test_sglang_suite, test_vllm_connector_bench, test_vllm_engine_suite,
+                                test_vllm_suites)
 
 WRAPPERS = [(test_sglang_suite, "test_sglang_suite_passes_in_its_environment", ("redis://x",)),
             (test_vllm_suites, "test_hicache_vllm_integration_tests", ()),
-            (test_vllm_suites, "test_vllm_own_offload_suites", ())]
+            (test_vllm_suites, "test_vllm_own_offload_suites", ()),
+            (test_vllm_engine_suite, "test_vllm_cpu_engine", ("test_engine.py",))]
 
 
 def _pytest_timeout(fn, config) -> float:
@@ -33,6 +35,7 @@ def _fake_env(monkeypatch, tmp_path, run):
     monkeypatch.setattr(test_sglang_suite, "PYTHON", type(test_sglang_suite.PYTHON)(sys.executable))
     monkeypatch.setattr(test_vllm_suites, "PY", type(test_vllm_suites.PY)(sys.executable))
     monkeypatch.setattr(test_vllm_suites, "VLLM_TESTS", tmp_path)
+    monkeypatch.setattr(test_vllm_engine_suite, "PY", type(test_vllm_engine_suite.PY)(sys.executable))
     monkeypatch.setattr(suite_run, "run_suite", run)
 
 

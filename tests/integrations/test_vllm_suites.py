@@ -52,13 +52,13 @@ OWN_SUITES_S = 2400
 MARGIN_S = 60
 
 
-def _run(args: list[str], cwd: pathlib.Path, timeout: int, allow_skips: bool = False) -> None:
+def _run(args: list[str], cwd: pathlib.Path, timeout: int, allow_skips: bool = False, label: str = "") -> None:
     if not PY.exists() or not VLLM_TESTS.is_dir():
         pytest.fail(f"vLLM test environment missing ({PY}, {VLLM_TESTS}): run bash scripts/setup-engines.sh")
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
            "HF_HOME": str(ROOT / ".engines" / "hf")}  # a local config.json for facebook/opt-125m
     out = suite_run.run_suite([str(PY), "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd, env,
-                              timeout, " ".join(args))
+                              timeout, label or " ".join(args))
     tail = out.output[-6000:]
     assert out.returncode == 0, f"{' '.join(args)} exited {out.returncode}:\n{tail}"
     summary = tail.strip().splitlines()[-1] if not out.note else suite_run.summary_line(out.output)
@@ -83,4 +83,4 @@ def test_vllm_own_offload_suites():
     # test, which makes these ~1,000 unit tests take over an hour on 2 cores
     # instead of ~2 minutes. The suites' own conftests (v1/...) are loaded.
     _run([*VLLM_SUITES, *deselect, "--confcutdir=tests/v1", "--timeout=120"], VLLM_TESTS, timeout=OWN_SUITES_S,
-         allow_skips=True)
+         allow_skips=True, label="vLLM's own offload suites")

@@ -236,6 +236,9 @@ def test_a_url_asking_for_resp3_keeps_redis_pys_parser(redis_url):
     keys = page_hashes(list(range(8)), 4)
     assert b.put([(k, b"p" * 70000, [70000]) for k in keys]) == 2
     assert [bytes(x) for x in b.get(keys, [70000])] == [b"p" * 70000] * 2
+    rows = [bytearray(70000) for _ in keys]
+    assert b.get_into(keys, [70000], rows) == [True, True]  # whole values, verified, then copied
+    assert rows == [bytearray(b"p" * 70000)] * 2
     conn = b._client().connection_pool.get_connection()
     assert conn.protocol == 3 and not isinstance(conn._parser, DirectReplyParser)
     b._client().connection_pool.release(conn)

@@ -27,7 +27,8 @@ from hicache.memory.pools import HostPool
 from hicache.tiers.l2.private import PrivateL2
 from hicache.tiers.l2.shared import ServiceHostTier, SharedL2
 from hicache.tiers.manager import TierManager
-from hicache.transfer.plans import BackupPlan, LoadBack, LoadPlan
+from hicache.transfer.plans import BackupPlan, LoadPlan
+from hicache.tiers.holds import LoadBack
 
 
 class L2Tier(Protocol):

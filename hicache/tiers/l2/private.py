@@ -9,7 +9,8 @@ from __future__ import annotations
 from hicache.index.prefix_cache import Request
 from hicache.core.errors import CacheStateError
 from hicache.index.node import Node
-from hicache.transfer.plans import BackupPlan, LoadBack, LoadPlan, LoadRequest
+from hicache.transfer.plans import BackupPlan, LoadPlan
+from hicache.tiers.holds import LoadBack, LoadRequest
 from hicache.memory.pools import HostPool
 from hicache.index.request import MatchResult
 from hicache.tiers.manager import TierManager

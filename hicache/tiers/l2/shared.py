@@ -19,7 +19,8 @@ from hicache.index.request import MatchResult
 from hicache.memory.allocator import PageAllocator
 from hicache.memory.pools import HostPool
 from hicache.tiers.manager import TierManager
-from hicache.transfer.plans import Acquired, BackupPlan, LoadBack, LoadPlan
+from hicache.transfer.plans import BackupPlan, LoadPlan
+from hicache.tiers.holds import Acquired, LoadBack
 
 
 log = logging.getLogger(__name__)

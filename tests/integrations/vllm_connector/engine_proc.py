@@ -15,7 +15,7 @@ from tests.integrations.vllm_connector.harness import BLOCK, Engine, tokens  # n
 
 
 def main(url: str, seed: int, pages: int) -> None:
-    eng = Engine({"storage": {"url": url}})
+    eng = Engine({"storage": {"url": url}, "model": {"model_id": "facebook/opt-125m"}})
     eng.add("a1", tokens(seed, pages * BLOCK + 1))
     eng.run()
     s = eng.core.stats()

@@ -91,10 +91,14 @@ def vllm_tensors(shape: Shape, num_blocks: int, names: list[str], kv_layout: str
 
 
 def connector_config(extra: dict, *, policy: str = "recompute", tokens_per_step: int = 64, **kw):
-    """The VllmConfig of the docs' ``vllm serve`` line (same connector fields)."""
-    return create_vllm_config(kv_connector="HiCacheConnector", kv_connector_module_path=MODULE, kv_role="kv_both",
-                              kv_connector_extra_config=extra, kv_load_failure_policy=policy,
-                              max_num_batched_tokens=tokens_per_step, block_size=BLOCK, **kw)
+    """The VllmConfig of the docs' ``vllm serve`` line (same connector fields), as on a GPU
+    server: FlashAttention (this CPU box would otherwise select CPU_ATTN's block interior)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    cfg = create_vllm_config(kv_connector="HiCacheConnector", kv_connector_module_path=MODULE, kv_role="kv_both",
+                             kv_connector_extra_config=extra, kv_load_failure_policy=policy,
+                             max_num_batched_tokens=tokens_per_step, block_size=BLOCK, **kw)
+    cfg.attention_config.backend = AttentionBackendEnum.FLASH_ATTN
+    return cfg
 
 
 _seeded = False
@@ -211,6 +215,10 @@ class Engine:
         half = u.shape[-1] // 2
         return [u[..., :half], u[..., half:]]
 
+    def _blocks(self, rid: str):
+        """What ``_compute`` and ``check`` address the request's KV by: its blocks (one group)."""
+        return self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+
     def _prefix_seeds(self, req: Request) -> torch.Tensor:
         s = self._seeds.get(req.request_id)
         if s is None or len(s) < req.num_tokens:
@@ -268,7 +276,7 @@ class Engine:
                 for rid, n in so.num_scheduled_tokens.items():
                     req = self.scheduler.requests[rid]
                     end = req.num_computed_tokens
-                    blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+                    blocks = self._blocks(rid)
                     self._compute(req, blocks, end - n, end, rank)
                     if rank == 0:
                         computed.append((req, blocks, end - n, end))
@@ -353,7 +361,7 @@ def l3_object(root, prompt: list[int], page: int):
 
 def host_pins(eng: Engine) -> int:
     """L2 pins the connector holds (0 once idle): its index's, or the service pages its jobs hold."""
-    from hicache.cache.connector_shared import SharedConnectorScheduler
+    from hicache.connector.shared import SharedConnectorScheduler
     if isinstance(eng.core, SharedConnectorScheduler):
         return len(eng.core._held)
     return sum(n.host_lock_ref for n in eng.core.cache.nodes())

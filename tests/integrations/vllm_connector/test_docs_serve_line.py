@@ -34,7 +34,9 @@ def serve_config(tmp_path):
     extra["host_bytes"] = 64 * real_shape("opt-125m").layers * 2 * 12 * 64 * 2 * BLOCK
     rest[i + 1] = json.dumps(kv)
     assert model == "meta-llama/Llama-3.1-8B-Instruct"
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args([*rest, "--model", "facebook/opt-125m"])
+    # A GPU server selects FlashAttention's cells (the harness's tensors); this CPU box would pick CPU_ATTN.
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args([*rest, "--model", "facebook/opt-125m",
+                                                                 "--attention-backend", "FLASH_ATTN"])
     cfg = EngineArgs.from_cli_args(args).create_engine_config()
     assert cfg.kv_transfer_config.kv_connector_module_path == "hicache.integrations.vllm_connector"
     assert cfg.kv_transfer_config.kv_load_failure_policy == "recompute"

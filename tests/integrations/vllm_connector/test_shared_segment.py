@@ -14,7 +14,8 @@ from tests.integrations.service_proc import start_serve, stop_serve
 from tests.integrations.vllm_connector.harness import BLOCK, Engine, tokens
 from tests.integrations.vllm_connector.test_scheduler_path import finish_idle
 
-# What HiCacheConnector derives from the harness's toy KV cache config (the service checks it).
+# What HiCacheConnector derives from the harness's toy KV cache config (the service checks it);
+# both sides name the model (model.model_id), as docs/vllm-connector.md tells a node's operator.
 LAYOUT = KVLayout("facebook/opt-125m", 2, num_kv_heads=2, head_dim=8, dtype="float16", page_size=BLOCK)
 
 
@@ -24,7 +25,7 @@ def test_two_engine_processes_share_one_copy_per_page():
         proc = subprocess.run([sys.executable, str(pathlib.Path(__file__).with_name("engine_proc.py")), serve.url,
                                "70", "4"], capture_output=True, text=True, timeout=300, env=os.environ)
         assert proc.returncode == 0 and "saved 4" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
-        eng = Engine({"load": "layerwise", "storage": {"url": serve.url}})
+        eng = Engine({"load": "layerwise", "storage": {"url": serve.url}, "model": {"model_id": LAYOUT.model_id}})
         p = tokens(70, 4 * BLOCK + 1)
         eng.add("b1", p)
         eng.run()

@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_transfer_state import (
 from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
-from hicache.cache.connector_plan import StepPlan
+from hicache.connector.plan import StepPlan
 from hicache.integrations.vllm_connector import HiCacheConnector, HiCacheConnectorMetadata
 from tests.integrations.vllm_connector.harness import TOY, connector_config, kv_cache_config, vllm_tensors
 

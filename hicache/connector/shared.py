@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from hicache.cache.connector import ConnectorJobs, Hit, _event_fields, _Load, _Save
-from hicache.cache.connector_plan import L2
-from hicache.cache.connector_plan import LoadSpec, SaveSpec
+from hicache.connector.scheduler import ConnectorJobs, Hit, _event_fields, _Load, _Save
+from hicache.connector.plan import L2
+from hicache.connector.plan import LoadSpec, SaveSpec
 from hicache.core.errors import CacheStateError, IntegrityError
 from hicache.core.layout import KVLayout
 from hicache.index.prefix_cache import as_key
@@ -46,45 +46,47 @@ class SharedConnectorScheduler(ConnectorJobs):
     def host_pages(self) -> int:
         return self.link.pool.num_pages
 
-    def lookup(self, rid: str, tokens, engine_hit: int, namespace: str = "") -> Hit:
+    def lookup(self, rid: str, tokens, engine_hit: int, namespace: str = "", key: bytes | None = None) -> Hit:
         """Page-floored tokens beyond ``engine_hit`` the segment holds (after letting the
-        service fetch from its L3 for ``fetch_wait_ms``); at least one token stays."""
+        service fetch from its L3 for ``fetch_wait_ms``); at least one token stays.
+        ``key``: as ``ConnectorScheduler.lookup``."""
         self._lookups += 1
         ps = self.page_size
-        key = as_key(tokens)
+        key = as_key(tokens) if key is None else key
         cap = max(0, len(key) // 4 - 1) // ps
         first = engine_hit // ps
         if cap <= first:
             return self._decide(rid, engine_hit, 0, 0)
         link = self.link
-        hashes = self._hashes(key, namespace, cap)
+        hashes = self.page_hashes(key, namespace, cap)
         got = link.call(link.client.fetch, hashes, self.fetch_wait_ms)
         return self._decide(rid, engine_hit, max(0, (got.num_pages if got else 0) - first), 0)
 
     def allocated(self, rid: str, tokens, block_ids, num_external: int, namespace: str = "",
-                  keys=()) -> LoadSpec | None:
+                  keys=(), key: bytes | None = None) -> LoadSpec | None:
         """Acquire the segment pages for ``num_external`` tokens of the last lookup (the
         service may hand fewer: the rest are queued as missing)."""
         span = self._allocated_span(rid, num_external)
         if span is None:
             return None
         hit, first, end = span
-        hashes = self._hashes(as_key(tokens), namespace, end)[first:end]
+        hashes = self.page_hashes(as_key(tokens) if key is None else key, namespace, end)[first:end]
         link = self.link
         pages = link.call(link.client.acquire, hashes, default=[])
-        spec = LoadSpec(self._job(), rid, tuple(int(b) for b in block_ids[first:end]), tuple(pages),
+        spec = LoadSpec(self.new_job(), rid, tuple(int(b) for b in block_ids[first:end]), tuple(pages),
                         layerwise=not hit.is_async)
         self._held[spec.job] = _Shared(hashes[:len(pages)])
         return self._queue_load(rid, _Load(rid, spec, None, None))
 
-    def finished(self, rid: str, tokens, computed_tokens: int, block_ids, namespace: str = "", keys=()) -> bool:
+    def finished(self, rid: str, tokens, computed_tokens: int, block_ids, namespace: str = "", keys=(),
+                 key: bytes | None = None) -> bool:
         """Reserve segment pages for the computed full pages the segment lacks; True: the
         engine keeps the blocks until the workers copied them."""
-        key, n = self._saveable(rid, tokens, computed_tokens, block_ids)
+        key, n = self._saveable(rid, tokens, computed_tokens, block_ids, key)
         if n == 0:
             return False
         link = self.link
-        hashes = self._hashes(key, namespace, n)
+        hashes = self.page_hashes(key, namespace, n)
         found = link.call(link.client.lookup, hashes)
         if found is None:  # the service is away: nothing to save into
             self._c["save_dropped"] += n
@@ -96,7 +98,7 @@ class SharedConnectorScheduler(ConnectorJobs):
         if not pages:
             self._c["save_dropped"] += n - have
             return False
-        spec = SaveSpec(self._job(), rid, tuple(int(b) for b in block_ids[have:n]), tuple(pages))
+        spec = SaveSpec(self.new_job(), rid, tuple(int(b) for b in block_ids[have:n]), tuple(pages))
         ev_keys, ev_parent, ev_tokens = _event_fields(keys, tokens, have, n, self.page_size)
         self._saves[spec.job] = _Save(rid, spec, b"", namespace, have, None, keys=ev_keys, parent=ev_parent,
                                       tokens=ev_tokens)

@@ -1,4 +1,4 @@
-"""The connector's vLLM-free core (hicache.cache.connector*): the scheduler half and the
+"""The connector's vLLM-free core (hicache.connector): the scheduler half and the
 worker half talking through plain-data plans, over KV tensors laid out as vLLM 0.33
 allocates them (``memory.paged_kv.vllm_kv_caches``), without vLLM. On CPU here; the
 ``gpu`` variant runs the same on CUDA tensors, a pinned L2 and the Triton copy kernels."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.cache.connector import ConnectorScheduler
-from hicache.cache.connector_plan import WorkerStep
-from hicache.cache.connector_worker import ConnectorWorker
+from hicache.connector.scheduler import ConnectorScheduler
+from hicache.connector.plan import WorkerStep
+from hicache.connector.worker import ConnectorWorker
 from hicache.core.shapes import model_shape
 from hicache.memory.paged_kv import adopt_paged_kv, vllm_kv_caches
 from hicache.storage import open_storage
@@ -127,7 +127,7 @@ def _hash_hex(tokens, page: int) -> str:
 def test_a_fast_ranks_l3_report_before_a_slow_ranks_copy_report(tmp_path):
     """TP: rank 0 copied and stored to L3 before rank 1 finished copying (one step's reports,
     or across steps): the save completes in order and indexes its pages once."""
-    from hicache.cache.connector_plan import JobKind, JobReport
+    from hicache.connector.plan import JobKind, JobReport
     layout = layout_of("llama-3.1-8b", layers=2)
     sched = ConnectorScheduler(layout, 8, ranks=2, storage=open_storage(
         f"file://{tmp_path}", fingerprint=layout.fingerprint(), layout=layout))

@@ -3,8 +3,8 @@ them, the page events they log, and the settings both are built from.
 
 Plain data only (ints, bytes, tuples): an engine may run the two halves in
 different processes and pickle these. The scheduler half
-(``hicache.cache.connector``) builds one ``StepPlan`` per engine step; every
-worker (TP rank) runs it (``hicache.cache.connector_worker``) and answers with
+(``hicache.connector.scheduler``) builds one ``StepPlan`` per engine step; every
+worker (TP rank) runs it (``hicache.connector.worker``) and answers with
 ``JobReport`` s, which the scheduler half completes once every rank reported.
 Page ``i`` of a spec is block ``blocks[i]`` of the engine's KV tensors (page id
 == block id) and L2 page ``host[i]`` of every rank's host pool.
@@ -43,6 +43,7 @@ class LoadSpec:
     l3_host: tuple[int, ...] = ()  # L2 pages reserved for the L3 part (the next len(l3_host) blocks)
     l3_hashes: tuple[bytes, ...] = ()  # the L3 keys of that part
     layerwise: bool = False  # True: the forward of this step waits per layer; False: loads between steps
+    group: int = 0  # the engine's KV cache group whose blocks these are (its own worker and L2)
 
     @property
     def missing(self) -> tuple[int, ...]:
@@ -59,6 +60,7 @@ class SaveSpec:
     blocks: tuple[int, ...]
     host: tuple[int, ...]
     hashes: tuple[bytes, ...] = ()  # L3 keys, one per page (() : no L3)
+    group: int = 0  # the engine's KV cache group whose blocks these are (its own worker and L2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +144,7 @@ class ConnectorSettings:
     config: HiCacheConfig
     layerwise: bool = False
     host_bytes: int = 0  # 0: config.pool.host_pages
+    model_id: str = ""  # model.model_id when given: the operator names the model (else the engine derives it)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> "ConnectorSettings":
@@ -164,7 +167,8 @@ class ConnectorSettings:
             raise ConfigError("hicache connector: storage.url='memory://' is one store per process object, so "
                               "the scheduler and the workers would not share it; use file:///dir, redis://, "
                               "or '' for no L3")
-        return cls(cfg, load == "layerwise", host_bytes)
+        named = isinstance(extra.get("model"), Mapping) and "model_id" in extra["model"]
+        return cls(cfg, load == "layerwise", host_bytes, cfg.model.model_id if named else "")
 
     def host_pages(self, layout: KVLayout) -> int:
         """L2 pages of ``layout`` (``host_bytes`` when given); ``ConfigError`` when under one page."""

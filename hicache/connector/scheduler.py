@@ -19,11 +19,12 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from hicache.cache.connector_plan import L2, L3, EventLog, PageEvent
-from hicache.cache.connector_plan import JobKind, JobReport, LoadSpec, SaveSpec, StepPlan
+from hicache.connector.plan import L2, L3, EventLog, PageEvent
+from hicache.connector.plan import JobKind, JobReport, LoadSpec, SaveSpec, StepPlan
 from hicache.core.errors import CacheStateError, ConfigError, IntegrityError
 from hicache.core.hashing import namespace_root, raw_page_hashes
 from hicache.core.layout import KVLayout
+from hicache.core.stats import ConnectorStats
 from hicache.core.types import HostPageId, PageHash
 from hicache.index.node import Node
 from hicache.index.prefix_cache import PrefixCache, as_key
@@ -41,19 +42,6 @@ class Hit(NamedTuple):
     l3_tokens: int  # from L3, continuing the L2 part
     is_async: bool  # the load runs between steps (the request waits for it)
     decision: Decision | None = None  # the cost model's, None when there was nothing to judge
-
-
-class ConnectorStats(NamedTuple):
-    """Counters since start (a snapshot)."""
-
-    lookups: int
-    hit_tokens: dict[str, int]  # tokens admitted for loading, by source ("L2", "L3")
-    loaded_pages: int  # pages that reached engine blocks (every rank)
-    load_error_pages: int  # pages reported to the engine as failed loads (it recomputes them)
-    saved_pages: int  # pages copied to L2 and indexed
-    save_dropped_pages: int  # pages not saved: no L2 room, or a failed copy
-    stored_pages: int  # pages L3 accepted
-    decisions: dict[str, int]  # the cost model's choices (hicache.core.stats.AdmissionStats)
 
 
 @dataclasses.dataclass(slots=True)
@@ -89,7 +77,7 @@ class _Save:
 class ConnectorJobs:
     """What both L2 strategies share: the plan queue, job ids, reports per rank, counters,
     the cost decision and events. Subclasses: ``ConnectorScheduler`` (the connector's own
-    L2, indexed here) and ``hicache.cache.connector_shared.SharedConnectorScheduler``
+    L2, indexed here) and ``hicache.connector.shared.SharedConnectorScheduler``
     (the node service's segment, indexed by the service)."""
 
     storage = None  # an L3 this half probes (None: none, or the service's, behind its L2)
@@ -129,15 +117,43 @@ class ConnectorJobs:
                                   f"of {ps} tokens, at most the hit")
         return hit, engine_hit // ps, (engine_hit + num_external) // ps
 
-    def _saveable(self, rid: str, tokens, computed_tokens: int, block_ids) -> tuple:
+    def _saveable(self, rid: str, tokens, computed_tokens: int, block_ids, key: bytes | None = None) -> tuple:
         """Forget ``rid``'s lookup; ``(key, n)``: its key and how many full pages of its
         ``computed_tokens`` may be saved (0 while its load is in flight: blocks not final)."""
         self._hits.pop(rid, None)
         self._sources.pop(rid, None)
-        key = as_key(tokens)
+        key = as_key(tokens) if key is None else key
         if rid in self._loading:
             return key, 0
-        return key, min(computed_tokens, len(key) // 4, len(block_ids) * self.page_size) // self.page_size
+        return key, self.saveable_pages(tokens, computed_tokens, block_ids)
+
+    def saveable_pages(self, tokens, computed_tokens: int, block_ids) -> int:
+        """Full pages of ``computed_tokens`` the engine's ``block_ids`` hold (what an ending
+        request may save). Pure."""
+        return min(computed_tokens, len(tokens), len(block_ids) * self.page_size) // self.page_size
+
+    def pending_span(self, rid: str, num_external: int) -> tuple[int, int] | None:
+        """The pages ``[first, end)`` an allocation of ``num_external`` tokens for ``rid``'s
+        last lookup covers; None when there is none. Pure."""
+        entry = self._hits.get(rid)
+        if not num_external or entry is None:
+            return None
+        first = entry[1] // self.page_size
+        return first, first + num_external // self.page_size
+
+    def cut_hit(self, rid: str, tokens: int) -> Hit:
+        """Shorten ``rid``'s last lookup to ``tokens`` (whole pages, at most its hit), the L2
+        part first: what a hybrid floor leaves of it."""
+        hit, engine_hit = self._hits[rid]
+        if tokens % self.page_size or not 0 <= tokens <= hit.tokens:
+            raise CacheStateError(f"request {rid!r}: cannot cut a hit of {hit.tokens} tokens to {tokens}")
+        if not tokens:
+            del self._hits[rid]
+            return Hit(0, 0, 0, False, hit.decision)
+        l2 = min(hit.l2_tokens, tokens)
+        cut = Hit(tokens, l2, tokens - l2, bool(tokens - l2) or not self.layerwise, hit.decision)
+        self._hits[rid] = (cut, engine_hit)
+        return cut
 
     def _decide(self, rid: str, engine_hit: int, l2_new: int, l3_new: int) -> Hit:
         """The cost model's verdict on a hit of ``l2_new`` + ``l3_new`` pages beyond ``engine_hit``."""
@@ -154,7 +170,8 @@ class ConnectorJobs:
         self._hits[rid] = (hit, engine_hit)
         return hit if hit.tokens else Hit(0, 0, 0, False, d)
 
-    def _hashes(self, key: bytes, namespace: str, num_pages: int) -> list[PageHash]:
+    def page_hashes(self, key: bytes, namespace: str, num_pages: int) -> list[PageHash]:
+        """The hashes of the first ``num_pages`` pages of ``key`` in ``namespace`` (the L3 keys). Pure."""
         return raw_page_hashes(key[:num_pages * self._ps4], self.page_size, namespace_root(namespace))
 
     def _queue_load(self, rid: str, ld: "_Load") -> LoadSpec:
@@ -184,7 +201,8 @@ class ConnectorJobs:
         that cannot be served are in neither). Pure."""
         return dict(self._sources.get(rid, {}))
 
-    def _job(self) -> int:
+    def new_job(self) -> int:
+        """A job id no other job of this scheduler (or a caller sharing its ids) has."""
         self._next_job += 1
         return self._next_job
 
@@ -225,8 +243,9 @@ class ConnectorJobs:
 
     def stats(self) -> ConnectorStats:
         c = self._c
-        return ConnectorStats(self._lookups, dict(self._hit_tokens), c["loaded"], c["load_errors"], c["saved"],
-                              c["save_dropped"], c["stored"], self.cost.stats.as_dict())
+        pages = dict(loaded_pages=c["loaded"], load_error_pages=c["load_errors"], saved_pages=c["saved"],
+                     save_dropped_pages=c["save_dropped"], stored_pages=c["stored"])
+        return ConnectorStats.of(self._lookups, self._hit_tokens, pages, self.cost.stats)
 
     @property
     def in_flight(self) -> int:
@@ -253,13 +272,15 @@ class ConnectorScheduler(ConnectorJobs):
         self.probe_budget_s = probe_budget_s
 
     # ------------------------------------------------------------- admission
-    def lookup(self, rid: str, tokens, engine_hit: int, namespace: str = "") -> Hit:
+    def lookup(self, rid: str, tokens, engine_hit: int, namespace: str = "", key: bytes | None = None) -> Hit:
         """Page-floored tokens beyond ``engine_hit`` (the engine's own, block-aligned hit)
         that L2, then L3, hold for ``tokens``; at least one token stays to compute.
+        ``key``: the index key when the pages' content is more than their token ids
+        (``hicache.core.hashing.content_key``); every call for ``rid`` passes the same kind.
         Mutates only counters (and probes L3 within ``probe_budget_s``)."""
         self._lookups += 1
         ps = self.page_size
-        key = as_key(tokens)
+        key = as_key(tokens) if key is None else key
         cap = max(0, len(key) // 4 - 1) // ps
         first = engine_hit // ps
         m = self.cache.match(key, namespace, max_tokens=cap * ps)
@@ -267,13 +288,13 @@ class ConnectorScheduler(ConnectorJobs):
         l3 = 0
         room = self._staging_room()
         if self.storage is not None and l2 < cap and room:
-            hashes = self._hashes(key, namespace, cap)
+            hashes = self.page_hashes(key, namespace, cap)
             l3 = min(room, self.storage.prefix_hits(hashes[l2:cap], self.probe_budget_s))
         l2_new, l3_new = max(0, l2 - first), (l3 if l2 >= first else max(0, l2 + l3 - first))
         return self._decide(rid, engine_hit, l2_new, l3_new)
 
     def allocated(self, rid: str, tokens, block_ids, num_external: int, namespace: str = "",
-                  keys=()) -> LoadSpec | None:
+                  keys=(), key: bytes | None = None) -> LoadSpec | None:
         """The engine gave ``rid`` blocks ``block_ids`` (all of its blocks, in order) for
         ``num_external`` tokens of its last ``lookup``: pin the L2 part, reserve L2 for
         the L3 part and queue the load for the next plan. Pages that cannot be
@@ -284,36 +305,35 @@ class ConnectorScheduler(ConnectorJobs):
             return None
         hit, first, end = span
         ps = self.page_size
-        key = as_key(tokens)
+        key = as_key(tokens) if key is None else key
         blocks = tuple(int(b) for b in block_ids[first:end])
         m = self.cache.match(key, namespace, max_tokens=end * ps)
         l2_end = m.host_tokens // ps
         anchor, host = None, ()
         if l2_end > first:
-            node = m.host_node
-            anchor = self.cache.tree.split_at(node, l2_end - node.start_page)
-            self.cache.inc_host_lock(anchor)
+            anchor = self.tiers.pin_host(m, l2_end)
             host = tuple(m.host_pages[first:l2_end])
         prefetch, l3_host, l3_hashes = None, (), ()
         l3_from = max(first, l2_end)
         if l3_from < end and hit.l3_tokens:
-            hashes = self._hashes(key, namespace, end)[l3_from:end]
+            hashes = self.page_hashes(key, namespace, end)[l3_from:end]
             self._evict(len(hashes))
             prefetch = self.tiers.prepare_prefetch(key, namespace, l3_from, hashes)
             if prefetch is not None:
                 l3_host, l3_hashes = tuple(prefetch.host), tuple(hashes)
-        spec = LoadSpec(self._job(), rid, blocks, host, l3_host, l3_hashes, layerwise=not hit.is_async)
+        spec = LoadSpec(self.new_job(), rid, blocks, host, l3_host, l3_hashes, layerwise=not hit.is_async)
         ev = _event_fields(keys, tokens, l3_from, l3_from + len(l3_host), ps)
         return self._queue_load(rid, _Load(rid, spec, anchor, prefetch, *ev))
 
     # ------------------------------------------------------------- storing
-    def finished(self, rid: str, tokens, computed_tokens: int, block_ids, namespace: str = "", keys=()) -> bool:
+    def finished(self, rid: str, tokens, computed_tokens: int, block_ids, namespace: str = "", keys=(),
+                 key: bytes | None = None) -> bool:
         """``rid`` ended (finished, aborted or stopped) holding ``block_ids``: queue a
         save of the full pages of its ``computed_tokens`` that L2 lacks. True: the
         engine must keep the blocks until a worker reports the save finished. A
         request whose load is still in flight saves nothing (its blocks are not final).
         ``keys``: the engine's key of each page (for ``take_events``)."""
-        key, n = self._saveable(rid, tokens, computed_tokens, block_ids)
+        key, n = self._saveable(rid, tokens, computed_tokens, block_ids, key)
         if n == 0:
             return False
         ps = self.page_size
@@ -324,17 +344,16 @@ class ConnectorScheduler(ConnectorJobs):
             return False
         anchor = None
         if have:  # pinned before making room, which must not evict the prefix the save continues
-            anchor = self.cache.tree.split_at(m.host_node, have - m.host_node.start_page)
-            self.cache.inc_host_lock(anchor)
+            anchor = self.tiers.pin_host(m, have)
         self._evict(n - have)
         host = self.tiers.alloc_host(n - have)
         if host is None:
             if anchor is not None:
-                self.cache.dec_host_lock(anchor)
+                self.tiers.unpin_host(anchor)
             self._c["save_dropped"] += n - have
             return False
-        hashes = tuple(self._hashes(key, namespace, n)[have:]) if self.storage is not None else ()
-        job = self._job()
+        hashes = tuple(self.page_hashes(key, namespace, n)[have:]) if self.storage is not None else ()
+        job = self.new_job()
         spec = SaveSpec(job, rid, tuple(int(b) for b in block_ids[have:n]), tuple(host), hashes)
         ev_keys, ev_parent, ev_tokens = _event_fields(keys, tokens, have, n, ps)
         self._saves[job] = _Save(rid, spec, key, namespace, have, anchor, keys=ev_keys, parent=ev_parent,
@@ -347,7 +366,7 @@ class ConnectorScheduler(ConnectorJobs):
         if self._loading.get(ld.rid) == ld.spec.job:
             del self._loading[ld.rid]
         if ld.anchor is not None:
-            self.cache.dec_host_lock(ld.anchor)
+            self.tiers.unpin_host(ld.anchor)
         landed = min(r.pages for r in ld.reports) if all(r.ok for r in ld.reports) else 0
         if ld.prefetch is not None:
             self.tiers.complete_prefetch(ld.prefetch, landed)
@@ -364,10 +383,10 @@ class ConnectorScheduler(ConnectorJobs):
         spec, reports = sv.spec, sv.reports
         sv.reports = []
         ok = all(r.ok for r in reports)
-        node, unused = (self.cache.tree.insert_host(sv.key, sv.namespace, sv.first_page, list(spec.host))
-                        if ok else (None, list(spec.host)))
+        node, unused = (self.tiers.index_host(sv.key, sv.namespace, sv.first_page, list(spec.host),
+                                              pin=bool(spec.hashes)) if ok else (None, list(spec.host)))
         if sv.anchor is not None:
-            self.cache.dec_host_lock(sv.anchor)
+            self.tiers.unpin_host(sv.anchor)
         taken = len(spec.host) - len(unused)
         if taken and node is not None:  # the index took the pages after the duplicates at the front
             k = len(unused)
@@ -379,10 +398,9 @@ class ConnectorScheduler(ConnectorJobs):
             del self._saves[spec.job]
             self._free_host(unused)
             return
-        # Every rank reports the L3 stage too (0 pages where its copy failed).
+        # Every rank reports the L3 stage too (0 pages where its copy failed); the node stays
+        # pinned (index_host) while L3 reads it.
         sv.node, sv.unused, sv.stage = node, unused, JobKind.STORE
-        if node is not None:
-            self.cache.inc_host_lock(node)  # L3 reads these pages until every rank stored them
         sv.reports, sv.early = sv.early, []
         if len(sv.reports) == self.ranks:
             self._complete_store(sv)
@@ -392,10 +410,10 @@ class ConnectorScheduler(ConnectorJobs):
         stored = min(r.pages for r in sv.reports)
         self._c["stored"] += stored
         if sv.node is not None:
-            if stored == len(sv.spec.host) and all(r.ok for r in sv.reports):
-                self.cache.tree.set_stored(sv.node)
+            whole = stored == len(sv.spec.host) and all(r.ok for r in sv.reports)
+            self.tiers.complete_engine_store(sv.node, whole)
+            if whole:
                 self.events.stored(L3, sv.keys, sv.parent, sv.tokens)
-            self.cache.dec_host_lock(sv.node)
         self._free_host(sv.unused)
 
     def _staging_room(self) -> int:

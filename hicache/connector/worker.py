@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from hicache.cache.connector_plan import JobKind, JobReport, LoadSpec, SaveSpec, StepPlan, WorkerStep
+from hicache.connector.plan import JobKind, JobReport, LoadSpec, SaveSpec, StepPlan, WorkerStep
 from hicache.core.errors import CacheStateError, IntegrityError
 from hicache.core.layout import KVLayout
 from hicache.memory.pools import DevicePool, HostPool
@@ -206,3 +206,67 @@ class ConnectorWorker:
             self.storage.close()
         if self.link is not None:
             self.link.close()
+
+
+class GroupWorkers:
+    """One rank's movers for an engine with several KV cache groups: a ``ConnectorWorker``
+    per group (its layers' blocks, its own L2), each running the specs of its group. A
+    request's load or save is reported to the engine once every group's part finished."""
+
+    def __init__(self, workers: dict[int, ConnectorWorker]):
+        """``workers``: the engine's group index -> that group's worker."""
+        self.workers = workers
+        self._loads: dict[str, set[int]] = {}  # rid -> groups whose asynchronous load has not finished
+        self._saves: dict[str, set[int]] = {}  # rid -> groups whose save has not been reported sent
+
+    def start(self, plan: StepPlan) -> None:
+        for g, w in self.workers.items():
+            w.start(StepPlan(tuple(s for s in plan.loads if s.group == g), tuple(s for s in plan.saves if s.group == g)))
+        for s in plan.loads:
+            if not s.layerwise:
+                self._loads.setdefault(s.rid, set()).add(s.group)
+        for s in plan.saves:
+            self._saves.setdefault(s.rid, set()).add(s.group)
+        unknown = {s.group for s in (*plan.loads, *plan.saves)} - self.workers.keys()
+        if unknown:
+            raise CacheStateError(f"a plan for KV cache groups {sorted(unknown)}; this rank has {sorted(self.workers)}")
+
+    def wait_layer(self, group: int, layer: int) -> None:
+        """Before attention of ``layer`` (the group's own numbering) of ``group``."""
+        self.workers[group].wait_layer(layer)
+
+    def finish_step(self, ended: set[str] | frozenset[str] = frozenset()) -> WorkerStep:
+        out = WorkerStep()
+        for g, w in self.workers.items():
+            step = w.finish_step(ended)
+            out.load_errors |= step.load_errors
+            out.reports += step.reports
+            out.finished_loads |= self._settle(self._loads, step.finished_loads, g)
+            out.finished_saves |= self._settle(self._saves, step.finished_saves, g)
+        return out
+
+    @staticmethod
+    def _settle(pending: dict[str, set[int]], done: set[str], group: int) -> set[str]:
+        """Requests whose last pending group just finished."""
+        out = set()
+        for rid in done:
+            left = pending.get(rid)
+            if left is None:
+                continue
+            left.discard(group)
+            if not left:
+                del pending[rid]
+                out.add(rid)
+        return out
+
+    @property
+    def in_flight(self) -> int:
+        return sum(w.in_flight for w in self.workers.values())
+
+    def check_integrity(self) -> None:
+        for w in self.workers.values():
+            w.check_integrity()
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            w.close()

@@ -1,4 +1,4 @@
-"""The one registry of in-flight work: every submitted, not yet completed
+"""The scheduler side's one registry of in-flight work: every submitted, not yet completed
 transfer by its typed ``JobId``.
 
 One map, ``JobId -> plan``. Readers that must wait for a load (a request

@@ -1,0 +1,238 @@
+"""Scheduler half of the connector for an engine with several KV cache groups (a hybrid model).
+
+The first full-attention group keys the index: it runs through ``ConnectorScheduler``
+(L2 and L3, the cost model, events). Every other group keeps its pages on an L2 of its
+own, keyed by page hash (``GroupItems``: a window need not be prefix-closed). A hit is
+floored where every group resumes (``hicache.connector.groups.floor_hit``), and each
+group moves only what that needs: the index's group every page past the engine's hit,
+a sliding-window group the window before the boundary. A request that ends saves, per
+group, what a later hit at its end would read. Each group's specs carry its index
+(``LoadSpec.group``), for its own worker (``hicache.connector.worker.GroupWorkers``).
+Not thread-safe: the engine's scheduler thread calls everything.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter, OrderedDict
+from typing import Sequence
+
+from hicache.connector.groups import EngineGroup, check_groups, floor_hit, needed
+from hicache.connector.plan import JobKind, JobReport, LoadSpec, SaveSpec, StepPlan
+from hicache.connector.scheduler import ConnectorScheduler, Hit
+from hicache.core.errors import CacheStateError, ConfigError, IntegrityError
+from hicache.core.layout import KVLayout
+from hicache.core.types import HostPageId, PageHash
+from hicache.index.prefix_cache import as_key
+from hicache.memory.allocator import PageAllocator
+
+
+class GroupItems:
+    """One group's pages on L2, keyed by page hash, least recently used first."""
+
+    def __init__(self, host_pages: int):
+        self.alloc = PageAllocator(host_pages, "L2")
+        self.items: OrderedDict[PageHash, HostPageId] = OrderedDict()
+        self.pins: Counter[PageHash] = Counter()
+
+    def holds(self, hashes: Sequence[PageHash]) -> list[bool]:
+        """Pure."""
+        return [h in self.items for h in hashes]
+
+    def pin(self, hashes: Sequence[PageHash]) -> list[HostPageId]:
+        """Pin the leading ``hashes`` it holds (until ``unpin``); their L2 ids."""
+        out = []
+        for h in hashes:
+            if h not in self.items:
+                break
+            self.items.move_to_end(h)
+            self.pins[h] += 1
+            out.append(self.items[h])
+        return out
+
+    def unpin(self, hashes: Sequence[PageHash]) -> None:
+        for h in hashes:
+            self.pins[h] -= 1
+            if not self.pins[h]:
+                del self.pins[h]
+
+    def reserve(self, n: int) -> list[HostPageId] | None:
+        """``n`` free L2 pages, evicting unpinned items (least recently used first); None
+        when pinned items leave too few."""
+        short = n - self.alloc.num_free
+        for h in [h for h in self.items if h not in self.pins][:max(0, short)]:
+            self.alloc.free([self.items.pop(h)])
+        return self.alloc.alloc(n) if self.alloc.num_free >= n else None
+
+    def commit(self, hashes: Sequence[PageHash], host: Sequence[HostPageId], ok: bool) -> int:
+        """Index saved pages (``ok``) or free them; duplicates are freed. Returns pages indexed."""
+        taken = 0
+        for h, i in zip(hashes, host):
+            if ok and h not in self.items:
+                self.items[h] = i
+                taken += 1
+            else:
+                self.alloc.free([i])
+        return taken
+
+    def check_integrity(self, held: Sequence[HostPageId]) -> None:
+        ids = list(self.items.values()) + list(held)
+        if len(set(ids)) != len(ids) or len(ids) + self.alloc.num_free != self.alloc.capacity:
+            raise IntegrityError(f"GroupItems: {len(self.items)} items + {len(held)} held by jobs + "
+                                 f"{self.alloc.num_free} free != {self.alloc.capacity}, or an id twice")
+        if any(h not in self.items for h in self.pins):
+            raise IntegrityError(f"GroupItems: pins on items it does not hold: {sorted(self.pins)[:4]}")
+
+
+@dataclasses.dataclass(slots=True)
+class _GroupJob:
+    group: int  # position in the scheduler's groups
+    spec: LoadSpec | SaveSpec
+    hashes: tuple[PageHash, ...]  # load: the pinned items; save: the items to index
+    reports: list[JobReport] = dataclasses.field(default_factory=list)
+
+
+class HybridConnectorScheduler:
+    """See the module docstring. Groups of kind ``state`` are refused (``ConfigError``)."""
+
+    def __init__(self, groups: Sequence[EngineGroup], layouts: Sequence[KVLayout], host_pages: Sequence[int], *,
+                 ranks: int = 1, **main_options):
+        """``layouts[i]``, ``host_pages[i]``: group ``i``'s page layout and L2 pages;
+        ``main_options``: ``ConnectorScheduler``'s (storage, cost, layerwise, ...)."""
+        check_groups(groups)
+        if any(g.kind == "state" for g in groups):
+            raise ConfigError(f"KV cache groups {[(g.index, g.kind) for g in groups]}: the connector moves full "
+                              "and sliding-window groups; a state (Mamba) group is not moved")
+        self.groups = tuple(groups)
+        self.main = next(i for i, g in enumerate(groups) if g.kind == "full")
+        self.core = ConnectorScheduler(layouts[self.main], host_pages[self.main], ranks=ranks, **main_options)
+        self.page_size = self.core.page_size
+        self.ranks = ranks
+        self.lanes = {i: GroupItems(host_pages[i]) for i in range(len(groups)) if i != self.main}
+        self._jobs: dict[int, _GroupJob] = {}
+        self._plan_loads: list[LoadSpec] = []
+        self._plan_saves: list[SaveSpec] = []
+
+    # ------------------------------------------------------------- admission
+    def lookup(self, rid: str, tokens, engine_hit: int, namespace: str = "", key: bytes | None = None) -> Hit:
+        """``ConnectorScheduler.lookup``, floored where every group resumes."""
+        hit = self.core.lookup(rid, tokens, engine_hit, namespace, key=key)
+        if not hit.tokens:
+            return hit
+        ps = self.page_size
+        first = engine_hit // ps
+        end = first + hit.tokens // ps
+        hashes = self.core.page_hashes(as_key(tokens) if key is None else key, namespace, end)
+        holds = [[True] * end if i == self.main else self.lanes[i].holds(hashes) for i in range(len(self.groups))]
+        floor = floor_hit(self.groups, ps, first, holds).end
+        if floor == end:
+            return hit
+        return self.core.cut_hit(rid, (floor - first) * ps)
+
+    def allocated(self, rid: str, tokens, block_ids: Sequence[Sequence[int]], num_external: int,
+                  namespace: str = "", keys=(), key: bytes | None = None) -> None:
+        """The engine gave ``rid`` blocks (per group, all of them, in order) for ``num_external``
+        tokens of its last ``lookup``: queue each group's load."""
+        ps = self.page_size
+        span = self.core.pending_span(rid, num_external)
+        spec = self.core.allocated(rid, tokens, block_ids[self.main], num_external, namespace, keys, key=key)
+        if spec is None or span is None:
+            return
+        first, end = span
+        hashes = self.core.page_hashes(as_key(tokens) if key is None else key, namespace, end)
+        for i, items in self.lanes.items():
+            pages = needed(self.groups[i], ps, first, end)
+            want = [hashes[p] for p in pages]
+            host = items.pin(want)
+            blocks = tuple(int(block_ids[i][p]) for p in pages)
+            job = self.core.new_job()
+            lspec = LoadSpec(job, rid, blocks, tuple(host), layerwise=spec.layerwise, group=self.groups[i].index)
+            self._jobs[job] = _GroupJob(i, lspec, tuple(want[:len(host)]))
+            self._plan_loads.append(lspec)
+
+    # ------------------------------------------------------------- storing
+    def finished(self, rid: str, tokens, computed_tokens: int, block_ids: Sequence[Sequence[int]],
+                 namespace: str = "", keys=(), key: bytes | None = None) -> bool:
+        """``rid`` ended holding ``block_ids`` (per group): save what a hit at the end of its
+        computed full pages reads, per group. True: keep the blocks until the saves finished."""
+        n = 0 if self.core.loading(rid) else self.core.saveable_pages(tokens, computed_tokens, block_ids[self.main])
+        delay = self.core.finished(rid, tokens, computed_tokens, block_ids[self.main], namespace, keys, key=key)
+        if n == 0:
+            return delay
+        hashes = self.core.page_hashes(as_key(tokens) if key is None else key, namespace, n)
+        for i, items in self.lanes.items():
+            pages = [p for p in needed(self.groups[i], self.page_size, 0, n)
+                     if hashes[p] not in items.items and int(block_ids[i][p]) != 0]  # 0: vLLM's null block
+            host = items.reserve(len(pages)) if pages else None
+            if host is None:
+                continue
+            job = self.core.new_job()
+            spec = SaveSpec(job, rid, tuple(int(block_ids[i][p]) for p in pages), tuple(host),
+                            group=self.groups[i].index)
+            self._jobs[job] = _GroupJob(i, spec, tuple(hashes[p] for p in pages))
+            self._plan_saves.append(spec)
+            delay = True
+        return delay
+
+    # ------------------------------------------------------------- a step
+    def take_plan(self) -> StepPlan:
+        """Every group's loads and saves queued since the last call (for every worker)."""
+        idx = self.groups[self.main].index
+        core = self.core.take_plan()
+        plan = StepPlan(tuple(dataclasses.replace(s, group=idx) for s in core.loads) + tuple(self._plan_loads),
+                        tuple(dataclasses.replace(s, group=idx) for s in core.saves) + tuple(self._plan_saves))
+        self._plan_loads, self._plan_saves = [], []
+        return plan
+
+    def completed(self, reports: Sequence[JobReport]) -> None:
+        """Hand the workers' reports; a group's job completes once every rank reported."""
+        rest = []
+        for r in reports:
+            gj = self._jobs.get(r.job)
+            if gj is None:
+                rest.append(r)
+                continue
+            gj.reports.append(r)
+            if len(gj.reports) == self.ranks:
+                self._complete(self._jobs.pop(r.job))
+        self.core.completed(rest)
+
+    def _complete(self, gj: _GroupJob) -> None:
+        items = self.lanes[gj.group]
+        ok = all(r.ok for r in gj.reports)
+        if isinstance(gj.spec, LoadSpec):
+            items.unpin(gj.hashes)
+        elif gj.reports[0].kind is JobKind.SAVE:
+            items.commit(gj.hashes, gj.spec.host, ok)
+        else:
+            raise CacheStateError(f"group job {gj.spec.job}: a {gj.reports[0].kind} report for a save without L3")
+
+    # ------------------------------------------------------------- state
+    def hit_sources(self, rid: str) -> dict[str, int]:
+        return self.core.hit_sources(rid)
+
+    def take_events(self):
+        return self.core.take_events()
+
+    def stats(self):
+        return self.core.stats()
+
+    @property
+    def in_flight(self) -> int:
+        return self.core.in_flight + len(self._jobs)
+
+    @property
+    def cache(self):
+        """The index (the index group's pages)."""
+        return self.core.cache
+
+    @property
+    def storage(self):
+        """The index group's L3 (probes only), or None."""
+        return self.core.storage
+
+    def check_integrity(self) -> None:
+        self.core.check_integrity()
+        for i, items in self.lanes.items():
+            held = [h for gj in self._jobs.values() if gj.group == i and isinstance(gj.spec, SaveSpec)
+                    for h in gj.spec.host]
+            items.check_integrity(held)

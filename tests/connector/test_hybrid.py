@@ -1,0 +1,125 @@
+"""The connector over a hybrid engine (hicache.connector.hybrid): gpt-oss-120b's sliding-window
+and full-attention groups at their real per-layer shapes, over KV tensors laid out as vLLM
+allocates them, without vLLM. Each group saves and loads only what a hit at a boundary reads;
+the loaded blocks hold exactly the saved bytes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache.connector.groups import EngineGroup
+from hicache.connector.hybrid import HybridConnectorScheduler
+from hicache.connector.worker import ConnectorWorker, GroupWorkers
+from hicache.core.errors import ConfigError
+from hicache.core.shapes import model_shape
+from hicache.memory.paged_kv import adopt_paged_kv, vllm_kv_caches
+from tests.connector.test_connector_core import fill, page_bytes, same
+
+PS = 16
+OSS = model_shape("gpt-oss-120b")
+HALF = OSS.layers // 2
+BLOCKS = 48
+# vLLM's group order for gpt-oss: the sliding-window group first, then the full group.
+GROUPS = (EngineGroup(0, "swa", tuple(f"l{2 * i}" for i in range(HALF)), OSS.sliding_window),
+          EngineGroup(1, "full", tuple(f"l{2 * i + 1}" for i in range(HALF))))
+
+
+def rig(host_pages=(16, 40)):
+    layout = OSS.kv_layout(PS, layers=HALF, draft=False)  # each group: 18 layers of 8 KV heads x 64, bf16
+    pools, workers = {}, {}
+    for g in GROUPS:
+        pools[g.index] = adopt_paged_kv(layout, list(vllm_kv_caches(layout, BLOCKS, "LBNHC").values()))
+        workers[g.index] = ConnectorWorker(layout, host_pages[g.index])
+        workers[g.index].register(pools[g.index])
+    sched = HybridConnectorScheduler(GROUPS, [layout, layout], list(host_pages))
+    return sched, GroupWorkers(workers), pools
+
+
+def step(sched, workers, plan=None):
+    workers.start(plan or sched.take_plan())
+    for g in GROUPS:
+        for i in range(HALF):
+            workers.wait_layer(g.index, i)
+    out = workers.finish_step()
+    while workers.in_flight:
+        for w in workers.workers.values():
+            w.transfers.wait_all()
+        more = workers.finish_step()
+        out.reports += more.reports
+        out.finished_loads |= more.finished_loads
+        out.load_errors |= more.load_errors
+    sched.completed(out.reports)
+    return out
+
+
+def test_each_group_moves_only_what_the_boundary_needs():
+    sched, workers, pools = rig()
+    n = 20  # pages computed; the window (128 tokens) at boundary 20 is pages 12 .. 19
+    tokens = list(range(3, 3 + n * PS + 5))
+    full_blocks = list(range(1, n + 2))
+    swa_blocks = [0] * 12 + list(range(30, 30 + n - 12 + 1))  # vLLM nulls the blocks outside the window
+    for p in range(n):
+        fill(pools[1], full_blocks[p], 1000 + p)
+        if swa_blocks[p]:
+            fill(pools[0], swa_blocks[p], 2000 + p)
+    want_full = [page_bytes(pools[1], b) for b in full_blocks[:n]]
+    want_swa = [page_bytes(pools[0], b) for b in swa_blocks[12:n]]
+    assert sched.finished("a", tokens, n * PS + 5, [swa_blocks, full_blocks]) is True
+    out = step(sched, workers)
+    assert not out.load_errors
+    assert len(sched.lanes[0].items) == 8 and sched.stats().saved_pages == n  # the window, every full page
+    sched.check_integrity()
+
+    # The same prefix: a hit of all 20 pages; the full group loads 20 pages, the window group 8.
+    hit = sched.lookup("b", tokens[:n * PS] + [9, 9, 9], 0)
+    assert (hit.tokens, hit.l2_tokens) == (n * PS, n * PS)
+    fresh_full, fresh_swa = list(range(22, 22 + n + 1)), [0] * 12 + list(range(39, 39 + n - 12 + 1))
+    sched.allocated("b", tokens[:n * PS] + [9, 9, 9], [fresh_swa, fresh_full], hit.tokens)
+    plan = sched.take_plan()
+    assert sorted((s.group, len(s.blocks)) for s in plan.loads) == [(0, 8), (1, n)]
+    out = step(sched, workers, plan)
+    assert out.finished_loads == {"b"} and not out.load_errors
+    assert same(pools[1], fresh_full[:n], want_full) and same(pools[0], fresh_swa[12:n], want_swa)
+    sched.check_integrity()
+
+
+def test_the_floor_stops_where_the_window_is_missing():
+    sched, workers, pools = rig()
+    n = 20
+    tokens = list(range(5, 5 + n * PS + 1))
+    sched.finished("a", tokens, n * PS + 1, [[0] * 12 + list(range(30, 39)), list(range(1, n + 2))])
+    step(sched, workers)
+    # 17 pages in common: the full group holds them, but boundary 17's window (pages 9 .. 16)
+    # is not on L2 (only 12 .. 19 were saved), nor any boundary's below: no hit.
+    other = tokens[:17 * PS] + [7] * (3 * PS)
+    assert sched.lookup("c", other, 0).tokens == 0
+    # vLLM's own hit of 12 pages holds the window's first part: boundary 17 resumes.
+    hit = sched.lookup("d", other, 12 * PS)
+    assert (hit.tokens, hit.l2_tokens) == (5 * PS, 5 * PS)
+    sched.check_integrity()
+
+
+def test_state_groups_are_refused_by_name():
+    groups = (EngineGroup(0, "full", ("a",)), EngineGroup(1, "state", ("m",)))
+    layout = OSS.kv_layout(PS, layers=1, draft=False)
+    with pytest.raises(ConfigError, match=r"state \(Mamba\) group is not moved"):
+        HybridConnectorScheduler(groups, [layout, layout], [4, 4])
+
+
+def test_a_window_item_evicted_between_lookup_and_load_is_a_load_error():
+    sched, workers, pools = rig(host_pages=(8, 40))
+    n = 20
+    tokens = list(range(11, 11 + n * PS + 1))
+    sched.finished("a", tokens, n * PS + 1, [[0] * 12 + list(range(30, 39)), list(range(1, n + 2))])
+    step(sched, workers)
+    hit = sched.lookup("b", tokens, 0)
+    assert hit.tokens == n * PS
+    lane = sched.lanes[0]
+    gone = next(iter(lane.items))
+    lane.alloc.free([lane.items.pop(gone)])  # as another request's save would evict it
+    fresh_swa = [0] * 12 + list(range(39, 48))
+    sched.allocated("b", tokens, [fresh_swa, list(range(22, 22 + n + 1))], hit.tokens)
+    out = step(sched, workers)
+    assert out.load_errors == set(fresh_swa[12:n])  # the leading page is missing: the whole window recomputes
+    sched.check_integrity()
+    assert torch.equal(torch.tensor(sorted(lane.pins)), torch.tensor([], dtype=torch.int64))
