@@ -4,7 +4,12 @@ The REST app pulls the node service's events (``ServiceView.take_events``,
 see ``pump_events`` in ``hicache.api.app``) and hands each batch to
 ``EventBus.publish``, which may be called from any thread and never blocks:
 each subscriber has a bounded queue, and an event that does not fit is
-dropped and counted on that subscriber and on the bus. Events the service
+dropped and counted on that subscriber and on the bus. At most
+``max_subscribers`` streams at once (``subscribe`` raises ``SubscribersFull``
+past it), and each event's wire text is formatted once, at publish, however
+many subscribers there are: a crowd of clients costs the loop queue slots, not
+formatting. What a slow client may hold is bounded by the route (``routes``):
+one chunk in flight, and a send that waits too long ends its stream. Events the service
 itself dropped (its log was full) count as dropped for every subscriber, so
 each stream reports them. Subscribers consume on an asyncio loop (the REST
 app's); ``publish`` wakes them with ``call_soon_threadsafe``.
@@ -12,12 +17,13 @@ app's); ``publish`` wakes them with ``call_soon_threadsafe``.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from hicache.core.errors import IntegrityError, InvalidArgument
+from hicache.core.errors import HiCacheError, IntegrityError, InvalidArgument
 from hicache.node.snapshot import EventKind, Taken
 
 EventType = Literal["stored", "removed"]
@@ -30,6 +36,26 @@ class Event(NamedTuple):
     tier: str
     page_hash: bytes
     parent_hash: bytes | None
+    sse: str = ""  # its Server-Sent Events text up to the per-subscriber drop count (``sse_text``)
+
+
+MAX_SUBSCRIBERS = 64  # /v1/events streams at once; each may hold up to its queue_size events
+
+
+class SubscribersFull(HiCacheError):
+    """Every subscriber slot is taken; the message says how many and what to do."""
+
+
+def _with_sse(e: Event) -> Event:
+    data = {"seq": e.seq, "type": e.type, "tier": e.tier, "page_hash": e.page_hash.hex(),
+            "parent_hash": None if e.parent_hash is None else e.parent_hash.hex()}
+    body = json.dumps(data, separators=(",", ":"))[:-1]
+    return e._replace(sse=f'id: {e.seq}\nevent: {e.type}\ndata: {body},"dropped":')
+
+
+def sse_text(e: Event, dropped: int) -> str:
+    """One event as Server-Sent Events text, with the subscriber's drop count."""
+    return f"{e.sse}{dropped}}}\n\n"
 
 
 @dataclass(slots=True, eq=False)
@@ -47,7 +73,8 @@ class Subscription:
 class EventBus:
     """Thread-safe fan-out with bounded per-subscriber queues."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_subscribers: int = MAX_SUBSCRIBERS) -> None:
+        self.max_subscribers = max_subscribers
         self._lock = threading.Lock()
         self._subs: set[Subscription] = set()
         self._seq = 0
@@ -66,8 +93,8 @@ class EventBus:
             events = []
             for e in taken.events:
                 self._seq += 1
-                events.append(Event(self._seq, _TYPE[e.kind], e.tier, bytes(e.page_hash),
-                                    None if e.parent is None else bytes(e.parent)))
+                events.append(_with_sse(Event(self._seq, _TYPE[e.kind], e.tier, bytes(e.page_hash),
+                                              None if e.parent is None else bytes(e.parent))))
             self.published += len(events)
             for s in self._subs:
                 room = max(s.maxsize - len(s.queue), 0)
@@ -82,11 +109,15 @@ class EventBus:
 
     # ------------------------------------------------------------- consumers
     def subscribe(self, maxsize: int) -> Subscription:
-        """A new subscription on the running loop; call ``unsubscribe`` when done."""
+        """A new subscription on the running loop; call ``unsubscribe`` when done. Raises
+        ``SubscribersFull`` when ``max_subscribers`` are subscribed."""
         if maxsize < 1:
             raise InvalidArgument(f"subscription queue size must be >= 1, got maxsize={maxsize}")
         s = Subscription(maxsize, asyncio.get_running_loop())
         with self._lock:
+            if len(self._subs) >= self.max_subscribers:
+                raise SubscribersFull(f"{len(self._subs)} event streams are open, the most this service "
+                                      "serves at once; close one or retry later")
             s.closed = self._closed
             self._subs.add(s)
         return s
@@ -128,6 +159,8 @@ class EventBus:
     def check_integrity(self) -> None:
         """Queues within bounds; drop counts consistent."""
         with self._lock:
+            if len(self._subs) > self.max_subscribers:
+                raise IntegrityError(f"{len(self._subs)} subscribers, limit {self.max_subscribers}")
             for s in self._subs:
                 if len(s.queue) > s.maxsize:
                     raise IntegrityError(f"subscriber queue holds {len(s.queue)} > maxsize {s.maxsize}")

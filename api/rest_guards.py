@@ -3,11 +3,11 @@
 - ``BodyLimit`` (ASGI middleware): a body over ``service.max_request_bytes`` is
   answered 413, from its ``Content-Length`` or while a chunked body streams.
 - ``BodyGate``: at most ``service.max_body_requests`` large bodies (64 KiB or more,
-  or chunked) are read at once (the rest get 503 with ``Retry-After``), each within
-  ``service.body_read_timeout_s`` (else 408, its slot freed); a ``/v1/lookup`` body
-  with more items than a lookup may carry is refused from a count of its commas; a
-  big valid token list is parsed off the event loop on a worker thread
-  (``split_tokens``; the route reads it back with ``parsed_tokens``).
+  or chunked) are read at once, each within ``service.body_read_timeout_s`` (else
+  408). Others wait in a short queue, then get 503; a freed slot goes to the client
+  holding the fewest (``BodyGate``). A ``/v1/lookup`` body with more items than a
+  lookup may carry is refused from a count of its commas; a big valid token list is
+  parsed off the event loop (``split_tokens``; the route reads ``parsed_tokens``).
 - ``validation_error`` replaces FastAPI's 422 handler: it reports each error's
   location, type and message, never the input (which may be huge or not encodable).
 """
@@ -127,31 +127,42 @@ class BodyLimit:
 class BodyGate:
     """Admission of requests with a body (see the module docstring). One event loop: no lock.
 
+    Past the slots, requests wait in a queue (``max_waiting``) for up to twice the read
+    timeout (a slot held by a body that never comes frees within one), then get 503 with
+    ``Retry-After``. A freed slot goes to the waiter whose client (its address) holds
+    the fewest slots, first come first served among equals: a client that reopens its
+    connections after each 408 queues behind the others instead of holding every slot.
+
     ``max_items``: per path, the most JSON items (commas + 1) a body may hold.
-    ``read_timeout_s``: the time an admitted request has to deliver its whole body.
+    ``read_timeout_s``: the time an admitted request has to deliver its whole body; a
+    request waits in the queue for a slot twice as long at most.
+    ``max_waiting``: requests that may wait for a slot (default 4 per slot; 0: none wait).
     """
 
     def __init__(self, app: ASGIApp, max_bodies: int, max_bytes: int, max_items: dict[str, int] | None = None,
-                 read_timeout_s: float = 10.0):
+                 read_timeout_s: float = 10.0, max_waiting: int | None = None):
         self.app = app
         self.max_bodies = max_bodies
         self.max_bytes = max_bytes
         self.max_items = max_items or {}
         self.read_timeout_s = read_timeout_s
+        self.max_waiting = 4 * max_bodies if max_waiting is None else max_waiting
         self.in_flight = 0  # requests with a body admitted and not yet answered
         self.admitted = self.refused = self.timed_out = 0  # counters, for tests and logs
+        self._held: dict[str, int] = {}  # client address -> slots it holds
+        self._waiting: list[tuple[str, asyncio.Future]] = []  # in arrival order
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not _big_body(scope):
             await self.app(scope, receive, send)
             return
-        if self.in_flight >= self.max_bodies:
+        client = str((scope.get("client") or ("",))[0])
+        if not await self._slot(client):
             self.refused += 1
-            await _reject(send, 503, f"{self.in_flight} request bodies are being read already "
-                          f"(service.max_body_requests={self.max_bodies}); retry shortly",
+            await _reject(send, 503, f"{self.in_flight} request bodies are being read and {len(self._waiting)} "
+                          f"wait (service.max_body_requests={self.max_bodies}); retry shortly",
                           [(b"retry-after", b"1")])
             return
-        self.in_flight += 1
         self.admitted += 1
         started = False
 
@@ -167,7 +178,47 @@ class BodyGate:
                 await _reject(send, 408, f"request body not received within {self.read_timeout_s:g} s "
                               "(service.body_read_timeout_s); send the body with its headers")
         finally:
-            self.in_flight -= 1
+            self._release(client)
+
+    async def _slot(self, client: str) -> bool:
+        """Take a slot for ``client``, waiting in the queue up to ``2 * read_timeout_s``; False: none."""
+        if self.in_flight < self.max_bodies and not self._waiting:
+            self._take(client)
+            return True
+        if len(self._waiting) >= self.max_waiting:
+            return False
+        entry = (client, asyncio.get_running_loop().create_future())
+        self._waiting.append(entry)
+        fut = entry[1]
+        try:
+            await asyncio.wait({fut}, timeout=2 * self.read_timeout_s)
+        except asyncio.CancelledError:  # the client left; a slot handed over meanwhile goes on
+            if fut.done() and not fut.cancelled():
+                self._release(client)
+            raise
+        finally:
+            if entry in self._waiting:
+                self._waiting.remove(entry)
+            if not fut.done():
+                fut.cancel()
+        return not fut.cancelled()
+
+    def _take(self, client: str) -> None:
+        self.in_flight += 1
+        self._held[client] = self._held.get(client, 0) + 1
+
+    def _release(self, client: str) -> None:
+        """Free ``client``'s slot and hand free slots to the waiters whose clients hold the fewest."""
+        self.in_flight -= 1
+        self._held[client] -= 1
+        if not self._held[client]:
+            del self._held[client]
+        while self._waiting and self.in_flight < self.max_bodies:
+            i = min(range(len(self._waiting)), key=lambda j: (self._held.get(self._waiting[j][0], 0), j))
+            c, fut = self._waiting.pop(i)
+            if not fut.done():
+                self._take(c)
+                fut.set_result(None)
 
     async def _admitted(self, scope: Scope, receive: Receive, send: Send) -> None:
         limit = self.max_items.get(scope.get("path", ""))
@@ -188,6 +239,9 @@ class BodyGate:
     def check_integrity(self) -> None:
         if not 0 <= self.in_flight <= self.max_bodies:
             raise IntegrityError(f"BodyGate: {self.in_flight} bodies in flight, limit {self.max_bodies}")
+        if sum(self._held.values()) != self.in_flight or len(self._waiting) > self.max_waiting:
+            raise IntegrityError(f"BodyGate: clients hold {self._held}, {self.in_flight} in flight; "
+                                 f"{len(self._waiting)} waiting, limit {self.max_waiting}")
         if self.admitted < self.in_flight:
             raise IntegrityError(f"BodyGate: {self.in_flight} in flight but only {self.admitted} admitted")
 

@@ -10,7 +10,7 @@ and the configuration as ``/v1/config`` shows it (``redacted_config``: secrets o
 """
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -19,9 +19,10 @@ from typing import Annotated, Any, AsyncIterator
 from fastapi import APIRouter, HTTPException, Query, Request, Response, status
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.types import Message, Send
 
 from hicache.api.deps import AdminDep, StateDep
-from hicache.api.events import Event, EventBus, Subscription
+from hicache.api.events import EventBus, Subscription, SubscribersFull, sse_text
 from hicache.api.rest_guards import parsed_tokens
 from hicache.api.metrics import render
 from hicache.api.models import (ConfigResponse, ErrorBody, FlushRequest, FlushResponse, Health, L3Readiness,
@@ -143,16 +144,37 @@ def lookup(req: LookupRequest, state: StateDep, request: Request) -> LookupRespo
 events_router = APIRouter(tags=["events"])
 
 KEEPALIVE_S = 5.0
+CHUNK_EVENTS = 256  # events per write (~60 KB): what one client holds in flight, and a yield to the loop between
+SEND_TIMEOUT_S = 30.0  # a client that accepts no bytes for this long is dropped: its stream ends
+
+
+class _SlowClient(Exception):
+    pass
 
 
 class EventStreamResponse(StreamingResponse):
+    """An SSE stream that drops a client which accepts no bytes for ``send_timeout_s``
+    (uvicorn then closes its connection), so a client that never reads holds one
+    chunk and its queue slots, never the service."""
+
     media_type = "text/event-stream"
 
+    def __init__(self, content: Any, status_code: int = 200, headers: Any = None, media_type: str | None = None,
+                 background: BackgroundTask | None = None, send_timeout_s: float = SEND_TIMEOUT_S):
+        super().__init__(content, status_code, headers, media_type, background)
+        self.send_timeout_s = send_timeout_s
 
-def _sse(e: Event, dropped: int) -> str:
-    data = {"seq": e.seq, "type": e.type, "tier": e.tier, "page_hash": e.page_hash.hex(),
-            "parent_hash": None if e.parent_hash is None else e.parent_hash.hex(), "dropped": dropped}
-    return f"id: {e.seq}\nevent: {e.type}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+    async def stream_response(self, send: Send) -> None:
+        async def timed(msg: Message) -> None:
+            try:
+                await asyncio.wait_for(send(msg), self.send_timeout_s)
+            except TimeoutError:
+                raise _SlowClient from None
+        try:
+            await super().stream_response(timed)
+        except _SlowClient:
+            log.info("/v1/events: a client took no bytes for %.0f s; dropped it", self.send_timeout_s)
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]  (unsubscribes now)
 
 
 async def _stream(bus: EventBus, sub: Subscription, max_events: int | None,
@@ -175,21 +197,26 @@ async def _stream(bus: EventBus, sub: Subscription, max_events: int | None,
             if max_events is not None:
                 events = events[:max_events - sent]
             sent += len(events)
-            yield "".join(_sse(e, dropped) for e in events)
+            for i in range(0, len(events), CHUNK_EVENTS):
+                yield "".join(sse_text(e, dropped) for e in events[i:i + CHUNK_EVENTS])
     finally:
         bus.unsubscribe(sub)
 
 
 @events_router.get("/v1/events", response_model=PageEvent, response_class=EventStreamResponse,
-            summary="Server-Sent Events of pages stored and removed (each data line is a PageEvent)")
+            summary="Server-Sent Events of pages stored and removed (each data line is a PageEvent)",
+            responses={503: {"model": ErrorBody, "description": "every event stream slot is taken"}})
 async def events(state: StateDep,
                  max_events: Annotated[int | None, Query(ge=1, le=1_000_000)] = None,
                  timeout_s: Annotated[float | None, Query(gt=0, le=86_400)] = None,
                  queue_size: Annotated[int, Query(ge=1, le=65_536)] = 1024) -> EventStreamResponse:
-    sub = state.bus.subscribe(queue_size)  # before returning: nothing published from now on is missed
+    try:
+        sub = state.bus.subscribe(queue_size)  # before returning: nothing published from now on is missed
+    except SubscribersFull as e:
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(e), headers={"Retry-After": "5"}) from None
     # The background task also unsubscribes when the client left before the stream started.
     return EventStreamResponse(_stream(state.bus, sub, max_events, timeout_s),
-                               background=BackgroundTask(state.bus.unsubscribe, sub))
+                               background=BackgroundTask(state.bus.unsubscribe, sub), send_timeout_s=SEND_TIMEOUT_S)
 
 
 # ---- Admin actions (``POST /v1/flush``); every route here needs the admin token (see ``deps``).

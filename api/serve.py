@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from typing import Any
 
 import uvicorn
 
@@ -60,6 +61,18 @@ def start_line(cfg: HiCacheConfig) -> str:
     return (f"hicache serve: REST http://{host}:{svc.port} (docs /docs), engine socket {svc.socket_path}, "
             f"L2 {cfg.pool.host_pages:,} pages in shared memory '{svc.shm_name}', "
             f"L3 {redact_url(cfg.storage.url) or '(none)'}; pid {os.getpid()}, stop with Ctrl-C or SIGTERM")
+
+
+KEEP_ALIVE_S = 5  # an idle REST connection is closed after this
+
+
+def uvicorn_config(app: Any, cfg: HiCacheConfig) -> uvicorn.Config:
+    """The REST server's settings: at most ``service.rest_max_connections`` connections and
+    requests at once (503 past it), idle keep-alive connections closed after ``KEEP_ALIVE_S``."""
+    svc = cfg.service
+    return uvicorn.Config(app, host=svc.host, port=svc.port, log_level=cfg.log_level.lower(), access_log=False,
+                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on",
+                          limit_concurrency=svc.rest_max_connections, timeout_keep_alive=KEEP_ALIVE_S)
 
 
 class _Server(uvicorn.Server):
@@ -113,9 +126,7 @@ def serve(cfg: HiCacheConfig) -> int:
     try:
         state = RestState(config=cfg, layout=layout, engine=engine, storage=storage, admin_token=token, bus=bus)
         app = create_app(state)
-        server = _Server(uvicorn.Config(app, host=svc.host, port=svc.port, log_level=cfg.log_level.lower(),
-                                        access_log=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                                        lifespan="on"), bus, start_line(cfg))
+        server = _Server(uvicorn_config(app, cfg), bus, start_line(cfg))
         _redact_logs(cfg, token)  # after uvicorn.Config: it installs its own log handlers
         # uvicorn re-raises the signal that stopped it after restoring the handlers
         # it found; ours turn that into _Stopped so the cleanup below runs.

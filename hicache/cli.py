@@ -116,6 +116,8 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
                           "0.5,0.8,0.95): hit rate and TTFT of LRU, LRU with the waiting requests' pages "
                           "protected, and Belady, per --capacities")
     sim.add_argument("--limit", type=_at_least(1), help="only the first N requests of the trace")
+    sim.add_argument("--wide", action="store_true", help="--simulate: every column (L2 read, L2 used, L3 "
+                                                         "stored) and whole run names; the default fits 100 columns")
 
 
 def _at_least(low: int):

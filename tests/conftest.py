@@ -12,6 +12,10 @@ import time
 
 import pytest
 
+# At the session's end, kill multiprocessing children a test left running (a timed-out
+# test's children blocked on a queue), so pytest never waits in their exit-time join.
+from tests.integrations.suite_guard.hicache_suite_guard import pytest_unconfigure  # noqa: F401
+
 
 def free_port() -> int:
     with socket.socket() as s:

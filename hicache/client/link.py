@@ -20,6 +20,7 @@ from typing import Any, NamedTuple, Sequence
 
 from hicache.core.config import DEFAULT_SOCKET_PATH
 from hicache.core.errors import ConfigError, ContractMismatch, ForeignPage, OutOfPages, ServiceError
+from hicache.core.redact import redact_url
 from hicache.core.layout import KVLayout
 from hicache.memory.pools import HostPool
 from hicache.client.protocol import HEADER_BYTES, CommitResult, body_length, hello_request, pack, unpack
@@ -45,7 +46,7 @@ def socket_path_of(url: str) -> str:
     """The socket path of a ``hicache+unix:///abs/path.sock`` URL (``ConfigError`` otherwise)."""
     scheme, sep, path = url.partition("://")
     if scheme.lower() != SCHEME or not sep or not path.startswith("/"):
-        raise ConfigError(f"storage url {url!r}: expected {SCHEME}:///absolute/path/to/hicache.sock "
+        raise ConfigError(f"storage url {redact_url(url)!r}: expected {SCHEME}:///absolute/path/to/hicache.sock "
                           "(three slashes: the socket path is absolute)")
     return path
 

@@ -269,6 +269,9 @@ class ServiceConfig(_Section):
     socket_group: str = ""  # a group name or gid; its members are allowed too
     allowed_uids: list[Annotated[int, Field(ge=0, le=MAX_UID)]] = Field(default_factory=list, max_length=1024)
     max_connections: int = Field(256, ge=1, le=65536)
+    # REST connections and requests at once (uvicorn's limit_concurrency); past it, 503.
+    # Above the /v1/events streams (64) so that /healthz is still answered with every stream open.
+    rest_max_connections: int = Field(128, ge=80, le=65536)
     handshake_timeout_s: float = Field(5.0, gt=0)  # for hello, and for finishing any frame once begun
     idle_timeout_s: float = Field(600.0, ge=0)  # between frames of a handshaken client; 0 = never
 

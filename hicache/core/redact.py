@@ -27,7 +27,10 @@ MIN_SECRET_CHARS = 4
 
 # Query options that carry secrets: redis-py takes ``?password=`` (and
 # ``ssl_password=``) from the query string as readily as from the userinfo.
-_SECRET_QUERY = re.compile(r"([?&;][^=&#\s]*(?:pass|secret|token|key)[^=&#\s]*=)[^&#\s'\"]*", re.IGNORECASE)
+# In free text a value ends at whitespace or a quote (the text goes on); in a URL given
+# alone it ends only at the next option: a password may hold '#' or a space.
+_SECRET_QUERY = re.compile(r"([?&;][^=&#\s]*(?:pass|secret|token|key)[^=&#\s]*=)[^&\s'\"]*", re.IGNORECASE)
+_SECRET_QUERY_IN_URL = re.compile(r"([?&;][^=&#\s]*(?:pass|secret|token|key)[^=&#\s]*=)[^&]*", re.IGNORECASE)
 _URLISH = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
 _TOKENS = re.compile(r"[:/@?&=#,;\[\]]+")
 # Config keys whose values are secrets (their whole value), and URL-valued keys.
@@ -43,13 +46,13 @@ def redact_url(url: str) -> str:
         return url
     scheme, sep, rest = url.partition("://")
     if not sep:
-        rest = _SECRET_QUERY.sub(r"\1" + REDACTED, url)
+        rest = _SECRET_QUERY_IN_URL.sub(r"\1" + REDACTED, url)
         userinfo, at, hosts = rest.rpartition("@")
         if not at:
             return rest
         head, colon, _ = userinfo.rpartition(":")  # whatever follows the last ':' may be a password
         return f"{head}{colon}{REDACTED}@{hosts}" if colon else f"{REDACTED}@{hosts}"
-    rest = _SECRET_QUERY.sub(r"\1" + REDACTED, rest)
+    rest = _SECRET_QUERY_IN_URL.sub(r"\1" + REDACTED, rest)
     # The userinfo ends at the last '@', even past a '/', '?' or '#': a password
     # may hold them unencoded (``redis://:pa/ss@h``), and cutting it at the
     # first '/' would show its tail. (An '@' in a query of a URL with a port
@@ -136,12 +139,11 @@ class Redactor:
         """``s`` with URL passwords and every known secret replaced by ``***``."""
         if not isinstance(s, str):
             s = str(s)
-        s = _URLISH.sub(lambda m: redact_url(m.group(0)), s)
-        s = _SECRET_QUERY.sub(r"\1" + REDACTED, s)
-        for secret in self._secrets:
+        for secret in self._secrets:  # first: a pattern may cut a known secret (one with a space) in two
             if secret in s:
                 s = s.replace(secret, REDACTED)
-        return s
+        s = _URLISH.sub(lambda m: redact_url(m.group(0)), s)
+        return _SECRET_QUERY.sub(r"\1" + REDACTED, s)
 
     def value(self, v: Any) -> Any:
         """``v`` with every string inside (dicts, lists) redacted; for JSON output."""

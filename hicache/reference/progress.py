@@ -34,6 +34,20 @@ def logs_above_bars() -> Iterator[None]:
         yield
 
 
+def _duration(s: float) -> str:
+    s = int(round(s))
+    return f"{s} s" if s < 60 else f"{s // 60} min {s % 60:02d} s" if s < 3600 else f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+def point_text(k: int, total: int, elapsed_s: float, finished: int) -> str:
+    """``point 3 of 12, 41 s so far, about 2 min 03 s left``: point ``k`` (from 1) of ``total``,
+    the time left estimated from the ``finished`` points that took ``elapsed_s`` (none: no estimate)."""
+    head = f"point {k} of {total}, {_duration(elapsed_s)} so far"
+    if not finished:
+        return head
+    return f"{head}, about {_duration(elapsed_s / finished * (total - finished))} left"
+
+
 class Progress:
     """Bars and notes on ``stream`` (stderr), or nothing when ``enabled`` is False."""
 

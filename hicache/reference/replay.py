@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import os
+import socket
 import time
 from typing import Any
 
@@ -342,6 +343,13 @@ def service_config(cfg: HiCacheConfig, socket_path: str) -> HiCacheConfig:
     if not os.path.isabs(socket_path):
         raise ConfigError(f"--service {socket_path!r}: give the absolute path of the service's engine socket "
                           "(its service.socket_path)")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:  # one short sentence, before the cache is built
+        s.settimeout(5.0)
+        try:
+            s.connect(socket_path)
+        except OSError as e:
+            raise ConfigError(f"--service {socket_path}: no hicache service listens there ({e.strerror or e}); "
+                              "start `hicache serve` first") from None
     return cfg.model_copy(update={"storage": cfg.storage.model_copy(
         update={"url": f"hicache+unix://{socket_path}"})})
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 
+from hicache.reference.progress import point_text
 from hicache.core.config import HiCacheConfig
 from hicache.core.errors import ConfigError
 from hicache.core.hashing import namespace_root, raw_page_hashes
@@ -198,8 +199,8 @@ def policy_sweep(cfg: HiCacheConfig, factory: Factory, policies: list[str], capa
         distinct = max(max(p.l1_pages, p.l2_pages) for p in (_plan(base, m, c, largest) for m in modes))
         bound[c] = belady(stream, ps, distinct) / prompt if prompt else 0.0
         done += 1
-        log(f"[{done}/{total}] {c:,} tokens: Belady at {distinct:,} pages {bound[c]:.1%} "
-            f"({time.perf_counter() - t0:.0f} s)")
+        log(f"[{point_text(done, total, time.perf_counter() - t0, done)}] {c:,} tokens: Belady at {distinct:,} "
+            f"pages {bound[c]:.1%}")
         for mode in modes:
             plan = _plan(base, mode, c, largest)
             for p in policies:
@@ -211,8 +212,8 @@ def policy_sweep(cfg: HiCacheConfig, factory: Factory, policies: list[str], capa
                              "l2_pages": plan.l2_pages, "hit_tokens": row["hit_tokens"],
                              "hit_rate": row["hit_rate"], "time_s": row["time_s"]})
                 done += 1
-                log(f"[{done}/{total}] {c:,} tokens {mode} {p}: {row['hit_rate']:.1%} "
-                    f"({row['time_s']:.1f} s; {time.perf_counter() - t0:.0f} s in all)")
+                log(f"[{point_text(done, total, time.perf_counter() - t0, done)}] {c:,} tokens {mode} {p}: "
+                    f"{row['hit_rate']:.1%} ({row['time_s']:.1f} s)")
     for mode in modes:
         for c in capacities:
             rows = [r for r in runs if r["mode"] == mode and r["capacity_tokens"] == c]

@@ -15,7 +15,7 @@ from hicache.core.config import HiCacheConfig
 from hicache.core.errors import ConfigError
 from hicache.index.eviction import POLICIES
 from hicache.index.misses import REASONS
-from hicache.reference.progress import logs_above_bars, Progress
+from hicache.reference.progress import logs_above_bars, point_text, Progress
 from hicache.reference import sim_policies as sp
 from hicache.reference.sim_policies import PageStream, belady, infinite, page_stream
 from hicache.reference.simulate import run_hicache, sim_config, SimPlan, SimRequest, trace_requests
@@ -118,29 +118,41 @@ def human_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def format_report(rep: dict[str, Any], trace: str) -> str:
+NARROW_NAME = 32  # a run name longer than this is cut at its " (" in the narrow table, and given in full below it
+WIDE_ONLY = ("l2_hit_bytes", "l2_used_bytes", "l3_stored_bytes")  # columns only --wide shows
+
+
+def format_report(rep: dict[str, Any], trace: str, wide: bool = False) -> str:
+    """The simulation report; narrow (under 100 columns) unless ``wide``, which adds the
+    L2 read, L2 used and L3 stored columns and keeps every run's name whole in its row."""
     c = rep["config"]
     first = rep["rows"][0]
     cols = [("name", "run", "{}"), ("hit_rate", "hit rate", "{:.1%}"), ("l1_hit_tokens", "L1 hit tok", "{:,}"),
             ("l2_hit_tokens", "L2 hit tok", "{:,}"), ("l3_hit_tokens", "L3 hit tok", "{:,}"),
             ("l2_hit_bytes", "L2 read", "B"), ("l3_hit_bytes", "L3 read", "B"),
             ("l2_used_bytes", "L2 used", "B"), ("l3_stored_bytes", "L3 stored", "B"), ("time_s", "time", "{:.1f}s")]
+    cols = [col for col in cols if wide or col[0] not in WIDE_ONLY]
     table = [[h for _, h, _ in cols]]
+    notes = []
     for r in rep["rows"]:
-        table.append(["-" if r.get(k) is None else human_bytes(r[k]) if f == "B" else f.format(r[k])
-                      for k, _, f in cols])
+        name = r["name"]
+        if not wide and len(name) > NARROW_NAME and " (" in name:
+            name, rest = name.split(" (", 1)
+            notes.append(f"  {name}: ({rest}")
+        table.append([name] + ["-" if r.get(k) is None else human_bytes(r[k]) if f == "B" else f.format(r[k])
+                               for k, _, f in cols[1:]])
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
     lines = ["  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths)))
              for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    lines += notes
     head = [f"simulated replay of {trace}: {first['requests']:,} requests over {first['duration_s']:.0f} s of "
-            f"arrivals, {first['prompt_tokens']:,} prompt tokens; working set {rep['working_set_pages']:,} pages "
-            f"({human_bytes(rep['working_set_bytes'])})",
-            f"shape {c['shape']}, page {c['page_size']} tokens = {human_bytes(c['page_bytes'])}; "
+            f"arrivals, {first['prompt_tokens']:,} prompt tokens",
+            f"working set {rep['working_set_pages']:,} pages ({human_bytes(rep['working_set_bytes'])})",
+            f"shape {c['shape']}, page {c['page_size']} tokens = {human_bytes(c['page_bytes'])}",
             f"L1 {human_bytes(c['L1_bytes'])} ({c['L1_pages']:,} pages), L2 {human_bytes(c['L2_bytes'])} "
             f"({c['L2_pages']:,} pages), L3 {c['L3']} {human_bytes(c['L3_bytes'])} ({c['L3_pages']:,} pages)",
-            "bytes were accounted, not moved: each page carried a stand-in payload and counted as the shape's "
-            "page size"]
+            "bytes accounted, not moved: each page carried a stand-in payload counted at the shape's page size"]
     tail = []
     inf = next((r for r in rep["rows"] if r["name"] == "infinite cache"), None)
     if inf and inf["hit_rate"]:
@@ -153,7 +165,7 @@ def format_report(rep: dict[str, Any], trace: str) -> str:
     per = first["time_s"] / max(1, first["requests"]) * 1e3
     parts = first["time_parts_s"]
     spent = sum(parts.values()) or 1.0
-    tail.append(f"{first['name']}: {per:.2f} ms a request; " + ", ".join(
+    tail.append(f"{first['name']}: {per:.2f} ms a request;\n  " + ", ".join(
         f"{k} {v / spent:.0%}" for k, v in parts.items()))
     return "\n".join([*head, *lines, *tail])
 
@@ -175,9 +187,13 @@ def sweep(cfg: HiCacheConfig, factory: Factory, fractions=SWEEP_FRACTIONS,
     todo = sweep_points(base, stream, fractions)
     if progress is not None:
         n = f"{progress.total:,}" if progress.total is not None else "all the"
-        progress.note(f"sweep: {len(todo)} capacity points, each a whole replay of {n} requests "
-                      "(on the Mooncake trace ~1 min of CPU each); --limit N replays only the first N")
-    for tier, f, b in todo:
+        progress.note(f"sweep: {len(todo)} capacity points, each a whole replay of {n} requests; --limit N "
+                      "replays only the first N")
+    t0 = time.perf_counter()
+    for k, (tier, f, b) in enumerate(todo):
+        if progress is not None:
+            progress.note(f"sweep {point_text(k + 1, len(todo), time.perf_counter() - t0, k)}: {tier} "
+                          f"{human_bytes(b)}")
         plan, c = _point(cfg, tier, b)
         row = run_hicache(f"{tier} {human_bytes(b)}", c, plan if tier != "L1" else _no_l2(plan),
                           feed(f"{tier} {human_bytes(b)}"))
@@ -353,7 +369,7 @@ def main(args: argparse.Namespace, cfg: HiCacheConfig) -> int:
                           f"{progress.total:,} requests" + ("" if args.limit else "; --limit N replays only "
                                                             "the first N (a first look)"))
             out = simulate(cfg, factory, policies=None, baselines=not args.no_baselines, progress=progress)
-            print(format_report(out, name))
+            print(format_report(out, name, wide=args.wide))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2, default=str)

@@ -215,6 +215,16 @@ def bounded_lines(f: BinaryIO, path: str | Path) -> Iterator[tuple[int, bytes]]:
         yield no, raw
 
 
+MAX_INT_DIGITS = 24  # a token id, a count or an arrival in ms needs far fewer; Python refuses past 4,300
+
+
+def _int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise TraceError(f"a number of {len(text.lstrip('-')):,} digits ({text[:12]}...) is no token id, count or "
+                         f"time; a trace's integers have at most {MAX_INT_DIGITS} digits")
+    return int(text)
+
+
 def _no_constant(name: str) -> None:
     raise TraceError(f"{name} is not a number a trace may hold (JSON has no {name}); give a finite number")
 
@@ -223,7 +233,7 @@ def loads(raw: bytes | str, where: str) -> object:
     """One JSON value of a trace line; ``TraceError`` naming ``where`` for invalid JSON,
     ``NaN``/``Infinity`` and nesting too deep for the parser."""
     try:
-        return json.loads(raw, parse_constant=_no_constant)
+        return json.loads(raw, parse_constant=_no_constant, parse_int=_int)
     except json.JSONDecodeError as e:
         raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
     except UnicodeDecodeError as e:

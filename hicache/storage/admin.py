@@ -22,17 +22,15 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
-import msgpack
-
 from hicache.core.errors import ConfigError, StorageError
 from hicache.core.hashing import HASH_BYTES
 from hicache.core.redact import error_text, redact_url
 from hicache.storage.capacity import PrefixUsage
-from hicache.storage.codec import MAGIC, PREFIX_BYTES
+from hicache.storage import codec
+from hicache.storage.codec import HEAD_BYTES
 from hicache.storage.file_cap import Entry, walk
 
 BATCH = 1000  # keys per SCAN step / pipeline
-HEAD_BYTES = 4096  # enough for any header (read to name the fingerprint)
 
 
 class ObjectInfo(NamedTuple):
@@ -50,15 +48,26 @@ class Cleared(NamedTuple):
 
 def header_fingerprint(head: bytes) -> str | None:
     """The fingerprint in an object's header (its first bytes), or None if they do not parse."""
-    if len(head) < PREFIX_BYTES or head[:4] != MAGIC:
-        return None
-    hlen = int.from_bytes(head[4:8], "little")
-    try:
-        hdr = msgpack.unpackb(head[PREFIX_BYTES:PREFIX_BYTES + hlen])
-    except (ValueError, TypeError, msgpack.UnpackException):
-        return None
-    fp = hdr.get("fingerprint") if isinstance(hdr, dict) else None
-    return fp if isinstance(fp, str) else None
+    h = codec.parse_head(head)
+    return h.fingerprint if isinstance(h, codec.Head) else None
+
+
+def redis_heads(client: Any, keys: list[bytes]) -> list[bytes | None]:
+    """Each key's first bytes, enough for ``codec.parse_head`` / ``is_hicache_object``
+    (a second round trip only for a header longer than ``HEAD_BYTES``); None for a value
+    that is no string (a hash, a list: another program's) or gone."""
+    pipe = client.pipeline(transaction=False)
+    for k in keys:
+        pipe.getrange(k, 0, HEAD_BYTES - 1)
+    heads = [h if isinstance(h, bytes) else None for h in pipe.execute(raise_on_error=False)]
+    longer = [i for i, h in enumerate(heads) if h is not None and codec.head_end(h) > len(h) == HEAD_BYTES]
+    if longer:
+        pipe = client.pipeline(transaction=False)
+        for i in longer:
+            pipe.getrange(keys[i], 0, codec.head_end(heads[i]) - 1)
+        for i, h in zip(longer, pipe.execute(raise_on_error=False)):
+            heads[i] = h if isinstance(h, bytes) else None
+    return heads
 
 
 def _dir_name(prefix: str) -> str:
@@ -91,7 +100,8 @@ class FileStore:
             g = acc.setdefault(e.prefix, [0, 0, None])
             g[0], g[1] = g[0] + 1, g[1] + e.stat.st_size
             if g[2] is None:
-                g[2] = _read_head(e.name, e.dir_fd)
+                head = _read_head(e.name, e.dir_fd)
+                g[2] = None if head is None else header_fingerprint(head)
         return [(PrefixUsage(p, n, size), fp) for p, (n, size, fp) in sorted(acc.items())]
 
     def ls(self, prefix: str | None) -> Iterator[ObjectInfo]:
@@ -100,8 +110,14 @@ class FileStore:
             yield ObjectInfo(e.prefix, e.name, e.stat.st_size, max(0.0, now - e.stat.st_mtime))
 
     def clear(self, prefix: str | None) -> Cleared:
-        n, size = 0, 0
+        """Unlink the objects under ``prefix`` (every prefix dir: None) that start with a
+        hicache object header (``codec.is_hicache_object``); any other file stays."""
+        n, size, foreign = 0, 0, 0
         for e in self._objects(prefix):
+            head = _read_head(e.name, e.dir_fd)
+            if head is None or not codec.is_hicache_object(head):
+                foreign += 1
+                continue
             try:
                 os.unlink(e.name, dir_fd=e.dir_fd)  # in the directory walked, whatever its path is now
             except FileNotFoundError:
@@ -110,16 +126,21 @@ class FileStore:
         from hicache.storage.file_cap import rescan_ledger
         from hicache.storage.file_cap import FilePerms
         rescan_ledger(self.root, FilePerms.of(self.group, str(self.root)).gid)
-        return Cleared(n, size)
+        return Cleared(n, size, foreign)
 
 
-def _read_head(name: str, dir_fd: int) -> str | None:
+def _read_head(name: str, dir_fd: int) -> bytes | None:
+    """A file's first bytes, enough for ``codec.parse_head`` (never through a symlink, never
+    waiting on a FIFO); None when it cannot be read."""
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
     except OSError:
         return None
     try:
-        return header_fingerprint(os.read(fd, HEAD_BYTES))
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        head = os.pread(fd, HEAD_BYTES, 0)
+        return os.pread(fd, codec.head_end(head), 0) if codec.head_end(head) > len(head) == HEAD_BYTES else head
     except OSError:
         return None
     finally:
@@ -177,8 +198,9 @@ class RedisStore:
                 first.setdefault(k[:-HASH_BYTES], k)
         out = []
         for p in sorted(acc):
-            head = self.client.getrange(first[p], 0, HEAD_BYTES - 1)
-            out.append((PrefixUsage(p.decode("utf-8", "replace"), acc[p][0], acc[p][1]), header_fingerprint(head)))
+            head = redis_heads(self.client, [first[p]])[0]
+            out.append((PrefixUsage(p.decode("utf-8", "replace"), acc[p][0], acc[p][1]),
+                        None if head is None else header_fingerprint(head)))
         return out
 
     def ls(self, prefix: str | None) -> Iterator[ObjectInfo]:
@@ -191,11 +213,8 @@ class RedisStore:
         (another application's ``user:session:...`` under a short ``--prefix`` stays)."""
         n, size, foreign = 0, 0, 0
         for keys in self._keys(prefix):
-            pipe = self.client.pipeline(transaction=False)
-            for k in keys:
-                pipe.getrange(k, 0, HEAD_BYTES - 1)  # a hash or list answers WRONGTYPE: not ours either
-            heads = pipe.execute(raise_on_error=False)
-            ours = [k for k, h in zip(keys, heads) if isinstance(h, bytes) and header_fingerprint(h) is not None]
+            heads = redis_heads(self.client, keys)
+            ours = [k for k, h in zip(keys, heads) if h is not None and codec.is_hicache_object(h)]
             foreign += len(keys) - len(ours)
             if not ours:
                 continue

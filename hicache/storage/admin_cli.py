@@ -74,13 +74,25 @@ def _size(n: int) -> str:
 
 
 def run(args: argparse.Namespace, cfg) -> int:
-    from hicache.core.redact import redact_url
-    from hicache.storage.admin import RedisStore, open_store
+    """One ``hicache storage`` command; a store's error mid-way becomes one redacted line."""
+    from redis.exceptions import RedisClusterException, RedisError
+    from hicache.core.errors import StorageError
+    from hicache.core.redact import error_text, redact_url
     url = args.url if args.url is not None else cfg.storage.url
     args.redactor.add_url(url)  # --url is no part of cfg: its secrets too are hidden in every error
-    if args.storage_cmd == "fsck":
-        from hicache.storage.fsck import run as fsck
-        return fsck(url, selected_prefix(args), cfg, args.repair)
+    try:
+        if args.storage_cmd == "fsck":
+            from hicache.storage.fsck import run as fsck
+            return fsck(url, selected_prefix(args), cfg, args.repair)
+        return _run(args, cfg, url)
+    except (RedisError, RedisClusterException) as e:
+        raise StorageError(f"L3 {redact_url(url)}: {args.storage_cmd} stopped ({error_text(e, url)}); check "
+                           "that the server runs and try again") from None
+
+
+def _run(args: argparse.Namespace, cfg, url: str) -> int:
+    from hicache.core.redact import redact_url
+    from hicache.storage.admin import RedisStore, open_store
     store = open_store(url, timeout_s=max(1.0, cfg.storage.timeout_ms / 1000), group=cfg.storage.file_group)
     prefix = selected_prefix(args)
     shown = redact_url(url)
@@ -126,7 +138,8 @@ def run(args: argparse.Namespace, cfg) -> int:
         return 0  # a dry run that worked (2 is for errors)
     done = store.clear(prefix)
     print(f"deleted {done.objects:,} objects ({_size(done.bytes)}) under {what} of {shown}"
-          + (f"; left {done.foreign:,} keys that are no hicache object alone" if done.foreign else ""))
+          + (f"; left {done.foreign:,} {'files' if url.startswith('file:') else 'keys'} that are no hicache "
+             "object alone" if done.foreign else ""))
     return 0
 
 

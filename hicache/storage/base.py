@@ -95,7 +95,14 @@ class StorageBackend(abc.ABC):
 
     # ------------------------------------------------------------ primitives
     @abc.abstractmethod
-    def _raw_get(self, keys: list[bytes]) -> list[Buffer | None | BaseException]: ...
+    def _raw_get(self, keys: list[bytes]) -> list[Buffer | None | BaseException | codec.Decoded]:
+        """Per key the stored object, None when absent, an exception when its read failed,
+        or a ``codec.Decoded`` when the backend refused it unread (judged by its header)."""
+
+    def _raw_get_sized(self, keys: list[bytes], payload_bytes: int) -> list[Any]:
+        """``_raw_get`` told the payload size every object must have: a backend that can size
+        an object before reading it refuses one of another size unread (a ``Decoded``)."""
+        return self._raw_get(keys)
 
     @abc.abstractmethod
     def _raw_put(self, items: "PutBatch") -> list[bool | BaseException]:
@@ -235,17 +242,21 @@ class StorageBackend(abc.ABC):
         full = [self._full(k) for k in keys]
         if not full:
             return []
-        raw = self._call("get", self._raw_get, full)
+        sizes = codec.plane_sizes(plane_sizes)
+        raw = self._call("get", self._raw_get_sized, full, sizes.total)
         if raw is DOWN:
             self._count(gets=len(full), misses=len(full))
             return [None] * len(full)
         if len(raw) != len(full):
             raise StorageError(f"L3 backend {self.name}: get of {len(full)} keys returned {len(raw)} results")
-        sizes = codec.plane_sizes(plane_sizes)
         template = codec.header_template(self.fingerprint, sizes)
         out: list[memoryview | None] = []
         tally = ReadTally(self.name, self._warnings)
         for key, fk, obj in zip(keys, full, raw):
+            if isinstance(obj, codec.Decoded):  # refused before it was read whole (a size its header denies)
+                tally.rejected(fk, obj)
+                out.append(None)
+                continue
             if obj is None or isinstance(obj, BaseException):
                 if obj is None:
                     tally.absent()

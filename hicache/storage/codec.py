@@ -387,6 +387,82 @@ def _parse_header(mv: memoryview) -> dict | Decoded:
     return hdr
 
 
+HEAD_BYTES = 4096  # an object's first bytes that hold any usual header (~100 bytes plus a few per plane)
+
+
+class Head(NamedTuple):
+    """What an object's header declares, read before its payload (``parse_head``)."""
+
+    fingerprint: str
+    size: int  # bytes of the whole object: prefix, header and payload
+    header_bytes: int  # prefix and header: where the payload starts
+
+
+def head_end(head: Buffer) -> int:
+    """How many first bytes of an object ``parse_head`` needs (prefix and header):
+    ``PREFIX_BYTES`` until the prefix is there; at most ``PREFIX_BYTES + 1 MiB``."""
+    mv = as_bytes_view(head)
+    if mv.nbytes < PREFIX_BYTES:
+        return PREFIX_BYTES
+    return PREFIX_BYTES + min(_PREFIX.unpack_from(mv)[1], _MAX_HEADER)
+
+
+def _head_map(head: Buffer) -> dict | Decoded:
+    """The header map in an object's first bytes (at least ``head_end(head)``), or why not."""
+    mv = as_bytes_view(head)
+    if mv.nbytes < PREFIX_BYTES or bytes(mv[:4]) != MAGIC:
+        return _bad(f"starts with {bytes(mv[:8])!r}, not a hicache object header ({MAGIC!r})")
+    hlen = _PREFIX.unpack_from(mv)[1]
+    if hlen > _MAX_HEADER or PREFIX_BYTES + hlen > mv.nbytes:
+        return _bad(f"header of {hlen} bytes: longer than {_MAX_HEADER} or than the {mv.nbytes} bytes given")
+    try:
+        hdr = msgpack.unpackb(mv[PREFIX_BYTES:PREFIX_BYTES + hlen])
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        return _bad(f"header does not parse: {e}")
+    return hdr if isinstance(hdr, dict) else _bad(f"header is a {type(hdr).__name__}, not a map")
+
+
+def is_hicache_object(head: Buffer) -> bool:
+    """Whether an object's first bytes (at least ``head_end(head)``) are a hicache object's:
+    the magic, then a header map naming a format version and a fingerprint (its other
+    fields may be damaged). The one test ``hicache storage clear`` and ``fsck --repair``
+    pass before they delete anything: another program's key or file is never deleted."""
+    hdr = _head_map(head)
+    return isinstance(hdr, dict) and "version" in hdr and "fingerprint" in hdr
+
+
+def parse_head(head: Buffer) -> Head | Decoded:
+    """What an object's first bytes (at least ``head_end(head)`` of them) declare: its
+    fingerprint and its whole size; a CORRUPT ``Decoded`` naming why when they are no
+    sound hicache object header. Reads no payload, so a reader checks an object's size
+    before it allocates for it. Pure; never raises on bad data."""
+    hdr = _head_map(head)
+    if isinstance(hdr, Decoded):
+        return hdr
+    if not _hck_ok(hdr):
+        return _bad("header checksum does not match its fields (damaged header)")
+    fp, sizes, length = hdr.get("fingerprint"), hdr.get("plane_sizes"), hdr.get("length")
+    if not isinstance(fp, str):
+        return _bad(f"fingerprint {fp!r} is not a string")
+    if not isinstance(sizes, list) or not all(type(x) is int and x >= 0 for x in sizes):
+        return _bad(f"plane sizes {str(sizes)[:80]} are not a list of sizes")
+    if type(length) is not int or length != sum(sizes):
+        return _bad(f"header length {length!r} is not the plane sizes' sum {sum(sizes)}")
+    hlen = PREFIX_BYTES + _PREFIX.unpack_from(as_bytes_view(head))[1]
+    return Head(fp, hlen + length, hlen)
+
+
+def _hck_ok(hdr: dict) -> bool:
+    """The header checksum ``hck`` matches the other fields (or is absent: an older writer)."""
+    if "hck" not in hdr:
+        return True
+    fields = {k: v for k, v in hdr.items() if k != "hck"}
+    try:
+        return hdr["hck"] == checksum(msgpack.packb(fields))
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
 def _check_identity(hdr: dict, page_hash: bytes, fingerprint: str, auth_key: bytes = b"") -> Decoded | None:
     """``decode``'s second step: version, fields, header checksum, fingerprint and page
     hash; None when they hold."""
@@ -399,14 +475,8 @@ def _check_identity(hdr: dict, page_hash: bytes, fingerprint: str, auth_key: byt
     extra = set(hdr) - _FIELDS
     if extra:
         return _bad(f"unknown header field(s) {sorted(map(repr, extra))[:4]} (damaged header)")
-    if "hck" in hdr:
-        fields = {k: v for k, v in hdr.items() if k != "hck"}
-        try:
-            ok = hdr["hck"] == checksum(msgpack.packb(fields))
-        except (TypeError, ValueError, OverflowError):
-            ok = False
-        if not ok:
-            return _bad("header checksum does not match its fields (damaged header)")
+    if not _hck_ok(hdr):
+        return _bad("header checksum does not match its fields (damaged header)")
     if hdr.get("fingerprint") != fingerprint:
         return Decoded(ReadStatus.FINGERPRINT, None,
                        f"fingerprint {hdr.get('fingerprint')!r} != ours {fingerprint!r}")

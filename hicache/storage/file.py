@@ -15,7 +15,9 @@ symlink planted at a temp name is never followed), fan-out directories must
 be real directories, and objects are opened with ``O_NOFOLLOW | O_NONBLOCK``
 (a FIFO, directory or device at an object path is a counted error or a
 corrupt object, never a hang). A read never sizes a buffer from a file's size
-(at most a page and ``MAX_SPLIT_HEADER``). Every batch runs on the worker threads
+alone: ``get_into`` reads at most a page and ``MAX_SPLIT_HEADER``, ``get`` an
+object whose size its header and the page's planes declare (else it is corrupt,
+unread). Every batch runs on the worker threads
 (a batch of large pages split among them, as many as the load leaves cores for,
 each page hashed by the worker that read or wrote it)
 and the caller waits at most ``health.call_budget``: ``timeout_ms`` per page
@@ -48,11 +50,13 @@ from typing import Any, Callable, Iterator
 
 from hicache.core.errors import ConfigError, IntegrityError
 from hicache.core.hashing import HASH_BYTES
+from hicache.core.redact import redact_url
 from hicache.storage.base import StorageBackend
 from hicache.storage.capacity import StorageOptions
 from hicache.storage.into import PutBatch
 from hicache.storage.capacity import StorageUsage, check_eviction
-from hicache.storage.codec import HASH_BLOCK, Buffer, PayloadHasher
+from hicache.storage import codec
+from hicache.storage.codec import HASH_BLOCK, HEAD_BYTES, Buffer, Decoded, PayloadHasher, ReadStatus
 from hicache.storage.file_cap import FileCap, scan
 from hicache.storage.file_cap import FilePerms
 from hicache.storage.health import FLOOR_BYTES_PER_S, LoadFactor, _cpus, call_budget
@@ -79,7 +83,7 @@ def parse_file_url(url: str) -> Path:
     """``file:///abs`` -> ``/abs``; ``file://./rel`` or ``file://rel`` -> ``rel``."""
     rest = url.split("://", 1)[1]
     if not rest:
-        raise ConfigError(f"storage url {url!r}: needs a directory, e.g. file:///var/cache/hicache "
+        raise ConfigError(f"storage url {redact_url(url)!r}: needs a directory, e.g. file:///var/cache/hicache "
                           "or file://./.hicache/l3")
     if rest.startswith("localhost/"):
         rest = rest[len("localhost"):]
@@ -104,8 +108,8 @@ class FileBackend(StorageBackend):
             self._perms.make_dir(self.root)
             self._perms.make_dir(self.dir, tighten=True)
         except OSError as e:
-            raise ConfigError(f"storage url {self.name!r}: cannot create directory {str(self.dir)!r}: "
-                              f"{e}; pick a writable directory") from None
+            raise ConfigError(f"storage url {self.name!r}: cannot create directory {e.filename or str(self.dir)!r} "
+                              f"({e.strerror or e}); pick a directory this user can write") from None
         self._made: set[str] = set()  # fan-out directories known to exist
         self._mu = threading.Lock()
         # IO_WORKERS workers: independent calls (an engine's several I/O threads)
@@ -131,7 +135,7 @@ class FileBackend(StorageBackend):
 
     @classmethod
     def from_url(cls, url: str, options: StorageOptions, **opts) -> "FileBackend":
-        return cls(options, parse_file_url(url), name=url, **opts)
+        return cls(options, parse_file_url(url), name=redact_url(url), **opts)
 
     # ------------------------------------------------------------------ paths
     def _path(self, full_key: bytes) -> tuple[str, str]:
@@ -227,11 +231,14 @@ class FileBackend(StorageBackend):
             self._trim()
 
     # ------------------------------------------------------------- primitives
-    def _raw_get(self, keys: list[bytes]) -> list[Buffer | None | BaseException]:
-        return self._deadline(self._get_all, len(keys), keys)
+    def _raw_get(self, keys: list[bytes]) -> list[Buffer | None | BaseException | Decoded]:
+        return self._deadline(self._get_all, len(keys), keys, None)
 
-    def _get_all(self, keys: list[bytes]) -> list[Buffer | None | BaseException]:
-        return self._read_each(keys, range(len(keys)), lambda path, i: self._read(path))
+    def _raw_get_sized(self, keys: list[bytes], payload_bytes: int) -> list[Buffer | None | BaseException | Decoded]:
+        return self._deadline(self._get_all, len(keys), keys, payload_bytes)
+
+    def _get_all(self, keys: list[bytes], payload: int | None) -> list[Buffer | None | BaseException | Decoded]:
+        return self._read_each(keys, range(len(keys)), lambda path, i: self._read(path, payload))
 
     def _raw_get_into(self, keys: list[bytes], dests: list[list[memoryview]], verify: Verifier) -> list[Any]:
         nbytes = sum(mv.nbytes for mv in dests[0]) * len(keys) if keys else 0
@@ -288,6 +295,7 @@ class FileBackend(StorageBackend):
         """Write pages ``idx`` (None: skipped as present) and account them in the cap's
         ledger here, on the worker, so a put whose caller stopped waiting still counts."""
         out: list[bool | BaseException | None] = []
+        written, replaced, rewrites = 0, 0, 0  # bytes written; of those, bytes and objects that replaced one
         for i in idx:
             k, payload = items.key_payload(i)
             d, path = self._path(k)
@@ -295,33 +303,34 @@ class FileBackend(StorageBackend):
                 if skip_present and _is_object(path):
                     out.append(None)
                     continue
-                self._write(d, path, items.header(i), payload)
+                hdr = items.header(i)
+                old = self._write(d, path, hdr, payload)
                 out.append(True)
             except OSError as e:
                 out.append(e)
-        if self._cap is not None:
-            ok = [i for i, r in zip(idx, out) if r is True]
-            # Headers were built by the write: len() reads the cache.
-            self._cap.account(sum(len(items.header(i)) + items.payload_bytes(i) for i in ok), len(ok))
+                continue
+            new = len(hdr) + payload.nbytes
+            written += new
+            if old is not None:
+                replaced, rewrites = replaced + min(old, new), rewrites + 1
+        if self._cap is not None and written:
+            self._cap.account(written, sum(r is True for r in out) - rewrites, replaced=replaced)
         return out
 
-    @staticmethod
-    def _read(path: str) -> bytearray:
-        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer.
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    def _read(self, path: str, payload: int | None = None) -> bytearray | Decoded:
+        """The whole object at ``path``, or why it is refused unread (``_refuse``: a size its
+        header does not declare, a payload not of ``payload`` bytes, another layout's, no
+        header of ours)."""
+        fd, size = _open_regular(path)
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise OSError(f"{path} is not a regular file (mode {st.st_mode:o}); refusing to read it")
-            size = st.st_size
+            head = read_head(fd, size)
+            bad = _refuse(head, size, self.fingerprint, payload)
+            if bad is not None:
+                return bad
             buf = bytearray(size)
-            mv, got = memoryview(buf), 0
-            while got < size:
-                n = os.readv(fd, [mv[got:]])
-                if n == 0:  # shrank under us; the checksum will reject it
-                    return buf[:got]
-                got += n
-            return buf
+            buf[:len(head)] = head
+            got = len(head) + _preadv_full(fd, [memoryview(buf)[len(head):]], len(head))
+            return buf if got == size else buf[:got]  # shrank under us: the checksum rejects it
         finally:
             os.close(fd)
 
@@ -330,7 +339,9 @@ class FileBackend(StorageBackend):
         if r is not None and r.deleted:
             self._count(evicted=r.deleted)
 
-    def _write(self, d: str, path: str, hdr: bytes, payload: memoryview) -> None:
+    def _write(self, d: str, path: str, hdr: bytes, payload: memoryview) -> int | None:
+        """Write one object in place of any at ``path``; with a cap, the size of the one it
+        replaced (None: none; the ledger counts each object once)."""
         self._ensure_dir(d)
         # A fresh random name, created exclusively and never through a symlink.
         tmp = f"{path}{_TMP}{os.getpid()}.{secrets.token_hex(8)}"
@@ -354,7 +365,9 @@ class FileBackend(StorageBackend):
             os.unlink(tmp)
             raise
         os.close(fd)
+        old = _size_of(path) if self._cap is not None else None  # just before the rename: the gap stays small
         os.replace(tmp, path)
+        return old
 
     def _raw_exists(self, keys: list[bytes]) -> list[bool]:
         return self._deadline(lambda: [_is_object(self._path(k)[1]) for k in keys], len(keys))
@@ -398,7 +411,7 @@ class FileBackend(StorageBackend):
                 except OSError:  # not a regular file, a symlink, unreadable: reported bad
                     yield self.key_prefix + b"?" + f.name.encode(), b""
                     continue
-                yield self.key_prefix + bytes.fromhex(f.name), obj
+                yield self.key_prefix + bytes.fromhex(f.name), obj  # type: ignore[misc]  (a Decoded: refused)
 
     def _raw_usage(self) -> StorageUsage:
         if self._cap is not None:
@@ -453,6 +466,15 @@ def _is_object(path: str) -> bool:
         return stat.S_ISREG(os.lstat(path).st_mode)
     except OSError:
         return False
+
+
+def _size_of(path: str) -> int | None:
+    """The size of the regular file at ``path`` (not followed); None when there is none."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def _touch(path: str) -> None:
@@ -547,11 +569,38 @@ def _read_odd(fd: int, path: str, segs: list[memoryview], hdr: memoryview) -> In
     return bytes(buf[:_preadv_full(fd, [memoryview(buf)])])
 
 
-def _preadv_full(fd: int, bufs: list[memoryview]) -> int:
-    """Fill ``bufs`` from offset 0 (several ``preadv`` only if the kernel returns short); bytes read."""
+def read_head(fd: int, size: int) -> bytes:
+    """The first bytes of the object of ``size`` bytes open on ``fd``: its prefix and
+    header (``HEAD_BYTES``, more only for a longer header, at most 1 MiB), or all of it."""
+    head = os.pread(fd, min(size, HEAD_BYTES), 0)
+    end = codec.head_end(head)
+    return os.pread(fd, end, 0) if len(head) < end <= size else head
+
+
+def _refuse(head: bytes, size: int, fingerprint: str, payload: int | None) -> Decoded | None:
+    """Why an object of ``size`` bytes starting with ``head`` is not read whole, judged
+    before any allocation for it: no hicache header (corrupt), another layout's (kept), a
+    size its header does not declare (corrupt: a sparse or grown file), or a payload that
+    is not the page's ``payload`` bytes (corrupt). None when its header declares exactly
+    ``size`` bytes for ``fingerprint`` (and ``payload`` where given)."""
+    h = codec.parse_head(head)
+    if isinstance(h, Decoded):
+        return h
+    if h.fingerprint != fingerprint:
+        return Decoded(ReadStatus.FINGERPRINT, None, f"fingerprint {h.fingerprint!r} != ours {fingerprint!r}")
+    if h.size != size:
+        return Decoded(ReadStatus.CORRUPT, None, f"object is {size:,} bytes but its header declares {h.size:,}")
+    if payload is not None and h.size - h.header_bytes != payload:
+        return Decoded(ReadStatus.CORRUPT, None, f"payload of {h.size - h.header_bytes:,} bytes, the page's "
+                       f"is {payload:,}")
+    return None
+
+
+def _preadv_full(fd: int, bufs: list[memoryview], at: int = 0) -> int:
+    """Fill ``bufs`` from offset ``at`` (several ``preadv`` only if the kernel returns short); bytes read."""
     done = 0
     while bufs:
-        n = os.preadv(fd, bufs[:IOV_MAX], done)
+        n = os.preadv(fd, bufs[:IOV_MAX], at + done)
         if n == 0:  # end of file
             return done
         done += n

@@ -12,16 +12,21 @@ per layout, see ``hicache.storage.file``), plus two files of ours:
   trimming; the others skip the trim (the trimmer re-checks when it is done).
 
 Why the estimate never falls below the truth, across processes: a writer
-first ``os.replace``s an object into place, then adds its size to the ledger
-(an overwrite adds its whole size again: counted twice, never zero times).
+first ``os.replace``s an object into place, then adds its size to the ledger.
+A rewrite adds only what its object grew by (the size it replaced is read just
+before the rename) to ``total``, and its whole size to ``added``, so a trim
+running meanwhile counts it twice, never zero times.
 A trim reads ``added`` *before* it scans, deletes the oldest objects down to
 ``TRIM_TO`` of the cap, then sets ``total = what is left + (added now -
 added before the scan)``. An object renamed before the scan began was added
 before too, or later (counted twice); one renamed after is in the increment.
 So once every writer has returned from its put, the bytes on disk are at
-most ``total``, and the last put left ``total <= cap`` or trimmed. (A
-process killed between rename and accounting leaves its bytes uncounted
-until the next scan: the one gap, closed by every trim and by opening.)
+most ``total``, and the last put left ``total <= cap`` or trimmed. (Two
+gaps, closed by every trim and by opening: a process killed between rename and
+accounting leaves its bytes uncounted until the next scan; and a trim that
+deletes an object in the instant between a rewriter's size check and its
+rename, and finishes before that rewriter accounts, leaves the new object
+uncounted. ``check_integrity`` finds either and rescans.)
 
 Trust (as for the shared segment, ``hicache.memory.shm``): the ledger and the
 trim lock are opened with ``O_NOFOLLOW | O_NONBLOCK`` and used only when they
@@ -242,10 +247,13 @@ class FileCap:
     def _write(fd: int, total: int, added: int, objects: int) -> None:
         os.pwrite(fd, _FMT.pack(max(0, total), added, max(0, objects)), 0)
 
-    def account(self, nbytes: int, objects: int) -> int:
-        """Add ``objects`` files of ``nbytes`` in all, just renamed into place; returns the new total."""
+    def account(self, nbytes: int, objects: int, replaced: int = 0) -> int:
+        """Add ``nbytes`` just renamed into place, ``objects`` new files among them (the
+        rest replaced files of ``replaced`` bytes, counted up to their new size, which the
+        total does not add again); returns the new total. ``added`` grows by all of
+        ``nbytes``: a trim running meanwhile counts a rewrite twice, never zero times."""
         with self._ledger() as (fd, total, added, n):
-            total = (total or 0) + nbytes
+            total = (total or 0) + nbytes - replaced
             self._write(fd, total, added + nbytes, n + objects)
         return total
 
@@ -445,10 +453,11 @@ class FilePerms:
         """Create ``path`` (and missing parents) with ``dir_mode``; ``tighten``: also an existing
         one of ours whose mode lets more in than ``dir_mode``. Raises ``OSError``."""
         try:
-            os.mkdir(path, 0o700)
-        except FileNotFoundError:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            return self.make_dir(path, tighten)
+            try:
+                os.mkdir(path, 0o700)
+            except FileNotFoundError:  # a missing parent: made, then one more try (refused again: raised)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                os.mkdir(path, 0o700)
         except FileExistsError:
             if not tighten:
                 return

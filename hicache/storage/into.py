@@ -231,7 +231,7 @@ def failing_objects(name: str, scan: Iterator[tuple[bytes, Buffer]], key_prefix:
     for fk, obj in scan:
         if not fk.startswith(key_prefix):
             raise IntegrityError(f"L3 backend {name} listed key {fk!r} outside its prefix {key_prefix!r}")
-        d = codec.decode(obj, fk[len(key_prefix):], fingerprint, None, auth_key)
+        d = obj if isinstance(obj, Decoded) else codec.decode(obj, fk[len(key_prefix):], fingerprint, None, auth_key)
         if d.status is not ReadStatus.OK:
             bad.append(f"{fk!r}: {d.status.value}: {d.why}")
     return bad

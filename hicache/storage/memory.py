@@ -12,6 +12,7 @@ from collections import OrderedDict
 from typing import Iterator
 
 from hicache.core.errors import ConfigError, IntegrityError
+from hicache.core.redact import redact_url
 from hicache.storage.base import StorageBackend
 from hicache.storage.capacity import StorageOptions
 from hicache.storage.into import PutBatch
@@ -38,8 +39,8 @@ class MemoryBackend(StorageBackend):
     def from_url(cls, url: str, options: StorageOptions, **opts) -> "MemoryBackend":
         rest = url.split("://", 1)[1]
         if rest not in ("", "/"):
-            raise ConfigError(f"storage url {url!r}: memory:// takes no host or path")
-        return cls(options, name=url, **opts)
+            raise ConfigError(f"storage url {redact_url(url)!r}: memory:// takes no host or path")
+        return cls(options, name=redact_url(url), **opts)
 
     def _raw_get(self, keys: list[bytes]) -> list[Buffer | None]:
         with self._mu:

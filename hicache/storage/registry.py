@@ -13,7 +13,7 @@ from importlib.metadata import entry_points
 from typing import Any, Callable
 from hicache.core.errors import ConfigError
 from hicache.core.layout import KVLayout
-from hicache.core.redact import redact_url
+from hicache.core.redact import error_text, redact_url
 from hicache.storage.base import StorageBackend
 from hicache.storage.capacity import StorageOptions
 from hicache.storage.file import FileBackend
@@ -67,6 +67,11 @@ class StorageRegistry:
             if "unexpected keyword argument" not in str(e):
                 raise
             raise ConfigError(f"storage url {scheme}://...: bad option(s) {sorted(opts)}: {e}") from None
+        except ConfigError as e:  # whatever a backend (a plugin too) quoted of the URL, minus its secrets
+            shown = error_text(e, url).removeprefix(f"{type(e).__name__}: ")
+            if shown == str(e):
+                raise
+            raise type(e)(shown) from None
 
 
 def _lazy_factory(target: str, needs: str = "") -> BackendFactory:

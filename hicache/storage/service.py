@@ -15,6 +15,7 @@ from typing import ClassVar, Sequence
 
 from hicache.client.link import SCHEME, SOCKET_SLACK_S, ServiceClient, socket_path_of
 from hicache.core.errors import ConfigError, ContractMismatch, IntegrityError, OutOfPages, PoolError, ServiceError
+from hicache.core.redact import redact_url
 from hicache.core.layout import KVLayout
 from hicache.storage.base import StorageBackend
 from hicache.storage.health import DOWN
@@ -79,7 +80,7 @@ class ServiceBackend(StorageBackend):
 
     @classmethod
     def from_url(cls, url: str, options: StorageOptions) -> "ServiceBackend":
-        return cls(options, socket_path_of(url), name=url)
+        return cls(options, socket_path_of(url), name=redact_url(url))
 
     # ------------------------------------------------------------- connection
     def _connect_now(self) -> bool:

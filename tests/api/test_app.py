@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import schemathesis
@@ -237,3 +238,86 @@ def test_lookup_with_intent_admit_keeps_l2_pages_and_starts_an_l3_fetch(make_sta
             time.sleep(0.01)
         assert eng.stats().l3["fetches"] == before + 1
         eng.check_integrity()
+
+
+def _published(bus: EventBus, n: int) -> None:
+    log = EventLog(n)
+    h = page_hashes(list(range(4 * n)), 4)
+    log.record(EventKind.STORED, "L2", zip(h, [None, *h[:-1]]))
+    bus.publish(log.take())
+
+
+def test_event_subscribers_are_bounded_in_number_and_formatted_once():
+    """300 subscribers that never read took the service from 527 MiB to 2.5 GiB and
+    /healthz unanswered for minutes: every event was formatted once per subscriber and a
+    batch of 65,536 written in one piece. Now: at most max_subscribers, one text per event."""
+    from hicache.api.events import SubscribersFull, sse_text
+    bus = EventBus(max_subscribers=8)
+
+    async def run():
+        subs = [bus.subscribe(4096) for _ in range(8)]
+        with pytest.raises(SubscribersFull, match="8 event streams are open"):
+            bus.subscribe(10)
+        _published(bus, 300)
+        got = [await bus.next_batch(s, 0.1) for s in subs]
+        bus.unsubscribe(subs[0])
+        bus.subscribe(10)  # a slot freed is taken again
+        bus.check_integrity()
+        bus.close()
+        return got
+
+    got = asyncio.run(run())
+    texts = {id(e.sse) for events, _ in got for e in events}
+    assert len(texts) == 300 and all(len(events) == 300 for events, _ in got)  # 300 texts for 8 x 300 deliveries
+    first = got[0][0][0]
+    line = sse_text(first, 7)
+    assert line.startswith(f"id: {first.seq}\nevent: stored\ndata: ") and line.endswith(',"dropped":7}\n\n')
+    assert json.loads(line.split("data: ", 1)[1]) == {
+        "seq": first.seq, "type": "stored", "tier": "L2", "page_hash": first.page_hash.hex(), "parent_hash": None,
+        "dropped": 7}
+
+
+def test_a_full_event_service_answers_503_and_stays_responsive(make_state, app_of):
+    st = make_state()
+    st.bus.max_subscribers = 0
+    with TestClient(app_of(st)) as client:
+        r = client.get("/v1/events", params={"max_events": 1})
+        assert r.status_code == 503 and r.headers["retry-after"] == "5" and "event streams are open" in r.text
+        assert client.get("/healthz").status_code == 200
+
+
+def test_a_client_that_takes_no_bytes_is_dropped_and_unsubscribed():
+    """A send that waits past send_timeout_s (a client whose socket buffer is full) ends
+    the stream and frees its subscription; the chunks written are at most CHUNK_EVENTS events."""
+    from hicache.api import routes
+    bus = EventBus()
+    sent: list[dict] = []
+
+    async def run():
+        sub = bus.subscribe(4096)
+        _published(bus, 600)
+        stuck = asyncio.Event()
+
+        async def send(msg):
+            sent.append(msg)
+            if len(sent) >= 3:  # start, the stream's opening comment, then it stops reading
+                await stuck.wait()
+        resp = routes.EventStreamResponse(routes._stream(bus, sub, None, None), send_timeout_s=0.05)
+        await resp.stream_response(send)
+        return bus.num_subscribers
+
+    assert asyncio.run(run()) == 0
+    chunk = sent[2]["body"].decode()
+    assert chunk.count("\nevent: stored\n") == routes.CHUNK_EVENTS
+
+
+def test_the_rest_server_caps_its_connections_above_the_event_streams():
+    """uvicorn had no cap: any number of connections (and of slow clients) was served."""
+    from hicache.api.events import MAX_SUBSCRIBERS
+    from hicache.api.serve import KEEP_ALIVE_S, uvicorn_config
+    cfg = HiCacheConfig.load(None, {"service.rest_max_connections": "200"}, env={})
+    c = uvicorn_config(object(), cfg)
+    assert (c.limit_concurrency, c.timeout_keep_alive) == (200, KEEP_ALIVE_S)
+    assert HiCacheConfig.load(None, {}, env={}).service.rest_max_connections > MAX_SUBSCRIBERS
+    with pytest.raises(ConfigError, match="rest_max_connections"):
+        HiCacheConfig.load(None, {"service.rest_max_connections": "10"}, env={})

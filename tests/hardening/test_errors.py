@@ -104,3 +104,19 @@ def test_allowed_uids_from_the_environment():
     assert HiCacheConfig.load(env={"HICACHE_SERVICE__ALLOWED_UIDS": "1001, 1002"}).service.allowed_uids == [1001, 1002]
     with pytest.raises(ConfigError, match="service.allowed_uids='abc'"):
         HiCacheConfig.load(env={"HICACHE_SERVICE__ALLOWED_UIDS": "abc"})
+
+
+def test_an_l3_directory_that_refuses_mkdir_fails_in_one_line(capsys):
+    """/proc exists but refuses mkdir: one error line, no RecursionError (985 tracebacks before)."""
+    with pytest.raises(ConfigError, match=r"cannot create directory '/proc/hicache-l3' \(No such file or directory\)"):
+        open_storage("file:///proc/hicache-l3", fingerprint="0f1e2d3c4b5a69788796a5b4c3d2e1f0")
+    err = err_of(capsys, ["replay", "--scale", "tiny", "--no-baselines", "--quiet",
+                          "--set", "storage.url=file:///proc/hicache-l3"])
+    assert err.count("\n") == 1 and "pick a directory this user can write" in err, err
+
+
+def test_replay_service_without_a_service_is_one_short_sentence(capsys, tmp_path):
+    """It was 604 characters that said "start hicache serve first" twice."""
+    err = err_of(capsys, ["replay", "--service", str(tmp_path / "none.sock"), "--quiet"])
+    assert err == (f"hicache: error: --service {tmp_path / 'none.sock'}: no hicache service listens there (No such "
+                   "file or directory); start `hicache serve` first\n")

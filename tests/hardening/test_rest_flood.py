@@ -76,7 +76,7 @@ async def _call(gate, scope, body: bytes, reads: list[int]) -> int:
 def test_bodies_beyond_the_limit_get_503_unread_and_health_still_answers():
     async def run():
         app = _App()
-        gate = BodyGate(app, max_bodies=2, max_bytes=MiB8)
+        gate = BodyGate(app, max_bodies=2, max_bytes=MiB8, max_waiting=0)  # no queue: refused at once
         reads: list[int] = []
         body = b"x" * 1024  # stands for an 8 MiB body: only the declared length matters to the gate
         held = [asyncio.create_task(_call(gate, _scope("/v1/lookup", MiB8), body, reads)) for _ in range(2)]
@@ -143,3 +143,63 @@ def test_big_lookup_read_off_the_loop_answers_as_the_usual_path(make_state):
     assert big.status_code == 200 and big.json()["query_pages"] == len(want) == len(toks) // ps
     assert by_hash.json()["query_pages"] == 64
     assert bad.status_code == 422 and "tokens" in bad.json()["detail"][0]["loc"], bad.text[:300]
+
+
+def test_a_client_that_reopens_after_each_408_cannot_hold_every_slot():
+    """Two connections that trickle nothing and reopen after each 408 kept every large
+    /v1/lookup at 503 (35 of 35 over 40 s). Now a waiting request takes the next freed
+    slot (the reopened connection queues behind it), and clients are served by the
+    fewest slots held: every lookup from another client is answered 200."""
+    async def run():
+        app = _App()
+        app.release.set()
+        gate = BodyGate(app, max_bodies=2, max_bytes=MiB8, read_timeout_s=0.05)
+        stop = asyncio.Event()
+        attacker = {**_scope("/v1/lookup", MiB8), "client": ("10.0.0.66", 1)}
+        codes: list[int] = []
+        hogs = [asyncio.create_task(_hog_forever(gate, attacker, stop, codes)) for _ in range(2)]
+        while gate.in_flight < 2:
+            await asyncio.sleep(0)
+        fair = []
+        for i in range(5):
+            scope = {**_scope("/v1/lookup", MiB8), "client": ("10.0.0.7", 100 + i)}
+            fair.append(await _call(gate, scope, b"x" * 100, []))
+        stop.set()
+        await asyncio.gather(*hogs)
+        gate.check_integrity()
+        return fair, codes, gate
+
+    fair, codes, gate = asyncio.run(run())
+    assert fair == [200] * 5 and set(codes) == {408} and gate.in_flight == 0
+
+
+async def _hog_forever(gate, scope, stop, codes):
+    async def receive():
+        await asyncio.Event().wait()  # headers sent, body never
+    while not stop.is_set():
+        sent = []
+
+        async def send(msg):
+            sent.append(msg)
+        await gate(scope, receive, send)
+        codes.append(sent[0]["status"])
+
+
+def test_a_waiter_that_leaves_gives_back_its_place_and_any_slot_handed_to_it():
+    async def run():
+        app = _App()
+        gate = BodyGate(app, max_bodies=1, max_bytes=MiB8, read_timeout_s=5)
+        held = asyncio.create_task(_call(gate, _scope("/v1/lookup", MiB8), b"x", []))
+        while gate.in_flight < 1 or not app.bodies:
+            await asyncio.sleep(0)
+        waiter = asyncio.create_task(_call(gate, _scope("/v1/lookup", MiB8), b"y", []))
+        while not gate._waiting:
+            await asyncio.sleep(0)
+        app.release.set()  # the held one answers: its slot is handed to the waiter...
+        await held
+        waiter.cancel()  # ...which leaves before it runs
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        gate.check_integrity()
+        return gate.in_flight, gate._waiting
+    assert asyncio.run(run()) == (0, [])

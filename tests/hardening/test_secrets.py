@@ -128,3 +128,18 @@ class socket_free_port:
 
     def __exit__(self, *exc) -> None:
         pass
+
+
+@pytest.mark.parametrize("url", [
+    "hicache+unix://user:S3cretPw@/run/hicache.sock",
+    "hicache+unix://user:S3cretPw@run/hicache.sock",
+    "memory://user:S3cretPw@host",
+])
+def test_no_library_error_holds_the_password(url):
+    """What vLLM and SGLang print of a ``ConfigError`` from ``open_storage`` (the library,
+    not the CLI, which has its own redactor) never holds the URL's password."""
+    from hicache.core.errors import ConfigError
+    from hicache.storage import open_storage
+    with pytest.raises(ConfigError) as e:
+        open_storage(url, fingerprint="0f1e2d3c4b5a69788796a5b4c3d2e1f0")
+    assert "S3cretPw" not in str(e.value) and "S3cretPw" not in repr(e.value), e.value

@@ -108,3 +108,20 @@ def test_simulate_counts_are_checked_by_the_parser(flag, value, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"argument {flag}:" in err and "Traceback" not in err
     assert ("must be at least 1" in err) if value != "x" else ("expected an integer, got 'x'" in err)
+
+
+@pytest.mark.parametrize("header", [False, True])
+def test_a_five_thousand_digit_integer_is_a_trace_error(tmp_path, header, capsys):
+    """Python refuses to convert more than 4,300 digits (a ValueError traceback before)."""
+    big = "9" * 5000
+    if header:
+        lines = ['{"hicache_trace": 1, "name": "t", "vocab": 64}',
+                 f'{{"rid": "a", "arrival": 0, "prompt": [1, {big}], "max_new_tokens": 1}}']
+    else:
+        lines = [json.dumps(LINE), f'{{"timestamp": 0, "input_length": {big}, "output_length": 5, "hash_ids": [1]}}']
+    path = _write(tmp_path, lines)
+    with pytest.raises(TraceError, match=r":2: a number of 5,000 digits"):
+        if header:
+            trace_format.read_trace(path)
+        else:
+            list(iter_hash_trace(path))

@@ -4,10 +4,11 @@ README's test command covers the integration. It fails, never skips, when the
 environment is missing."""
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
+
+from tests.helpers import suite_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
@@ -22,15 +23,10 @@ def test_sglang_suite_passes_in_its_environment(redis_url):
     assert PYTHON.exists(), (f"{PYTHON} is missing: run bash scripts/setup-engines.sh "
                              "(or bash scripts/engines/sglang.sh) first")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "REDIS_TEST_URL": redis_url}
-    try:
-        out = subprocess.run([str(PYTHON), "-m", "pytest", "tests/integrations/sglang", "-q", "-p", "no:randomly",
-                              "-W", "ignore::DeprecationWarning", "-W", "ignore::UserWarning"],
-                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=SUITE_S)
-    except subprocess.TimeoutExpired as e:
-        so_far = ((e.stdout or b"") + (e.stderr or b""))[-6000:]
-        pytest.fail(f"SGLang suite did not finish within {SUITE_S} s (a loaded machine? see the load average); "
-                    f"its output so far:\n{so_far.decode(errors='replace') if isinstance(so_far, bytes) else so_far}")
-    tail = (out.stdout + out.stderr)[-6000:]
+    out = suite_run.run_suite([str(PYTHON), "-m", "pytest", "tests/integrations/sglang", "-q", "-p", "no:randomly",
+                               "-W", "ignore::DeprecationWarning", "-W", "ignore::UserWarning"],
+                              ROOT, env, SUITE_S, "SGLang suite")
+    tail = out.output[-6000:]
     assert out.returncode == 0, f"SGLang suite failed (rc={out.returncode}):\n{tail}"
     assert " passed" in tail and " skipped" not in tail, tail
-    sys.stdout.write(tail.splitlines()[-1] + "\n")
+    sys.stdout.write(suite_run.summary_line(out.output) + (f" ({out.note})" if out.note else "") + "\n")

@@ -6,9 +6,10 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import subprocess
 
 import pytest
+
+from tests.helpers import suite_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -28,17 +29,13 @@ def test_bench_smoke():
            "HF_HOME": str(ROOT / ".engines" / "hf")}
     args = [str(PY), "bench/vllm_connector.py", "--limit", "4", "--host-mib", "256", "--gpu-blocks", "2500",
             "--connectors", ",".join(CONNECTORS)]
-    try:
-        out = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LIMIT_S)
-    except subprocess.TimeoutExpired as e:
-        so_far = ((e.stdout or b"") + (e.stderr or b""))[-4000:]
-        pytest.fail(f"bench/vllm_connector.py --limit 4 did not finish within {LIMIT_S} s (a loaded machine?); "
-                    f"output so far:\n{so_far.decode(errors='replace') if isinstance(so_far, bytes) else so_far}")
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    total = int(re.search(r"\((\d+) prompt tokens", out.stdout).group(1))
+    run = suite_run.run_suite(args, ROOT, env, LIMIT_S, "bench/vllm_connector.py --limit 4", pytest_child=False)
+    assert run.returncode == 0, run.output[-4000:]
+    text = run.output  # stdout and stderr together (the table is on stdout)
+    total = int(re.search(r"\((\d+) prompt tokens", text).group(1))
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in out.stdout.splitlines() if line.startswith("| ") and not line.startswith("| connector")}
-    assert sorted(rows) == sorted(CONNECTORS), out.stdout
+            for line in text.splitlines() if line.startswith("| ") and not line.startswith("| connector")}
+    assert sorted(rows) == sorted(CONNECTORS), text
     for name, cells in rows.items():
         served, local, recomputed = (int(c) for c in cells[:3])
         assert served + local + recomputed == total, (name, cells, total)

@@ -45,6 +45,16 @@ def test_sweep_counts_its_points_and_suggests_limit(capsys, tmp_path):
     assert points > 0
     assert f"sweep: {points} capacity points, each a whole replay of 10 requests" in err
     assert "--limit N replays only the first N" in err
+    notes = re.findall(r"sweep point (\d+) of (\d+), [^:\n]* so far(, about [^:\n]* left)?: L[123] ", err)
+    assert [(int(k), int(n)) for k, n, _ in notes] == [(k, points) for k in range(1, points + 1)], err[-3000:]
+    assert [bool(eta) for *_, eta in notes] == [False] + [True] * (points - 1)  # an estimate once one is done
+
+
+def test_point_text_says_where_a_long_run_stands():
+    from hicache.reference.progress import point_text
+    assert point_text(1, 12, 0.4, 0) == "point 1 of 12, 0 s so far"
+    assert point_text(4, 12, 41.0, 3) == "point 4 of 12, 41 s so far, about 2 min 03 s left"
+    assert point_text(12, 12, 7300.0, 12) == "point 12 of 12, 2 h 01 min so far, about 0 s left"
 
 
 def test_hybrid_prints_its_expected_peak_rss_from_the_pools_it_allocates(capsys, monkeypatch, tmp_path):

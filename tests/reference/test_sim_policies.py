@@ -3,6 +3,7 @@ closes; the generated workloads are valid hash-block traces with the documented 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -41,6 +42,8 @@ def test_every_policy_at_every_capacity_with_ranks_and_gap(tmp_path):
     log: list[str] = []
     out = policy_sweep(cfg, factory, ["lru", "fifo", "mru"], [12, 24], log=log.append)
     assert len(out["runs"]) == 2 * 2 * 3 and len(log) == 2 * (1 + 2 * 3)  # a progress line per run
+    assert [re.match(r"\[point (\d+) of 14, ", line).group(1) for line in log] == [str(k) for k in range(1, 15)]
+    assert all(", about " in line and " left]" in line for line in log), log  # each with the time left
     for r in out["runs"]:
         same = [x for x in out["runs"] if (x["mode"], x["capacity_tokens"]) == (r["mode"], r["capacity_tokens"])]
         assert r["rank"] == 1 + sum(x["hit_tokens"] > r["hit_tokens"] for x in same)  # ties share a rank

@@ -215,7 +215,7 @@ def test_cli_simulate_prints_the_report(tmp_path, capsys):
     rc = cli_main(["replay", path, "--simulate", "--block-tokens", "4", "--set", "simulate.page_size=4",
                    "--set", "simulate.l3_url=memory://", "--json", str(tmp_path / "r.json")])
     out = capsys.readouterr().out
-    assert rc == 0 and "bytes were accounted, not moved" in out
+    assert rc == 0 and "bytes accounted, not moved" in out
     rep = json.loads((tmp_path / "r.json").read_text())
     first = rep["rows"][0]
     assert (first["requests"], first["prompt_tokens"], first["hit_tokens"]) == (2, 15, 4)
@@ -235,3 +235,20 @@ def test_file_l3_serves_what_l1_and_l2_lost(tmp_path):
     assert (row["l1_hit_tokens"], row["l2_hit_tokens"], row["l3_hit_tokens"]) == (0, 0, 4)
     assert nonzero(row["misses"]) == {"first_use": 2, "partial_page": 3}
     assert len(list((tmp_path / "l3").rglob("*"))) >= 5  # the stand-in objects are real files
+
+
+def test_the_simulate_table_fits_100_columns_unless_wide(tmp_path, capsys):
+    """The table was 156 columns wide (a Belady row's whole explanation in its name);
+    --wide keeps every column and whole names."""
+    path = write_hash_trace(tmp_path / "h.jsonl", [(0, 8, [1, 2]), (1000, 7, [1, 3])])
+    argv = ["replay", path, "--simulate", "--block-tokens", "4", "--set", "simulate.page_size=4",
+            "--set", "simulate.l3_url=memory://", "--quiet"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("\nrun "):out.index("\nmissed pages")].strip("\n").splitlines()
+    assert max(len(line) for line in table) <= 100, table
+    assert "L3 stored" not in table[0] and any(line.startswith("Belady MIN ") for line in table)
+    assert any(line.startswith("  Belady MIN: (") and "inclusive (write_through))" in line for line in table)
+    assert cli_main([*argv, "--wide"]) == 0
+    wide = capsys.readouterr().out
+    assert "L2 used  L3 stored  time" in wide and "Belady MIN (" in wide and max(map(len, wide.splitlines())) > 100

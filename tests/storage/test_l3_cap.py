@@ -204,3 +204,31 @@ def test_backend_options_and_default_cap(tmp_path):
         parse_size("lots")
     with pytest.raises(ConfigError, match="eviction='lfu'"):
         open_storage("memory://", fingerprint=FP, eviction="lfu")
+
+
+def test_rewrites_are_counted_once_by_the_ledger(tmp_path, capsys):
+    """Three identical runs that rewrite the same pages (put, not put_new) leave the ledger
+    at the bytes on disk: it counted 18.9 -> 22.2 -> 25.4 MB for 18.9 MB before, so the cap
+    evicted early. A rewrite that grows an object adds only the growth; fsck says so."""
+    from hicache.cli import main
+    from hicache.storage.file_cap import FileCap
+    b = open_storage(f"file://{tmp_path}", fingerprint=FP, max_bytes=10 << 20)
+    try:
+        ks = keys(20)
+        for _ in range(3):
+            assert b.put([(k, bytes(PAGE), SIZES) for k in ks]) == 20
+            assert FileCap(tmp_path, 1).usage() == (disk_bytes(tmp_path), 20)
+        assert b.put_new([(k, bytes(PAGE), SIZES) for k in ks]) == [True] * 20  # present: nothing written
+        big = [2 * PAGE]
+        assert b.put([(ks[0], bytes(2 * PAGE), big)]) == 1  # the same key, a larger object
+        assert FileCap(tmp_path, 1).usage() == (disk_bytes(tmp_path), 20)
+        b.check_integrity()
+    finally:
+        b.close()
+    assert main(["storage", "fsck", "--url", f"file://{tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert f"size ledger: {disk_bytes(tmp_path):,} bytes, as on disk: OK" in out, out
+    FileCap(tmp_path, 1).account(500, 0)  # an over-count (another process's rewrite in a trim's window)
+    assert main(["storage", "fsck", "--url", f"file://{tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "over-counts by 500 (the cap trims that much early" in out and "--repair rescans now" in out, out
