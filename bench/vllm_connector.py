@@ -180,6 +180,8 @@ def build(name: str, a, layout, tmp: str):
                              max_num_batched_tokens=a.tokens_per_step, max_model_len=a.max_model_len,
                              max_num_seqs=a.concurrency, block_size=BLOCK,
                              hf_overrides={"max_position_embeddings": a.max_model_len})  # opt-125m's is 2048
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    cfg.attention_config.backend = AttentionBackendEnum.FLASH_ATTN  # a GPU server's (the tensors below are its)
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=layout.num_kv_heads, head_size=layout.head_dim,
                              dtype=getattr(torch, layout.dtype))
     names = [f"model.layers.{i}.self_attn" for i in range(layout.num_layers)]

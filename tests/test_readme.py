@@ -311,6 +311,13 @@ def test_service_rest_reference_curls_answer(tmp_path):
         _stop_serve(serve)
 
 
+def test_pd_docs_serve_lines():
+    """docs/vllm-connector.md's P/D serve lines (producer, consumer) through vLLM's CLI parser,
+    then a handoff between the two schedulers (tests/integrations/vllm_connector/test_pd.py)."""
+    from tests.integrations.test_vllm_suites import _run
+    _run(["tests/integrations/vllm_connector/test_pd.py::test_pd_docs_serve_lines"], ROOT, timeout=600)
+
+
 def test_vllm_connector_serve_line():
     """docs/vllm-connector.md's ``vllm serve`` line through vLLM's own CLI parser, config and
     scheduler (tests/integrations/vllm_connector/test_docs_serve_line.py, inside .venv-vllm)."""

@@ -207,7 +207,7 @@ class GhostLRU(SegmentedPolicy):
       is evidence for the side that would have kept it. Trust starts at 0 (LRU
       exactly) and moves by ``trust_step`` a page of evidence, within ``[0, 1]``.
 
-    Measured against LRU on every trace in bench/RESULTS.md (issue 35): within a
+    Measured against LRU on every trace in bench/RESULTS.md: within a
     fraction of a point either way on Mooncake-shaped traces, several points below on
     the built-in medium trace at 32K tokens; not the default. The ghost costs ~250 B
     per remembered page (at most ``max_ghost``)."""
@@ -309,7 +309,7 @@ class GhostLRU(SegmentedPolicy):
 
 DEFAULT_POLICY = "lru"
 WHY_DEFAULT = ("no other policy was at least LRU's hit rate at every capacity from 0.25M to 20M tokens, GPU-only "
-               "and L1+L2, on every trace measured (bench/RESULTS.md, issue 35)")
+               "and L1+L2, on every trace measured (bench/RESULTS.md)")
 
 
 def describe_policies(device: str, host: str) -> str:

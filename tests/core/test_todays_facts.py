@@ -16,8 +16,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 NOTE = re.compile(r"\b[Ii]ssues? #?\d|\blead:|\b[Rr]ound[ -]\d")
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 SOURCES = sorted(p for d in ("hicache", "api") for p in (ROOT / d).rglob("*.py"))
-# Owned by another change this round; drop "(bench/RESULTS.md, issue 35)" from WHY_DEFAULT there.
-ELSEWHERE = {"hicache/index/eviction.py"}
 
 
 def _hits(text: str) -> list[str]:
@@ -39,10 +37,7 @@ def _printed_strings(path: pathlib.Path) -> list[str]:
             if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs]
 
 
-@pytest.mark.parametrize("path", [
-    pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="WHY_DEFAULT cites an issue; its module is "
-                                                                 "another change's this round"))
-    if p.relative_to(ROOT).as_posix() in ELSEWHERE else p for p in SOURCES],
+@pytest.mark.parametrize("path", SOURCES,
     ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_the_library_prints_no_issue_numbers(path):
     assert [s[:120] for s in _printed_strings(path) if NOTE.search(s)] == []

@@ -45,7 +45,7 @@ def run_suite(argv: list[str], cwd: Path | str, env: dict[str, str], timeout_s: 
     with tempfile.TemporaryDirectory(prefix="hicache-suite-") as d:
         out_path, running = Path(d) / "output", Path(d) / "running"
         if pytest_child:
-            env = {**env, "HICACHE_SUITE_RUNNING": str(running),
+            env = {**env, "SUITE_GUARD_RUNNING_FILE": str(running),
                    "PYTHONPATH": os.pathsep.join(p for p in (str(GUARD_DIR), env.get("PYTHONPATH", "")) if p)}
             argv = [*argv, "-p", "hicache_suite_guard"]
         with open(out_path, "wb") as out:

@@ -2,7 +2,7 @@
 (``-p hicache_suite_guard``; this folder is put on the child's ``PYTHONPATH``, beside no
 ``tests`` package, so it loads in vLLM's tree too).
 
-- It writes the node id of each test as it starts to ``$HICACHE_SUITE_RUNNING``: when the
+- It writes the node id of each test as it starts to ``$SUITE_GUARD_RUNNING_FILE``: when the
   suite's deadline kills it, the parent names the test that was running.
 - At the end of the session it kills the ``multiprocessing`` children still alive: a test
   that timed out can leave non-daemon children blocked on a queue, and Python's exit then
@@ -15,7 +15,7 @@ import os
 
 
 def pytest_runtest_logstart(nodeid: str, location: object) -> None:
-    path = os.environ.get("HICACHE_SUITE_RUNNING")
+    path = os.environ.get("SUITE_GUARD_RUNNING_FILE")
     if path:
         with open(path, "w") as f:
             f.write(nodeid)
