@@ -72,8 +72,10 @@ def extra_config(name: str, host_bytes: int, tmp: str) -> tuple[str, str | None,
     if name == "simple-cpu":
         return "SimpleCPUOffloadConnector", None, {"cpu_bytes_to_use": host_bytes}
     if name == "hicache":
-        return "HiCacheConnector", "hicache.integrations.vllm_connector", {"host_bytes": host_bytes,
-                                                                          "storage": {"url": ""}}
+        # always_load: the stand-in forward takes no time, so a measured prefill rate would be
+        # infinite and the cost model would (rightly, for that "engine") recompute every hit.
+        return "HiCacheConnector", "hicache.integrations.vllm_connector", {
+            "host_bytes": host_bytes, "storage": {"url": ""}, "admission": {"policy": "always_load"}}
     raise SystemExit(f"unknown connector {name!r}; choose from {', '.join(CONNECTORS)}")
 
 

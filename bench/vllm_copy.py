@@ -37,7 +37,7 @@ from hicache.memory.pools import DevicePool, HostPool
 from tests.memory.paged_cases import cases, fill, group_planes
 
 CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
+DEV = torch.device("cuda", torch.cuda.current_device()) if CUDA else torch.device("cpu")
 
 
 # ------------------------------------------------------------------ the copy engine, batched
