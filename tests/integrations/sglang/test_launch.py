@@ -107,8 +107,8 @@ def test_sglang_process_logs_the_start_line_and_serves_the_metrics(redis_url, tm
     # One pool (no v2 side pools): its own figures are the totals.
     assert got[f'hicache_adapter_pool_pages_total{{{lab},pool="kv",result="hit"}}'] == want["pools"]["kv"]["hits"] == 4
     assert got[f'hicache_adapter_pool_pages_total{{{lab},pool="kv",result="stored"}}'] == want["pools"]["kv"]["stored"]
-    # The first call to the dead L3 (the existence check before a put) fails and opens the
+    # The first call to the dead L3 (a put: SET NX, one round trip) fails and opens the
     # circuit; later calls are answered at once, without L3, and are not errors (the
     # background pinger's failures count as op="ping", as many as its backoff allowed).
-    assert want["errors"]["exists"] == 1 and set(want["errors"]) <= {"exists", "ping"}
-    assert got[f'hicache_adapter_errors_total{{{lab},op="exists"}}'] == 1
+    assert want["errors"]["put"] == 1 and set(want["errors"]) <= {"put", "ping"}, want["errors"]
+    assert got[f'hicache_adapter_errors_total{{{lab},op="put"}}'] == 1
