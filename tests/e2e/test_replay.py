@@ -57,7 +57,7 @@ def test_replay_against_a_service_that_is_not_running_says_to_start_it(tmp_path,
     sock = tmp_path / "no-such.sock"
     assert main(["replay", "--quiet", "--scale", "tiny", "--no-baselines", "--service", str(sock)]) == 2
     err = capsys.readouterr().err
-    assert f"hicache+unix://{sock}: no hicache service answers there" in err
+    assert f"--service {sock}: no hicache service listens there" in err
     assert "start `hicache serve` first" in err and "Traceback" not in err
 
 
