@@ -318,6 +318,12 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler.storage.close()  # (a hybrid model's: its index group's L3)
 
     # ------------------------------------------------------------- scheduler side
+    @property
+    def _index_half(self) -> ConnectorScheduler | SharedConnectorScheduler:
+        """The scheduler half that keys the index, holds the cost model and the waiting
+        requests: the scheduler itself, or a hybrid model's index group's."""
+        return self.scheduler.core if self._layouts else self.scheduler
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params or {}
         if self.pd is not None and params.get("do_remote_decode" if self.pd.producer else "do_remote_prefill"):
@@ -330,7 +336,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return hit.tokens, hit.is_async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
-        (self.scheduler.core if self._layouts else self.scheduler).admitted(request.request_id)
+        self._index_half.admitted(request.request_id)
         if self.pd is not None and self.pd.allocated(request.request_id, request.kv_transfer_params or {},
                                                      blocks.get_block_ids()[0], num_external_tokens):
             return
@@ -364,7 +370,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler.completed(meta.reports if self.pd is None else self.pd.completed(meta.reports))
             tokens, seconds = meta.forward
             if tokens >= _PREFILL_STEP_TOKENS:  # a prefill-sized forward: the rate recomputing a hit would run at
-                (self.scheduler.core if self._layouts else self.scheduler).cost.observe_prefill(tokens, seconds)
+                self._index_half.cost.observe_prefill(tokens, seconds)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.pd is not None:

@@ -13,7 +13,10 @@ and then again from it.
 from __future__ import annotations
 
 import os
+import pathlib
 import random
+import signal
+import subprocess
 import time
 from typing import NamedTuple
 
@@ -101,3 +104,19 @@ class Engine:
     def check_integrity(self) -> None:
         self.settle()
         self.scheduler.check_integrity()
+
+
+def run_group_bg(argv: list[str], env: dict, log: pathlib.Path) -> subprocess.Popen:
+    """Start ``argv`` in its own process group, output to ``log`` (``stop_group`` ends it)."""
+    return subprocess.Popen(argv, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """End a process group: SIGTERM, then SIGKILL after 20 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

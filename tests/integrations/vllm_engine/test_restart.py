@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 
@@ -30,22 +29,6 @@ HERE = pathlib.Path(__file__).resolve().parent
 PROMPTS = {"hit": (11, 300), "flip": (12, 300), "truncate": (13, 300), "header": (14, 300), "delete": (15, 300),
            "flip-middle": (16, 300)}
 DAMAGED_PAGE = {"flip-middle": 5}  # of 9 full pages; the others at page 0
-
-
-def run_group_bg(argv: list[str], env: dict, log: pathlib.Path) -> subprocess.Popen:
-    """Start ``argv`` in its own process group, output to ``log`` (``stop_group`` ends it)."""
-    return subprocess.Popen(argv, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def stop_group(proc: subprocess.Popen) -> None:
-    """End a process group: SIGTERM, then SIGKILL after 20 s."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def _damage(obj: pathlib.Path, kind: str) -> None:

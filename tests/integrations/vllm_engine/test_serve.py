@@ -21,8 +21,7 @@ import time
 import urllib.request
 
 from tests.integrations.vllm_engine.checkpoint import write_checkpoint
-from tests.integrations.vllm_engine.engine import prompt
-from tests.integrations.vllm_engine.test_restart import run_group_bg, stop_group
+from tests.integrations.vllm_engine.engine import prompt, run_group_bg, stop_group
 from tests.test_readme import block
 
 DOC = pathlib.Path(__file__).resolve().parents[3] / "docs" / "vllm-connector.md"
