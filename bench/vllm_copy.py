@@ -396,12 +396,23 @@ def selftest(force_loop: bool) -> int:
     back = torch.zeros_like(h).pin_memory()
     size = np.array([4096, 8192], dtype=np.uint64)
     off = np.array([0, 65536], dtype=np.uint64)
-    stream = torch.cuda.current_stream().cuda_stream
-    batch(d.data_ptr() + off + 4096, h.data_ptr() + off, size, stream)
-    batch(back.data_ptr() + off, d.data_ptr() + off + 4096, size, stream)
-    torch.cuda.synchronize()
-    ok = all(torch.equal(back[o:o + n], h[o:o + n]) for o, n in ((0, 4096), (65536, 8192)))
-    print(f"copy engine {batch.name}: {'ok' if ok else 'WRONG BYTES'}")
+    # The batched call refuses the legacy default stream (CUresult 1): it always runs on a stream
+    # of its own, as ``Staged`` does; the legacy stream is tried first only to say so.
+    side, ok = torch.cuda.Stream(), False
+    for name, stream in (("legacy default stream", torch.cuda.current_stream().cuda_stream),
+                         ("a created stream", side.cuda_stream)):
+        back.zero_()
+        d.zero_()
+        torch.cuda.synchronize()
+        try:
+            batch(d.data_ptr() + off + 4096, h.data_ptr() + off, size, stream)
+            batch(back.data_ptr() + off, d.data_ptr() + off + 4096, size, stream)
+        except RuntimeError as e:
+            print(f"copy engine {batch.name} on {name}: {e}")
+            continue
+        torch.cuda.synchronize()
+        ok = all(torch.equal(back[o:o + n], h[o:o + n]) for o, n in ((0, 4096), (65536, 8192)))
+        print(f"copy engine {batch.name} on {name}: {'ok' if ok else 'WRONG BYTES'}")
     return 0 if ok else 1
 
 
