@@ -5,6 +5,7 @@ holds L2 (host pages, in every worker's host pool) and knows which pages L3
 holds. Per request, in the engine scheduler's order::
 
     hit = s.lookup(rid, tokens, engine_hit)      # page-floored hit beyond the engine's own
+                                                 # (hit.waits: another request's load brings it; ask again)
     s.allocated(rid, block_ids, hit.tokens)      # pin L2, reserve L2 for the L3 part
     plan = s.take_plan()                         # -> every worker (plain data)
     s.completed(reports)                         # workers' JobReports, every step
@@ -42,6 +43,12 @@ class Hit(NamedTuple):
     l3_tokens: int  # from L3, continuing the L2 part
     is_async: bool  # the load runs between steps (the request waits for it)
     decision: Decision | None = None  # the cost model's, None when there was nothing to judge
+    # Another request's load in flight writes pages this request would load: ask again once it
+    # lands (vLLM: None, "not decided yet"), when the engine's own cache holds those blocks.
+    waits: bool = False
+
+
+WAIT = Hit(0, 0, 0, False, None, True)
 
 
 @dataclasses.dataclass(slots=True)
@@ -93,6 +100,8 @@ class ConnectorJobs:
         self._loads: dict[int, _Load] = {}  # job -> in-flight load
         self._saves: dict[int, _Save] = {}
         self._loading: dict[str, int] = {}  # rid -> its load's job
+        # job -> (namespace, the key up to the load's last page, its first page): what joins it
+        self._spans: dict[int, tuple[str, bytes, int]] = {}
         self._sources: dict[str, dict[str, int]] = {}  # rid -> hit tokens by source, for the engine's stats
         self._next_job = 0
         self._plan_loads: list[LoadSpec] = []
@@ -177,9 +186,33 @@ class ConnectorJobs:
         """The hashes of the first ``num_pages`` pages of ``key`` in ``namespace`` (the L3 keys). Pure."""
         return raw_page_hashes(key[:num_pages * self._ps4], self.page_size, namespace_root(namespace))
 
-    def _queue_load(self, rid: str, ld: "_Load") -> LoadSpec:
+    def joins_load(self, key: bytes, namespace: str, first: int, cap: int) -> bool:
+        """A load in flight for another request writes pages of ``[first, cap)`` of ``key``
+        (same namespace, same content up to them): this request waits for it instead of
+        loading them a second time. Pure."""
+        ps4 = self._ps4
+        for ns, span, start in self._spans.values():
+            end = min(len(span) // ps4, cap)
+            if ns != namespace or end <= max(first, start):
+                continue
+            lo, hi = 0, end  # pages of common content, found by halving (each test one memcmp)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if key[:mid * ps4] == span[:mid * ps4]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if lo > max(first, start):
+                return True
+        return False
+
+    def _queue_load(self, rid: str, ld: "_Load", key: bytes = b"", namespace: str = "", first: int = 0) -> LoadSpec:
+        """Queue ``ld``; ``key`` (up to its last page), ``namespace`` and ``first`` page let later
+        lookups join it (``joins_load``)."""
         spec = ld.spec
         self._loads[spec.job] = ld
+        if key and spec.blocks:
+            self._spans[spec.job] = (namespace, key[:(first + len(spec.blocks)) * self._ps4], first)
         self._loading[rid] = spec.job
         ps = self.page_size
         l2, l3 = len(spec.host) * ps, len(spec.l3_host) * ps
@@ -224,6 +257,7 @@ class ConnectorJobs:
                     raise CacheStateError(f"a worker reported load job {r.job}, which is not in flight")
                 ld.reports.append(r)
                 if len(ld.reports) == self.ranks:
+                    self._spans.pop(r.job, None)
                     self._complete_load(self._loads.pop(r.job))
             else:
                 sv = self._saves.get(r.job)
@@ -290,6 +324,9 @@ class ConnectorScheduler(ConnectorJobs):
         self.cache.note_waiting(rid, key, namespace)
         cap = max(0, len(key) // 4 - 1) // ps
         first = engine_hit // ps
+        if self._spans and self.joins_load(key, namespace, first, cap):
+            self._hits.pop(rid, None)
+            return WAIT
         m = self.cache.match(key, namespace, max_tokens=cap * ps)
         l2 = m.host_tokens // ps
         l3 = 0
@@ -335,7 +372,7 @@ class ConnectorScheduler(ConnectorJobs):
                 l3_host, l3_hashes = tuple(prefetch.host), tuple(hashes[:len(prefetch.host)])
         spec = LoadSpec(self.new_job(), rid, blocks, host, l3_host, l3_hashes, layerwise=not hit.is_async)
         ev = _event_fields(keys, tokens, l3_from, l3_from + len(l3_host), ps)
-        return self._queue_load(rid, _Load(rid, spec, anchor, prefetch, *ev))
+        return self._queue_load(rid, _Load(rid, spec, anchor, prefetch, *ev), key, namespace, first)
 
     # ------------------------------------------------------------- storing
     def finished(self, rid: str, tokens, computed_tokens: int, block_ids, namespace: str = "", keys=(),

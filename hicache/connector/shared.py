@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hicache.connector.scheduler import ConnectorJobs, Hit, _event_fields, _Load, _Save
+from hicache.connector.scheduler import WAIT, ConnectorJobs, Hit, _event_fields, _Load, _Save
 from hicache.connector.plan import L2
 from hicache.connector.plan import LoadSpec, SaveSpec
 from hicache.core.errors import CacheStateError, IntegrityError
@@ -57,6 +57,9 @@ class SharedConnectorScheduler(ConnectorJobs):
         first = engine_hit // ps
         if cap <= first:
             return self._decide(rid, engine_hit, 0, 0)
+        if self._spans and self.joins_load(key, namespace, first, cap):
+            self._hits.pop(rid, None)
+            return WAIT
         link = self.link
         hashes = self.page_hashes(key, namespace, cap)
         got = link.call(link.client.fetch, hashes, self.fetch_wait_ms)
@@ -70,13 +73,14 @@ class SharedConnectorScheduler(ConnectorJobs):
         if span is None:
             return None
         hit, first, end = span
-        hashes = self.page_hashes(as_key(tokens) if key is None else key, namespace, end)[first:end]
+        key = as_key(tokens) if key is None else key
+        hashes = self.page_hashes(key, namespace, end)[first:end]
         link = self.link
         pages = link.call(link.client.acquire, hashes, default=[])
         spec = LoadSpec(self.new_job(), rid, tuple(int(b) for b in block_ids[first:end]), tuple(pages),
                         layerwise=not hit.is_async)
         self._held[spec.job] = _Shared(hashes[:len(pages)])
-        return self._queue_load(rid, _Load(rid, spec, None, None))
+        return self._queue_load(rid, _Load(rid, spec, None, None), key, namespace, first)
 
     def finished(self, rid: str, tokens, computed_tokens: int, block_ids, namespace: str = "", keys=(),
                  key: bytes | None = None) -> bool:

@@ -333,6 +333,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 return None, False
         hit = self.scheduler.lookup(request.request_id, request.all_token_ids, num_computed_tokens,
                                     namespace(request), key=index_key(request, self.layout.page_size))
+        if hit.waits:  # another request's load brings these pages: vLLM asks again next step
+            return None, False
         return hit.tokens, hit.is_async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):

@@ -168,3 +168,33 @@ def test_a_waiting_requests_prefix_goes_last_from_l2():
     sched.finished("y", b, 0, [])
     assert sched.cache.waiting == {}
     sched.check_integrity()
+
+
+def test_a_lookup_waits_for_another_requests_load_of_the_same_pages():
+    """Concurrent requests over one prefix load it once: while "a"'s load of pages 0-3 is in
+    flight, "b" (same pages) is told to wait, and so is "c" (page 0 in common) unless the engine
+    holds page 0 itself; "d" (the engine holds all four) and "e" (other content) are not; once
+    the load lands, "b" is answered."""
+    layout = layout_of("llama-3.1-8b", layers=2)
+    tokens = list(range(7, 7 + 4 * PS + 1))
+    sched, worker, pool = rig(layout, "cpu", None)
+    for b in range(4):
+        fill(pool, b, b)
+    sched.finished("a0", tokens, len(tokens), [0, 1, 2, 3, 11])
+    step(sched, worker, layout.num_layers)
+    worker.finish_step({"a0"})
+    hit = sched.lookup("a", tokens, 0)
+    assert hit.tokens == 4 * PS and not hit.waits
+    sched.allocated("a", tokens, [4, 5, 6, 7, 10], hit.tokens)
+    assert sched.lookup("b", tokens + [1, 2], 0).waits  # a longer prompt over the same pages
+    other = tokens[:PS] + [t + 1 for t in tokens[PS:]]
+    assert sched.lookup("c", other, 0).waits  # page 0 is common, and in flight
+    assert not sched.lookup("c", other, PS).waits  # the engine holds page 0; the rest differ
+    assert not sched.lookup("e", [t + 1 for t in tokens], 0).waits
+    assert not sched.lookup("d", tokens, 4 * PS).waits
+    step(sched, worker, layout.num_layers)  # "a"'s load lands
+    hit = sched.lookup("b", tokens + [1, 2], 0)
+    assert not hit.waits and hit.tokens == 4 * PS
+    assert sched.stats().loaded_pages == 4
+    sched.check_integrity()
+    worker.close()

@@ -64,11 +64,15 @@ def test_negative_control_sees_a_kv_off_by_a_thousandth(eng):
 
 
 def test_concurrent_requests_share_a_prefix(eng):
-    """8 requests at once over one 31-page prefix, each with its own tail inside the 32nd page."""
+    """8 requests at once over one 31-page prefix, each with its own tail inside the 32nd page:
+    the first loads the 31 pages, the other 7 wait for that load and take vLLM's own blocks."""
     shared = prompt(3, 31 * BLOCK + 8)
     prompts = [shared + prompt(100 + i, 16) for i in range(8)]
     eng.generate([shared])  # the connector stores the prefix's 31 full pages
+    eng.settle()
+    loaded = eng.scheduler.stats().loaded_pages
     got = _hit(eng, prompts)
+    assert eng.scheduler.stats().loaded_pages - loaded == 31  # one load, not 8
     eng.forget_own()
     eng.generate([shared])
     ref = eng.generate(prompts)  # vLLM's own hit of the same 31 pages
