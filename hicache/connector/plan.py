@@ -62,6 +62,9 @@ class SaveSpec:
     hashes: tuple[bytes, ...] = ()  # L3 keys, one per page (() : no L3)
     group: int = 0  # the engine's KV cache group whose blocks these are (its own worker and L2)
     rows: int = 0  # rows of the last page that hold tokens (0: all); the rest are zeroed before L3
+    # A running request's pages (``step_save``): copied within the step it is planned in, and
+    # never reported to the engine as a finished save (the engine holds no blocks for it).
+    running: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ holds. Per request, in the engine scheduler's order::
     s.allocated(rid, block_ids, hit.tokens)      # pin L2, reserve L2 for the L3 part
     plan = s.take_plan()                         # -> every worker (plain data)
     s.completed(reports)                         # workers' JobReports, every step
+    s.step_save(rid, tokens, computed, block_ids)          # a running request's new full pages
     delay = s.finished(rid, tokens, computed, block_ids)   # store the computed full pages
 
 Blocks are pages (engine block size == page size). Loads and saves are jobs
@@ -308,6 +309,7 @@ class ConnectorScheduler(ConnectorJobs):
         self.storage = storage
         self.probe_budget_s = probe_budget_s
         self.staged: set[HostPageId] = set()  # L2 pages handoff jobs hold outside the index (connector.pd)
+        self._running: dict[str, int] = {}  # rid -> its step save's job, until every rank copied it
 
     # ------------------------------------------------------------- admission
     def lookup(self, rid: str, tokens, engine_hit: int, namespace: str = "", key: bytes | None = None) -> Hit:
@@ -384,30 +386,55 @@ class ConnectorScheduler(ConnectorJobs):
         ``keys``: the engine's key of each page (for ``take_events``)."""
         self.cache.forget_waiting(rid)
         key, n = self._saveable(rid, tokens, computed_tokens, block_ids, key)
+        return self._queue_save(rid, tokens, key, n, block_ids, namespace, keys, running=False)
+
+    def step_save(self, rid: str, tokens, computed_tokens: int, block_ids, namespace: str = "", keys=(),
+                  key: bytes | None = None) -> bool | None:
+        """``rid`` runs on with ``computed_tokens`` computed in ``block_ids`` (the engine's
+        steps so far): queue a save of its full pages that L2 lacks, so that a preempted,
+        aborted or long-running request is reusable before it ends. One such save per
+        request at a time; the workers finish it within the step it is planned in (the
+        engine may free the blocks after that step). True: a save was queued; False:
+        none is needed or L2 had no room; None: ``rid``'s load or save is in flight, ask again."""
+        if rid in self._loading or rid in self._running:
+            return None
+        key = as_key(tokens) if key is None else key
+        n = self.saveable_pages(tokens, computed_tokens, block_ids)
+        return self._queue_save(rid, tokens, key, n, block_ids, namespace, keys, running=True)
+
+    def _queue_save(self, rid: str, tokens, key: bytes, n: int, block_ids, namespace: str, keys,
+                    running: bool) -> bool:
+        """Queue a save of pages ``[have, n)`` of ``key`` (``have``: what L2 holds, or what a
+        step save of ``rid`` in flight brings); True if one was queued."""
         if n == 0:
             return False
         ps = self.page_size
         key = key[:n * self._ps4]
         m = self.cache.match(key, namespace)
         have = m.host_tokens // ps
-        if have >= n:
+        inflight = self._running.get(rid)
+        first = max(have, self._saves[inflight].first_page + len(self._saves[inflight].spec.host)) \
+            if inflight in self._saves else have
+        if first >= n:
             return False
         anchor = None
         if have:  # pinned before making room, which must not evict the prefix the save continues
             anchor = self.tiers.pin_host(m, have)
-        self._evict(n - have)
-        host = self.tiers.alloc_host(n - have)
+        self._evict(n - first)
+        host = self.tiers.alloc_host(n - first)
         if host is None:
             if anchor is not None:
                 self.tiers.unpin_host(anchor)
-            self._c["save_dropped"] += n - have
+            self._c["save_dropped"] += n - first
             return False
-        hashes = tuple(self.page_hashes(key, namespace, n)[have:]) if self.storage is not None else ()
+        hashes = tuple(self.page_hashes(key, namespace, n)[first:]) if self.storage is not None else ()
         job = self.new_job()
-        spec = SaveSpec(job, rid, tuple(int(b) for b in block_ids[have:n]), tuple(host), hashes)
-        ev_keys, ev_parent, ev_tokens = _event_fields(keys, tokens, have, n, ps)
-        self._saves[job] = _Save(rid, spec, key, namespace, have, anchor, keys=ev_keys, parent=ev_parent,
+        spec = SaveSpec(job, rid, tuple(int(b) for b in block_ids[first:n]), tuple(host), hashes, running=running)
+        ev_keys, ev_parent, ev_tokens = _event_fields(keys, tokens, first, n, ps)
+        self._saves[job] = _Save(rid, spec, key, namespace, first, anchor, keys=ev_keys, parent=ev_parent,
                                  tokens=ev_tokens)
+        if running:
+            self._running[rid] = job
         self._plan_saves.append(spec)
         return True
 
@@ -431,6 +458,8 @@ class ConnectorScheduler(ConnectorJobs):
     def _complete_save(self, sv: _Save) -> None:
         """Every rank copied the blocks (or one failed): index the pages, then wait for L3."""
         spec, reports = sv.spec, sv.reports
+        if self._running.get(sv.rid) == spec.job:
+            del self._running[sv.rid]
         sv.reports = []
         ok = all(r.ok for r in reports)
         node, unused = (self.tiers.index_host(sv.key, sv.namespace, sv.first_page, list(spec.host),

@@ -7,6 +7,7 @@ transfer engine (``hicache.transfer.engine``: a CUDA stream with the page-copy
 kernels, or a CPU thread). Per engine step (not thread-safe: one worker thread)::
 
     w.start(plan)                 # before the forward: saves, then loads
+                                  # (a running request's save is waited for within the step)
     w.wait_layer(i)               # in the forward, before attention of layer i (layer-wise loads)
     step = w.finish_step(ended)   # after it: what finished, failed blocks, JobReports
 
@@ -59,6 +60,7 @@ class ConnectorWorker:
         self.transfers: TransferController | None = None
         self._jobs: dict[int, _Load | _Save] = {}  # transfer job -> what it serves
         self._layerwise: list[_Load] = []  # this step's synchronous loads
+        self._running: list[int] = []  # this step's saves of running requests (transfer jobs)
         self._step = WorkerStep()
         self._unsent: set[str] = set()  # saved rids the engine has not yet said finished
         self._ended: set[str] = set()  # rids the engine said finished, not yet reported saved
@@ -84,7 +86,10 @@ class ConnectorWorker:
         tc = self._tc
         for s in plan.saves:
             sv = _Save(s)
-            self._jobs[tc.backup(s.blocks, s.host).job] = sv
+            job = tc.backup(s.blocks, s.host).job
+            self._jobs[job] = sv
+            if s.running:
+                self._running.append(job)
         for spec in plan.loads:
             ld = _Load(spec)
             if spec.l3_host:
@@ -123,7 +128,9 @@ class ConnectorWorker:
         for ld in self._layerwise:
             if ld.handle is not None:
                 tc.wait(ld.handle.transfer.job)
-        self._layerwise = []
+        for job in self._running:  # the engine may free a running request's blocks after this step
+            tc.wait(job)
+        self._layerwise, self._running = [], []
         self._ended |= set(ended)
         for r in tc.finished():
             obj = self._jobs.pop(r.job)
@@ -154,7 +161,8 @@ class ConnectorWorker:
         spec = sv.spec
         sv.ok, sv.copied = ok, True
         self._report(JobKind.SAVE, spec.job, ok)
-        self._unsent.add(spec.rid)
+        if not spec.running:  # the engine holds blocks for a final save only
+            self._unsent.add(spec.rid)
         if spec.hashes:
             if ok:
                 if spec.rows:  # a partial last page: only its tokens' rows travel, never padding

@@ -194,6 +194,10 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._forward_start: tuple[int, float] = (0, 0.0)  # worker: (tokens, start) of the step's forward
         self._forward: tuple[int, float] = (0, 0.0)  # worker: the last forward's (tokens, seconds), not yet sent
         self._reports: list[JobReport] = []
+        # scheduler: running requests whose new full pages are saved as they are computed
+        # (``_step_saves``): rid -> (the request, its blocks, pages already offered to a save)
+        self._running: dict[str, list] = {}
+        self._step_saves = isinstance(self.scheduler, ConnectorScheduler)
         l2 = (f"the node segment at {url}" if s.shared else f"{s.host_pages(layout)} pages of {layout.page_bytes} B"
               if not self._layouts else f"{self._group_pages} pages per KV cache group ({len(self._layouts)} groups)")
         log.info("HiCacheConnector started (%s, rank %d): L2 %s, L3 %s, load %s, %d layers x %d-token pages, "
@@ -339,6 +343,9 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         self._index_half.admitted(request.request_id)
+        if self._step_saves and not (request.kv_transfer_params or {}).get("do_remote_decode") \
+                and not (request.kv_transfer_params or {}).get("do_remote_prefill"):
+            self._running[request.request_id] = [request, None, 0]
         if self.pd is not None and self.pd.allocated(request.request_id, request.kv_transfer_params or {},
                                                      blocks.get_block_ids()[0], num_external_tokens):
             return
@@ -358,7 +365,41 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             out[CacheHitSource.EXTERNAL_UNSPECIFIED] = out.get(CacheHitSource.EXTERNAL_UNSPECIFIED, 0) + missing
         return {k: v for k, v in out.items() if v}
 
+    def _save_running(self, out) -> None:
+        """Queue a save of every scheduled request's full pages computed since its last one
+        (vLLM advances ``num_computed_tokens`` after this call: these are the pages earlier
+        steps computed). Block ids follow the scheduler output: the whole list for a new or
+        resumed request, the new ones appended otherwise."""
+        running, ps = self._running, self.layout.page_size
+        for rid in out.preempted_req_ids or ():
+            if rid in running:
+                running[rid][1] = None  # its blocks are gone; a resume lists them anew
+        for nr in out.scheduled_new_reqs:
+            if nr.req_id in running:
+                running[nr.req_id][1] = list(nr.block_ids[0])
+        cached = out.scheduled_cached_reqs
+        for rid, new in zip(cached.req_ids, cached.new_block_ids):
+            entry = running.get(rid)
+            if entry is None:
+                continue
+            if rid in cached.resumed_req_ids:
+                entry[1] = list(new[0]) if new else []
+            elif new and entry[1] is not None:
+                entry[1].extend(new[0])
+        for rid in out.num_scheduled_tokens:
+            entry = running.get(rid)
+            if entry is None or entry[1] is None:
+                continue
+            req, blocks, offered = entry
+            pages = min(req.num_computed_tokens, len(blocks) * ps) // ps
+            if pages > offered and self.scheduler.step_save(
+                    rid, req.all_token_ids, req.num_computed_tokens, blocks, namespace(req),
+                    keys=req.block_hashes, key=index_key(req, ps)) is not None:
+                entry[2] = pages
+
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        if self._running:
+            self._save_running(scheduler_output)
         plan = self.scheduler.take_plan()
         return HiCacheConnectorMetadata(plan if self.pd is None else self.pd.take_plan(plan),
                                         scheduler_output.total_num_scheduled_tokens)
@@ -375,6 +416,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 self._index_half.cost.observe_prefill(tokens, seconds)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._running.pop(request.request_id, None)
         if self.pd is not None:
             params = request.kv_transfer_params or {}
             if self.pd.producer and params.get("do_remote_decode"):

@@ -198,3 +198,36 @@ def test_a_lookup_waits_for_another_requests_load_of_the_same_pages():
     assert sched.stats().loaded_pages == 4
     sched.check_integrity()
     worker.close()
+
+
+def test_a_running_request_saves_its_pages_as_they_are_computed():
+    """step_save: the full pages a running request has computed reach L2 before it ends
+    (a preempted or aborted request is reusable), the workers never name it a finished save,
+    one step save is in flight per request, and the final save continues where it stopped."""
+    layout = layout_of("llama-3.1-8b", layers=2)
+    tokens = list(range(7, 7 + 6 * PS + 3))
+    sched, worker, pool = rig(layout, "cpu", None)
+    blocks = [0, 1, 2, 3, 4, 5, 6]
+    for b in blocks:
+        fill(pool, b, 100 + b)
+    want = [page_bytes(pool, b) for b in blocks[:6]]
+    assert sched.step_save("a", tokens, 2 * PS + 5, blocks[:3]) is True  # pages 0-1 computed
+    assert sched.step_save("a", tokens, 3 * PS, blocks[:3]) is None  # its save is in flight
+    out = step(sched, worker, layout.num_layers)
+    assert out.finished_saves == set() and sched.stats().saved_pages == 2
+    assert worker.finish_step({"a"}).finished_saves == set()  # vLLM holds no blocks for it
+    assert sched.lookup("x", tokens, 0).l2_tokens == 2 * PS
+    # pages 2-3 in a step save, then the request ends with pages 4-5 computed too
+    assert sched.step_save("a", tokens, 4 * PS, blocks[:5]) is True
+    assert sched.finished("a", tokens, 6 * PS + 3, blocks) is True
+    out = step(sched, worker, layout.num_layers)
+    assert worker.finish_step({"a"}).finished_saves | out.finished_saves == {"a"}
+    assert sched.stats().saved_pages == 6
+    hit = sched.lookup("b", tokens, 0)
+    assert hit.l2_tokens == 6 * PS
+    sched.allocated("b", tokens, [8, 9, 10, 11, 6, 7, 5], hit.tokens)
+    step(sched, worker, layout.num_layers)
+    assert same(pool, (8, 9, 10, 11, 6, 7), want)
+    sched.check_integrity()
+    worker.check_integrity()
+    worker.close()

@@ -115,3 +115,27 @@ def test_cost_model_measures_vllms_forwards(eng):
     assert inputs.prefill_tokens_per_s and inputs.prefill_tokens_per_s > 0
     assert inputs.bandwidth.get("L2")  # from the L2 hits above
     assert choose(9 * BLOCK, 0, inputs).choice is not Choice.UNMEASURED
+
+
+def test_a_running_request_is_reusable_before_it_ends(eng):
+    """Pages are saved as they are computed: while a request decodes, its prompt's 9 full
+    pages reach L2; aborted mid-decode, it leaves them for the next request over that prompt,
+    whose hit equals vLLM's own."""
+    from vllm import SamplingParams
+    p = prompt(7, 300)
+    eng.settle()
+    before = eng.scheduler.stats().saved_pages
+    core = eng.llm.llm_engine
+    rid = core.add_request("runs-on", {"prompt_token_ids": p},
+                           SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+    for _ in range(4):  # the prefill, then decodes: the step after the prefill saves its pages
+        core.step()
+    assert core.has_unfinished_requests()
+    assert eng.scheduler.stats().saved_pages - before == 9
+    core.abort_request([rid])
+    while core.has_unfinished_requests():
+        core.step()
+    got = _hit(eng, [p])[0]
+    assert got.cached == 9 * BLOCK
+    assert got == eng.reference([p])[0]
+    eng.check_integrity()
