@@ -43,14 +43,14 @@ class Engine:
     """``vllm.LLM`` on checkpoint ``model`` with HiCacheConnector (``extra``: its config)."""
 
     def __init__(self, model: str, extra: dict, *, dtype: str = "float32", max_batched: int = 4096,
-                 kv_bytes: int = 256 << 20, max_tokens: int = 6, **llm_kw):
+                 kv_bytes: int = 256 << 20, max_tokens: int = 6, max_model_len: int = 4096, **llm_kw):
         from vllm import LLM, SamplingParams
         from vllm.config import KVTransferConfig
         ktc = KVTransferConfig(kv_connector="HiCacheConnector",
                                kv_connector_module_path="hicache.integrations.vllm_connector",
                                kv_role="kv_both", kv_connector_extra_config=extra,
                                kv_load_failure_policy="recompute")
-        self.llm = LLM(model=model, block_size=BLOCK, enforce_eager=True, max_model_len=4096, dtype=dtype,
+        self.llm = LLM(model=model, block_size=BLOCK, enforce_eager=True, max_model_len=max_model_len, dtype=dtype,
                        max_num_batched_tokens=max_batched, enable_prefix_caching=True, kv_transfer_config=ktc,
                        seed=0, kv_cache_memory_bytes=kv_bytes, **llm_kw)
         self.sampling = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=TOP, ignore_eos=True)
