@@ -139,3 +139,28 @@ def test_a_running_request_is_reusable_before_it_ends(eng):
     assert got.cached == 9 * BLOCK
     assert got == eng.reference([p])[0]
     eng.check_integrity()
+
+
+def test_an_abort_while_its_load_is_in_flight(eng):
+    """A request aborted in the step its L2 load was planned in: vLLM frees its blocks only
+    once the load is reported, nothing leaks, and the next request over the prompt hits."""
+    from vllm import SamplingParams
+    p = prompt(8, 300)
+    eng.generate([p])
+    eng.settle()
+    eng.forget_own()
+    core = eng.llm.llm_engine
+    loads = eng.scheduler.stats().loaded_pages + eng.scheduler.stats().load_error_pages
+    core.add_request("aborted-in-load", {"prompt_token_ids": p}, SamplingParams(max_tokens=4, temperature=0))
+    core.step()  # the lookup, the allocation and the load's plan
+    assert eng.scheduler.in_flight or eng.scheduler.stats().loaded_pages > loads
+    core.abort_request(["aborted-in-load"])
+    while core.has_unfinished_requests():
+        core.step()
+    eng.check_integrity()  # every job reported, L2 pins released
+    stats = eng.scheduler.stats()
+    assert stats.loaded_pages + stats.load_error_pages - loads == 9
+    eng.forget_own()
+    got = eng.generate([p])[0]
+    assert got.cached == 9 * BLOCK
+    assert got == eng.reference([p])[0]
