@@ -286,7 +286,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.wait_layer(*at) if isinstance(at, tuple) else self.worker.wait_layer(at)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        return  # saves copy whole blocks once a request ends (request_finished), not per layer
+        return  # saves copy whole pages (build_connector_meta, request_finished), not per layer
 
     def wait_for_save(self):
         return  # saved blocks stay held by vLLM until get_finished reports them (delay_free)
