@@ -82,6 +82,9 @@ class ModelConfig(_Section):
     row_bytes: int = 0  # kind="rows" (an engine's opaque rows, e.g. vLLM's tier): bytes of one row
     engine_layout: str = ""  # kind="rows": the engine's description of a row (HiCacheTier logs it)
     host_layout: Literal["layer_first", "page_first"] = "page_first"
+    # The engine's block interior when it is not (head, token) cells of K then V: "cpu_attn"
+    # for vLLM's CPU backend (what HiCacheConnector derives there; a node's service must match)
+    engine_cells: Literal["", "cpu_attn"] = ""
 
     def to_layout(self) -> KVLayout:
         d = self.model_dump()
