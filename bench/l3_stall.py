@@ -91,6 +91,10 @@ def stop_redis(proc: subprocess.Popen) -> None:
 
 
 def _exit_on_signal(signum: int, frame) -> None:
+    # A watchdog first: an exception raised inside a finalizer or GC callback is swallowed,
+    # and the run would go on for its whole length. SIGALRM's default action ends the process
+    # in 10 s whatever happens; redis-server then dies with it (PR_SET_PDEATHSIG).
+    signal.alarm(10)
     raise SystemExit(128 + signum)  # unwinds through the finally that stops redis-server
 
 

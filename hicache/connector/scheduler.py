@@ -4,8 +4,7 @@ The engine owns L1 (its paged KV blocks and its own prefix cache); this index
 holds L2 (host pages, in every worker's host pool) and knows which pages L3
 holds. Per request, in the engine scheduler's order::
 
-    hit = s.lookup(rid, tokens, engine_hit)      # page-floored hit beyond the engine's own
-                                                 # (hit.waits: another request's load brings it; ask again)
+    hit = s.lookup(rid, tokens, engine_hit)      # page-floored hit beyond the engine's own (or waits)
     s.allocated(rid, block_ids, hit.tokens)      # pin L2, reserve L2 for the L3 part
     plan = s.take_plan()                         # -> every worker (plain data)
     s.completed(reports)                         # workers' JobReports, every step

@@ -7,7 +7,6 @@ transfer engine (``hicache.transfer.engine``: a CUDA stream with the page-copy
 kernels, or a CPU thread). Per engine step (not thread-safe: one worker thread)::
 
     w.start(plan)                 # before the forward: saves, then loads
-                                  # (a running request's save is waited for within the step)
     w.wait_layer(i)               # in the forward, before attention of layer i (layer-wise loads)
     step = w.finish_step(ended)   # after it: what finished, failed blocks, JobReports
 
