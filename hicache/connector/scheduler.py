@@ -11,9 +11,8 @@ holds. Per request, in the engine scheduler's order::
     s.step_save(rid, tokens, computed, block_ids)          # a running request's new full pages
     delay = s.finished(rid, tokens, computed, block_ids)   # store the computed full pages
 
-Blocks are pages (engine block size == page size). Loads and saves are jobs
-that finish when every rank reported (``ranks``); until then their L2 pages
-are pinned. Not thread-safe: the engine's scheduler thread calls everything.
+Blocks are pages (block size == page size). Jobs finish when every rank reported
+(``ranks``), their L2 pages pinned until then. Not thread-safe (the scheduler thread).
 """
 from __future__ import annotations
 
