@@ -65,3 +65,4 @@ class PrefetchPlan(NamedTuple):
     host: list[HostPageId]
     hashes: list[PageHash]
     group: int = FULL
+    after: Node | None = None  # the L2 hit the pages continue, pinned on L2 until complete
