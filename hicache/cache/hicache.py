@@ -26,9 +26,9 @@ from hicache.tiers.l2.base import build_l2, open_l2
 from hicache.tiers.l2.shared import ServiceHostTier
 from hicache.index.request import MatchResult
 from hicache.tiers.room import L1Room, WaitJob, Work
-from hicache.transfer.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan
+from hicache.tiers.plans import BackupPlan, LoadPlan, Plan, PrefetchPlan, StorePlan
 from hicache.tiers.manager import TierManager
-from hicache.transfer.engine import LoadHandle, Plan, TransferController, TransferKind, TransferResult
+from hicache.transfer.engine import LoadHandle, TransferController, TransferKind, TransferResult
 from hicache.core.types import JobId
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from hicache.index.prefix_cache import PrefixCache, as_key
 from hicache.memory.allocator import PageAllocator
 from hicache.tiers.cost import CostModel, Decision
 from hicache.tiers.manager import TierManager
-from hicache.transfer.plans import PrefetchPlan
+from hicache.tiers.plans import PrefetchPlan
 
 
 class Hit(NamedTuple):

@@ -2,7 +2,7 @@
 """
 from __future__ import annotations
 
-from typing import Protocol, cast
+from typing import cast
 
 from hicache.memory.allocator import PageAllocator
 from hicache.index.prefix_cache import PrefixCache
@@ -11,20 +11,10 @@ from hicache.tiers.host_states import HostPageState, HostPageStates, enabled_by_
 from hicache.index.node import Node
 from hicache.core.stats import TierMoveStats
 from hicache.index.request import MatchResult
-from hicache.transfer.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan
+from hicache.tiers.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan
 from hicache.tiers.holds import LoadRequest
 from hicache.tiers.groups import GroupPlan, GroupTiers
 from hicache.core.types import DevicePageId, HostPageId, PageHash
-
-
-class DeviceBlocks(Protocol):
-    """Who owns L1 allocation: ``PrefixCache`` (embedded engines) or an engine's block pool."""
-
-    def alloc_device(self, n: int) -> list[DevicePageId]:
-        """``n`` free L1 pages, or ``OutOfPages`` (allocating nothing)."""
-
-    def free_device(self, ids: list[DevicePageId]) -> None:
-        """Return pages obtained from ``alloc_device``."""
 
 
 class TierManager:
@@ -68,7 +58,7 @@ class TierManager:
 
     L1 pages for a load come from the caller (``prepare_load(..., device_pages)``):
     hicache's own allocator (``PrefixCache.alloc_device``) or an engine's block
-    pool, whichever owns L1 (``DeviceBlocks``). L2 pages come from the index's
+    pool, whichever owns L1. L2 pages come from the index's
     host allocator, evicting L2 when short. Not thread-safe: the scheduler thread
     calls everything.
     """
