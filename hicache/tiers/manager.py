@@ -120,6 +120,13 @@ class TierManager:
         self._to(ids, HostPageState.RESERVED)
         return ids
 
+    def free_host(self, ids: list[HostPageId]) -> None:
+        """Give back L2 pages from ``alloc_host`` that nothing indexed (e.g. the duplicates
+        ``index_host`` did not take) once no copy uses them."""
+        if ids:
+            self._to(ids, HostPageState.FREE)
+            self._host.free(ids)
+
     def evict_host(self, num_pages: int) -> list[HostPageId]:
         """Drop at least ``num_pages`` logical pages from L2 (never pinned ones); the
         freed ids (FREE, already back in the allocator)."""
