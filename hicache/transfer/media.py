@@ -9,8 +9,9 @@ from typing import Protocol
 from hicache.core.types import DevicePageId, HostPageId, PageHash
 
 
-class Medium(enum.Enum):
-    """Where a page's bytes are: a tier's memory."""
+class Medium(enum.StrEnum):
+    """Where a page's bytes are: a tier's memory. (A ``str`` enum: a route, a tuple of two,
+    hashes in C at every ``submit``; a plain ``Enum`` member hashes in Python.)"""
 
     L1 = "L1"  # the device pool (or a layer group's)
     L2 = "L2"  # the host pool: private pinned memory or the node's shared segment
