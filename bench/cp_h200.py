@@ -24,7 +24,7 @@ import time
 import torch
 
 from hicache.index.prefix_cache import PrefixCache
-from hicache.index.cp import CPRowOrder, RoundRobin
+from hicache.core.cp import CPRowOrder, RoundRobin
 from hicache.transfer.cp_assemble import RankPages, RequestRows, assemble, rank_batch, store_batch
 from hicache.kernels.page_copy import copy_pages
 from hicache.core.layout import KVLayout

@@ -32,7 +32,7 @@ from hicache.kernels.page_copy import copy_pages
 from hicache.memory.pools import DevicePool, HostPool
 from hicache.core.shapes import model_shape
 from hicache.transfer.engine import TransferController
-from hicache.transfer.plans import LoadPlan
+from hicache.tiers.plans import LoadPlan
 
 from hybrid_model import SHAPES, HybridForward, LinearState  # bench-local
 

@@ -56,7 +56,7 @@ ENTRY_POINTS = {"hicache.cli", "hicache.runtime_check", "hicache.storage.admin_c
 _ROOT = "hicache"  # its __init__ imports nothing of its own at module level: not an edge
 # The planes, bottom first (docs/architecture.md): each may import only those before it.
 # ``hicache`` itself stands for the modules directly in hicache/ (the CLI and its checks).
-PLANES = ("hicache.core", "hicache.memory", "hicache.index", "hicache.kernels", "hicache.transfer",
+PLANES = ("hicache.core", "hicache.memory", "hicache.kernels", "hicache.transfer", "hicache.index",
           "hicache.client", "hicache.storage", "hicache.tiers", "hicache.cache", "hicache.connector",
           "hicache.node",
           "hicache.integrations", "hicache.reference", "hicache.api", "hicache")

@@ -26,9 +26,9 @@ from hicache.tiers.l2.base import build_l2, open_l2
 from hicache.tiers.l2.shared import ServiceHostTier
 from hicache.index.request import MatchResult
 from hicache.tiers.room import L1Room, WaitJob, Work
-from hicache.transfer.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan
+from hicache.tiers.plans import BackupPlan, LoadPlan, Plan, PrefetchPlan, StorePlan
 from hicache.tiers.manager import TierManager
-from hicache.transfer.engine import LoadHandle, Plan, TransferController, TransferKind, TransferResult
+from hicache.transfer.engine import LoadHandle, TransferController, TransferKind, TransferResult
 from hicache.core.types import JobId
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,6 @@ class HiCache:
         self._jobs = InFlight()
         self._storage_enabled = storage is not None and self.layout.cp_size == 1
         self._failed: TransferError | None = None  # set by a failed load back; fatal
-        self._prefetch_anchors: dict[JobId, Node] = {}  # prefetch job -> the L2 hit it continues, pinned
         self._prefetch_for: dict[JobId, str] = {}  # prefetch job -> the waiting request it is for
         self._prefetched_waiting: set[str] = set()  # waiting requests whose prefetch was started
         self.consensus = consensus
@@ -184,19 +183,11 @@ class HiCache:
         return started
 
     def _prefetch_ahead(self, rid: str, w, m: MatchResult, hit: "_L3Hit") -> int:
-        ps = self.layout.page_size
-        anchor = m.host_node if m.tokens and m.host_node is not None and m.host_node.host_pages is not None else None
-        if anchor is not None:
-            self.tiers.hold_host(anchor)
-        plan = self.tiers.prepare_prefetch(w.key, w.namespace, m.tokens // ps, hit.hashes)
+        plan = self.tiers.prepare_prefetch(w.key, w.namespace, m.tokens // self.layout.page_size, hit.hashes,
+                                           after=_l2_anchor(m))
         if plan is None:
-            if anchor is not None:
-                self.cache.dec_host_lock(anchor)
             return 0
-        job = self._submit(plan)
-        if anchor is not None:
-            self._prefetch_anchors[job] = anchor
-        self._prefetch_for[job] = rid
+        self._prefetch_for[self._submit(plan)] = rid
         return 1
 
     def match(self, tokens: Tokens, namespace: str = "", *, storage: bool = False) -> tuple[MatchResult, int]:
@@ -295,18 +286,11 @@ class HiCache:
             return 0, None
         ps = self.layout.page_size
         have = m.tokens // ps
-        anchor = m.host_node if have and m.host_node is not None and m.host_node.host_pages is not None else None
-        if anchor is not None:
-            self.tiers.hold_host(anchor)  # released when the prefetch completes (``_complete``)
-        plan = self.tiers.prepare_prefetch(req.key, req.namespace, have, hit.hashes)
+        plan = self.tiers.prepare_prefetch(req.key, req.namespace, have, hit.hashes, after=_l2_anchor(m))
         if plan is None:
-            if anchor is not None:
-                self.cache.dec_host_lock(anchor)
             return 0, _l3_outcome(have, len(hit.hashes), 0, False, hit.storage_before, self.storage.stats(), True)
         budget = self._prefetch_budget_s(req.num_tokens)
         job = self._submit(plan)
-        if anchor is not None:
-            self._prefetch_anchors[job] = anchor
         landed, taken = self._wait_prefetch(job, None if budget is None else budget - (time.perf_counter() - hit.probed_at))
         running = job in self._jobs
         outcome = _l3_outcome(have, len(hit.hashes), taken, running, hit.storage_before, self.storage.stats(),
@@ -454,9 +438,6 @@ class HiCache:
             self.misses.reached(plan.hashes[:r.pages if r.ok else 0], L3)
         else:
             taken = tiers.complete_prefetch(plan, r.pages)
-            anchor = self._prefetch_anchors.pop(r.job, None)
-            if anchor is not None:
-                self.cache.dec_host_lock(anchor)
             rid = self._prefetch_for.pop(r.job, None)
             w = self.cache.waiting.get(rid) if rid is not None else None
             if w is not None and taken:  # still waiting: protect what landed too
@@ -609,6 +590,13 @@ class HiCache:
             self.storage.close()
         self.l2.close()
 
+
+
+def _l2_anchor(m: MatchResult) -> Node | None:
+    """The L2 node an L3 prefetch for ``m`` continues (None: it starts at the root, or ``m``'s
+    hit is not on L2)."""
+    n = m.host_node
+    return n if m.tokens and n is not None and n.host_pages is not None else None
 
 
 def _l3_outcome(first_page: int, held: int, delivered: int, running: bool, before: StorageStats,

@@ -38,7 +38,7 @@ from hicache.index.request import RequestState
 from hicache.storage import open_storage
 from hicache.storage.capacity import backend_options
 from hicache.core.types import DevicePageId, JobId, PageHash
-from hicache.transfer.plans import BackupPlan
+from hicache.tiers.plans import BackupPlan
 
 
 def group_layout(layout: KVLayout, kinds: tuple[str, ...], gi: int = -1) -> KVLayout:

@@ -15,7 +15,7 @@ from hicache.tiers.groups import GroupTiers
 from hicache.cache.hicache import Admission
 from hicache.core.groups import HybridFloor, resumable_floor
 from hicache.transfer.engine import LoadHandle
-from hicache.transfer.plans import FULL
+from hicache.tiers.plans import FULL
 from hicache.cache.hybrid_request import HybridRequest
 from hicache.core.layout import KVLayout
 from hicache.core.types import PageHash

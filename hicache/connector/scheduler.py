@@ -31,7 +31,7 @@ from hicache.index.prefix_cache import PrefixCache, as_key
 from hicache.memory.allocator import PageAllocator
 from hicache.tiers.cost import CostModel, Decision
 from hicache.tiers.manager import TierManager
-from hicache.transfer.plans import PrefetchPlan
+from hicache.tiers.plans import PrefetchPlan
 
 
 class Hit(NamedTuple):
@@ -473,7 +473,7 @@ class ConnectorScheduler(ConnectorJobs):
         self._c["save_dropped"] += len(spec.host) - taken
         if not spec.hashes:
             del self._saves[spec.job]
-            self._free_host(unused)
+            self.tiers.free_host(unused)
             return
         # Every rank reports the L3 stage too (0 pages where its copy failed); the node stays
         # pinned (index_host) while L3 reads it.
@@ -491,7 +491,7 @@ class ConnectorScheduler(ConnectorJobs):
             self.tiers.complete_engine_store(sv.node, whole)
             if whole:
                 self.events.stored(L3, sv.keys, sv.parent, sv.tokens)
-        self._free_host(sv.unused)
+        self.tiers.free_host(sv.unused)
 
     def _staging_room(self) -> int:
         """L2 pages an L3 part could be staged in now: those no job reserved (pinned
@@ -505,10 +505,6 @@ class ConnectorScheduler(ConnectorJobs):
         short = n - self.cache.host_allocator.num_free
         if short > 0:
             self.events.removed_l2(self.tiers.evict_host(short))
-
-    def _free_host(self, ids: list[HostPageId]) -> None:
-        if ids:
-            self.cache.host_allocator.free(ids)
 
     # ------------------------------------------------------------- state
     def check_integrity(self) -> None:

@@ -21,7 +21,7 @@ from hicache.core.errors import CacheStateError, IntegrityError, OutOfPages, Sta
 from hicache.core.layout import KVLayout
 from hicache.core.stats import CacheStats
 from hicache.core.types import DevicePageId, HostPageId
-from hicache.index.cp import CPRowOrder, make_ownership, PageOwnership
+from hicache.core.cp import CPRowOrder, make_ownership, PageOwnership
 from hicache.index.eviction import EvictionPolicy, make_policy
 from hicache.index.node import check_request_pages, draft_prefix_pages, Dropped, InsertResult, Node
 from hicache.index.radix import RadixTree
@@ -45,7 +45,7 @@ class PrefixCache:
     ``device`` is the L1 pool (or its allocator); ``host`` the L2 pool (or
     allocator) when a tiering controller runs on top. ``eviction`` /
     ``host_eviction`` name policies in ``hicache.index.eviction.POLICIES``;
-    ``ownership`` a CP page ownership in ``hicache.index.cp.OWNERSHIPS``.
+    ``ownership`` a CP page ownership in ``hicache.core.cp.OWNERSHIPS``.
 
     Layouts with draft planes: requests are draft requests by default (they
     hit only draft-complete pages, see ``RadixTree.match``); an engine that

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Iterator, Sequence
 
 
-from hicache.index.cp import PageOwnership, RoundRobin
+from hicache.core.cp import PageOwnership, RoundRobin
 from hicache.core.errors import CacheStateError
 from hicache.index.candidates import DeviceCandidates, HostCandidates
 from hicache.index.eviction import EvictionPolicy
@@ -53,7 +53,7 @@ class RadixTree:
     Tiers per node: ``device_pages`` (L1 ids, ``None`` = not on L1) and
     ``host_pages`` (L2 ids, ``None`` = not on L2); ``in_storage`` marks L3. Under
     context parallelism those lists hold only the pages this rank owns (see
-    ``hicache.index.cp``); ``[]`` means "on the tier, no page owned here". A non-root
+    ``hicache.core.cp``); ``[]`` means "on the tier, no page owned here". A non-root
     node is always on L1 or L2; L3-only prefixes live in the storage backend.
 
     The tree allocates, frees and copies nothing, and never calls up: it

@@ -24,7 +24,7 @@ from hicache.core.stats import TierMoveStats
 from hicache.memory.pools import DevicePool, HostPool
 from hicache.storage import StorageBackend
 from hicache.transfer.engine import LoadHandle
-from hicache.transfer.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan
+from hicache.tiers.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan
 from hicache.core.types import DevicePageId, HostPageId, PageHash
 
 GroupPlan = BackupPlan | LoadPlan | StorePlan | PrefetchPlan

@@ -14,8 +14,7 @@ from typing import Iterator, cast
 
 from hicache.core.errors import CacheStateError, IntegrityError
 from hicache.index.node import Node
-from hicache.transfer.plans import BackupPlan, LoadPlan
-from hicache.transfer.engine import Plan
+from hicache.tiers.plans import BackupPlan, LoadPlan, Plan
 from hicache.core.types import JobId
 
 

@@ -2,7 +2,7 @@
 """
 from __future__ import annotations
 
-from typing import Protocol, cast
+from typing import cast
 
 from hicache.memory.allocator import PageAllocator
 from hicache.index.prefix_cache import PrefixCache
@@ -11,20 +11,10 @@ from hicache.tiers.host_states import HostPageState, HostPageStates, enabled_by_
 from hicache.index.node import Node
 from hicache.core.stats import TierMoveStats
 from hicache.index.request import MatchResult
-from hicache.transfer.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan
+from hicache.tiers.plans import BackupPlan, LoadPlan, PrefetchPlan, StorePlan
 from hicache.tiers.holds import LoadRequest
 from hicache.tiers.groups import GroupPlan, GroupTiers
 from hicache.core.types import DevicePageId, HostPageId, PageHash
-
-
-class DeviceBlocks(Protocol):
-    """Who owns L1 allocation: ``PrefixCache`` (embedded engines) or an engine's block pool."""
-
-    def alloc_device(self, n: int) -> list[DevicePageId]:
-        """``n`` free L1 pages, or ``OutOfPages`` (allocating nothing)."""
-
-    def free_device(self, ids: list[DevicePageId]) -> None:
-        """Return pages obtained from ``alloc_device``."""
 
 
 class TierManager:
@@ -43,7 +33,7 @@ class TierManager:
     | ``prepare_backup`` / ``complete_backup`` | L1 -> L2 | the node on L1 (``pin``), the new L2 ids |
     | ``plan_load`` + ``prepare_load`` / ``complete_load`` | L2 -> L1 | the path on L2 and its new L1 pages |
     | ``prepare_store`` / ``complete_store`` | L2 -> L3 | the node on L2 |
-    | ``prepare_prefetch`` / ``complete_prefetch`` | L3 -> L2 | the new L2 ids |
+    | ``prepare_prefetch`` / ``complete_prefetch`` | L3 -> L2 | the new L2 ids, the L2 hit they continue (``after``) |
 
     Failure (as vLLM's ``complete_*(success=False)``): every ``complete_*`` must
     be called exactly once per plan, also when the transfer failed, and always
@@ -68,7 +58,7 @@ class TierManager:
 
     L1 pages for a load come from the caller (``prepare_load(..., device_pages)``):
     hicache's own allocator (``PrefixCache.alloc_device``) or an engine's block
-    pool, whichever owns L1 (``DeviceBlocks``). L2 pages come from the index's
+    pool, whichever owns L1. L2 pages come from the index's
     host allocator, evicting L2 when short. Not thread-safe: the scheduler thread
     calls everything.
     """
@@ -129,6 +119,13 @@ class TierManager:
         ids = cast(list[HostPageId], a.alloc(n))
         self._to(ids, HostPageState.RESERVED)
         return ids
+
+    def free_host(self, ids: list[HostPageId]) -> None:
+        """Give back L2 pages from ``alloc_host`` that nothing indexed (e.g. the duplicates
+        ``index_host`` did not take) once no copy uses them."""
+        if ids:
+            self._to(ids, HostPageState.FREE)
+            self._host.free(ids)
 
     def evict_host(self, num_pages: int) -> list[HostPageId]:
         """Drop at least ``num_pages`` logical pages from L2 (never pinned ones); the
@@ -268,11 +265,6 @@ class TierManager:
         self.cache.inc_host_lock(anchor)
         return anchor
 
-    def hold_host(self, node: Node) -> None:
-        """Pin on L2 the whole path to ``node`` (e.g. the hit an L3 prefetch continues, so that
-        making room for the prefetch cannot evict it) until ``unpin_host``."""
-        self.cache.inc_host_lock(node)
-
     def unpin_host(self, node: Node) -> None:
         self.cache.dec_host_lock(node)
 
@@ -321,28 +313,37 @@ class TierManager:
 
     # ----------------------------------------------------------------- L3 -> L2
     def prepare_prefetch(self, key: bytes, namespace: str, first_page: int,
-                         hashes: list[PageHash]) -> PrefetchPlan | None:
+                         hashes: list[PageHash], *, after: Node | None = None) -> PrefetchPlan | None:
         """Reserve L2 pages for L3 pages ``hashes`` continuing logical page
         ``first_page`` of ``key``: all of them, or the leading ones L2 has room for
         once evictable pages are gone (``len(plan.host)`` says how many); None
-        without room for one."""
+        without room for one. ``after``: the L2 hit the pages continue, pinned on L2
+        (before room is made: L2 is prefix-closed, so evicting it would drop them)
+        until ``complete_prefetch``, or now when the answer is None."""
+        if after is not None:
+            self.cache.inc_host_lock(after)
         host = self.alloc_host(len(hashes))
         if host is None and self._host.num_free:
             hashes = hashes[:self._host.num_free]
             host = self.alloc_host(len(hashes))
         if host is None:
+            if after is not None:
+                self.cache.dec_host_lock(after)
             return None
         self.stats.prefetch_started += 1
         ps4 = self.cache.page_size * 4
-        plan = PrefetchPlan(key[:(first_page + len(hashes)) * ps4], namespace, first_page, host, hashes)
+        plan = PrefetchPlan(key[:(first_page + len(hashes)) * ps4], namespace, first_page, host, hashes,
+                            after=after)
         self._hold_host(host)
         self._to(host, HostPageState.PROTECTED)
         return plan
 
     def complete_prefetch(self, plan: PrefetchPlan, loaded: int) -> int:
         """Index the ``loaded`` leading pages that landed in L2 (as stored in L3);
-        free the rest. Returns the pages the index took."""
+        free the rest and unpin ``plan.after``. Returns the pages the index took."""
         self._release_host(plan.host)
+        if plan.after is not None:
+            self.cache.dec_host_lock(plan.after)
         got, unused = plan.host[:loaded], plan.host[loaded:]
         if loaded:
             end = (plan.first_page + loaded) * self.cache.page_size * 4

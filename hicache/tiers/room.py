@@ -20,7 +20,7 @@ from hicache.index.node import Node
 from hicache.tiers.inflight import InFlight
 from hicache.tiers.l2.base import L2Tier
 from hicache.core.config import PolicyConfig
-from hicache.transfer.plans import BackupPlan
+from hicache.tiers.plans import BackupPlan
 from hicache.core.types import WritePolicy
 from hicache.core.stats import TierMoveStats
 from hicache.core.types import JobId

@@ -1,5 +1,5 @@
 """Context parallelism at the KV boundary: per-rank row batches and page assembly,
-both in terms of ``hicache.index.cp`` (ownership + ``CPRowOrder``).
+both in terms of ``hicache.core.cp`` (ownership + ``CPRowOrder``).
 
 * ``rank_batch`` builds the row batch one CP rank stores for several requests at
   once: its rows in CP-local order, padded to its page tails (``Row.CP_PAGE_TAIL``)
@@ -19,7 +19,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
-from hicache.index.cp import CPRowOrder, PageOwnership
+from hicache.core.cp import CPRowOrder, PageOwnership
 from hicache.memory.pools import DevicePool, HostPool
 from hicache.kernels.page_copy import copy_pages, store_rows
 from hicache.core.types import Row, check_provenance

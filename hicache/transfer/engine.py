@@ -2,7 +2,7 @@
 
 It moves pages and never touches the index or calls its caller:
 ``submit(plan) -> job id`` starts the copy or I/O a plan of
-``hicache.tiers.manager`` describes, ``finished()`` returns the ``TransferResult`` of
+``hicache.tiers.plans`` describes (the mover registered for its route, ``MOVERS``), ``finished()`` returns the ``TransferResult`` of
 every job done since the last call (in submission order), and the caller
 (``HiCache.poll``) hands each to the matching ``TierManager.complete_*`` in
 its own thread, so the index is only ever mutated by the scheduler thread.
@@ -27,7 +27,7 @@ from hicache.core.errors import IntegrityError, TransferError
 from hicache.core.layout import KVLayout
 from hicache.memory.pools import DevicePool, HostPool
 from hicache.kernels.page_copy import copy_pages
-from hicache.transfer.plans import FULL, BackupPlan, LoadPlan, PrefetchPlan, StorePlan
+from hicache.transfer.media import FULL, L1_TO_L2, L2_TO_L1, L2_TO_L3, L3_TO_L2, Movable, PageCopy, PageIo, Route
 from hicache.core.types import JobId
 
 log = logging.getLogger(__name__)
@@ -35,9 +35,6 @@ log = logging.getLogger(__name__)
 
 def _copy_pages(src, dst, src_pages, dst_pages, planes=None) -> None:
     copy_pages(src, dst, src_pages, dst_pages, planes=planes)
-
-
-Plan = BackupPlan | LoadPlan | StorePlan | PrefetchPlan
 
 
 def _stop_at_exit(ref: "weakref.ref[TransferController]") -> None:
@@ -463,22 +460,23 @@ class TransferController:
         return self.storage.prefix_hits(list(hashes), budget_s)
 
     # ---------------------------------------------------------------- plans
-    def submit(self, plan: Plan) -> JobId:
-        """Start the job ``plan`` describes; returns its id (see ``finished``).
-        The caller keeps the plan's pages pinned until the result is reported."""
-        mover = MOVERS.get(type(plan))
+    def submit(self, plan: Movable) -> JobId:
+        """Start the job ``plan`` describes (the mover of its route); returns its id (see
+        ``finished``). The caller keeps the plan's pages pinned until the result is reported."""
+        mover = MOVERS.get(plan.route)
         if mover is None:
-            raise TypeError(f"cannot submit {plan!r}: no mover for it; registered: "
-                            f"{', '.join(t.__name__ for t in MOVERS)}")
+            raise TypeError(f"cannot submit {type(plan).__name__}: no mover from {plan.route[0].value} to "
+                            f"{plan.route[1].value}; registered: "
+                            f"{', '.join(f'{a.value}->{b.value}' for a, b in MOVERS)}")
         return mover(self, plan).job
 
-    def _move_load(self, plan: LoadPlan) -> Transfer:
+    def _move_load(self, plan: PageCopy) -> Transfer:
         h = self.load_back(plan.host, plan.device, plan.group)
         self._handles[h.transfer.job] = h
         return h.transfer
 
     def load_handle(self, job: JobId) -> "LoadHandle":
-        """The layer-wise handle of a submitted ``LoadPlan`` (valid until reported finished)."""
+        """The layer-wise handle of a submitted L2 -> L1 plan (valid until reported finished)."""
         return self._handles[job]
 
     # ------------------------------------------------------------- completion
@@ -544,11 +542,23 @@ class TransferController:
         self._stop_workers(timeout=5)
 
 
-# One mover per (source, destination) medium, keyed by the plan class that names the pair:
-# a new tier adds its plan class and a mover here, not a branch in ``submit``.
-MOVERS: dict[type, Callable[[TransferController, Any], Transfer]] = {
-    BackupPlan: lambda tc, p: tc.backup(p.device, p.host, p.group),  # L1 -> L2
-    LoadPlan: TransferController._move_load,  # L2 -> L1, layer by layer (a LoadHandle)
-    StorePlan: lambda tc, p: tc.storage_put(p.host, p.hashes, p.group),  # L2 -> L3
-    PrefetchPlan: lambda tc, p: tc.storage_get(p.hashes, p.host, p.group),  # L3 -> L2
+def _move_backup(tc: TransferController, plan: PageCopy) -> Transfer:
+    return tc.backup(plan.device, plan.host, plan.group)
+
+
+def _move_store(tc: TransferController, plan: PageIo) -> Transfer:
+    return tc.storage_put(plan.host, plan.hashes, plan.group)
+
+
+def _move_prefetch(tc: TransferController, plan: PageIo) -> Transfer:
+    return tc.storage_get(plan.hashes, plan.host, plan.group)
+
+
+# One mover per (source, destination) medium: a new tier adds its movers here (and its
+# plans a route), not a branch in ``submit``.
+MOVERS: dict[Route, Callable[[TransferController, Any], Transfer]] = {
+    L1_TO_L2: _move_backup,  # backup
+    L2_TO_L1: TransferController._move_load,  # load back, layer by layer (a LoadHandle)
+    L2_TO_L3: _move_store,  # store
+    L3_TO_L2: _move_prefetch,  # prefetch
 }

@@ -134,18 +134,68 @@ def test_hook_scan_can_fail(tmp_path):
 
 
 # The index's structural operations: only the index and the scheduler side of tiering
-# (``TierManager``, the L2 strategies) call them; the caches and the connector ask those.
-TREE_OPERATIONS = {"split_at", "inc_host_lock", "insert_host", "set_stored"}
+# (``TierManager``, the L2 strategies) call them; the caches, the connector and the REST
+# package ask those.
+TREE_OPERATIONS = {"split_at", "inc_host_lock", "dec_host_lock", "insert_host", "set_stored"}
+TREE_OWNERS = ("hicache/index/", "hicache/tiers/")
+
+
+def tree_operation_calls(paths, root=ROOT) -> list[str]:
+    """``file:line name`` of every call of a tree operation outside ``TREE_OWNERS``."""
+    import ast
+    found = []
+    for path in sorted(paths):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(TREE_OWNERS):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in TREE_OPERATIONS:
+                found.append(f"{rel}:{node.lineno} {node.func.attr}")
+    return found
 
 
 def test_tree_operations_only_in_index_and_tiers():
+    paths = [*(ROOT / "hicache").rglob("*.py"), *(ROOT / "api").rglob("*.py")]
+    assert len(paths) > 100  # the walk saw the packages
+    assert tree_operation_calls(paths) == []
+
+
+def test_tree_operation_scan_can_fail(tmp_path):
+    """A cache module that unpins on L2 itself is reported; the tier manager may."""
+    for rel in ("hicache/cache/c.py", "hicache/tiers/t.py"):
+        (tmp_path / rel).parent.mkdir(parents=True)
+        (tmp_path / rel).write_text("def f(self, n):\n    self.cache.dec_host_lock(n)\n")
+    assert tree_operation_calls(tmp_path.rglob("*.py"), tmp_path) == ["hicache/cache/c.py:2 dec_host_lock"]
+
+
+# The mover (the transfer engine and its kernels) reads a plan's route and ids: it never
+# imports the index, not even for an annotation.
+MOVER = ("hicache/transfer/", "kernels/")
+
+
+def index_imports(paths, root=ROOT) -> list[str]:
+    """``file:line module`` of every import of ``hicache.index`` (any kind) in ``paths``."""
     import ast
     found = []
-    for path in sorted((ROOT / "hicache").rglob("*.py")):
-        rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith(("hicache/index/", "hicache/tiers/")):
-            continue
+    for path in sorted(paths):
+        rel = path.relative_to(root).as_posix()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and node.attr in TREE_OPERATIONS:
-                found.append(f"{rel}:{node.lineno} {node.attr}")
-    assert found == [], found
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{rel}:{node.lineno} {n}" for n in names if n == "hicache.index" or
+                      n.startswith("hicache.index.")]
+    return found
+
+
+def test_the_mover_never_imports_the_index():
+    paths = [p for d in MOVER for p in (ROOT / d).rglob("*.py")]
+    assert len(paths) > 5  # the walk saw the packages
+    assert index_imports(paths) == []
+
+
+def test_index_import_scan_can_fail(tmp_path):
+    """An import of the index under ``TYPE_CHECKING`` is reported too."""
+    (tmp_path / "m.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                   "    from hicache.index.node import Node\nimport hicache.indexer\n")
+    assert index_imports([tmp_path / "m.py"], tmp_path) == ["m.py:3 hicache.index.node"]

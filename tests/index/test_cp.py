@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from hicache.index.cp import Blocked, CPRowOrder, RoundRobin, make_ownership
+from hicache.core.cp import Blocked, CPRowOrder, RoundRobin, make_ownership
 
 T = list(range(400, 422))  # 22 tokens: 5 full pages + 2 tokens
 

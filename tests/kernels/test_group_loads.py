@@ -16,7 +16,7 @@ from hicache.core.groups import hybrid_layout
 from hicache.core.shapes import model_shape
 from hicache.memory.pools import DevicePool, HostPool
 from hicache.transfer.engine import TransferController
-from hicache.transfer.plans import LoadPlan
+from hicache.tiers.plans import LoadPlan
 from tests.kernels.test_page_copy import page_bytes_of as region, raw
 
 SENTINEL = 0xA5

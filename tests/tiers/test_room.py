@@ -12,7 +12,7 @@ from hicache.core.config import HiCacheConfig
 from hicache.core.errors import IntegrityError, OutOfPages
 from hicache.cache.hicache import HiCache
 from hicache.core.layout import KVLayout
-from hicache.transfer.plans import BackupPlan
+from hicache.tiers.plans import BackupPlan
 from hicache.tiers.room import L1Room
 from hicache.core.shapes import model_shapes
 from tests.helpers.tiers import LAYOUT, CopyGate

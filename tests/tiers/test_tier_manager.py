@@ -9,7 +9,7 @@ from hicache.memory.allocator import PageAllocator
 from hicache.index.prefix_cache import PrefixCache, as_key
 from hicache.core.hashing import page_hashes
 from hicache.core.layout import KVLayout
-from hicache.tiers.manager import DeviceBlocks, TierManager
+from hicache.tiers.manager import TierManager
 
 PS = 4
 X = list(range(100, 116))  # 4 pages
@@ -79,7 +79,7 @@ def test_backup_evicts_l2_in_lru_order_and_never_pinned_pages():
 def test_load_back_pins_its_pages_until_complete(owner):
     engine = EngineBlocks(8) if owner == "engine" else None
     c, tm = make(device=engine.allocator if engine else None)
-    blocks: DeviceBlocks = engine or c
+    blocks = engine or c  # whoever owns L1 hands prepare_load its pages
     node = compute(c, "x", X)
     tm.complete_backup(tm.prepare_backup(node), True)
     c.evict(100)  # X is L2-only now

@@ -27,7 +27,7 @@ from hicache.memory.pools import HostPool
 from hicache.tiers.l2.private import PrivateL2
 from hicache.tiers.l2.shared import ServiceHostTier, SharedL2
 from hicache.tiers.manager import TierManager
-from hicache.transfer.plans import BackupPlan, LoadPlan
+from hicache.tiers.plans import BackupPlan, LoadPlan
 from hicache.tiers.holds import LoadBack
 
 

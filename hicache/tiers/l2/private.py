@@ -9,7 +9,7 @@ from __future__ import annotations
 from hicache.index.prefix_cache import Request
 from hicache.core.errors import CacheStateError
 from hicache.index.node import Node
-from hicache.transfer.plans import BackupPlan, LoadPlan
+from hicache.tiers.plans import BackupPlan, LoadPlan
 from hicache.tiers.holds import LoadBack, LoadRequest
 from hicache.memory.pools import HostPool
 from hicache.index.request import MatchResult

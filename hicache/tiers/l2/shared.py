@@ -19,7 +19,7 @@ from hicache.index.request import MatchResult
 from hicache.memory.allocator import PageAllocator
 from hicache.memory.pools import HostPool
 from hicache.tiers.manager import TierManager
-from hicache.transfer.plans import BackupPlan, LoadPlan
+from hicache.tiers.plans import BackupPlan, LoadPlan
 from hicache.tiers.holds import Acquired, LoadBack
 
 

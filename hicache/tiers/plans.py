@@ -1,23 +1,22 @@
 """The plans the tier manager (``hicache.tiers.manager``) and the L2 strategies
-(``hicache.tiers.l2``) prepare and the transfer engine (``hicache.transfer.engine``)
-executes: small typed records, valid from ``prepare_*`` until the matching
-``complete_*``. The engine reads their ids only; the tree nodes they carry are the
-scheduler side's, handed back to it at ``complete_*`` (so the mover does not import
-the index: ``Node`` is named in annotations only)."""
+(``hicache.tiers.l2``) prepare: small typed records, valid from ``prepare_*`` until
+the matching ``complete_*``. The transfer engine reads only their ``route`` (which
+picks its mover), group and ids (``hicache.transfer.media``); the tree nodes and keys they carry are the scheduler
+side's, handed back to it at ``complete_*``."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from hicache.core.types import DevicePageId, HostPageId, PageHash
+from hicache.index.node import Node
+from hicache.transfer.media import FULL, L1_TO_L2, L2_TO_L1, L2_TO_L3, L3_TO_L2, Route
 
-if TYPE_CHECKING:
-    from hicache.index.node import Node
+__all__ = ["FULL", "BackupPlan", "LoadPlan", "StorePlan", "PrefetchPlan", "Plan"]
 
-# The ``group`` of every plan: which layer group's pools its ids are in. FULL: the index's
-# full-attention pages (the tree's nodes); ``g >= 0``: items of layer group ``g`` of a hybrid
-# layout (``hicache.tiers.groups``: SWA pages, state snapshots), keyed by (group, page hash)
-# as vLLM's ``OffloadKey`` carries a group index, with ``node`` None.
-FULL = -1
+# A plan's ``group`` (``FULL``: the index's full-attention pages, the tree's nodes; ``g >= 0``:
+# items of layer group ``g`` of a hybrid layout, ``hicache.tiers.groups``: SWA pages, state
+# snapshots), keyed by (group, page hash) as vLLM's ``OffloadKey`` carries a group index,
+# with ``node`` None.
 
 
 class BackupPlan(NamedTuple):
@@ -32,6 +31,7 @@ class BackupPlan(NamedTuple):
     # committed under these hashes once filled (None: pages of the private L2).
     shared: list[PageHash] | None = None
     group: int = FULL
+    route: Route = L1_TO_L2  # the plan's kind, fixed (never passed): picks its mover
 
 
 class LoadPlan(NamedTuple):
@@ -45,6 +45,7 @@ class LoadPlan(NamedTuple):
     # released once the copy completed (None: pages of the private L2).
     shared: list[PageHash] | None = None
     group: int = FULL
+    route: Route = L2_TO_L1  # the plan's kind, fixed (never passed): picks its mover
 
 
 class StorePlan(NamedTuple):
@@ -54,6 +55,7 @@ class StorePlan(NamedTuple):
     host: list[HostPageId]
     hashes: list[PageHash]  # the L3 keys
     group: int = FULL
+    route: Route = L2_TO_L3  # the plan's kind, fixed (never passed): picks its mover
 
 
 class PrefetchPlan(NamedTuple):
@@ -65,3 +67,8 @@ class PrefetchPlan(NamedTuple):
     host: list[HostPageId]
     hashes: list[PageHash]
     group: int = FULL
+    after: Node | None = None  # the L2 hit the pages continue, pinned on L2 until complete
+    route: Route = L3_TO_L2  # the plan's kind, fixed (never passed): picks its mover
+
+
+Plan = BackupPlan | LoadPlan | StorePlan | PrefetchPlan
