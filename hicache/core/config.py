@@ -193,7 +193,7 @@ class PolicyConfig(_Section):
     # write_back: share of L1 pages, at the eviction end, kept clean (on L2 or being copied
     # there) ahead of eviction, so admission finds clean victims and never waits (0: off).
     write_back_clean_fraction: float = Field(0.125, ge=0.0, le=1.0)
-    # lru: the only policy >= lru at every capacity on every trace measured (bench/RESULTS.md, issue 35)
+    # lru: the only policy >= lru at every capacity on every trace measured (bench/RESULTS.md, eviction sweep)
     device_eviction: str = "lru"
     host_eviction: str = "lru"
     prefetch_policy: PrefetchPolicy = PrefetchPolicy.TIMEOUT
