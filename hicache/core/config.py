@@ -272,6 +272,9 @@ class ServiceConfig(_Section):
     # REST connections and requests at once (uvicorn's limit_concurrency); past it, 503.
     # Above the /v1/events streams (64) so that /healthz is still answered with every stream open.
     rest_max_connections: int = Field(128, ge=80, le=65536)
+    # A REST request's line and headers must arrive within this of the connection's start (or
+    # of the previous response), else the connection is closed: a slow sender holds no slot.
+    rest_header_timeout_s: float = Field(10.0, gt=0, le=3600)
     handshake_timeout_s: float = Field(5.0, gt=0)  # for hello, and for finishing any frame once begun
     idle_timeout_s: float = Field(600.0, ge=0)  # between frames of a handshaken client; 0 = never
 
