@@ -269,6 +269,13 @@ class ServiceConfig(_Section):
     socket_group: str = ""  # a group name or gid; its members are allowed too
     allowed_uids: list[Annotated[int, Field(ge=0, le=MAX_UID)]] = Field(default_factory=list, max_length=1024)
     max_connections: int = Field(256, ge=1, le=65536)
+    # Per client (a peer process, by its SO_PEERCRED pid; peers whose pid the server cannot
+    # see, e.g. from another pid namespace, count as one client per uid), so that one client
+    # cannot starve the others: connections at once, and the share of pool.host_pages it
+    # may hold reserved or acquired at once (1 = no cap; past it, reserve is refused and
+    # acquire returns a shorter prefix).
+    max_connections_per_client: int = Field(32, ge=1, le=65536)
+    client_page_share: float = Field(0.5, gt=0, le=1)
     # REST connections and requests at once (uvicorn's limit_concurrency); past it, 503.
     # Above the /v1/events streams (64) so that /healthz is still answered with every stream open.
     rest_max_connections: int = Field(128, ge=80, le=65536)
