@@ -1,19 +1,14 @@
 """uvicorn's h11 protocol with guards for connections that send no request.
 
-uvicorn closes a connection that stays idle after a response (``timeout_keep_alive``),
-but sets no timer on one that has not sent a whole request head: a client sending
-its headers a byte at a time (slowloris), or nothing at all, held its connection
-forever, and ``limit_concurrency`` counts connections, so ``rest_max_connections``
-of them turned every other request, ``/healthz`` included, into a 503.
-
-``HeadGuardedH11`` adds, per server:
-- a deadline for each request head (``service.rest_header_timeout_s``), from the
-  connection's start or the end of the previous response to the head's last byte;
-  past it the connection is closed;
+uvicorn sets no timer before a request head is complete, and ``limit_concurrency``
+counts connections: clients sending their headers a byte at a time (slowloris), or
+nothing, could hold ``rest_max_connections`` connections and turn every other
+request, ``/healthz`` included, into a 503. ``HeadGuardedH11`` adds, per server:
+- a deadline for each request head (``service.rest_header_timeout_s``) from the
+  connection's start or the previous response's end; past it the connection closes;
 - at most ``max_waiting`` connections waiting for a head; a new one past that closes
-  the one that has waited longest, so waiting connections never fill
-  ``limit_concurrency`` and a client that sends its request at once is served.
-A head is at most ``MAX_HEAD_BYTES`` (h11 answers 431 past it).
+  the longest-waiting, so waiting connections never fill ``limit_concurrency``.
+A head is at most ``MAX_HEAD_BYTES`` (a longer one is answered 400).
 """
 from __future__ import annotations
 

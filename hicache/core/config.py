@@ -444,7 +444,7 @@ def _env_keys(env: Mapping[str, str]) -> list[tuple[str, list[str]]]:
 class HostNeed(NamedTuple):
     """Host memory that one setting sizes, for ``check_host_memory``."""
 
-    setting: str  # where the user set it: "pool.host_pages", "host_bytes (kv_connector_extra_config)"
+    setting: str  # what the user set: "pool.host_pages", or the vLLM connector's "host_bytes"
     value: int  # its value; the bytes grow with it
     bytes: int  # the host memory it asks for
 

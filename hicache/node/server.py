@@ -51,6 +51,8 @@ MAX_SOCKET_PATH = 107
 # (up to service.max_request_bytes: ~1-2 s for 8 MiB of small arrays) on a
 # worker thread, so other clients are answered meanwhile.
 UNPACK_INLINE_BYTES = 256 << 10
+
+
 class Refusal(NamedTuple):
     """Why a new connection is refused: an error kind and its message."""
 
@@ -59,8 +61,8 @@ class Refusal(NamedTuple):
 
 
 def client_key(cred: PeerCred) -> ClientKey:
-    """Whose connections and pages a peer's count against: its process, or its uid where the
-    server cannot see its pid (0: the peer is in a pid namespace this server's does not map)."""
+    """The client a peer's connections and pages count against: its process, or its uid when
+    the server cannot see its pid (0: a pid namespace the server's does not map)."""
     return f"pid {cred.pid} (uid {cred.uid})" if cred.pid else f"uid {cred.uid}"
 
 
