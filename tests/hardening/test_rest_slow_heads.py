@@ -105,7 +105,7 @@ def test_a_head_sent_a_byte_at_a_time_is_cut_and_others_are_served(rest):
     try:
         s.sendall(REQUEST)  # a whole request first: the deadline also covers the next head on the connection
         assert _response(s).startswith(b"HTTP/1.1 200 ")
-        head = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 400 + b"\r\n\r\n"
+        head = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 1500 + b"\r\n\r\n"  # ~30 s of bytes
         sent = 0
         for i in range(len(head)):
             if _closed_by_server(s):
