@@ -18,7 +18,8 @@ import uvicorn
 from hicache.api.app import create_app
 from hicache.api.deps import ADMIN_TOKEN_HELP, RestState, check_bind
 from hicache.node.server import NodeServer, open_l3
-from hicache.api.events import EventBus
+from hicache.api.events import MAX_SUBSCRIBERS, EventBus
+from hicache.api.http_protocol import MAX_HEAD_BYTES, head_guarded
 from hicache.node.socket_guard import preflight
 from hicache.node.socket_guard import resolve_group
 from hicache.core.config import HiCacheConfig, read_secret_file
@@ -66,12 +67,23 @@ def start_line(cfg: HiCacheConfig) -> str:
 KEEP_ALIVE_S = 5  # an idle REST connection is closed after this
 
 
+def max_waiting(rest_max_connections: int) -> int:
+    """Connections that may wait for a request head at once: half of what the event
+    streams leave of ``rest_max_connections``, so waiting ones never fill it."""
+    return max(4, (rest_max_connections - MAX_SUBSCRIBERS) // 2)
+
+
 def uvicorn_config(app: Any, cfg: HiCacheConfig) -> uvicorn.Config:
     """The REST server's settings: at most ``service.rest_max_connections`` connections and
-    requests at once (503 past it), idle keep-alive connections closed after ``KEEP_ALIVE_S``."""
+    requests at once (503 past it); a request head within ``service.rest_header_timeout_s``
+    and ``MAX_HEAD_BYTES``, at most ``max_waiting`` connections waiting for one (the
+    oldest is closed past it: ``HeadGuardedH11``); idle keep-alive connections closed
+    after ``KEEP_ALIVE_S``."""
     svc = cfg.service
+    http = head_guarded(svc.rest_header_timeout_s, max_waiting(svc.rest_max_connections))
     return uvicorn.Config(app, host=svc.host, port=svc.port, log_level=cfg.log_level.lower(), access_log=False,
-                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on",
+                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on", http=http,
+                          h11_max_incomplete_event_size=MAX_HEAD_BYTES,
                           limit_concurrency=svc.rest_max_connections, timeout_keep_alive=KEEP_ALIVE_S)
 
 

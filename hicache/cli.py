@@ -14,7 +14,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from hicache.core.config import DEFAULT_SOCKET_PATH, HiCacheConfig, parse_set_flags
+from hicache.core.config import DEFAULT_SOCKET_PATH, HiCacheConfig, host_memory, parse_set_flags
 from hicache.core.errors import HiCacheError
 from hicache.core.redact import Redactor, install_log_redaction
 
@@ -228,11 +228,9 @@ def _l3_cap(cfg: HiCacheConfig) -> dict[str, object]:
 
 
 def physical_memory() -> int | None:
-    """This machine's RAM in bytes (None where the OS does not say)."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    """This machine's memory in bytes (None where the OS does not say; see ``host_memory``)."""
+    have = host_memory()
+    return None if have is None else have[0]
 
 
 def _ram_warnings(pools: dict) -> list[str]:

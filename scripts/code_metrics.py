@@ -281,11 +281,14 @@ def scan(paths: list[pathlib.Path], root: pathlib.Path | None = None) -> dict:
 
 
 def _hook_call(call: ast.Call) -> str | None:
-    """``.on_x()`` or ``.listener.y()`` (a call through a hook attribute), else None."""
+    """``.on_x()`` or ``.listener.y()`` (a call through a hook attribute), else None.
+    ``super().on_x()`` is an override chaining to its base class (a framework's callback
+    method), not a hook."""
     f = call.func
     if not isinstance(f, ast.Attribute):
         return None
-    if f.attr.startswith("on_") and f.attr != "on_done":
+    chains = isinstance(f.value, ast.Call) and isinstance(f.value.func, ast.Name) and f.value.func.id == "super"
+    if f.attr.startswith("on_") and f.attr != "on_done" and not chains:
         return f".{f.attr}()"
     if isinstance(f.value, ast.Attribute) and is_hook_name(f.value.attr):
         return f".{f.value.attr}.{f.attr}()"

@@ -103,7 +103,10 @@ class Link:
             raise ServiceError("closed", "client is closed")
         frame = pack(req)  # a request msgpack refuses fails here, with the stream intact
         try:
-            self._sock.sendall(frame)
+            try:
+                self._sock.sendall(frame)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the server hung up first (e.g. refused the connection): its reason is the next frame
             rep = unpack(self._read_body())
         except OSError as e:
             self.close(send_bye=False)

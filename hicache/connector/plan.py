@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple, Sequence
 
 from hicache.client.link import SCHEME
-from hicache.core.config import HiCacheConfig
+from hicache.core.config import HiCacheConfig, HostNeed, check_host_memory
 from hicache.core.errors import ConfigError
 from hicache.core.layout import KVLayout
 from hicache.core.types import HostPageId
@@ -189,6 +189,8 @@ class ConnectorSettings:
         if n < 1:
             raise ConfigError(f"hicache connector: host_bytes={self.host_bytes} holds no page of "
                               f"{layout.page_bytes} bytes; give at least one page")
+        check_host_memory(HostNeed("host_bytes" if self.host_bytes else "pool.host_pages", self.host_bytes or n,
+                                   n * layout.page_bytes))
         return n
 
     @property

@@ -12,7 +12,7 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -196,7 +196,7 @@ class PolicyConfig(_Section):
     # write_back: share of L1 pages, at the eviction end, kept clean (on L2 or being copied
     # there) ahead of eviction, so admission finds clean victims and never waits (0: off).
     write_back_clean_fraction: float = Field(0.125, ge=0.0, le=1.0)
-    # lru: the only policy >= lru at every capacity on every trace measured (bench/RESULTS.md, issue 35)
+    # lru: the only policy >= lru at every capacity on every trace measured (bench/RESULTS.md, eviction sweep)
     device_eviction: str = "lru"
     host_eviction: str = "lru"
     prefetch_policy: PrefetchPolicy = PrefetchPolicy.TIMEOUT
@@ -272,9 +272,19 @@ class ServiceConfig(_Section):
     socket_group: str = ""  # a group name or gid; its members are allowed too
     allowed_uids: list[Annotated[int, Field(ge=0, le=MAX_UID)]] = Field(default_factory=list, max_length=1024)
     max_connections: int = Field(256, ge=1, le=65536)
+    # Per client (a peer process, by its SO_PEERCRED pid; peers whose pid the server cannot
+    # see, e.g. from another pid namespace, count as one client per uid), so that one client
+    # cannot starve the others: connections at once, and the share of pool.host_pages it
+    # may hold reserved or acquired at once (1 = no cap; past it, reserve is refused and
+    # acquire returns a shorter prefix).
+    max_connections_per_client: int = Field(32, ge=1, le=65536)
+    client_page_share: float = Field(0.5, gt=0, le=1)
     # REST connections and requests at once (uvicorn's limit_concurrency); past it, 503.
     # Above the /v1/events streams (64) so that /healthz is still answered with every stream open.
     rest_max_connections: int = Field(128, ge=80, le=65536)
+    # A REST request's line and headers must arrive within this of the connection's start (or
+    # of the previous response), else the connection is closed: a slow sender holds no slot.
+    rest_header_timeout_s: float = Field(10.0, gt=0, le=3600)
     handshake_timeout_s: float = Field(5.0, gt=0)  # for hello, and for finishing any frame once begun
     idle_timeout_s: float = Field(600.0, ge=0)  # between frames of a handshaken client; 0 = never
 
@@ -366,11 +376,17 @@ class HiCacheConfig(BaseSettings):
             raise ConfigError(redact(_explain_layout(e))) from None
         return cfg
 
-    def check_host_memory(self, layout: KVLayout | None = None) -> None:
-        """``ConfigError`` when the L2 (host) pool would exceed this machine's memory.
-        Called by whoever is about to allocate it (``HiCache``, ``hicache serve``), not at
-        load: a config for a bigger machine can still be described (``hicache info``)."""
-        _check_memory(self, layout or self.layout())
+    def check_host_memory(self, layout: KVLayout | None = None, device: str | None = None) -> None:
+        """``ConfigError`` when the L2 (host) pool, and L1 too when ``device`` is the CPU, would
+        exceed this machine's memory (``check_host_memory``). Called by whoever is about to
+        allocate them (``HiCache``, ``hicache serve``), not at load: a config for a bigger
+        machine can still be described (``hicache info``)."""
+        layout = layout or self.layout()
+        needs = [HostNeed("pool.host_pages", self.pool.host_pages, layout.host_addressing(self.pool.host_pages)[2])]
+        if device is not None and device.startswith("cpu"):
+            needs.append(HostNeed("pool.device_pages", self.pool.device_pages,
+                                  layout.page_bytes * self.pool.device_pages))
+        check_host_memory(*needs)
 
     def layout(self) -> KVLayout:
         return self.model.to_layout()
@@ -428,22 +444,56 @@ def _env_keys(env: Mapping[str, str]) -> list[tuple[str, list[str]]]:
             if k.startswith("HICACHE_") and k != "HICACHE_CONFIG"]
 
 
-def _phys_memory() -> int | None:
+class HostNeed(NamedTuple):
+    """Host memory that one setting sizes, for ``check_host_memory``."""
+
+    setting: str  # what the user set: "pool.host_pages", or the vLLM connector's "host_bytes"
+    value: int  # its value; the bytes grow with it
+    bytes: int  # the host memory it asks for
+
+
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def host_memory() -> tuple[int, str] | None:
+    """This machine's memory in bytes and what it is: the RAM, or the container's (cgroup)
+    memory limit where that is lower; None where the OS does not say."""
     try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        have = (os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "RAM")
     except (ValueError, OSError, AttributeError):
         return None
+    for path in _CGROUP_LIMITS:
+        try:
+            limit = int(Path(path).read_text().strip())  # "max" (no limit) is a ValueError
+        except (OSError, ValueError):
+            continue
+        if 0 < limit < have[0]:
+            return limit, f"container memory limit ({path})"
+    return have
 
 
-def _check_memory(cfg: "HiCacheConfig", layout: KVLayout) -> None:
-    """Refuse an L2 (host) pool larger than this machine's memory before anyone allocates it."""
-    need = layout.page_bytes * cfg.pool.host_pages
-    have = _phys_memory()
-    if have is not None and need > have:
-        raise ConfigError(f"pool.host_pages={cfg.pool.host_pages}: an L2 of {need:,} bytes "
-                          f"({layout.page_bytes:,} per page) exceeds this machine's {have:,} bytes of memory; "
-                          f"lower pool.host_pages to at most {have // layout.page_bytes // 2:,} or so "
-                          f"{_where_to_set('pool.host_pages')}")
+def check_host_memory(*needs: HostNeed) -> None:
+    """Raise ``ConfigError`` when ``needs`` together exceed this machine's memory (``host_memory``).
+
+    The one check every entry point calls before it allocates host memory for a pool
+    (``HiCache``, ``hicache serve`` and ``replay``, the vLLM connector's halves): past the
+    RAM the allocation is a bare ``MemoryError``, or the kernel's OOM killer."""
+    need = sum(n.bytes for n in needs)
+    have = host_memory()
+    if have is None or need <= have[0]:
+        return
+    ram, what = have
+    asked = " and ".join(f"{n.setting}={n.value:,}" for n in needs)
+    # The settings scale linearly: lowering the largest until the sum fits is the fix to name.
+    big = max(needs, key=lambda n: n.bytes)
+    room = ram - (need - big.bytes)
+    fix = (f"lower {big.setting} well below {big.value * room // big.bytes:,}, which would fill all of it"
+           if room > 0 else f"lower {'it' if len(needs) == 1 else 'them'}")
+    if "." in big.setting:  # a configuration key (not an engine's own, such as the connector's host_bytes)
+        fix += f" {_where_to_set(big.setting)}"
+    raise ConfigError(f"{asked} {'asks' if len(needs) == 1 else 'ask'} for {need:,} bytes ({need / GiB:,.1f} GiB) "
+                      f"of host memory, more than this machine's {what} of {ram:,} bytes ({ram / GiB:,.1f} GiB); "
+                      f"{fix}")
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:

@@ -43,6 +43,7 @@ from hicache.connector.plan import JobReport, StepPlan
 from hicache.connector.pd import ROLES as PD_ROLES, open_handoffs
 from hicache.connector.shared import SharedConnectorScheduler
 from hicache.connector.worker import ConnectorWorker, GroupWorkers
+from hicache.core.config import HostNeed, check_host_memory
 from hicache.core.errors import ConfigError, ContractMismatch
 from hicache.core.redact import redact_url
 from hicache.core.hashing import tokens_to_bytes
@@ -244,6 +245,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if pages < 1:
             raise ConfigError(f"HiCacheConnector: host_bytes={s.host_bytes} holds no page of each KV cache group "
                               f"({sum(x.page_bytes for x in layouts)} bytes together); give at least that")
+        check_host_memory(HostNeed("host_bytes" if s.host_bytes else "pool.host_pages", s.host_bytes or pages,
+                                   pages * sum(x.page_bytes for x in layouts)))
         main = next(i for i, g in enumerate(groups) if g.kind == "full")
         self.layout = layouts[main]
         self._group_pages = pages

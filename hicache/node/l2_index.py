@@ -9,6 +9,10 @@ Every host page is in exactly one state:
 * reserved by one owner (a client connection) that is writing it,
 * committed: indexed under its hash, lookup-able; it may be acquired (locked
   for reading) by any number of owners, and is evictable only while unlocked.
+
+Owners (connections) belong to clients (the server: a peer process). A client may
+hold at most ``client_pages`` pages reserved or acquired at once, across its
+owners, so that one client cannot pin the whole pool and starve the others.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from hicache.node.snapshot import EventKind, EventLog, Taken
 from hicache.core.types import HostPageId, PageHash
 
 OwnerId = int
+ClientKey = str  # who a share of pages is counted for ("pid 1234"); named in refusals
 
 
 class PageJournal(Protocol):
@@ -38,8 +43,14 @@ class PageJournal(Protocol):
 
 @dataclass(slots=True)
 class _Owner:
+    client: ClientKey | None = None  # whose share its pages count against (None: no cap, e.g. the L3 writer)
     reserved: set[int] = field(default_factory=set)  # page ids written, not yet committed
     acquired: dict[PageHash, int] = field(default_factory=dict)  # page hash -> acquisitions (> 0)
+
+    @property
+    def held(self) -> int:
+        """Pages this owner keeps from eviction and reuse: reserved, and acquired (distinct)."""
+        return len(self.reserved) + len(self.acquired)
 
 
 class Reclaimed(NamedTuple):
@@ -100,11 +111,16 @@ class L2Index:
     """
 
     def __init__(self, allocator: PageAllocator, journal: PageJournal | None = None,
-                 max_events: int | None = None):
+                 max_events: int | None = None, client_pages: int | None = None, share_setting: str = ""):
         """``max_events``: how many KV events wait for ``take_events`` before new
         ones are dropped (default: four times the pages, at least 1024; enough for
-        whatever one call records, so an owner that takes after each call loses none)."""
+        whatever one call records, so an owner that takes after each call loses none).
+        ``client_pages``: the most pages one client may hold reserved or acquired at
+        once (None: no cap); ``share_setting`` names where it was set, for refusals."""
         self.allocator = allocator
+        self.client_pages = client_pages
+        self.share_setting = share_setting
+        self._held: Counter[ClientKey] = Counter()  # pages held per capped client, over its owners
         self.journal = journal
         self._events = EventLog(max_events if max_events is not None else max(1024, 4 * allocator.capacity))
         self._incomplete: set[PageHash] = set()  # committed hashes whose page lacks valid draft rows
@@ -119,14 +135,16 @@ class L2Index:
         self.counters = IndexCounters()
 
     # ---------------------------------------------------------------- owners
-    def add_owner(self, owner: OwnerId) -> None:
+    def add_owner(self, owner: OwnerId, client: ClientKey | None = None) -> None:
+        """Register ``owner``; its pages count against ``client``'s share (None: no cap)."""
         if owner in self._owners:
             raise IntegrityError(f"L2 index: owner {owner!r} is already registered (owner ids are never reused)")
-        self._owners[owner] = _Owner()
+        self._owners[owner] = _Owner(client if self.client_pages is not None else None)
 
     def drop_owner(self, owner: OwnerId) -> Reclaimed:
         """Forget ``owner``: free its uncommitted reservations, drop its acquisitions."""
         o = self._owners.pop(owner)
+        self._count(o, -o.held)
         if o.reserved:
             self.allocator.free(o.reserved)
         for h, n in reversed(o.acquired.items()):  # deepest first
@@ -211,6 +229,13 @@ class L2Index:
         """
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ServiceError("bad_args", f"reserve needs an integer n >= 0, got {n!r}")
+        o = self._owners[owner]
+        room = self._room(o)
+        if room is not None and n > room:
+            raise OutOfPages(f"L2: client {o.client} asked for {n} pages and holds {self._held[o.client]} "
+                             f"(reserved or acquired); one client may hold at most {self.client_pages} of the "
+                             f"{self.allocator.capacity} at once ({self.share_setting}), so that others are "
+                             "served; commit, cancel or release pages first")
         evictable = len(self._lru) - len(self._refs)
         short = n - self.allocator.num_free
         if short > evictable:
@@ -221,7 +246,8 @@ class L2Index:
             gone = [self._evict_one() for _ in range(short)]
             self._events.record(EventKind.REMOVED, "L2", [(h, None) for h in gone])
         pages = self.allocator.alloc(n)
-        self._owners[owner].reserved.update(pages)
+        o.reserved.update(pages)
+        self._count(o, n)
         self.counters.reservations += n
         return pages  # HostPageId is a NewType: no runtime wrapping
 
@@ -296,6 +322,7 @@ class L2Index:
             self._page_of[h] = p
             self._hash_of[p] = h
             inserted.append(h)
+        self._count(o, -len(pages))  # none of them is reserved any more
         for h in reversed(inserted):  # deepest first: evicted before its parents
             self._lru[h] = None
         if dup_pages:
@@ -360,6 +387,7 @@ class L2Index:
         o = self._owners[owner]
         self._check_reserved(o, pages, "cancel")
         o.reserved.difference_update(pages)
+        self._count(o, -len(pages))
         self.allocator.free(pages)
         self.counters.cancelled += len(pages)
 
@@ -385,14 +413,23 @@ class L2Index:
         """Lock the leading present (``need_draft``: and draft-complete) ``hashes``
         against eviction; returns their pages.
 
-        The result may be shorter than ``hashes`` (pages evicted since a lookup);
-        only the returned prefix is locked, and must be released by hash.
+        The result may be shorter than ``hashes`` (pages evicted since a lookup, or
+        past what the client's share lets it hold); only the returned prefix is
+        locked, and must be released by hash.
         """
         pages = self._leading(hashes, need_draft)
-        refs, mine = self._refs, self._owners[owner].acquired
+        o = self._owners[owner]
+        refs, mine = self._refs, o.acquired
+        room = self._room(o)
+        if room is not None and room < len(pages):  # only then can the share cut the prefix
+            del pages[_within(hashes, len(pages), mine, room):]
+        new = 0
         for h in hashes[:len(pages)]:
             refs[h] = refs.get(h, 0) + 1
-            mine[h] = mine.get(h, 0) + 1
+            n = mine.get(h, 0)
+            new += not n
+            mine[h] = n + 1
+        self._count(o, new)
         self.counters.acquired += len(pages)
         return pages
 
@@ -411,13 +448,35 @@ class L2Index:
                 _check_hashes([h])  # a malformed hash is bad_args, not "not acquired"
                 raise ServiceError("not_acquired", f"release of page hash {h.hex()} x{n}, but this "
                                    f"client holds {mine.get(h, 0)} acquisition(s) of it")
+        o = self._owners[owner]
         for h, n in reversed(want.items()):  # deepest first
             left = mine[h] - n
             if left:
                 mine[h] = left
             else:
                 del mine[h]
+                self._count(o, -1)
             self._unref(h, n)
+
+    def _room(self, o: _Owner) -> int | None:
+        """Pages ``o``'s client may still take (None: no cap)."""
+        if o.client is None:
+            return None
+        assert self.client_pages is not None, "add_owner keeps a client only under a cap"
+        return max(0, self.client_pages - self._held[o.client])
+
+    def _count(self, o: _Owner, delta: int) -> None:
+        if o.client is not None and delta:
+            left = self._held[o.client] + delta
+            assert left >= 0, f"client {o.client} would hold {left} pages"
+            if left:
+                self._held[o.client] = left
+            else:
+                del self._held[o.client]
+
+    def held_by(self, client: ClientKey) -> int:
+        """Pages ``client`` holds reserved or acquired (0 when uncapped or unknown). Mutates nothing."""
+        return self._held.get(client, 0)
 
     def _unref(self, h: PageHash, n: int) -> None:
         left = self._refs[h] - n
@@ -495,9 +554,29 @@ class L2Index:
         for h in self._refs:
             if h not in self._page_of:
                 raise IntegrityError(f"locked hash {h.hex()} is not committed")
+        held: Counter[ClientKey] = Counter()
+        for o in self._owners.values():
+            if o.client is not None:
+                held[o.client] += o.held
+        if +held != self._held:
+            raise IntegrityError(f"pages held per client: owners say {dict(+held)}, the counts {dict(self._held)}")
+        if self.client_pages is not None and any(n > self.client_pages for n in held.values()):
+            raise IntegrityError(f"a client holds more than its {self.client_pages} pages: {dict(+held)}")
         if not self._incomplete <= self._page_of.keys():
             raise IntegrityError(f"{len(self._incomplete - self._page_of.keys())} draft-incomplete hashes "
                                  "are not committed")
+
+
+def _within(hashes: Sequence[PageHash], present: int, mine: dict[PageHash, int], room: int) -> int:
+    """How many of the ``present`` leading ``hashes`` an owner already holding ``mine``
+    may acquire while taking at most ``room`` more distinct pages."""
+    new: set[PageHash] = set()
+    for i, h in enumerate(hashes[:present]):
+        if h not in mine and h not in new:
+            if len(new) == room:
+                return i
+            new.add(h)
+    return present
 
 
 def _check_hashes(hashes: Sequence[PageHash]) -> None:

@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple
 
 from hicache.node.l2_segment import WriteMarks
 from hicache.client.consensus import MAX_GROUP_CHARS, check_values
-from hicache.node.l2_index import L2Index, Reclaimed
+from hicache.node.l2_index import ClientKey, L2Index, Reclaimed
 from hicache.node.l3_tier import L3Tier
 from hicache.node.snapshot import MAX_REPORT_NAME, MAX_REPORT_VALUE, REPORT_FIELDS, EngineReport
 from hicache.core.errors import (ContractMismatch, ForeignPage, IntegrityError, LayoutError, OutOfPages,
@@ -79,8 +79,9 @@ class Dispatcher:
         return Reply(error_reply(kind, message, **extra), close)
 
     # ------------------------------------------------------------- handshake
-    def hello(self, owner: int, req: dict[str, Any]) -> Reply:
-        """First request of a connection. On success ``owner`` is registered."""
+    def hello(self, owner: int, req: dict[str, Any], peer: ClientKey | None = None) -> Reply:
+        """First request of a connection. On success ``owner`` is registered, its pages
+        counted against ``peer``'s share (``L2Index.add_owner``)."""
         if req.get("op") != "hello":
             return self.error("not_handshaken", f"first request must be op 'hello' with protocol "
                               f"{PROTOCOL_VERSION}, got op {req.get('op')!r}", close=True)
@@ -90,7 +91,7 @@ class Dispatcher:
                               "upgrade the older side", close=True,
                               differences=[["protocol", PROTOCOL_VERSION, plain(theirs)]])
         if req.get("role") == "consensus":  # hit consensus only: no layout, no pages
-            self.index.add_owner(owner)
+            self.index.add_owner(owner, peer)
             self._consensus_only.add(owner)
             return Reply({"ok": True, "protocol": PROTOCOL_VERSION, "client_id": owner})
         try:
@@ -105,7 +106,7 @@ class Dispatcher:
             e = ContractMismatch(f"shared L2 of service layout {self.layout.model_id!r} vs client "
                                  f"{client.model_id!r}", diffs)
             return self.error("contract", str(e), close=True, differences=[list(d) for d in diffs])
-        self.index.add_owner(owner)
+        self.index.add_owner(owner, peer)
         return Reply({"ok": True, "protocol": PROTOCOL_VERSION, "client_id": owner,
                       "fingerprint": self.layout.fingerprint(), "has_l3": self.l3 is not None, **self.segment})
 

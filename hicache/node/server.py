@@ -20,11 +20,12 @@ import os
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from collections import Counter
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, TypeVar
 
 from hicache.node.ops import Dispatcher
 from hicache.node.socket_guard import check_socket_path
-from hicache.node.socket_guard import PeerPolicy, bind_unix_socket, peer_cred, resolve_group
+from hicache.node.socket_guard import PeerCred, PeerPolicy, bind_unix_socket, peer_cred, resolve_group
 from hicache.node.snapshot import ServiceStats, ServiceView
 from hicache.node.l2_segment import WriteMarks
 from hicache.core.config import HiCacheConfig, parse_set_flags
@@ -32,7 +33,7 @@ from hicache.core.errors import ConfigError, HiCacheError, IntegrityError, Servi
 from hicache.node.l2_segment import L2Segment
 from hicache.core.layout import KVLayout
 from hicache.node.snapshot import EventLog, Taken, merge
-from hicache.node.l2_index import L2Index
+from hicache.node.l2_index import ClientKey, L2Index
 from hicache.node.l3_tier import L3Tier
 from hicache.memory.pools import HostPool
 from hicache.client.protocol import HEADER_BYTES, body_length, pack, unpack
@@ -50,6 +51,21 @@ MAX_SOCKET_PATH = 107
 # (up to service.max_request_bytes: ~1-2 s for 8 MiB of small arrays) on a
 # worker thread, so other clients are answered meanwhile.
 UNPACK_INLINE_BYTES = 256 << 10
+
+
+class Refusal(NamedTuple):
+    """Why a new connection is refused: an error kind and its message."""
+
+    kind: str
+    message: str
+
+
+def client_key(cred: PeerCred) -> ClientKey:
+    """The client a peer's connections and pages count against: its process, or its uid when
+    the server cannot see its pid (0: a pid namespace the server's does not map)."""
+    return f"pid {cred.pid} (uid {cred.uid})" if cred.pid else f"uid {cred.uid}"
+
+
 # KV events the server keeps for ``take_events`` beyond the L2 pages (at least this
 # many): the REST app takes them every few tens of ms, so this is a burst allowance.
 MIN_KEPT_EVENTS = 65536
@@ -88,6 +104,7 @@ class NodeServer:
         self.max_request_bytes = svc.max_request_bytes
         self.num_pages = config.pool.host_pages
         self.max_connections = svc.max_connections
+        self.max_client_connections = svc.max_connections_per_client
         self.handshake_timeout_s = svc.handshake_timeout_s
         self.idle_timeout_s = svc.idle_timeout_s or None
         self.socket_gid = resolve_group(svc.socket_group)
@@ -110,6 +127,7 @@ class NodeServer:
         self._loop_thread: int | None = None  # ident of the thread running the loop (either way)
         self._next_client = 0
         self._conns: dict[int, asyncio.StreamWriter] = {}
+        self._client_conns: Counter[ClientKey] = Counter()  # open connections per client
         self._bound = False  # this server bound socket_path (so removes it on stop)
 
     # -------------------------------------------------------------- lifecycle
@@ -186,6 +204,7 @@ class NodeServer:
 
     def _open_state(self) -> None:
         self.config.check_host_memory(self.layout)
+        share = self.config.service.client_page_share
         opened = L2Segment.open_for_server(self.shm_name, self.layout, self.num_pages, self.socket_gid)
         self.segment, self.segment_origin = opened.segment, opened.action
         if opened.action == "created":
@@ -195,7 +214,9 @@ class NodeServer:
                         opened.restored, opened.reason)
         try:
             self.pool = self.segment.pool
-            self.index = L2Index(self.pool.allocator, journal=self.segment)
+            self.index = L2Index(self.pool.allocator, journal=self.segment,
+                                 client_pages=None if share >= 1 else max(1, int(share * self.num_pages)),
+                                 share_setting=f"service.client_page_share={share}")
             self._events = EventLog(max(MIN_KEPT_EVENTS, 4 * self.num_pages))
             if opened.restored:
                 self.index.restore(self.segment.entries())
@@ -235,13 +256,14 @@ class NodeServer:
 
     # ------------------------------------------------------------ connections
     async def _serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        refusal = self._admit(writer)
-        if refusal is not None:
-            await self._refuse(writer, *refusal)
+        client = self._admit(writer)
+        if isinstance(client, Refusal):
+            await self._refuse(writer, *client)
             return
         cid = self._next_client
         self._next_client += 1
         self._conns[cid] = writer
+        self._client_conns[client] += 1
         assert self.dispatcher is not None and self.index is not None, "clients are served only after _open_state"
         d, registered = self.dispatcher, False
         try:
@@ -256,7 +278,7 @@ class NodeServer:
                 elif registered:
                     reply = await d.handle_async(cid, req)
                 else:
-                    reply = d.hello(cid, req)
+                    reply = d.hello(cid, req, client)
                     registered = reply.body["ok"]
                 self._pump_events()
                 writer.write(pack(reply.body))
@@ -267,6 +289,9 @@ class NodeServer:
             pass  # the client went away; reclaim below
         finally:
             del self._conns[cid]
+            self._client_conns[client] -= 1
+            if not self._client_conns[client]:
+                del self._client_conns[client]
             if registered:
                 got = d.drop(cid)
                 if got.reserved or got.acquired:
@@ -274,20 +299,25 @@ class NodeServer:
                                    "acquisitions; reclaimed", cid, got.reserved, got.acquired)
             writer.close()
 
-    def _admit(self, writer: asyncio.StreamWriter) -> tuple[str, str] | None:
-        """``(kind, message)`` when a new connection must be refused, else None."""
+    def _admit(self, writer: asyncio.StreamWriter) -> ClientKey | Refusal:
+        """The client a new connection belongs to, or why it is refused."""
         if len(self._conns) >= self.max_connections:
-            return "busy", (f"the service already serves {len(self._conns)} connections "
-                            f"(service.max_connections={self.max_connections}); close idle clients or raise it")
+            return Refusal("busy", f"the service already serves {len(self._conns)} connections "
+                           f"(service.max_connections={self.max_connections}); close idle clients or raise it")
         sock = writer.get_extra_info("socket")
         try:
             cred = peer_cred(sock)
         except OSError as e:
-            return "forbidden", f"cannot read the peer's credentials ({e.strerror}); refusing"
+            return Refusal("forbidden", f"cannot read the peer's credentials ({e.strerror}); refusing")
         if not self.policy.allows(cred):
-            return "forbidden", (f"uid {cred.uid} (pid {cred.pid}) may not use this socket; allowed: "
-                                 f"{self.policy.describe()} (service.allowed_uids, service.socket_group)")
-        return None
+            return Refusal("forbidden", f"uid {cred.uid} (pid {cred.pid}) may not use this socket; allowed: "
+                           f"{self.policy.describe()} (service.allowed_uids, service.socket_group)")
+        client = client_key(cred)
+        if self._client_conns[client] >= self.max_client_connections:
+            return Refusal("busy", f"client {client} already holds {self._client_conns[client]} connections "
+                           f"(service.max_connections_per_client={self.max_client_connections}); reuse them, "
+                           "close idle ones or raise the setting")
+        return client
 
     async def _refuse(self, writer: asyncio.StreamWriter, kind: str, message: str) -> None:
         assert self.dispatcher is not None, "connections are accepted only after _open_state"

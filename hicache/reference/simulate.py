@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 
-from hicache.core.config import HiCacheConfig, SimulateConfig
+from hicache.core.config import HiCacheConfig, HostNeed, SimulateConfig, check_host_memory
 from hicache.reference.hash_trace import detect_format, iter_hash_trace
 from hicache.core.errors import ConfigError, OutOfPages
 from hicache.cache.hicache import HiCache
@@ -64,8 +64,12 @@ class SimPlan:
         if b["l1_bytes"] < pb:
             raise ConfigError(f"simulate.l1_bytes={b['l1_bytes']} holds no page of {s.shape} at page_size "
                               f"{s.page_size} ({pb} bytes a page)")
-        return cls(shape, s.page_size, b["l1_bytes"] // pb, b["l2_bytes"] // pb,
+        plan = cls(shape, s.page_size, b["l1_bytes"] // pb, b["l2_bytes"] // pb,
                    b["l3_bytes"] // pb if s.l3_url else 0, s.l3_url)
+        stand_in = stand_in_layout(plan).page_bytes  # what each simulated L1 and L2 page holds in host memory
+        check_host_memory(HostNeed("simulate.l1_bytes", b["l1_bytes"], plan.l1_pages * stand_in),
+                          HostNeed("simulate.l2_bytes", b["l2_bytes"], plan.l2_pages * stand_in))
+        return plan
 
 
 def stand_in_layout(plan: SimPlan) -> KVLayout:

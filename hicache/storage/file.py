@@ -65,7 +65,7 @@ from hicache.storage.into import MAX_SPLIT_HEADER, InPlace, Verifier
 _TMP = ".tmp."
 # Worker threads for file I/O (syscalls and hashing release the GIL). 4 lets
 # vLLM's and SGLang's several I/O threads overlap on a page cache / tmpfs; more
-# bought nothing on the 2-core dev box (bench/RESULTS.md, issue 24 item 6).
+# bought nothing on the 2-core dev box (bench/RESULTS.md, file:// I/O workers).
 IO_WORKERS = 4
 IOV_MAX = 1024  # Linux's limit on buffers per preadv; more segments take several calls
 USAGE_SCAN_S = 30.0

@@ -20,7 +20,7 @@ DOWN: Any = object()  # what a raw call answers when it was skipped (circuit ope
 # MIN_ATTEMPT_S in all) plus its bytes at FLOOR_BYTES_PER_S (a slow disk; tmpfs
 # moves 1-10 GB/s), scaled by how far the run queue exceeds the cores: a loaded
 # box is slow, not down. A flat 50 ms per page reported the embedded L3 down on
-# a 2-core box at load average 5-10 (issue 34).
+# a 2-core box at load average 5-10.
 FLOOR_BYTES_PER_S = 100e6
 MIN_ATTEMPT_S = 0.25
 _LOAD_REREAD_S = 1.0

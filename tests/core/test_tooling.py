@@ -126,7 +126,10 @@ def test_hook_scan_can_fail(tmp_path):
         "        self.on_stored([])\n"
         "        def done():\n"
         "            pass\n"
-        "        run(on_done=done)\n")
+        "        run(on_done=done)\n"
+        "class B(A):\n"
+        "    def on_ready(self):\n"
+        "        super().on_ready()  # an override chaining to its base: no hook\n")
     m = code_metrics.scan([src], tmp_path)
     assert m["hook_params"] == ["hooked.py:2 listener", "hooked.py:2 on_stored"]
     assert m["hook_calls"] == ["hooked.py:5 .listener.pages_stored()", "hooked.py:6 .on_stored()"]

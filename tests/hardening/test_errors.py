@@ -34,7 +34,7 @@ def err_of(capsys, argv: list[str]) -> str:
     ("pool.device=tpu:0", "must be auto, cpu, cuda or cuda:N"),
     ("pool.device=cuda:3", "CUDA device(s)"),
     ("policy.device_eviction=random", "must be one of fifo, ghost_lru, lfu, lru"),
-    ("pool.host_pages=1000000000000", "exceeds this machine's"),
+    ("pool.host_pages=1000000000000", "of host memory, more than this machine's"),
     ("service.socket_path=/nonexistent-dir-hc/e.sock", "'/nonexistent-dir-hc' does not exist"),
     ("model.dtype=int8", "model.dtype='int8': must be one of bfloat16, float16, float32, float8_e4m3fn, float8_e5m2"),
 ])

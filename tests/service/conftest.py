@@ -51,6 +51,9 @@ def write_config(path: Path, layout: KVLayout, sock: str, shm: str, host_pages: 
         lines.append(f"{k} = {json.dumps(v)}")
     lines += ["[pool]", f"host_pages = {host_pages}", "[service]", f"socket_path = {json.dumps(sock)}",
               f"shm_name = {json.dumps(shm)}", f"max_request_bytes = {MAX_REQUEST_BYTES}",
+              # One test process is one client, and these tests fill the pool from it (the
+              # per-client share: tests/hardening/test_client_share.py).
+              "client_page_share = 1.0",
               "[storage]", 'url = ""']  # L2 only: the L3 side has its own tests (test_shared_tier.py)
     path.write_text("\n".join(lines) + "\n")
 

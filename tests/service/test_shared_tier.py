@@ -170,7 +170,8 @@ class InProc(NamedTuple):
 def _server(tmp: Path, layout: KVLayout, url: str, host_pages: int = 8) -> InProc:
     cfg = HiCacheConfig.load(env={}, overrides={
         "storage.url": url, "storage.timeout_ms": "1000", "pool.host_pages": str(host_pages),
-        "service.socket_path": str(tmp / "s.sock"), "service.shm_name": unique_shm_name()})
+        "service.socket_path": str(tmp / "s.sock"), "service.shm_name": unique_shm_name(),
+        "service.client_page_share": "1"})  # one test process fills the pool: no per-client share
     storage = open_storage(url, fingerprint=layout.fingerprint(), layout=layout,
                            timeout_ms=1000, key_prefix=f"t{uuid.uuid4().hex[:8]}:")
     srv = NodeServer(cfg, layout, storage=storage)

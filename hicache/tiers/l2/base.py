@@ -118,7 +118,7 @@ def open_l2(cfg: HiCacheConfig, layout: KVLayout, device: str, *, l3_given: bool
     if not l3_given and url.startswith(SCHEME + ":"):
         link = ServiceHostTier.open(cfg, layout, device)
         return L2Memory(link.pool, PageAllocator(0, "L2 (shared)"), link, "")
-    cfg.check_host_memory(layout)
+    cfg.check_host_memory(layout, device)  # L1 too when it is on the CPU
     pool = HostPool(layout, cfg.pool.host_pages)
     return L2Memory(pool, pool, None, url)
 
