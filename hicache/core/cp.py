@@ -42,6 +42,9 @@ class RoundRobin:
             raise ValueError(f"cp_size must be >= 1, got {cp_size}")
         self.cp_size = cp_size
 
+    def __repr__(self) -> str:
+        return f"RoundRobin(cp_size={self.cp_size})"
+
     def owner(self, page: int) -> int:
         return page % self.cp_size
 
@@ -64,6 +67,9 @@ class Blocked:
         if cp_size < 1 or block < 1:
             raise ValueError(f"Blocked ownership needs cp_size >= 1 and block >= 1, got {cp_size}, {block}")
         self.cp_size, self.block = cp_size, block
+
+    def __repr__(self) -> str:
+        return f"Blocked(cp_size={self.cp_size}, block={self.block})"
 
     def owner(self, page: int) -> int:
         return (page // self.block) % self.cp_size
