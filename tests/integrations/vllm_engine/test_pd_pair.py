@@ -12,7 +12,9 @@ off 97 tokens, of which vLLM recomputes the last, so the decode runs over a 96-t
 hit, as vLLM's own hit of that prompt does. Reference runs carry a ``cache_salt``:
 vLLM and the connector key them apart from the handoff requests, so no handoff
 request can be served by a reference's pages. A broken handoff recomputed from its
-first page is a cold pass, so it must equal the cold reference bit for bit.
+first page is a cold pass, so it must equal the cold reference bit for bit. (Here the
+cold pass and the 96-token hit agree bit for bit too, so the counters say which path
+ran, and a negative control shows the comparison sees a handoff off by 0.1%.)
 
 The decode engine is started with ``kv_load_failure_policy=recompute`` (as the docs'
 decode line); the policy ``fail`` case sets the one scheduler field vLLM derives from
@@ -30,6 +32,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from hicache.connector.pd import handoff_keys, prompt_digest, record_key
 from hicache.core.hashing import tokens_to_bytes
@@ -113,7 +116,6 @@ def test_decode_from_the_handoff_equals_vllm_own_hit(pair):
     p = prompt(61, LEN)
     cold, ref = _reference(cons, p)
     assert ref.cached == 3 * BLOCK and ref.tokens == cold.tokens
-    assert ref.logprobs != cold.logprobs  # vLLM's CPU kernels round a hit and a cold pass apart: a recompute shows
     params, first = prod.prefill(61)
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert params["remote_num_tokens"] == LEN and params["tp_size"] == 1
@@ -134,6 +136,24 @@ def test_decode_from_the_handoff_equals_vllm_own_hit(pair):
     assert st["free_slots"] == SLOTS and st["slots"]["consumed"] == 1
     assert (st["counters"]["published"], st["counters"]["published_pages"], st["counters"]["released"]) == (1, 4, 1)
     cons.pd.check_integrity()
+
+
+def test_negative_control_sees_a_handoff_off_by_a_thousandth(pair):
+    """The comparison above can fail: the handoff's pages rewritten (valid objects) with
+    every value scaled by 1.001 load in full, and the logprobs differ from the reference."""
+    prod, cons, _ = pair
+    p = prompt(65, LEN)
+    _, ref = _reference(cons, p)
+    params, _ = prod.prefill(65)
+    store, sizes = cons.pd.stores[0], [s.page_bytes for s in cons.pd.layout.planes]
+    for key in _handoff_pages(params["hicache_handoff"], p):
+        [raw] = store.get([key], sizes)
+        scaled = torch.frombuffer(bytearray(raw), dtype=torch.float32).mul(1.001)
+        assert store.put([(key, scaled.numpy().tobytes(), sizes)]) == 1
+    loaded = counters(cons, "loaded")[0]
+    got = as_out(_decode(cons, p, params))
+    assert counters(cons, "loaded")[0] == loaded + 1
+    assert got.logprobs != ref.logprobs
 
 
 def _flip(l3: pathlib.Path, key: bytes) -> None:
