@@ -71,7 +71,9 @@ class Producer:
     def close(self) -> None:
         if self.proc.poll() is None:
             assert self.ask(op="quit") == {"bye": True}
-            self.proc.wait(timeout=60)
+            rc = self.proc.wait(timeout=60)
+            log = self.log.read_text()
+            assert rc == 0 and "Traceback" not in log, log[-4000:]
 
 
 @pytest.fixture(scope="module")
