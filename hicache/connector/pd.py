@@ -10,7 +10,7 @@ token) stays owned until the consumer deletes the record, an abort releases it, 
 ``ttl_s`` passes. A consumer (``kv_consumer``) loads exactly those pages for a request
 whose params say ``do_remote_prefill``, then deletes the handoff. A missing, partial or
 unverifiable handoff fails every block it claimed (vLLM's ``kv_load_failure_policy``
-decides), and is never tried twice. Both sides register a ``handoff.hello`` under
+decides), is logged with its reason, and is never tried twice. Both sides register a ``handoff.hello`` under
 ``pd.group`` and refuse to start beside a peer of another layout.
 """
 from __future__ import annotations
