@@ -10,13 +10,14 @@ token) stays owned until the consumer deletes the record, an abort releases it, 
 ``ttl_s`` passes. A consumer (``kv_consumer``) loads exactly those pages for a request
 whose params say ``do_remote_prefill``, then deletes the handoff. A missing, partial or
 unverifiable handoff fails every block it claimed (vLLM's ``kv_load_failure_policy``
-decides), and is never tried twice. Both sides register a ``handoff.hello`` under
+decides), is logged with its reason, and is never tried twice. Both sides register a ``handoff.hello`` under
 ``pd.group`` and refuse to start beside a peer of another layout.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import math
 import time
 import uuid
@@ -31,6 +32,8 @@ from hicache.cache.slots import MetaSlotPool, SlotView
 from hicache.core.errors import ConfigError, ContractMismatch, IntegrityError
 from hicache.core.hashing import HASH_BYTES
 from hicache.core.layout import KVLayout
+
+log = logging.getLogger(__name__)
 
 ROLES = ("kv_producer", "kv_consumer")
 RECORD_BYTES = 512  # one handoff record object (msgpack, zero padded)
@@ -234,7 +237,13 @@ class Handoffs:
 
     def close(self) -> None:
         """Withdraw this side's hello and close the stores (owned slots die with the process)."""
-        self.hellos.delete([self._hello_key(self.role)])
+        try:
+            self.hellos.delete([self._hello_key(self.role)])
+        except RuntimeError as e:  # vLLM's exit-time shutdown runs after Python stopped the stores' I/O threads
+            log.warning("hicache connector: the %s could not withdraw its registration from P/D group %r (%s); "
+                        "a peer of another KV layout is refused there until one of this layout stops cleanly: "
+                        "shut vLLM down before the process exits, or use another pd.group", self.role,
+                        self.settings.group, e)
         for s in [*self.stores, self.hellos]:
             s.close()
 
@@ -356,7 +365,7 @@ class Handoffs:
         n = rc.num_tokens - local
         if n <= 0:  # vLLM's own cache holds it all: the handoff is not needed
             params["do_remote_prefill"] = False
-            self._close(rc, LOADED if rc.verdict == OK else FAILED)
+            self._close(rc, LOADED if rc.verdict == OK else FAILED, rc.verdict)
             return 0, False
         return n, True
 
@@ -403,7 +412,7 @@ class Handoffs:
             return rc is not None
         params["do_remote_prefill"] = False
         if not num_external:  # vLLM chose not to load it (its worker reports nothing for no job)
-            self._close(rc, FAILED)
+            self._close(rc, FAILED, rc.verdict if rc.verdict != OK else "vLLM asked to load none of its tokens")
             return True
         ps = self.layout.page_size
         first, end = rc.local // ps, math.ceil((rc.local + num_external) / ps)
@@ -411,6 +420,8 @@ class Handoffs:
         rc.job = self.core.new_job()
         self._in_jobs[rc.job] = rid
         staging = self._reserve(len(rc.blocks)) if rc.verdict == OK and rc.blocks else None
+        if staging is None and rc.verdict == OK and rc.blocks:
+            rc.verdict = f"no L2 room to stage its {len(rc.blocks)} pages (host_bytes)"
         if staging is None:
             self._loads.append(LoadSpec(rc.job, rid, rc.blocks, ()))  # every block reported failed
         else:
@@ -429,7 +440,10 @@ class Handoffs:
         landed = min(x.pages for x in rc.reports) if all(x.ok for x in rc.reports) else 0
         self.core._c["loaded"] += landed  # the connector's page counters count handoffs' pages too
         self.core._c["load_errors"] += len(rc.blocks) - landed
-        self._close(rc, FAILED if rc.verdict != OK or landed < len(rc.blocks) else ABORTED if rc.aborted else LOADED)
+        why = (rc.verdict if rc.verdict != OK else f"{len(rc.blocks) - landed} of its {len(rc.blocks)} pages not "
+               "loaded (one missing or failing verification in L3, and every later one)" if landed < len(rc.blocks)
+               else "")
+        self._close(rc, FAILED if why else ABORTED if rc.aborted else LOADED, why)
 
     def ended(self, rid: str) -> bool:
         """Consumer: ``rid`` finished or was aborted. True while its load is in flight
@@ -444,9 +458,10 @@ class Handoffs:
         self._close(rc, ABORTED)
         return False
 
-    def _close(self, rc: _In, outcome: str) -> None:
+    def _close(self, rc: _In, outcome: str, why: str = "") -> None:
         """Delete the handoff (the producer sees its record gone), end the slot (consumed
-        only when the request decodes from the handoff) and count ``outcome``."""
+        only when the request decodes from the handoff) and count ``outcome`` (``why``: a
+        failure's reason, logged)."""
         del self._in[rc.rid]
         if rc.handoff:
             self._delete(rc.handoff, handoff_keys(rc.handoff, rc.record.digest, math.ceil(
@@ -460,6 +475,8 @@ class Handoffs:
             self.c.consumer_aborted += 1
         else:
             self.c.load_failed += 1
+            log.warning("hicache connector: P/D handoff %s of request %r not loaded: %s; vLLM recomputes the request "
+                        "or fails it, as kv_load_failure_policy says", rc.handoff or "(none)", rc.rid, why)
 
     # ------------------------------------------------------------- both
     def take_plan(self, plan: StepPlan) -> StepPlan:

@@ -187,6 +187,28 @@ def test_no_l2_room_answers_without_a_handoff_and_the_decode_side_computes(tmp_p
     finish_idle(cons)
 
 
+def test_no_l2_room_on_the_consumer_is_a_load_error_and_releases_both(tmp_path, caplog):
+    prod = Engine(pd_extra(tmp_path), kv_role="kv_producer")
+    ex = pd_extra(tmp_path)
+    ex["pool"] = {"host_pages": 2}
+    cons = Engine(ex, kv_role="kv_consumer")
+    p = tokens(102, 4 * BLOCK + 1)  # 5 pages to stage, 2 in the consumer's L2
+    params = prefill(prod, "p1", p)
+    d = cons.add("d1", p, kv_transfer_params=params)
+    with caplog.at_level("WARNING", logger="hicache.connector.pd"):
+        logs = cons.run(integrity=True)
+    assert len(set().union(*(g.invalid for g in logs))) == 5 and d.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert counters(cons, "loaded", "load_failed") == (0, 1) and free_slots(cons) == SLOTS
+    assert cons.connector.pd.slots.stats.released == 1
+    assert [r.getMessage() for r in caplog.records if r.name == "hicache.connector.pd"] == [
+        f"hicache connector: P/D handoff {params['hicache_handoff']} of request 'd1' not loaded: no L2 room to stage "
+        "its 5 pages (host_bytes); vLLM recomputes the request or fails it, as kv_load_failure_policy says"]
+    settle(prod)
+    assert counters(prod, "released") == (1,) and free_slots(prod) == SLOTS
+    finish_idle(prod)
+    finish_idle(cons)
+
+
 def test_a_store_l3_refuses_fails_the_publish_and_releases(tmp_path):
     prod = Engine(extra(storage={"url": "redis://127.0.0.1:9/0", "timeout_ms": 20, "max_retries": 0},
                         pd={"slots": SLOTS, "poll_s": 0}), kv_role="kv_producer")

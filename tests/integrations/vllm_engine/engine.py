@@ -40,15 +40,17 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 class Engine:
-    """``vllm.LLM`` on checkpoint ``model`` with HiCacheConnector (``extra``: its config)."""
+    """``vllm.LLM`` on checkpoint ``model`` with HiCacheConnector (``extra``: its config;
+    ``kv_role``: a cache, or one side of a P/D pair)."""
 
     def __init__(self, model: str, extra: dict, *, dtype: str = "float32", max_batched: int = 4096,
-                 kv_bytes: int = 256 << 20, max_tokens: int = 6, max_model_len: int = 4096, **llm_kw):
+                 kv_bytes: int = 256 << 20, max_tokens: int = 6, max_model_len: int = 4096,
+                 kv_role: str = "kv_both", **llm_kw):
         from vllm import LLM, SamplingParams
         from vllm.config import KVTransferConfig
         ktc = KVTransferConfig(kv_connector="HiCacheConnector",
                                kv_connector_module_path="hicache.integrations.vllm_connector",
-                               kv_role="kv_both", kv_connector_extra_config=extra,
+                               kv_role=kv_role, kv_connector_extra_config=extra,
                                kv_load_failure_policy="recompute")
         self.llm = LLM(model=model, block_size=BLOCK, enforce_eager=True, max_model_len=max_model_len, dtype=dtype,
                        max_num_batched_tokens=max_batched, enable_prefix_caching=True, kv_transfer_config=ktc,
@@ -61,6 +63,19 @@ class Engine:
         return [Out(tuple(o.outputs[0].token_ids),
                     tuple(tuple(sorted((k, v.logprob) for k, v in d.items())) for d in o.outputs[0].logprobs),
                     o.num_cached_tokens or 0) for o in outs]
+
+    def generate_with(self, p: list[int], kv_transfer_params: dict | None = None, *, max_tokens: int = 0,
+                      salt: str = ""):
+        """One prompt, greedy with top-5 logprobs, with ``kv_transfer_params`` (what a P/D
+        proxy sends) and ``salt`` (vLLM's ``cache_salt``): vLLM's ``RequestOutput`` (a
+        producer's ``kv_transfer_params`` are in it)."""
+        from vllm import SamplingParams
+        extra = {"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None
+        sp = SamplingParams(max_tokens=max_tokens or self.sampling.max_tokens, temperature=0, logprobs=TOP,
+                            ignore_eos=True, extra_args=extra)
+        [o] = self.llm.generate([{"prompt_token_ids": p, **({"cache_salt": salt} if salt else {})}], sp,
+                                use_tqdm=False)
+        return o
 
     def forget_own(self) -> None:
         """Empty vLLM's own prefix cache (it refuses while a save still holds a request's blocks)."""
@@ -81,6 +96,11 @@ class Engine:
     def scheduler(self):
         """The connector's scheduler half (``hicache.connector.scheduler.ConnectorScheduler``)."""
         return self.llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
+
+    @property
+    def pd(self):
+        """The connector's P/D side (``hicache.connector.pd.Handoffs``; None as ``kv_both``)."""
+        return self.llm.llm_engine.engine_core.engine_core.scheduler.connector.pd
 
     @property
     def worker(self):
@@ -104,6 +124,13 @@ class Engine:
     def check_integrity(self) -> None:
         self.settle()
         self.scheduler.check_integrity()
+
+
+def as_out(o) -> Out:
+    """A ``RequestOutput`` (of ``Engine.generate_with``) as token ids, top-5 logprobs and cached prompt tokens."""
+    return Out(tuple(o.outputs[0].token_ids),
+               tuple(tuple(sorted((k, v.logprob) for k, v in d.items())) for d in o.outputs[0].logprobs or ()),
+               o.num_cached_tokens or 0)
 
 
 def run_group_bg(argv: list[str], env: dict, log: pathlib.Path) -> subprocess.Popen:
