@@ -46,11 +46,28 @@ def wait_port(port: int, timeout: float = 10.0) -> None:
     raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
 
 
+# pytest-xdist runs the suite in worker processes (gw0, gw1, ...): each worker keeps to a Redis
+# database of its own on $REDIS_TEST_URL's server, and to a per-user cache directory of its
+# own (the default file:// L3 lives there), so no test sees another worker's objects.
+WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+if "PYTEST_XDIST_WORKER" in os.environ and "hicache-xdg-gw" not in os.environ.get("XDG_CACHE_HOME", ""):
+    import tempfile  # (subprocesses inherit the worker's directory)
+    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix=f"hicache-xdg-gw{WORKER}-")
+
+
+def worker_db(url: str) -> str:
+    """``url`` (``redis://host:port/N``) on this xdist worker's own database (N + worker)."""
+    base, _, db = url.rpartition("/")
+    if not WORKER or not base.startswith("redis://") or not db.isdigit():
+        return url
+    return f"{base}/{int(db) + WORKER}"
+
+
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
     url = os.environ.get("REDIS_TEST_URL")
     if url:
-        yield url
+        yield worker_db(url)
         return
     proc, port = start_redis(str(tmp_path_factory.mktemp("redis")))
     try:

@@ -460,15 +460,15 @@ class L2Index:
 
     def _room(self, o: _Owner) -> int | None:
         """Pages ``o``'s client may still take (None: no cap)."""
-        if o.client is None:
+        if o.client is None or self.client_pages is None:  # add_owner keeps a client only under a cap
             return None
-        assert self.client_pages is not None, "add_owner keeps a client only under a cap"
         return max(0, self.client_pages - self._held[o.client])
 
     def _count(self, o: _Owner, delta: int) -> None:
         if o.client is not None and delta:
             left = self._held[o.client] + delta
-            assert left >= 0, f"client {o.client} would hold {left} pages"
+            if left < 0:
+                raise IntegrityError(f"client {o.client} would hold {left} pages: a release without its reserve")
             if left:
                 self._held[o.client] = left
             else:
