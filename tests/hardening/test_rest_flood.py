@@ -153,7 +153,9 @@ def test_a_client_that_reopens_after_each_408_cannot_hold_every_slot():
     async def run():
         app = _App()
         app.release.set()
-        gate = BodyGate(app, max_bodies=2, max_bytes=MiB8, read_timeout_s=0.05)
+        # A fair request waits for a slot up to 2 x the read timeout: 0.5 s keeps a loaded
+        # machine's loop stalls (xdist workers beside a CPU hog) from timing it out.
+        gate = BodyGate(app, max_bodies=2, max_bytes=MiB8, read_timeout_s=0.5)
         stop = asyncio.Event()
         attacker = {**_scope("/v1/lookup", MiB8), "client": ("10.0.0.66", 1)}
         codes: list[int] = []
