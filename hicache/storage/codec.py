@@ -232,9 +232,14 @@ def claimed_checksum(t: HeaderTemplate, page_hash: bytes, header: Buffer) -> int
     return int.from_bytes(header[at + 1:at + 9], "big")
 
 
+_BIN16 = b"\xc4\x10"  # msgpack bin8 of 16 bytes: a page hash
+_MAP6, _MAP7, _MAP8 = (bytes((_MAP | n,)) for n in (6, 7, 8))
+
+
 def _header_fields(t: HeaderTemplate, page_hash: bytes, ck: int) -> bytes:
     """The six fields' entries (no map byte): what ``hck`` and the MAC cover, after the map byte."""
-    return t.head + _bin(bytes(page_hash)) + t.tail + _uint(ck)
+    key = _BIN16 + page_hash if len(page_hash) == 16 else _bin(bytes(page_hash))
+    return t.head + key + t.tail + _uint(ck)
 
 
 def encode_header(fingerprint: str, page_hash: bytes, sizes: Sequence[int] | PlaneSizes,
@@ -263,13 +268,14 @@ def header_of_segments(t: HeaderTemplate, page_hash: bytes, segs: Sequence[memor
 def header_of_digests(t: HeaderTemplate, page_hash: bytes, ck: int, m: "blake3.blake3 | None") -> bytes:
     """The header for a payload whose checksum is ``ck`` and whose MAC state (None
     without a key) has been fed the payload (``payload_digests``, ``PayloadHasher``)."""
+    # Run once per page read or written: the map bytes are constants, not built per call.
     entries = _header_fields(t, page_hash, ck)
-    n = 6
-    if m is not None:
-        entries += _MAC_KEY + _bin(_finish_mac(m, bytes((_MAP | n,)) + entries))
-        n += 1
-    hck = checksum(bytes((_MAP | n,)) + entries)
-    hdr = bytes((_MAP | (n + 1),)) + entries + _HCK_KEY + _uint(hck)
+    if m is None:
+        covered, whole = _MAP6 + entries, _MAP7
+    else:
+        entries += _MAC_KEY + _bin(_finish_mac(m, _MAP6 + entries))
+        covered, whole = _MAP7 + entries, _MAP8
+    hdr = whole + entries + _HCK_KEY + _uint(xxhash.xxh3_64_intdigest(covered))
     return _PREFIX.pack(MAGIC, len(hdr)) + hdr
 
 

@@ -143,13 +143,22 @@ class Verifier:
         claimed = codec.claimed_checksum(self.template, self.keys[i], header) if self.auth_key else None
         return codec.PayloadHasher(self.auth_key, self.template.sizes.total, claimed)
 
+    def landed(self, i: int, header: Buffer, hashed: codec.PayloadHasher | None = None) -> ReadStatus | Decoded:
+        """``self(i, InPlace(header, hashed))``, the common case of a read: the payload is in
+        ``views[i]`` and ``header`` precedes it."""
+        segs = self.views[i]
+        if hashed is None and not self.auth_key and len(segs) == 1:  # one pass of xxh3, one header built
+            want = codec.header_of_digests(self.template, self.keys[i], codec.checksum(segs[0]), None)
+            if hmac.compare_digest(header, want):
+                return ReadStatus.OK
+        return verify_into(header, segs, self.keys[i], self.fingerprint, self.template, self.auth_key, hashed)
+
     def __call__(self, i: int, obj: object) -> ReadStatus | Decoded | BaseException | None:
         if obj is None or isinstance(obj, BaseException):
             return obj
         segs = self.views[i]
         if isinstance(obj, InPlace):
-            return verify_into(obj.header, segs, self.keys[i], self.fingerprint, self.template, self.auth_key,
-                               obj.hashed)
+            return self.landed(i, obj.header, obj.hashed)
         # The whole object (too short or too odd to split): decoded, then one copy.
         d = codec.decode(obj, self.keys[i], self.fingerprint, self.template.sizes, self.auth_key, self.template)
         if d.status is not ReadStatus.OK:
