@@ -234,6 +234,7 @@ def claimed_checksum(t: HeaderTemplate, page_hash: bytes, header: Buffer) -> int
 
 _BIN16 = b"\xc4\x10"  # msgpack bin8 of 16 bytes: a page hash
 _MAP6, _MAP7, _MAP8 = (bytes((_MAP | n,)) for n in (6, 7, 8))
+_HCK_UINT64 = _HCK_KEY + b"\xcf"
 
 
 def _header_fields(t: HeaderTemplate, page_hash: bytes, ck: int) -> bytes:
@@ -277,6 +278,30 @@ def header_of_digests(t: HeaderTemplate, page_hash: bytes, ck: int, m: "blake3.b
         covered, whole = _MAP7 + entries, _MAP8
     hdr = whole + entries + _HCK_KEY + _uint(xxhash.xxh3_64_intdigest(covered))
     return _PREFIX.pack(MAGIC, len(hdr)) + hdr
+
+
+class PlainHeaders:
+    """``header_of_digests(t, page_hash, ck, None)`` for a batch's pages without a key, the
+    common case built from bytes fixed per template: a 16-byte page hash, a checksum and an
+    ``hck`` of 8 bytes each (all but 1 in 2**31 pages). Same bytes; None where the case does
+    not hold (the caller then calls ``header_of_digests``). Pure."""
+
+    __slots__ = ("_pre", "_mid", "_covered")
+
+    def __init__(self, t: HeaderTemplate):
+        n = 1 + len(t.head) + len(_BIN16) + 16 + len(t.tail) + 9 + len(_HCK_KEY) + 9  # the msgpack map's bytes
+        self._pre = _PREFIX.pack(MAGIC, n) + _MAP7 + t.head + _BIN16
+        self._mid = t.tail + b"\xcf"  # uint64's marker
+        self._covered = _MAP6 + t.head + _BIN16
+
+    def __call__(self, page_hash: bytes, ck: int) -> bytes | None:
+        if ck < 1 << 32 or len(page_hash) != 16:
+            return None
+        fields = page_hash + self._mid + ck.to_bytes(8, "big")
+        hck = xxhash.xxh3_64_intdigest(self._covered + fields)
+        if hck < 1 << 32:
+            return None
+        return self._pre + fields + _HCK_UINT64 + hck.to_bytes(8, "big")
 
 
 class PayloadHasher:
