@@ -56,6 +56,7 @@ from hicache.memory.paged_kv import adopt_paged_kv
 
 # Forwards of fewer tokens (decode steps) are not prefill rates: weights, not tokens, set their time.
 _PREFILL_STEP_TOKENS = 256
+_U64 = (1 << 64) - 1  # vLLM's int block hashes: the low 64 bits of the hash (maybe_convert_block_hash)
 # Under vLLM's own logger tree, so the start line shows in vLLM's log at its default level.
 log = init_logger("vllm.hicache_connector")
 
@@ -458,10 +459,11 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if not events:
             return
         # vLLM's maybe_convert_block_hash reads an environment variable per call: per page, that
-        # was most of a step's host time in the steps that evicted thousands of L2 pages.
+        # was most of a step's host time in the steps that evicted thousands of L2 pages. Asked
+        # once here; its conversion (the hash's low 64 bits as an int) is then done inline.
         convert = maybe_convert_block_hash(b"\x01") != b"\x01"
         for e in events:
-            hashes = [maybe_convert_block_hash(k) for k in e.keys] if convert else list(e.keys)
+            hashes = [int.from_bytes(k, "big") & _U64 for k in e.keys] if convert else list(e.keys)
             medium = MEDIUM_CPU if e.medium == L2 else MEDIUM_STORAGE
             if e.stored:
                 parent = e.parent if e.parent is None or not convert else maybe_convert_block_hash(e.parent)
