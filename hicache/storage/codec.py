@@ -268,7 +268,7 @@ def header_of_segments(t: HeaderTemplate, page_hash: bytes, segs: Sequence[memor
 
 def header_of_digests(t: HeaderTemplate, page_hash: bytes, ck: int, m: "blake3.blake3 | None") -> bytes:
     """The header for a payload whose checksum is ``ck`` and whose MAC state (None
-    without a key) has been fed the payload (``payload_digests``, ``PayloadHasher``)."""
+    without a key) has been fed the payload (``payload_digests``)."""
     # Run once per page read or written: the map bytes are constants, not built per call.
     entries = _header_fields(t, page_hash, ck)
     if m is None:
@@ -302,29 +302,6 @@ class PlainHeaders:
         if hck < 1 << 32:
             return None
         return self._pre + fields + _HCK_UINT64 + hck.to_bytes(8, "big")
-
-
-class PayloadHasher:
-    """``payload_digests`` fed block by block, so that a reader hashes each block of a
-    large payload as it lands, while it is in cache. One per page and thread."""
-
-    __slots__ = ("_x", "_m", "_claimed")
-
-    def __init__(self, auth_key: bytes, nbytes: int, claimed: int | None = None):
-        self._claimed = claimed if auth_key else None
-        self._x = xxhash.xxh3_64() if self._claimed is None else None
-        self._m = _mac_state(auth_key, nbytes) if auth_key else None
-
-    def update(self, block: memoryview) -> None:
-        if self._x is not None:
-            self._x.update(block)
-        if self._m is not None:
-            self._m.update(block)
-
-    def header(self, t: HeaderTemplate, page_hash: bytes) -> bytes:
-        """The header of the payload fed so far (``header_of_segments`` of it); once only."""
-        ck = self._claimed if self._x is None else self._x.intdigest()
-        return header_of_digests(t, page_hash, ck, self._m)
 
 
 def _encode_header_dict(fingerprint: str, page_hash: bytes, sizes: Sequence[int] | PlaneSizes,
