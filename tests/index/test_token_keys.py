@@ -12,6 +12,7 @@ from hicache.index.prefix_cache import as_key
 from hicache.core.hashing import page_hashes, tokens_to_bytes
 
 IDS = [0, 1, 255, 256, 65535, 65536, 151_935, 2**31, 2**32 - 1]
+WANT = b"".join(i.to_bytes(4, "little") for i in IDS)
 
 
 class _ReadOnlyIds(Sequence):
@@ -25,7 +26,6 @@ class _ReadOnlyIds(Sequence):
 
     def __len__(self):
         return len(self._ids)
-WANT = b"".join(i.to_bytes(4, "little") for i in IDS)
 
 
 @pytest.mark.parametrize("form", [
