@@ -125,9 +125,12 @@ class EventLog:
         self._events.append(PageEvent(True, medium, tuple(keys), parent, tuple(tokens)))
 
     def removed_l2(self, freed: Sequence[HostPageId]) -> None:
-        keys = tuple(k for k in (self._l2_keys.pop(h, None) for h in freed) if k is not None)
+        pop = self._l2_keys.pop  # thousands of pages per call where a step's saves make room
+        keys = [pop(h, None) for h in freed]
+        if None in keys:
+            keys = [k for k in keys if k is not None]
         if keys:
-            self._events.append(PageEvent(False, L2, keys))
+            self._events.append(PageEvent(False, L2, tuple(keys)))
 
     def take(self) -> list[PageEvent]:
         out, self._events = self._events, []

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
+from collections.abc import Sequence as _Sequence
 from typing import Sequence
 
 import numpy as np
@@ -36,9 +37,14 @@ def tokens_to_bytes(tokens: Sequence[int] | np.ndarray | array) -> bytes:
     each int (about 4 ns a token, 15x ``np.asarray``); a uint32 array is copied
     as is; other integer arrays (numpy, or ``array.array`` such as SGLang's
     ``array('q')`` buffers) take one range check (a single max over the
-    int64 ids seen as uint64) and one conversion. Anything
+    int64 ids seen as uint64) and one conversion. Another ``Sequence`` (vLLM's
+    ``ConstantList`` of a request's ids) is copied to a list first: numpy would
+    convert it item by item (2.2 ms at 30K ids, 0.5 ms this way). Anything
     else (floats, nested sequences) takes the general numpy path, as before.
     """
+    if type(tokens) not in (list, tuple, array) and isinstance(tokens, _Sequence) \
+            and not isinstance(tokens, (str, bytes, bytearray, memoryview)):
+        tokens = list(tokens)
     if _ARRAY_U32 and type(tokens) in (list, tuple):
         try:
             out = array("I")

@@ -56,6 +56,7 @@ from hicache.memory.paged_kv import adopt_paged_kv
 
 # Forwards of fewer tokens (decode steps) are not prefill rates: weights, not tokens, set their time.
 _PREFILL_STEP_TOKENS = 256
+_U64 = (1 << 64) - 1  # vLLM's int block hashes: the low 64 bits of the hash (maybe_convert_block_hash)
 # Under vLLM's own logger tree, so the start line shows in vLLM's log at its default level.
 log = init_logger("vllm.hicache_connector")
 
@@ -454,11 +455,18 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """hicache's L2 (medium CPU) and L3 (medium STORAGE) pages, under vLLM's own block hashes."""
-        for e in self.scheduler.take_events():
-            hashes = [maybe_convert_block_hash(k) for k in e.keys]
+        events = self.scheduler.take_events()
+        if not events:
+            return
+        # vLLM's maybe_convert_block_hash reads an environment variable per call: per page, that
+        # was most of a step's host time in the steps that evicted thousands of L2 pages. Asked
+        # once here; its conversion (the hash's low 64 bits as an int) is then done inline.
+        convert = maybe_convert_block_hash(b"\x01") != b"\x01"
+        for e in events:
+            hashes = [int.from_bytes(k, "big") & _U64 for k in e.keys] if convert else list(e.keys)
             medium = MEDIUM_CPU if e.medium == L2 else MEDIUM_STORAGE
             if e.stored:
-                parent = None if e.parent is None else maybe_convert_block_hash(e.parent)
+                parent = e.parent if e.parent is None or not convert else maybe_convert_block_hash(e.parent)
                 yield BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=list(e.tokens),
                                   block_size=self.layout.page_size, lora_id=None, medium=medium, lora_name=None)
             else:

@@ -208,14 +208,13 @@ class L3Tier:
 
     def _read_into(self, hashes: list[PageHash], pages: list[int]) -> int:
         """On the reader thread: the leading verified payloads, read straight into the
-        reserved ``pages`` (``get_into``); returns how many landed. A page past them may
-        hold garbage: the caller cancels it, once no given-up read can still land there."""
+        reserved ``pages`` (``get_into_settled``); returns how many landed. A page past them
+        may hold garbage: the caller cancels it (no read lands there after this returns)."""
         n = 0
         while n < len(hashes):
             dests = [self.pool.page_buffers(p) for p in pages[n:n + self._batch]]
-            for ok in self.storage.get_into(hashes[n:n + self._batch], self._sizes, dests):
-                if not ok:
-                    self.storage.wait_late_reads()
+            for ok in self.storage.get_into_settled(hashes[n:n + self._batch], self._sizes, dests):
+                if not ok:  # nothing reads into the pages past it any more
                     return n
                 n += 1
         return n

@@ -290,6 +290,21 @@ class StorageBackend(abc.ABC):
         in its destination (see ``hicache.storage.into``): never use it. Raises
         ``ValueError`` for a bad key or destination (count, size, read-only).
         """
+        return self._get_into(keys, plane_sizes, dests, self._raw_get_into)
+
+    def get_into_settled(self, keys: Sequence[bytes], plane_sizes: Sequence[int],
+                         dests: Sequence[into.Dest]) -> list[bool]:
+        """``get_into`` for a caller that reuses a page answered ``False`` at once (L2 pages:
+        ``TransferController.storage_get``, the node's L3 tier): returns only once no read of
+        the call can land in ``dests`` any more, i.e. ``get_into`` then ``wait_late_reads``.
+        A call over its budget still counts as an outage (when it returns); a store that hangs
+        holds the caller as long as it hangs. Since the caller waits anyway, a backend may read
+        on the calling thread (file://: no hand-off to a worker, which on a loaded box cost more
+        than the read). Same answers, counters and ``ValueError`` as ``get_into``."""
+        return self._get_into(keys, plane_sizes, dests, self._raw_get_into_settled)
+
+    def _get_into(self, keys: Sequence[bytes], plane_sizes: Sequence[int], dests: Sequence[into.Dest],
+                  raw: Callable[..., list[Any]]) -> list[bool]:
         sizes = codec.plane_sizes(plane_sizes)
         views = into.dest_views(dests, sizes.total, len(keys))
         if not self.DIRECT_IO:  # verified by get(), then one copy (a Redis reply, a service page)
@@ -303,7 +318,7 @@ class StorageBackend(abc.ABC):
             return []
         verify = into.Verifier(list(keys), views, self.fingerprint, codec.header_template(self.fingerprint, sizes),
                                self.options.auth_key)
-        judged = self._call("get", self._raw_get_into, full, views, verify)
+        judged = self._call("get", raw, full, views, verify)
         if judged is DOWN:
             self._count(gets=len(full), misses=len(full))
             return [False] * len(full)
@@ -326,6 +341,15 @@ class StorageBackend(abc.ABC):
         was read is ``None``, an exception, the whole object, or ``into.InPlace`` when
         the payload was read into ``dests[i]``'s segments."""
         raise NotImplementedError(f"{type(self).__name__} sets DIRECT_IO but does not implement _raw_get_into")
+
+    def _raw_get_into_settled(self, keys: list[bytes], dests: list[list[memoryview]],
+                              verify: "into.Verifier") -> list[Any]:
+        """``_raw_get_into`` that returns (or raises) only once none of its reads can still
+        land (``get_into_settled``)."""
+        try:
+            return self._raw_get_into(keys, dests, verify)
+        finally:
+            self.wait_late_reads()
 
     def _tally_into(self, full: list[bytes], judged: list[ReadStatus | codec.Decoded | BaseException | None],
                     nbytes: int) -> list[bool]:

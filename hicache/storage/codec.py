@@ -232,9 +232,15 @@ def claimed_checksum(t: HeaderTemplate, page_hash: bytes, header: Buffer) -> int
     return int.from_bytes(header[at + 1:at + 9], "big")
 
 
+_BIN16 = b"\xc4\x10"  # msgpack bin8 of 16 bytes: a page hash
+_MAP6, _MAP7, _MAP8 = (bytes((_MAP | n,)) for n in (6, 7, 8))
+_HCK_UINT64 = _HCK_KEY + b"\xcf"
+
+
 def _header_fields(t: HeaderTemplate, page_hash: bytes, ck: int) -> bytes:
     """The six fields' entries (no map byte): what ``hck`` and the MAC cover, after the map byte."""
-    return t.head + _bin(bytes(page_hash)) + t.tail + _uint(ck)
+    key = _BIN16 + page_hash if len(page_hash) == 16 else _bin(bytes(page_hash))
+    return t.head + key + t.tail + _uint(ck)
 
 
 def encode_header(fingerprint: str, page_hash: bytes, sizes: Sequence[int] | PlaneSizes,
@@ -262,38 +268,40 @@ def header_of_segments(t: HeaderTemplate, page_hash: bytes, segs: Sequence[memor
 
 def header_of_digests(t: HeaderTemplate, page_hash: bytes, ck: int, m: "blake3.blake3 | None") -> bytes:
     """The header for a payload whose checksum is ``ck`` and whose MAC state (None
-    without a key) has been fed the payload (``payload_digests``, ``PayloadHasher``)."""
+    without a key) has been fed the payload (``payload_digests``)."""
+    # Run once per page read or written: the map bytes are constants, not built per call.
     entries = _header_fields(t, page_hash, ck)
-    n = 6
-    if m is not None:
-        entries += _MAC_KEY + _bin(_finish_mac(m, bytes((_MAP | n,)) + entries))
-        n += 1
-    hck = checksum(bytes((_MAP | n,)) + entries)
-    hdr = bytes((_MAP | (n + 1),)) + entries + _HCK_KEY + _uint(hck)
+    if m is None:
+        covered, whole = _MAP6 + entries, _MAP7
+    else:
+        entries += _MAC_KEY + _bin(_finish_mac(m, _MAP6 + entries))
+        covered, whole = _MAP7 + entries, _MAP8
+    hdr = whole + entries + _HCK_KEY + _uint(xxhash.xxh3_64_intdigest(covered))
     return _PREFIX.pack(MAGIC, len(hdr)) + hdr
 
 
-class PayloadHasher:
-    """``payload_digests`` fed block by block, so that a reader hashes each block of a
-    large payload as it lands, while it is in cache. One per page and thread."""
+class PlainHeaders:
+    """``header_of_digests(t, page_hash, ck, None)`` for a batch's pages without a key, the
+    common case built from bytes fixed per template: a 16-byte page hash, a checksum and an
+    ``hck`` of 8 bytes each (all but 1 in 2**31 pages). Same bytes; None where the case does
+    not hold (the caller then calls ``header_of_digests``). Pure."""
 
-    __slots__ = ("_x", "_m", "_claimed")
+    __slots__ = ("_pre", "_mid", "_covered")
 
-    def __init__(self, auth_key: bytes, nbytes: int, claimed: int | None = None):
-        self._claimed = claimed if auth_key else None
-        self._x = xxhash.xxh3_64() if self._claimed is None else None
-        self._m = _mac_state(auth_key, nbytes) if auth_key else None
+    def __init__(self, t: HeaderTemplate):
+        n = 1 + len(t.head) + len(_BIN16) + 16 + len(t.tail) + 9 + len(_HCK_KEY) + 9  # the msgpack map's bytes
+        self._pre = _PREFIX.pack(MAGIC, n) + _MAP7 + t.head + _BIN16
+        self._mid = t.tail + b"\xcf"  # uint64's marker
+        self._covered = _MAP6 + t.head + _BIN16
 
-    def update(self, block: memoryview) -> None:
-        if self._x is not None:
-            self._x.update(block)
-        if self._m is not None:
-            self._m.update(block)
-
-    def header(self, t: HeaderTemplate, page_hash: bytes) -> bytes:
-        """The header of the payload fed so far (``header_of_segments`` of it); once only."""
-        ck = self._claimed if self._x is None else self._x.intdigest()
-        return header_of_digests(t, page_hash, ck, self._m)
+    def __call__(self, page_hash: bytes, ck: int) -> bytes | None:
+        if ck < 1 << 32 or len(page_hash) != 16:
+            return None
+        fields = page_hash + self._mid + ck.to_bytes(8, "big")
+        hck = xxhash.xxh3_64_intdigest(self._covered + fields)
+        if hck < 1 << 32:
+            return None
+        return self._pre + fields + _HCK_UINT64 + hck.to_bytes(8, "big")
 
 
 def _encode_header_dict(fingerprint: str, page_hash: bytes, sizes: Sequence[int] | PlaneSizes,

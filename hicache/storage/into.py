@@ -5,7 +5,7 @@ an exception, or the whole object, which the base decodes and copies once), or
 ``InPlace(header)``: the payload was read into the destination itself (file:// with one
 ``preadv``, redis:// from an MGET) and ``header`` holds what precedes it. Verification
 happens in place, in the backend's thread right after each read (``Verifier``), while
-the bytes are in that core's cache (a large page may be hashed as it lands).
+the bytes are in that core's cache.
 
 Contract: a destination whose page is reported missing (absent, unreadable, corrupt,
 another layout's, a bad MAC, L3 down) may hold garbage; after a call that timed out,
@@ -33,12 +33,9 @@ MAX_SPLIT_HEADER = 64 << 10
 
 
 class InPlace(NamedTuple):
-    """The payload lies in the destination; ``header`` is the object's bytes before it.
-    ``hashed``: the payload's digests, fed by the reader as each block landed (None: the
-    verifier hashes the destination)."""
+    """The payload lies in the destination; ``header`` is the object's bytes before it."""
 
     header: Buffer
-    hashed: codec.PayloadHasher | None = None
 
 
 Dest = Buffer | Sequence[Buffer]  # one buffer, or the payload's segments in order (scatter)
@@ -52,6 +49,12 @@ def dest_views(dests: Sequence[Dest], nbytes: int, n_keys: int) -> list[list[mem
         raise ValueError(f"get_into: {n_keys} keys but {len(dests)} destinations")
     out = []
     for i, d in enumerate(dests):
+        if type(d) is list and len(d) == 1:  # a page_first L2 page (HostPool.page_buffers): checked in place
+            mv = d[0]
+            if type(mv) is memoryview and mv.format == "B" and mv.ndim == 1 and not mv.readonly \
+                    and mv.nbytes == nbytes:
+                out.append(d)
+                continue
         segs = [codec.as_bytes_view(x) for x in d] if isinstance(d, (list, tuple)) else [codec.as_bytes_view(d)]
         if any(mv.readonly for mv in segs):
             raise ValueError(f"get_into: destination {i} is read-only; pass a writable buffer (a row, a bytearray)")
@@ -77,24 +80,19 @@ def header_of(fingerprint: str, page_hash: bytes, t: codec.HeaderTemplate, segs:
 
 
 def verify_into(header: Buffer, segs: list[memoryview], page_hash: bytes, fingerprint: str,
-                template: codec.HeaderTemplate, auth_key: bytes = b"",
-                hashed: codec.PayloadHasher | None = None) -> ReadStatus | Decoded:
+                template: codec.HeaderTemplate, auth_key: bytes = b"") -> ReadStatus | Decoded:
     """Verify an object split as ``header`` + the payload already in ``segs``.
 
     Fast path: the header is byte for byte what our writer builds for this
     page and these payload bytes (checksum and, with a key, MAC computed over
-    the destination, or fed to ``hashed`` by the reader as they landed); compared
-    in constant time. Anything else (an object of an
+    the destination); compared in constant time. Anything else (an object of an
     older writer, damage, another layout) is judged by ``codec.decode`` over a
     joined copy, so statuses and reasons are exactly those of ``get``. Returns
     ``ReadStatus.OK`` or the failed ``Decoded``. Never raises on bad data;
     mutates nothing.
     """
-    if hashed is not None:  # ``segs`` were hashed as they landed
-        want = hashed.header(template, page_hash)
-    else:
-        claimed = codec.claimed_checksum(template, page_hash, header) if auth_key else None
-        want = codec.header_of_segments(template, page_hash, segs, auth_key, claimed)
+    claimed = codec.claimed_checksum(template, page_hash, header) if auth_key else None
+    want = codec.header_of_segments(template, page_hash, segs, auth_key, claimed)
     if hmac.compare_digest(header, want):
         return ReadStatus.OK
     d = codec.decode(bytes(header) + b"".join(segs), page_hash, fingerprint, template.sizes, auth_key, template)
@@ -127,7 +125,7 @@ class Verifier:
     ``None`` or an exception. Called by the backend's workers, any thread; it writes
     only into ``views[i]`` (the copy of an object read whole)."""
 
-    __slots__ = ("keys", "views", "fingerprint", "template", "auth_key", "header_bytes")
+    __slots__ = ("keys", "views", "fingerprint", "template", "auth_key", "header_bytes", "_plain")
 
     def __init__(self, keys: list[bytes], views: list[list[memoryview]], fingerprint: str,
                  template: codec.HeaderTemplate, auth_key: bytes):
@@ -136,20 +134,25 @@ class Verifier:
         # What a reader expects before each payload (``codec.header_bytes``); other lengths
         # are read and judged too, by a slower path.
         self.header_bytes = codec.header_bytes(template, bool(auth_key))
+        self._plain = codec.PlainHeaders(template)
 
-    def hasher(self, i: int, header: Buffer) -> codec.PayloadHasher:
-        """Digests for page ``i``'s payload, for a reader that hashes each block as it lands
-        (``InPlace(header, hasher)``); ``header`` is the object's, read first."""
-        claimed = codec.claimed_checksum(self.template, self.keys[i], header) if self.auth_key else None
-        return codec.PayloadHasher(self.auth_key, self.template.sizes.total, claimed)
+    def landed(self, i: int, header: Buffer) -> ReadStatus | Decoded:
+        """``self(i, InPlace(header))``, the common case of a read: the payload is in
+        ``views[i]`` and ``header`` precedes it."""
+        segs = self.views[i]
+        if not self.auth_key and len(segs) == 1:  # one pass of xxh3, one header built
+            ck = codec.checksum(segs[0])
+            want = self._plain(self.keys[i], ck) or codec.header_of_digests(self.template, self.keys[i], ck, None)
+            if hmac.compare_digest(header, want):
+                return ReadStatus.OK
+        return verify_into(header, segs, self.keys[i], self.fingerprint, self.template, self.auth_key)
 
     def __call__(self, i: int, obj: object) -> ReadStatus | Decoded | BaseException | None:
         if obj is None or isinstance(obj, BaseException):
             return obj
         segs = self.views[i]
         if isinstance(obj, InPlace):
-            return verify_into(obj.header, segs, self.keys[i], self.fingerprint, self.template, self.auth_key,
-                               obj.hashed)
+            return self.landed(i, obj.header)
         # The whole object (too short or too odd to split): decoded, then one copy.
         d = codec.decode(obj, self.keys[i], self.fingerprint, self.template.sizes, self.auth_key, self.template)
         if d.status is not ReadStatus.OK:

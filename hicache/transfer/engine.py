@@ -436,13 +436,12 @@ class TransferController:
             n = 0
             t0 = time.perf_counter()
             try:
-                # Straight into the L2 pages, verified by the backend's readers (no copy on a
-                # DIRECT_IO store). Pages past a miss may hold garbage: the plan frees them.
-                got = storage.get_into(list(hashes), sizes, [host_pool.page_buffers(p) for p in host_pages])
+                # Straight into the L2 pages, verified as they land (no copy on a DIRECT_IO
+                # store), on this thread where the store can. Pages past a miss may hold
+                # garbage: the plan frees them, and nothing reads into them after this returns.
+                got = storage.get_into_settled(list(hashes), sizes, [host_pool.page_buffers(p) for p in host_pages])
                 while n < len(got) and got[n]:
                     n += 1
-                if n < len(got):  # a read given up may still land: the pages stay pinned until it has
-                    storage.wait_late_reads()
             except BaseException as e:
                 t.error = e
             t.result = n

@@ -204,12 +204,12 @@ def test_a_read_that_outlives_its_caller_writes_no_further_page(tmp_path, monkey
     b = open_storage(f"file://{tmp_path}", fingerprint=FP)
     ks = keys(n)
     assert b.put([(k, bytes([i + 1]) * size, [size]) for i, k in enumerate(ks)]) == n
-    release, real = threading.Event(), file_mod._read_into
+    release, real = threading.Event(), file_mod._open_object
 
     def stuck(*args):
         release.wait(30)
         return real(*args)
-    monkeypatch.setattr(file_mod, "_read_into", stuck)
+    monkeypatch.setattr(file_mod, "_open_object", stuck)
     monkeypatch.setattr(b, "_budget", lambda n, nbytes: 0.2)
     monkeypatch.setattr(b, "_parts", lambda n, nbytes: 4)  # as on an idle box of >= 4 cores
     dests = [bytearray(size) for _ in ks]
@@ -222,4 +222,39 @@ def test_a_read_that_outlives_its_caller_writes_no_further_page(tmp_path, monkey
         assert written == [0, 2, 4, 6], written  # the first page of each part, none after
     finally:
         release.set()
+        b.close()
+
+
+def test_a_settled_read_over_its_budget_is_an_outage_with_nothing_left_reading(tmp_path, monkeypatch):
+    """``get_into_settled`` (the L2 prefetch's read) reads on the caller and on workers; once
+    its budget is spent every part stops before its next page, the call counts an outage, and
+    when it returns no read can land in the pages any more (no late reads to wait for)."""
+    import time
+    import hicache.storage.file as file_mod
+    n, size = 8, 2 << 20
+    b = open_storage(f"file://{tmp_path}", fingerprint=FP)
+    ks = keys(n)
+    assert b.put([(k, bytes([i + 1]) * size, [size]) for i, k in enumerate(ks)]) == n
+    real, mu, first, opened = file_mod._open_object, threading.Lock(), [], []
+
+    def stuck(*args):  # each part's first open hangs until the call's 0.2 s budget is long spent
+        with mu:
+            first.append(first[0] if first else time.monotonic())
+            until = first[0] + 0.4
+        time.sleep(max(0.0, until - time.monotonic()))
+        opened.append(time.monotonic())
+        return real(*args)
+    monkeypatch.setattr(file_mod, "_open_object", stuck)
+    monkeypatch.setattr(b, "_budget", lambda n, nbytes: 0.2)
+    monkeypatch.setattr(b, "_parts", lambda n, nbytes: 4)  # the caller and three workers
+    dests = [bytearray(size) for _ in ks]
+    try:
+        assert b.get_into_settled(ks, [size], dests) == [False] * n
+        done = time.monotonic()
+        assert len(opened) == 4 and max(opened) <= done  # it returned only once its reads were over
+        assert b.wait_late_reads(0)
+        written = [i for i, d in enumerate(dests) if any(d[:1])]
+        assert written == [0, 2, 4, 6], written  # the first page of each part, none after
+        assert b.down and b.stats().errors == 1
+    finally:
         b.close()
