@@ -56,6 +56,9 @@ from hicache.memory.paged_kv import adopt_paged_kv
 
 # Forwards of fewer tokens (decode steps) are not prefill rates: weights, not tokens, set their time.
 _PREFILL_STEP_TOKENS = 256
+# A running request's new full pages are saved once this many have accumulated (its
+# prompt's at once); a preempted or aborted request loses at most the pages since.
+_STEP_SAVE_PAGES = 4
 _U64 = (1 << 64) - 1  # vLLM's int block hashes: the low 64 bits of the hash (maybe_convert_block_hash)
 # Under vLLM's own logger tree, so the start line shows in vLLM's log at its default level.
 log = init_logger("vllm.hicache_connector")
@@ -396,7 +399,9 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             req, blocks, offered = entry
             pages = min(req.num_computed_tokens, len(blocks) * ps) // ps
-            if pages > offered and self.scheduler.step_save(
+            # the prompt's pages at once; a decoding request's every _STEP_SAVE_PAGES pages (each
+            # save walks the request's key: per page, that was most of a step's host time)
+            if pages - offered >= (_STEP_SAVE_PAGES if offered else 1) and self.scheduler.step_save(
                     rid, req.all_token_ids, req.num_computed_tokens, blocks, namespace(req),
                     keys=req.block_hashes, key=index_key(req, ps)) is not None:
                 entry[2] = pages
