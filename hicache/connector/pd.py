@@ -516,7 +516,7 @@ class Handoffs:
     def _free(self, ids: list[int]) -> None:
         if ids:
             self.core.staged.difference_update(ids)
-            self.core.cache.host_allocator.free(ids)
+            self.core.tiers.free_host(ids)  # as alloc_host gave them (the page-state table stays in step)
 
     def _delete(self, handoff: str, keys: Sequence[bytes]) -> None:
         """Every rank's page objects, then the record (rank 0's)."""
