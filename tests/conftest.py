@@ -48,11 +48,9 @@ def wait_port(port: int, timeout: float = 10.0) -> None:
 
 # pytest-xdist runs the suite in worker processes (gw0, gw1, ...): each worker keeps to a Redis
 # database of its own on $REDIS_TEST_URL's server, and to a per-user cache directory of its
-# own (the default file:// L3 lives there), so no test sees another worker's objects.
+# own (the default file:// L3 lives there), so no test sees another worker's objects. Set
+# once, in the worker's environment: the suites it runs in subprocesses inherit it as it is.
 WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
-if "PYTEST_XDIST_WORKER" in os.environ and "hicache-xdg-gw" not in os.environ.get("XDG_CACHE_HOME", ""):
-    import tempfile  # (subprocesses inherit the worker's directory)
-    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix=f"hicache-xdg-gw{WORKER}-")
 
 
 def worker_db(url: str) -> str:
@@ -63,11 +61,18 @@ def worker_db(url: str) -> str:
     return f"{base}/{int(db) + WORKER}"
 
 
+if "PYTEST_XDIST_WORKER" in os.environ and "hicache-xdg-gw" not in os.environ.get("XDG_CACHE_HOME", ""):
+    import tempfile
+    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix=f"hicache-xdg-gw{WORKER}-")
+    if os.environ.get("REDIS_TEST_URL"):
+        os.environ["REDIS_TEST_URL"] = worker_db(os.environ["REDIS_TEST_URL"])
+
+
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
     url = os.environ.get("REDIS_TEST_URL")
     if url:
-        yield worker_db(url)
+        yield url  # this worker's database (set above)
         return
     proc, port = start_redis(str(tmp_path_factory.mktemp("redis")))
     try:

@@ -205,6 +205,14 @@ class ConnectorJobs:
                 return True
         return False
 
+    def _waits(self, rid: str, key: bytes, namespace: str, first: int, cap: int) -> bool:
+        """``rid``'s lookup waits for another request's load in flight (``joins_load``); its
+        last lookup is then forgotten."""
+        if not (self._spans and self.joins_load(key, namespace, first, cap)):
+            return False
+        self._hits.pop(rid, None)
+        return True
+
     def _queue_load(self, rid: str, ld: "_Load", key: bytes = b"", namespace: str = "", first: int = 0) -> LoadSpec:
         """Queue ``ld``; ``key`` (up to its last page), ``namespace`` and ``first`` page let later
         lookups join it (``joins_load``)."""
@@ -324,8 +332,7 @@ class ConnectorScheduler(ConnectorJobs):
         self.cache.note_waiting(rid, key, namespace)
         cap = max(0, len(key) // 4 - 1) // ps
         first = engine_hit // ps
-        if self._spans and self.joins_load(key, namespace, first, cap):
-            self._hits.pop(rid, None)
+        if self._waits(rid, key, namespace, first, cap):
             return WAIT
         m = self.cache.match(key, namespace, max_tokens=cap * ps)
         l2 = m.host_tokens // ps

@@ -57,8 +57,7 @@ class SharedConnectorScheduler(ConnectorJobs):
         first = engine_hit // ps
         if cap <= first:
             return self._decide(rid, engine_hit, 0, 0)
-        if self._spans and self.joins_load(key, namespace, first, cap):
-            self._hits.pop(rid, None)
+        if self._waits(rid, key, namespace, first, cap):
             return WAIT
         link = self.link
         hashes = self.page_hashes(key, namespace, cap)

@@ -169,6 +169,15 @@ def layout_of(vllm_config, kv_cache_config, tp_rank: int = 0, model_id: str = ""
                       "it supports full attention and MLA")
 
 
+@dataclasses.dataclass(slots=True)
+class _Running:
+    """A running request whose new full pages are saved as they are computed."""
+
+    request: Any
+    blocks: list[int] | None = None  # its block ids (None: not known since a preemption)
+    offered: int = 0  # full pages already offered to a save
+
+
 class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     """See the module docstring; the two halves are ``ConnectorScheduler`` / ``ConnectorWorker``
     (a hybrid model, several KV cache groups: ``HybridConnectorScheduler`` / ``GroupWorkers``)."""
@@ -200,8 +209,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._forward: tuple[int, float] = (0, 0.0)  # worker: the last forward's (tokens, seconds), not yet sent
         self._reports: list[JobReport] = []
         # scheduler: running requests whose new full pages are saved as they are computed
-        # (``_step_saves``): rid -> (the request, its blocks, pages already offered to a save)
-        self._running: dict[str, list] = {}
+        self._running: dict[str, _Running] = {}
         self._step_saves = isinstance(self.scheduler, ConnectorScheduler)
         l2 = (f"the node segment at {url}" if s.shared else f"{s.host_pages(layout)} pages of {layout.page_bytes} B"
               if not self._layouts else f"{self._group_pages} pages per KV cache group ({len(self._layouts)} groups)")
@@ -350,9 +358,9 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         self._index_half.admitted(request.request_id)
-        if self._step_saves and not (request.kv_transfer_params or {}).get("do_remote_decode") \
-                and not (request.kv_transfer_params or {}).get("do_remote_prefill"):
-            self._running[request.request_id] = [request, None, 0]
+        params = request.kv_transfer_params or {}
+        if self._step_saves and not (params.get("do_remote_decode") or params.get("do_remote_prefill")):
+            self._running[request.request_id] = _Running(request)
         if self.pd is not None and self.pd.allocated(request.request_id, request.kv_transfer_params or {},
                                                      blocks.get_block_ids()[0], num_external_tokens):
             return
@@ -380,31 +388,31 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         running, ps = self._running, self.layout.page_size
         for rid in out.preempted_req_ids or ():
             if rid in running:
-                running[rid][1] = None  # its blocks are gone; a resume lists them anew
+                running[rid].blocks = None  # its blocks are gone; a resume lists them anew
         for nr in out.scheduled_new_reqs:
             if nr.req_id in running:
-                running[nr.req_id][1] = list(nr.block_ids[0])
+                running[nr.req_id].blocks = list(nr.block_ids[0])
         cached = out.scheduled_cached_reqs
         for rid, new in zip(cached.req_ids, cached.new_block_ids):
-            entry = running.get(rid)
-            if entry is None:
+            r = running.get(rid)
+            if r is None:
                 continue
             if rid in cached.resumed_req_ids:
-                entry[1] = list(new[0]) if new else []
-            elif new and entry[1] is not None:
-                entry[1].extend(new[0])
+                r.blocks = list(new[0]) if new else []
+            elif new and r.blocks is not None:
+                r.blocks.extend(new[0])
         for rid in out.num_scheduled_tokens:
-            entry = running.get(rid)
-            if entry is None or entry[1] is None:
+            r = running.get(rid)
+            if r is None or r.blocks is None:
                 continue
-            req, blocks, offered = entry
-            pages = min(req.num_computed_tokens, len(blocks) * ps) // ps
+            req = r.request
+            pages = min(req.num_computed_tokens, len(r.blocks) * ps) // ps
             # the prompt's pages at once; a decoding request's every _STEP_SAVE_PAGES pages (each
             # save walks the request's key: per page, that was most of a step's host time)
-            if pages - offered >= (_STEP_SAVE_PAGES if offered else 1) and self.scheduler.step_save(
-                    rid, req.all_token_ids, req.num_computed_tokens, blocks, namespace(req),
+            if pages - r.offered >= (_STEP_SAVE_PAGES if r.offered else 1) and self.scheduler.step_save(
+                    rid, req.all_token_ids, req.num_computed_tokens, r.blocks, namespace(req),
                     keys=req.block_hashes, key=index_key(req, ps)) is not None:
-                entry[2] = pages
+                r.offered = pages
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         if self._running:
