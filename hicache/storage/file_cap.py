@@ -9,7 +9,9 @@ per layout, see ``hicache.storage.file``), plus two files of ours:
   falls below the truth); ``added`` only grows, by every byte any process
   accounted; ``objects`` counts files (an estimate, exact after a scan).
 - ``.hicache-trim.lock``: held (non-blocking ``flock``) by the one process
-  trimming; the others skip the trim (the trimmer re-checks when it is done).
+  trimming; the others skip the trim. The trimmer reads the ledger again after
+  releasing the lock and trims again while it is over the cap, so a writer that
+  found the lock busy is seen either by that read or by its own next try.
 
 Why the estimate never falls below the truth, across processes: a writer
 first ``os.replace``s an object into place, then adds its size to the ledger.
@@ -65,6 +67,7 @@ LEDGER = ".hicache-usage"
 TRIM_LOCK = ".hicache-trim.lock"
 _FMT = struct.Struct("<qqq")
 _TMP = ".tmp."
+_TRIM_ROUNDS = 8  # a put trims this many rounds at most, however fast others write
 STALE_TMP_S = 600.0  # a temp file this old is a crashed writer's: the trim removes it
 _HEX_LEN = 32
 _OPEN = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
@@ -288,28 +291,43 @@ class FileCap:
         while writers pushed the total past the cap meanwhile (a few rounds at most).
 
         Runs only when the total exceeds the cap (or ``force``). Returns None
-        when another process is trimming (it re-checks when done) or nothing was due.
+        when another process is trimming or nothing was due. The trimmer reads the
+        ledger again *after* releasing the trim lock and goes on while it is over the
+        cap: a writer whose trim found the lock busy accounted before that read (and
+        so is seen) or tries the lock after the release (and so trims itself).
         """
         target = int(self.max_bytes * TRIM_TO) if to_bytes is None else to_bytes
+        done: TrimResult | None = None
+        for _ in range(_TRIM_ROUNDS):
+            held, r = self._trim_locked(force, target)
+            if not held:  # another process holds the lock: it re-checks after its release
+                break
+            force = False
+            if r is not None:
+                done = r if done is None else TrimResult(done.deleted + r.deleted,
+                                                         done.deleted_bytes + r.deleted_bytes, r.remaining_bytes)
+            if not self.over():
+                break
+        return done
+
+    def _trim_locked(self, force: bool, target: int) -> tuple[bool, TrimResult | None]:
+        """One round under the trim lock: whether this process got it, and what it
+        deleted (None: nothing was due, the total within the cap and not ``force``)."""
         fd = self._open(self._trim_path)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                return None
-            done: TrimResult | None = None
-            for _ in range(4):
-                with self._ledger() as (_, total, added0, _n):
-                    pass
-                if not force and (total or 0) <= self.max_bytes:
-                    break
-                force = False
-                r = self._trim_once(target, added0)
-                done = r if done is None else TrimResult(done.deleted + r.deleted,
-                                                         done.deleted_bytes + r.deleted_bytes, r.remaining_bytes)
-            return done
+                return False, None
+            due, added0 = self._due(force)
+            return True, (self._trim_once(target, added0) if due else None)
         finally:
-            os.close(fd)
+            os.close(fd)  # releases the trim lock
+
+    def _due(self, force: bool) -> tuple[bool, int]:
+        """Whether a trim is due (over the cap, or ``force``), and the ledger's ``added`` now."""
+        with self._ledger() as (_, total, added, _n):
+            return force or (total or 0) > self.max_bytes, added
 
     def _trim_once(self, target: int, added0: int) -> TrimResult:
         objs, stale = scan(self.root)

@@ -18,8 +18,8 @@ redis-py's parsers copy every reply twice more on the way (hiredis: socket
 buffer -> reader buffer -> ``bytes``; the pure-Python parser: ``recv`` ->
 ``BytesIO`` -> ``bytes``); here a large value is copied once, by the kernel.
 The backend asks for it per command (``NEVER_DECODE``, i.e. ``read_response(
-disable_decoding=True)``): only those bulk replies come back as a
-``bytearray``; every other reply has redis-py's usual types. It speaks RESP2,
+disable_decoding=True)``): only those bulk replies of at least ``_DIRECT_MIN``
+bytes come back as a ``bytearray``; every other reply has redis-py's usual types. It speaks RESP2,
 which the backends ask for (``protocol=2``; redis-py 8 defaults to RESP3,
 whose push messages an L3 of GET/SET does not use); a URL or caller that sets
 ``protocol=3`` gets redis-py's own parser.
@@ -45,6 +45,10 @@ _BUFFER_CUTOFF = 6000
 # so that little of a large value lands here (and is copied again) before its
 # own buffer is allocated; a pipeline of small replies still takes few calls.
 _LINE_READ = 16 << 10
+# A bulk reply asked for undecoded lands in its own ``bytearray`` from this size on
+# (a page's value); a smaller one is ``bytes``, as redis-py returns it (redis-py 8.2
+# asks INFO undecoded too, and its INFO parser decodes ``bytes`` only).
+_DIRECT_MIN = 64 << 10
 _CRLF = b"\r\n"
 _OK = b"+OK\r\n"
 _CLOSED = "Connection closed by server."
@@ -266,7 +270,7 @@ class DirectReplyParser(BaseParser):
             n = _int(raw)
             if n < 0:
                 return None
-            if disable_decoding:
+            if disable_decoding and n >= _DIRECT_MIN:
                 value: object = self._bulk_into(n, timeout)
             else:
                 value = self._take(n, timeout)

@@ -15,7 +15,7 @@ from hicache.core.errors import ConfigError
 from hicache.core.hashing import page_hashes
 from hicache.storage import open_storage
 from hicache.storage.capacity import DEFAULT_CAP_BYTES, backend_options, parse_size
-from hicache.storage.file_cap import LEDGER, scan
+from hicache.storage.file_cap import LEDGER, FileCap, scan
 
 from .conftest import FP
 
@@ -232,3 +232,32 @@ def test_rewrites_are_counted_once_by_the_ledger(tmp_path, capsys):
     assert main(["storage", "fsck", "--url", f"file://{tmp_path}"]) == 0
     out = capsys.readouterr().out
     assert "over-counts by 500 (the cap trims that much early" in out and "--repair rescans now" in out, out
+
+
+def test_file_cap_writer_that_finds_the_trim_lock_busy_is_trimmed_for(tmp_path):
+    """A writer accounts and tries to trim while another process holds the trim lock
+    after reading the ledger within the cap: the holder reads the ledger again once it
+    released the lock, and trims (the window CI hit once: 35,464 bytes left on disk
+    over a 30,000-byte cap after three writers returned)."""
+    cap = 20_000
+    holder = FileCap(tmp_path, cap)  # another process's cap: its own descriptors, so flocks conflict
+    writer = open_storage(f"file://{tmp_path}", fingerprint=FP, max_bytes=cap)
+    seen = []
+    due = holder._due
+
+    def due_then_a_writer_fills(force):
+        r = due(force)
+        if not seen:
+            seen.append(r[0])  # within the cap when the holder looked
+            for i in range(0, 40, 4):  # 40 pages of ~1 KB: twice the cap
+                writer.put([(k, bytes(PAGE), SIZES) for k in keys(4, i)])
+            seen.append(writer._cap.trim())  # the lock is busy: the writer's own trim is skipped
+            seen.append(disk_bytes(tmp_path))
+        return r
+
+    holder._due = due_then_a_writer_fills
+    holder.trim()
+    assert seen[:2] == [False, None] and seen[2] > cap  # the window: over the cap, the writer skipped
+    assert disk_bytes(tmp_path) <= cap  # the holder looked again after its release, and trimmed
+    writer.check_integrity()
+    writer.close()
