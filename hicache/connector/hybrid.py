@@ -5,8 +5,11 @@ The first full-attention group keys the index: it runs through ``ConnectorSchedu
 own, keyed by page hash (``GroupItems``: a window need not be prefix-closed). A hit is
 floored where every group resumes (``hicache.connector.groups.floor_hit``), and each
 group moves only what that needs: the index's group every page past the engine's hit,
-a sliding-window group the window before the boundary. A request that ends saves, per
-group, what a later hit at its end would read. Each group's specs carry its index
+a sliding-window group the window before the boundary, a state (Mamba) group the state
+at the boundary. A request that ends saves, per group, what a later hit at its end would
+read; a state group's states are saved as the engine offers them (``boundary_states``:
+vLLM's ``align`` hand-offs, the exact block of each state at a block boundary), copied
+after the forward that writes them. Each group's specs carry its index
 (``LoadSpec.group``), for its own worker (``hicache.connector.worker.GroupWorkers``).
 Not thread-safe: the engine's scheduler thread calls everything.
 """
@@ -19,7 +22,7 @@ from typing import Sequence
 from hicache.connector.groups import EngineGroup, check_groups, floor_hit, needed
 from hicache.connector.plan import JobKind, JobReport, LoadSpec, SaveSpec, StepPlan
 from hicache.connector.scheduler import ConnectorScheduler, Hit
-from hicache.core.errors import CacheStateError, ConfigError, IntegrityError
+from hicache.core.errors import CacheStateError, IntegrityError
 from hicache.core.layout import KVLayout
 from hicache.core.types import HostPageId, PageHash
 from hicache.index.prefix_cache import as_key
@@ -92,22 +95,20 @@ class _GroupJob:
 
 
 class HybridConnectorScheduler:
-    """See the module docstring. Groups of kind ``state`` are refused (``ConfigError``)."""
+    """See the module docstring."""
 
     def __init__(self, groups: Sequence[EngineGroup], layouts: Sequence[KVLayout], host_pages: Sequence[int], *,
                  ranks: int = 1, **main_options):
         """``layouts[i]``, ``host_pages[i]``: group ``i``'s page layout and L2 pages;
         ``main_options``: ``ConnectorScheduler``'s (storage, cost, layerwise, ...)."""
         check_groups(groups)
-        if any(g.kind == "state" for g in groups):
-            raise ConfigError(f"KV cache groups {[(g.index, g.kind) for g in groups]}: the connector moves full "
-                              "and sliding-window groups; a state (Mamba) group is not moved")
         self.groups = tuple(groups)
         self.main = next(i for i, g in enumerate(groups) if g.kind == "full")
         self.core = ConnectorScheduler(layouts[self.main], host_pages[self.main], ranks=ranks, **main_options)
         self.page_size = self.core.page_size
         self.ranks = ranks
         self.lanes = {i: GroupItems(host_pages[i]) for i in range(len(groups)) if i != self.main}
+        self._position = {g.index: i for i, g in enumerate(groups)}
         self._jobs: dict[int, _GroupJob] = {}
         self._plan_loads: list[LoadSpec] = []
         self._plan_saves: list[SaveSpec] = []
@@ -160,6 +161,8 @@ class HybridConnectorScheduler:
             return delay
         hashes = self.core.page_hashes(as_key(tokens) if key is None else key, namespace, n)
         for i, items in self.lanes.items():
+            if self.groups[i].kind == "state":
+                continue  # a state is saved as the engine offers it (boundary_states), never by position
             pages = [p for p in needed(self.groups[i], self.page_size, 0, n)
                      if hashes[p] not in items.items and int(block_ids[i][p]) != 0]  # 0: vLLM's null block
             host = items.reserve(len(pages)) if pages else None
@@ -172,6 +175,37 @@ class HybridConnectorScheduler:
             self._plan_saves.append(spec)
             delay = True
         return delay
+
+    def boundary_states(self, rid: str, tokens, offers: Sequence[tuple[int, int, int]], namespace: str = "",
+                        key: bytes | None = None) -> int:
+        """The engine offers ``rid``'s state blocks: ``(group index, block id, boundary tokens)``,
+        each the state of a state group after exactly that many tokens, written by the forward
+        of the step being planned (vLLM's Mamba ``align`` hand-offs). Queue a save of each one
+        at a page boundary this group does not hold yet, copied after that forward. Returns
+        the saves queued; offers of other groups, or not at a page boundary, are left."""
+        ps = self.page_size
+        want = [(self._position[g], b, t // ps) for g, b, t in offers
+                if g in self._position and self.groups[self._position[g]].kind == "state" and t >= ps
+                and t % ps == 0 and b != 0]
+        if not want:
+            return 0
+        hashes = self.core.page_hashes(as_key(tokens) if key is None else key, namespace, max(p for *_, p in want))
+        queued = 0
+        for i, block, p in want:
+            items, h = self.lanes[i], hashes[p - 1]  # the state after page p - 1: keyed as floor_hit reads it
+            if h in items.items or any(gj.group == i and h in gj.hashes and isinstance(gj.spec, SaveSpec)
+                                       for gj in self._jobs.values()):
+                continue
+            host = items.reserve(1)
+            if host is None:
+                continue
+            job = self.core.new_job()
+            spec = SaveSpec(job, rid, (int(block),), tuple(host), group=self.groups[i].index, running=True,
+                            after_forward=True)
+            self._jobs[job] = _GroupJob(i, spec, (h,))
+            self._plan_saves.append(spec)
+            queued += 1
+        return queued
 
     # ------------------------------------------------------------- a step
     def take_plan(self) -> StepPlan:

@@ -65,6 +65,9 @@ class SaveSpec:
     # A running request's pages (``step_save``): copied within the step it is planned in, and
     # never reported to the engine as a finished save (the engine holds no blocks for it).
     running: bool = False
+    # Blocks this step's forward writes (a Mamba group's state at a block boundary, offered by
+    # the engine in the pass that schedules that forward): copied after the forward, within the step.
+    after_forward: bool = False
 
 
 @dataclass(frozen=True, slots=True)

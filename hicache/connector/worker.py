@@ -60,6 +60,7 @@ class ConnectorWorker:
         self._jobs: dict[int, _Load | _Save] = {}  # transfer job -> what it serves
         self._layerwise: list[_Load] = []  # this step's synchronous loads
         self._running: list[int] = []  # this step's saves of running requests (transfer jobs)
+        self._after: list[SaveSpec] = []  # this step's saves of blocks its forward writes (after_forward)
         self._step = WorkerStep()
         self._unsent: set[str] = set()  # saved rids the engine has not yet said finished
         self._ended: set[str] = set()  # rids the engine said finished, not yet reported saved
@@ -82,23 +83,27 @@ class ConnectorWorker:
     # ------------------------------------------------------------- a step
     def start(self, plan: StepPlan) -> None:
         """Submit ``plan``'s saves (blocks -> L2), then its loads (L3 -> L2 -> blocks)."""
-        tc = self._tc
         for s in plan.saves:
-            sv = _Save(s)
-            job = tc.backup(s.blocks, s.host).job
-            self._jobs[job] = sv
-            if s.running:
-                self._running.append(job)
+            if s.after_forward:
+                self._after.append(s)
+            else:
+                self._save(s)
         for spec in plan.loads:
             ld = _Load(spec)
             if spec.l3_host:
                 if spec.layerwise:
                     raise CacheStateError(f"load job {spec.job}: an L3 part cannot load layer-wise")
-                self._jobs[tc.storage_get(spec.l3_hashes, spec.l3_host).job] = ld
+                self._jobs[self._tc.storage_get(spec.l3_hashes, spec.l3_host).job] = ld
             else:
                 self._start_copy(ld)
             if spec.layerwise:
                 self._layerwise.append(ld)
+
+    def _save(self, s: SaveSpec) -> None:
+        job = self._tc.backup(s.blocks, s.host).job
+        self._jobs[job] = _Save(s)
+        if s.running:
+            self._running.append(job)
 
     def _start_copy(self, ld: _Load) -> None:
         """L2 (the L2 part and the L3 pages that landed) -> the engine's blocks."""
@@ -124,6 +129,9 @@ class ConnectorWorker:
         step's layer-wise loads) and return what to tell the engine and the scheduler.
         ``ended``: request ids the engine says finished this step."""
         tc = self._tc
+        for s in self._after:  # the forward has written these blocks: copy them now
+            self._save(s)
+        self._after = []
         for ld in self._layerwise:
             if ld.handle is not None:
                 tc.wait(ld.handle.transfer.job)
@@ -184,7 +192,7 @@ class ConnectorWorker:
     # ------------------------------------------------------------- lifecycle
     @property
     def in_flight(self) -> int:
-        return len(self._jobs)
+        return len(self._jobs) + len(self._after)
 
     def drain(self) -> WorkerStep:
         """Wait for every transfer (chained ones included) and return their outcome."""
@@ -236,7 +244,8 @@ class GroupWorkers:
             if not s.layerwise:
                 self._loads.setdefault(s.rid, set()).add(s.group)
         for s in plan.saves:
-            self._saves.setdefault(s.rid, set()).add(s.group)
+            if not s.running:  # a running save is never reported finished: nothing to wait for
+                self._saves.setdefault(s.rid, set()).add(s.group)
         unknown = {s.group for s in (*plan.loads, *plan.saves)} - self.workers.keys()
         if unknown:
             raise CacheStateError(f"a plan for KV cache groups {sorted(unknown)}; this rank has {sorted(self.workers)}")

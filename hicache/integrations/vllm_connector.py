@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
@@ -47,7 +47,7 @@ from hicache.core.config import HostNeed, check_host_memory
 from hicache.core.errors import ConfigError, ContractMismatch
 from hicache.core.redact import redact_url
 from hicache.core.hashing import tokens_to_bytes
-from hicache.core.layout import KVLayout
+from hicache.core.layout import LIMITS, KVLayout
 from hicache.core.stats import ConnectorStats
 from hicache.integrations.metrics import families, flat_series, series, series_key
 from hicache.integrations.vllm_groups import engine_groups
@@ -151,11 +151,11 @@ def layout_of(vllm_config, kv_cache_config, tp_rank: int = 0, model_id: str = ""
     pc = vllm_config.parallel_config
     if pc.pipeline_parallel_size != 1:
         raise ConfigError(f"HiCacheConnector: pipeline_parallel_size={pc.pipeline_parallel_size}; it supports 1")
-    dtype = str(spec.dtype).removeprefix("torch.")
+    dtype = str(getattr(spec, "dtype", "uint8")).removeprefix("torch.")  # a MambaSpec: bytes
     if draft_layers >= len(layers):
         raise ConfigError(f"HiCacheConnector: draft_layers={draft_layers} of a KV cache group of {len(layers)} "
                           "layers; the drafter's layers are the last ones, after at least one target layer")
-    backend = attention_backend(vllm_config, spec)
+    backend = spec.mamba_type.name.lower() if isinstance(spec, MambaSpec) else attention_backend(vllm_config, spec)
     common = dict(model_id=model_id or model_identity(vllm_config.model_config, backend),
                   num_layers=len(layers) - draft_layers, draft_layers=draft_layers, dtype=dtype,
                   page_size=spec.block_size, tp_rank=tp_rank,
@@ -165,8 +165,38 @@ def layout_of(vllm_config, kv_cache_config, tp_rank: int = 0, model_id: str = ""
     if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
         return KVLayout(kind="mha", num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
                         engine_cells=ENGINE_CELLS_OF.get(backend, ""), **common)
+    if isinstance(spec, MambaSpec):
+        return state_layout(spec, common)
     raise ConfigError(f"HiCacheConnector: KV cache spec {type(spec).__name__} is not supported; "
                       "it supports full attention and MLA")
+
+
+def state_layout(spec, common: dict) -> KVLayout:
+    """A Mamba / linear-attention group's layout: one page is one block of every layer, each
+    layer's block the raw bytes vLLM keeps its states in (``MambaBase.bind_kv_cache`` slices
+    conv and SSM states out of them), as an MLA-shaped byte plane. Its rows only address
+    bytes (a state has no tokens): the fewest rows that split the block within a row's limit."""
+    nbytes = spec.page_size_bytes
+    rows = next((n for n in range(1, LIMITS["page_size"] + 1)
+                 if nbytes % n == 0 and nbytes // n <= LIMITS["kv_lora_rank"]), None)
+    if rows is None:
+        raise ConfigError(f"HiCacheConnector: a state group's block of {nbytes} bytes splits into no rows of at "
+                          f"most {LIMITS['kv_lora_rank']} bytes; it moves blocks of up to "
+                          f"{LIMITS['page_size'] * LIMITS['kv_lora_rank']} bytes that divide into such rows")
+    model = common["model_id"]
+    return KVLayout(**{**common, "dtype": "uint8", "page_size": rows,
+                       "model_id": f"{model} [state {spec.mamba_type.name.lower()}]"},
+                    kind="mla", kv_lora_rank=nbytes // rows)
+
+
+def state_cells(t: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """vLLM's raw page view of one state layer (``[B, 1, 1, C]`` int8) as the ``[B, 1, N, C/N]``
+    uint8 cells of ``layout`` (the same bytes). Raises ``ConfigError`` naming the shape."""
+    n, c = layout.page_size, layout.page_size * layout.kv_lora_rank
+    if t.dim() != 4 or tuple(t.shape[1:]) != (1, 1, c) or t.element_size() != 1 or t.stride(-1) != 1:
+        raise ConfigError(f"HiCacheConnector: a state layer's KV tensor is {tuple(t.shape)} {t.dtype} (strides "
+                          f"{t.stride()}); vLLM 0.33 hands [blocks, 1, 1, {c}] int8 pages")
+    return t.view(torch.uint8).unflatten(-1, (n, c // n)).squeeze(2)
 
 
 @dataclasses.dataclass(slots=True)
@@ -196,6 +226,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._reported: dict[str, int] = {}
         ranks = vllm_config.parallel_config.tensor_parallel_size
         self._layouts: dict[int, KVLayout] = {}  # a hybrid model's: group index -> its layout
+        self._states: set[int] = set()  # a hybrid model's state (Mamba) groups
+        self._stated: dict[str, Any] = {}  # scheduler: requests whose state blocks the engine may offer
         if len(kv_cache_config.kv_cache_groups) > 1:
             self._start_hybrid(vllm_config, role, kv_cache_config, ranks)
         else:
@@ -264,6 +296,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._group_pages = pages
         self._layouts = {g.index: x for g, x in zip(groups, layouts)}
         self._group_layers = {g.index: list(g.layers) for g in groups}
+        self._states = {g.index for g in groups if g.kind == "state"}
         self._layer_index = {n: (g.index, i) for g in groups for i, n in enumerate(g.layers)}
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = HybridConnectorScheduler(
@@ -284,7 +317,9 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         if isinstance(self.worker, GroupWorkers):
             for g, w in self.worker.workers.items():
-                w.register(adopt_paged_kv(self._layouts[g], [kv_caches[n] for n in self._group_layers[g]]))
+                x = self._layouts[g]
+                tensors = [kv_caches[n] for n in self._group_layers[g]]
+                w.register(adopt_paged_kv(x, [state_cells(t, x) for t in tensors] if g in self._states else tensors))
             return
         self.worker.register(adopt_paged_kv(self.layout, [kv_caches[n] for n in self._layer_names]))
 
@@ -358,6 +393,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         self._index_half.admitted(request.request_id)
+        if self._states:
+            self._stated[request.request_id] = request
         params = request.kv_transfer_params or {}
         if self._step_saves and not (params.get("do_remote_decode") or params.get("do_remote_prefill")):
             self._running[request.request_id] = _Running(request)
@@ -414,9 +451,21 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                     keys=req.block_hashes, key=index_key(req, ps)) is not None:
                 r.offered = pages
 
+    def _save_states(self, out) -> None:
+        """vLLM's Mamba ``align`` hand-offs of this pass: each the exact block of a state at a
+        block boundary, written by this step's forward (saved after it)."""
+        block_state = getattr(out, "kv_connector_block_state", None)
+        for rid, offers in (block_state.boundary_state_offloads if block_state is not None else {}).items():
+            req = self._stated.get(rid)
+            if req is not None:
+                self.scheduler.boundary_states(rid, req.all_token_ids, offers, namespace(req),
+                                               key=index_key(req, self.layout.page_size))
+
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         if self._running:
             self._save_running(scheduler_output)
+        if self._stated:
+            self._save_states(scheduler_output)
         plan = self.scheduler.take_plan()
         return HiCacheConnectorMetadata(plan if self.pd is None else self.pd.take_plan(plan),
                                         scheduler_output.total_num_scheduled_tokens)
@@ -452,6 +501,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         """vLLM's hybrid manager ends a request: every group's blocks (one group: ``request_finished``)."""
         if not self._layouts:
             return self.request_finished(request, block_ids[0])
+        self._stated.pop(request.request_id, None)
         delay = self.scheduler.finished(request.request_id, request.all_token_ids, request.num_computed_tokens,
                                         block_ids, namespace(request), keys=request.block_hashes,
                                      key=index_key(request, self.layout.page_size))

@@ -4,13 +4,11 @@ allocates them, without vLLM. Each group saves and loads only what a hit at a bo
 the loaded blocks hold exactly the saved bytes."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 from hicache.connector.groups import EngineGroup
 from hicache.connector.hybrid import HybridConnectorScheduler
 from hicache.connector.worker import ConnectorWorker, GroupWorkers
-from hicache.core.errors import ConfigError
 from hicache.core.shapes import model_shape
 from hicache.memory.paged_kv import adopt_paged_kv, vllm_kv_caches
 from tests.connector.test_connector_core import fill, page_bytes, same
@@ -99,11 +97,53 @@ def test_the_floor_stops_where_the_window_is_missing():
     sched.check_integrity()
 
 
-def test_state_groups_are_refused_by_name():
-    groups = (EngineGroup(0, "full", ("a",)), EngineGroup(1, "state", ("m",)))
-    layout = OSS.kv_layout(PS, layers=1, draft=False)
-    with pytest.raises(ConfigError, match=r"state \(Mamba\) group is not moved"):
-        HybridConnectorScheduler(groups, [layout, layout], [4, 4])
+def test_a_state_group_saves_what_the_engine_offers_after_the_forward_and_loads_it_at_the_floor():
+    """A state (Mamba) group: a state is saved only as the engine offers its exact block, copied
+    after the step's forward wrote it (not when planned); a hit floors where a state is held."""
+    state = EngineGroup(1, "state", ("m0", "m1"))
+    groups = (GROUPS[1]._replace(index=0), state)
+    layout = OSS.kv_layout(PS, layers=HALF, draft=False)
+    slay = OSS.kv_layout(PS, layers=2, draft=False)  # two state layers; their bytes are opaque here
+    pools = {0: adopt_paged_kv(layout, list(vllm_kv_caches(layout, BLOCKS, "LBNHC").values())),
+             1: adopt_paged_kv(slay, list(vllm_kv_caches(slay, BLOCKS, "LBNHC").values()))}
+    workers = GroupWorkers({g: ConnectorWorker(x, 16) for g, x in ((0, layout), (1, slay))})
+    for g, w in workers.workers.items():
+        w.register(pools[g])
+    sched = HybridConnectorScheduler(groups, [layout, slay], [16, 16])
+    n = 8
+    tokens = list(range(7, 7 + n * PS + 1))
+    # The engine offers the state after pages 4 and 8 (blocks 40, 41) as it schedules their forwards.
+    assert sched.boundary_states("a", tokens, [(1, 40, 4 * PS), (1, 41, 8 * PS)]) == 2
+    plan = sched.take_plan()
+    assert all(s.after_forward and s.running for s in plan.saves)
+    workers.start(plan)
+    fill(pools[1], 40, 3004)  # the forward writes the states after the saves were planned
+    fill(pools[1], 41, 3008)
+    want = [page_bytes(pools[1], b) for b in (40, 41)]
+    out = workers.finish_step()
+    for w in workers.workers.values():
+        w.transfers.wait_all()
+    out.reports += workers.finish_step().reports
+    sched.completed(out.reports)
+    assert not out.finished_saves  # a running save is never reported to the engine as finished
+    full_blocks = list(range(1, n + 2))
+    for p in range(n):
+        fill(pools[0], full_blocks[p], 1000 + p)
+    sched.finished("a", tokens, n * PS + 1, [full_blocks, [0] * 7 + [41, 42]])
+    step(sched, workers)
+    assert len(sched.lanes[1].items) == 2  # the finish saved no state by position
+    sched.check_integrity()
+    # 6 pages in common: no state after page 6, so the hit floors to page 4; the state loads there.
+    other = tokens[:6 * PS] + [5] * PS
+    hit = sched.lookup("b", other, 0)
+    assert hit.tokens == 4 * PS
+    sched.allocated("b", other, [list(range(20, 27)), [0, 0, 0, 43, 44]], hit.tokens)
+    plan = sched.take_plan()
+    assert sorted((s.group, s.blocks) for s in plan.loads) == [(0, (20, 21, 22, 23)), (1, (43,))]
+    out = step(sched, workers, plan)
+    assert out.finished_loads == {"b"} and not out.load_errors
+    assert same(pools[1], [43], want[:1])
+    sched.check_integrity()
 
 
 def test_a_window_item_evicted_between_lookup_and_load_is_a_load_error():
