@@ -176,7 +176,7 @@ def state_layout(spec, common: dict) -> KVLayout:
     layer's block the raw bytes vLLM keeps its states in (``MambaBase.bind_kv_cache`` slices
     conv and SSM states out of them), as an MLA-shaped byte plane. Its rows only address
     bytes (a state has no tokens): the fewest rows that split the block within a row's limit."""
-    nbytes = spec.page_size_bytes
+    nbytes = spec.real_page_size_bytes  # the states; vLLM pads the block's stride to the group's page, not the view
     rows = next((n for n in range(1, LIMITS["page_size"] + 1)
                  if nbytes % n == 0 and nbytes // n <= LIMITS["kv_lora_rank"]), None)
     if rows is None:

@@ -7,7 +7,11 @@ top-k logprobs depend on every K and V row (the negative control in the tests
 shows it), in vLLM's real architectures at small real shapes:
 
 * ``llama-gqa``: LlamaForCausalLM, 4 layers, 8 query heads over 2 KV heads, head dim 64;
-* ``opt-mha``: OPTForCausalLM at opt-125m's attention shape (12 heads of 64), 2 layers.
+* ``opt-mha``: OPTForCausalLM at opt-125m's attention shape (12 heads of 64), 2 layers;
+* ``qwen3-next``: Qwen3NextForCausalLM, 4 layers (3 Gated DeltaNet, then 1 full attention
+  with 2 KV heads of 64), 4 experts of which 2 per token plus a shared one, bf16
+  (vLLM's CPU Gated DeltaNet kernel needs bf16). Written through transformers' own
+  class from a seed, so its tensor names are the architecture's.
 
 Each comes with a word-level tokenizer (``t0`` .. ``t{vocab-1}``), so that
 ``vllm serve`` and the OpenAI API work as with a Hub model. Writing one takes
@@ -88,6 +92,28 @@ def _tokenizer(path: pathlib.Path) -> None:
         "pad_token": "t0", "model_max_length": 4096, "clean_up_tokenization_spaces": False}))
 
 
+QWEN3_NEXT = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, linear_num_value_heads=4, linear_num_key_heads=2,
+                  linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+                  full_attention_interval=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                  shared_expert_intermediate_size=128, decoder_sparse_step=1, max_position_embeddings=4096,
+                  tie_word_embeddings=False)
+
+
+def _qwen3_next(path: pathlib.Path, seed: int) -> None:
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    cfg = Qwen3NextConfig(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, **QWEN3_NEXT)
+    torch.manual_seed(seed)
+    m = Qwen3NextForCausalLM(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # matrices large enough that the top-5 logprobs depend on every state
+        for _, w in m.named_parameters():
+            if w.dim() >= 2:
+                w.copy_(torch.randn(w.shape, generator=g) * 0.08)
+        m.model.embed_tokens.weight.copy_(torch.randn(m.model.embed_tokens.weight.shape, generator=g))
+    m.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+
+
 def write_checkpoint(path: str | pathlib.Path, shape: str = "llama-gqa", *, seed: int = 0,
                      dtype: str = "float32", revision: str = "") -> pathlib.Path:
     """Write checkpoint ``shape`` (a key of ``SHAPES``) with seed ``seed`` into ``path``
@@ -95,6 +121,10 @@ def write_checkpoint(path: str | pathlib.Path, shape: str = "llama-gqa", *, seed
     two revisions differ in their weights (seed) and nothing else a model path shows."""
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    if shape == "qwen3-next":
+        _qwen3_next(path, seed)
+        _tokenizer(path)
+        return path
     c = dict(SHAPES[shape], vocab_size=VOCAB, torch_dtype=dtype, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if revision:
         c["_hicache_revision"] = revision
