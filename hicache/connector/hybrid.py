@@ -16,8 +16,9 @@ Not thread-safe: the engine's scheduler thread calls everything.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import Counter, OrderedDict
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from hicache.connector.groups import EngineGroup, check_groups, floor_hit, needed
 from hicache.connector.plan import JobKind, JobReport, LoadSpec, SaveSpec, StepPlan
@@ -27,6 +28,7 @@ from hicache.core.layout import KVLayout
 from hicache.core.types import HostPageId, PageHash
 from hicache.index.prefix_cache import as_key
 from hicache.memory.allocator import PageAllocator
+from hicache.storage.base import StorageBackend
 
 
 class GroupItems:
@@ -93,13 +95,19 @@ class _GroupJob:
     hashes: tuple[PageHash, ...]  # load: the pinned items; save: the items to index
     reports: list[JobReport] = dataclasses.field(default_factory=list)
 
+    def stage_done(self, kind: JobKind, ranks: int) -> bool:
+        """Every rank reported stage ``kind``."""
+        return sum(r.kind is kind for r in self.reports) == ranks
+
 
 class HybridConnectorScheduler:
     """See the module docstring."""
 
     def __init__(self, groups: Sequence[EngineGroup], layouts: Sequence[KVLayout], host_pages: Sequence[int], *,
-                 ranks: int = 1, **main_options):
+                 ranks: int = 1, lane_storage: Mapping[int, StorageBackend] | None = None, **main_options):
         """``layouts[i]``, ``host_pages[i]``: group ``i``'s page layout and L2 pages;
+        ``lane_storage[i]``: the L3 of group ``i`` (not the index group's: that is
+        ``main_options["storage"]``), its items kept under their page hashes;
         ``main_options``: ``ConnectorScheduler``'s (storage, cost, layerwise, ...)."""
         check_groups(groups)
         self.groups = tuple(groups)
@@ -109,6 +117,8 @@ class HybridConnectorScheduler:
         self.ranks = ranks
         self.lanes = {i: GroupItems(host_pages[i]) for i in range(len(groups)) if i != self.main}
         self._position = {g.index: i for i, g in enumerate(groups)}
+        self.lane_storage = {i: st for i, st in (lane_storage or {}).items() if st is not None}
+        self._in_l3: dict[str, dict[int, set[PageHash]]] = {}  # rid -> per group, items its lookup found in L3 only
         self._jobs: dict[int, _GroupJob] = {}
         self._plan_loads: list[LoadSpec] = []
         self._plan_saves: list[SaveSpec] = []
@@ -116,6 +126,7 @@ class HybridConnectorScheduler:
     # ------------------------------------------------------------- admission
     def lookup(self, rid: str, tokens, engine_hit: int, namespace: str = "", key: bytes | None = None) -> Hit:
         """``ConnectorScheduler.lookup``, floored where every group resumes."""
+        self._in_l3.pop(rid, None)
         hit = self.core.lookup(rid, tokens, engine_hit, namespace, key=key)
         if not hit.tokens:
             return hit
@@ -123,11 +134,25 @@ class HybridConnectorScheduler:
         first = engine_hit // ps
         end = first + hit.tokens // ps
         hashes = self.core.page_hashes(as_key(tokens) if key is None else key, namespace, end)
-        holds = [[True] * end if i == self.main else self.lanes[i].holds(hashes) for i in range(len(self.groups))]
+        holds = [[True] * end if i == self.main else self._holds(rid, i, hashes, first, hit.is_async)
+                 for i in range(len(self.groups))]
         floor = floor_hit(self.groups, ps, first, holds).end
         if floor == end:
             return hit
         return self.core.cut_hit(rid, (floor - first) * ps)
+
+    def _holds(self, rid: str, i: int, hashes: Sequence[PageHash], first: int, is_async: bool) -> list[bool]:
+        """Which of ``hashes`` group ``i`` holds: on L2, or (an asynchronous load only: an L3
+        part cannot load layer by layer) on its L3, asked once for the pages past ``first``."""
+        held = self.lanes[i].holds(hashes)
+        st = self.lane_storage.get(i)
+        miss = [p for p in range(first, len(hashes)) if not held[p]]
+        if st is None or not is_async or not miss:
+            return held
+        found = {hashes[p] for p, ok in zip(miss, st.exists([hashes[p] for p in miss])) if ok}
+        if found:
+            self._in_l3.setdefault(rid, {})[i] = found
+        return [h or k in found for h, k in zip(held, hashes)]
 
     def allocated(self, rid: str, tokens, block_ids: Sequence[Sequence[int]], num_external: int,
                   namespace: str = "", keys=(), key: bytes | None = None) -> None:
@@ -140,13 +165,20 @@ class HybridConnectorScheduler:
             return
         first, end = span
         hashes = self.core.page_hashes(as_key(tokens) if key is None else key, namespace, end)
+        in_l3 = self._in_l3.pop(rid, {})
         for i, items in self.lanes.items():
             pages = needed(self.groups[i], ps, first, end)
             want = [hashes[p] for p in pages]
             host = items.pin(want)
+            l3 = [] if spec.layerwise else list(itertools.takewhile(in_l3.get(i, set()).__contains__,
+                                                                     want[len(host):]))
+            l3_host = items.reserve(len(l3)) if l3 else ()
+            if l3_host is None:  # pinned items leave no room: those pages are missing (load errors)
+                l3, l3_host = [], ()
             blocks = tuple(int(block_ids[i][p]) for p in pages)
             job = self.core.new_job()
-            lspec = LoadSpec(job, rid, blocks, tuple(host), layerwise=spec.layerwise, group=self.groups[i].index)
+            lspec = LoadSpec(job, rid, blocks, tuple(host), tuple(l3_host), tuple(l3), layerwise=spec.layerwise,
+                             group=self.groups[i].index)
             self._jobs[job] = _GroupJob(i, lspec, tuple(want[:len(host)]))
             self._plan_loads.append(lspec)
 
@@ -169,9 +201,10 @@ class HybridConnectorScheduler:
             if host is None:
                 continue
             job = self.core.new_job()
+            items_hashes = tuple(hashes[p] for p in pages)
             spec = SaveSpec(job, rid, tuple(int(block_ids[i][p]) for p in pages), tuple(host),
-                            group=self.groups[i].index)
-            self._jobs[job] = _GroupJob(i, spec, tuple(hashes[p] for p in pages))
+                            items_hashes if i in self.lane_storage else (), group=self.groups[i].index)
+            self._jobs[job] = _GroupJob(i, spec, items_hashes)
             self._plan_saves.append(spec)
             delay = True
         return delay
@@ -200,8 +233,8 @@ class HybridConnectorScheduler:
             if host is None:
                 continue
             job = self.core.new_job()
-            spec = SaveSpec(job, rid, (int(block),), tuple(host), group=self.groups[i].index, running=True,
-                            after_forward=True)
+            spec = SaveSpec(job, rid, (int(block),), tuple(host), (h,) if i in self.lane_storage else (),
+                            group=self.groups[i].index, running=True, after_forward=True)
             self._jobs[job] = _GroupJob(i, spec, (h,))
             self._plan_saves.append(spec)
             queued += 1
@@ -225,20 +258,28 @@ class HybridConnectorScheduler:
             if gj is None:
                 rest.append(r)
                 continue
+            if isinstance(gj.spec, SaveSpec) and r.kind is JobKind.STORE and not gj.spec.hashes:
+                raise CacheStateError(f"group job {r.job}: a {r.kind} report for a save without L3")
             gj.reports.append(r)
-            if len(gj.reports) == self.ranks:
+            # a load ends with its LOAD reports; a save with its SAVE reports, or (with L3) its STORE
+            # reports: its L2 pages are indexed only once L3 has read them (none is freed under a put)
+            last = JobKind.LOAD if isinstance(gj.spec, LoadSpec) else JobKind.STORE if gj.spec.hashes else JobKind.SAVE
+            if gj.stage_done(last, self.ranks):
                 self._complete(self._jobs.pop(r.job))
         self.core.completed(rest)
 
     def _complete(self, gj: _GroupJob) -> None:
         items = self.lanes[gj.group]
-        ok = all(r.ok for r in gj.reports)
-        if isinstance(gj.spec, LoadSpec):
+        spec = gj.spec
+        if isinstance(spec, LoadSpec):
             items.unpin(gj.hashes)
-        elif gj.reports[0].kind is JobKind.SAVE:
-            items.commit(gj.hashes, gj.spec.host, ok)
-        else:
-            raise CacheStateError(f"group job {gj.spec.job}: a {gj.reports[0].kind} report for a save without L3")
+            ok = all(r.ok for r in gj.reports)
+            landed = min(r.pages for r in gj.reports) if ok else 0  # L3 pages every rank read, verified
+            items.commit(spec.l3_hashes[:landed], spec.l3_host[:landed], True)
+            items.commit(spec.l3_hashes[landed:], spec.l3_host[landed:], False)
+            return
+        copied = all(r.ok for r in gj.reports if r.kind is JobKind.SAVE)
+        items.commit(gj.hashes, spec.host, copied)
 
     # ------------------------------------------------------------- state
     def hit_sources(self, rid: str) -> dict[str, int]:
@@ -264,9 +305,14 @@ class HybridConnectorScheduler:
         """The index group's L3 (probes only), or None."""
         return self.core.storage
 
+    def close(self) -> None:
+        """Close the groups' own L3s (the index group's belongs to the caller)."""
+        for st in self.lane_storage.values():
+            st.close()
+
     def check_integrity(self) -> None:
         self.core.check_integrity()
         for i, items in self.lanes.items():
-            held = [h for gj in self._jobs.values() if gj.group == i and isinstance(gj.spec, SaveSpec)
-                    for h in gj.spec.host]
+            held = [h for gj in self._jobs.values() if gj.group == i
+                    for h in (gj.spec.host if isinstance(gj.spec, SaveSpec) else gj.spec.l3_host)]
             items.check_integrity(held)

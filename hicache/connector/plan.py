@@ -97,6 +97,9 @@ class WorkerStep:
     finished_loads: set[str] = field(default_factory=set)  # rids whose asynchronous load ended (ok or not)
     finished_saves: set[str] = field(default_factory=set)  # rids whose blocks the saves no longer read
     load_errors: set[int] = field(default_factory=set)  # blocks whose load failed or failed verification
+    # rids among finished_loads whose load left a block unfilled (an engine with several KV cache
+    # groups is told per request: its block ids are unique only within a group)
+    failed_loads: set[str] = field(default_factory=set)
     reports: list[JobReport] = field(default_factory=list)
 
 

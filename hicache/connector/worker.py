@@ -48,9 +48,12 @@ class ConnectorWorker:
     """One rank's mover (see the module docstring)."""
 
     def __init__(self, layout: KVLayout, host_pages: int, *, rank: int = 0, storage=None,
-                 pin: bool | None = None, link=None):
+                 pin: bool | None = None, link=None, layers_waited: bool = True):
         """``link``: the node service's segment (``ServiceHostTier``), mapped as this rank's
-        L2 instead of a pool of ``host_pages`` of its own."""
+        L2 instead of a pool of ``host_pages`` of its own. ``layers_waited``: the engine calls
+        ``wait_layer`` before each layer reads (attention does; vLLM's Mamba layers do not,
+        so for those a layer-wise load is finished within ``start``)."""
+        self.layers_waited = layers_waited
         self.layout = layout
         self.rank = rank
         self.link = link
@@ -98,6 +101,9 @@ class ConnectorWorker:
                 self._start_copy(ld)
             if spec.layerwise:
                 self._layerwise.append(ld)
+        if not self.layers_waited:  # no layer will wait: the forward must find every layer loaded
+            for layer in range(self.layout.num_layers + self.layout.draft_layers):
+                self.wait_layer(layer)
 
     def _save(self, s: SaveSpec) -> None:
         job = self._tc.backup(s.blocks, s.host).job
@@ -161,6 +167,8 @@ class ConnectorWorker:
         self._step.load_errors.update(spec.blocks[good:])
         if not spec.layerwise:
             self._step.finished_loads.add(spec.rid)
+            if good < len(spec.blocks):
+                self._step.failed_loads.add(spec.rid)
         self._step.reports.append(JobReport(spec.job, self.rank, JobKind.LOAD, ok, ld.landed if ok else 0,
                                             seconds, ld.l3_seconds, good * self.layout.page_bytes))
 
@@ -204,6 +212,7 @@ class ConnectorWorker:
             merged.finished_loads |= step.finished_loads
             merged.finished_saves |= step.finished_saves
             merged.load_errors |= step.load_errors
+            merged.failed_loads |= step.failed_loads
             merged.reports += step.reports
             if not self._jobs:
                 return merged
@@ -236,6 +245,7 @@ class GroupWorkers:
         self.workers = workers
         self._loads: dict[str, set[int]] = {}  # rid -> groups whose asynchronous load has not finished
         self._saves: dict[str, set[int]] = {}  # rid -> groups whose save has not been reported sent
+        self._failed: set[str] = set()  # rids whose load failed in some group, until every group's ended
 
     def start(self, plan: StepPlan) -> None:
         for g, w in self.workers.items():
@@ -260,8 +270,11 @@ class GroupWorkers:
             step = w.finish_step(ended)
             out.load_errors |= step.load_errors
             out.reports += step.reports
+            self._failed |= step.failed_loads
             out.finished_loads |= self._settle(self._loads, step.finished_loads, g)
             out.finished_saves |= self._settle(self._saves, step.finished_saves, g)
+        out.failed_loads = self._failed & out.finished_loads  # failed in any group, told once all ended
+        self._failed -= out.failed_loads
         return out
 
     @staticmethod

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -183,10 +184,7 @@ def state_layout(spec, common: dict) -> KVLayout:
         raise ConfigError(f"HiCacheConnector: a state group's block of {nbytes} bytes splits into no rows of at "
                           f"most {LIMITS['kv_lora_rank']} bytes; it moves blocks of up to "
                           f"{LIMITS['page_size'] * LIMITS['kv_lora_rank']} bytes that divide into such rows")
-    model = common["model_id"]
-    return KVLayout(**{**common, "dtype": "uint8", "page_size": rows,
-                       "model_id": f"{model} [state {spec.mamba_type.name.lower()}]"},
-                    kind="mla", kv_lora_rank=nbytes // rows)
+    return KVLayout(**{**common, "dtype": "uint8", "page_size": rows}, kind="mla", kv_lora_rank=nbytes // rows)
 
 
 def state_cells(t: torch.Tensor, layout: KVLayout) -> torch.Tensor:
@@ -247,7 +245,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
               if not self._layouts else f"{self._group_pages} pages per KV cache group ({len(self._layouts)} groups)")
         log.info("HiCacheConnector started (%s, rank %d): L2 %s, L3 %s, load %s, %d layers x %d-token pages, "
                  "model %s (fingerprint %s)", role.name.lower(), layout.tp_rank, l2,
-                 redact_url(url) if url and not s.shared else "none", "layerwise" if s.layerwise else "async",
+                 redact_url(url) if url and not s.shared else "none", "layerwise" if s.layerwise and not self._layouts else "async",
                  layout.num_layers, layout.page_size, layout.model_id, layout.fingerprint()[:12])
 
     def _start_one(self, vllm_config, role: KVConnectorRole, kv_cache_config, ranks: int) -> None:
@@ -283,15 +281,21 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                               "start vLLM with --disable-hybrid-kv-cache-manager)")
         groups = engine_groups(kv_cache_config)
         tp = _tp_rank(role, vllm_config)
+        main = next(i for i, g in enumerate(groups) if g.kind == "full")
         layouts = [layout_of(vllm_config, dataclasses.replace(kv_cache_config, kv_cache_groups=[g]), tp, s.model_id)
                    for g in kv_cache_config.kv_cache_groups]
+        # Every other group's items are keyed by the same page hashes as the index group's pages,
+        # and groups of one kind often have equal shapes (gpt-oss's sliding and full layers, Qwen3-Next's
+        # three state groups): the group in the model id gives each its own fingerprint, so its own L3
+        # objects (and a wrong group's object is refused by its header, never loaded).
+        layouts = [x if i == main else dataclasses.replace(x, model_id=f"{x.model_id} [group {g.index} {g.kind}]")
+                   for i, (g, x) in enumerate(zip(groups, layouts))]
         pages = s.host_bytes // sum(x.page_bytes for x in layouts) if s.host_bytes else s.config.pool.host_pages
         if pages < 1:
             raise ConfigError(f"HiCacheConnector: host_bytes={s.host_bytes} holds no page of each KV cache group "
                               f"({sum(x.page_bytes for x in layouts)} bytes together); give at least that")
         check_host_memory(HostNeed("host_bytes" if s.host_bytes else "pool.host_pages", s.host_bytes or pages,
                                    pages * sum(x.page_bytes for x in layouts)))
-        main = next(i for i, g in enumerate(groups) if g.kind == "full")
         self.layout = layouts[main]
         self._group_pages = pages
         self._layouts = {g.index: x for g, x in zip(groups, layouts)}
@@ -301,12 +305,16 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = HybridConnectorScheduler(
                 groups, layouts, [pages] * len(groups), ranks=ranks, storage=s.open_l3(self.layout),
-                cost=s.cost_model(self.layout), layerwise=s.layerwise, probe_budget_s=s.probe_budget_s(),
+                lane_storage={i: s.open_l3(x) for i, x in enumerate(layouts) if i != main},
+                # always between steps: a load error of a hybrid model is told per request, which only
+                # a request waiting for its load can be (vLLM refuses block-level errors with several groups)
+                cost=s.cost_model(self.layout), layerwise=False, probe_budget_s=s.probe_budget_s(),
                 host_eviction=s.config.policy.host_eviction)
         else:
-            self.worker = GroupWorkers({g.index: ConnectorWorker(x, pages, rank=x.tp_rank,
-                                                                 storage=s.open_l3(x) if i == main else None)
-                                        for i, (g, x) in enumerate(zip(groups, layouts))})
+            # vLLM's Mamba layers never call wait_for_layer_load: a state group's load ends in start_load_kv
+            self.worker = GroupWorkers({g.index: ConnectorWorker(x, pages, rank=x.tp_rank, storage=s.open_l3(x),
+                                                                 layers_waited=g.kind != "state")
+                                        for g, x in zip(groups, layouts)})
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -342,14 +350,24 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return  # saved blocks stay held by vLLM until get_finished reports them (delay_free)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """This step's finished saves and loads. One KV cache group: a failed load's blocks go to
+        ``get_block_ids_with_load_errors``. Several (block ids are unique only within a group,
+        and vLLM refuses block-level errors then): the request goes to ``failed_recving``
+        (vLLM recomputes it, or fails it under ``kv_load_failure_policy=fail``)."""
         step = self.worker.finish_step(finished_req_ids)
         tokens, t0 = self._forward_start
         if tokens:
             self._forward = (tokens, time.perf_counter() - t0)
         self._forward_start = (0, 0.0)
-        self._load_errors |= step.load_errors
+        if not self._layouts:
+            self._load_errors |= step.load_errors
         self._reports += step.reports
-        return step.finished_saves or None, step.finished_loads or None
+        return KVConnectorTransferResults(finished_sending=step.finished_saves, finished_recving=step.finished_loads,
+                                          failed_recving=step.failed_loads if self._layouts else set())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
@@ -366,9 +384,10 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self.pd.close()
         if self.worker is not None:
             self.worker.close()
-        elif isinstance(self.scheduler, SharedConnectorScheduler):
+        elif isinstance(self.scheduler, (SharedConnectorScheduler, HybridConnectorScheduler)):
             self.scheduler.close()
-        elif self.scheduler.storage is not None:
+        if isinstance(self.scheduler, (ConnectorScheduler, HybridConnectorScheduler)) and \
+                self.scheduler.storage is not None:
             self.scheduler.storage.close()  # (a hybrid model's: its index group's L3)
 
     # ------------------------------------------------------------- scheduler side

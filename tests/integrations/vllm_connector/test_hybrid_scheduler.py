@@ -113,3 +113,21 @@ def test_gpt_oss_hybrid_hits_load_every_group_byte_exact(tmp_path):
     assert eng.lookups[-1][1:3] == (0, 0)
     assert eng.checked_tokens > 0
     finish_idle(eng)
+
+
+def test_gpt_oss_restart_loads_the_window_from_l3(tmp_path):
+    """The sliding-window group's items go to L3 under its own layout: a fresh engine over the
+    same L3 hits all 20 pages, the window read back from L3 and checked byte for byte."""
+    first = HybridEngine(extra(tmp_path))
+    p = tokens(53, 20 * BLOCK + 3)
+    first.add("r1", p)
+    first.run(integrity=True)
+    finish_idle(first)
+    eng = HybridEngine(extra(tmp_path))
+    eng.add("r2", p[:20 * BLOCK] + tokens(54, 7))
+    eng.run(integrity=True)
+    assert eng.lookups[-1][1:3] == (0, 20 * BLOCK)
+    s = eng.core.stats()
+    assert s.hit_tokens["L3"] == 20 * BLOCK and s.load_error_pages == 0
+    assert len(eng.core.lanes[0].items) == 8 and eng.checked_tokens > 0  # the window landed on L2 too
+    finish_idle(eng)

@@ -14,6 +14,8 @@ prefix cache, a connector load, the previous step) and every full-attention row 
 scheduler counts as computed."""
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import torch
 
@@ -28,6 +30,7 @@ from tests.integrations.vllm_connector.test_scheduler_path import extra, finish_
 
 from hicache.connector.hybrid import HybridConnectorScheduler
 from hicache.core.groups import QWEN3_NEXT_LINEAR as LIN, gdn_state_bytes
+from hicache.core.hashing import page_hashes
 from hicache.core.shapes import model_shape
 
 NEXT = model_shape("qwen3-next-80b-a3b")
@@ -133,6 +136,8 @@ def eng(tmp_path):
 
 @pytest.mark.parametrize("load", ["async", "layerwise"])
 def test_qwen3_next_states_saved_at_boundaries_and_loaded_byte_exact(tmp_path, load):
+    """``load: layerwise`` too: a hybrid model always loads between steps (vLLM takes a hybrid
+    model's load errors per request, which only a request waiting for its load can have)."""
     eng = NextEngine(extra(tmp_path, load=load, host_pages=16))
     assert isinstance(eng.core, HybridConnectorScheduler)
     assert not eng.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
@@ -147,7 +152,7 @@ def test_qwen3_next_states_saved_at_boundaries_and_loaded_byte_exact(tmp_path, l
     eng.run(integrity=True)
     # vLLM found nothing of its own; the connector's hit is all 12 pages: the full group's
     # pages and the state after them, and the forward read exactly that state.
-    assert eng.lookups[-1][1:3] == (0, 12 * BLOCK)
+    assert eng.lookups[-1][1:4] == (0, 12 * BLOCK, True)
     s = eng.core.stats()
     assert s.loaded_pages == 12 and s.load_error_pages == 0
     assert eng.checked_states > 0
@@ -185,3 +190,57 @@ def test_offers_the_connector_cannot_use_are_left(eng):
     assert core.boundary_states("x", key_tokens, [(1, 6, 2 * BLOCK)]) == 0  # that state's save is queued
     plan = core.take_plan()
     assert [(s.blocks, s.group, s.running, s.after_forward) for s in plan.saves] == [((5,), 1, True, True)]
+
+
+def test_a_restarted_engine_hits_the_states_and_pages_in_l3(tmp_path):
+    """Each group keeps its items on L3 too (under its own layout's fingerprint): a fresh engine
+    over the same L3 (empty L2, empty vLLM cache) loads the full group's pages and the state."""
+    first = NextEngine(extra(tmp_path, host_pages=16))
+    p = tokens(66, 12 * BLOCK + 3)
+    first.add("r1", p)
+    first.run(integrity=True)
+    finish_idle(first)
+    eng = NextEngine(extra(tmp_path, host_pages=16))
+    assert not state_lane(eng).items
+    eng.add("r2", p[:12 * BLOCK] + tokens(67, 9))
+    eng.run(integrity=True)
+    assert eng.lookups[-1][1:3] == (0, 12 * BLOCK)
+    s = eng.core.stats()
+    assert s.hit_tokens["L3"] == 12 * BLOCK and s.load_error_pages == 0
+    assert eng.checked_states > 0  # the forward read the state L3 brought, byte for byte
+    assert len(state_lane(eng).items) >= 1  # the state that landed is kept on L2
+    # 10 pages in common: the floor goes to the state after page 8, which L3 holds
+    eng.reset_vllm_prefix_cache()
+    eng.add("r3", p[:10 * BLOCK] + tokens(68, 30))
+    eng.run(integrity=True)
+    assert eng.lookups[-1][1:3] == (0, 8 * BLOCK)
+    finish_idle(eng)
+
+
+@pytest.mark.parametrize("group", ["full", "state"])
+def test_a_damaged_l3_object_fails_the_request_which_vllm_recomputes(tmp_path, group):
+    """A hybrid model's load error is told per request (vLLM refuses block-level errors with
+    several KV cache groups): a restarted engine whose L3 copy of one group's object is damaged
+    loads, finds it bad, and vLLM recomputes the whole request; every byte read still checks."""
+    first = NextEngine(extra(tmp_path, host_pages=16))
+    p = tokens(69, 12 * BLOCK + 3)
+    first.add("r1", p)
+    first.run(integrity=True)
+    finish_idle(first)
+    page = 11 if group == "state" else 5  # the state after page 12 is keyed by page 11's hash
+    name = page_hashes(p[:(page + 1) * BLOCK], BLOCK)[page].hex()
+    objs = sorted(pathlib.Path(tmp_path).rglob(name), key=lambda f: f.stat().st_size)
+    # page 11: the full group's page and the state after page 12, each in its own layout's folder
+    assert len(objs) == (2 if group == "state" else 1)
+    bad = objs[-1]  # a state (274 KiB) outweighs a page of 12 layers (192 KiB)
+    raw = bytearray(bad.read_bytes())
+    raw[-7] ^= 0x10
+    bad.write_bytes(bytes(raw))
+    eng = NextEngine(extra(tmp_path, host_pages=16))
+    eng.add("r2", p[:12 * BLOCK] + tokens(70, 9))
+    eng.run(integrity=True)
+    asked = [n for rid, _, n, _ in eng.lookups if rid == "r2"]
+    assert asked[0] == 12 * BLOCK  # offered whole, then found bad (and the bad object dropped: asked again)
+    assert eng.core.stats().load_error_pages > 0 or group == "state"
+    assert "r2" in eng.transfer_params and eng.checked_tokens > 0  # finished, recomputed, checked
+    finish_idle(eng)
