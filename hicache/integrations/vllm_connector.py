@@ -53,7 +53,7 @@ from hicache.core.stats import ConnectorStats
 from hicache.integrations.metrics import families, flat_series, series, series_key
 from hicache.integrations.vllm_groups import engine_groups
 from hicache.integrations.vllm_keys import ENGINE_CELLS_OF, attention_backend, index_key, model_identity, namespace
-from hicache.memory.paged_kv import adopt_paged_kv
+from hicache.memory.paged_kv import adopt_paged_kv, vllm_state_cells
 
 # Forwards of fewer tokens (decode steps) are not prefill rates: weights, not tokens, set their time.
 _PREFILL_STEP_TOKENS = 256
@@ -187,16 +187,6 @@ def state_layout(spec, common: dict) -> KVLayout:
     return KVLayout(**{**common, "dtype": "uint8", "page_size": rows}, kind="mla", kv_lora_rank=nbytes // rows)
 
 
-def state_cells(t: torch.Tensor, layout: KVLayout) -> torch.Tensor:
-    """vLLM's raw page view of one state layer (``[B, 1, 1, C]`` int8) as the ``[B, 1, N, C/N]``
-    uint8 cells of ``layout`` (the same bytes). Raises ``ConfigError`` naming the shape."""
-    n, c = layout.page_size, layout.page_size * layout.kv_lora_rank
-    if t.dim() != 4 or tuple(t.shape[1:]) != (1, 1, c) or t.element_size() != 1 or t.stride(-1) != 1:
-        raise ConfigError(f"HiCacheConnector: a state layer's KV tensor is {tuple(t.shape)} {t.dtype} (strides "
-                          f"{t.stride()}); vLLM 0.33 hands [blocks, 1, 1, {c}] int8 pages")
-    return t.view(torch.uint8).unflatten(-1, (n, c // n)).squeeze(2)
-
-
 @dataclasses.dataclass(slots=True)
 class _Running:
     """A running request whose new full pages are saved as they are computed."""
@@ -327,7 +317,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             for g, w in self.worker.workers.items():
                 x = self._layouts[g]
                 tensors = [kv_caches[n] for n in self._group_layers[g]]
-                w.register(adopt_paged_kv(x, [state_cells(t, x) for t in tensors] if g in self._states else tensors))
+                w.register(adopt_paged_kv(x, [vllm_state_cells(t, x) for t in tensors] if g in self._states else tensors))
             return
         self.worker.register(adopt_paged_kv(self.layout, [kv_caches[n] for n in self._layer_names]))
 

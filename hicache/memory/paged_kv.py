@@ -154,6 +154,19 @@ def adopt_paged_kv(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor] | Seq
     return DevicePool(layout, num_blocks, devices.pop(), buffers=views)
 
 
+def vllm_state_cells(t: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """vLLM 0.33's cache of one Mamba / linear-attention layer (``[B, 1, 1, C]`` int8 pages:
+    ``MambaBase.bind_kv_cache`` slices conv and SSM states out of each) as the ``[B, 1, N, C/N]``
+    uint8 cells of ``layout`` (an MLA-shaped byte plane of ``N`` rows: the same bytes, block
+    stride kept, padded or not). Raises ``LayoutError`` naming the shape."""
+    n, c = layout.page_size, layout.page_size * layout.kv_lora_rank
+    if t.dim() != 4 or tuple(t.shape[1:]) != (1, 1, c) or t.element_size() != 1 or t.stride(-1) != 1:
+        raise LayoutError(f"a state layer's KV tensor is {tuple(t.shape)} {t.dtype} (strides {t.stride()}); layout "
+                          f"{layout.model_id!r} expects vLLM 0.33's [blocks, 1, 1, {c}] int8 state pages",
+                          "kv_caches", tuple(t.shape), f"[blocks, 1, 1, {c}] int8")
+    return t.view(torch.uint8).unflatten(-1, (n, c // n)).squeeze(2)
+
+
 def vllm_kv_caches(layout: KVLayout, num_blocks: int, kv_layout: str = "LBNHC", *, groups: int = 1,
                    device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Per-layer KV tensors exactly as vLLM 0.33 allocates them (``allocate_kv_cache``).

@@ -4,14 +4,17 @@ allocates them, without vLLM. Each group saves and loads only what a hit at a bo
 the loaded blocks hold exactly the saved bytes."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hicache.connector.groups import EngineGroup
 from hicache.connector.hybrid import HybridConnectorScheduler
+from hicache.connector.plan import LoadSpec, SaveSpec, StepPlan
 from hicache.connector.worker import ConnectorWorker, GroupWorkers
+from hicache.core.layout import KVLayout
 from hicache.core.shapes import model_shape
-from hicache.memory.paged_kv import adopt_paged_kv, vllm_kv_caches
-from tests.connector.test_connector_core import fill, page_bytes, same
+from hicache.memory.paged_kv import adopt_paged_kv, vllm_kv_caches, vllm_state_cells
+from tests.connector.test_connector_core import DEVICES, fill, page_bytes, same
 
 PS = 16
 OSS = model_shape("gpt-oss-120b")
@@ -163,3 +166,33 @@ def test_a_window_item_evicted_between_lookup_and_load_is_a_load_error():
     assert out.load_errors == set(fresh_swa[12:n])  # the leading page is missing: the whole window recomputes
     sched.check_integrity()
     assert torch.equal(torch.tensor(sorted(lane.pins)), torch.tensor([], dtype=torch.int64))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_state_pages_as_vllm_hands_them_save_and_load_exact_padding_untouched(device):
+    """vLLM's Mamba layer cache: [B, 1, 1, C] int8 pages whose block stride is padded to the
+    attention page (C = 35,840 real bytes in a 49,152-byte stride, the real CPU engine's
+    Qwen3-Next). Saved after a forward, loaded into another block: the state's bytes equal,
+    the padding between blocks never written."""
+    real, stride, blocks, layers = 35_840, 49_152, 12, 3
+    layout = KVLayout("qwen3-next [group 0 state]", layers, kind="mla", kv_lora_rank=real // 4, dtype="uint8",
+                      page_size=4)
+    raws = [torch.full((blocks * stride,), 0x5A, dtype=torch.int8, device=device) for _ in range(layers)]
+    pages = [r.as_strided((blocks, 1, 1, real), (stride, real, real, 1)) for r in raws]
+    pool = adopt_paged_kv(layout, [vllm_state_cells(t, layout) for t in pages])
+    w = ConnectorWorker(layout, 4, layers_waited=False)
+    w.register(pool)
+    g = torch.Generator().manual_seed(7)
+    for t in pages:
+        t[3].copy_(torch.randint(-128, 128, (1, 1, real), generator=g, dtype=torch.int8))
+    w.start(StepPlan((), (SaveSpec(1, "a", (3,), (0,), running=True, after_forward=True),)))
+    w.finish_step()
+    w.start(StepPlan((LoadSpec(2, "b", (7,), (0,)),), ()))
+    out = w.drain()
+    assert out.finished_loads == {"b"} and not out.load_errors
+    for t, r in zip(pages, raws):
+        assert torch.equal(t[7], t[3])
+        gaps = r.view(blocks, stride)[:, real:]
+        assert bool((gaps == 0x5A).all())  # the padding of every block untouched
+    w.check_integrity()
+    w.close()
