@@ -12,7 +12,7 @@ from hicache.index.prefix_cache import PrefixCache, Request, RequestState, Token
 from hicache.core.config import HiCacheConfig
 from hicache.client.consensus import HitConsensus, admitted_hit
 from hicache.core.errors import OutOfPages, TransferError
-from hicache.core.hashing import namespace_root, raw_page_hashes
+from hicache.core.hashing import key_page_hashes
 from hicache.core.layout import KVLayout
 from hicache.tiers.cost import CostModel
 from hicache.index.misses import L2, L3, L3Outcome, MissTracker, admission_misses
@@ -203,8 +203,7 @@ class HiCache:
 
     def _page_hashes(self, key: bytes, namespace: str, num_pages: int) -> list:
         """Chained hashes (L3 keys) of the first ``num_pages`` pages of a bytes key."""
-        ps = self.layout.page_size
-        return raw_page_hashes(key[:num_pages * ps * 4], ps, namespace_root(namespace))
+        return key_page_hashes(key, self.layout.page_size, namespace, num_pages)
 
     def admit(self, req: Request) -> Admission:
         """Schedule ``req``: match every tier, prefetch from L3 per the policy, load

@@ -22,7 +22,7 @@ from typing import NamedTuple
 from hicache.connector.plan import L2, L3, EventLog, PageEvent
 from hicache.connector.plan import JobKind, JobReport, LoadSpec, SaveSpec, StepPlan
 from hicache.core.errors import CacheStateError, ConfigError, IntegrityError
-from hicache.core.hashing import namespace_root, raw_page_hashes
+from hicache.core.hashing import key_page_hashes
 from hicache.core.layout import KVLayout
 from hicache.core.stats import ConnectorStats
 from hicache.core.types import HostPageId, PageHash
@@ -183,7 +183,7 @@ class ConnectorJobs:
 
     def page_hashes(self, key: bytes, namespace: str, num_pages: int) -> list[PageHash]:
         """The hashes of the first ``num_pages`` pages of ``key`` in ``namespace`` (the L3 keys). Pure."""
-        return raw_page_hashes(key[:num_pages * self._ps4], self.page_size, namespace_root(namespace))
+        return key_page_hashes(key, self.page_size, namespace, num_pages)
 
     def joins_load(self, key: bytes, namespace: str, first: int, cap: int) -> bool:
         """A load in flight for another request writes pages of ``[first, cap)`` of ``key``

@@ -86,6 +86,12 @@ def page_hashes(tokens: Sequence[int] | np.ndarray, page_size: int, namespace: s
                            namespace_root(namespace) if parent is None else parent)
 
 
+def key_page_hashes(key: bytes, page_size: int, namespace: str, num_pages: int) -> list[PageHash]:
+    """The L3 keys of the first ``num_pages`` pages of a request's key (uint32 token bytes,
+    or a content key) in ``namespace``: what ``HiCache`` and the connector both store under."""
+    return raw_page_hashes(key[:num_pages * page_size * 4], page_size, namespace_root(namespace))
+
+
 def raw_page_hashes(raw: bytes, page_size: int, parent: PageHash) -> list[PageHash]:
     """``page_hashes`` of tokens already as uint32 little-endian bytes (a request's key),
     chained from ``parent`` (``namespace_root(ns)`` for the first page)."""

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 from typing import Any
 
 import torch
 
 from hicache.cache.hybrid import group_layout, HybridCache, HybridPools
-from hicache.core.config import HiCacheConfig
+from hicache.core.config import HiCacheConfig, host_memory
 from hicache.core.groups import hybrid_layout, workload_bytes
 from hicache.core.layout import KVLayout
 from hicache.core.shapes import model_shape
@@ -100,11 +99,12 @@ def _peak_rss_bytes() -> int:
 def _expect(progress: Progress, pools: int) -> None:
     gib = 1 << 30
     now = _peak_rss_bytes()
-    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    have = host_memory()
+    ram, what = have if have else (0, "")
     progress.note(f"expected peak RSS: about {(now + pools) / gib:.1f} GiB (the pools {pools / gib:.2f} GiB, "
-                  f"sized to hold the whole workload, + {now / gib:.2f} GiB of Python, torch and the trace); "
-                  f"this machine has {ram / gib:.1f} GiB" + ("; it will not fit: use a smaller --scale or trace"
-                                                             if now + pools > ram else ""))
+                  f"sized to hold the whole workload, + {now / gib:.2f} GiB of Python, torch and the trace)"
+                  + (f"; this machine has {ram / gib:.1f} GiB ({what})" if ram else "")
+                  + ("; it will not fit: use a smaller --scale or trace" if ram and now + pools > ram else ""))
 
 
 def replay_hybrid(cfg: HiCacheConfig, shape_name: str, trace_path: str | None, *, scale: str = "tiny",

@@ -22,7 +22,7 @@ from urllib.parse import unquote, urlsplit
 from typing import Any, ClassVar, Literal, NamedTuple
 
 from hicache.core.errors import ConfigError
-from hicache.core.config import parse_size  # noqa: F401  (re-exported)
+from hicache.core.config import host_memory, parse_size  # noqa: F401  (parse_size re-exported)
 from hicache.core.layout import KVLayout
 from hicache.storage import codec
 
@@ -48,13 +48,6 @@ def _filesystem_bytes(path: Path) -> int | None:
     return st.f_blocks * st.f_frsize
 
 
-def _physical_memory() -> int | None:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def default_cap(url: str) -> int:
     """The ``auto`` cap of ``url`` in bytes (0: unbounded, for schemes that bound themselves)."""
     scheme = url.partition("://")[0].lower()
@@ -63,7 +56,8 @@ def default_cap(url: str) -> int:
         # opens it (importing it here would climb the layering: it imports this module)
         total = _filesystem_bytes(Path(unquote(urlsplit(url).path) or "."))
     elif scheme == "memory":
-        total = _physical_memory()
+        have = host_memory()  # the RAM, or the container's limit where lower
+        total = have[0] if have else None
     else:
         return 0
     if total is None:
