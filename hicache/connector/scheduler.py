@@ -329,12 +329,12 @@ class ConnectorScheduler(ConnectorJobs):
         self._lookups += 1
         ps = self.page_size
         key = as_key(tokens) if key is None else key
-        self.cache.note_waiting(rid, key, namespace)
         cap = max(0, len(key) // 4 - 1) // ps
+        m = self.cache.match(key, namespace, max_tokens=cap * ps)
+        self.cache.note_waiting(rid, key, namespace, matched=m)  # one tree walk for both
         first = engine_hit // ps
         if self._waits(rid, key, namespace, first, cap):
             return WAIT
-        m = self.cache.match(key, namespace, max_tokens=cap * ps)
         l2 = m.host_tokens // ps
         l3 = 0
         room = self._staging_room()

@@ -116,7 +116,8 @@ class PrefixCache:
         return req
 
     # ------------------------------------------------------- waiting requests
-    def note_waiting(self, rid: str, tokens: Tokens, namespace: str = "", *, priority: int = 0) -> int:
+    def note_waiting(self, rid: str, tokens: Tokens, namespace: str = "", *, priority: int = 0,
+                     matched: MatchResult | None = None) -> int:
         """A request that has arrived but is not admitted yet will need ``tokens``: the
         prefix of them cached now (L1, then L2 continuing it) is evicted only after every
         other candidate, until ``forget_waiting(rid)``. Noting ``rid`` again replaces its
@@ -130,13 +131,17 @@ class PrefixCache:
         ``get_num_new_matched_tokens`` of a request not yet allocated, with its prompt
         token ids; calling it each step keeps the protection current), and call
         ``forget_waiting`` once the request is allocated, finished or aborted. ``rid``
-        is the engine's request id. Not thread-safe: the scheduler thread."""
+        is the engine's request id. ``matched``: this cache's ``match`` of ``tokens`` just made
+        (the prefix it found is the one protected; a stale one is matched again). Not
+        thread-safe: the scheduler thread."""
         old = self.waiting.get(rid)
         self.forget_waiting(rid)
         key = tokens if type(tokens) is bytes else as_key(tokens)
-        h = self.tree.match(key, namespace)
-        node = h.host_node
-        pages = h.device_num_pages + h.host_num_pages
+        if matched is not None and matched.epoch == self.tree.epoch:
+            node, pages = matched.host_node, matched.tokens // self.page_size
+        else:
+            h = self.tree.match(key, namespace)
+            node, pages = h.host_node, h.device_num_pages + h.host_num_pages
         if old is None:
             self._waiting_seq += 1
         seq = self._waiting_seq if old is None else old.seq  # noted again: keeps its place
