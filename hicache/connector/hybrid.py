@@ -31,6 +31,11 @@ from hicache.memory.allocator import PageAllocator
 from hicache.storage.base import StorageBackend
 
 
+# A lookup asks a group's L3 about at most this many of the pages before the hit's end
+# (one batched exists; pages further back count as missing, which only lowers the floor).
+_LANE_PROBE_PAGES = 64
+
+
 class GroupItems:
     """One group's pages on L2, keyed by page hash, least recently used first."""
 
@@ -143,10 +148,12 @@ class HybridConnectorScheduler:
 
     def _holds(self, rid: str, i: int, hashes: Sequence[PageHash], first: int, is_async: bool) -> list[bool]:
         """Which of ``hashes`` group ``i`` holds: on L2, or (an asynchronous load only: an L3
-        part cannot load layer by layer) on its L3, asked once for the pages past ``first``."""
+        part cannot load layer by layer) on its L3, asked once for the last ``_LANE_PROBE_PAGES``
+        pages past ``first`` that L2 lacks."""
         held = self.lanes[i].holds(hashes)
         st = self.lane_storage.get(i)
-        miss = [p for p in range(first, len(hashes)) if not held[p]]
+        # the last pages only: a hit ends near the engine's match, and the scheduler thread waits
+        miss = [p for p in range(max(first, len(hashes) - _LANE_PROBE_PAGES), len(hashes)) if not held[p]]
         if st is None or not is_async or not miss:
             return held
         found = {hashes[p] for p, ok in zip(miss, st.exists([hashes[p] for p in miss])) if ok}
