@@ -194,6 +194,7 @@ class HybridConnectorScheduler:
                  namespace: str = "", keys=(), key: bytes | None = None) -> bool:
         """``rid`` ended holding ``block_ids`` (per group): save what a hit at the end of its
         computed full pages reads, per group. True: keep the blocks until the saves finished."""
+        self._in_l3.pop(rid, None)  # a request that ends waiting (aborted) was never allocated
         n = 0 if self.core.loading(rid) else self.core.saveable_pages(tokens, computed_tokens, block_ids[self.main])
         delay = self.core.finished(rid, tokens, computed_tokens, block_ids[self.main], namespace, keys, key=key)
         if n == 0:

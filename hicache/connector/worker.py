@@ -48,12 +48,9 @@ class ConnectorWorker:
     """One rank's mover (see the module docstring)."""
 
     def __init__(self, layout: KVLayout, host_pages: int, *, rank: int = 0, storage=None,
-                 pin: bool | None = None, link=None, layers_waited: bool = True):
+                 pin: bool | None = None, link=None):
         """``link``: the node service's segment (``ServiceHostTier``), mapped as this rank's
-        L2 instead of a pool of ``host_pages`` of its own. ``layers_waited``: the engine calls
-        ``wait_layer`` before each layer reads (attention does; vLLM's Mamba layers do not,
-        so for those a layer-wise load is finished within ``start``)."""
-        self.layers_waited = layers_waited
+        L2 instead of a pool of ``host_pages`` of its own."""
         self.layout = layout
         self.rank = rank
         self.link = link
@@ -101,9 +98,6 @@ class ConnectorWorker:
                 self._start_copy(ld)
             if spec.layerwise:
                 self._layerwise.append(ld)
-        if not self.layers_waited:  # no layer will wait: the forward must find every layer loaded
-            for layer in range(self.layout.num_layers + self.layout.draft_layers):
-                self.wait_layer(layer)
 
     def _save(self, s: SaveSpec) -> None:
         job = self._tc.backup(s.blocks, s.host).job

@@ -297,13 +297,13 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 groups, layouts, [pages] * len(groups), ranks=ranks, storage=s.open_l3(self.layout),
                 lane_storage={i: s.open_l3(x) for i, x in enumerate(layouts) if i != main},
                 # always between steps: a load error of a hybrid model is told per request, which only
-                # a request waiting for its load can be (vLLM refuses block-level errors with several groups)
+                # a request waiting for its load can be (vLLM refuses block-level errors with several
+                # groups); and vLLM's Mamba layers never call wait_for_layer_load, so a layer-wise
+                # state load would race the forward
                 cost=s.cost_model(self.layout), layerwise=False, probe_budget_s=s.probe_budget_s(),
                 host_eviction=s.config.policy.host_eviction)
         else:
-            # vLLM's Mamba layers never call wait_for_layer_load: a state group's load ends in start_load_kv
-            self.worker = GroupWorkers({g.index: ConnectorWorker(x, pages, rank=x.tp_rank, storage=s.open_l3(x),
-                                                                 layers_waited=g.kind != "state")
+            self.worker = GroupWorkers({g.index: ConnectorWorker(x, pages, rank=x.tp_rank, storage=s.open_l3(x))
                                         for g, x in zip(groups, layouts)})
 
     @property

@@ -180,7 +180,7 @@ def test_state_pages_as_vllm_hands_them_save_and_load_exact_padding_untouched(de
     raws = [torch.full((blocks * stride,), 0x5A, dtype=torch.int8, device=device) for _ in range(layers)]
     pages = [r.as_strided((blocks, 1, 1, real), (stride, real, real, 1)) for r in raws]
     pool = adopt_paged_kv(layout, [vllm_state_cells(t, layout) for t in pages])
-    w = ConnectorWorker(layout, 4, layers_waited=False)
+    w = ConnectorWorker(layout, 4)
     w.register(pool)
     g = torch.Generator().manual_seed(7)
     for t in pages:
@@ -196,3 +196,14 @@ def test_state_pages_as_vllm_hands_them_save_and_load_exact_padding_untouched(de
         assert bool((gaps == 0x5A).all())  # the padding of every block untouched
     w.check_integrity()
     w.close()
+
+
+def test_a_request_that_ends_waiting_leaves_no_l3_finding_behind():
+    """What a lookup found on a group's L3 is kept for the allocation; a request aborted while
+    waiting is never allocated, and its ending drops it."""
+    sched, workers, pools = rig()
+    tokens = list(range(21, 21 + 4 * PS + 1))
+    sched._in_l3["w"] = {0: {b"x" * 16}}  # as _holds leaves it for a waiting request
+    sched.finished("w", tokens, 0, [[], []])
+    assert "w" not in sched._in_l3
+    sched.check_integrity()
