@@ -174,6 +174,13 @@ class Engine:
             self.workers.append(w)
             self.kvs.append(kv)
         pc.rank = 0
+        self._observe()
+
+    def _observe(self) -> None:
+        """What every engine here keeps once its scheduler and workers are up (``self.shape``
+        and ``self.workers`` set): the ranks' aggregator, the model's row bytes, the seeds, and
+        what vLLM asked of and reported about the connector."""
+        shape = self.shape
         self._aggregator = KVOutputAggregator(len(self.workers))  # what vLLM's executor merges ranks with
         self.row_bytes = shape.dim * shape.dtype.itemsize * (1 if shape.mla else shape.heads)
         self._seeds: dict[str, torch.Tensor] = {}

@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from tests.integrations.vllm_connector.harness import (BLOCK, Engine, Shape, connector_config, create_scheduler,
@@ -40,13 +39,7 @@ class HybridEngine(Engine):
             kv.update(vllm_tensors(GROUP_SHAPE, num_blocks, names, "LBNHC"))
         w.register_kv_caches(kv)
         self.workers, self.kvs = [w], [kv]
-        self._aggregator = KVOutputAggregator(1)
-        self.row_bytes = GROUP_SHAPE.dim * GROUP_SHAPE.dtype.itemsize * GROUP_SHAPE.heads
-        self._seeds = {}
-        self.lookups = []
-        self._spy_lookups()
-        self.checked_tokens = 0
-        self.hits_by_source, self.connector_stats, self.events, self.transfer_params = {}, [], [], {}
+        self._observe()
 
     def _blocks(self, rid: str):
         return self.scheduler.kv_cache_manager.get_block_ids(rid)

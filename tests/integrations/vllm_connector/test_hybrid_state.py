@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
@@ -81,15 +80,9 @@ class NextEngine(Engine):
         kv.update({n: torch.zeros(num_blocks, 1, 1, self.state_bytes, dtype=torch.int8) for n in linear})
         w.register_kv_caches(kv)
         self.workers, self.kvs = [w], [kv]
-        self._aggregator = KVOutputAggregator(1)
-        self.row_bytes = FULL.dim * FULL.dtype.itemsize * FULL.heads
-        self._seeds = {}
-        self.lookups = []
-        self._spy_lookups()
-        self.checked_tokens = 0
+        self._observe()
         self.checked_states = 0
         self._read: dict[str, tuple[int, bool]] = {}  # rid -> (state block read this step, held the right bytes)
-        self.hits_by_source, self.connector_stats, self.events, self.transfer_params = {}, [], [], {}
 
     def _blocks(self, rid: str):
         return self.scheduler.kv_cache_manager.get_block_ids(rid)
